@@ -1,0 +1,203 @@
+"""The one choke point for ds_ext collectives.
+
+:class:`Communicator` wraps torch.distributed's tensor collectives over any group,
+records each call in the :class:`~ds_ext.comm.ledger.Ledger` (bytes sent per rank, by
+the convention documented there, at the topology level the group spans), and, when a
+:class:`~ds_ext.comm.emulation.TimeEmulator` is attached, holds each collective for its
+alpha-beta cost. Every method has an ``async_op`` form returning a :class:`Handle`.
+
+Sharding contract: tensors are passed flat or N-d; the communicator hands gloo
+contiguous 1-D views (gloo rejects an N-d input with a flat output, which NCCL accepts).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ds_ext.comm.emulation import TimeEmulator
+from ds_ext.comm.ledger import (
+    Ledger,
+    all_gather_bytes,
+    all_reduce_bytes,
+    broadcast_bytes,
+    reduce_scatter_bytes,
+)
+from ds_ext.groups import GroupRegistry
+
+# The unpatched torch.distributed functions: ds_ext's own calls must not be counted
+# twice when ``ds_ext.comm.instrument`` wraps torch.distributed for third-party code.
+TORCH_OPS: dict[str, Callable] = {
+    name: getattr(dist, name)
+    for name in (
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_reduce",
+        "all_to_all_single",
+        "broadcast",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "all_reduce_coalesced",
+        "reduce",
+    )
+    if hasattr(dist, name)
+}
+
+
+class Handle:
+    """Result of an async collective; :meth:`wait` completes it (and its emulated time)."""
+
+    def __init__(self, work: object | None, deadline: float, after: Callable[[], None] | None = None):
+        self._work = work
+        self._deadline = deadline
+        self._after = after
+        self._done = False
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        TimeEmulator.hold_until(self._deadline)
+        if self._after is not None:
+            self._after()
+        self._done = True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("ds_ext.comm collectives need contiguous tensors")
+    return t.view(-1)
+
+
+class Communicator:
+    """Collectives over process groups of one :class:`GroupRegistry`, with a ledger."""
+
+    def __init__(
+        self,
+        registry: GroupRegistry,
+        ledger: Ledger | None = None,
+        emulator: TimeEmulator | None = None,
+    ) -> None:
+        self.registry = registry
+        self.ledger = ledger or Ledger(registry.topology.level_names)
+        self.emulator = emulator
+
+    # ---- bookkeeping shared with ds_ext.comm.instrument -------------------------------
+    def account(self, op: str, group: object | None, nbytes: float) -> float:
+        """Record ``nbytes`` sent by this rank; return the emulated completion deadline."""
+        level = self.registry.level(group)
+        self.ledger.record(op, level, nbytes)
+        start = time.perf_counter()
+        if self.emulator is None:
+            return start
+        d = len(self.registry.ranks(group))
+        return start + self.emulator.cost(op, level, nbytes, d)
+
+    def _finish(self, work, deadline: float, async_op: bool, after=None) -> Handle | None:
+        handle = Handle(work, deadline, after)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def size(self, group: object | None) -> int:
+        return len(self.registry.ranks(group))
+
+    # ---- collectives ------------------------------------------------------------------
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False
+    ) -> Handle | None:
+        """Concatenate every rank's ``input`` into ``output`` in group-rank order."""
+        d = self.size(group)
+        if output.numel() != input.numel() * d:
+            raise ValueError(
+                f"all_gather output has {output.numel()} elements, needs {input.numel()} x {d}"
+            )
+        deadline = self.account("all_gather", group, all_gather_bytes(_nbytes(input), d))
+        work = TORCH_OPS["all_gather_into_tensor"](
+            _flat(output), _flat(input), group=group, async_op=async_op
+        )
+        return self._finish(work, deadline, async_op)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op=dist.ReduceOp.SUM,
+        group=None,
+        async_op: bool = False,
+    ) -> Handle | None:
+        """Reduce ``input`` over the group; rank i keeps chunk i in ``output``."""
+        d = self.size(group)
+        if input.numel() != output.numel() * d:
+            raise ValueError(
+                f"reduce_scatter input has {input.numel()} elements, needs {output.numel()} x {d}"
+            )
+        deadline = self.account("reduce_scatter", group, reduce_scatter_bytes(_nbytes(input), d))
+        work = TORCH_OPS["reduce_scatter_tensor"](
+            _flat(output), _flat(input), op=op, group=group, async_op=async_op
+        )
+        return self._finish(work, deadline, async_op)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False
+    ) -> Handle | None:
+        d = self.size(group)
+        deadline = self.account("all_reduce", group, all_reduce_bytes(_nbytes(tensor), d))
+        work = TORCH_OPS["all_reduce"](tensor, op=op, group=group, async_op=async_op)
+        return self._finish(work, deadline, async_op)
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        group=None,
+        async_op: bool = False,
+    ) -> Handle | None:
+        """Rank i sends split j of ``input`` (along dim 0) to rank j; even or uneven."""
+        ranks = self.registry.ranks(group)
+        d = len(ranks)
+        me = ranks.index(dist.get_rank())
+        row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+        if input_split_sizes is None:
+            if input.shape[0] % d:
+                raise ValueError(f"all_to_all input dim 0 ({input.shape[0]}) not divisible by {d}")
+            own = input.shape[0] // d
+        else:
+            if len(input_split_sizes) != d:
+                raise ValueError(f"all_to_all needs {d} input splits, got {len(input_split_sizes)}")
+            own = input_split_sizes[me]
+        nbytes = _nbytes(input) - own * row
+        deadline = self.account("all_to_all", group, nbytes)
+        work = TORCH_OPS["all_to_all_single"](
+            output,
+            input,
+            output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
+            input_split_sizes=list(input_split_sizes) if input_split_sizes is not None else None,
+            group=group,
+            async_op=async_op,
+        )
+        return self._finish(work, deadline, async_op)
+
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, group=None, async_op: bool = False
+    ) -> Handle | None:
+        """Copy global rank ``src``'s ``tensor`` to every rank of the group."""
+        d = self.size(group)
+        deadline = self.account("broadcast", group, broadcast_bytes(_nbytes(tensor), d))
+        work = TORCH_OPS["broadcast"](tensor, src=src, group=group, async_op=async_op)
+        return self._finish(work, deadline, async_op)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

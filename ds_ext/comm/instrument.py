@@ -1,0 +1,128 @@
+"""Count collectives that third-party code (DeepSpeed) issues through torch.distributed.
+
+:func:`instrument_torch_distributed` replaces the tensor collectives of
+``torch.distributed`` with wrappers that record into a :class:`Communicator`'s ledger
+(same byte convention, same level attribution, same time emulation) and then call the
+original. ds_ext's own collectives call the saved originals, so nothing is counted
+twice. DeepSpeed binds ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` when its
+backend starts; ``ds_ext.integration.deepspeed_compat`` re-binds those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ds_ext.comm.collectives import TORCH_OPS, Communicator
+from ds_ext.comm.emulation import TimeEmulator
+from ds_ext.comm.ledger import (
+    all_gather_bytes,
+    all_reduce_bytes,
+    broadcast_bytes,
+    reduce_scatter_bytes,
+)
+
+
+def _nb(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _volume(comm: Communicator, name: str, a: dict) -> tuple[str, float]:
+    """(ledger op, bytes sent by this rank) for a bound torch.distributed call."""
+    group = a.get("group")
+    d = comm.size(group)
+    if name == "all_gather_into_tensor":
+        return "all_gather", all_gather_bytes(_nb(a["input_tensor"]), d)
+    if name == "all_gather":
+        return "all_gather", all_gather_bytes(_nb(a["tensor"]), d)
+    if name == "reduce_scatter_tensor":
+        return "reduce_scatter", reduce_scatter_bytes(_nb(a["input"]), d)
+    if name == "reduce_scatter":
+        return "reduce_scatter", reduce_scatter_bytes(sum(_nb(t) for t in a["input_list"]), d)
+    if name == "reduce":
+        return "reduce", reduce_scatter_bytes(_nb(a["tensor"]), d)
+    if name == "all_reduce":
+        return "all_reduce", all_reduce_bytes(_nb(a["tensor"]), d)
+    if name == "all_reduce_coalesced":
+        return "all_reduce", all_reduce_bytes(sum(_nb(t) for t in a["tensors"]), d)
+    if name == "broadcast":
+        return "broadcast", broadcast_bytes(_nb(a["tensor"]), d)
+    me = comm.registry.ranks(group).index(dist.get_rank())
+    if name == "all_to_all_single":
+        inp, split = a["input"], a.get("input_split_sizes")
+        rows = inp.shape[0] if inp.dim() else 1
+        own = split[me] if split else rows // d
+        return "all_to_all", _nb(inp) - (own * _nb(inp) // rows if rows else 0)
+    if name == "all_to_all":
+        return "all_to_all", sum(_nb(t) for i, t in enumerate(a["input_tensor_list"]) if i != me)
+    raise KeyError(name)
+
+
+def _wrap(comm: Communicator, name: str, fn: Callable) -> Callable:
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        bound = sig.bind(*args, **kw)
+        op, nbytes = _volume(comm, name, bound.arguments)
+        deadline = comm.account(op, bound.arguments.get("group"), nbytes)
+        work = fn(*args, **kw)
+        if bound.arguments.get("async_op"):
+            return _EmulatedWork(work, deadline)
+        TimeEmulator.hold_until(deadline)
+        return work
+
+    wrapper.__ds_ext_original__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+class _EmulatedWork:
+    """A torch Work whose ``wait`` also honours the emulated completion time."""
+
+    def __init__(self, work, deadline: float) -> None:
+        self._work = work
+        self._deadline = deadline
+
+    def wait(self, *args, **kw):
+        out = self._work.wait(*args, **kw)
+        TimeEmulator.hold_until(self._deadline)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+_installed: dict[str, Callable] = {}
+
+
+def install(comm: Communicator) -> None:
+    """Route every torch.distributed tensor collective through ``comm``'s ledger.
+
+    Installing again replaces the previous communicator.
+    """
+    uninstall()
+    for n, fn in TORCH_OPS.items():
+        _installed[n] = getattr(dist, n)
+        setattr(dist, n, _wrap(comm, n, fn))
+
+
+def uninstall() -> None:
+    """Restore the torch.distributed functions replaced by :func:`install`."""
+    for n, fn in _installed.items():
+        setattr(dist, n, fn)
+    _installed.clear()
+
+
+@contextlib.contextmanager
+def instrument_torch_distributed(comm: Communicator) -> Iterator[None]:
+    """Within the block, every torch.distributed tensor collective is counted by ``comm``."""
+    install(comm)
+    try:
+        yield
+    finally:
+        uninstall()

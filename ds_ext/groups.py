@@ -1,0 +1,179 @@
+"""Named process groups built from the topology and from parallel axes.
+
+Two sources of groups:
+
+* the topology (``ds_ext.topology``): ``span`` groups (ranks sharing a GCD pair, a
+  node, the world) and ``cross`` groups (same local index across the domains of a
+  level, e.g. 003's G_inter across nodes);
+* named parallel axes, stated innermost first (``tensor`` fastest, like Megatron's
+  order string ``tp-ep-dp``): a group over a subset of axes holds the ranks whose
+  coordinates differ only along those axes (001 §5.2 for the X/Y/Z/data grid, §7.1 for
+  tensor x expert x data).
+
+Pure logic lives in :class:`ParallelAxes` and :class:`Topology` (no processes needed);
+:class:`GroupRegistry` turns a partition into torch process groups. Creating a group
+is collective: every rank creates every group of a partition, in the same order, once;
+the registry caches by partition so later calls are free and identical on every rank.
+torch orders a group's members by ascending global rank, so a member's group rank is
+its position in the sorted list.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch.distributed as dist
+
+from ds_ext.topology import Topology, TopologyError
+
+Partition = tuple[tuple[int, ...], ...]
+
+
+class GroupError(ValueError):
+    """Parallel degrees that do not fit the world, or an unknown axis."""
+
+
+@dataclass(frozen=True)
+class ParallelAxes:
+    """Named parallel degrees laid out over the ranks, innermost axis first.
+
+    ``rank = a_0 + s_0 * (a_1 + s_1 * (...))`` for axis coordinates ``a_i`` and sizes ``s_i``.
+    """
+
+    axes: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def build(cls, degrees: Sequence[tuple[str, int | None]], world_size: int) -> "ParallelAxes":
+        """Resolve at most one ``None`` degree from ``world_size`` and check the product."""
+        names = [n for n, _ in degrees]
+        if len(set(names)) != len(names):
+            raise GroupError(f"parallel axis names must be unique, got {names}")
+        free = [n for n, s in degrees if s is None]
+        if len(free) > 1:
+            raise GroupError(f"at most one parallel degree may be inferred, got {free}")
+        for n, s in degrees:
+            if s is not None and s < 1:
+                raise GroupError(f"parallel degree {n}={s} must be >= 1")
+        fixed = math.prod(s for _, s in degrees if s is not None)
+        spec = " x ".join(f"{n}={s if s is not None else '?'}" for n, s in degrees)
+        if free:
+            if world_size % fixed:
+                raise GroupError(f"world size {world_size} is not divisible by {spec}")
+            degrees = [(n, world_size // fixed if s is None else s) for n, s in degrees]
+        elif fixed != world_size:
+            raise GroupError(f"parallel degrees {spec} = {fixed} != world size {world_size}")
+        return cls(tuple((n, int(s)) for n, s in degrees))  # type: ignore[arg-type]
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(s for _, s in self.axes)
+
+    def size(self, name: str) -> int:
+        return self.axes[self._index(name)][1]
+
+    def _index(self, name: str) -> int:
+        for i, (n, _) in enumerate(self.axes):
+            if n == name:
+                return i
+        raise GroupError(f"unknown parallel axis {name!r}; axes: {[n for n, _ in self.axes]}")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        out = {}
+        for n, s in self.axes:
+            rank, out[n] = divmod(rank, s)
+        return out
+
+    def groups(self, names: Sequence[str]) -> Partition:
+        """Partition of the world into groups varying only along axes ``names``."""
+        idx = {self._index(n) for n in names}
+        buckets: dict[tuple[int, ...], list[int]] = {}
+        for r in range(self.world_size):
+            c = list(self.coords(r).values())
+            key = tuple(v for i, v in enumerate(c) if i not in idx)
+            buckets.setdefault(key, []).append(r)
+        return tuple(tuple(g) for g in sorted(buckets.values()))
+
+
+def topology_partition(topo: Topology, kind: str, level: str) -> Partition:
+    """``span`` or ``cross`` partition of ``topo`` at ``level`` as a hashable tuple."""
+    if kind == "span":
+        groups = topo.span_groups(level)
+    elif kind == "cross":
+        groups = topo.cross_groups(level)
+    else:
+        raise GroupError(f"group kind must be 'span' or 'cross', got {kind!r}")
+    return tuple(tuple(g) for g in groups)
+
+
+def member_group(partition: Partition, rank: int) -> tuple[int, ...]:
+    """The group of ``partition`` that contains ``rank``."""
+    for g in partition:
+        if rank in g:
+            return g
+    raise GroupError(f"rank {rank} is in no group of the partition")
+
+
+class GroupRegistry:
+    """Creates and caches torch process groups; knows each group's ranks and level.
+
+    All methods that create groups are collective over the world.
+    """
+
+    def __init__(self, topology: Topology) -> None:
+        if dist.is_initialized() and dist.get_world_size() != topology.world_size:
+            raise TopologyError(
+                f"world size {dist.get_world_size()} does not match topology "
+                f"{topology.name!r} of {topology.world_size} ranks"
+            )
+        self.topology = topology
+        self._by_partition: dict[Partition, object] = {}
+        self._ranks: dict[object, tuple[int, ...]] = {}
+
+    def group(self, partition: Partition) -> object:
+        """This rank's process group of ``partition`` (created collectively once)."""
+        pg = self._by_partition.get(partition)
+        if pg is not None:
+            return pg
+        world = tuple(range(self.topology.world_size))
+        me = dist.get_rank()
+        mine = None
+        for ranks in partition:
+            if ranks == world:
+                pg_i = dist.group.WORLD
+            else:
+                pg_i = dist.new_group(list(ranks))
+            if me in ranks:
+                mine = pg_i
+                self._ranks[mine] = ranks
+        if mine is None:
+            raise GroupError(f"rank {me} is in no group of {partition}")
+        self._by_partition[partition] = mine
+        return mine
+
+    def span(self, level: str) -> object:
+        """Ranks sharing one domain of ``level`` (gcd: the GCD pair, gpu: the node)."""
+        return self.group(topology_partition(self.topology, "span", level))
+
+    def cross(self, level: str) -> object:
+        """Ranks with the same position inside their ``level`` domain's children."""
+        return self.group(topology_partition(self.topology, "cross", level))
+
+    def axes(self, axes: ParallelAxes, names: Sequence[str]) -> object:
+        """The group over parallel ``axes`` ``names`` containing this rank."""
+        return self.group(axes.groups(names))
+
+    def ranks(self, group: object | None) -> tuple[int, ...]:
+        """Global ranks of ``group`` (None or WORLD: all ranks), ascending."""
+        if group is None or group is dist.group.WORLD:
+            return tuple(range(self.topology.world_size))
+        ranks = self._ranks.get(group)
+        if ranks is None:
+            ranks = tuple(dist.get_process_group_ranks(group))
+            self._ranks[group] = ranks
+        return ranks
+
+    def level(self, group: object | None) -> str | None:
+        """Outermost topology level the group crosses (None for one rank)."""
+        return self.topology.level_of(self.ranks(group))

@@ -1,0 +1,83 @@
+"""Every touch of DeepSpeed internals, in one version-checked module.
+
+DeepSpeed has no plugin hooks (spec/deepspeed_on_cpu.md §3.8), so ds_ext reaches a few
+private names. They were read in DeepSpeed 0.19.8; :func:`check_version` refuses other
+minor versions with a clear error instead of failing deep inside a patched function.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+from packaging.version import Version
+
+SUPPORTED = (Version("0.19.0"), Version("0.20.0"))  # [min, max)
+
+
+def check_version() -> str:
+    """Return DeepSpeed's version, or raise if ds_ext does not support it."""
+    import deepspeed
+
+    v = Version(deepspeed.__version__.split("+")[0])
+    lo, hi = SUPPORTED
+    if not lo <= v < hi:
+        raise RuntimeError(
+            f"ds_ext supports deepspeed>={lo},<{hi}; found deepspeed {deepspeed.__version__}"
+        )
+    return deepspeed.__version__
+
+
+def disable_jit_builds() -> None:
+    """Skip the shared-memory op DeepSpeed JIT-compiles in ``init_distributed``.
+
+    The op (``deepspeed_shm_comm``, ~1 min of g++ on first use) serves only inference
+    all-reduce; ``comm/torch.py:build_shm_op`` consults ``ops.__compatible_ops__``.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def rebind_backend_collectives() -> None:
+    """Make DeepSpeed's comm backend call the current torch.distributed functions.
+
+    ``TorchBackend.__init__`` caches ``all_gather_into_tensor`` and
+    ``reduce_scatter_tensor`` (comm/torch.py:210-211); after ds_ext wraps
+    torch.distributed for the ledger, the cache must point at the wrappers.
+    """
+    cdb = sys.modules["deepspeed.comm.comm"].cdb
+    if cdb is None:
+        return
+    cdb.all_gather_function = type(cdb).get_all_gather_function()
+    cdb.reduce_scatter_function = type(cdb).get_reduce_scatter_function()
+
+
+def init_distributed(
+    dist_init_required: bool | None = None, timeout_s: float | None = None
+) -> None:
+    """``deepspeed.init_distributed`` on the accelerator's backend, without JIT builds."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    check_version()
+    disable_jit_builds()
+    kwargs = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"torch.distributed is not initialized and {', '.join(missing)} are unset: "
+                "start the script with the deepspeed launcher, torchrun or srun "
+                "(see launch/), or call torch.distributed.init_process_group first"
+            )
+    deepspeed.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        dist_init_required=dist_init_required,
+        auto_mpi_discovery=False,
+        **kwargs,
+    )

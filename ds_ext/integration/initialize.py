@@ -1,0 +1,121 @@
+"""``ds_ext.initialize``: a drop-in for ``deepspeed.initialize``.
+
+Same arguments, same returned tuple ``(engine, optimizer, dataloader, lr_scheduler)``.
+It validates the ``"ds_ext"`` block before anything distributed happens, starts
+torch.distributed without DeepSpeed's JIT builds, builds topology, groups and
+communicator (the :class:`~ds_ext.runtime.Runtime`), lets every enabled plugin wrap
+the model, optimizer and ds_config, calls DeepSpeed, and attaches the runtime as
+``engine.ds_ext``. The user's loop (``engine(batch)``, ``engine.backward(loss)``,
+``engine.step()``) is unchanged; ds_ext only tags ledger phases around those calls and
+closes a ledger step at each optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+from ds_ext import config as cfgmod
+from ds_ext.comm import instrument
+from ds_ext.integration import deepspeed_compat as compat
+from ds_ext.runtime import Runtime
+
+
+def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
+    """The ds_config as ``deepspeed.initialize`` would find it."""
+    if config is not None and config_params is not None:
+        raise ValueError("pass the ds_config as 'config' or 'config_params', not both")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ValueError(
+            "no ds_config: pass config=... or args with --deepspeed_config to ds_ext.initialize"
+        )
+    return config
+
+
+def _without_config_path(args: Any) -> Any:
+    """A copy of ``args`` whose ``deepspeed_config`` is cleared (DeepSpeed refuses both)."""
+    if args is None or getattr(args, "deepspeed_config", None) is None:
+        return args
+    args = copy.copy(args)
+    args.deepspeed_config = None
+    return args
+
+
+def _tag_engine(engine: Any, runtime: Runtime) -> None:
+    """Tag forward / backward / step phases and close a ledger step per optimizer step."""
+    ledger = runtime.ledger
+
+    def in_phase(name: str, fn):
+        @functools.wraps(fn)
+        def wrapped(*a, **kw):
+            with ledger.phase(name):
+                return fn(*a, **kw)
+
+        return wrapped
+
+    engine.forward = in_phase("forward", engine.forward)
+    engine.backward = in_phase("backward", engine.backward)
+    step = in_phase("step", engine.step)
+
+    @functools.wraps(step)
+    def step_and_mark(*a, **kw):
+        before = engine.global_steps
+        out = step(*a, **kw)
+        if engine.global_steps != before:
+            ledger.mark_step()
+        return out
+
+    engine.step = step_and_mark
+
+
+def initialize(
+    args: Any = None,
+    model: Any = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    *,
+    config: Any = None,
+    config_params: Any = None,
+    dist_init_required: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """Validate the ``"ds_ext"`` block, set ds_ext up, and call ``deepspeed.initialize``.
+
+    Extra keyword arguments (``mpu``, ``collate_fn``, ``mesh_param``,
+    ``distributed_port``) pass through to DeepSpeed unchanged.
+    """
+    import deepspeed
+
+    compat.check_version()
+    ds_config = cfgmod.load_ds_config(_resolve_config(args, config, config_params))
+    parsed = cfgmod.parse(ds_config.get(cfgmod.BLOCK))
+    compat.init_distributed(dist_init_required)
+    runtime = Runtime.create(parsed)
+    if parsed.comm.ledger and parsed.comm.count_torch_collectives:
+        instrument.install(runtime.comm)
+        compat.rebind_backend_collectives()
+    for plugin in runtime.plugins:
+        model, optimizer, ds_config = plugin.prepare(model, optimizer, ds_config)
+    engine, opt, loader, sched = deepspeed.initialize(
+        args=_without_config_path(args),
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        config=ds_config,
+        **kwargs,
+    )
+    for plugin in runtime.plugins:
+        plugin.attach(engine)
+    engine.ds_ext = runtime
+    _tag_engine(engine, runtime)
+    runtime.ledger.reset()
+    return engine, opt, loader, sched

@@ -1,0 +1,73 @@
+"""Plugin contract and registry: each ds_ext plugin is one module and one config section.
+
+A plugin subclasses :class:`Plugin`, sets ``name`` (its key in the ``"ds_ext"`` block)
+and ``Config`` (a :class:`PluginConfig`), and decorates itself with
+:func:`register_plugin`. ``ds_ext.initialize`` instantiates every *enabled* plugin in
+registration order and calls its hooks around ``deepspeed.initialize``:
+
+1. ``prepare(model, optimizer, ds_config)`` before DeepSpeed sees them; returns the
+   (possibly wrapped) model, optimizer and ds_config dict;
+2. ``attach(engine)`` once the DeepSpeed engine exists.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from ds_ext.runtime import Runtime
+
+
+class PluginConfig(BaseModel):
+    """Base of every plugin section: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    enabled: bool = Field(False, description="Switch the plugin on.")
+
+
+class Plugin:
+    """Base class of ds_ext plugins (see module docstring)."""
+
+    name: ClassVar[str]
+    Config: ClassVar[type[PluginConfig]] = PluginConfig
+
+    def __init__(self, config: PluginConfig, runtime: "Runtime") -> None:
+        self.config = config
+        self.runtime = runtime
+
+    def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        return model, optimizer, ds_config
+
+    def attach(self, engine: Any) -> None:
+        """Called with the DeepSpeed engine after ``deepspeed.initialize``."""
+
+
+_REGISTRY: dict[str, type[Plugin]] = {}
+
+# Modules that register the built-in plugins when imported (one module per plugin).
+BUILTIN_PLUGIN_MODULES: tuple[str, ...] = ()
+
+
+def register_plugin(cls: type[Plugin]) -> type[Plugin]:
+    """Class decorator: make ``cls`` configurable as ``"ds_ext": {cls.name: {...}}``."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"a ds_ext plugin named {cls.name!r} is already registered")
+    if cls.name in ("topology", "comm"):
+        raise ValueError(f"plugin name {cls.name!r} is reserved")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def unregister_plugin(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def registered_plugins() -> dict[str, type[Plugin]]:
+    """Name -> plugin class, built-ins imported first."""
+    for mod in BUILTIN_PLUGIN_MODULES:
+        importlib.import_module(mod)
+    return dict(_REGISTRY)

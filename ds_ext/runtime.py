@@ -1,0 +1,88 @@
+"""The ds_ext runtime of one rank: parsed config, topology, groups, communicator, plugins.
+
+Built once by ``ds_ext.initialize`` after torch.distributed is up, and reachable as
+``engine.ds_ext``. Plugins get it in their constructor and take groups and the
+communicator from it explicitly (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import torch.distributed as dist
+from pydantic import BaseModel
+
+from ds_ext import config as cfgmod
+from ds_ext.comm import Communicator, Ledger, TimeEmulator
+from ds_ext.groups import GroupRegistry
+from ds_ext.plugin import Plugin, registered_plugins
+from ds_ext.topology import (
+    GB,
+    US,
+    JobEnvironment,
+    Level,
+    Topology,
+    check_fits_job,
+    detect_environment,
+    preset_levels,
+)
+
+# Used when neither a preset nor levels are given: one level inside the node and one
+# across nodes, sized from the launcher (LOCAL_SIZE / SLURM_NTASKS_PER_NODE).
+_DETECTED_LEVELS = (Level("local", None, 50 * GB, 8 * US), Level("node", None, 12.5 * GB, 15 * US))
+
+
+def resolve_topology(
+    cfg: cfgmod.TopologyConfig, world_size: int, job: JobEnvironment
+) -> Topology:
+    """Build the topology the config asks for and check it against the job."""
+    if cfg.levels is not None:
+        topo = Topology.build([lv.to_level() for lv in cfg.levels], world_size, "custom", cfg.sizes)
+    elif cfg.preset is not None:
+        topo = Topology.build(preset_levels(cfg.preset), world_size, cfg.preset, cfg.sizes)
+    else:
+        local = job.local_size or world_size
+        inner, outer = _DETECTED_LEVELS
+        topo = Topology.build(
+            [Level(inner.name, local, inner.bandwidth, inner.latency), outer],
+            world_size, "detected", cfg.sizes,
+        )
+    if not cfg.emulate:
+        check_fits_job(topo, job)
+    return topo
+
+
+@dataclass
+class Runtime:
+    """Everything ds_ext knows about this rank's job."""
+
+    config: BaseModel
+    job: JobEnvironment
+    topology: Topology
+    groups: GroupRegistry
+    comm: Communicator
+    plugins: list[Plugin] = field(default_factory=list)
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.comm.ledger
+
+    @classmethod
+    def create(cls, config: BaseModel, world_size: int | None = None) -> "Runtime":
+        """Build topology, groups and communicator from a parsed ``"ds_ext"`` block.
+
+        Topology errors are raised before any collective.
+        """
+        job = detect_environment()
+        if world_size is None:
+            world_size = dist.get_world_size() if dist.is_initialized() else job.world_size
+        topology = resolve_topology(config.topology, world_size, job)
+        groups = GroupRegistry(topology)
+        ledger = Ledger(topology.level_names)
+        ledger.enabled = config.comm.ledger
+        emulator = TimeEmulator(topology, config.comm.time_scale) if config.comm.emulate_time else None
+        runtime = cls(config, job, topology, groups, Communicator(groups, ledger, emulator))
+        plugin_classes = registered_plugins()
+        for name, pcfg in cfgmod.plugin_configs(config).items():
+            if pcfg.enabled:
+                runtime.plugins.append(plugin_classes[name](pcfg, runtime))
+        return runtime
