@@ -71,6 +71,11 @@ class Handle:
         return self._done
 
 
+def _same_dtype(op: str, output: torch.Tensor, input: torch.Tensor) -> None:
+    if output.dtype != input.dtype:
+        raise TypeError(f"{op}: output dtype {output.dtype} != input dtype {input.dtype}")
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("ds_ext.comm collectives need contiguous tensors")
@@ -117,6 +122,7 @@ class Communicator:
     ) -> Handle | None:
         """Concatenate every rank's ``input`` into ``output`` in group-rank order."""
         d = self.size(group)
+        _same_dtype("all_gather", output, input)
         if output.numel() != input.numel() * d:
             raise ValueError(
                 f"all_gather output has {output.numel()} elements, needs {input.numel()} x {d}"
@@ -137,6 +143,7 @@ class Communicator:
     ) -> Handle | None:
         """Reduce ``input`` over the group; rank i keeps chunk i in ``output``."""
         d = self.size(group)
+        _same_dtype("reduce_scatter", output, input)
         if input.numel() != output.numel() * d:
             raise ValueError(
                 f"reduce_scatter input has {input.numel()} elements, needs {output.numel()} x {d}"
@@ -168,6 +175,7 @@ class Communicator:
         ranks = self.registry.ranks(group)
         d = len(ranks)
         me = ranks.index(dist.get_rank())
+        _same_dtype("all_to_all", output, input)
         row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
         if input_split_sizes is None:
             if input.shape[0] % d:

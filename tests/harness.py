@@ -1,0 +1,156 @@
+"""A gloo world spawned once and reused by many test functions.
+
+``World(n)`` starts ``n`` spawned worker processes that join one gloo process group
+(file-store rendezvous, ``OMP_NUM_THREADS=1``, the DeepSpeed launcher's variables with
+``DS_ACCELERATOR=cpu``) and then serve tasks: ``world.run(fn, *args)`` calls the
+module-level function ``fn`` on every rank and returns the per-rank results in rank
+order. A rank that raises makes ``run`` raise :class:`RankError` with that rank's
+traceback; a rank that does not answer in time makes it raise ``TimeoutError``. In
+both cases unanswered ranks are killed and the next ``run`` starts a fresh world, so a
+failing test never hangs the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+_CTX = mp.get_context("spawn")
+PG_TIMEOUT_S = 90
+GRACE_AFTER_ERROR_S = 10
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised; the message holds their tracebacks."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, env: dict[str, str], store: str, tasks, results) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=PG_TIMEOUT_S),
+        )
+        results.put((rank, "ready", None))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, "ok", fn(*args, **kwargs)))
+        except BaseException:
+            results.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class World:
+    """Persistent pool of ``world_size`` gloo ranks (see module docstring)."""
+
+    def __init__(self, world_size: int, env: dict[str, str] | None = None, timeout: float = 300) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self.env = {
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
+        self._procs: list = []
+
+    def _start(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="ds_ext_world_")
+        env = {**self.env, "MASTER_PORT": str(_free_port())}
+        self._results = _CTX.Queue()
+        self._tasks = [_CTX.Queue() for _ in range(self.world_size)]
+        store = os.path.join(self._dir, "store")
+        self._procs = [
+            _CTX.Process(
+                target=_worker,
+                args=(r, self.world_size, env, store, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect("start", self.timeout, expect="ready")
+
+    def _collect(self, what: str, timeout: float, expect: str = "ok") -> list[Any]:
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < self.world_size:
+            try:
+                rank, status, value = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if status == expect:
+                out[rank] = value
+            else:
+                errors[rank] = value
+                deadline = min(deadline, time.monotonic() + GRACE_AFTER_ERROR_S)
+        missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
+        if errors or missing:
+            self.close()
+            if errors:
+                detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                raise RankError(f"{what} failed on ranks {sorted(errors)}"
+                                f"{f'; ranks {missing} did not answer' if missing else ''}\n{detail}")
+            raise TimeoutError(f"{what}: ranks {missing} did not finish within {timeout:.0f} s")
+        return [out[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank; per-rank results in rank order."""
+        if not self._procs:
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        return self._collect(getattr(fn, "__name__", "task"), timeout or self.timeout)
+
+    def close(self) -> None:
+        if not self._procs:
+            return
+        for p, q in zip(self._procs, self._tasks):
+            if p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "World":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

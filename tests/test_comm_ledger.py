@@ -1,0 +1,209 @@
+"""Collectives through ds_ext.comm on 8 gloo ranks emulating 2 nodes x 2 GPUs x 2 GCDs.
+
+Every op is checked twice: its result against the value computed by hand, and its
+ledger record against the closed-form bytes of the documented convention
+(ds_ext/comm/ledger.py) at the level the group spans.
+"""
+
+import time
+
+import pytest
+
+WORLD_SIZE = 8
+BLOCK = {"topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}}
+# group name -> (partition kind, level, expected ledger level, group size)
+GROUPS = {
+    "gcd_pair": ("span", "gcd", "gcd", 2),
+    "node": ("span", "gpu", "gpu", 4),
+    "world": ("span", "node", "node", 8),
+    "inter_node": ("cross", "node", "node", 2),
+    "intra_node_cross": ("cross", "gpu", "gpu", 2),
+}
+_RT = {}
+
+
+def _runtime(**comm):
+    """One runtime per distinct comm config per worker (groups are created once)."""
+    from ds_ext import config as cfgmod
+    from ds_ext.runtime import Runtime
+
+    key = tuple(sorted(comm.items()))
+    if key not in _RT:
+        _RT[key] = Runtime.create(cfgmod.parse({**BLOCK, "comm": comm}))
+    rt = _RT[key]
+    rt.ledger.reset()
+    return rt
+
+
+def _group(rt, name):
+    kind, level, _, _ = GROUPS[name]
+    return rt.groups.span(level) if kind == "span" else rt.groups.cross(level)
+
+
+def _single_record(rt):
+    step = rt.ledger.mark_step()
+    assert len(step.bytes) == 1, dict(step.bytes)
+    ((_, op, level), nbytes), = step.bytes.items()
+    assert sum(step.calls.values()) == 1
+    return op, level, nbytes
+
+
+def _check_ops(name, async_op):
+    import torch
+    import torch.distributed as dist
+
+    rt = _runtime()
+    g = _group(rt, name)
+    ranks = rt.groups.ranks(g)
+    d, me, rank = len(ranks), ranks.index(dist.get_rank()), dist.get_rank()
+    level = GROUPS[name][2]
+    n = 6
+    out = {}
+
+    def run(fn, *a, **kw):
+        h = fn(*a, group=g, async_op=async_op, **kw)
+        if async_op:
+            assert h is not None
+            h.wait()
+        else:
+            assert h is None
+
+    # all_gather: n fp32 per rank -> n (d-1) * 4 bytes sent
+    x = torch.full((n,), float(rank))
+    y = torch.empty(n * d)
+    run(rt.comm.all_gather, y, x)
+    assert torch.equal(y, torch.tensor([float(r) for r in ranks]).repeat_interleave(n))
+    out["all_gather"] = _single_record(rt)
+    assert out["all_gather"] == ("all_gather", level, 4 * n * (d - 1))
+
+    # reduce_scatter: S = 4 n d bytes in -> S (d-1)/d
+    x = torch.arange(n * d, dtype=torch.float64) + rank
+    y = torch.empty(n, dtype=torch.float64)
+    run(rt.comm.reduce_scatter, y, x)
+    expect = torch.arange(me * n, (me + 1) * n, dtype=torch.float64) * d + sum(ranks)
+    assert torch.equal(y, expect)
+    assert _single_record(rt) == ("reduce_scatter", level, pytest.approx(8 * n * d * (d - 1) / d))
+
+    # all_reduce on a 2-D bf16 tensor: 2 S (d-1)/d
+    x = torch.full((3, n), float(rank + 1), dtype=torch.bfloat16)
+    run(rt.comm.all_reduce, x)
+    assert torch.equal(x, torch.full((3, n), float(sum(r + 1 for r in ranks)), dtype=torch.bfloat16))
+    assert _single_record(rt) == ("all_reduce", level, pytest.approx(2 * 2 * 3 * n * (d - 1) / d))
+
+    # even all_to_all over 2-D rows: rows addressed to others
+    x = torch.stack([torch.full((n,), float(100 * rank + j)) for j in range(d)])
+    y = torch.empty_like(x)
+    run(rt.comm.all_to_all, y, x)
+    assert torch.equal(y[:, 0], torch.tensor([100.0 * r + me for r in ranks]))
+    assert _single_record(rt) == ("all_to_all", level, 4 * n * (d - 1))
+
+    # uneven all_to_all: rank i sends j+1+i elements to group rank j
+    send = [j + 1 + me for j in range(d)]
+    recv = [me + 1 + i for i in range(d)]
+    x = torch.cat([torch.full((s,), float(rank)) for s in send])
+    y = torch.empty(sum(recv))
+    run(rt.comm.all_to_all, y, x, output_split_sizes=recv, input_split_sizes=send)
+    assert torch.equal(y, torch.cat([torch.full((s,), float(r)) for s, r in zip(recv, ranks)]))
+    assert _single_record(rt) == ("all_to_all", level, 4 * (sum(send) - send[me]))
+
+    # broadcast from the group's first rank: S (d-1)/d
+    x = torch.full((n,), float(rank))
+    run(rt.comm.broadcast, x, src=ranks[0])
+    assert torch.equal(x, torch.full((n,), float(ranks[0])))
+    assert _single_record(rt) == ("broadcast", level, pytest.approx(4 * n * (d - 1) / d))
+    return out
+
+
+@pytest.mark.parametrize("name", list(GROUPS))
+@pytest.mark.parametrize("async_op", [False, True])
+def test_ops_bytes_and_levels(world, name, async_op):
+    results = world.run(_check_ops, name, async_op)
+    _, _, level, d = GROUPS[name]
+    assert all(r["all_gather"] == ("all_gather", level, 24 * (d - 1)) for r in results)
+
+
+def _phases_and_steps():
+    import torch
+
+    rt = _runtime()
+    node, pair = rt.groups.span("gpu"), rt.groups.span("gcd")
+    x = torch.ones(10)
+    for _ in range(2):
+        with rt.ledger.phase("forward"):
+            rt.comm.all_reduce(x, group=pair)
+        with rt.ledger.phase("backward"):
+            rt.comm.all_reduce(x, group=node)
+            rt.comm.all_reduce(x, group=None)
+        rt.ledger.mark_step()
+    s = rt.ledger.steps[-1]
+    assert s.by_phase() == {"forward": {"gcd": 40.0}, "backward": {"gpu": 60.0, "node": 70.0}}
+    assert s.calls_by_level() == {"gcd": 1, "gpu": 1, "node": 1}
+    assert rt.ledger.mean_by_level() == {"gcd": 40.0, "gpu": 60.0, "node": 70.0}
+    assert rt.ledger.mean_calls_by_level() == {"gcd": 1.0, "gpu": 1.0, "node": 1.0}
+    # a one-rank group moves nothing and is not recorded
+    solo = rt.groups.group(tuple((r,) for r in range(8)))
+    rt.comm.all_reduce(x, group=solo)
+    assert rt.ledger.current.total() == 0
+    return True
+
+
+def test_phases_steps_and_means(world):
+    assert all(world.run(_phases_and_steps))
+
+
+def _instrumented_torch_distributed():
+    import torch
+    import torch.distributed as dist
+
+    from ds_ext.comm import instrument_torch_distributed
+
+    rt = _runtime()
+    node = rt.groups.span("gpu")
+    x = torch.ones(16)
+    with instrument_torch_distributed(rt.comm):
+        dist.all_reduce(x, group=node)  # third-party call: counted
+        rt.comm.all_reduce(x, group=node)  # ds_ext call: counted once, not twice
+        out = [torch.empty(4) for _ in range(8)]
+        dist.all_gather(out, torch.ones(4))
+        dist.all_to_all_single(torch.empty(16), torch.ones(16), group=None)
+        w = dist.all_gather_into_tensor(torch.empty(32), torch.ones(4), async_op=True)
+        w.wait()
+    dist.all_reduce(x)  # after the block: not counted
+    s = rt.ledger.mark_step()
+    assert s.by_level(op="all_reduce") == {"gpu": 2 * 2 * 64 * 3 / 4}
+    assert s.by_level(op="all_gather") == {"node": 2 * 16 * 7}
+    assert s.by_level(op="all_to_all") == {"node": 64 * 7 / 8}
+    from ds_ext.comm.collectives import TORCH_OPS
+
+    return dist.all_reduce is TORCH_OPS["all_reduce"]  # originals restored
+
+
+def test_instrument_counts_third_party_once(world):
+    assert all(world.run(_instrumented_torch_distributed))
+
+
+def _time_emulation():
+    import torch
+
+    rt = _runtime(emulate_time=True, time_scale=2000.0)
+    inter = rt.groups.cross("node")
+    x = torch.zeros(2_500_000)  # 10 MB all-reduce over 2 nodes: 10 MB sent
+    lv = rt.topology.level("node")
+    cost = rt.comm.emulator.cost("all_reduce", "node", 10e6, 2)
+    assert cost == pytest.approx(2000 * (2 * lv.latency + 10e6 / lv.bandwidth))
+    t0 = time.perf_counter()
+    rt.comm.all_reduce(x, group=inter)
+    blocking = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    h = rt.comm.all_reduce(x, group=inter, async_op=True)
+    time.sleep(cost)  # "compute" that overlaps the collective
+    h.wait()
+    overlapped = time.perf_counter() - t0
+    return cost, blocking, overlapped
+
+
+def test_time_emulation_holds_and_overlaps(world):
+    for cost, blocking, overlapped in world.run(_time_emulation):
+        assert cost > 1.0
+        assert blocking >= cost
+        assert overlapped < 1.5 * cost  # async: the hold overlaps the sleep instead of adding to it
