@@ -1,0 +1,31 @@
+"""Human-readable tables of ledger traffic."""
+
+from __future__ import annotations
+
+from ds_ext.comm.ledger import Ledger
+from ds_ext.topology import GB, Topology
+
+
+def traffic_table(
+    ledger: Ledger, topology: Topology, model_bytes: int | None = None, skip: int = 0
+) -> str:
+    """Bytes and calls sent by this rank per optimizer step, one row per topology level.
+
+    Means over the closed steps after the first ``skip``; the last column expresses the
+    bytes in units of M = model bytes when ``model_bytes`` is given.
+    """
+    nbytes = ledger.mean_by_level(skip)
+    calls = ledger.mean_calls_by_level(skip)
+    header = f"{'level':<8}{'link GB/s':>10}{'bytes/step':>16}{'MB/step':>11}{'calls/step':>12}"
+    if model_bytes:
+        header += f"{'x M':>9}"
+    lines = [header, "-" * len(header)]
+    for lv in topology.levels:
+        b = nbytes.get(lv.name, 0.0)
+        row = f"{lv.name:<8}{lv.bandwidth / GB:>10g}{b:>16,.0f}{b / 1e6:>11.3f}{calls.get(lv.name, 0.0):>12.1f}"
+        if model_bytes:
+            row += f"{b / model_bytes:>9.3f}"
+        lines.append(row)
+    n = len(ledger.steps) - skip
+    lines.append(f"(bytes sent by one rank, mean over {n} optimizer steps)")
+    return "\n".join(lines)
