@@ -63,6 +63,10 @@ class Runtime:
     plugins: list[Plugin] = field(default_factory=list)
 
     @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
     def ledger(self) -> Ledger:
         return self.comm.ledger
 

@@ -7,6 +7,7 @@ minor versions with a clear error instead of failing deep inside a patched funct
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from datetime import timedelta
@@ -81,3 +82,65 @@ def init_distributed(
         auto_mpi_discovery=False,
         **kwargs,
     )
+
+
+def replace_optimizer(engine, optimizer) -> None:
+    """Make ``engine.step()`` call ``optimizer`` and stop DeepSpeed's own gradient all-reduce.
+
+    Stage-0 engines keep the client optimizer in ``engine.optimizer`` and all-reduce grads
+    in ``_backward_epilogue`` / at the boundary while ``enable_backward_allreduce`` is set
+    (runtime/engine.py:3163, 3602); ``_take_model_step`` reads ``optimizer.overflow``.
+    """
+    engine.optimizer = optimizer
+    engine.enable_backward_allreduce = False
+
+
+def scale_backward_loss(engine, scale) -> None:
+    """Multiply the loss by ``scale()`` in ``engine.backward`` (fp16 loss scaling)."""
+    backward = engine.backward
+
+    @functools.wraps(backward)
+    def scaled(loss, *args, **kwargs):
+        return backward(loss * scale(), *args, **kwargs)
+
+    engine.backward = scaled
+
+
+def wrap_checkpointing(engine, save_shard, load_shard, sharded) -> None:
+    """Add per-rank shard files to ``engine.save_checkpoint`` / ``load_checkpoint``.
+
+    DeepSpeed's stage-0 checkpoint writes ``module.state_dict()`` from rank 0
+    (engine.py:5390-5404) and calls it on every rank, so the sharded weights are
+    gathered around the call; each rank then writes / reads its own shard file in the
+    tag directory.
+    """
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
+        tag = f"global_step{engine.global_steps}" if tag is None else tag
+        sharded.gather_all()
+        try:
+            out = save(save_dir, tag, *args, **kwargs)
+        finally:
+            sharded.release_all()
+        save_shard(os.path.join(save_dir, str(tag)))
+        dist.barrier()
+        return out
+
+    @functools.wraps(load)
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        sharded.gather_all()
+        try:
+            path, client_state = load(load_dir, tag, *args, **kwargs)
+            if path is not None:
+                for unit in sharded.all_units:
+                    unit.adopt_full()
+        finally:
+            sharded.release_all()
+        if path is not None:
+            load_shard(os.path.dirname(path))
+        return path, client_state
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint

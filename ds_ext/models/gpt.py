@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class GPTConfig:
     n_heads: int = 4
     ffn_mult: int = 4
     dropout: float = 0.0
+    checkpoint: bool = False  # recompute each block in backward (activation checkpointing)
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -83,7 +85,10 @@ class GPT(nn.Module):
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embed(tokens) + self.pos(pos)
         for block in self.blocks:
-            x = block(x)
+            if self.cfg.checkpoint and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.ln_f(x) @ self.embed.weight.t()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,112 @@
+"""Quantized collectives: int8 all-gather (qwZ) and all-to-all reduce-scatter (qgZ).
+
+ZeRO++ (qwZ / qgZ) as reused by 003 §V: weights travel block-quantized in int8 and
+gradients in int4 through an all-to-all, so each value is quantized once per hop
+instead of once per ring step. Every message is a payload tensor plus an fp32 scale
+tensor, each recorded in the ledger with its true wire bytes.
+
+Chunk order: inputs and outputs are in *group-rank order* (chunk j belongs to group
+rank j); callers convert from / to their shard order (``ds_ext.zero_topo.layout``).
+All chunks must be whole quantization blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_ext.comm.collectives import Communicator, Handle
+from ds_ext.comm.quant import BlockQuantizer, QuantizedTensor
+
+
+class _Pending:
+    """Two in-flight collectives (payload, scales) finished by a local decode."""
+
+    def __init__(self, handles: list[Handle | None], finish) -> None:
+        self._handles = handles
+        self._finish = finish
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            for h in self._handles:
+                if h is not None:
+                    h.wait()
+            self._result = self._finish()
+        return self._result
+
+
+def _gathered(comm: Communicator, q: QuantizedTensor, group, async_op: bool):
+    d = comm.size(group)
+    payload = torch.empty(q.payload.numel() * d, dtype=q.payload.dtype)
+    scales = torch.empty(q.scales.numel() * d, dtype=torch.float32)
+    hs = [
+        comm.all_gather(payload, q.payload, group=group, async_op=async_op),
+        comm.all_gather(scales, q.scales, group=group, async_op=async_op),
+    ]
+    whole = QuantizedTensor(payload, scales, q.bits, q.numel * d, q.block_size)
+    return hs, whole
+
+
+def all_gather_quantized(
+    comm: Communicator,
+    q: QuantizedTensor,
+    quantizer: BlockQuantizer,
+    out: torch.Tensor,
+    group=None,
+    async_op: bool = False,
+) -> _Pending:
+    """All-gather an already quantized chunk; ``wait()`` decodes into ``out`` (group order)."""
+    if q.numel % q.block_size:
+        raise ValueError(f"quantized all-gather needs whole blocks: {q.numel} % {q.block_size}")
+    hs, whole = _gathered(comm, q, group, async_op)
+    pending = _Pending(hs, lambda: quantizer.dequantize(whole, dtype=out.dtype, out=out.view(-1)))
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def all_gather_int(
+    comm: Communicator,
+    chunk: torch.Tensor,
+    quantizer: BlockQuantizer,
+    out: torch.Tensor,
+    group=None,
+    async_op: bool = False,
+) -> _Pending:
+    """Quantize ``chunk`` and all-gather it (qwZ); ``wait()`` decodes into ``out``."""
+    return all_gather_quantized(comm, quantizer.quantize(chunk), quantizer, out, group, async_op)
+
+
+def all_to_all_reduce(
+    comm: Communicator, chunks: torch.Tensor, quantizer: BlockQuantizer, group=None
+) -> torch.Tensor:
+    """One-hop quantized reduce-scatter: returns the fp32 sum of every rank's chunk for me.
+
+    ``chunks``: 1-D, ``d`` equal chunks in group-rank order (chunk j goes to group rank j).
+    """
+    d = comm.size(group)
+    q = quantizer.quantize(chunks)
+    payload = torch.empty_like(q.payload)
+    scales = torch.empty_like(q.scales)
+    comm.all_to_all(payload.view(d, -1), q.payload.view(d, -1), group=group)
+    comm.all_to_all(scales.view(d, -1), q.scales.view(d, -1), group=group)
+    recv = QuantizedTensor(payload, scales, q.bits, q.numel, q.block_size)
+    return quantizer.dequantize(recv, dtype=torch.float32).view(d, -1).sum(0)
+
+
+def all_to_all_reduce_2hop(
+    comm: Communicator,
+    chunks: torch.Tensor,
+    quantizer: BlockQuantizer,
+    intra_group,
+    inter_group,
+) -> torch.Tensor:
+    """Two-hop quantized reduce-scatter (ZeRO++ qgZ): inside the node, then across nodes.
+
+    ``chunks`` is laid out ``[p, n, c]`` (p: intra-group rank, n: inter-group rank, c: a
+    chunk) so that the P-way first hop sends each intra peer the N chunks of the ranks it
+    represents on the other nodes; the partial sums are requantized and the N-way second
+    hop carries only 1/P of the data across nodes.
+    """
+    partial = all_to_all_reduce(comm, chunks, quantizer, group=intra_group)  # [n * c] fp32
+    return all_to_all_reduce(comm, partial, quantizer, group=inter_group)

@@ -1,0 +1,352 @@
+"""ZeRO-topo sharded data parallelism: gather/release hooks and the sharded step (003 §V).
+
+Per micro-batch (nothing crosses a node for the ``zero_topo`` plans):
+  forward   gather each unit from its primary (or narrower secondary) shard, prefetching
+            the next unit; release it after its forward;
+  backward  re-gather from the secondary, prefetching the previous unit; when all of a
+            unit's grads exist, reduce them over the gradient group into the grad shard
+            (plain reduce-scatter, or int4 all-to-all with 1 or 2 hops) and release.
+Per optimizer step (:class:`ZeroTopoOptimizer`):
+  reduce    gradient shard -> optimizer shard across the levels between them:
+            ``hierarchical`` = reduce-scatter level by level (inner first), then all-reduce
+            over replicas; ``allreduce`` = 003: all-reduce over every outer level, select;
+  step      global grad norm (each element once), clipping, fp16 overflow skip, the
+            wrapped torch optimizer on fp32 master segments;
+  gather    16-bit weights back up to the primary shard: ``hierarchical`` = all-gather
+            level by level (outer first), only what the primary shard needs;
+            ``allreduce`` = 003's all-gather over the world; then rebuild the secondary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ds_ext.zero_topo.layout import chunk, shard_count, shard_index, sub_chunk, to_shard_order
+from ds_ext.zero_topo.units import FlatUnit, ShardContext
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def find_units(model: nn.Module, names: list[str] | str) -> list[tuple[str, nn.Module]]:
+    """Modules wrapped as units: entries of every ModuleList ('auto') or by class name."""
+    found = []
+    for qual, mod in model.named_modules():
+        if mod is model:
+            continue
+        if names == "auto":
+            parent = qual.rsplit(".", 1)[0] if "." in qual else ""
+            if isinstance(model.get_submodule(parent) if parent else model, nn.ModuleList):
+                found.append((qual, mod))
+        elif type(mod).__name__ in names:
+            found.append((qual, mod))
+    # drop units nested inside another unit
+    return [(q, m) for q, m in found if not any(q.startswith(o + ".") for o, _ in found if o != q)]
+
+
+class ShardedModel:
+    """Installs the unit hooks on ``model`` and owns its :class:`FlatUnit` s."""
+
+    def __init__(self, model: nn.Module, ctx: ShardContext, unit_names, prefetch: bool) -> None:
+        self.model = model
+        self.ctx = ctx
+        self.prefetch = prefetch
+        wrapped = find_units(model, unit_names)
+        seen: set[int] = set()
+        self.units: list[FlatUnit] = []
+        for qual, mod in wrapped:
+            params = [p for p in mod.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in params)
+            if params:
+                unit = FlatUnit(qual, params, ctx)
+                self.units.append(unit)
+                mod.register_forward_pre_hook(self._pre_forward(unit))
+                mod.register_forward_hook(self._post_forward(unit))
+        rest = [p for p in model.parameters() if id(p) not in seen]
+        self.root = FlatUnit("<root>", rest, ctx) if rest else None
+        self.all_units = ([self.root] if self.root else []) + self.units
+        for unit in self.all_units:
+            for p in unit.params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._grad_ready(unit))
+        model.register_forward_pre_hook(self._model_pre_forward)
+        model.register_forward_hook(self._model_post_forward)
+        self._order: list[FlatUnit] = []
+        self._callback_queued = False
+
+    # ---- forward ------------------------------------------------------------------------
+    def _model_pre_forward(self, module, args):
+        if not _in_backward():
+            self._order = []
+        if self.root is not None:
+            self.root.wait_gather()
+
+    def _model_post_forward(self, module, args, output):
+        if self.root is not None and not torch.is_grad_enabled():
+            self.root.release()
+
+    def _pre_forward(self, unit: FlatUnit):
+        def hook(module, args):
+            backward = _in_backward()
+            unit.start_gather(backward)
+            unit.wait_gather()
+            if not backward:
+                self._order.append(unit)
+                nxt = self._neighbour(unit, +1)
+                if self.prefetch and nxt is not None:
+                    nxt.start_gather(backward=False)
+        return hook
+
+    def _post_forward(self, unit: FlatUnit):
+        def hook(module, args, output):
+            if _in_backward():
+                return output  # recomputation for activation checkpointing: keep for backward
+            unit.release()
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(self._pre_backward(unit))
+                        break
+            return output
+        return hook
+
+    def _neighbour(self, unit: FlatUnit, step: int) -> FlatUnit | None:
+        order = self._order if step < 0 else self.units
+        if unit not in order:
+            return None
+        i = order.index(unit) + step
+        return order[i] if 0 <= i < len(order) else None
+
+    # ---- backward -----------------------------------------------------------------------
+    def _pre_backward(self, unit: FlatUnit):
+        def hook(grad):
+            self._queue_final_callback()
+            unit.start_gather(backward=True)
+            unit.wait_gather()
+            prev = self._neighbour(unit, -1)
+            if self.prefetch and prev is not None:
+                prev.start_gather(backward=True)
+            return grad
+        return hook
+
+    def _grad_ready(self, unit: FlatUnit):
+        n = sum(p.requires_grad for p in unit.params)
+
+        def hook(param):
+            self._queue_final_callback()
+            unit.grads_ready += 1
+            if unit.grads_ready == n:
+                unit.reduce_gradients()
+                unit.release()
+        return hook
+
+    def _queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        """Reduce units whose parameters got no gradient in this backward (unused ones)."""
+        self._callback_queued = False
+        for unit in self.all_units:
+            if unit.grads_ready:
+                unit.reduce_gradients()
+            if unit.gathered:
+                unit.release()
+
+    def gather_all(self) -> None:
+        """Materialise every unit's exact 16-bit weights (collective; for checkpoints)."""
+        for unit in self.all_units:
+            unit.start_gather(backward=False, exact=True)
+        for unit in self.all_units:
+            unit.wait_gather()
+
+    def release_all(self) -> None:
+        for unit in self.all_units:
+            unit.release()
+
+    def state_bytes(self) -> dict[str, int]:
+        out = {"primary": 0, "secondary": 0, "gradients": 0}
+        for unit in self.all_units:
+            for k, v in unit.state_bytes().items():
+                out[k] += v
+        return out
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+
+
+@dataclass
+class LossScaler:
+    """Dynamic fp16 loss scale (DeepSpeed's fp16 semantics: halve on overflow, double
+    after ``window`` clean steps, never below ``min_scale``)."""
+
+    scale: float = 1.0
+    dynamic: bool = False
+    window: int = 1000
+    min_scale: float = 1.0
+    _clean: int = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            self.scale = max(self.scale / 2, self.min_scale)
+            self._clean = 0
+        else:
+            self._clean += 1
+            if self._clean % self.window == 0:
+                self.scale *= 2
+
+
+class ZeroTopoOptimizer(torch.optim.Optimizer):
+    """The sharded step around a torch optimizer whose params become fp32 master segments.
+
+    ``inner`` keeps its class, hyper-parameters and param groups (so LR schedulers built
+    on it keep working); each group's params are replaced by this rank's fp32 segments of
+    the optimizer shard.
+    """
+
+    def __init__(self, sharded: ShardedModel, inner: torch.optim.Optimizer, clip: float, scaler: LossScaler):
+        self.sharded = sharded
+        self.inner = inner
+        self.clip = clip
+        self.scaler = scaler
+        self.overflow = False
+        self._global_grad_norm = 0.0
+        ctx = sharded.ctx
+        group_of = {id(p): i for i, g in enumerate(inner.param_groups) for p in g["params"]}
+        self.segments: list[tuple[FlatUnit, int, int, torch.Tensor]] = []  # unit, lo, hi, master
+        per_group: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
+        n_opt = shard_count(ctx.topo, ctx.plan.optimizer)
+        for unit in sharded.all_units:
+            size = unit.U // n_opt
+            a = shard_index(ctx.topo, ctx.rank, ctx.plan.optimizer) * size
+            own = self._own_slice(unit)
+            for p, o in zip(unit.params, unit.offsets):
+                lo, hi = max(a, o), min(a + size, o + p.numel())
+                if lo >= hi or not p.requires_grad:
+                    continue
+                if id(p) not in group_of:
+                    raise ValueError(f"a parameter of unit {unit.name} is in none of the optimizer's param groups")
+                master = own[lo - a : hi - a].float().clone()
+                self.segments.append((unit, lo - a, hi - a, master))
+                per_group[group_of[id(p)]].append(master)
+        for g, params in zip(inner.param_groups, per_group):
+            g["params"] = params
+        inner.state.clear()
+        self.param_groups = inner.param_groups
+        self.defaults = inner.defaults
+        self.state = inner.state
+
+    def _own_slice(self, unit: FlatUnit) -> torch.Tensor:
+        """This rank's optimizer slice of the unit's primary shard (a view)."""
+        plan = self.sharded.ctx.plan
+        return sub_chunk(unit.primary, self.sharded.ctx.topo, self.sharded.ctx.rank, unit.U, plan.weights, plan.optimizer)
+
+    # ---- step boundary ------------------------------------------------------------------
+    def _optimizer_grad(self, unit: FlatUnit) -> torch.Tensor:
+        """Reduce the unit's gradient shard across levels into its fp32 optimizer slice."""
+        ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
+        top = len(ctx.topo.levels) - 1
+        x = unit.grad_shard
+        if plan.step == "allreduce":
+            if plan.gradients < top:
+                ctx.comm.all_reduce(x, group=ctx.group(range(plan.gradients + 1, top + 1)))
+            x = sub_chunk(x, ctx.topo, ctx.rank, unit.U, plan.gradients, plan.optimizer)
+        else:
+            for level in range(plan.gradients + 1, plan.optimizer + 1):
+                out = torch.empty(x.numel() // ctx.topo.levels[level].size, dtype=x.dtype)
+                ctx.comm.reduce_scatter(out, x, group=ctx.group([level]))
+                x = out
+            if plan.optimizer < top:
+                ctx.comm.all_reduce(x, group=ctx.group(range(plan.optimizer + 1, top + 1)))
+        return x.float()
+
+    def _gather_weights(self, unit: FlatUnit, slice16: torch.Tensor) -> None:
+        """All-gather updated 16-bit optimizer slices back into the primary shard."""
+        ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
+        x = slice16
+        if plan.step == "allreduce" and plan.optimizer > plan.weights:
+            levels = list(range(plan.optimizer + 1))
+            out = torch.empty(unit.U, dtype=x.dtype)
+            ctx.comm.all_gather(out, x, group=ctx.span(plan.optimizer))
+            x = chunk(to_shard_order(out, ctx.topo, levels), ctx.topo, ctx.rank, plan.weights)
+        else:
+            for level in range(plan.optimizer, plan.weights, -1):
+                out = torch.empty(x.numel() * ctx.topo.levels[level].size, dtype=x.dtype)
+                ctx.comm.all_gather(out, x, group=ctx.group([level]))
+                x = out
+        unit.primary.copy_(x)
+        unit.rebuild_secondary()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ds_ext.zero_topo: step(closure) is not supported")
+        ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
+        grads = {id(unit): self._optimizer_grad(unit) for unit in self.sharded.all_units}
+        sumsq = torch.zeros(1, dtype=torch.float64)
+        for unit, lo, hi, master in self.segments:
+            g = grads[id(unit)][lo:hi]
+            if self.scaler.scale != 1.0:
+                g = g / self.scaler.scale
+            master.grad = g
+            sumsq += g.double().pow(2).sum()
+        # every element once: sum over the ranks of one optimizer replica
+        ctx.comm.all_reduce(sumsq, group=ctx.span(plan.optimizer))
+        norm = math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else float("inf")
+        self._global_grad_norm = norm
+        self.overflow = not math.isfinite(norm)
+        self.scaler.update(self.overflow)
+        if not self.overflow:
+            if self.clip > 0 and norm > self.clip:
+                coef = self.clip / (norm + 1e-6)
+                for *_, master in self.segments:
+                    master.grad.mul_(coef)
+            self.inner.step()
+            for unit in self.sharded.all_units:
+                slice16 = self._own_slice(unit).clone()
+                for u, lo, hi, master in self.segments:
+                    if u is unit:
+                        slice16[lo:hi].copy_(master)
+                self._gather_weights(unit, slice16)
+        elif not plan.secondary_from_primary:
+            for unit in self.sharded.all_units:
+                unit.secondary = None
+        for unit in self.sharded.all_units:
+            unit.grad_shard.zero_()
+        for *_, master in self.segments:
+            master.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for unit in self.sharded.all_units:
+            for p in unit.params:
+                p.grad = None
+
+    def state_bytes(self) -> int:
+        n = sum(m.numel() * m.element_size() for *_, m in self.segments)
+        for st in self.inner.state.values():
+            n += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor) and v.dim())
+        return n
+
+    def state_dict(self):
+        """DeepSpeed stores this from rank 0 only; the real state goes to per-rank shard files."""
+        return {"ds_ext_zero_topo": "optimizer state is in the per-rank ds_ext_zero_topo_rank*.pt files"}
+
+    def load_state_dict(self, state_dict):
+        if "ds_ext_zero_topo" not in state_dict:
+            raise ValueError("this checkpoint was not written by ds_ext.zero_topo")

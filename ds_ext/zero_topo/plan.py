@@ -1,0 +1,180 @@
+"""Sharding plan: which topology level each model state is sharded over (003 §V-A, Table IV).
+
+A state *sharded at level L* is split across the ranks of one domain of L: on Frontier
+``gcd`` = the 2 GCDs of one MI250X, ``gpu`` = the 8 GCDs of a node, ``node`` = every
+rank. Notation (003 Table III): N nodes, P ranks per node; N_w/P_w, N_g/P_g, N_os/P_os
+the nodes / ranks-per-node that share weights, gradients and optimizer states.
+
+Dependency rule (003 §V-A, from AMSP): each rank holds only gradients and optimizer
+states of parameters it owns, so ``N_os >= N_g >= N_w`` and ``P_os >= P_g >= P_w``: the
+optimizer level is at or above the gradient level, which is at or above the weight
+level. The secondary weight copy (hpZ / 003's Sec-Degree) may sit at any level.
+
+Presets (issue 3): ``zero3``, ``zeropp`` (qwZ + hpZ + qgZ as DeepSpeed does them),
+``mics``, ``zero_topo_paper`` (003 exactly) and ``zero_topo`` (003's partitioning with a
+hierarchical step boundary). Presets name levels relative to the topology (innermost,
+node, world) so they work on any hierarchy; explicit fields override them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ds_ext.plugin import PluginConfig
+from ds_ext.topology import Topology
+
+Bits = Literal[4, 8, 16]
+StepKind = Literal["hierarchical", "allreduce"]
+PresetName = Literal["zero3", "zeropp", "mics", "zero_topo_paper", "zero_topo"]
+PRESETS: tuple[str, ...] = PresetName.__args__  # type: ignore[attr-defined]
+
+# Relative level names used by presets: resolved against the topology.
+INNER, NODE, WORLD = "@inner", "@node", "@world"
+
+
+class PlanError(ValueError):
+    """A plan that breaks the dependency rule or does not fit the topology."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WeightsConfig(_Section):
+    level: str | None = Field(None, description="Level the 16-bit primary weights are sharded over.")
+    gather_bits: Bits | None = Field(None, description="Wire format of weight all-gathers: 8 = int8 (qwZ), 16 = unquantized.")
+
+
+class SecondaryConfig(_Section):
+    level: str | None = Field(None, description="Level of the secondary weight partition (hpZ / Sec-Degree); 'none' for no secondary.")
+    bits: Bits | None = Field(None, description="Stored format: 8 = block-quantized int8 (003), 16 = model dtype (DeepSpeed hpZ).")
+
+
+class GradientsConfig(_Section):
+    level: str | None = Field(None, description="Level the gradient shard is sharded over.")
+    bits: Bits | None = Field(None, description="Wire format of the gradient reduce-scatter: 4 = int4 all-to-all (qgZ), 16 = unquantized.")
+    hops: Literal[1, 2] | None = Field(None, description="1 = one all-to-all over the gradient group; 2 = intra-node then inter-node (ZeRO++ qgZ).")
+
+
+class OptimizerConfig(_Section):
+    level: str | None = Field(None, description="Level the fp32 master weights and optimizer moments are sharded over.")
+
+
+class ZeroTopoConfig(PluginConfig):
+    """``"ds_ext": {"zero_topo": {...}}``."""
+
+    preset: PresetName = Field("zero_topo", description=f"Base plan: one of {', '.join(PRESETS)}.")  # type: ignore[valid-type]
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    secondary: SecondaryConfig = Field(default_factory=SecondaryConfig)
+    gradients: GradientsConfig = Field(default_factory=GradientsConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    step: StepKind | None = Field(
+        None,
+        description="'allreduce' = 003: cross-node all-reduce of the gradient shard and a world all-gather "
+        "of the weights; 'hierarchical' = reduce-scatter / all-gather level by level.",
+    )
+    quant_block_size: int = Field(512, ge=2, description="Elements per quantization block (even).")
+    units: list[str] | Literal["auto"] = Field(
+        "auto",
+        description="Module class names gathered and released as one unit; 'auto' = the entries of every "
+        "nn.ModuleList (transformer blocks).",
+    )
+    prefetch: bool = Field(True, description="Start the next unit's all-gather while the current one computes.")
+
+
+_PRESET_FIELDS: dict[str, dict] = {
+    "zero3": dict(w=WORLD, wb=16, s=None, sb=16, g=WORLD, gb=16, hops=1, o=WORLD, step="hierarchical"),
+    "zeropp": dict(w=WORLD, wb=8, s=NODE, sb=16, g=WORLD, gb=4, hops=2, o=WORLD, step="hierarchical"),
+    "mics": dict(w=NODE, wb=16, s=None, sb=16, g=NODE, gb=16, hops=1, o=NODE, step="hierarchical"),
+    "zero_topo_paper": dict(w=INNER, wb=8, s=INNER, sb=8, g=NODE, gb=4, hops=1, o=WORLD, step="allreduce"),
+    "zero_topo": dict(w=INNER, wb=8, s=INNER, sb=8, g=NODE, gb=4, hops=1, o=WORLD, step="hierarchical"),
+}
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """A plan resolved against a topology: level indices into ``topology.levels``."""
+
+    topology: Topology
+    weights: int
+    gather_bits: int
+    secondary: int | None
+    secondary_bits: int
+    gradients: int
+    gradient_bits: int
+    gradient_hops: int
+    optimizer: int
+    step: str
+    block_size: int
+
+    def name(self, index: int | None) -> str:
+        return "none" if index is None else self.topology.levels[index].name
+
+    def shards(self, index: int | None) -> int:
+        """Number of shards of a state sharded at level ``index`` (1 if replicated)."""
+        return 1 if index is None else self.topology.domain_size(self.topology.levels[index].name)
+
+    @property
+    def secondary_from_primary(self) -> bool:
+        """The secondary lies inside the primary shard, so it is rebuilt locally after a step."""
+        return self.secondary is not None and self.secondary >= self.weights
+
+    def describe(self) -> str:
+        sec = "none" if self.secondary is None else f"{self.name(self.secondary)} int{self.secondary_bits}" \
+            if self.secondary_bits < 16 else f"{self.name(self.secondary)} 16-bit"
+        return (
+            f"weights {self.name(self.weights)} (gather {self.gather_bits}-bit), secondary {sec}, "
+            f"gradients {self.name(self.gradients)} ({self.gradient_bits}-bit, {self.gradient_hops}-hop), "
+            f"optimizer {self.name(self.optimizer)}, step {self.step}"
+        )
+
+
+def _level_index(topo: Topology, value: str, key: str) -> int:
+    relative = {INNER: 0, NODE: max(len(topo.levels) - 2, 0), WORLD: len(topo.levels) - 1}
+    if value in relative:
+        return relative[value]
+    if value not in topo.level_names:
+        raise PlanError(
+            f"ds_ext.zero_topo.{key}: topology {topo.name!r} has no level {value!r}; "
+            f"allowed: {', '.join(topo.level_names)}"
+        )
+    return topo.index(value)
+
+
+def resolve_plan(cfg: ZeroTopoConfig, topo: Topology) -> ShardingPlan:
+    """Apply the preset, the explicit overrides and the dependency rule."""
+    p = dict(_PRESET_FIELDS[cfg.preset])
+    for key, value in (
+        ("w", cfg.weights.level), ("wb", cfg.weights.gather_bits), ("s", cfg.secondary.level),
+        ("sb", cfg.secondary.bits), ("g", cfg.gradients.level), ("gb", cfg.gradients.bits),
+        ("hops", cfg.gradients.hops), ("o", cfg.optimizer.level), ("step", cfg.step),
+    ):
+        if value is not None:
+            p[key] = None if (key == "s" and value == "none") else value
+    w = _level_index(topo, p["w"], "weights.level")
+    g = _level_index(topo, p["g"], "gradients.level")
+    o = _level_index(topo, p["o"], "optimizer.level")
+    s = None if p["s"] is None else _level_index(topo, p["s"], "secondary.level")
+    if not o >= g >= w:
+        raise PlanError(
+            "ds_ext.zero_topo: 003's dependency rule needs optimizer level >= gradients level >= "
+            "weights level (N_os >= N_g >= N_w, P_os >= P_g >= P_w); got "
+            f"weights={topo.levels[w].name}, gradients={topo.levels[g].name}, optimizer={topo.levels[o].name}"
+        )
+    if p["sb"] == 4:
+        raise PlanError("ds_ext.zero_topo.secondary.bits: allowed values are 8 and 16 (got 4)")
+    if p["hops"] == 2 and (g == 0 or p["gb"] == 16):
+        raise PlanError(
+            "ds_ext.zero_topo.gradients.hops: 2 needs a quantized gradient reduction (bits 4 or 8) "
+            f"over more than one level; got level {topo.levels[g].name!r}, bits {p['gb']}"
+        )
+    if cfg.quant_block_size % 2:
+        raise PlanError(f"ds_ext.zero_topo.quant_block_size: must be even (got {cfg.quant_block_size})")
+    return ShardingPlan(
+        topology=topo, weights=w, gather_bits=p["wb"], secondary=s, secondary_bits=p["sb"],
+        gradients=g, gradient_bits=p["gb"], gradient_hops=p["hops"], optimizer=o, step=p["step"],
+        block_size=cfg.quant_block_size,
+    )

@@ -1,0 +1,207 @@
+"""Flat gather/release units of ZeRO-topo (003 §V-A, Fig. 6).
+
+A unit is a set of parameters (a transformer block, or the remaining "root"
+parameters) flattened into one buffer of U elements (padded so every shard at every
+level is whole quantization blocks). Per rank it holds:
+
+* the **primary** shard: U / shards(w) elements of the model dtype at the weight level w;
+* optionally the **secondary** shard at level s: int8 block-quantized (003) or model
+  dtype (DeepSpeed hpZ), gathered for backward and, where s is narrower than w, for
+  later forwards;
+* the **gradient** shard: U / shards(g) elements accumulated over micro-batches.
+
+Sharding contract: the module's parameters are views into ``full`` (U elements). While
+the unit is *released* the storage of ``full`` is resized to 0 bytes; gathering resizes
+it back and writes the gathered values in place, so tensors autograd saved in forward
+see valid data again in backward (the FSDP flat-parameter technique).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ds_ext.comm import Communicator
+from ds_ext.comm.quant import BlockQuantizer, QuantizedTensor
+from ds_ext.comm.quantized import all_gather_int, all_gather_quantized, all_to_all_reduce, all_to_all_reduce_2hop
+from ds_ext.zero_topo.layout import (
+    chunk,
+    from_shard_order,
+    level_partition,
+    padded_numel,
+    shard_count,
+    sub_chunk,
+    to_shard_order,
+)
+from ds_ext.zero_topo.plan import ShardingPlan
+
+
+@dataclass
+class ShardContext:
+    """What every unit of one model shares."""
+
+    plan: ShardingPlan
+    comm: Communicator
+    rank: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        b = self.plan.block_size
+        self.weight_quantizer = BlockQuantizer(8, b)
+        self.grad_quantizer = BlockQuantizer(self.plan.gradient_bits, b) if self.plan.gradient_bits < 16 else None
+
+    @property
+    def topo(self):
+        return self.plan.topology
+
+    def group(self, levels: Sequence[int]):
+        """Process group of the ranks that differ only on ``levels``."""
+        return self.comm.registry.group(level_partition(self.topo, list(levels)))
+
+    def span(self, level: int):
+        return self.group(range(level + 1))
+
+
+class FlatUnit:
+    """One unit's parameters, shards and collectives (see module docstring)."""
+
+    def __init__(self, name: str, params: list[nn.Parameter], ctx: ShardContext) -> None:
+        self.name = name
+        self.ctx = ctx
+        self.params = params
+        self.offsets: list[int] = []
+        n = 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.U = padded_numel(n, ctx.topo.world_size, ctx.plan.block_size)
+        self.full = torch.zeros(self.U, dtype=ctx.dtype)
+        with torch.no_grad():
+            for p, o in zip(params, self.offsets):
+                self.full[o : o + p.numel()].copy_(p.data.reshape(-1))
+                p.data = self.full[o : o + p.numel()].view(p.shape)
+        plan = ctx.plan
+        self.primary = chunk(self.full, ctx.topo, ctx.rank, plan.weights).clone()
+        self.secondary: torch.Tensor | QuantizedTensor | None = None
+        self.grad_shard = torch.zeros(self.U // shard_count(ctx.topo, plan.gradients), dtype=ctx.dtype)
+        self.gathered = True
+        self._pending = None
+        self.grads_ready = 0
+        self.rebuild_secondary()
+        self.release()
+
+    # ---- weights ------------------------------------------------------------------------
+    def rebuild_secondary(self) -> None:
+        """Derive the secondary from the primary when it lies inside it, else drop it."""
+        plan = self.ctx.plan
+        if not plan.secondary_from_primary:
+            self.secondary = None
+            return
+        sub = sub_chunk(self.primary, self.ctx.topo, self.ctx.rank, self.U, plan.weights, plan.secondary)  # type: ignore[arg-type]
+        self.secondary = self._store_secondary(sub)
+
+    def _store_secondary(self, values: torch.Tensor):
+        if self.ctx.plan.secondary_bits == 8:
+            return self.ctx.weight_quantizer.quantize(values)
+        return values.clone()
+
+    def _source(self, backward: bool):
+        """(level, data) to gather from: the secondary for backward and when narrower."""
+        plan = self.ctx.plan
+        if self.secondary is not None and (backward or plan.secondary < plan.weights):  # type: ignore[operator]
+            return plan.secondary, self.secondary
+        return plan.weights, self.primary
+
+    def start_gather(self, backward: bool, exact: bool = False) -> None:
+        """Begin gathering ``full`` (async); :meth:`wait_gather` completes it.
+
+        ``exact`` gathers the unquantized primary shards (checkpoints).
+        """
+        if self.gathered or self._pending is not None:
+            return
+        self.full.untyped_storage().resize_(self.U * self.full.element_size())
+        level, data = (self.ctx.plan.weights, self.primary) if exact else self._source(backward)
+        ctx, levels = self.ctx, list(range(level + 1))
+        group = ctx.span(level)
+        reorder = len(levels) > 1
+        out = torch.empty_like(self.full) if reorder else self.full
+        if isinstance(data, QuantizedTensor):
+            pending = all_gather_quantized(ctx.comm, data, ctx.weight_quantizer, out, group, async_op=True)
+        elif ctx.plan.gather_bits == 8 and not exact:
+            pending = all_gather_int(ctx.comm, data, ctx.weight_quantizer, out, group, async_op=True)
+        else:
+            pending = ctx.comm.all_gather(out, data, group=group, async_op=True)
+        self._pending = (pending, out if reorder else None, levels, level)
+
+    def adopt_full(self) -> None:
+        """Take new primary (and secondary) shards from ``full`` after it was overwritten."""
+        self.primary.copy_(chunk(self.full, self.ctx.topo, self.ctx.rank, self.ctx.plan.weights))
+        self.rebuild_secondary()
+
+    def wait_gather(self) -> None:
+        if self.gathered:
+            return
+        if self._pending is None:
+            self.start_gather(backward=torch._C._current_graph_task_id() != -1)
+        pending, out, levels, level = self._pending  # type: ignore[misc]
+        pending.wait()
+        if out is not None:
+            self.full.copy_(to_shard_order(out, self.ctx.topo, levels))
+        plan = self.ctx.plan
+        if plan.secondary is not None and not plan.secondary_from_primary and self.secondary is None \
+                and level >= plan.secondary:
+            self.secondary = self._store_secondary(chunk(self.full, self.ctx.topo, self.ctx.rank, plan.secondary))
+        self._pending = None
+        self.gathered = True
+
+    def release(self) -> None:
+        if self._pending is not None:
+            self.wait_gather()
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    # ---- gradients ----------------------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """Flatten the parameters' grads, reduce them over the gradient group into the shard."""
+        ctx, plan = self.ctx, self.ctx.plan
+        flat = torch.zeros(self.U, dtype=ctx.dtype)
+        for p, o in zip(self.params, self.offsets):
+            if p.grad is not None:
+                flat[o : o + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+        flat.div_(ctx.topo.world_size)
+        g = plan.gradients
+        if plan.gradient_hops == 1:
+            ordered = from_shard_order(flat, ctx.topo, range(g + 1))
+        if ctx.grad_quantizer is None:
+            out = torch.empty_like(self.grad_shard)
+            ctx.comm.reduce_scatter(out, ordered, group=ctx.span(g))
+            self.grad_shard.add_(out)
+        elif plan.gradient_hops == 1:
+            self.grad_shard.add_(all_to_all_reduce(ctx.comm, ordered, ctx.grad_quantizer, ctx.span(g)))
+        else:
+            # [p, n, c]: shard order puts the outermost level's digit last, so the chunks
+            # for one intra-node peer on every node are contiguous (the qgZ slice reorder).
+            by_peer = from_shard_order(flat, ctx.topo, range(g))
+            self.grad_shard.add_(
+                all_to_all_reduce_2hop(ctx.comm, by_peer, ctx.grad_quantizer, ctx.span(g - 1), ctx.group([g]))
+            )
+        self.grads_ready = 0
+
+    # ---- accounting ---------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        sec = self.secondary
+        if isinstance(sec, QuantizedTensor):
+            sec_bytes = sec.wire_bytes
+        else:
+            sec_bytes = 0 if sec is None else sec.numel() * sec.element_size()
+        es = self.primary.element_size()
+        return {
+            "primary": self.primary.numel() * es,
+            "secondary": sec_bytes,
+            "gradients": self.grad_shard.numel() * es,
+        }
