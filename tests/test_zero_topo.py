@@ -163,3 +163,41 @@ def _checkpoint_round_trip(tmp):
 def test_checkpoint_round_trip(world, tmp_path):
     for after, resumed in world.run(_checkpoint_round_trip, str(tmp_path)):
         assert resumed == after
+
+
+def _measured_vs_analytic(preset, accum, overrides):
+    cfg = _ds_config(0, "bf16", accum=accum, zero_topo={"preset": preset, **overrides})
+    engine = _engine(cfg)
+    _run_steps(engine, 3)
+    plugin = engine.ds_ext.plugins[0]
+    ledger = engine.ds_ext.ledger
+    last = ledger.steps[-1]
+    model = plugin.analytic_traffic(accum)
+    out = {
+        "measured": {ph: dict(v) for ph, v in last.by_phase().items() if ph != "other"},
+        "analytic": model.bytes,
+        "calls": dict(last.calls_by_level()),
+        "analytic_calls": model.calls_by_level(),
+        "state": plugin.state_bytes(),
+        "analytic_state": plugin.analytic_memory(),
+    }
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("preset", ["zero_topo", "zero_topo_paper", "zero3", "zeropp", "mics"])
+@pytest.mark.parametrize("accum", [1, 3])
+@pytest.mark.parametrize("quantized", [True, False])
+def test_ledger_equals_analytic_model(world, preset, accum, quantized):
+    results = world.run(_measured_vs_analytic, preset, accum, {} if quantized else UNQUANTIZED)
+    for r in results:
+        measured, analytic = r["measured"], r["analytic"]
+        assert set(measured) == set(analytic), (measured, analytic)
+        for phase in analytic:
+            assert set(measured[phase]) == set(analytic[phase]), (phase, measured, analytic)
+            for level, b in analytic[phase].items():
+                assert measured[phase][level] == pytest.approx(b, rel=1e-2), (phase, level)
+        for level, c in r["analytic_calls"].items():
+            assert r["calls"][level] == pytest.approx(c), level
+        for state, b in r["analytic_state"].items():
+            assert r["state"][state] == pytest.approx(b, rel=1e-2), state

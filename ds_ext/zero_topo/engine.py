@@ -78,6 +78,7 @@ class ShardedModel:
         model.register_forward_hook(self._model_post_forward)
         self._order: list[FlatUnit] = []
         self._callback_queued = False
+        self.peak_state_bytes: dict[str, int] = {}
 
     # ---- forward ------------------------------------------------------------------------
     def _model_pre_forward(self, module, args):
@@ -153,11 +154,18 @@ class ShardedModel:
     def _backward_done(self) -> None:
         """Reduce units whose parameters got no gradient in this backward (unused ones)."""
         self._callback_queued = False
+        self.peak_state_bytes = {k: max(v, self.peak_state_bytes.get(k, 0)) for k, v in self.state_bytes().items()}
         for unit in self.all_units:
             if unit.grads_ready:
                 unit.reduce_gradients()
             if unit.gathered:
                 unit.release()
+
+    def unit_specs(self):
+        """The units as the analytic model sees them (ds_ext.perf.zero.UnitSpec)."""
+        from ds_ext.perf.zero import UnitSpec
+
+        return [UnitSpec(u.U, u.numel, u is self.root) for u in self.all_units]
 
     def gather_all(self) -> None:
         """Materialise every unit's exact 16-bit weights (collective; for checkpoints)."""

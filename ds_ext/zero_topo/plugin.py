@@ -84,10 +84,22 @@ class ZeroTopoPlugin(Plugin):
         compat.wrap_checkpointing(engine, self._save_shard, self._load_shard, self.sharded)
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds per model state (weights, secondary, gradients, optimizer)."""
-        out = self.sharded.state_bytes()
+        """Peak bytes this rank held per model state (primary and secondary weights,
+        gradient shard; sampled at the end of each backward) and optimizer state."""
+        out = dict(self.sharded.peak_state_bytes or self.sharded.state_bytes())
         out["optimizer"] = self.optimizer.state_bytes()
         return out
+
+    def analytic_traffic(self, grad_accum: int):
+        """The analytic model (ds_ext.perf.zero) of this run's bytes per step."""
+        from ds_ext.perf.zero import traffic
+
+        return traffic(self.plan, self.sharded.unit_specs(), grad_accum, self.sharded.ctx.dtype.itemsize)
+
+    def analytic_memory(self):
+        from ds_ext.perf.zero import memory
+
+        return memory(self.plan, self.sharded.unit_specs(), self.runtime.rank, self.sharded.ctx.dtype.itemsize)
 
     # ---- checkpoints: DeepSpeed saves the gathered 16-bit module; each rank adds its shard --
     def _save_shard(self, directory: str) -> None:

@@ -1,0 +1,1 @@
+"""Analytic communication / memory models shared by the planner, tests and benchmarks."""

@@ -1,0 +1,190 @@
+"""Analytic traffic and memory of a ZeRO-topo plan (003 §V-C, §V-D, Tables V-VIII).
+
+Bytes sent by one rank per optimizer step, per phase and topology level, following the
+ledger's convention (ds_ext/comm/ledger.py) and exactly the collectives the engine
+issues (ds_ext/zero_topo/engine.py), so that a measured ledger equals this model.
+
+Notation: U padded unit size (elements), e bytes per 16-bit (or fp32) element,
+n_L = shards(L) = ranks in one domain of level L, d the group size, B the quantization
+block, wire_b(n) = n b / 8 + 4 n / B for a quantized chunk of n elements.
+Per micro-batch, for every unit:
+  forward   all-gather of the source shard over span(source)   n (d-1) bytes per chunk
+  backward  all-gather of the backward source (not the root unit, kept from forward)
+            reduce of the gradient: reduce-scatter U e (d-1)/d, or int-b all-to-all
+            wire_b(U)(d-1)/d (1 hop), or hop 1 over the node + hop 2 over N nodes.
+Per step: the cross-level reduction (reduce-scatter / all-reduce of U e / n_g), the
+grad-norm all-reduce (8 bytes), and the weight all-gather back to the primary shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ds_ext.zero_topo.plan import ShardingPlan
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One gather/release unit: padded size U, real parameter count, root or not."""
+
+    U: int
+    numel: int
+    root: bool = False
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.calls: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+
+    def add(self, phase: str, level: str | None, nbytes: float, calls: int, times: int = 1) -> None:
+        if level is None or times == 0:
+            return
+        self.bytes[phase][level] += nbytes * times
+        self.calls[phase][level] += calls * times
+
+
+@dataclass
+class Traffic:
+    """Bytes and calls per step: ``bytes[phase][level]``."""
+
+    bytes: dict[str, dict[str, float]]
+    calls: dict[str, dict[str, float]]
+
+    def by_level(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for per in self.bytes.values():
+            for lv, b in per.items():
+                out[lv] += b
+        return dict(out)
+
+    def calls_by_level(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for per in self.calls.values():
+            for lv, c in per.items():
+                out[lv] += c
+        return dict(out)
+
+
+def _wire(n: float, bits: int, block: int) -> tuple[float, float]:
+    """(payload bytes, scale bytes) of n quantized elements."""
+    return n * bits / 8, 4 * n / block
+
+
+def _level(plan: ShardingPlan, levels: list[int]) -> str | None:
+    """Outermost level of a group over ``levels`` whose size exceeds one."""
+    live = [i for i in levels if plan.topology.levels[i].size > 1]
+    return plan.topology.levels[max(live)].name if live else None
+
+
+def _group_size(plan: ShardingPlan, levels) -> int:
+    return math.prod(plan.topology.levels[i].size for i in levels)  # type: ignore[misc]
+
+
+def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_bytes: int) -> Traffic:
+    """Bytes and calls per optimizer step of ``plan`` for ``units`` at ``grad_accum``."""
+    t = _Tally()
+    top = len(plan.topology.levels) - 1
+    B = plan.block_size
+
+    def gather(phase: str, level: int, U: int, quantized: bool, times: int) -> None:
+        levels = list(range(level + 1))
+        d = _group_size(plan, levels)
+        n = U / d
+        if quantized:
+            pay, sc = _wire(n, 8, B)
+            t.add(phase, _level(plan, levels), (pay + sc) * (d - 1), 2, times)
+        else:
+            t.add(phase, _level(plan, levels), n * elem_bytes * (d - 1), 1, times)
+
+    s, w = plan.secondary, plan.weights
+    sec_quant = plan.secondary_bits == 8 or plan.gather_bits == 8
+    pri_quant = plan.gather_bits == 8
+    for u in units:
+        # forward: from the primary, or from a narrower secondary once it exists
+        if s is not None and s < w:  # hpZ: built by the step's first gather, kept to the step
+            gather("forward", w, u.U, pri_quant, 1)
+            gather("forward", s, u.U, sec_quant, grad_accum - 1)
+        else:
+            gather("forward", w, u.U, pri_quant, grad_accum)
+        if not u.root:
+            if s is not None:
+                gather("backward", s, u.U, sec_quant, grad_accum)
+            else:
+                gather("backward", w, u.U, pri_quant, grad_accum)
+        _gradient_reduce(t, plan, u.U, elem_bytes, grad_accum)
+        _step(t, plan, u.U, elem_bytes, top)
+    o_levels = list(range(plan.optimizer + 1))
+    d = _group_size(plan, o_levels)
+    t.add("step", _level(plan, o_levels), 2 * 8 * (d - 1) / d, 1)  # grad-norm all-reduce
+    return Traffic({p: dict(v) for p, v in t.bytes.items()}, {p: dict(v) for p, v in t.calls.items()})
+
+
+def _gradient_reduce(t: _Tally, plan: ShardingPlan, U: int, e: int, times: int) -> None:
+    g = plan.gradients
+    levels = list(range(g + 1))
+    d = _group_size(plan, levels)
+    if plan.gradient_bits == 16:
+        t.add("backward", _level(plan, levels), U * e * (d - 1) / d, 1, times)
+        return
+    pay, sc = _wire(U, plan.gradient_bits, plan.block_size)
+    if plan.gradient_hops == 1:
+        t.add("backward", _level(plan, levels), (pay + sc) * (d - 1) / d, 2, times)
+        return
+    inner = list(range(g))
+    p = _group_size(plan, inner)
+    t.add("backward", _level(plan, inner), (pay + sc) * (p - 1) / p, 2, times)
+    n = plan.topology.levels[g].size
+    pay2, sc2 = _wire(U / p, plan.gradient_bits, plan.block_size)
+    t.add("backward", _level(plan, [g]), (pay2 + sc2) * (n - 1) / n, 2, times)
+
+
+def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:
+    topo = plan.topology
+    n_of = lambda lv: _group_size(plan, range(lv + 1))  # noqa: E731
+    g, o, w = plan.gradients, plan.optimizer, plan.weights
+    x = U / n_of(g)
+    if plan.step == "allreduce":
+        if g < top:
+            levels = list(range(g + 1, top + 1))
+            d = _group_size(plan, levels)
+            t.add("step", _level(plan, levels), 2 * x * e * (d - 1) / d, 1)
+    else:
+        for lv in range(g + 1, o + 1):
+            d = topo.levels[lv].size
+            t.add("step", _level(plan, [lv]), x * e * (d - 1) / d, 1)
+            x /= d
+        if o < top:
+            levels = list(range(o + 1, top + 1))
+            d = _group_size(plan, levels)
+            t.add("step", _level(plan, levels), 2 * x * e * (d - 1) / d, 1)
+    x = U / n_of(o)
+    if plan.step == "allreduce" and o > w:
+        d = n_of(o)
+        t.add("step", _level(plan, list(range(o + 1))), x * e * (d - 1), 1)
+    else:
+        for lv in range(o, w, -1):
+            d = topo.levels[lv].size
+            t.add("step", _level(plan, [lv]), x * e * (d - 1), 1)
+            x *= d
+
+
+def memory(plan: ShardingPlan, units: list[UnitSpec], rank: int, elem_bytes: int) -> dict[str, float]:
+    """Bytes rank ``rank`` holds per state (003 Tables V/VI): primary, secondary (at its
+    peak, before the step), gradients, optimizer (fp32 master + two Adam moments)."""
+    from ds_ext.zero_topo.layout import shard_index
+
+    n = lambda lv: _group_size(plan, range(lv + 1))  # noqa: E731
+    out = {"primary": 0.0, "secondary": 0.0, "gradients": 0.0, "optimizer": 0.0}
+    for u in units:
+        out["primary"] += u.U / n(plan.weights) * elem_bytes
+        if plan.secondary is not None:
+            m = u.U / n(plan.secondary)
+            out["secondary"] += sum(_wire(m, 8, plan.block_size)) if plan.secondary_bits == 8 else m * elem_bytes
+        out["gradients"] += u.U / n(plan.gradients) * elem_bytes
+        size = u.U // n(plan.optimizer)
+        a = shard_index(plan.topology, rank, plan.optimizer) * size
+        out["optimizer"] += 12 * max(0, min(a + size, u.numel) - a)
+    return out
