@@ -69,7 +69,7 @@ def main() -> None:
     runtime = engine.ds_ext
     if rank == 0:
         params = cfg.num_parameters
-        model_bytes = params * (2 if engine.bfloat16_enabled() or engine.fp16_enabled() else 4)
+        model_bytes = params * next(engine.module.parameters()).element_size()
         print(f"\nfinal loss {sum(losses) / len(losses):.4f} after {args.steps} steps "
               f"({elapsed / args.steps:.2f} s/step), {params:,} parameters, M = {model_bytes:,} bytes")
         print(runtime.topology.describe())
