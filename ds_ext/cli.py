@@ -1,4 +1,4 @@
-"""``ds-ext`` command line: ``detect``, ``schema``.
+"""``ds-ext`` command line: ``detect``, ``schema``, ``bench <name>``.
 
 ``ds-ext detect`` prints the topology read from the launcher environment (or given by
 ``--preset`` / ``--world-size``) and the groups of the calling rank, or of every rank
@@ -8,10 +8,12 @@ with ``--all``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
 from ds_ext import config as cfgmod
+from ds_ext.bench import BENCHMARKS
 from ds_ext.groups import member_group, topology_partition
 from ds_ext.runtime import resolve_topology
 from ds_ext.topology import PRESET_NAMES, Topology, TopologyError, detect_environment
@@ -71,13 +73,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_detect)
     s = sub.add_parser("schema", help="print the JSON schema of the \"ds_ext\" block")
     s.set_defaults(func=cmd_schema)
+    b = sub.add_parser("bench", help="run a benchmark (writes JSON and a PNG)")
+    bsub = b.add_subparsers(dest="benchmark", required=True)
+    for name in BENCHMARKS:
+        mod = importlib.import_module(f"ds_ext.bench.{name}")
+        bp = bsub.add_parser(name, help=mod.__doc__.splitlines()[0], description=mod.__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(bp)
+        bp.set_defaults(func=mod.run)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
-        return ns.func(ns)
+        result = ns.func(ns)
+        return result if isinstance(result, int) else 0
     except (TopologyError, cfgmod.DsExtConfigError) as err:
         print(f"ds-ext: error: {err}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from harness import World
+from ds_ext.local_world import World
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

@@ -1,0 +1,280 @@
+"""``ds-ext bench zero``: ZeRO-topo presets against DeepSpeed's own ZeRO-3 and ZeRO++.
+
+8 CPU ranks emulate 2 nodes x 2 GPUs x 2 GCDs (003 §IV's Frontier hierarchy, shrunk);
+a GPT of ~19M parameters (bf16) trains on byte-level stdlib text at each gradient
+accumulation. Every variant runs in a fresh gloo world, side by side in one invocation:
+
+* ``deepspeed_zero3``: DeepSpeed ZeRO-3 in the large-model regime (prefetch 0, reuse
+  distance 0, persistence 0), as spec/deepspeed_traffic_measured.md;
+* ``deepspeed_zeropp``: ZeRO-3 + hpZ over the node + qwZ + qgZ, with DeepSpeed's
+  pure-torch quantizer patched in (``deepspeed_compat.enable_cpu_zeropp_quantizer``);
+* ``ds_ext_<preset>`` for every ZeRO-topo preset (003 §III-C, §V).
+
+DeepSpeed's collectives are counted by the same ledger as ds_ext's (torch.distributed is
+wrapped), so bytes per level compare like for like. Measured steps alternate between
+plain wall time and alpha-beta time emulation (Frontier latencies and bandwidths x
+``--time-scale``), so both step times come from the same warm process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from pathlib import Path
+from typing import Any
+
+from ds_ext.bench import median, write_json
+
+LEVELS = ("gcd", "gpu", "node")
+DEEPSPEED_VARIANTS = ("deepspeed_zero3", "deepspeed_zeropp")
+DS_EXT_PRESETS = ("zero3", "zeropp", "mics", "zero_topo_paper", "zero_topo")
+ALL_VARIANTS = DEEPSPEED_VARIANTS + tuple(f"ds_ext_{p}" for p in DS_EXT_PRESETS)
+MODELS = {  # name -> (d_model, n_layers, n_heads, seq_len)
+    "gpt20m": (512, 6, 8, 128),
+    "tiny": (64, 2, 4, 32),
+}
+WORLD, RANKS_PER_NODE = 8, 4
+# DeepSpeed's counterpart of a ds_ext preset, for the "same inter-node bytes" check
+DEEPSPEED_TWIN = {"ds_ext_zero3": "deepspeed_zero3", "ds_ext_zeropp": "deepspeed_zeropp"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="JSON file to write (a PNG is written next to it)")
+    p.add_argument("--grad-accum", type=int, nargs="+", default=[1, 8], metavar="GA")
+    p.add_argument("--variants", nargs="+", default=list(ALL_VARIANTS), choices=ALL_VARIANTS)
+    p.add_argument("--model", choices=sorted(MODELS), default="gpt20m")
+    p.add_argument("--warmup", type=int, default=1, help="optimizer steps before measuring")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per timing mode")
+    p.add_argument(
+        "--time-scale", type=float, default=100.0,
+        help="multiply emulated link times (latency and bytes/bandwidth) by this factor: one CPU "
+        "core computes ~1000x slower than a GCD, so unscaled link times vanish in the noise",
+    )
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per variant before giving up")
+
+
+# ---- one rank ---------------------------------------------------------------------------
+def _ds_config(variant: str, grad_accum: int, time_scale: float) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "steps_per_print": 1_000_000,
+        "ds_ext": {
+            "topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True},
+            "comm": {"ledger": True, "emulate_time": True, "time_scale": time_scale},
+        },
+    }
+    if variant in DEEPSPEED_VARIANTS:
+        zero = {
+            "stage": 3,
+            "reduce_bucket_size": 10_000_000,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_max_reuse_distance": 0,
+        }
+        if variant == "deepspeed_zeropp":
+            zero.update(zero_hpz_partition_size=RANKS_PER_NODE, zero_quantized_weights=True,
+                        zero_quantized_gradients=True)
+        cfg["zero_optimization"] = zero
+        cfg["ds_ext"]["comm"]["count_torch_collectives"] = True
+    else:
+        cfg["zero_optimization"] = {"stage": 0}
+        cfg["ds_ext"]["zero_topo"] = {"enabled": True, "preset": variant.removeprefix("ds_ext_")}
+    return cfg
+
+
+def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, steps: int,
+             time_scale: float) -> list[dict[str, Any]]:
+    """Runs on every rank: train ``warmup + 2 * steps`` steps per grad_accum and measure."""
+    import torch
+    import torch.distributed as dist
+
+    import ds_ext
+    from ds_ext.data import ByteCorpus
+    from ds_ext.integration import deepspeed_compat as compat
+    from ds_ext.models import GPT, GPTConfig
+
+    if variant == "deepspeed_zeropp":
+        compat.enable_cpu_zeropp_quantizer()
+    d, layers, heads, seq = MODELS[model]
+    corpus = ByteCorpus()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = []
+    for ga in grad_accums:
+        torch.manual_seed(1234)
+        cfg = GPTConfig(seq_len=seq, d_model=d, n_layers=layers, n_heads=heads)
+        net = GPT(cfg)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.0)
+        engine, *_ = ds_ext.initialize(model=net, optimizer=opt, config=_ds_config(variant, ga, time_scale))
+        rt = engine.ds_ext
+        emulator = rt.comm.emulator
+        times: dict[bool, list[float]] = {False: [], True: []}
+        losses, state = [], {}
+        for step in range(warmup + 2 * steps):
+            emulate = step >= warmup and (step - warmup) % 2 == 1
+            rt.comm.emulator = emulator if emulate else None
+            dist.barrier()
+            t0 = time.perf_counter()
+            step_losses = []
+            for micro in range(ga):
+                tokens = corpus.micro_batch(step, micro, rank, world, 2, ga, seq)
+                loss = engine(tokens)
+                engine.backward(loss)
+                if micro == ga - 1 and variant in DEEPSPEED_VARIANTS:
+                    state = compat.deepspeed_zero3_state_bytes(engine)  # secondary still held
+                engine.step()
+                step_losses.append(loss.item())
+            dist.barrier()
+            if step >= warmup:
+                times[emulate].append(time.perf_counter() - t0)
+            losses.append(sum(step_losses) / ga)
+        rt.comm.emulator = emulator
+        led = rt.ledger
+        record: dict[str, Any] = {
+            "variant": variant,
+            "grad_accum": ga,
+            "model_parameters": cfg.num_parameters,
+            "model_bytes": cfg.num_parameters * 2,
+            "nodes": rt.topology.world_size // RANKS_PER_NODE,
+            "ranks_per_node": RANKS_PER_NODE,
+            "bytes_per_step": led.mean_by_level(warmup),
+            "calls_per_step": led.mean_calls_by_level(warmup),
+            "bytes_per_step_by_phase": _mean_phases(led.steps[warmup:]),
+            "analytic_bytes_per_step": None,
+            "analytic_calls_per_step": None,
+            "step_time_s": median(times[False]),
+            "step_time_emulated_s": median(times[True]),
+            "time_scale": time_scale,
+            "losses": losses,
+            "loss": losses[-1],
+            "peak_state_bytes": state,
+            "analytic_state_bytes": None,
+        }
+        if variant not in DEEPSPEED_VARIANTS:
+            plugin = rt.plugins[0]
+            model_traffic = plugin.analytic_traffic(ga)
+            record.update(
+                analytic_bytes_per_step={lv: model_traffic.by_level().get(lv, 0.0) for lv in LEVELS},
+                analytic_calls_per_step={lv: model_traffic.calls_by_level().get(lv, 0) for lv in LEVELS},
+                peak_state_bytes=plugin.state_bytes(),
+                analytic_state_bytes=plugin.analytic_memory(),
+            )
+        out.append(record)
+        del engine, opt, net
+        gc.collect()
+    return out
+
+
+def _mean_phases(steps) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for s in steps:
+        for ph, levels in s.by_phase().items():
+            for lv, b in levels.items():
+                out.setdefault(ph, {}).setdefault(lv, 0.0)
+                out[ph][lv] += b / len(steps)
+    return out
+
+
+# ---- driver -----------------------------------------------------------------------------
+def _merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Rank 0's record with the loss averaged over ranks (traffic is symmetric)."""
+    merged = []
+    for i, rec in enumerate(per_rank[0]):
+        rec = dict(rec)
+        rec["losses"] = [sum(r[i]["losses"][k] for r in per_rank) / len(per_rank) for k in range(len(rec["losses"]))]
+        rec["loss"] = rec["losses"][-1]
+        merged.append(rec)
+    return merged
+
+
+def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The acceptance numbers of issue 3, computed from the records."""
+    by = {(r["variant"], r["grad_accum"]): r for r in records}
+    out: dict[str, Any] = {"model_vs_measured_max_rel_err": {}, "inter_node_vs_deepspeed": {},
+                           "zero_topo_vs_floor": {}, "step_time_ratio_emulated": {}, "step_time_ratio": {}}
+    for (v, ga), r in by.items():
+        if r["analytic_bytes_per_step"] is not None:
+            errs = [abs(r["bytes_per_step"][lv] - r["analytic_bytes_per_step"][lv]) / max(r["analytic_bytes_per_step"][lv], 1.0)
+                    for lv in LEVELS]
+            out["model_vs_measured_max_rel_err"][f"{v}@GA{ga}"] = max(errs)
+        twin = DEEPSPEED_TWIN.get(v)
+        if twin and (twin, ga) in by:
+            out["inter_node_vs_deepspeed"][f"{v}@GA{ga}"] = r["bytes_per_step"]["node"] / by[twin, ga]["bytes_per_step"]["node"]
+        if v == "ds_ext_zero_topo":
+            n, p = r["nodes"], r["ranks_per_node"]
+            floor = 2 * (r["model_bytes"] / p) * (n - 1) / n
+            out["zero_topo_vs_floor"][f"GA{ga}"] = r["bytes_per_step"]["node"] / floor
+        for ours in ("ds_ext_zero_topo", "ds_ext_zero_topo_paper"):
+            for theirs in DEEPSPEED_VARIANTS:
+                if v == ours and (theirs, ga) in by:
+                    key = f"{theirs}/{ours}@GA{ga}"
+                    out["step_time_ratio_emulated"][key] = by[theirs, ga]["step_time_emulated_s"] / r["step_time_emulated_s"]
+                    out["step_time_ratio"][key] = by[theirs, ga]["step_time_s"] / r["step_time_s"]
+    return out
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    head = (f"{'variant':<24}{'GA':>3}{'gcd xM':>9}{'gpu xM':>9}{'node xM':>9}{'model node':>11}"
+            f"{'calls':>7}{'step s':>8}{'emul s':>8}{'loss':>8}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        m = r["model_bytes"]
+        b = r["bytes_per_step"]
+        model = r["analytic_bytes_per_step"]
+        lines.append(
+            f"{r['variant']:<24}{r['grad_accum']:>3}{b['gcd'] / m:>9.3f}{b['gpu'] / m:>9.3f}{b['node'] / m:>9.3f}"
+            f"{(model['node'] / m if model else float('nan')):>11.3f}{sum(r['calls_per_step'].values()):>7.0f}"
+            f"{r['step_time_s']:>8.2f}{r['step_time_emulated_s']:>8.2f}{r['loss']:>8.3f}"
+        )
+    lines.append("bytes sent per rank per optimizer step in units of M = model bytes (bf16); "
+                 "'emul s' with alpha-beta time emulation")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gas = sorted({r["grad_accum"] for r in records})
+    fig, axes = plt.subplots(1, len(gas), figsize=(6 * len(gas), 4.5), squeeze=False)
+    for ax, ga in zip(axes[0], gas):
+        rows = [r for r in records if r["grad_accum"] == ga]
+        bottom = [0.0] * len(rows)
+        for lv in LEVELS:
+            vals = [r["bytes_per_step"][lv] / r["model_bytes"] for r in rows]
+            ax.bar(range(len(rows)), vals, bottom=bottom, label=lv)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(range(len(rows)), [r["variant"].replace("deepspeed_", "DS ").replace("ds_ext_", "")
+                                         for r in rows], rotation=35, ha="right")
+        ax.set_ylabel("bytes per rank per step (x model bytes)")
+        ax.set_title(f"grad accumulation {ga}")
+        ax.legend(title="level")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from ds_ext.local_world import World
+
+    records: list[dict[str, Any]] = []
+    for variant in tqdm(args.variants, desc="bench zero", unit="variant"):
+        with World(WORLD, {"LOCAL_SIZE": str(RANKS_PER_NODE)}, timeout=args.timeout) as world:
+            per_rank = world.run(_measure, variant, args.grad_accum, args.model, args.warmup,
+                                 args.steps, args.time_scale)
+        records.extend(_merge_ranks(per_rank))
+    records.sort(key=lambda r: (r["grad_accum"], ALL_VARIANTS.index(r["variant"])))
+    payload = {"benchmark": "zero", "world_size": WORLD, "model": args.model, "records": records,
+               "checks": checks(records)}
+    out = write_json(args.out, payload)
+    plot(records, out.with_suffix(".png"))
+    print(table(records))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return payload
