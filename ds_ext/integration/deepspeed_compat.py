@@ -200,3 +200,190 @@ def deepspeed_zero3_state_bytes(engine) -> dict[str, int]:
         "gradients": nbytes(opt.grad_partitions_flat_buffer),
         "optimizer": sum(nbytes(t) for t in opt.fp32_partitioned_groups_flat) + inner,
     }
+
+
+# ---- tiled optimizer (001 §7.2): DeepSpeed's mixed-precision wrappers -------------------
+def optimizer_kind(optimizer) -> str:
+    """What wraps the client optimizer in a DeepSpeed engine.
+
+    ``"zero12"`` = ``DeepSpeedZeroOptimizer`` (ZeRO 1/2, fp32/fp16/bf16),
+    ``"unfused16"`` = ``FP16_UnfusedOptimizer`` (stage 0 with fp16, and with bf16:
+    engine.py:2321 maps bf16 without ZeRO to DDP_BFLOAT16, which builds this wrapper
+    around a torch optimizer), ``"plain"`` = the torch optimizer itself (stage 0 fp32),
+    else the wrapper's class name.
+    """
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return "zero12"
+    if isinstance(optimizer, FP16_UnfusedOptimizer):
+        return "unfused16"
+    import torch
+
+    if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "optimizer"):
+        return "plain"
+    return type(optimizer).__name__
+
+
+def _refuse(what: str) -> None:
+    from ds_ext.config import DsExtConfigError
+
+    raise DsExtConfigError(
+        f"ds_ext.tiled_optimizer: not supported together with {what}; supported: ZeRO stage 0, 1 or 2 "
+        "(fp32, fp16 or bf16) without offload, or ds_ext.zero_topo"
+    )
+
+
+def install_tiled_zero_step(zero_opt, tiled) -> None:
+    """Replace ``DeepSpeedZeroOptimizer.step`` by the tiled step (001 §7.2).
+
+    Mirrors ``stage_1_and_2.py:step`` (0.19.8, l.3013-3191, non-offload branch) and reuses
+    its overflow check, global norm (incl. MoE expert-norm averaging), loss-scale update and
+    ``unscale_and_clip_grads``; only the per-group "flatten, ``.to(fp32)``, optimizer step,
+    copy to 16-bit" is replaced by :meth:`ds_ext.optim.tiled.TiledAdam.update` reading the
+    partition's 16-bit gradient pieces (``averaged_gradients[i]``) tile by tile.
+    """
+    import torch
+    from deepspeed import comm as ds_dist
+
+    z = sys.modules["deepspeed.runtime.zero.stage_1_and_2"]
+    from ds_ext.optim.tiled import piecewise_loader
+
+    if zero_opt.cpu_offload:
+        _refuse("zero_optimization.offload_optimizer")
+    if zero_opt.zenflow:
+        _refuse("zenflow")
+    if zero_opt.torch_autocast_gradscaler is not None:
+        _refuse("torch_autocast")
+    self = zero_opt
+
+    def group_update(i: int, norm) -> None:
+        partition_id = ds_dist.get_rank(group=self.real_dp_process_group[i])
+        self.free_grad_in_param_list(self.params_not_in_partition[i])
+        pre = self._get_preflattened_grad_partition(i)
+        pieces = [pre] if pre is not None else list(self.averaged_gradients[i])
+        if self._muon_update_lacks_loss_scale(i):
+            _refuse("Muon")
+        fp32 = self.single_partition_of_fp32_groups[i]
+        bit16 = self.parallel_partitioned_bit16_groups[i][partition_id]
+        load = piecewise_loader(
+            pieces, int(self.partition_size[i]), lambda buf: self.unscale_and_clip_grads([buf], norm)
+        )
+
+        def store(s: int, e: int) -> None:
+            bit16.data[s:e].copy_(fp32.data[s:e])
+
+        tiled.update(fp32, self.optimizer.param_groups[i], load, store)
+        self.free_grad_in_param_list(self.params_in_partition[i])
+        self._release_preflattened_grad_buffers(i)
+        self.averaged_gradients[i] = None
+        self.all_grad_tensors[i] = None
+
+    @torch.no_grad()
+    def step(closure=None):
+        if closure is not None:
+            raise ValueError("ds_ext.tiled_optimizer: step(closure) is not supported")
+        self.micro_step_id = z.INITIAL_MICRO_STEP_ID
+        if not self.compute_grad_norm:
+            self._global_grad_norm = None
+        # 1. overflow and global norm, before any tile is touched
+        self.overflow = False
+        if self.check_grad_overflow:
+            self.check_overflow(partition_gradients=self.partition_gradients)
+        norm = None
+        if self.compute_grad_norm and not self.overflow:
+            norm = self.scaled_global_norm()
+            if (self.dtype != torch.bfloat16 or self.check_grad_overflow) and z.is_invalid_grad_norm(norm):
+                self.overflow = True
+        prev_scale = self.loss_scale
+        self._update_scale(self.overflow)
+        if self.overflow:
+            if self.compute_grad_norm:
+                self._global_grad_norm = float("inf")
+            self.zero_grad(set_to_none=True)
+            self._release_preflattened_grad_buffers()
+            for k in self.averaged_gradients.keys():
+                self.averaged_gradients[k] = None
+                self.all_grad_tensors[k] = None
+            for timer in z.OPTIMIZER_TIMERS:
+                self.timers(timer).start()
+                self.timers(timer).stop()
+            return
+        if norm is not None:
+            self._global_grad_norm = norm / prev_scale
+        # 2. tiled up-cast, unscale/clip, update, copy back
+        self.timers(z.OPTIMIZER_STEP_TIMER).start()
+        for i in range(len(self.bit16_groups)):
+            group_update(i, norm)
+        self._lazy_init_hp_params_optimizer_state()
+        self.timers(z.OPTIMIZER_STEP_TIMER).stop()
+        # 3. DeepSpeed's weight all-gather, unchanged
+        self.timers(z.OPTIMIZER_ALLGATHER_TIMER).start()
+        z.all_gather_dp_groups(
+            groups_flat=self.bit16_groups_flat,
+            partitioned_param_groups=self.parallel_partitioned_bit16_groups,
+            dp_process_group=self.real_dp_process_group,
+            start_alignment_factor=self.nccl_start_alignment_factor,
+            allgather_bucket_size=self.allgather_bucket_size,
+        )
+        self.timers(z.OPTIMIZER_ALLGATHER_TIMER).stop()
+        for i in range(len(self.bit16_groups)):
+            self._update_model_bit16_weights(i)
+
+    zero_opt.step = step
+
+
+def install_tiled_unfused_step(fp16_opt, tiled) -> None:
+    """Replace ``FP16_UnfusedOptimizer.step`` (stage 0 with fp16 or bf16) by the tiled step.
+
+    Mirrors ``fp16/unfused_optimizer.py:step`` (0.19.8, l.197-241): overflow check and
+    norm on the 16-bit grads first, then, per parameter and tile, up-cast the 16-bit grad
+    (a missing grad is zeros, as there), multiply by ``1 / combined_scale`` from
+    ``unscale_and_clip_grads(norm, apply_scale=False)``, update, copy back to 16 bits.
+    """
+    import torch
+
+    u = sys.modules["deepspeed.runtime.fp16.unfused_optimizer"]
+    self = fp16_opt
+    if self.fused_lamb_legacy:
+        _refuse("the legacy fused LAMB path")
+
+    @torch.no_grad()
+    def step(closure=None):
+        if closure is not None:
+            raise ValueError("ds_ext.tiled_optimizer: step(closure) is not supported")
+        self.overflow = self.overflow_checker.check()
+        if self.overflow:
+            return self._skip_invalid_grad_norm()
+        norm_groups = []
+        for group in self.fp16_groups:
+            grads_for_norm, _ = u.split_params_grads_into_shared_and_expert_params(group)
+            norm_groups.append(u.get_weight_norm(grads_for_norm, mpu=self.mpu) if grads_for_norm else 0.0)
+        self._global_grad_norm = u.get_global_norm(norm_list=norm_groups)
+        if u.is_invalid_grad_norm(self._global_grad_norm):
+            return self._skip_invalid_grad_norm()
+        self._update_scale(False)
+        inv_scale = 1.0 / self.unscale_and_clip_grads(self._global_grad_norm, apply_scale=False)
+        group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        for fp32_group, fp16_group in zip(self.fp32_groups, self.fp16_groups):
+            for fp32_param, fp16_param in zip(fp32_group, fp16_group):
+                g16 = fp16_param.grad
+                pieces = [] if g16 is None else [g16]
+                load = _scaled_loader(pieces, fp32_param.numel(), inv_scale)
+                flat32, flat16 = fp32_param.data.view(-1), fp16_param.data.view(-1)
+
+                def store(s: int, e: int, flat32=flat32, flat16=flat16) -> None:
+                    flat16[s:e].copy_(flat32[s:e])
+
+                tiled.update(fp32_param.data, group_of[id(fp32_param)], load, store)
+                fp32_param.grad = None
+        return self.overflow
+
+    fp16_opt.step = step
+
+
+def _scaled_loader(pieces, total, inv_scale):
+    from ds_ext.optim.tiled import piecewise_loader
+
+    return piecewise_loader(pieces, total, lambda buf: buf.mul_(inv_scale))

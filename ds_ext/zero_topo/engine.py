@@ -15,18 +15,27 @@ Per optimizer step (:class:`ZeroTopoOptimizer`):
   gather    16-bit weights back up to the primary shard: ``hierarchical`` = all-gather
             level by level (outer first), only what the primary shard needs;
             ``allreduce`` = 003's all-gather over the world; then rebuild the secondary.
+With ``ds_ext.tiled_optimizer`` (001 §7.2) the step keeps the reduced gradients in 16 bits,
+updates each unit tile by tile through one fp32 buffer, and issues the unit's weight
+all-gather asynchronously so that it runs while the next unit is updated (same collectives,
+bytes and calls as above, only overlapped).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
 
 from ds_ext.zero_topo.layout import chunk, shard_count, shard_index, sub_chunk, to_shard_order
 from ds_ext.zero_topo.units import FlatUnit, ShardContext
+
+if TYPE_CHECKING:
+    from ds_ext.comm.collectives import Handle
+    from ds_ext.optim.tiled import TiledAdam
 
 
 def _in_backward() -> bool:
@@ -231,6 +240,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
     def __init__(self, sharded: ShardedModel, inner: torch.optim.Optimizer, clip: float, scaler: LossScaler):
         self.sharded = sharded
         self.inner = inner
+        self.tiled: "TiledAdam | None" = None  # set by ds_ext.tiled_optimizer (001 §7.2)
         self.clip = clip
         self.scaler = scaler
         self.overflow = False
@@ -268,6 +278,11 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
     # ---- step boundary ------------------------------------------------------------------
     def _optimizer_grad(self, unit: FlatUnit) -> torch.Tensor:
         """Reduce the unit's gradient shard across levels into its fp32 optimizer slice."""
+        return self._optimizer_grad_reduced(unit).float()
+
+    def _optimizer_grad_reduced(self, unit: FlatUnit) -> torch.Tensor:
+        """Reduce the unit's gradient shard across levels into its optimizer slice, in the
+        training dtype (the tiled step up-casts it one tile at a time)."""
         ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
         top = len(ctx.topo.levels) - 1
         x = unit.grad_shard
@@ -282,7 +297,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
                 x = out
             if plan.optimizer < top:
                 ctx.comm.all_reduce(x, group=ctx.group(range(plan.optimizer + 1, top + 1)))
-        return x.float()
+        return x
 
     def _gather_weights(self, unit: FlatUnit, slice16: torch.Tensor) -> None:
         """All-gather updated 16-bit optimizer slices back into the primary shard."""
@@ -301,10 +316,107 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         unit.primary.copy_(x)
         unit.rebuild_secondary()
 
+    def _gather_weights_async(self, unit: FlatUnit, slice16: torch.Tensor) -> Iterator["Handle"]:
+        """:meth:`_gather_weights` as a chain of async all-gathers (the same calls, groups
+        and bytes): yields each handle right after issuing it; the caller waits on it and
+        resumes the chain, which finally writes the primary shard and the secondary."""
+        ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
+        x = slice16
+        if plan.step == "allreduce" and plan.optimizer > plan.weights:
+            levels = list(range(plan.optimizer + 1))
+            out = torch.empty(unit.U, dtype=x.dtype)
+            yield ctx.comm.all_gather(out, x, group=ctx.span(plan.optimizer), async_op=True)
+            x = chunk(to_shard_order(out, ctx.topo, levels), ctx.topo, ctx.rank, plan.weights)
+        else:
+            for level in range(plan.optimizer, plan.weights, -1):
+                out = torch.empty(x.numel() * ctx.topo.levels[level].size, dtype=x.dtype)
+                yield ctx.comm.all_gather(out, x, group=ctx.group([level]), async_op=True)
+                x = out
+        unit.primary.copy_(x)
+        unit.rebuild_secondary()
+
+    def _global_norm(self, grads: dict[int, torch.Tensor], scale: float) -> float:
+        """sqrt(sum of squares) of the unscaled gradient, every element once (collective)."""
+        ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
+        sumsq = torch.zeros(1, dtype=torch.float64)
+        for unit, lo, hi, _ in self.segments:
+            g = grads[id(unit)][lo:hi].float()
+            if scale != 1.0:
+                g = g / scale
+            sumsq += g.double().pow_(2).sum()
+        ctx.comm.all_reduce(sumsq, group=ctx.span(plan.optimizer))
+        return math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else float("inf")
+
+    def _tiled_step(self, tiled: "TiledAdam") -> None:
+        """The tiled, overlapped step (001 §7.2), bit-identical to the untiled one.
+
+        The global norm and overflow are decided from the reduced 16-bit gradients before
+        any tile is updated. Each unit's segments are then updated tile by tile through
+        ``tiled``'s one fp32 buffer; its weight all-gather chain starts as soon as the unit
+        is done, and every pending chain advances one collective after each later unit's
+        update, so the gather of unit i runs during the update of unit i+1. The schedule
+        depends only on unit order, so every rank issues each group's collectives in the
+        same order.
+        """
+        plan = self.sharded.ctx.plan
+        units = self.sharded.all_units
+        grads = {id(unit): self._optimizer_grad_reduced(unit) for unit in units}
+        scale = self.scaler.scale
+        norm = self._global_norm(grads, scale)
+        self._global_grad_norm = norm
+        self.overflow = not math.isfinite(norm)
+        self.scaler.update(self.overflow)
+        if self.overflow:
+            if not plan.secondary_from_primary:
+                for unit in units:
+                    unit.secondary = None
+            return
+        coef = self.clip / (norm + 1e-6) if self.clip > 0 and norm > self.clip else None
+        group_of = {id(p): g for g in self.inner.param_groups for p in g["params"]}
+        pending: list[tuple[Iterator[Handle], Handle]] = []
+
+        def advance_pending() -> None:
+            for i, (chain, handle) in enumerate(pending):
+                handle.wait()
+                pending[i] = (chain, next(chain, None))  # type: ignore[arg-type]
+            pending[:] = [(c, h) for c, h in pending if h is not None]
+
+        for unit in units:
+            slice16 = self._own_slice(unit).clone()
+            reduced = grads[id(unit)]
+            for u, lo, hi, master in self.segments:
+                if u is not unit:
+                    continue
+                src = reduced[lo:hi]
+
+                def load(buf: torch.Tensor, s: int, src: torch.Tensor = src) -> None:
+                    buf.copy_(src[s : s + buf.numel()])
+                    if scale != 1.0:
+                        buf.div_(scale)
+                    if coef is not None:
+                        buf.mul_(coef)
+
+                def store(s: int, e: int, lo: int = lo, master: torch.Tensor = master) -> None:
+                    slice16[lo + s : lo + e].copy_(master[s:e])
+
+                tiled.update(master, group_of[id(master)], load, store)
+            advance_pending()
+            chain = self._gather_weights_async(unit, slice16)
+            first = next(chain, None)
+            if first is not None:
+                pending.append((chain, first))
+        while pending:
+            advance_pending()
+
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ds_ext.zero_topo: step(closure) is not supported")
+        if self.tiled is not None:
+            self._tiled_step(self.tiled)
+            for unit in self.sharded.all_units:
+                unit.grad_shard.zero_()
+            return
         ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
         grads = {id(unit): self._optimizer_grad(unit) for unit in self.sharded.all_units}
         sumsq = torch.zeros(1, dtype=torch.float64)

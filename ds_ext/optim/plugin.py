@@ -1,0 +1,120 @@
+"""``"ds_ext": {"tiled_optimizer": {"enabled": true, "tile_size": 1800000}}`` (001 §7.2).
+
+Runs the optimizer step in tiles of ``tile_size`` parameters through one reused fp32
+buffer (:mod:`ds_ext.optim.tiled`), wherever the step happens, with no change to the
+user's param groups (no ``split_params_into_different_moe_groups_for_optimizer(...,
+max_group_size=...)``):
+
+* DeepSpeed ZeRO stage 1/2 (``DeepSpeedZeroOptimizer``, fp32 / fp16 / bf16, DeepSpeed-MoE
+  expert groups included): its ``step`` is replaced by the tiled one
+  (``deepspeed_compat.install_tiled_zero_step``);
+* stage 0 with fp16 or bf16 (DeepSpeed 0.19.8 wraps a torch optimizer in
+  ``FP16_UnfusedOptimizer`` for both): ``deepspeed_compat.install_tiled_unfused_step``;
+* stage 0 in fp32: the torch optimizer's ``step`` runs tiled;
+* ZeRO-topo (``"zero_topo": {"enabled": true}``): its sharded step updates tile by tile and
+  overlaps each unit's weight all-gather with the next unit's update.
+
+The optimizer must be a torch ``Adam`` / ``AdamW`` (an instance passed as ``optimizer=``,
+or a ds_config ``"optimizer"`` of type Adam/AdamW with ``"torch_adam": true``); anything
+else fails at start naming ``ds_ext.tiled_optimizer`` and the allowed types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import Field, StrictInt
+
+from ds_ext.config import DsExtConfigError
+from ds_ext.integration import deepspeed_compat as compat
+from ds_ext.optim.tiled import ALLOWED_TYPES, KEY, TiledAdam, check_tileable
+from ds_ext.plugin import Plugin, PluginConfig, register_plugin
+
+DEFAULT_TILE_SIZE = 1_800_000  # 001 §7.2: "we fix the tile size to 1.8 million parameters"
+
+
+class TiledOptimizerConfig(PluginConfig):
+    """``ds_ext.tiled_optimizer`` (001 §7.2)."""
+
+    tile_size: StrictInt = Field(
+        DEFAULT_TILE_SIZE,
+        gt=0,
+        description="Parameters per tile; the step's fp32 gradient buffer is 4 x tile_size bytes.",
+    )
+
+
+def _check_ds_config(ds_config: dict, optimizer: Any) -> None:
+    zero = ds_config.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise DsExtConfigError(
+            f"{KEY}: zero_optimization.stage {stage} is not tiled; allowed: 0, 1, 2 (or ds_ext.zero_topo)"
+        )
+    for key in ("offload_optimizer", "offload_param"):
+        dev = (zero.get(key) or {}).get("device", "none")
+        if dev not in (None, "none"):
+            raise DsExtConfigError(
+                f"{KEY}: zero_optimization.{key}.device {dev!r} is not tiled; allowed: 'none'"
+            )
+    if optimizer is None:
+        section = ds_config.get("optimizer")
+        if section is None:
+            raise DsExtConfigError(f"{KEY}: no optimizer; pass a torch optimizer ({ALLOWED_TYPES})")
+        kind = str(section.get("type", "")).lower()
+        torch_adam = (section.get("params") or {}).get("torch_adam", False)
+        if kind not in ("adam", "adamw") or not torch_adam:
+            raise DsExtConfigError(
+                f"{KEY}: ds_config optimizer {section.get('type')!r} (torch_adam={torch_adam}) is not tiled; "
+                f"allowed types: {ALLOWED_TYPES} (ds_config 'Adam'/'AdamW' with \"torch_adam\": true)"
+            )
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        check_tileable(optimizer)
+
+
+@register_plugin
+class TiledOptimizerPlugin(Plugin):
+    """The tiled mixed-precision optimizer step (001 §7.2) as a ds_ext plugin."""
+
+    name = "tiled_optimizer"
+    Config = TiledOptimizerConfig
+
+    tiled: TiledAdam
+
+    def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        _check_ds_config(ds_config, optimizer)
+        return model, optimizer, ds_config
+
+    def attach(self, engine: Any) -> None:
+        ts = self.config.tile_size
+        zero_topo = next((p for p in self.runtime.plugins if p.name == "zero_topo"), None)
+        if zero_topo is not None:
+            self.tiled = TiledAdam(zero_topo.optimizer.inner, ts)
+            zero_topo.optimizer.tiled = self.tiled
+            return
+        opt = engine.optimizer
+        kind = compat.optimizer_kind(opt)
+        if kind == "zero12":
+            self.tiled = TiledAdam(opt.optimizer, ts)
+            compat.install_tiled_zero_step(opt, self.tiled)
+        elif kind == "unfused16":
+            self.tiled = TiledAdam(opt.optimizer, ts)
+            compat.install_tiled_unfused_step(opt, self.tiled)
+        elif kind == "plain":
+            self.tiled = TiledAdam(opt, ts)
+            opt.step = _plain_step(self.tiled)
+        else:
+            raise DsExtConfigError(
+                f"{KEY}: DeepSpeed built a {kind} around the optimizer, which is not tiled; supported: "
+                "ZeRO stage 0/1/2 without offload (DeepSpeedZeroOptimizer, FP16_UnfusedOptimizer, "
+                "a plain torch optimizer) or ds_ext.zero_topo"
+            )
+
+
+def _plain_step(tiled: TiledAdam):
+    def step(closure=None):
+        if closure is not None:
+            raise ValueError(f"{KEY}: step(closure) is not supported")
+        tiled.step_fp32_params()
+
+    return step

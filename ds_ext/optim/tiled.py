@@ -1,0 +1,244 @@
+"""The tiled mixed-precision Adam/AdamW step (001 §7.2).
+
+Notation (001 §7.2): ``ts`` = tile size in parameters; θ32 = fp32 master weights,
+m, v = Adam moments, ∇θ16 = 16-bit (or fp32) gradients, s = loss scale, c = clip
+coefficient.
+
+The untiled mixed-precision step up-casts a whole partition of ∇θ16 to fp32 at once
+and then runs the torch optimizer on it, whose own temporaries (``denom``) are again
+partition-sized: the memory spike grows with the number of local (expert) parameters.
+The tiled step visits every fp32 master tensor in tiles of at most ``ts`` elements and,
+for each tile, through ONE reused fp32 buffer of ``ts`` elements (4 x ts bytes):
+
+1. up-cast: ``buf <- ∇θ16[tile]`` (the caller's ``load`` writes fp32 into ``buf``);
+2. unscale and clip: ``buf <- buf / s * c`` (the caller's ``load`` does it with the same
+   kernel and scalars as the untiled path, so the values are bit-identical);
+3. update: Adam on the slices ``θ32[tile], m[tile], v[tile]``; the denominator
+   ``sqrt(v)/sqrt(1-β2^t) + eps`` is written into ``buf`` once the gradient in it has been
+   consumed, so the update allocates nothing tile-sized;
+4. copy back: the caller's ``store`` writes ``θ32[tile]`` into the 16-bit weights.
+
+The global gradient norm and the fp16 overflow flag are the caller's business and must
+be decided *before* the first tile is updated (a skipped step leaves every tile
+untouched); the step counter is incremented once per step, not per tile.
+
+Bit-identity. Adam is elementwise, so applying torch's single-tensor Adam arithmetic
+(``torch.optim.adam._single_tensor_adam``, torch 2.13: ``lerp_`` for m, ``mul_``/
+``addcmul_`` for v, ``(sqrt(v) / sqrt(bc2)).add_(eps)``, ``addcdiv_``) to slices gives the
+same bits as applying it to the whole tensor. The reference is torch's
+``for-loop`` implementation (``foreach=False``), which is also what ``foreach=None`` (the
+default) picks for CPU tensors; ``foreach=True`` (``_multi_tensor_adam``) was checked to give
+the same bits on CPU as well (tests/test_tiled_optimizer.py). ``fused=True`` (one fused
+kernel with its own arithmetic), ``capturable`` and ``differentiable`` are refused
+(:func:`check_tileable`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ds_ext.config import DsExtConfigError
+
+KEY = "ds_ext.tiled_optimizer"
+TILEABLE: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
+ALLOWED_TYPES = "torch.optim.Adam, torch.optim.AdamW"
+
+# fill(buf, start): write the fp32, unscaled and clipped gradient of elements
+# [start, start + buf.numel()) of the master tensor into ``buf``.
+LoadTile = Callable[[torch.Tensor, int], None]
+# store(start, end): the master slice [start, end) is final; copy it where it belongs.
+StoreTile = Callable[[int, int], None]
+
+
+def check_tileable(optimizer: Any) -> None:
+    """Raise :class:`DsExtConfigError` unless ``optimizer`` is a torch Adam/AdamW we tile
+    bit-identically (001 §7.2)."""
+    if not isinstance(optimizer, TILEABLE):
+        raise DsExtConfigError(
+            f"{KEY}: optimizer type {type(optimizer).__module__}.{type(optimizer).__qualname__} "
+            f"is not tiled; allowed types: {ALLOWED_TYPES}"
+        )
+    for i, g in enumerate(optimizer.param_groups):
+        bad = [k for k in ("capturable", "differentiable", "fused") if g.get(k)]
+        if bad:
+            raise DsExtConfigError(
+                f"{KEY}: param group {i} sets {', '.join(f'{k}=True' for k in bad)}; the tiled step "
+                "reproduces torch's single-tensor Adam: allowed fused=None/False, "
+                "capturable=False, differentiable=False"
+            )
+        for k in ("lr", "eps", "weight_decay"):
+            if isinstance(g.get(k), torch.Tensor):
+                raise DsExtConfigError(f"{KEY}: param group {i} has a Tensor '{k}'; allowed: a Python float")
+        if any(isinstance(b, torch.Tensor) for b in g["betas"]):
+            raise DsExtConfigError(f"{KEY}: param group {i} has Tensor betas; allowed: Python floats")
+
+
+class TileBuffer:
+    """The one reused fp32 buffer of ``tile_size`` elements (4 x tile_size bytes).
+
+    Allocated on first use and kept for the life of the optimizer, so every step's tiles
+    reuse the same memory (001 §7.2: "the temporary memory ... can be reused across tiles").
+    """
+
+    def __init__(self, tile_size: int) -> None:
+        if not isinstance(tile_size, int) or isinstance(tile_size, bool) or tile_size <= 0:
+            raise DsExtConfigError(f"{KEY}.tile_size: must be a positive integer (got {tile_size!r})")
+        self.tile_size = tile_size
+        self._buf: torch.Tensor | None = None
+        self.tiles_processed = 0
+
+    def view(self, n: int) -> torch.Tensor:
+        """The first ``n`` <= tile_size elements of the buffer."""
+        if n > self.tile_size:
+            raise ValueError(f"tile of {n} elements exceeds tile_size {self.tile_size}")
+        if self._buf is None:
+            self._buf = torch.empty(self.tile_size, dtype=torch.float32)
+        return self._buf[:n]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
+
+
+def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, amsgrad: bool) -> dict:
+    """The optimizer's state of ``p``, created exactly as torch's Adam does lazily."""
+    state = optimizer.state[p]
+    if len(state) == 0:
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        state["step"] = torch.tensor(0.0, dtype=scalar)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if amsgrad:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+class TiledAdam:
+    """Runs a torch Adam/AdamW optimizer's update tile by tile (001 §7.2).
+
+    The optimizer keeps its class, param groups, hyper-parameters and state (checkpoints
+    and LR schedulers see nothing new); only the arithmetic of its ``step`` is driven
+    here, one tile at a time through :class:`TileBuffer`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, tile_size: int) -> None:
+        check_tileable(optimizer)
+        self.optimizer = optimizer
+        self.buffer = TileBuffer(tile_size)
+
+    @property
+    def tile_size(self) -> int:
+        return self.buffer.tile_size
+
+    @torch.no_grad()
+    def update(
+        self,
+        param: torch.Tensor,
+        group: dict,
+        load: LoadTile,
+        store: StoreTile | None = None,
+        after_tile: Callable[[], None] | None = None,
+    ) -> None:
+        """One Adam step of the fp32 tensor ``param`` (a member of ``group``), tile by tile.
+
+        ``load`` fills the buffer with the tile's final fp32 gradient; ``store`` publishes
+        the updated master slice; ``after_tile`` runs after each tile (ZeRO-topo advances
+        its pipelined weight all-gather there).
+        """
+        if param.dtype != torch.float32 or not param.is_contiguous():
+            raise ValueError("the tiled step updates contiguous fp32 master tensors")
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        amsgrad, maximize = group["amsgrad"], group["maximize"]
+        decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
+        state = _adam_state(self.optimizer, param, amsgrad)
+        state["step"] += 1
+        step = state["step"].item()
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2**0.5
+        flat_p = param.view(-1)
+        flat_m = state["exp_avg"].view(-1)
+        flat_v = state["exp_avg_sq"].view(-1)
+        flat_vmax = state["max_exp_avg_sq"].view(-1) if amsgrad else None
+        n = flat_p.numel()
+        for s in range(0, n, self.tile_size):
+            e = min(s + self.tile_size, n)
+            buf = self.buffer.view(e - s)
+            load(buf, s)
+            p, m, v = flat_p[s:e], flat_m[s:e], flat_v[s:e]
+            if maximize:
+                buf.neg_()
+            if wd != 0:
+                if decoupled:
+                    p.mul_(1 - lr * wd)
+                else:
+                    buf.add_(p, alpha=wd)
+            m.lerp_(buf, 1 - beta1)
+            v.mul_(beta2).addcmul_(buf, buf, value=1 - beta2)
+            # the gradient in buf is consumed: reuse buf for the denominator
+            if flat_vmax is not None:
+                vmax = flat_vmax[s:e]
+                torch.maximum(vmax, v, out=vmax)
+                torch.sqrt(vmax, out=buf)
+            else:
+                torch.sqrt(v, out=buf)
+            buf.div_(bias_correction2_sqrt).add_(eps)
+            p.addcdiv_(m, buf, value=-step_size)
+            self.buffer.tiles_processed += 1
+            if store is not None:
+                store(s, e)
+            if after_tile is not None:
+                after_tile()
+
+    def step_fp32_params(self) -> None:
+        """Tiled step of a plain optimizer whose params hold their own fp32 ``.grad``
+        (DeepSpeed stage 0 in fp32): same result as ``optimizer.step()``."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.dtype != torch.float32:
+                    raise ValueError(f"{KEY}: a stage-0 fp32 engine holds a {p.dtype} parameter")
+                flat_g = p.grad.view(-1)
+
+                def load(buf: torch.Tensor, s: int, flat_g=flat_g) -> None:
+                    buf.copy_(flat_g[s : s + buf.numel()])
+
+                self.update(p, group, load)
+
+
+def piecewise_loader(
+    pieces: list[torch.Tensor], total: int, scale: Callable[[torch.Tensor], None] | None = None
+) -> LoadTile:
+    """A :data:`LoadTile` over the concatenation of ``pieces`` (any dtype), zero-padded to
+    ``total`` elements, without materialising the concatenation: the tile is up-cast piece
+    by piece into the buffer, then ``scale(buf)`` unscales / clips it in place."""
+    flat = [t.reshape(-1) for t in pieces]
+    starts = []
+    acc = 0
+    for t in flat:
+        starts.append(acc)
+        acc += t.numel()
+    if acc > total:
+        raise ValueError(f"pieces hold {acc} elements, more than the partition's {total}")
+
+    def load(buf: torch.Tensor, s: int) -> None:
+        e = s + buf.numel()
+        covered = s
+        for t, a in zip(flat, starts):
+            b = a + t.numel()
+            if b <= s or a >= e:
+                continue
+            lo, hi = max(a, s), min(b, e)
+            buf[lo - s : hi - s].copy_(t[lo - a : hi - a])
+            covered = hi
+        if covered < e:
+            buf[covered - s :].zero_()
+        if scale is not None:
+            scale(buf)
+
+    return load
