@@ -376,7 +376,7 @@ def install_tiled_unfused_step(fp16_opt, tiled) -> None:
                 def store(s: int, e: int, flat32=flat32, flat16=flat16) -> None:
                     flat16[s:e].copy_(flat32[s:e])
 
-                tiled.update(fp32_param.data, group_of[id(fp32_param)], load, store)
+                tiled.update(fp32_param, group_of[id(fp32_param)], load, store)
                 fp32_param.grad = None
         return self.overflow
 

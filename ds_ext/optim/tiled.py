@@ -153,6 +153,8 @@ class TiledAdam:
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         amsgrad, maximize = group["amsgrad"], group["maximize"]
         decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
+        if param not in self.optimizer.state and not any(param is q for q in group["params"]):
+            raise ValueError("the tiled step needs the optimizer's own parameter object (its state is keyed by it)")
         state = _adam_state(self.optimizer, param, amsgrad)
         state["step"] += 1
         step = state["step"].item()
