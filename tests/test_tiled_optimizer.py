@@ -52,7 +52,10 @@ def test_tiles_match_torch_step_bit_for_bit(cls, kw, tile):
         for k, v in ref_opt.state[r].items():
             assert torch.equal(v, our_opt.state[o][k]), k
     assert our_opt.state[ours[0]]["step"].item() == 5  # once per step, not per tile
-    assert tiled.buffer.nbytes == 4 * tile  # one fp32 buffer of tile_size elements
+    # one fp32 buffer of tile_size elements, allocated once per step
+    assert tiled.buffer.nbytes == 4 * tile and tiled.buffer.allocations == 1
+    tiled.end_step()
+    assert tiled.buffer.nbytes == 0
 
 
 def test_piecewise_loader_pads_with_zeros():
@@ -275,3 +278,45 @@ def test_unsupported_optimizer_fails_on_every_rank_before_deepspeed(world):
     msgs = world.run(_initialize_with, "sgd")
     assert all(m is not None and m.startswith("ds_ext.tiled_optimizer: optimizer type torch.optim.sgd.SGD")
                and "allowed types: torch.optim.Adam, torch.optim.AdamW" in m for m in msgs), msgs
+
+
+MEM_TILE = 65_536
+SLACK = 1 << 20  # allocator, gloo and Python bookkeeping during a step
+
+
+def _step_peak(experts, tile):
+    from ds_ext.bench import median
+    from ds_ext.bench.tiled import batch, measure_peak, moe_engine, use_mmap_for_large_allocations
+
+    use_mmap_for_large_allocations()
+    engine = moe_engine(experts, "tiled" if tile else "untiled", tile, 128, 512)
+    peaks = []
+    for step in range(4):
+        x, y = batch(step, 128, 16, torch.bfloat16)
+        engine.backward(engine(x, y))
+        peak, _, _ = measure_peak(engine.step)
+        if step >= 1:
+            peaks.append(peak)
+    out = {"peak": median(peaks), "max_param": max(p.numel() for p in engine.module.parameters()),
+           "buffers": engine.ds_ext.plugins[-1].tiled.buffer.allocations if tile else 0}
+    engine.destroy()
+    return out
+
+
+def test_step_peak_is_bounded_by_the_tile_and_flat_in_experts(world):
+    """ZeRO-1 bf16, ep 4: with E=16 each rank holds 4x the expert parameters of E=4.
+
+    Peak = extra resident bytes during engine.step() (mmap for allocations > 64 KiB,
+    VmHWM reset right before the step). Bound: 4 x tile_size (the tile buffer) + 4 x the
+    largest parameter (DeepSpeed's norm up-casts one gradient at a time) + 1 MiB slack.
+    """
+    res = {(e, t): max(r["peak"] for r in world.run(_step_peak, e, t))
+           for e in (4, 16) for t in (None, MEM_TILE)}
+    max_param = world.run(_step_peak, 4, MEM_TILE)[0]["max_param"]
+    bound = 4 * MEM_TILE + 4 * max_param + SLACK
+    for e in (4, 16):
+        assert res[(e, MEM_TILE)] <= bound, (e, res, bound)
+    assert res[(16, MEM_TILE)] <= 1.25 * res[(4, MEM_TILE)], res
+    # untiled grows with the local expert parameters and breaks the tiled bound
+    assert res[(16, None)] >= 2.5 * res[(4, None)], res
+    assert res[(16, None)] > bound, (res, bound)

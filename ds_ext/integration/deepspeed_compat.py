@@ -316,6 +316,7 @@ def install_tiled_zero_step(zero_opt, tiled) -> None:
         self.timers(z.OPTIMIZER_STEP_TIMER).start()
         for i in range(len(self.bit16_groups)):
             group_update(i, norm)
+        tiled.end_step()
         self._lazy_init_hp_params_optimizer_state()
         self.timers(z.OPTIMIZER_STEP_TIMER).stop()
         # 3. DeepSpeed's weight all-gather, unchanged
@@ -378,6 +379,7 @@ def install_tiled_unfused_step(fp16_opt, tiled) -> None:
 
                 tiled.update(fp32_param, group_of[id(fp32_param)], load, store)
                 fp32_param.grad = None
+        tiled.end_step()
         return self.overflow
 
     fp16_opt.step = step

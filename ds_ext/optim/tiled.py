@@ -78,8 +78,9 @@ def check_tileable(optimizer: Any) -> None:
 class TileBuffer:
     """The one reused fp32 buffer of ``tile_size`` elements (4 x tile_size bytes).
 
-    Allocated on first use and kept for the life of the optimizer, so every step's tiles
-    reuse the same memory (001 §7.2: "the temporary memory ... can be reused across tiles").
+    Allocated by a step's first tile, reused by all its tiles (001 §7.2: "the temporary
+    memory ... can be reused across tiles") and released when the step ends
+    (:meth:`release`), so it is part of the step's spike and of nothing else.
     """
 
     def __init__(self, tile_size: int) -> None:
@@ -88,6 +89,10 @@ class TileBuffer:
         self.tile_size = tile_size
         self._buf: torch.Tensor | None = None
         self.tiles_processed = 0
+        self.allocations = 0
+
+    def release(self) -> None:
+        self._buf = None
 
     def view(self, n: int) -> torch.Tensor:
         """The first ``n`` <= tile_size elements of the buffer."""
@@ -95,10 +100,12 @@ class TileBuffer:
             raise ValueError(f"tile of {n} elements exceeds tile_size {self.tile_size}")
         if self._buf is None:
             self._buf = torch.empty(self.tile_size, dtype=torch.float32)
+            self.allocations += 1
         return self._buf[:n]
 
     @property
     def nbytes(self) -> int:
+        """Bytes held now (4 x tile_size during a step, 0 between steps)."""
         return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
 
 
@@ -131,6 +138,10 @@ class TiledAdam:
     @property
     def tile_size(self) -> int:
         return self.buffer.tile_size
+
+    def end_step(self) -> None:
+        """Release the tile buffer; every integration calls this when its step is done."""
+        self.buffer.release()
 
     @torch.no_grad()
     def update(
@@ -211,6 +222,7 @@ class TiledAdam:
                     buf.copy_(flat_g[s : s + buf.numel()])
 
                 self.update(p, group, load)
+        self.end_step()
 
 
 def piecewise_loader(

@@ -405,6 +405,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
             first = next(chain, None)
             if first is not None:
                 pending.append((chain, first))
+        tiled.end_step()
         while pending:
             advance_pending()
 
