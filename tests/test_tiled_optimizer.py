@@ -307,13 +307,13 @@ def test_step_peak_is_bounded_by_the_tile_and_flat_in_experts(world):
     """ZeRO-1 bf16, ep 4: with E=16 each rank holds 4x the expert parameters of E=4.
 
     Peak = extra resident bytes during engine.step() (mmap for allocations > 64 KiB,
-    VmHWM reset right before the step). Bound: 4 x tile_size (the tile buffer) + 4 x the
-    largest parameter (DeepSpeed's norm up-casts one gradient at a time) + 1 MiB slack.
+    VmHWM reset right before the step). Bound: 4 x tile_size (the tile buffer) + 8 x the
+    largest parameter (DeepSpeed's norm up-casts one gradient at a time to fp64) + 1 MiB.
     """
     res = {(e, t): max(r["peak"] for r in world.run(_step_peak, e, t))
            for e in (4, 16) for t in (None, MEM_TILE)}
     max_param = world.run(_step_peak, 4, MEM_TILE)[0]["max_param"]
-    bound = 4 * MEM_TILE + 4 * max_param + SLACK
+    bound = 4 * MEM_TILE + 8 * max_param + SLACK
     for e in (4, 16):
         assert res[(e, MEM_TILE)] <= bound, (e, res, bound)
     assert res[(16, MEM_TILE)] <= 1.25 * res[(4, MEM_TILE)], res

@@ -14,6 +14,15 @@ max_group_size=...)``):
 * ZeRO-topo (``"zero_topo": {"enabled": true}``): its sharded step updates tile by tile and
   overlaps each unit's weight all-gather with the next unit's update.
 
+Memory (measured by tests/test_tiled_optimizer.py and ``ds-ext bench tiled``): during the
+step the tiled path holds the tile buffer, 4 x tile_size bytes (allocated at the step's
+first tile, freed at its end), plus a constant that does not grow with the number of
+experts: the global-norm pass, kept exactly as the untiled step does it so that the clip
+coefficient is bit-identical, up-casts one gradient tensor at a time (DeepSpeed: to fp64,
+``zero/utils.py:get_norm_dtype``, so 8 bytes x the largest parameter; ZeRO-topo: at most 16
+bytes x the largest parameter segment), and about 1 MiB of allocator, gloo and Python slack.
+The step peak is therefore max(4 x tile_size, 8 x largest parameter) + ~1 MiB on DeepSpeed.
+
 The optimizer must be a torch ``Adam`` / ``AdamW`` (an instance passed as ``optimizer=``,
 or a ds_config ``"optimizer"`` of type Adam/AdamW with ``"torch_adam": true``); anything
 else fails at start naming ``ds_ext.tiled_optimizer`` and the allowed types.
