@@ -191,9 +191,7 @@ def test_stage0_tiled_is_bit_identical(world, precision, overflow, kind):
         assert ref[0]["skipped"][OVERFLOW_STEP] and ours[0]["skipped"] == ref[0]["skipped"]
 
 
-def _train_zero_topo(precision, tile, overflow=False):
-    import torch.distributed as dist
-
+def _zero_topo_engine(precision, tile):
     import ds_ext
     from ds_ext.models import GPT, GPTConfig
 
@@ -219,6 +217,13 @@ def _train_zero_topo(precision, tile, overflow=False):
     if tile:
         cfg["ds_ext"]["tiled_optimizer"] = {"enabled": True, "tile_size": tile}
     engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
+    return engine
+
+
+def _train_zero_topo(precision, tile, overflow=False):
+    import torch.distributed as dist
+
+    engine = _zero_topo_engine(precision, tile)
     g = torch.Generator().manual_seed(dist.get_rank())
     losses, skipped = [], []
     for step in range(STEPS):
@@ -257,6 +262,52 @@ def test_zero_topo_tiled_is_bit_identical(world, precision, overflow):
         assert o["bytes"] == r["bytes"] and o["calls"] == r["calls"]
     if overflow:
         assert ref[0]["skipped"][OVERFLOW_STEP] and ours[0]["skipped"] == ref[0]["skipped"]
+
+
+def _step_events(tile):
+    """The order of weight all-gather issues / waits and tile updates inside one step."""
+    engine = _zero_topo_engine("bf16", tile)
+    engine.backward(engine(torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))))
+    comm, events = engine.ds_ext.comm, []
+    all_gather = comm.all_gather
+
+    def logged_all_gather(out, inp, group=None, async_op=False):
+        k = sum(e[0] == "issue" for e in events)
+        handle = all_gather(out, inp, group=group, async_op=async_op)
+        events.append(("issue", k, async_op))
+        if handle is not None:
+            wait = handle.wait
+            handle.wait = lambda: (events.append(("wait", k)), wait())[1]
+        return handle
+
+    comm.all_gather = logged_all_gather
+    if tile:
+        tiled = engine.optimizer.tiled
+        update = tiled.update
+        tiled.update = lambda *a, **kw: (events.append(("update",)), update(*a, **kw))[1]
+    engine.step()
+    comm.all_gather = all_gather
+    units = len(engine.optimizer.sharded.all_units)
+    engine.destroy()
+    return events, units
+
+
+def test_zero_topo_weight_gather_overlaps_the_next_update(world):
+    """(b) untiled: every step all-gather is synchronous; tiled: the same number of
+    all-gathers, all async, and the gathers of every unit but the last are still in
+    flight while a later unit's tiles are updated."""
+    (ref, units), = world.run(_step_events, None)[:1]
+    (ours, _), = world.run(_step_events, 333)[:1]
+    issues = [e for e in ours if e[0] == "issue"]
+    assert len(issues) == sum(e[0] == "issue" for e in ref) >= units
+    assert all(not e[2] for e in ref if e[0] == "issue") and all(e[2] for e in issues)
+    overlapped = set()
+    for i, e in enumerate(ours):
+        if e[0] == "issue":
+            end = ours.index(("wait", e[1]))
+            if ("update",) in ours[i:end]:
+                overlapped.add(e[1])
+    assert len(overlapped) >= units - 1, ours
 
 
 def _initialize_with(optimizer_name):

@@ -172,7 +172,10 @@ def _measure_moe(experts: int, variant: str, tile_size: int, hidden: int, ffn: i
 
 # ---- ZeRO-topo: step + weight all-gather, tiled-and-overlapped vs untiled ---------------
 def _measure_zero_topo(tiled: int | None, d_model: int, n_layers: int, time_scale: float,
-                       warmup: int, steps: int) -> float:
+                       warmup: int, steps: int) -> dict[str, Any]:
+    """Median seconds of ZeRO-topo's ``engine.step()`` (gradient reduction, update and the
+    weight all-gather from the world-sharded optimizer shard down to the GCD-pair primary
+    shard, time-emulated) and the step's ledger bytes per level."""
     import torch
 
     import ds_ext
@@ -191,7 +194,7 @@ def _measure_zero_topo(tiled: int | None, d_model: int, n_layers: int, time_scal
         "ds_ext": {
             "topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True},
             "comm": {"emulate_time": True, "time_scale": time_scale},
-            "zero_topo": {"enabled": True, "preset": "zero3", "weights": {"gather_bits": 16},
+            "zero_topo": {"enabled": True, "preset": "zero_topo", "weights": {"gather_bits": 16},
                           "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}},
         },
     }
@@ -209,8 +212,9 @@ def _measure_zero_topo(tiled: int | None, d_model: int, n_layers: int, time_scal
         dt = time.perf_counter() - t0
         if step >= warmup:
             times.append(dt)
+    step_bytes = {lv: b for lv, b in engine.ds_ext.ledger.steps[-1].by_phase().get("step", {}).items()}
     engine.destroy()
-    return median(times)
+    return {"time": median(times), "step_bytes": step_bytes}
 
 
 # ---- driver -----------------------------------------------------------------------------
@@ -318,14 +322,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, ts in (("untiled", None), ("tiled", args.tile_size)):
             per_rank = world.run(_measure_zero_topo, ts, 128 if args.quick else 256, 4,
                                  args.zero_topo_time_scale, args.warmup, args.steps)
-            zt[f"step_time_s_{name}"] = max(per_rank)
+            zt[f"step_time_s_{name}"] = max(r["time"] for r in per_rank)
+            zt[f"step_bytes_by_level_{name}"] = per_rank[0]["step_bytes"]
     payload = {
         "benchmark": "tiled",
         "world_size": WORLD,
         "model": {"hidden": args.hidden, "ffn": args.ffn, "tokens_per_rank": args.tokens, "ep_size": WORLD,
                   "zero_stage": 1, "precision": "bf16"},
         "records": records,
-        "zero_topo": zt,
+        "zero_topo": {"preset": "zero_topo (unquantized)", "time_scale": args.zero_topo_time_scale, **zt},
         "checks": checks(records, args.tile_size),
     }
     out = write_json(args.out, payload)
