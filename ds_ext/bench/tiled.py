@@ -306,7 +306,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     cases = [(e, args.tile_size) for e in args.experts]
     cases += [(max(args.experts), ts) for ts in args.sweep if ts != args.tile_size]
-    records = []
+    records: list[dict[str, Any]] = []
+    local_expert_params: dict[int, int] = {}
     with World(WORLD, env, timeout=args.timeout) as world:
         for experts, ts in cases:
             rec: dict[str, Any] = {"experts": experts, "tile_size": ts}
@@ -315,7 +316,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      args.tokens, args.warmup, args.steps)
                 rec[f"step_peak_bytes_{variant}"] = int(max(r["peak"] for r in per_rank))
                 rec[f"step_time_s_{variant}"] = max(r["time"] for r in per_rank)
-            rec["local_expert_params"] = per_rank[0]["local_expert_params"]
+            local_expert_params[experts] = per_rank[0]["local_expert_params"]
             records.append(rec)
             print(table([rec]).splitlines()[-1], flush=True)
         zt = {}
@@ -329,6 +330,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "world_size": WORLD,
         "model": {"hidden": args.hidden, "ffn": args.ffn, "tokens_per_rank": args.tokens, "ep_size": WORLD,
                   "zero_stage": 1, "precision": "bf16"},
+        "local_expert_params_per_rank": local_expert_params,
         "records": records,
         "zero_topo": {"preset": "zero_topo (unquantized)", "time_scale": args.zero_topo_time_scale, **zt},
         "checks": checks(records, args.tile_size),
