@@ -78,3 +78,14 @@ def test_bad_settings():
         BlockQuantizer(4, 7)
     with pytest.raises(QuantizationError, match="block"):
         BlockQuantizer(8, 4).dequantize(BlockQuantizer(8, 8).quantize(torch.ones(8)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compiled_quantizer_matches_eager(bits):
+    x = torch.randn(3000).to(torch.bfloat16)
+    eager, fused = BlockQuantizer(bits, 64), BlockQuantizer(bits, 64, compile=True)
+    a, b = eager.quantize(x), fused.quantize(x)
+    assert torch.equal(a.payload, b.payload) and torch.equal(a.scales, b.scales)
+    assert torch.equal(eager.dequantize(a), fused.dequantize(a))
+    with pytest.raises(QuantizationError, match="non-finite"):
+        fused.quantize(torch.tensor([1.0, float("nan")] * 32))

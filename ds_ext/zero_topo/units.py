@@ -47,11 +47,12 @@ class ShardContext:
     comm: Communicator
     rank: int
     dtype: torch.dtype
+    compile_quantizer: bool = False
 
     def __post_init__(self) -> None:
-        b = self.plan.block_size
-        self.weight_quantizer = BlockQuantizer(8, b)
-        self.grad_quantizer = BlockQuantizer(self.plan.gradient_bits, b) if self.plan.gradient_bits < 16 else None
+        b, c = self.plan.block_size, self.compile_quantizer
+        self.weight_quantizer = BlockQuantizer(8, b, c)
+        self.grad_quantizer = BlockQuantizer(self.plan.gradient_bits, b, c) if self.plan.gradient_bits < 16 else None
 
     @property
     def topo(self):
