@@ -12,8 +12,8 @@ Variants, side by side for E = 4, 8, 16, 32:
   ..., max_group_size=tile_size)``, DeepSpeed's own partial answer;
 * ``tiled``: ``"ds_ext": {"tiled_optimizer": {"enabled": true, "tile_size": ...}}``.
 
-Each engine first runs timed steps with glibc's steady-state allocator thresholds, then
-peak steps in memory mode. The step peak is the extra resident memory during
+Peaks and times come from two worlds: one in memory mode from its start, one with glibc's
+steady-state allocator thresholds (so times carry no memory-mode page faults). The step peak is the extra resident memory during
 ``engine.step()``: allocations above 64 KiB are forced onto mmap (``mallopt``) so that
 freed temporaries leave the resident set, the kernel's high-water mark is reset
 (``5 > /proc/self/clear_refs``) right before the step and ``VmHWM - VmRSS(before)`` is
@@ -71,12 +71,10 @@ def _status_kib(key: str) -> int:
 
 
 def measure_peak(fn) -> tuple[int, float, Any]:
-    """(extra peak resident bytes, seconds, result) of calling ``fn()``.
-
-    Free heap pages are returned to the kernel first (``malloc_trim``), so a temporary
-    that reuses freed heap memory shows up in the resident set like a fresh one."""
+    """(extra peak resident bytes, seconds, result) of calling ``fn()``; meaningful in a
+    process that has been in memory mode (:func:`use_mmap_for_large_allocations`) since
+    before its first large allocation, so that no large freed chunk sits in the heap."""
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = _status_kib("VmRSS")
@@ -168,31 +166,31 @@ def moe_engine(experts: int, variant: str, tile_size: int, hidden: int, ffn: int
 
 
 def _measure_moe(experts: int, variant: str, tile_size: int, hidden: int, ffn: int,
-                 tokens: int, warmup: int, steps: int) -> dict[str, Any]:
+                 tokens: int, warmup: int, steps: int, memory: bool) -> dict[str, Any]:
+    """Median step peak bytes (``memory``: this world is in memory mode) or median step
+    seconds (a world with the steady-state allocator) of one variant on this rank."""
     import torch
 
+    (use_mmap_for_large_allocations if memory else use_steady_state_allocator)()
     engine = moe_engine(experts, variant, tile_size, hidden, ffn)
-    peaks, times = [], []
-    # timed steps with the steady-state allocator, then peak steps in memory mode
-    for mode, out in ((use_steady_state_allocator, times), (use_mmap_for_large_allocations, peaks)):
-        mode()
-        for step in range(warmup + steps):
-            x, y = batch(step, hidden, tokens, torch.bfloat16)
-            engine.backward(engine(x, y))
-            if out is times:
-                torch.distributed.barrier()
-                t0 = time.perf_counter()
-                engine.step()
-                value: float = time.perf_counter() - t0
-            else:
-                value = measure_peak(engine.step)[0]
-            if step >= warmup:
-                out.append(value)
+    values = []
+    for step in range(warmup + steps):
+        x, y = batch(step, hidden, tokens, torch.bfloat16)
+        engine.backward(engine(x, y))
+        if memory:
+            value: float = measure_peak(engine.step)[0]
+        else:
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            engine.step()
+            value = time.perf_counter() - t0
+        if step >= warmup:
+            values.append(value)
     local_expert = sum(p.numel() for n, p in engine.module.named_parameters() if "deepspeed_experts" in n)
     engine.destroy()
     del engine
     gc.collect()
-    return {"peak": median(peaks), "time": median(times), "local_expert_params": local_expert}
+    return {"value": median(values), "local_expert_params": local_expert}
 
 
 # ---- ZeRO-topo: step + weight all-gather, tiled-and-overlapped vs untiled ---------------
@@ -330,6 +328,21 @@ def plot(records: list[dict[str, Any]], tile_size: int, path: Path) -> None:
     plt.close(fig)
 
 
+def _zero_topo_part(world, args: argparse.Namespace) -> dict[str, Any]:
+    """Alternating untiled / tiled ZeRO-topo runs (step incl. weight all-gather)."""
+    zt: dict[str, Any] = {}
+    zt_times: dict[str, list[float]] = {"untiled": [], "tiled": []}
+    for _ in range(args.zero_topo_repeats):
+        for name, ts in (("untiled", None), ("tiled", args.tile_size)):
+            per_rank = world.run(_measure_zero_topo, ts, 128 if args.quick else 256, 4,
+                                 args.zero_topo_time_scale, args.warmup, args.zero_topo_steps)
+            zt_times[name].append(max(r["time"] for r in per_rank))
+            zt[f"step_bytes_by_level_{name}"] = per_rank[0]["step_bytes"]
+    for name, times in zt_times.items():
+        zt[f"step_time_s_{name}"] = median(times)
+    return zt
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from ds_ext.local_world import World
 
@@ -338,29 +351,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     cases = [(e, args.tile_size) for e in args.experts]
     cases += [(max(args.experts), ts) for ts in args.sweep if ts != args.tile_size]
-    records: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = [{"experts": e, "tile_size": ts} for e, ts in cases]
     local_expert_params: dict[int, int] = {}
-    with World(WORLD, env, timeout=args.timeout) as world:
-        for experts, ts in cases:
-            rec: dict[str, Any] = {"experts": experts, "tile_size": ts}
-            for variant in VARIANTS:
-                per_rank = world.run(_measure_moe, experts, variant, ts, args.hidden, args.ffn,
-                                     args.tokens, args.warmup, args.steps)
-                rec[f"step_peak_bytes_{variant}"] = int(max(r["peak"] for r in per_rank))
-                rec[f"step_time_s_{variant}"] = max(r["time"] for r in per_rank)
-            local_expert_params[experts] = per_rank[0]["local_expert_params"]
-            records.append(rec)
-            print(table([rec]).splitlines()[-1], flush=True)
-        zt: dict[str, Any] = {}
-        zt_times: dict[str, list[float]] = {"untiled": [], "tiled": []}
-        for _ in range(args.zero_topo_repeats):
-            for name, ts in (("untiled", None), ("tiled", args.tile_size)):
-                per_rank = world.run(_measure_zero_topo, ts, 128 if args.quick else 256, 4,
-                                     args.zero_topo_time_scale, args.warmup, args.zero_topo_steps)
-                zt_times[name].append(max(r["time"] for r in per_rank))
-                zt[f"step_bytes_by_level_{name}"] = per_rank[0]["step_bytes"]
-        for name, ts_ in zt_times.items():
-            zt[f"step_time_s_{name}"] = median(ts_)
+    # memory and time in separate worlds: memory mode must hold from the process start
+    for memory in (True, False):
+        with World(WORLD, env, timeout=args.timeout) as world:
+            for rec in records:
+                for variant in VARIANTS:
+                    per_rank = world.run(_measure_moe, rec["experts"], variant, rec["tile_size"], args.hidden,
+                                         args.ffn, args.tokens, args.warmup, args.steps, memory)
+                    value = max(r["value"] for r in per_rank)
+                    if memory:
+                        rec[f"step_peak_bytes_{variant}"] = int(value)
+                    else:
+                        rec[f"step_time_s_{variant}"] = value
+                local_expert_params[rec["experts"]] = per_rank[0]["local_expert_params"]
+                if not memory:
+                    print(table([rec]).splitlines()[-1], flush=True)
+            if not memory:
+                zt = _zero_topo_part(world, args)
     payload = {
         "benchmark": "tiled",
         "world_size": WORLD,
