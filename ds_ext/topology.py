@@ -296,6 +296,25 @@ def detect_environment(env: Mapping[str, str] | None = None) -> JobEnvironment:
     return JobEnvironment(1, 0, None, None, None, visible, "single-process")
 
 
+def slurm_rank_variables(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """torch.distributed's rank variables for a task started by ``srun`` (one task per GCD).
+
+    Empty when a launcher already set ``WORLD_SIZE`` or outside Slurm. ``MASTER_ADDR`` /
+    ``MASTER_PORT`` are not derivable from the task's own variables; the batch script
+    sets them (launch/frontier.sbatch).
+    """
+    env = os.environ if env is None else env
+    job = detect_environment(env)
+    if job.source != "slurm":
+        return {}
+    out = {"WORLD_SIZE": str(job.world_size), "RANK": str(job.rank)}
+    if job.local_rank is not None:
+        out["LOCAL_RANK"] = str(job.local_rank)
+    if job.local_size is not None:
+        out["LOCAL_SIZE"] = str(job.local_size)
+    return out
+
+
 def check_fits_job(topo: Topology, job: JobEnvironment) -> None:
     """Raise unless the real job has the topology's ranks per node.
 

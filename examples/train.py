@@ -58,7 +58,7 @@ def main() -> None:
     for step in bar:
         losses = []
         for m in range(accum):
-            tokens = corpus.micro_batch(step, m, dp_rank, dp, micro, accum, cfg.seq_len)
+            tokens = corpus.micro_batch(step, m, dp_rank, dp, micro, accum, cfg.seq_len).to(engine.device)
             loss = engine(tokens)
             engine.backward(loss)
             engine.step()

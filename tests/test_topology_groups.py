@@ -135,3 +135,24 @@ def test_generic_levels():
     t = resolve_topology(cfg, 6, detect_environment({}))
     assert t.level_names == ("socket", "rack") and t.world_size == 6
     assert t.level("rack").latency == pytest.approx(20e-6)
+
+
+def test_slurm_rank_variables_for_srun_tasks():
+    from ds_ext.topology import slurm_rank_variables
+
+    srun = {"SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1",
+            "SLURM_NTASKS_PER_NODE": "8(x2)", "SLURM_NNODES": "2"}
+    assert slurm_rank_variables(srun) == {"WORLD_SIZE": "16", "RANK": "9", "LOCAL_RANK": "1", "LOCAL_SIZE": "8"}
+    # a launcher that already set the variables wins; outside Slurm nothing is set
+    assert slurm_rank_variables({**srun, "WORLD_SIZE": "16", "RANK": "9"}) == {}
+    assert slurm_rank_variables({}) == {}
+
+
+def test_frontier_batch_script_is_valid_bash():
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "launch" / "frontier.sbatch"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert "--ntasks-per-node=8" in text and "MASTER_ADDR" in text

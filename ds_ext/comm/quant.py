@@ -108,7 +108,7 @@ class BlockQuantizer:
         if padded == n:
             blocks = flat.float()
         else:
-            blocks = torch.zeros(padded, dtype=torch.float32)
+            blocks = torch.zeros(padded, dtype=torch.float32, device=flat.device)
             blocks[:n] = flat
         q, scales = self._encode(blocks.view(-1, self.block_size), self.qmax, self.bits == 4)
         if not torch.isfinite(scales).all():  # NaN / inf propagate into the block's scale

@@ -37,8 +37,8 @@ class _Pending:
 
 def _gathered(comm: Communicator, q: QuantizedTensor, group, async_op: bool):
     d = comm.size(group)
-    payload = torch.empty(q.payload.numel() * d, dtype=q.payload.dtype)
-    scales = torch.empty(q.scales.numel() * d, dtype=torch.float32)
+    payload = torch.empty(q.payload.numel() * d, dtype=q.payload.dtype, device=q.payload.device)
+    scales = torch.empty(q.scales.numel() * d, dtype=torch.float32, device=q.scales.device)
     hs = [
         comm.all_gather(payload, q.payload, group=group, async_op=async_op),
         comm.all_gather(scales, q.scales, group=group, async_op=async_op),

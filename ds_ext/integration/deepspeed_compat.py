@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from packaging.version import Version
 
+from ds_ext.topology import slurm_rank_variables
+
 SUPPORTED = (Version("0.19.0"), Version("0.20.0"))  # [min, max)
 
 
@@ -69,12 +71,14 @@ def init_distributed(
     if timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
+        os.environ.update(slurm_rank_variables())  # srun tasks: SLURM_PROCID -> RANK, ...
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
             raise RuntimeError(
                 f"torch.distributed is not initialized and {', '.join(missing)} are unset: "
                 "start the script with the deepspeed launcher, torchrun or srun "
-                "(see launch/), or call torch.distributed.init_process_group first"
+                "(see launch/; under srun the batch script sets MASTER_ADDR / MASTER_PORT), "
+                "or call torch.distributed.init_process_group first"
             )
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),

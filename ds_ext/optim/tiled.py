@@ -94,12 +94,12 @@ class TileBuffer:
     def release(self) -> None:
         self._buf = None
 
-    def view(self, n: int) -> torch.Tensor:
-        """The first ``n`` <= tile_size elements of the buffer."""
+    def view(self, n: int, device: torch.device | None = None) -> torch.Tensor:
+        """The first ``n`` <= tile_size elements of the buffer (allocated on ``device``)."""
         if n > self.tile_size:
             raise ValueError(f"tile of {n} elements exceeds tile_size {self.tile_size}")
         if self._buf is None:
-            self._buf = torch.empty(self.tile_size, dtype=torch.float32)
+            self._buf = torch.empty(self.tile_size, dtype=torch.float32, device=device)
             self.allocations += 1
         return self._buf[:n]
 
@@ -180,7 +180,7 @@ class TiledAdam:
         n = flat_p.numel()
         for s in range(0, n, self.tile_size):
             e = min(s + self.tile_size, n)
-            buf = self.buffer.view(e - s)
+            buf = self.buffer.view(e - s, param.device)
             load(buf, s)
             p, m, v = flat_p[s:e], flat_m[s:e], flat_v[s:e]
             if maximize:

@@ -292,7 +292,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
             x = sub_chunk(x, ctx.topo, ctx.rank, unit.U, plan.gradients, plan.optimizer)
         else:
             for level in range(plan.gradients + 1, plan.optimizer + 1):
-                out = torch.empty(x.numel() // ctx.topo.levels[level].size, dtype=x.dtype)
+                out = torch.empty(x.numel() // ctx.topo.levels[level].size, dtype=x.dtype, device=x.device)
                 ctx.comm.reduce_scatter(out, x, group=ctx.group([level]))
                 x = out
             if plan.optimizer < top:
@@ -305,12 +305,12 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         x = slice16
         if plan.step == "allreduce" and plan.optimizer > plan.weights:
             levels = list(range(plan.optimizer + 1))
-            out = torch.empty(unit.U, dtype=x.dtype)
+            out = torch.empty(unit.U, dtype=x.dtype, device=x.device)
             ctx.comm.all_gather(out, x, group=ctx.span(plan.optimizer))
             x = chunk(to_shard_order(out, ctx.topo, levels), ctx.topo, ctx.rank, plan.weights)
         else:
             for level in range(plan.optimizer, plan.weights, -1):
-                out = torch.empty(x.numel() * ctx.topo.levels[level].size, dtype=x.dtype)
+                out = torch.empty(x.numel() * ctx.topo.levels[level].size, dtype=x.dtype, device=x.device)
                 ctx.comm.all_gather(out, x, group=ctx.group([level]))
                 x = out
         unit.primary.copy_(x)
@@ -324,12 +324,12 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         x = slice16
         if plan.step == "allreduce" and plan.optimizer > plan.weights:
             levels = list(range(plan.optimizer + 1))
-            out = torch.empty(unit.U, dtype=x.dtype)
+            out = torch.empty(unit.U, dtype=x.dtype, device=x.device)
             yield ctx.comm.all_gather(out, x, group=ctx.span(plan.optimizer), async_op=True)
             x = chunk(to_shard_order(out, ctx.topo, levels), ctx.topo, ctx.rank, plan.weights)
         else:
             for level in range(plan.optimizer, plan.weights, -1):
-                out = torch.empty(x.numel() * ctx.topo.levels[level].size, dtype=x.dtype)
+                out = torch.empty(x.numel() * ctx.topo.levels[level].size, dtype=x.dtype, device=x.device)
                 yield ctx.comm.all_gather(out, x, group=ctx.group([level]), async_op=True)
                 x = out
         unit.primary.copy_(x)
@@ -338,7 +338,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
     def _global_norm(self, grads: dict[int, torch.Tensor], scale: float) -> float:
         """sqrt(sum of squares) of the unscaled gradient, every element once (collective)."""
         ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
-        sumsq = torch.zeros(1, dtype=torch.float64)
+        sumsq = torch.zeros(1, dtype=torch.float64, device=ctx.device)
         for unit, lo, hi, _ in self.segments:
             g = grads[id(unit)][lo:hi].float()
             if scale != 1.0:
@@ -420,7 +420,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
             return
         ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
         grads = {id(unit): self._optimizer_grad(unit) for unit in self.sharded.all_units}
-        sumsq = torch.zeros(1, dtype=torch.float64)
+        sumsq = torch.zeros(1, dtype=torch.float64, device=ctx.device)
         for unit, lo, hi, master in self.segments:
             g = grads[id(unit)][lo:hi]
             if self.scaler.scale != 1.0:

@@ -76,7 +76,8 @@ class ZeroTopoPlugin(Plugin):
     def attach(self, engine: Any) -> None:
         rt = self.runtime
         ctx = ShardContext(self.plan, rt.comm, rank=rt.rank, dtype=self.dtype,
-                           compile_quantizer=self.config.compile_quantizer)
+                           compile_quantizer=self.config.compile_quantizer,
+                           device=next(engine.module.parameters()).device)
         self.sharded = ShardedModel(engine.module, ctx, self.config.units, self.config.prefetch)
         self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler)
         compat.replace_optimizer(engine, self.optimizer)

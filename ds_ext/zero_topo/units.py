@@ -48,6 +48,7 @@ class ShardContext:
     rank: int
     dtype: torch.dtype
     compile_quantizer: bool = False
+    device: torch.device = torch.device("cpu")  # where the engine put the module
 
     def __post_init__(self) -> None:
         b, c = self.plan.block_size, self.compile_quantizer
@@ -80,7 +81,7 @@ class FlatUnit:
             n += p.numel()
         self.numel = n
         self.U = padded_numel(n, ctx.topo.world_size, ctx.plan.block_size)
-        self.full = torch.zeros(self.U, dtype=ctx.dtype)
+        self.full = torch.zeros(self.U, dtype=ctx.dtype, device=ctx.device)
         with torch.no_grad():
             for p, o in zip(params, self.offsets):
                 self.full[o : o + p.numel()].copy_(p.data.reshape(-1))
@@ -88,7 +89,9 @@ class FlatUnit:
         plan = ctx.plan
         self.primary = chunk(self.full, ctx.topo, ctx.rank, plan.weights).clone()
         self.secondary: torch.Tensor | QuantizedTensor | None = None
-        self.grad_shard = torch.zeros(self.U // shard_count(ctx.topo, plan.gradients), dtype=ctx.dtype)
+        self.grad_shard = torch.zeros(
+            self.U // shard_count(ctx.topo, plan.gradients), dtype=ctx.dtype, device=ctx.device
+        )
         self.gathered = True
         self._pending = None
         self.grads_ready = 0
@@ -169,7 +172,7 @@ class FlatUnit:
     def reduce_gradients(self) -> None:
         """Flatten the parameters' grads, reduce them over the gradient group into the shard."""
         ctx, plan = self.ctx, self.ctx.plan
-        flat = torch.zeros(self.U, dtype=ctx.dtype)
+        flat = torch.zeros(self.U, dtype=ctx.dtype, device=ctx.device)
         for p, o in zip(self.params, self.offsets):
             if p.grad is not None:
                 flat[o : o + p.numel()].copy_(p.grad.reshape(-1))
