@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -301,51 +301,51 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
 
     def _gather_weights(self, unit: FlatUnit, slice16: torch.Tensor) -> None:
         """All-gather updated 16-bit optimizer slices back into the primary shard."""
+        for _ in self._gather_weights_chain(unit, slice16, async_op=False):
+            pass
+
+    def _gather_weights_chain(
+        self, unit: FlatUnit, slice16: torch.Tensor, async_op: bool
+    ) -> Iterator["Handle | None"]:
+        """The weight all-gathers of :meth:`_gather_weights` as a chain: yields each
+        collective's handle (``None`` when synchronous) right after issuing it; the caller
+        waits on it and resumes the chain, which finally writes the primary shard and the
+        secondary."""
         ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
         x = slice16
         if plan.step == "allreduce" and plan.optimizer > plan.weights:
             levels = list(range(plan.optimizer + 1))
             out = torch.empty(unit.U, dtype=x.dtype, device=x.device)
-            ctx.comm.all_gather(out, x, group=ctx.span(plan.optimizer))
+            yield ctx.comm.all_gather(out, x, group=ctx.span(plan.optimizer), async_op=async_op)
             x = chunk(to_shard_order(out, ctx.topo, levels), ctx.topo, ctx.rank, plan.weights)
         else:
             for level in range(plan.optimizer, plan.weights, -1):
                 out = torch.empty(x.numel() * ctx.topo.levels[level].size, dtype=x.dtype, device=x.device)
-                ctx.comm.all_gather(out, x, group=ctx.group([level]))
+                yield ctx.comm.all_gather(out, x, group=ctx.group([level]), async_op=async_op)
                 x = out
         unit.primary.copy_(x)
         unit.rebuild_secondary()
 
-    def _gather_weights_async(self, unit: FlatUnit, slice16: torch.Tensor) -> Iterator["Handle"]:
-        """:meth:`_gather_weights` as a chain of async all-gathers (the same calls, groups
-        and bytes): yields each handle right after issuing it; the caller waits on it and
-        resumes the chain, which finally writes the primary shard and the secondary."""
-        ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
-        x = slice16
-        if plan.step == "allreduce" and plan.optimizer > plan.weights:
-            levels = list(range(plan.optimizer + 1))
-            out = torch.empty(unit.U, dtype=x.dtype, device=x.device)
-            yield ctx.comm.all_gather(out, x, group=ctx.span(plan.optimizer), async_op=True)
-            x = chunk(to_shard_order(out, ctx.topo, levels), ctx.topo, ctx.rank, plan.weights)
-        else:
-            for level in range(plan.optimizer, plan.weights, -1):
-                out = torch.empty(x.numel() * ctx.topo.levels[level].size, dtype=x.dtype, device=x.device)
-                yield ctx.comm.all_gather(out, x, group=ctx.group([level]), async_op=True)
-                x = out
-        unit.primary.copy_(x)
-        unit.rebuild_secondary()
-
-    def _global_norm(self, grads: dict[int, torch.Tensor], scale: float) -> float:
-        """sqrt(sum of squares) of the unscaled gradient, every element once (collective)."""
+    def _decide_step(self, grads: Iterable[torch.Tensor], scale: float) -> float | None:
+        """Global norm of the unscaled gradient (every element once, collective), overflow
+        and loss-scale update, before any parameter changes. On overflow the secondaries
+        built from stale weights are dropped. Returns the clip coefficient, if clipping."""
         ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
         sumsq = torch.zeros(1, dtype=torch.float64, device=ctx.device)
-        for unit, lo, hi, _ in self.segments:
-            g = grads[id(unit)][lo:hi].float()
+        for g in grads:
+            g = g.float()
             if scale != 1.0:
                 g = g / scale
             sumsq += g.double().pow_(2).sum()
         ctx.comm.all_reduce(sumsq, group=ctx.span(plan.optimizer))
-        return math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else float("inf")
+        norm = math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else float("inf")
+        self._global_grad_norm = norm
+        self.overflow = not math.isfinite(norm)
+        self.scaler.update(self.overflow)
+        if self.overflow and not plan.secondary_from_primary:
+            for unit in self.sharded.all_units:
+                unit.secondary = None
+        return self.clip / (norm + 1e-6) if self.clip > 0 and norm > self.clip else None
 
     def _tiled_step(self, tiled: "TiledAdam") -> None:
         """The tiled, overlapped step (001 §7.2), bit-identical to the untiled one.
@@ -358,20 +358,12 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         depends only on unit order, so every rank issues each group's collectives in the
         same order.
         """
-        plan = self.sharded.ctx.plan
         units = self.sharded.all_units
         grads = {id(unit): self._optimizer_grad_reduced(unit) for unit in units}
         scale = self.scaler.scale
-        norm = self._global_norm(grads, scale)
-        self._global_grad_norm = norm
-        self.overflow = not math.isfinite(norm)
-        self.scaler.update(self.overflow)
+        coef = self._decide_step((grads[id(u)][lo:hi] for u, lo, hi, _ in self.segments), scale)
         if self.overflow:
-            if not plan.secondary_from_primary:
-                for unit in units:
-                    unit.secondary = None
             return
-        coef = self.clip / (norm + 1e-6) if self.clip > 0 and norm > self.clip else None
         group_of = {id(p): g for g in self.inner.param_groups for p in g["params"]}
         pending: list[tuple[Iterator[Handle], Handle]] = []
 
@@ -401,7 +393,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
 
                 tiled.update(master, group_of[id(master)], load, store)
             advance_pending()
-            chain = self._gather_weights_async(unit, slice16)
+            chain = self._gather_weights_chain(unit, slice16, async_op=True)
             first = next(chain, None)
             if first is not None:
                 pending.append((chain, first))
@@ -415,27 +407,20 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
             raise ValueError("ds_ext.zero_topo: step(closure) is not supported")
         if self.tiled is not None:
             self._tiled_step(self.tiled)
-            for unit in self.sharded.all_units:
-                unit.grad_shard.zero_()
-            return
-        ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
+        else:
+            self._untiled_step()
+        for unit in self.sharded.all_units:
+            unit.grad_shard.zero_()
+
+    def _untiled_step(self) -> None:
+        """Up-cast every reduced gradient, run the inner optimizer, gather the weights."""
         grads = {id(unit): self._optimizer_grad(unit) for unit in self.sharded.all_units}
-        sumsq = torch.zeros(1, dtype=torch.float64, device=ctx.device)
         for unit, lo, hi, master in self.segments:
             g = grads[id(unit)][lo:hi]
-            if self.scaler.scale != 1.0:
-                g = g / self.scaler.scale
-            master.grad = g
-            sumsq += g.double().pow(2).sum()
-        # every element once: sum over the ranks of one optimizer replica
-        ctx.comm.all_reduce(sumsq, group=ctx.span(plan.optimizer))
-        norm = math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else float("inf")
-        self._global_grad_norm = norm
-        self.overflow = not math.isfinite(norm)
-        self.scaler.update(self.overflow)
+            master.grad = g / self.scaler.scale if self.scaler.scale != 1.0 else g
+        coef = self._decide_step((m.grad for *_, m in self.segments), 1.0)
         if not self.overflow:
-            if self.clip > 0 and norm > self.clip:
-                coef = self.clip / (norm + 1e-6)
+            if coef is not None:
                 for *_, master in self.segments:
                     master.grad.mul_(coef)
             self.inner.step()
@@ -445,11 +430,6 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
                     if u is unit:
                         slice16[lo:hi].copy_(master)
                 self._gather_weights(unit, slice16)
-        elif not plan.secondary_from_primary:
-            for unit in self.sharded.all_units:
-                unit.secondary = None
-        for unit in self.sharded.all_units:
-            unit.grad_shard.zero_()
         for *_, master in self.segments:
             master.grad = None
 
