@@ -142,7 +142,7 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
             "ranks_per_node": RANKS_PER_NODE,
             "bytes_per_step": led.mean_by_level(warmup),
             "calls_per_step": led.mean_calls_by_level(warmup),
-            "bytes_per_step_by_phase": _mean_phases(led.steps[warmup:]),
+            "bytes_per_step_by_phase": led.mean_by_phase(warmup),
             "analytic_bytes_per_step": None,
             "analytic_calls_per_step": None,
             "step_time_s": median(times[False]),
@@ -165,16 +165,6 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
         out.append(record)
         del engine, opt, net
         gc.collect()
-    return out
-
-
-def _mean_phases(steps) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for s in steps:
-        for ph, levels in s.by_phase().items():
-            for lv, b in levels.items():
-                out.setdefault(ph, {}).setdefault(lv, 0.0)
-                out[ph][lv] += b / len(steps)
     return out
 
 

@@ -141,6 +141,16 @@ class Ledger:
                 out[lv] += b / len(steps)
         return out
 
+    def mean_by_phase(self, skip: int = 0) -> dict[str, dict[str, float]]:
+        """Mean bytes per closed step as {phase: {level: bytes}}, ignoring ``skip`` steps."""
+        steps = self.steps[skip:]
+        out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for s in steps:
+            for ph, levels in s.by_phase().items():
+                for lv, b in levels.items():
+                    out[ph][lv] += b / len(steps)
+        return {ph: dict(v) for ph, v in out.items()}
+
     def mean_calls_by_level(self, skip: int = 0) -> dict[str, float]:
         steps = self.steps[skip:]
         out = {lv: 0.0 for lv in self.levels}
