@@ -6,8 +6,14 @@ and ``Config`` (a :class:`PluginConfig`), and decorates itself with
 registration order and calls its hooks around ``deepspeed.initialize``:
 
 1. ``prepare(model, optimizer, ds_config)`` before DeepSpeed sees them; returns the
-   (possibly wrapped) model, optimizer and ds_config dict;
-2. ``attach(engine)`` once the DeepSpeed engine exists.
+   (possibly wrapped) model, optimizer and ds_config dict. The other arguments the
+   caller gave ``initialize`` (``mpu``, ``collate_fn``, ...) are in
+   ``runtime.initialize_kwargs``, so a plugin can refuse what it cannot combine with;
+2. ``mpu()`` after every ``prepare``: the model-parallel unit the plugin hands DeepSpeed
+   (``None`` if it has none). At most one source of an mpu is allowed: the caller's or
+   one plugin's; a plugin with ``accepts_mpu = False`` (one that assumes data
+   parallelism over the whole world) refuses to run beside any;
+3. ``attach(engine)`` once the DeepSpeed engine exists.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ class Plugin:
 
     name: ClassVar[str]
     Config: ClassVar[type[PluginConfig]] = PluginConfig
+    # False: the plugin shards over the whole world and cannot run beside model parallelism
+    accepts_mpu: ClassVar[bool] = True
 
     def __init__(self, config: PluginConfig, runtime: "Runtime") -> None:
         self.config = config
@@ -41,6 +49,10 @@ class Plugin:
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         return model, optimizer, ds_config
+
+    def mpu(self) -> Any:
+        """The model-parallel unit this plugin gives DeepSpeed, or None."""
+        return None
 
     def attach(self, engine: Any) -> None:
         """Called with the DeepSpeed engine after ``deepspeed.initialize``."""

@@ -61,6 +61,8 @@ class Runtime:
     groups: GroupRegistry
     comm: Communicator
     plugins: list[Plugin] = field(default_factory=list)
+    # the arguments of ds_ext.initialize beyond model / optimizer / config (mpu, ...)
+    initialize_kwargs: dict = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -71,7 +73,9 @@ class Runtime:
         return self.comm.ledger
 
     @classmethod
-    def create(cls, config: BaseModel, world_size: int | None = None) -> "Runtime":
+    def create(
+        cls, config: BaseModel, world_size: int | None = None, initialize_kwargs: dict | None = None
+    ) -> "Runtime":
         """Build topology, groups and communicator from a parsed ``"ds_ext"`` block.
 
         Topology errors are raised before any collective.
@@ -84,7 +88,8 @@ class Runtime:
         ledger = Ledger(topology.level_names)
         ledger.enabled = config.comm.ledger
         emulator = TimeEmulator(topology, config.comm.time_scale) if config.comm.emulate_time else None
-        runtime = cls(config, job, topology, groups, Communicator(groups, ledger, emulator))
+        runtime = cls(config, job, topology, groups, Communicator(groups, ledger, emulator),
+                      initialize_kwargs=dict(initialize_kwargs or {}))
         plugin_classes = registered_plugins()
         for name, pcfg in cfgmod.plugin_configs(config).items():
             if pcfg.enabled:

@@ -35,7 +35,7 @@ def _train(use_ds_ext: bool, stage: int, bf16: bool, steps: int = 10):
     import torch.distributed as dist
 
     import ds_ext
-    from ds_ext.integration import deepspeed_compat
+    from ds_ext.integration import ds_engine
     from ds_ext.models import GPT, GPTConfig
 
     torch.manual_seed(1234)
@@ -47,7 +47,7 @@ def _train(use_ds_ext: bool, stage: int, bf16: bool, steps: int = 10):
         ds_cfg["ds_ext"] = {}
         engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=ds_cfg)
     else:
-        deepspeed_compat.disable_jit_builds()
+        ds_engine.disable_jit_builds()
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
     rank, dp = dist.get_rank(), dist.get_world_size()
     losses = []

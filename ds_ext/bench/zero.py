@@ -7,7 +7,7 @@ accumulation. Every variant runs in a fresh gloo world, side by side in one invo
 * ``deepspeed_zero3``: DeepSpeed ZeRO-3 in the large-model regime (prefetch 0, reuse
   distance 0, persistence 0), as spec/deepspeed_traffic_measured.md;
 * ``deepspeed_zeropp``: ZeRO-3 + hpZ over the node + qwZ + qgZ, with DeepSpeed's
-  pure-torch quantizer patched in (``deepspeed_compat.enable_cpu_zeropp_quantizer``);
+  pure-torch quantizer patched in (``ds_zeropp_quantizer.enable_cpu_zeropp_quantizer``);
 * ``ds_ext_<preset>`` for every ZeRO-topo preset (003 §III-C, §V).
 
 DeepSpeed's collectives are counted by the same ledger as ds_ext's (torch.distributed is
@@ -94,11 +94,11 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
 
     import ds_ext
     from ds_ext.data import ByteCorpus
-    from ds_ext.integration import deepspeed_compat as compat
+    from ds_ext.integration import ds_zero3_state, ds_zeropp_quantizer
     from ds_ext.models import GPT, GPTConfig
 
     if variant == "deepspeed_zeropp":
-        compat.enable_cpu_zeropp_quantizer()
+        ds_zeropp_quantizer.enable_cpu_zeropp_quantizer()
     d, layers, heads, seq = MODELS[model]
     corpus = ByteCorpus()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -124,7 +124,7 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
                 loss = engine(tokens)
                 engine.backward(loss)
                 if micro == ga - 1 and variant in DEEPSPEED_VARIANTS:
-                    state = compat.deepspeed_zero3_state_bytes(engine)  # secondary still held
+                    state = ds_zero3_state.deepspeed_zero3_state_bytes(engine)  # secondary still held
                 engine.step()
                 step_losses.append(loss.item())
             dist.barrier()

@@ -5,7 +5,7 @@
 (same byte convention, same level attribution, same time emulation) and then call the
 original. ds_ext's own collectives call the saved originals, so nothing is counted
 twice. DeepSpeed binds ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` when its
-backend starts; ``ds_ext.integration.deepspeed_compat`` re-binds those.
+backend starts; ``ds_ext.integration.ds_engine`` re-binds those.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from typing import Any
 
 from ds_ext import config as cfgmod
 from ds_ext.comm import instrument
-from ds_ext.integration import deepspeed_compat as compat
+from ds_ext.integration import ds_engine
+from ds_ext.integration.ds_version import check_version
 from ds_ext.runtime import Runtime
 
 
@@ -44,6 +45,28 @@ def _without_config_path(args: Any) -> Any:
     args = copy.copy(args)
     args.deepspeed_config = None
     return args
+
+
+def _with_plugin_mpu(runtime: Runtime, kwargs: dict) -> dict:
+    """``kwargs`` with the mpu a plugin provides; refuse two sources of one."""
+    sources = [(p.name, p.mpu()) for p in runtime.plugins]
+    sources = [(name, m) for name, m in sources if m is not None]
+    if kwargs.get("mpu") is not None:
+        sources.insert(0, ("the caller's mpu= argument", kwargs["mpu"]))
+    if len(sources) > 1:
+        names = " and ".join(f"ds_ext.{n}" if not n.startswith("the ") else n for n, _ in sources)
+        raise cfgmod.DsExtConfigError(f"two model-parallel units for DeepSpeed: {names}; enable only one")
+    if sources:
+        refusing = [p.name for p in runtime.plugins if not p.accepts_mpu]
+        if refusing:
+            source = sources[0][0]
+            source = source if source.startswith("the ") else f"ds_ext.{source}"
+            raise cfgmod.DsExtConfigError(
+                f"ds_ext.{refusing[0]} shards over the whole world (pure data parallelism) and cannot run "
+                f"with a model-parallel unit (from {source}); allowed: no mpu, or disable ds_ext.{refusing[0]}"
+            )
+        kwargs = {**kwargs, "mpu": sources[0][1]}
+    return kwargs
 
 
 def _tag_engine(engine: Any, runtime: Runtime) -> None:
@@ -93,16 +116,17 @@ def initialize(
     """
     import deepspeed
 
-    compat.check_version()
+    check_version()
     ds_config = cfgmod.load_ds_config(_resolve_config(args, config, config_params))
     parsed = cfgmod.parse(ds_config.get(cfgmod.BLOCK))
-    compat.init_distributed(dist_init_required)
-    runtime = Runtime.create(parsed)
+    ds_engine.init_distributed(dist_init_required)
+    runtime = Runtime.create(parsed, initialize_kwargs=kwargs)
     if parsed.comm.ledger and parsed.comm.count_torch_collectives:
         instrument.install(runtime.comm)
-        compat.rebind_backend_collectives()
+        ds_engine.rebind_backend_collectives()
     for plugin in runtime.plugins:
         model, optimizer, ds_config = plugin.prepare(model, optimizer, ds_config)
+    kwargs = _with_plugin_mpu(runtime, kwargs)
     engine, opt, loader, sched = deepspeed.initialize(
         args=_without_config_path(args),
         model=model,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ds_ext.config import DsExtConfigError
-from ds_ext.integration import deepspeed_compat as compat
+from ds_ext.integration import ds_engine
 from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.zero_topo.engine import LossScaler, ShardedModel, ZeroTopoOptimizer
 from ds_ext.zero_topo.plan import ZeroTopoConfig, resolve_plan
@@ -80,10 +80,10 @@ class ZeroTopoPlugin(Plugin):
                            device=next(engine.module.parameters()).device)
         self.sharded = ShardedModel(engine.module, ctx, self.config.units, self.config.prefetch)
         self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler)
-        compat.replace_optimizer(engine, self.optimizer)
+        ds_engine.replace_optimizer(engine, self.optimizer)
         if self.dtype == torch.float16:
-            compat.scale_backward_loss(engine, lambda: self.scaler.scale)
-        compat.wrap_checkpointing(engine, self._save_shard, self._load_shard, self.sharded)
+            ds_engine.scale_backward_loss(engine, lambda: self.scaler.scale)
+        ds_engine.wrap_checkpointing(engine, self._save_shard, self._load_shard, self.sharded)
 
     def state_bytes(self) -> dict[str, int]:
         """Peak bytes this rank held per model state (primary and secondary weights,

@@ -1,0 +1,59 @@
+"""The one version gate in front of every DeepSpeed-private touch point.
+
+DeepSpeed has no plugin hooks (spec/deepspeed_on_cpu.md §3.8), so ds_ext reaches a few
+private names, each in the module of the DeepSpeed surface it touches:
+
+* :mod:`ds_ext.integration.ds_engine`: engine, launcher and checkpoint hooks;
+* :mod:`ds_ext.integration.ds_zero12_step`: the forked ZeRO-1/2 and unfused fp16 steps
+  (tiled optimizer), refused unless DeepSpeed's source is the one they were forked from;
+* :mod:`ds_ext.integration.ds_zero3_state`: ZeRO-3 state accounting (benchmarks);
+* :mod:`ds_ext.integration.ds_zeropp_quantizer`: ZeRO++'s quantizer on CPU (benchmarks).
+
+Each of them calls :func:`check_version` when imported. The names were read in
+DeepSpeed 0.19.8.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+
+from packaging.version import Version
+
+SUPPORTED = (Version("0.19.0"), Version("0.20.0"))  # [min, max)
+
+
+class DeepSpeedVersionError(RuntimeError):
+    """The installed DeepSpeed is not one ds_ext's private touch points were written for."""
+
+
+def check_version() -> str:
+    """Return DeepSpeed's version, or raise if ds_ext does not support it."""
+    import deepspeed
+
+    v = Version(deepspeed.__version__.split("+")[0])
+    lo, hi = SUPPORTED
+    if not lo <= v < hi:
+        raise DeepSpeedVersionError(
+            f"ds_ext supports deepspeed>={lo},<{hi}; found deepspeed {deepspeed.__version__}"
+        )
+    return deepspeed.__version__
+
+
+def source_digest(obj: object) -> str:
+    """sha256 of ``obj``'s Python source."""
+    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()  # type: ignore[arg-type]
+
+
+def require_source(obj: object, digest: str, what: str) -> None:
+    """Refuse to patch ``obj`` unless its source is exactly the one ds_ext forked (``digest``)."""
+    import deepspeed
+
+    found = source_digest(obj)
+    if found != digest:
+        name = getattr(obj, "__qualname__", repr(obj))
+        raise DeepSpeedVersionError(
+            f"{what}: deepspeed {deepspeed.__version__}'s {name} differs from the DeepSpeed 0.19.8 source "
+            f"ds_ext's forked step mirrors (sha256 {found[:12]} != {digest[:12]}); use deepspeed==0.19.8 "
+            "or switch the feature off"
+        )
