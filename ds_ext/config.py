@@ -94,6 +94,13 @@ class CommConfig(_Section):
     time_scale: float = Field(
         1.0, gt=0, description="Multiply emulated times (e.g. 100 to make a slow link visible on CPU)."
     )
+    timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Seconds a collective may wait for a peer before every waiting rank fails with an error that "
+        "names this key (torch.distributed's process-group timeout; applies to the world group when ds_ext starts "
+        "torch.distributed, and to every group ds_ext creates).",
+    )
 
 
 def _schema_model() -> type[BaseModel]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Sequence
 
 import torch.distributed as dist
@@ -121,15 +122,18 @@ class GroupRegistry:
     All methods that create groups are collective over the world.
     """
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, timeout_s: float | None = None) -> None:
         if dist.is_initialized() and dist.get_world_size() != topology.world_size:
             raise TopologyError(
                 f"world size {dist.get_world_size()} does not match topology "
                 f"{topology.name!r} of {topology.world_size} ranks"
             )
         self.topology = topology
+        self.timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
         self._by_partition: dict[Partition, object] = {}
         self._ranks: dict[object, tuple[int, ...]] = {}
+        self._levels: dict[object, str | None] = {}  # per group, computed once (the ledger's hot path)
+        self._group_rank: dict[object, int] = {}
 
     def group(self, partition: Partition) -> object:
         """This rank's process group of ``partition`` (created collectively once)."""
@@ -143,7 +147,7 @@ class GroupRegistry:
             if ranks == world:
                 pg_i = dist.group.WORLD
             else:
-                pg_i = dist.new_group(list(ranks))
+                pg_i = dist.new_group(list(ranks), timeout=self.timeout)
             if me in ranks:
                 mine = pg_i
                 self._ranks[mine] = ranks
@@ -175,5 +179,20 @@ class GroupRegistry:
         return ranks
 
     def level(self, group: object | None) -> str | None:
-        """Outermost topology level the group crosses (None for one rank)."""
-        return self.topology.level_of(self.ranks(group))
+        """Outermost topology level the group crosses (None for one rank); computed once
+        per group."""
+        key = dist.group.WORLD if group is None else group
+        try:
+            return self._levels[key]
+        except KeyError:
+            level = self._levels[key] = self.topology.level_of(self.ranks(group))
+            return level
+
+    def group_rank(self, group: object | None) -> int:
+        """This rank's position in ``group`` (cached per group)."""
+        key = dist.group.WORLD if group is None else group
+        try:
+            return self._group_rank[key]
+        except KeyError:
+            me = self._group_rank[key] = self.ranks(group).index(dist.get_rank())
+            return me

@@ -54,6 +54,11 @@ class Plugin:
         """The model-parallel unit this plugin gives DeepSpeed, or None."""
         return None
 
+    def gathered_parameters(self, params: Any, modify: bool, modifier_rank: int | None) -> Any:
+        """A context giving full parameters if this plugin shards them, else None
+        (``Runtime.gathered_parameters``)."""
+        return None
+
     def attach(self, engine: Any) -> None:
         """Called with the DeepSpeed engine after ``deepspeed.initialize``."""
 

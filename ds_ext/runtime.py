@@ -7,7 +7,11 @@ communicator from it explicitly (DESIGN.md §4).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import ContextManager, Iterable
+
+import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
@@ -72,6 +76,19 @@ class Runtime:
     def ledger(self) -> Ledger:
         return self.comm.ledger
 
+    def gathered_parameters(
+        self, params: Iterable[torch.Tensor] | None = None, modify: bool = False, modifier_rank: int | None = 0
+    ) -> ContextManager[None]:
+        """Full parameters inside the block, like DeepSpeed's ``zero.GatheredParameters``:
+        collective when a plugin shards them (ZeRO-topo), a no-op otherwise. ``params``
+        None = all; ``modify`` writes changes back into the shards and fp32 masters
+        (``modifier_rank``'s values, None = every rank changed them alike)."""
+        for plugin in self.plugins:
+            ctx = plugin.gathered_parameters(params, modify, modifier_rank)
+            if ctx is not None:
+                return ctx
+        return contextlib.nullcontext()
+
     @classmethod
     def create(
         cls, config: BaseModel, world_size: int | None = None, initialize_kwargs: dict | None = None
@@ -84,11 +101,12 @@ class Runtime:
         if world_size is None:
             world_size = dist.get_world_size() if dist.is_initialized() else job.world_size
         topology = resolve_topology(config.topology, world_size, job)
-        groups = GroupRegistry(topology)
+        groups = GroupRegistry(topology, config.comm.timeout_s)
         ledger = Ledger(topology.level_names)
         ledger.enabled = config.comm.ledger
         emulator = TimeEmulator(topology, config.comm.time_scale) if config.comm.emulate_time else None
-        runtime = cls(config, job, topology, groups, Communicator(groups, ledger, emulator),
+        comm = Communicator(groups, ledger, emulator, config.comm.timeout_s)
+        runtime = cls(config, job, topology, groups, comm,
                       initialize_kwargs=dict(initialize_kwargs or {}))
         plugin_classes = registered_plugins()
         for name, pcfg in cfgmod.plugin_configs(config).items():

@@ -187,10 +187,17 @@ class Topology:
         return tuple(out)
 
     def level_of(self, ranks: Sequence[int]) -> str | None:
-        """Outermost level on which ``ranks`` differ; None for a single rank."""
-        cs = [self.coords(r) for r in ranks]
+        """Outermost level on which ``ranks`` differ; None for a single rank.
+
+        The ranks differ on level i or an outer one iff ``r // stride_i`` differs, and a
+        floor division is monotonic, so the smallest and largest rank decide: O(len(ranks)).
+        """
+        lo, hi = min(ranks), max(ranks)
+        self.coords(lo), self.coords(hi)  # range check
+        stride = self.world_size
         for i in range(len(self.levels) - 1, -1, -1):
-            if len({c[i] for c in cs}) > 1:
+            stride //= self.levels[i].size  # type: ignore[operator]
+            if lo // stride != hi // stride:
                 return self.levels[i].name
         return None
 

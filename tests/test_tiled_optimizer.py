@@ -235,18 +235,18 @@ def _train_zero_topo(precision, tile, overflow=False):
         losses.append(loss.item())
         skipped.append(engine.optimizer.overflow)
     zt = engine.ds_ext.plugins[0]
-    zt.sharded.gather_all()
+    with engine.ds_ext.gathered_parameters():
+        weights = [p.detach().clone() for p in engine.module.parameters()]
     out = {
         "losses": losses,
         "skipped": skipped,
         "kind": type(engine.optimizer).__name__,
-        "weights": [p.detach().clone() for p in engine.module.parameters()],
+        "weights": weights,
         "masters": [m.clone() for *_, m in zt.optimizer.segments],
         "tiles": engine.ds_ext.plugins[-1].tiled.buffer.tiles_processed if tile else 0,
         "bytes": engine.ds_ext.ledger.mean_by_level(),
         "calls": [s.by_phase() for s in engine.ds_ext.ledger.steps],
     }
-    zt.sharded.release_all()
     engine.destroy()
     return out
 

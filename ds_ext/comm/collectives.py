@@ -8,12 +8,18 @@ alpha-beta cost. Every method has an ``async_op`` form returning a :class:`Handl
 
 Sharding contract: tensors are passed flat or N-d; the communicator hands gloo
 contiguous 1-D views (gloo rejects an N-d input with a flat output, which NCCL accepts).
+
+Faults: process groups are created with ``ds_ext.comm.timeout_s``; a collective that
+fails (a peer died, or did not answer within the timeout) raises :class:`CommError`,
+one line naming the op, the group's level and size, and the timeout, on every rank that
+was waiting for it, so a lost rank ends the job instead of hanging it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,20 +54,32 @@ TORCH_OPS: dict[str, Callable] = {
 }
 
 
+class CommError(RuntimeError):
+    """A collective that failed: a peer rank died or did not answer within the timeout."""
+
+
 class Handle:
     """Result of an async collective; :meth:`wait` completes it (and its emulated time)."""
 
-    def __init__(self, work: object | None, deadline: float, after: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        work: object | None,
+        deadline: float,
+        after: Callable[[], None] | None = None,
+        guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
         self._work = work
         self._deadline = deadline
         self._after = after
+        self._guard = guard
         self._done = False
 
     def wait(self) -> None:
         if self._done:
             return
         if self._work is not None:
-            self._work.wait()
+            with self._guard():
+                self._work.wait()
         TimeEmulator.hold_until(self._deadline)
         if self._after is not None:
             self._after()
@@ -90,10 +108,29 @@ class Communicator:
         registry: GroupRegistry,
         ledger: Ledger | None = None,
         emulator: TimeEmulator | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.registry = registry
         self.ledger = ledger or Ledger(registry.topology.level_names)
         self.emulator = emulator
+        self.timeout_s = timeout_s
+
+    @contextlib.contextmanager
+    def guard(self, op: str, group: object | None) -> Iterator[None]:
+        """Turn a failed collective into one :class:`CommError` line."""
+        try:
+            yield
+        except CommError:
+            raise
+        except RuntimeError as err:
+            ranks = self.registry.ranks(group)
+            level = self.registry.level(group)
+            timeout = "the process group's default" if self.timeout_s is None else f"{self.timeout_s:g} s"
+            cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CommError(
+                f"ds_ext.comm: {op} over {len(ranks)} ranks ({level} level) failed: a peer rank died or did not "
+                f"answer within the collective timeout (ds_ext.comm.timeout_s = {timeout}): {cause}"
+            ) from err
 
     # ---- bookkeeping shared with ds_ext.comm.instrument -------------------------------
     def account(self, op: str, group: object | None, nbytes: float) -> float:
@@ -106,8 +143,8 @@ class Communicator:
         d = len(self.registry.ranks(group))
         return start + self.emulator.cost(op, level, nbytes, d)
 
-    def _finish(self, work, deadline: float, async_op: bool, after=None) -> Handle | None:
-        handle = Handle(work, deadline, after)
+    def _finish(self, op: str, group, work, deadline: float, async_op: bool, after=None) -> Handle | None:
+        handle = Handle(work, deadline, after, lambda: self.guard(op, group))
         if async_op:
             return handle
         handle.wait()
@@ -128,10 +165,9 @@ class Communicator:
                 f"all_gather output has {output.numel()} elements, needs {input.numel()} x {d}"
             )
         deadline = self.account("all_gather", group, all_gather_bytes(_nbytes(input), d))
-        work = TORCH_OPS["all_gather_into_tensor"](
-            _flat(output), _flat(input), group=group, async_op=async_op
-        )
-        return self._finish(work, deadline, async_op)
+        with self.guard("all_gather", group):
+            work = TORCH_OPS["all_gather_into_tensor"](_flat(output), _flat(input), group=group, async_op=async_op)
+        return self._finish("all_gather", group, work, deadline, async_op)
 
     def reduce_scatter(
         self,
@@ -149,18 +185,20 @@ class Communicator:
                 f"reduce_scatter input has {input.numel()} elements, needs {output.numel()} x {d}"
             )
         deadline = self.account("reduce_scatter", group, reduce_scatter_bytes(_nbytes(input), d))
-        work = TORCH_OPS["reduce_scatter_tensor"](
-            _flat(output), _flat(input), op=op, group=group, async_op=async_op
-        )
-        return self._finish(work, deadline, async_op)
+        with self.guard("reduce_scatter", group):
+            work = TORCH_OPS["reduce_scatter_tensor"](
+                _flat(output), _flat(input), op=op, group=group, async_op=async_op
+            )
+        return self._finish("reduce_scatter", group, work, deadline, async_op)
 
     def all_reduce(
         self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False
     ) -> Handle | None:
         d = self.size(group)
         deadline = self.account("all_reduce", group, all_reduce_bytes(_nbytes(tensor), d))
-        work = TORCH_OPS["all_reduce"](tensor, op=op, group=group, async_op=async_op)
-        return self._finish(work, deadline, async_op)
+        with self.guard("all_reduce", group):
+            work = TORCH_OPS["all_reduce"](tensor, op=op, group=group, async_op=async_op)
+        return self._finish("all_reduce", group, work, deadline, async_op)
 
     def all_to_all(
         self,
@@ -172,9 +210,8 @@ class Communicator:
         async_op: bool = False,
     ) -> Handle | None:
         """Rank i sends split j of ``input`` (along dim 0) to rank j; even or uneven."""
-        ranks = self.registry.ranks(group)
-        d = len(ranks)
-        me = ranks.index(dist.get_rank())
+        d = self.size(group)
+        me = self.registry.group_rank(group)
         _same_dtype("all_to_all", output, input)
         row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
         if input_split_sizes is None:
@@ -187,15 +224,16 @@ class Communicator:
             own = input_split_sizes[me]
         nbytes = _nbytes(input) - own * row
         deadline = self.account("all_to_all", group, nbytes)
-        work = TORCH_OPS["all_to_all_single"](
-            output,
-            input,
-            output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
-            input_split_sizes=list(input_split_sizes) if input_split_sizes is not None else None,
-            group=group,
-            async_op=async_op,
-        )
-        return self._finish(work, deadline, async_op)
+        with self.guard("all_to_all", group):
+            work = TORCH_OPS["all_to_all_single"](
+                output,
+                input,
+                output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
+                input_split_sizes=list(input_split_sizes) if input_split_sizes is not None else None,
+                group=group,
+                async_op=async_op,
+            )
+        return self._finish("all_to_all", group, work, deadline, async_op)
 
     def broadcast(
         self, tensor: torch.Tensor, src: int, group=None, async_op: bool = False
@@ -203,8 +241,9 @@ class Communicator:
         """Copy global rank ``src``'s ``tensor`` to every rank of the group."""
         d = self.size(group)
         deadline = self.account("broadcast", group, broadcast_bytes(_nbytes(tensor), d))
-        work = TORCH_OPS["broadcast"](tensor, src=src, group=group, async_op=async_op)
-        return self._finish(work, deadline, async_op)
+        with self.guard("broadcast", group):
+            work = TORCH_OPS["broadcast"](tensor, src=src, group=group, async_op=async_op)
+        return self._finish("broadcast", group, work, deadline, async_op)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -52,7 +52,7 @@ def _volume(comm: Communicator, name: str, a: dict) -> tuple[str, float]:
         return "all_reduce", all_reduce_bytes(sum(_nb(t) for t in a["tensors"]), d)
     if name == "broadcast":
         return "broadcast", broadcast_bytes(_nb(a["tensor"]), d)
-    me = comm.registry.ranks(group).index(dist.get_rank())
+    me = comm.registry.group_rank(group)
     if name == "all_to_all_single":
         inp, split = a["input"], a.get("input_split_sizes")
         rows = inp.shape[0] if inp.dim() else 1
@@ -70,10 +70,12 @@ def _wrap(comm: Communicator, name: str, fn: Callable) -> Callable:
     def wrapper(*args, **kw):
         bound = sig.bind(*args, **kw)
         op, nbytes = _volume(comm, name, bound.arguments)
-        deadline = comm.account(op, bound.arguments.get("group"), nbytes)
-        work = fn(*args, **kw)
+        group = bound.arguments.get("group")
+        deadline = comm.account(op, group, nbytes)
+        with comm.guard(op, group):
+            work = fn(*args, **kw)
         if bound.arguments.get("async_op"):
-            return _EmulatedWork(work, deadline)
+            return _EmulatedWork(work, deadline, lambda: comm.guard(op, group))
         TimeEmulator.hold_until(deadline)
         return work
 
@@ -84,12 +86,14 @@ def _wrap(comm: Communicator, name: str, fn: Callable) -> Callable:
 class _EmulatedWork:
     """A torch Work whose ``wait`` also honours the emulated completion time."""
 
-    def __init__(self, work, deadline: float) -> None:
+    def __init__(self, work, deadline: float, guard) -> None:
         self._work = work
         self._deadline = deadline
+        self._guard = guard
 
     def wait(self, *args, **kw):
-        out = self._work.wait(*args, **kw)
+        with self._guard():
+            out = self._work.wait(*args, **kw)
         TimeEmulator.hold_until(self._deadline)
         return out
 

@@ -5,7 +5,14 @@ scale s = a / qmax (fp32), code q = clamp(round(x / s), -qmax, qmax), x̂ = q s.
 ``torch.round`` rounds half to even like the CUDA kernels' ``__float2int_rn`` (DeepSpeed's
 pure-torch NPU quantizer truncates instead, which doubles the error; spec note). So
 ``|x - x̂| <= s / 2 = a / qmax / 2`` for every element. An all-zero block has s = 0 and
-decodes to exact zeros. Non-finite input is an error, never a silent NaN.
+decodes to exact zeros.
+
+Non-finite input is never encoded. By default it is an error; with
+``nonfinite="flag"`` (fp16 gradients, whose overflow is an expected event) a block that
+holds a non-finite value travels as zero codes with the scale :data:`NONFINITE` (-1, a
+value no real scale takes: scales are >= 0), and decodes to NaN. The flag rides in the
+scales the wire carries anyway, so an overflow on one rank reaches every receiver at no
+extra byte, and the step's norm check (which sees NaN) skips the step on every rank.
 
 Wire format: ``payload`` int8 codes (int8), or two int4 codes per uint8 byte (low nibble
 = even element, stored as q + 8); ``scales`` fp32, one per block. The input is zero
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 ALLOWED_BITS = (4, 8)
+NONFINITE = -1.0  # scale of a block that held a non-finite value (not encoded; decodes to NaN)
 
 
 class QuantizationError(ValueError):
@@ -101,7 +109,11 @@ class BlockQuantizer:
     def wire_bytes(self, numel: int) -> int:
         return self.padded_numel(numel) * self.bits // 8 + 4 * self.num_blocks(numel)
 
-    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+    def quantize(self, x: torch.Tensor, nonfinite: str = "raise") -> QuantizedTensor:
+        """Encode ``x``; a non-finite element raises, or with ``nonfinite="flag"`` marks its
+        block :data:`NONFINITE` instead of encoding it (module docstring)."""
+        if nonfinite not in ("raise", "flag"):
+            raise QuantizationError(f"nonfinite must be 'raise' or 'flag', got {nonfinite!r}")
         flat = x.reshape(-1)
         n = flat.numel()
         padded = self.padded_numel(n)
@@ -110,10 +122,15 @@ class BlockQuantizer:
         else:
             blocks = torch.zeros(padded, dtype=torch.float32, device=flat.device)
             blocks[:n] = flat
-        q, scales = self._encode(blocks.view(-1, self.block_size), self.qmax, self.bits == 4)
-        if not torch.isfinite(scales).all():  # NaN / inf propagate into the block's scale
-            bad = (~torch.isfinite(flat)).sum().item()
-            raise QuantizationError(f"cannot quantize a tensor with {bad} non-finite elements of {n}")
+        blocks = blocks.view(-1, self.block_size)
+        q, scales = self._encode(blocks, self.qmax, self.bits == 4)
+        finite = torch.isfinite(scales)  # NaN / inf propagate into the block's scale
+        if not finite.all():
+            if nonfinite == "raise":
+                bad = (~torch.isfinite(flat)).sum().item()
+                raise QuantizationError(f"cannot quantize a tensor with {bad} non-finite elements of {n}")
+            q, scales = self._encode(blocks.masked_fill(~finite[:, None], 0.0), self.qmax, self.bits == 4)
+            scales.masked_fill_(~finite, NONFINITE)
         return QuantizedTensor(q, scales, self.bits, n, self.block_size)
 
     def dequantize(
@@ -124,7 +141,8 @@ class BlockQuantizer:
                 f"tensor was quantized with {q.bits} bits / block {q.block_size}, "
                 f"this quantizer uses {self.bits} / {self.block_size}"
             )
-        values = self._decode(q.payload, q.scales, self.block_size, self.bits == 4)[: q.numel]
+        scales = q.scales.masked_fill(q.scales < 0, float("nan"))  # NONFINITE blocks decode to NaN
+        values = self._decode(q.payload, scales, self.block_size, self.bits == 4)[: q.numel]
         if out is None:
             return values.to(dtype)
         if out.numel() != q.numel:

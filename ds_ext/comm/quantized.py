@@ -83,9 +83,11 @@ def all_to_all_reduce(
     """One-hop quantized reduce-scatter: returns the fp32 sum of every rank's chunk for me.
 
     ``chunks``: 1-D, ``d`` equal chunks in group-rank order (chunk j goes to group rank j).
+    Non-finite input (an fp16 overflow) is not encoded: its blocks arrive flagged and sum
+    to NaN (``ds_ext.comm.quant.NONFINITE``), so the receivers see the overflow too.
     """
     d = comm.size(group)
-    q = quantizer.quantize(chunks)
+    q = quantizer.quantize(chunks, nonfinite="flag")
     payload = torch.empty_like(q.payload)
     scales = torch.empty_like(q.scales)
     comm.all_to_all(payload.view(d, -1), q.payload.view(d, -1), group=group)

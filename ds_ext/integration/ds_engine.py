@@ -72,6 +72,39 @@ def init_distributed(
     )
 
 
+def loss_scaler(ds_config: dict):
+    """DeepSpeed's own loss scaler for the ds_config's ``fp16`` section, built as its ZeRO
+    optimizers build it (stage3.py:524): dynamic scaling with ``hysteresis``,
+    ``consecutive_hysteresis``, ``loss_scale_window``, ``min_loss_scale`` and the error at
+    the minimum scale, or a static ``loss_scale``; scale 1 without fp16. It exposes
+    ``loss_scale`` and ``update_scale(overflow)``."""
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+
+    fp16 = DeepSpeedFP16Config(**ds_config.get("fp16", {}))
+    return CreateLossScaler(
+        dtype=torch.float16 if fp16.enabled else torch.float32,
+        static_loss_scale=fp16.loss_scale,
+        dynamic_scaling=fp16.loss_scale == 0,
+        dynamic_loss_args=fp16.dynamic_loss_scale_args(),
+    )
+
+
+LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def loss_scaler_state(scaler) -> dict[str, float]:
+    """The mutable state of a DeepSpeed loss scaler (for checkpoints)."""
+    return {k: getattr(scaler, k) for k in LOSS_SCALER_STATE if hasattr(scaler, k)}
+
+
+def load_loss_scaler_state(scaler, state: dict[str, float]) -> None:
+    for k, v in state.items():
+        if k in LOSS_SCALER_STATE and hasattr(scaler, k):
+            setattr(scaler, k, v)
+
+
 def replace_optimizer(engine, optimizer) -> None:
     """Make ``engine.step()`` call ``optimizer`` and stop DeepSpeed's own gradient all-reduce.
 
@@ -81,6 +114,16 @@ def replace_optimizer(engine, optimizer) -> None:
     """
     engine.optimizer = optimizer
     engine.enable_backward_allreduce = False
+
+
+def report_precision(engine, dtype) -> None:
+    """Make ``engine.fp16_enabled()`` / ``bfloat16_enabled()`` report the dtype a plugin
+    trains in after it took mixed precision over from DeepSpeed (engine.py:1724 and the
+    step read them; the engine's optimizer then provides ``zero_grad`` and ``loss_scale``)."""
+    import torch
+
+    engine.fp16_enabled = lambda: dtype == torch.float16
+    engine.bfloat16_enabled = lambda: dtype == torch.bfloat16
 
 
 def scale_backward_loss(engine, scale) -> None:
@@ -94,43 +137,24 @@ def scale_backward_loss(engine, scale) -> None:
     engine.backward = scaled
 
 
-def wrap_checkpointing(engine, save_shard, load_shard, sharded) -> None:
-    """Add per-rank shard files to ``engine.save_checkpoint`` / ``load_checkpoint``.
+def wrap_checkpoint_methods(engine, **replacements) -> None:
+    """Route engine methods through a plugin: ``replacements[name](original, **arguments)``
+    is called with the original bound method and the call's arguments bound by name to
+    DeepSpeed 0.19.8's signatures (engine.py): ``save_checkpoint(save_dir, tag,
+    client_state, save_latest, exclude_frozen_parameters)``, ``load_checkpoint(load_dir,
+    tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+    load_module_only, custom_load_fn)``, ``save_16bit_model(save_dir, save_filename,
+    exclude_frozen_parameters)``."""
+    import inspect
 
-    DeepSpeed's stage-0 checkpoint writes ``module.state_dict()`` from rank 0
-    (engine.py:5390-5404) and calls it on every rank, so the sharded weights are
-    gathered around the call; each rank then writes / reads its own shard file in the
-    tag directory.
-    """
-    save, load = engine.save_checkpoint, engine.load_checkpoint
+    for name, replacement in replacements.items():
+        original = getattr(engine, name)
+        signature = inspect.signature(original)
 
-    @functools.wraps(save)
-    def save_checkpoint(save_dir, tag=None, *args, **kwargs):
-        tag = f"global_step{engine.global_steps}" if tag is None else tag
-        sharded.gather_all()
-        try:
-            out = save(save_dir, tag, *args, **kwargs)
-        finally:
-            sharded.release_all()
-        save_shard(os.path.join(save_dir, str(tag)))
-        dist.barrier()
-        return out
+        def wrapped(*args, _original=original, _sig=signature, _fn=replacement, **kwargs):
+            bound = _sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return _fn(_original, **bound.arguments)
 
-    @functools.wraps(load)
-    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
-        sharded.gather_all()
-        try:
-            path, client_state = load(load_dir, tag, *args, **kwargs)
-            if path is not None:
-                for unit in sharded.all_units:
-                    unit.adopt_full()
-        finally:
-            sharded.release_all()
-        if path is not None:
-            load_shard(os.path.dirname(path))
-        return path, client_state
-
-    engine.save_checkpoint = save_checkpoint
-    engine.load_checkpoint = load_checkpoint
-
-
+        functools.update_wrapper(wrapped, original)
+        setattr(engine, name, wrapped)

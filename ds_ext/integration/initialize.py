@@ -119,7 +119,7 @@ def initialize(
     check_version()
     ds_config = cfgmod.load_ds_config(_resolve_config(args, config, config_params))
     parsed = cfgmod.parse(ds_config.get(cfgmod.BLOCK))
-    ds_engine.init_distributed(dist_init_required)
+    ds_engine.init_distributed(dist_init_required, parsed.comm.timeout_s)
     runtime = Runtime.create(parsed, initialize_kwargs=kwargs)
     if parsed.comm.ledger and parsed.comm.count_torch_collectives:
         instrument.install(runtime.comm)

@@ -7,9 +7,9 @@ max_group_size=...)``):
 
 * DeepSpeed ZeRO stage 1/2 (``DeepSpeedZeroOptimizer``, fp32 / fp16 / bf16, DeepSpeed-MoE
   expert groups included): its ``step`` is replaced by the tiled one
-  (``deepspeed_ds_zero12_step.install_tiled_zero_step``);
+  (``ds_ext.integration.ds_zero12_step.install_tiled_zero_step``);
 * stage 0 with fp16 or bf16 (DeepSpeed 0.19.8 wraps a torch optimizer in
-  ``FP16_UnfusedOptimizer`` for both): ``deepspeed_ds_zero12_step.install_tiled_unfused_step``;
+  ``FP16_UnfusedOptimizer`` for both): ``ds_ext.integration.ds_zero12_step.install_tiled_unfused_step``;
 * stage 0 in fp32: the torch optimizer's ``step`` runs tiled;
 * ZeRO-topo (``"zero_topo": {"enabled": true}``): its sharded step updates tile by tile and
   overlaps each unit's weight all-gather with the next unit's update.
@@ -36,7 +36,6 @@ import torch
 from pydantic import Field, StrictInt
 
 from ds_ext.config import DsExtConfigError
-from ds_ext.integration import ds_zero12_step
 from ds_ext.optim.tiled import ALLOWED_TYPES, KEY, TiledAdam, check_tileable
 from ds_ext.plugin import Plugin, PluginConfig, register_plugin
 
@@ -95,6 +94,8 @@ class TiledOptimizerPlugin(Plugin):
         return model, optimizer, ds_config
 
     def attach(self, engine: Any) -> None:
+        from ds_ext.integration import ds_zero12_step  # DeepSpeed is imported on use
+
         ts = self.config.tile_size
         zero_topo = next((p for p in self.runtime.plugins if p.name == "zero_topo"), None)
         if zero_topo is not None:

@@ -23,9 +23,10 @@ bytes and calls as above, only overlapped).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator
+import warnings
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -42,8 +43,16 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class UnitError(ValueError):
+    """A model ZeRO-topo cannot cut into gather/release units."""
+
+
 def find_units(model: nn.Module, names: list[str] | str) -> list[tuple[str, nn.Module]]:
-    """Modules wrapped as units: entries of every ModuleList ('auto') or by class name."""
+    """Modules wrapped as units: entries of every ModuleList ('auto') or by class name.
+
+    Class names that match no module are an error; finding no unit at all is a warning
+    (the whole model becomes one unit, gathered whole for every forward).
+    """
     found = []
     for qual, mod in model.named_modules():
         if mod is model:
@@ -54,8 +63,53 @@ def find_units(model: nn.Module, names: list[str] | str) -> list[tuple[str, nn.M
                 found.append((qual, mod))
         elif type(mod).__name__ in names:
             found.append((qual, mod))
+    if names != "auto":
+        present = {type(m).__name__ for m in model.modules()}
+        missing = [n for n in names if n not in present]
+        if missing:
+            raise UnitError(
+                f"ds_ext.zero_topo.units: no module of class {', '.join(map(repr, missing))} in the model; "
+                f"allowed: 'auto' or class names present, e.g. {', '.join(sorted(present)[:12])}"
+            )
+    if not found:
+        warnings.warn(
+            "ds_ext.zero_topo: the model has no nn.ModuleList, so units='auto' found no unit: the whole model "
+            "becomes one unit, gathered whole for every forward; set ds_ext.zero_topo.units to the class names "
+            "of its blocks to shard layer by layer", stacklevel=2,
+        )
     # drop units nested inside another unit
     return [(q, m) for q, m in found if not any(q.startswith(o + ".") for o, _ in found if o != q)]
+
+
+def assign_parameters(
+    model: nn.Module, units: list[tuple[str, nn.Module]]
+) -> list[list[tuple[nn.Parameter, tuple[str, ...]]]]:
+    """(parameter, its qualified names) of each unit; the last list holds the root's
+    (the parameters outside every unit).
+
+    A parameter shared by two units is refused by name: only one unit is gathered at a time.
+    One shared by a unit and the root belongs to the root, which stays gathered through
+    forward and backward.
+    """
+    owners: dict[int, list[tuple[str, int | None]]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        unit = next((i for i, (q, _) in enumerate(units) if name.startswith(q + ".")), None)
+        owners.setdefault(id(p), []).append((name, unit))
+        params[id(p)] = p
+    out: list[list[tuple[nn.Parameter, tuple[str, ...]]]] = [[] for _ in range(len(units) + 1)]
+    for pid, names in owners.items():
+        in_units = {u for _, u in names if u is not None}
+        if len(in_units) > 1:
+            shown = " and ".join(repr(n) for n, _ in names)
+            raise UnitError(
+                f"ds_ext.zero_topo: parameter {shown} is shared by units "
+                f"{', '.join(units[u][0] for u in sorted(in_units))}; ZeRO-topo gathers one unit at a time: "
+                "untie it, or set ds_ext.zero_topo.units so one unit holds every module that uses it"
+            )
+        root = any(u is None for _, u in names) or not in_units
+        out[-1 if root else in_units.pop()].append((params[pid], tuple(n for n, _ in names)))
+    return out
 
 
 class ShardedModel:
@@ -66,18 +120,15 @@ class ShardedModel:
         self.ctx = ctx
         self.prefetch = prefetch
         wrapped = find_units(model, unit_names)
-        seen: set[int] = set()
+        *unit_params, rest = assign_parameters(model, wrapped)
         self.units: list[FlatUnit] = []
-        for qual, mod in wrapped:
-            params = [p for p in mod.parameters() if id(p) not in seen]
-            seen.update(id(p) for p in params)
+        for (qual, mod), params in zip(wrapped, unit_params):
             if params:
-                unit = FlatUnit(qual, params, ctx)
+                unit = FlatUnit(qual, [p for p, _ in params], ctx, [n for _, n in params])
                 self.units.append(unit)
                 mod.register_forward_pre_hook(self._pre_forward(unit))
                 mod.register_forward_hook(self._post_forward(unit))
-        rest = [p for p in model.parameters() if id(p) not in seen]
-        self.root = FlatUnit("<root>", rest, ctx) if rest else None
+        self.root = FlatUnit("<root>", [p for p, _ in rest], ctx, [n for _, n in rest]) if rest else None
         self.all_units = ([self.root] if self.root else []) + self.units
         for unit in self.all_units:
             for p in unit.params:
@@ -167,7 +218,7 @@ class ShardedModel:
         for unit in self.all_units:
             if unit.grads_ready:
                 unit.reduce_gradients()
-            if unit.gathered:
+            if unit.gathered and not unit.held:
                 unit.release()
 
     def unit_specs(self):
@@ -176,16 +227,25 @@ class ShardedModel:
 
         return [UnitSpec(u.U, u.numel, u is self.root) for u in self.all_units]
 
-    def gather_all(self) -> None:
-        """Materialise every unit's exact 16-bit weights (collective; for checkpoints)."""
-        for unit in self.all_units:
-            unit.start_gather(backward=False, exact=True)
-        for unit in self.all_units:
-            unit.wait_gather()
+    def units_of(self, params: Iterable[torch.Tensor] | None) -> list[FlatUnit]:
+        """The units holding ``params`` (every unit for None), in model order."""
+        if params is None:
+            return list(self.all_units)
+        wanted = {id(p) for p in params}
+        return [u for u in self.all_units if any(id(p) in wanted for p in u.params)]
 
-    def release_all(self) -> None:
-        for unit in self.all_units:
-            unit.release()
+    @contextlib.contextmanager
+    def held(self, units: list[FlatUnit]) -> Iterator[None]:
+        """Keep ``units``' exact 16-bit weights gathered in buffers of their own (collective)."""
+        done = []
+        try:
+            for unit in units:
+                unit.hold()
+                done.append(unit)
+            yield
+        finally:
+            for unit in done:
+                unit.unhold()
 
     def state_bytes(self) -> dict[str, int]:
         out = {"primary": 0, "secondary": 0, "gradients": 0}
@@ -206,38 +266,16 @@ def _tensors(x):
             yield from _tensors(y)
 
 
-@dataclass
-class LossScaler:
-    """Dynamic fp16 loss scale (DeepSpeed's fp16 semantics: halve on overflow, double
-    after ``window`` clean steps, never below ``min_scale``)."""
-
-    scale: float = 1.0
-    dynamic: bool = False
-    window: int = 1000
-    min_scale: float = 1.0
-    _clean: int = 0
-
-    def update(self, overflow: bool) -> None:
-        if not self.dynamic:
-            return
-        if overflow:
-            self.scale = max(self.scale / 2, self.min_scale)
-            self._clean = 0
-        else:
-            self._clean += 1
-            if self._clean % self.window == 0:
-                self.scale *= 2
-
-
 class ZeroTopoOptimizer(torch.optim.Optimizer):
     """The sharded step around a torch optimizer whose params become fp32 master segments.
 
     ``inner`` keeps its class, hyper-parameters and param groups (so LR schedulers built
     on it keep working); each group's params are replaced by this rank's fp32 segments of
-    the optimizer shard.
+    the optimizer shard. ``scaler`` is DeepSpeed's own loss scaler
+    (``ds_engine.loss_scaler``): fp16 overflow skips and scale updates are DeepSpeed's.
     """
 
-    def __init__(self, sharded: ShardedModel, inner: torch.optim.Optimizer, clip: float, scaler: LossScaler):
+    def __init__(self, sharded: ShardedModel, inner: torch.optim.Optimizer, clip: float, scaler: Any):
         self.sharded = sharded
         self.inner = inner
         self.tiled: "TiledAdam | None" = None  # set by ds_ext.tiled_optimizer (001 §7.2)
@@ -254,8 +292,8 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
             size = unit.U // n_opt
             a = shard_index(ctx.topo, ctx.rank, ctx.plan.optimizer) * size
             own = self._own_slice(unit)
-            for p, o in zip(unit.params, unit.offsets):
-                lo, hi = max(a, o), min(a + size, o + p.numel())
+            for p, o, shape in zip(unit.params, unit.offsets, unit.shapes):
+                lo, hi = max(a, o), min(a + size, o + shape.numel())
                 if lo >= hi or not p.requires_grad:
                     continue
                 if id(p) not in group_of:
@@ -269,6 +307,31 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         self.param_groups = inner.param_groups
         self.defaults = inner.defaults
         self.state = inner.state
+
+    def own_range(self, unit: FlatUnit) -> tuple[int, int]:
+        """[start, stop) of this rank's optimizer slice in the unit's flat index."""
+        ctx = self.sharded.ctx
+        size = unit.U // shard_count(ctx.topo, ctx.plan.optimizer)
+        start = shard_index(ctx.topo, ctx.rank, ctx.plan.optimizer) * size
+        return start, start + size
+
+    def adopt_weights(self, unit: FlatUnit) -> None:
+        """Take the unit's (held, possibly modified) full weights as its new shards; every
+        fp32 master element whose 16-bit weight changed takes the new value."""
+        old = self._own_slice(unit).clone()
+        unit.adopt_full()
+        new = self._own_slice(unit)
+        for u, lo, hi, master in self.segments:
+            if u is unit:
+                changed = new[lo:hi] != old[lo:hi]
+                master[changed] = new[lo:hi][changed].float()
+
+    def reset_masters_from_weights(self) -> None:
+        """fp32 masters from the 16-bit weights and empty optimizer state (a load without
+        optimizer states, as DeepSpeed does it)."""
+        for unit, lo, hi, master in self.segments:
+            master.copy_(self._own_slice(unit)[lo:hi])
+        self.inner.state.clear()
 
     def _own_slice(self, unit: FlatUnit) -> torch.Tensor:
         """This rank's optimizer slice of the unit's primary shard (a view)."""
@@ -341,7 +404,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         norm = math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else float("inf")
         self._global_grad_norm = norm
         self.overflow = not math.isfinite(norm)
-        self.scaler.update(self.overflow)
+        self.scaler.update_scale(self.overflow)
         if self.overflow and not plan.secondary_from_primary:
             for unit in self.sharded.all_units:
                 unit.secondary = None
@@ -360,7 +423,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         """
         units = self.sharded.all_units
         grads = {id(unit): self._optimizer_grad_reduced(unit) for unit in units}
-        scale = self.scaler.scale
+        scale = self.scaler.loss_scale
         coef = self._decide_step((grads[id(u)][lo:hi] for u, lo, hi, _ in self.segments), scale)
         if self.overflow:
             return
@@ -417,7 +480,8 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         grads = {id(unit): self._optimizer_grad(unit) for unit in self.sharded.all_units}
         for unit, lo, hi, master in self.segments:
             g = grads[id(unit)][lo:hi]
-            master.grad = g / self.scaler.scale if self.scaler.scale != 1.0 else g
+            scale = self.scaler.loss_scale
+            master.grad = g / scale if scale != 1.0 else g
         coef = self._decide_step((m.grad for *_, m in self.segments), 1.0)
         if not self.overflow:
             if coef is not None:
@@ -432,6 +496,13 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
                 self._gather_weights(unit, slice16)
         for *_, master in self.segments:
             master.grad = None
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1 without fp16), as DeepSpeed's optimizers report it."""
+        return self.scaler.loss_scale
+
+    cur_scale = loss_scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for unit in self.sharded.all_units:
@@ -448,6 +519,8 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         """DeepSpeed stores this from rank 0 only; the real state goes to per-rank shard files."""
         return {"ds_ext_zero_topo": "optimizer state is in the per-rank ds_ext_zero_topo_rank*.pt files"}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict, load_optimizer_states: bool = True):
+        """DeepSpeed's part of a load; the state comes from the shard files
+        (``ds_ext.zero_topo.checkpoint``)."""
         if "ds_ext_zero_topo" not in state_dict:
             raise ValueError("this checkpoint was not written by ds_ext.zero_topo")

@@ -3,47 +3,35 @@
 ZeRO-topo replaces DeepSpeed's ZeRO and mixed-precision wrappers, so DeepSpeed runs as a
 plain (stage 0, fp32-looking) engine around a model whose parameters ds_ext shards:
 
-* ``prepare``: resolves the plan against the topology (errors before any collective),
-  reads ``bf16`` / ``fp16`` / ``gradient_clipping`` from the ds_config and hands DeepSpeed a
-  copy with those switched off; casts the model to the training dtype;
+* ``prepare``: resolves the plan against the topology and refuses every setting it does
+  not implement (``ds_ext.zero_topo.support``; errors before any collective), reads
+  ``bf16`` / ``fp16`` (DeepSpeed's own loss scaler) / ``gradient_clipping`` from the
+  ds_config and hands DeepSpeed a copy with those switched off; casts the model to the
+  training dtype;
 * ``attach``: after DeepSpeed has broadcast rank 0's weights, shards the model into units,
   swaps the engine's optimizer for :class:`ZeroTopoOptimizer` around the user's torch
-  optimizer, and adds loss scaling (fp16) and sharded checkpoints to the engine.
+  optimizer, makes ``engine.fp16_enabled()`` / ``bfloat16_enabled()`` tell the truth, and
+  adds loss scaling (fp16), ``gathered_parameters`` and sharded checkpoints
+  (``ds_ext.zero_topo.checkpoint``) to the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import os
-from typing import Any
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Iterator
 
 import torch
 
-from ds_ext.config import DsExtConfigError
-from ds_ext.integration import ds_engine
 from ds_ext.plugin import Plugin, register_plugin
-from ds_ext.zero_topo.engine import LossScaler, ShardedModel, ZeroTopoOptimizer
+from ds_ext.zero_topo import checkpoint as ckpt
+from ds_ext.zero_topo import support
+from ds_ext.zero_topo.engine import ShardedModel, ZeroTopoOptimizer
 from ds_ext.zero_topo.plan import ZeroTopoConfig, resolve_plan
+from ds_ext.zero_topo.layout import shard_count, shard_index
 from ds_ext.zero_topo.units import ShardContext
-
-SHARD_FILE = "ds_ext_zero_topo_rank{rank:05d}.pt"
-
-
-def _precision(ds_config: dict) -> tuple[torch.dtype, LossScaler]:
-    bf16 = ds_config.get("bf16", {}).get("enabled", False)
-    fp16_cfg = ds_config.get("fp16", {})
-    fp16 = fp16_cfg.get("enabled", False)
-    if bf16 and fp16:
-        raise DsExtConfigError("bf16.enabled and fp16.enabled are both true; choose one")
-    if not fp16:
-        return (torch.bfloat16 if bf16 else torch.float32), LossScaler()
-    static = fp16_cfg.get("loss_scale", 0)
-    return torch.float16, LossScaler(
-        scale=float(static) if static else 2.0 ** fp16_cfg.get("initial_scale_power", 16),
-        dynamic=not static,
-        window=fp16_cfg.get("loss_scale_window", 1000),
-        min_scale=fp16_cfg.get("min_loss_scale", 1),
-    )
 
 
 @register_plugin
@@ -52,28 +40,27 @@ class ZeroTopoPlugin(Plugin):
 
     name = "zero_topo"
     Config = ZeroTopoConfig
+    accepts_mpu = False
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
+
         self.plan = resolve_plan(self.config, self.runtime.topology)
-        stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-        if stage != 0:
-            raise DsExtConfigError(
-                f"ds_ext.zero_topo replaces DeepSpeed's ZeRO: set zero_optimization.stage to 0 (got {stage})"
-            )
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise DsExtConfigError(
-                "ds_ext.zero_topo needs a torch optimizer instance passed as optimizer=... "
-                "(it shards that optimizer's state); a ds_config 'optimizer' section is not supported"
-            )
-        self.dtype, self.scaler = _precision(ds_config)
+        self.dtype = support.precision(ds_config)
+        support.check_ds_config(ds_config, self.dtype)
+        support.check_model(model, optimizer)
+        self.scaler = ds_engine.loss_scaler(ds_config)
         self.clip = float(ds_config.get("gradient_clipping", 0.0))
         cfg = copy.deepcopy(ds_config)
         for key in ("bf16", "fp16"):
             cfg.setdefault(key, {})["enabled"] = False
         cfg["gradient_clipping"] = 0.0
+        (cfg.get("data_types") or {}).pop("grad_accum_dtype", None)
         return model.to(self.dtype), optimizer, cfg
 
     def attach(self, engine: Any) -> None:
+        from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
+
         rt = self.runtime
         ctx = ShardContext(self.plan, rt.comm, rank=rt.rank, dtype=self.dtype,
                            compile_quantizer=self.config.compile_quantizer,
@@ -82,8 +69,13 @@ class ZeroTopoPlugin(Plugin):
         self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler)
         ds_engine.replace_optimizer(engine, self.optimizer)
         if self.dtype == torch.float16:
-            ds_engine.scale_backward_loss(engine, lambda: self.scaler.scale)
-        ds_engine.wrap_checkpointing(engine, self._save_shard, self._load_shard, self.sharded)
+            ds_engine.scale_backward_loss(engine, lambda: self.scaler.loss_scale)
+        ds_engine.report_precision(engine, self.dtype)
+        self.engine = engine
+        ds_engine.wrap_checkpoint_methods(
+            engine, save_checkpoint=self._save_checkpoint, load_checkpoint=self._load_checkpoint,
+            save_16bit_model=self._save_16bit_model,
+        )
 
     def state_bytes(self) -> dict[str, int]:
         """Peak bytes this rank held per model state (primary and secondary weights,
@@ -103,33 +95,141 @@ class ZeroTopoPlugin(Plugin):
 
         return memory(self.plan, self.sharded.unit_specs(), self.runtime.rank, self.sharded.ctx.dtype.itemsize)
 
-    # ---- checkpoints: DeepSpeed saves the gathered 16-bit module; each rank adds its shard --
-    def _save_shard(self, directory: str) -> None:
-        opt = self.optimizer
-        torch.save(
-            {
-                "plan": self.plan.describe(),
-                "masters": [m for *_, m in opt.segments],
-                "inner": opt.inner.state_dict(),
-                "loss_scale": self.scaler.scale,
-            },
-            os.path.join(directory, SHARD_FILE.format(rank=self.runtime.rank)),
-        )
+    def scaler_state(self) -> dict:
+        from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
 
-    def _load_shard(self, directory: str) -> None:
-        path = os.path.join(directory, SHARD_FILE.format(rank=self.runtime.rank))
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"ds_ext.zero_topo: checkpoint shard {path} is missing")
-        state = torch.load(path, weights_only=True)
-        if state["plan"] != self.plan.describe():
-            raise ValueError(
-                f"ds_ext.zero_topo: checkpoint {path} was written with plan '{state['plan']}', "
-                f"this run uses '{self.plan.describe()}'"
+        return ds_engine.loss_scaler_state(self.scaler)
+
+    # ---- full parameters on demand -----------------------------------------------------
+    @contextlib.contextmanager
+    def gathered_parameters(
+        self, params: Iterable[torch.Tensor] | None = None, modify: bool = False, modifier_rank: int | None = 0
+    ) -> Iterator[None]:
+        """Full 16-bit parameters inside the block (collective; like DeepSpeed's
+        ``zero.GatheredParameters``). ``params``: the parameters wanted (their units are
+        gathered), None = all. With ``modify``, changes are written back on exit into the
+        shards and, for every element that changed, into the fp32 masters; with
+        ``modifier_rank`` r (default 0, as DeepSpeed) rank r's values are broadcast first,
+        None = every rank made the same change."""
+        sharded, comm = self.sharded, self.runtime.comm
+        units = sharded.units_of(params)
+        with self.runtime.ledger.phase("gather_parameters"), sharded.held(units):
+            with self.runtime.ledger.paused():
+                yield
+            if modify:
+                with torch.no_grad():
+                    for unit in units:
+                        if modifier_rank is not None:
+                            comm.broadcast(unit.full, src=modifier_rank)
+                        self.optimizer.adopt_weights(unit)
+
+    # ---- checkpoints (ds_ext.zero_topo.checkpoint) ---------------------------------------
+    def _save_checkpoint(self, original, save_dir, tag, client_state, save_latest, exclude_frozen_parameters):
+        engine, rank = self.engine, self.runtime.rank
+        save_dir = Path(save_dir)
+        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        staged = ckpt.staging_dir(save_dir, tag)
+        with self.runtime.ledger.phase("checkpoint"):
+            error = None
+            if rank == 0:
+                try:
+                    save_dir.mkdir(parents=True, exist_ok=True)
+                    if staged.exists():
+                        shutil.rmtree(staged)  # left by a save that crashed
+                except OSError as err:
+                    error = f"cannot prepare {staged}: {err}"
+            ckpt.agree(error, f"saving checkpoint {save_dir / tag}")
+            with self.sharded.held(self.sharded.all_units):
+                original(str(save_dir), staged.name, client_state=client_state, save_latest=False,
+                         exclude_frozen_parameters=exclude_frozen_parameters)
+            path = staged / ckpt.SHARD_FILE.format(rank=rank)
+            try:
+                staged.mkdir(parents=True, exist_ok=True)
+                ckpt.atomic_save(ckpt.shard_state(self, engine.global_steps), path)
+            except OSError as err:
+                error = f"cannot write {path}: {err}"
+            ckpt.agree(error, f"saving checkpoint {save_dir / tag}")
+            if rank == 0:
+                try:
+                    ckpt.publish(save_dir, tag, save_latest)
+                except OSError as err:
+                    error = f"cannot publish {save_dir / tag}: {err}"
+            ckpt.agree(error, f"saving checkpoint {save_dir / tag}")
+
+    def _load_checkpoint(self, original, load_dir, tag, load_module_strict, load_optimizer_states,
+                         load_lr_scheduler_states, load_module_only, custom_load_fn):
+        optimizer_states = load_optimizer_states and not load_module_only
+        with self.runtime.ledger.phase("checkpoint"):
+            error, loaded = None, None
+            try:
+                tag_dir = ckpt.resolve_tag_dir(load_dir, tag)
+                ckpt.check_zip(tag_dir / ckpt.DEEPSPEED_MODULE_FILE)
+                loaded = self._read_shards(tag_dir, optimizer_states)
+            except ckpt.CheckpointError as err:
+                error = str(err)
+            ckpt.agree(error, f"loading checkpoint from {load_dir}")
+            with self.sharded.held(self.sharded.all_units):
+                path, client_state = original(
+                    load_dir, tag_dir.name, load_module_strict=load_module_strict,
+                    load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
+                    load_module_only=load_module_only, custom_load_fn=custom_load_fn,
+                )
+                with torch.no_grad():
+                    self._apply(loaded, optimizer_states)
+        return path, client_state
+
+    def _read_shards(self, tag_dir: Path, optimizer_states: bool) -> dict:
+        """Everything this rank takes from the checkpoint, read and checked before any
+        state changes: per unit the primary shard, per segment master and optimizer state."""
+        saved = ckpt.SavedCheckpoint.open(tag_dir)
+        why = ckpt.compare_units(saved.meta["units"], ckpt.unit_table(self), tag_dir)
+        if why:
+            raise ckpt.CheckpointError(why)
+        opt, plan, topo, rank = self.optimizer, self.plan, self.sharded.ctx.topo, self.runtime.rank
+        inner = opt.inner
+        saved_opt = saved.meta["optimizer"]
+        if saved_opt["class"] != type(inner).__name__ or len(saved_opt["param_groups"]) != len(inner.param_groups):
+            raise ckpt.CheckpointError(
+                f"checkpoint {tag_dir} holds a {saved_opt['class']} with {len(saved_opt['param_groups'])} param "
+                f"groups, this run a {type(inner).__name__} with {len(inner.param_groups)}"
             )
+        primaries = {}
+        n_w = shard_count(topo, plan.weights)
+        for unit in self.sharded.all_units:
+            size = unit.U // n_w
+            start = shard_index(topo, rank, plan.weights) * size
+            stop = min(start + size, unit.numel)
+            primaries[unit.name] = saved.weights(unit.name, start, stop) if stop > start else torch.empty(0)
+        segments = []
+        if optimizer_states:
+            keys = saved.state_keys()
+            for unit, lo, hi, master in opt.segments:
+                a, _ = opt.own_range(unit)
+                state = {k: saved.segment_values(unit.name, a + lo, a + hi, k) for k in keys}
+                segments.append((saved.segment_values(unit.name, a + lo, a + hi, None), state))
+        return {"primaries": primaries, "segments": segments, "groups": saved_opt["param_groups"],
+                "scaler": saved.meta["loss_scaler"]}
+
+    def _apply(self, loaded: dict, optimizer_states: bool) -> None:
+        """Install what :meth:`_read_shards` read (units are held: ``full`` is valid)."""
+        from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
+
         opt = self.optimizer
-        if len(state["masters"]) != len(opt.segments):
-            raise ValueError(f"ds_ext.zero_topo: checkpoint {path} does not match this model's shards")
-        for (*_, master), saved in zip(opt.segments, state["masters"]):
-            master.copy_(saved)
-        opt.inner.load_state_dict(state["inner"])
-        self.scaler.scale = state["loss_scale"]
+        for unit in self.sharded.all_units:
+            values = loaded["primaries"][unit.name]
+            unit.primary.zero_()
+            unit.primary[: values.numel()].copy_(values)
+            unit.rebuild_secondary()
+        if not optimizer_states:
+            opt.reset_masters_from_weights()
+            return
+        for (unit, lo, hi, master), (values, state) in zip(opt.segments, loaded["segments"]):
+            master.copy_(values)
+            opt.inner.state[master] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        for group, saved in zip(opt.inner.param_groups, loaded["groups"]):
+            group.update(saved)
+        ds_engine.load_loss_scaler_state(self.scaler, loaded["scaler"])
+
+    def _save_16bit_model(self, original, save_dir, save_filename, exclude_frozen_parameters):
+        with self.runtime.ledger.phase("checkpoint"), self.sharded.held(self.sharded.all_units):
+            return original(save_dir, save_filename, exclude_frozen_parameters=exclude_frozen_parameters)

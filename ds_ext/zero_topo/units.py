@@ -10,10 +10,14 @@ level is whole quantization blocks). Per rank it holds:
   later forwards;
 * the **gradient** shard: U / shards(g) elements accumulated over micro-batches.
 
-Sharding contract: the module's parameters are views into ``full`` (U elements). While
-the unit is *released* the storage of ``full`` is resized to 0 bytes; gathering resizes
-it back and writes the gathered values in place, so tensors autograd saved in forward
-see valid data again in backward (the FSDP flat-parameter technique).
+Sharding contract: while the unit is *gathered* the module's parameters are views into
+``full`` (U elements); while it is *released* they are valid empty tensors (as in FSDP:
+``p.norm()`` is 0, shapes are ``(0,)``) and the storage of ``full`` is resized to 0
+bytes. Gathering resizes it back, writes the gathered values in place and points the
+parameters at it again, so tensors autograd saved in forward (views of ``full``) see
+valid data again in backward (the FSDP flat-parameter technique). A *held* unit
+(:meth:`FlatUnit.hold`, for ``gathered_parameters``) lives in a buffer of its own that
+the hooks neither overwrite nor release, so whatever the caller keeps of it stays valid.
 """
 
 from __future__ import annotations
@@ -70,10 +74,13 @@ class ShardContext:
 class FlatUnit:
     """One unit's parameters, shards and collectives (see module docstring)."""
 
-    def __init__(self, name: str, params: list[nn.Parameter], ctx: ShardContext) -> None:
+    def __init__(
+        self, name: str, params: list[nn.Parameter], ctx: ShardContext, names: list[tuple[str, ...]]
+    ) -> None:
         self.name = name
         self.ctx = ctx
         self.params = params
+        self.param_names = names  # qualified names of each parameter (several if tied)
         self.offsets: list[int] = []
         n = 0
         for p in params:
@@ -81,11 +88,14 @@ class FlatUnit:
             n += p.numel()
         self.numel = n
         self.U = padded_numel(n, ctx.topo.world_size, ctx.plan.block_size)
+        self.shapes = [p.shape for p in params]
         self.full = torch.zeros(self.U, dtype=ctx.dtype, device=ctx.device)
         with torch.no_grad():
             for p, o in zip(params, self.offsets):
                 self.full[o : o + p.numel()].copy_(p.data.reshape(-1))
-                p.data = self.full[o : o + p.numel()].view(p.shape)
+        self._empty = torch.empty(0, dtype=ctx.dtype, device=ctx.device)
+        self.held = False
+        self._point_params()
         plan = ctx.plan
         self.primary = chunk(self.full, ctx.topo, ctx.rank, plan.weights).clone()
         self.secondary: torch.Tensor | QuantizedTensor | None = None
@@ -99,6 +109,35 @@ class FlatUnit:
         self.release()
 
     # ---- weights ------------------------------------------------------------------------
+    def _point_params(self, released: bool = False) -> None:
+        """Parameters become views of ``full`` (or empty tensors while released)."""
+        for p, o, shape in zip(self.params, self.offsets, self.shapes):
+            p.data = self._empty if released else self.full[o : o + shape.numel()].view(shape)
+
+    def hold(self) -> None:
+        """Gather the exact 16-bit weights into a buffer of the unit's own and keep them
+        (collective over the weight group); :meth:`unhold` lets the hooks manage it again."""
+        if self._pending is not None:
+            self.wait_gather()
+        if self.gathered:
+            self.held = True
+            return
+        resizable = self.full
+        self.full = torch.empty(self.U, dtype=self.ctx.dtype, device=self.ctx.device)
+        self._resizable = resizable
+        self.start_gather(backward=False, exact=True, resize=False)
+        self.wait_gather()
+        self.held = True
+
+    def unhold(self) -> None:
+        self.held = False
+        resizable = getattr(self, "_resizable", None)
+        if resizable is not None:
+            self.full = resizable
+            self._resizable = None
+            self.gathered = False
+            self._point_params(released=True)
+
     def rebuild_secondary(self) -> None:
         """Derive the secondary from the primary when it lies inside it, else drop it."""
         plan = self.ctx.plan
@@ -120,14 +159,15 @@ class FlatUnit:
             return plan.secondary, self.secondary
         return plan.weights, self.primary
 
-    def start_gather(self, backward: bool, exact: bool = False) -> None:
+    def start_gather(self, backward: bool, exact: bool = False, resize: bool = True) -> None:
         """Begin gathering ``full`` (async); :meth:`wait_gather` completes it.
 
         ``exact`` gathers the unquantized primary shards (checkpoints).
         """
         if self.gathered or self._pending is not None:
             return
-        self.full.untyped_storage().resize_(self.U * self.full.element_size())
+        if resize:
+            self.full.untyped_storage().resize_(self.U * self.full.element_size())
         level, data = (self.ctx.plan.weights, self.primary) if exact else self._source(backward)
         ctx, levels = self.ctx, list(range(level + 1))
         group = ctx.span(level)
@@ -161,12 +201,16 @@ class FlatUnit:
             self.secondary = self._store_secondary(chunk(self.full, self.ctx.topo, self.ctx.rank, plan.secondary))
         self._pending = None
         self.gathered = True
+        self._point_params()
 
     def release(self) -> None:
+        if self.held:
+            return
         if self._pending is not None:
             self.wait_gather()
         self.full.untyped_storage().resize_(0)
         self.gathered = False
+        self._point_params(released=True)
 
     # ---- gradients ----------------------------------------------------------------------
     def reduce_gradients(self) -> None:
@@ -175,7 +219,7 @@ class FlatUnit:
         flat = torch.zeros(self.U, dtype=ctx.dtype, device=ctx.device)
         for p, o in zip(self.params, self.offsets):
             if p.grad is not None:
-                flat[o : o + p.numel()].copy_(p.grad.reshape(-1))
+                flat[o : o + p.grad.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
         flat.div_(ctx.topo.world_size)
         g = plan.gradients

@@ -1,0 +1,342 @@
+"""Self-describing, reshardable, atomic ZeRO-topo checkpoints.
+
+A checkpoint is DeepSpeed's tag directory (its module and engine state, written by
+rank 0) plus one shard file per rank, ``ds_ext_zero_topo_rank{r:05d}.pt``. A shard
+records the world size, the topology's level sizes, the plan, every unit's parameters
+(qualified names, shapes, offsets) and, for the rank's *optimizer slice* of each unit
+(``U / shards(optimizer)`` elements at ``[start, stop)`` of the unit's flat index):
+
+* ``weights``: the slice of the 16-bit weights (frozen parameters and padding included),
+* one *segment* per trainable parameter piece in the slice: element range, param group,
+  fp32 master and the optimizer state of that master (Adam's moments and step).
+
+Element ranges refer to the unpadded flat order of a unit's parameters, which does not
+depend on the world, topology or plan, so a load under another one gathers each range
+it needs from the old slices that overlap it (resharding). Units must match by name,
+parameter names and shapes; the optimizer state keys must match.
+
+Saving is atomic: DeepSpeed writes into a staging directory ``.<tag>.partial``, every
+rank writes its shard under a temporary name, flushes and renames it, the ranks agree on
+success with a collective, then rank 0 renames the directory to ``<tag>`` and only then
+writes ``latest`` (temporary name + rename). A crash at any point leaves the previous
+checkpoint and ``latest`` untouched. Loading validates every file it needs and the ranks
+agree (a collective) before anything is modified, so a bad checkpoint is refused on
+every rank with one line and never hangs the others.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ds_ext.zero_topo.layout import shard_count, shard_index
+
+if TYPE_CHECKING:
+    from ds_ext.zero_topo.plugin import ZeroTopoPlugin
+
+FORMAT = "ds_ext.zero_topo/1"
+SHARD_FILE = "ds_ext_zero_topo_rank{rank:05d}.pt"
+LATEST = "latest"
+DEEPSPEED_MODULE_FILE = "mp_rank_00_model_states.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or loaded here; the message names the file."""
+
+
+# ---- files ---------------------------------------------------------------------------
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` under a temporary name, flush to disk, rename into place."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_shard(path: Path) -> dict:
+    """A shard file's contents (tensors memory-mapped), or :class:`CheckpointError`."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint shard {path} is missing")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"checkpoint shard {path} is unreadable (truncated or corrupt): {first}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint shard {path} was not written by {FORMAT}")
+    return state
+
+
+def check_zip(path: Path) -> None:
+    """Verify a torch zip file's CRCs without unpickling it (DeepSpeed's module file)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (OSError, zipfile.BadZipFile) as err:
+        raise CheckpointError(f"checkpoint file {path} is unreadable (truncated or corrupt): {err}") from None
+    if bad is not None:
+        raise CheckpointError(f"checkpoint file {path} is corrupt (bad CRC in {bad})")
+
+
+def resolve_tag_dir(load_dir: str | Path, tag: str | None) -> Path:
+    """The tag directory to load: ``tag``, else the one ``latest`` names. A directory that
+    was being replaced when a save crashed is found under its ``.old`` name."""
+    load_dir = Path(load_dir)
+    if tag is None:
+        latest = load_dir / LATEST
+        if not latest.is_file():
+            raise CheckpointError(f"checkpoint directory {load_dir} has no '{LATEST}' file; pass tag=...")
+        tag = latest.read_text().strip()
+    path = load_dir / str(tag)
+    if not path.is_dir() and (load_dir / f".{tag}.old").is_dir():
+        path = load_dir / f".{tag}.old"
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {load_dir / str(tag)} does not exist")
+    return path
+
+
+def shard_paths(tag_dir: Path, world_size: int) -> list[Path]:
+    return [tag_dir / SHARD_FILE.format(rank=r) for r in range(world_size)]
+
+
+# ---- agreement -----------------------------------------------------------------------
+def agree(error: str | None, what: str) -> None:
+    """Collective: raise the same one-line :class:`CheckpointError` on every rank if any
+    rank failed (naming the first failing rank and its reason)."""
+    flag = torch.tensor([0.0 if error is None else 1.0])
+    dist.all_reduce(flag)
+    if flag.item() == 0:
+        return
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    rank, msg = next((r, e) for r, e in enumerate(errors) if e is not None)
+    raise CheckpointError(f"ds_ext.zero_topo: {what} failed on rank {rank}: {msg}")
+
+
+# ---- what a rank holds ---------------------------------------------------------------
+def unit_table(plugin: "ZeroTopoPlugin") -> list[dict]:
+    """Units as a checkpoint records them (world-independent)."""
+    out = []
+    for unit in plugin.sharded.all_units:
+        params = [
+            {"names": list(names), "shape": list(shape), "offset": off}
+            for names, shape, off in zip(unit.param_names, unit.shapes, unit.offsets)
+        ]
+        out.append({"name": unit.name, "numel": unit.numel, "params": params})
+    return out
+
+
+def shard_state(plugin: "ZeroTopoPlugin", step: int) -> dict:
+    """This rank's shard: metadata, optimizer slices, segments (module docstring)."""
+    opt, ctx = plugin.optimizer, plugin.sharded.ctx
+    topo, plan = ctx.topo, ctx.plan
+    index = {id(m): i for i, g in enumerate(opt.inner.param_groups) for m in g["params"]}
+    slices, segments = [], []
+    for unit in plugin.sharded.all_units:
+        start, stop = opt.own_range(unit)
+        slices.append({"unit": unit.name, "start": start, "stop": stop,
+                       "weights": opt._own_slice(unit).clone()})
+    for unit, lo, hi, master in opt.segments:
+        start, _ = opt.own_range(unit)
+        state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.inner.state.get(master, {}).items()}
+        segments.append({"unit": unit.name, "start": start + lo, "stop": start + hi,
+                         "group": index[id(master)], "master": master.clone(), "state": state})
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.inner.param_groups]
+    n_opt = shard_count(topo, plan.optimizer)
+    return {
+        "format": FORMAT,
+        "rank": ctx.rank,
+        "world_size": topo.world_size,
+        "topology": {"name": topo.name, "levels": [[lv.name, lv.size] for lv in topo.levels]},
+        "plan": plan.describe(),
+        "dtype": str(ctx.dtype).removeprefix("torch."),
+        "step": step,
+        "units": unit_table(plugin),
+        "optimizer_shards": n_opt,
+        "optimizer_shard_of_rank": [shard_index(topo, r, plan.optimizer) for r in range(topo.world_size)],
+        "slices": slices,
+        "segments": segments,
+        "optimizer": {"class": type(opt.inner).__name__, "param_groups": groups},
+        "loss_scaler": plugin.scaler_state(),
+    }
+
+
+# ---- reading ranges across old shards --------------------------------------------------
+@dataclass
+class SavedCheckpoint:
+    """The shards of one checkpoint, opened lazily, with range look-ups across them."""
+
+    tag_dir: Path
+    meta: dict  # rank 0's shard (metadata shared by all shards)
+
+    def __post_init__(self) -> None:
+        self._open: dict[int, dict] = {0: self.meta}
+        self.units = {u["name"]: u for u in self.meta["units"]}
+        first = {}
+        for r, k in enumerate(self.meta["optimizer_shard_of_rank"]):
+            first.setdefault(k, r)
+        self._rank_of_slice = first
+
+    @classmethod
+    def open(cls, tag_dir: Path) -> "SavedCheckpoint":
+        return cls(tag_dir, read_shard(tag_dir / SHARD_FILE.format(rank=0)))
+
+    def shard(self, rank: int) -> dict:
+        if rank not in self._open:
+            state = read_shard(self.tag_dir / SHARD_FILE.format(rank=rank))
+            if state["world_size"] != self.meta["world_size"] or state["plan"] != self.meta["plan"]:
+                raise CheckpointError(f"checkpoint shard {self.tag_dir / SHARD_FILE.format(rank=rank)} belongs to "
+                                      "another checkpoint (world size or plan differ from rank 0's shard)")
+            self._open[rank] = state
+        return self._open[rank]
+
+    def slice_size(self, unit: str) -> int:
+        """Elements of one optimizer slice of ``unit`` in the saved (padded) layout."""
+        return self.meta["slices"][self._unit_index(unit)]["stop"] - self.meta["slices"][self._unit_index(unit)]["start"]
+
+    def _unit_index(self, unit: str) -> int:
+        return next(i for i, u in enumerate(self.meta["units"]) if u["name"] == unit)
+
+    def _slices(self, unit: str, start: int, stop: int) -> Iterator[tuple[dict, int, int]]:
+        """(shard, a, b) for every saved slice overlapping [start, stop), in order."""
+        size = self.slice_size(unit)
+        i = self._unit_index(unit)
+        for k in range(start // size, (stop - 1) // size + 1):
+            yield self.shard(self._rank_of_slice[k]), max(start, k * size), min(stop, (k + 1) * size)
+
+    def weights(self, unit: str, start: int, stop: int) -> torch.Tensor:
+        """Saved 16-bit weights of elements [start, stop) of ``unit`` (stop <= numel)."""
+        i = self._unit_index(unit)
+        parts = []
+        for shard, a, b in self._slices(unit, start, stop):
+            sl = shard["slices"][i]
+            parts.append(sl["weights"][a - sl["start"] : b - sl["start"]])
+        return torch.cat(parts) if parts else torch.empty(0)
+
+    def segment_values(self, unit: str, start: int, stop: int, key: str | None) -> torch.Tensor | Any:
+        """Masters (``key`` None) or the optimizer state ``key`` of [start, stop) of a
+        trainable parameter of ``unit``; a 0-d state (Adam's step) is returned as is."""
+        parts = []
+        for shard, a, b in self._slices(unit, start, stop):
+            for seg in shard["segments"]:
+                if seg["unit"] != unit or seg["stop"] <= a or seg["start"] >= b:
+                    continue
+                value = seg["master"] if key is None else seg["state"][key]
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    return value
+                lo, hi = max(a, seg["start"]), min(b, seg["stop"])
+                parts.append((lo, value[lo - seg["start"] : hi - seg["start"]]))
+        parts.sort(key=lambda x: x[0])
+        covered = sum(p.numel() for _, p in parts)
+        if covered != stop - start:
+            raise CheckpointError(f"checkpoint {self.tag_dir} holds {covered} of the {stop - start} elements "
+                                  f"[{start}, {stop}) of unit {unit!r} (a parameter trainable here was frozen there?)")
+        return torch.cat([p for _, p in parts])
+
+    def state_keys(self) -> set[str]:
+        for seg in self.meta["segments"]:
+            return set(seg["state"])
+        return set()
+
+
+def compare_units(saved: list[dict], here: list[dict], where: Path) -> str | None:
+    """Why the saved units differ from this model's (None if they match)."""
+    if [u["name"] for u in saved] != [u["name"] for u in here]:
+        return (f"checkpoint {where} has units {[u['name'] for u in saved][:6]}..., this model "
+                f"{[u['name'] for u in here][:6]}... (a different model or ds_ext.zero_topo.units)")
+    for a, b in zip(saved, here):
+        if a != b:
+            return f"unit {a['name']!r} of checkpoint {where} has other parameters (names, shapes) than this model's"
+    return None
+
+
+def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """The full fp32 state dict (every name of tied parameters) from a checkpoint's shards:
+    trainable parameters from the fp32 masters, frozen ones from the 16-bit weights."""
+    ckpt = SavedCheckpoint.open(tag_dir)
+    for r in range(ckpt.meta["world_size"]):
+        ckpt.shard(r)  # every shard must be readable and belong to this checkpoint
+    out: dict[str, torch.Tensor] = {}
+    trainable = {(s["unit"], s["start"]) for r in ckpt._open for s in ckpt._open[r]["segments"]}
+    for unit in ckpt.meta["units"]:
+        for p in unit["params"]:
+            n = int(torch.Size(p["shape"]).numel())
+            a, b = p["offset"], p["offset"] + n
+            is_trainable = n > 0 and any(u == unit["name"] and a <= s < b for u, s in trainable)
+            values = (ckpt.segment_values(unit["name"], a, b, None) if is_trainable
+                      else ckpt.weights(unit["name"], a, b).float())
+            value = values.reshape(p["shape"]).clone()
+            for name in p["names"]:
+                out[name] = value
+    return out
+
+
+def describe(tag_dir: Path) -> str:
+    """What a checkpoint holds, for ``ds-ext checkpoint inspect``."""
+    ckpt = SavedCheckpoint.open(tag_dir)
+    m = ckpt.meta
+    params = sum(int(torch.Size(p["shape"]).numel()) for u in m["units"] for p in u["params"])
+    sizes = sum((tag_dir / SHARD_FILE.format(rank=r)).stat().st_size for r in range(m["world_size"])
+                if (tag_dir / SHARD_FILE.format(rank=r)).is_file())
+    levels = " x ".join(f"{n}={s}" for n, s in m["topology"]["levels"])
+    lines = [
+        f"checkpoint {tag_dir}",
+        f"  format      {m['format']}, step {m['step']}, dtype {m['dtype']}",
+        f"  world       {m['world_size']} ranks, topology {m['topology']['name']}: {levels}",
+        f"  plan        {m['plan']}",
+        f"  model       {params:,} parameters in {len(m['units'])} units",
+        f"  optimizer   {m['optimizer']['class']}, {len(m['optimizer']['param_groups'])} param groups, "
+        f"{m['optimizer_shards']} optimizer shards, state {sorted(ckpt.state_keys())}",
+        f"  loss scaler {m['loss_scaler']}",
+        f"  shard files {m['world_size']} x {SHARD_FILE.format(rank=0).replace('00000', 'NNNNN')}, "
+        f"{sizes / 1e6:.2f} MB in all",
+    ]
+    return "\n".join(lines)
+
+
+def staging_dir(save_dir: Path, tag: str) -> Path:
+    return save_dir / f".{tag}.partial"
+
+
+def publish(save_dir: Path, tag: str, save_latest: bool) -> None:
+    """Rank 0, after every rank's files are in the staging directory: make it ``tag``
+    (keeping the old one under ``.<tag>.old`` until the new one is in place), then
+    write ``latest``."""
+    final, staged, old = save_dir / tag, staging_dir(save_dir, tag), save_dir / f".{tag}.old"
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(staged, final)
+    _fsync_dir(save_dir)
+    if old.exists():
+        shutil.rmtree(old)
+    if save_latest:
+        atomic_write_text(save_dir / LATEST, tag)

@@ -1,0 +1,92 @@
+"""What ZeRO-topo combines with, checked before DeepSpeed or any collective runs.
+
+ZeRO-topo (003 §V) is data parallelism over the whole world with its own sharding,
+mixed precision and step; DeepSpeed runs underneath as a plain stage-0 engine. Every
+setting it would otherwise ignore is refused here in one line that names the key and
+the allowed values; the settings it implements are read by :func:`precision`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ds_ext.config import DsExtConfigError
+
+KEY = "ds_ext.zero_topo"
+_DTYPE_NAMES = {torch.float32: ("fp32", "float32"), torch.float16: ("fp16", "float16"),
+                torch.bfloat16: ("bf16", "bfloat16")}
+
+
+def precision(ds_config: Mapping[str, Any]) -> torch.dtype:
+    """The training dtype the ds_config asks for (``fp16`` / ``bf16`` / fp32)."""
+    bf16 = (ds_config.get("bf16") or {}).get("enabled", False)
+    fp16 = (ds_config.get("fp16") or {}).get("enabled", False)
+    if bf16 and fp16:
+        raise DsExtConfigError("bf16.enabled and fp16.enabled are both true; allowed: at most one")
+    return torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
+
+
+def _refuse(key: str, why: str, allowed: str, got: Any) -> None:
+    raise DsExtConfigError(f"{key}: {why} with {KEY}; allowed: {allowed} (got {got!r})")
+
+
+def _off(section: Mapping[str, Any], prefix: str, keys: tuple[str, ...], why: str) -> None:
+    for k in keys:
+        if section.get(k):
+            _refuse(f"{prefix}.{k}" if prefix else k, why, "false", section[k])
+
+
+def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
+    """Refuse the DeepSpeed settings ZeRO-topo does not implement."""
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage != 0:
+        _refuse("zero_optimization.stage", "ZeRO-topo replaces DeepSpeed's ZeRO", "0", stage)
+    for k in ("offload_optimizer", "offload_param"):
+        device = (zero.get(k) or {}).get("device", "none")
+        if device not in (None, "none"):
+            _refuse(f"zero_optimization.{k}.device", "ZeRO-topo keeps every state on the device", "'none'", device)
+    if "optimizer" in ds_config:
+        _refuse("optimizer", "a ds_config optimizer section is not supported (ZeRO-topo shards the state of the "
+                "torch optimizer passed as optimizer=...)", "no 'optimizer' section", ds_config["optimizer"].get("type"))
+    _off(ds_config.get("fp16") or {}, "fp16", ("auto_cast", "fp16_master_weights_and_grads"),
+         "ZeRO-topo casts the model itself and keeps fp32 masters")
+    _off(ds_config.get("bf16") or {}, "bf16", ("immediate_grad_update", "bf16_master_weights_and_grads",
+                                               "bf16_optimizer_states"),
+         "ZeRO-topo keeps fp32 masters and moments and updates at the step")
+    for k in ("amp", "torch_autocast"):
+        if (ds_config.get(k) or {}).get("enabled"):
+            _refuse(f"{k}.enabled", "ZeRO-topo runs the model in the fp16/bf16 section's dtype", "false", True)
+    _off(ds_config, "", ("prescale_gradients", "sparse_gradients"),
+         "ZeRO-topo divides dense gradients by the world size before reducing them")
+    predivide = ds_config.get("gradient_predivide_factor", 1.0)
+    if predivide != 1.0:
+        _refuse("gradient_predivide_factor", "ZeRO-topo divides gradients by the world size before reducing them",
+                "1.0", predivide)
+    if ds_config.get("communication_data_type") is not None:
+        _refuse("communication_data_type", "ZeRO-topo's wire formats are set by ds_ext.zero_topo weights.gather_bits "
+                "and gradients.bits", "unset", ds_config["communication_data_type"])
+    accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
+    if accum is not None and accum not in _DTYPE_NAMES[dtype]:
+        _refuse("data_types.grad_accum_dtype", "ZeRO-topo accumulates gradient shards in the training dtype",
+                f"unset or {_DTYPE_NAMES[dtype][0]!r}", accum)
+
+
+def check_model(model: nn.Module, optimizer: Any) -> None:
+    """Refuse pipeline modules, DeepSpeed-MoE expert parameters and non-torch optimizers."""
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        _refuse("model", "pipeline parallelism (deepspeed.pipe.PipelineModule) is not supported", "a plain nn.Module",
+                type(model).__name__)
+    experts = [n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
+    if experts:
+        _refuse("model", f"expert parameters (DeepSpeed-MoE, allreduce=False) such as {experts[0]!r} are not "
+                "supported: ZeRO-topo shards every parameter over the whole world", "dense models (MoE: ds_ext.ted "
+                "with ZeRO-1/2)", f"{len(experts)} expert parameters")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        _refuse("optimizer", "ZeRO-topo shards the state of a torch optimizer instance passed as optimizer=...",
+                "a torch.optim.Optimizer", type(optimizer).__name__)
