@@ -196,11 +196,11 @@ def test_ledger_equals_analytic_model(world, preset, accum, quantized):
         for phase in analytic:
             assert set(measured[phase]) == set(analytic[phase]), (phase, measured, analytic)
             for level, b in analytic[phase].items():
-                assert measured[phase][level] == pytest.approx(b, rel=1e-2), (phase, level)
+                assert measured[phase][level] == b, (phase, level)  # exact: int8 scales alone are 0.8 %
         for level, c in r["analytic_calls"].items():
-            assert r["calls"][level] == pytest.approx(c), level
+            assert r["calls"][level] == c, level
         for state, b in r["analytic_state"].items():
-            assert r["state"][state] == pytest.approx(b, rel=1e-2), state
+            assert r["state"][state] == b, state
 
 
 def _train_then_eval(ds_cfg, steps):

@@ -136,9 +136,31 @@ class ShardedModel:
                     p.register_post_accumulate_grad_hook(self._grad_ready(unit))
         model.register_forward_pre_hook(self._model_pre_forward)
         model.register_forward_hook(self._model_post_forward)
+        self._guard_released_calls(model)  # after the gathering hooks: they run first
         self._order: list[FlatUnit] = []
         self._callback_queued = False
         self.peak_state_bytes: dict[str, int] = {}
+
+    def _guard_released_calls(self, model: nn.Module) -> None:
+        """A module called while its parameters are released (outside its unit's forward,
+        e.g. ``engine.module.blocks[0].fc1(x)``) raises one clear line instead of computing
+        with empty tensors."""
+        unit_of = {id(p): u for u in self.all_units for p in u.params}
+        for qual, mod in model.named_modules():
+            owners = {id(unit_of[id(p)]): unit_of[id(p)] for p in mod.parameters(recurse=False) if id(p) in unit_of}
+            if not owners:
+                continue
+
+            def check(module, args, qual=qual, owners=tuple(owners.values())):
+                released = [u.name for u in owners if not u.gathered]
+                if released:
+                    raise RuntimeError(
+                        f"ds_ext.zero_topo: module {qual or type(module).__name__!r} is called while the parameters "
+                        f"of unit {released[0]!r} are released (outside its forward); call it inside "
+                        "`with engine.ds_ext.gathered_parameters():`"
+                    )
+
+            mod.register_forward_pre_hook(check)
 
     # ---- forward ------------------------------------------------------------------------
     def _model_pre_forward(self, module, args):

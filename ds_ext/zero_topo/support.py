@@ -30,7 +30,7 @@ def precision(ds_config: Mapping[str, Any]) -> torch.dtype:
 
 
 def _refuse(key: str, why: str, allowed: str, got: Any) -> None:
-    raise DsExtConfigError(f"{key}: {why} with {KEY}; allowed: {allowed} (got {got!r})")
+    raise DsExtConfigError(f"{key}: not supported with {KEY} ({why}); allowed: {allowed} (got {got!r})")
 
 
 def _off(section: Mapping[str, Any], prefix: str, keys: tuple[str, ...], why: str) -> None:
@@ -44,34 +44,33 @@ def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
     zero = ds_config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     if stage != 0:
-        _refuse("zero_optimization.stage", "ZeRO-topo replaces DeepSpeed's ZeRO", "0", stage)
+        _refuse("zero_optimization.stage", "it replaces DeepSpeed's ZeRO", "0", stage)
     for k in ("offload_optimizer", "offload_param"):
         device = (zero.get(k) or {}).get("device", "none")
         if device not in (None, "none"):
-            _refuse(f"zero_optimization.{k}.device", "ZeRO-topo keeps every state on the device", "'none'", device)
+            _refuse(f"zero_optimization.{k}.device", "it keeps every state on the device", "'none'", device)
     if "optimizer" in ds_config:
-        _refuse("optimizer", "a ds_config optimizer section is not supported (ZeRO-topo shards the state of the "
-                "torch optimizer passed as optimizer=...)", "no 'optimizer' section", ds_config["optimizer"].get("type"))
+        _refuse("optimizer", "it shards the state of the torch optimizer passed as optimizer=...",
+                "no ds_config 'optimizer' section", ds_config["optimizer"].get("type"))
     _off(ds_config.get("fp16") or {}, "fp16", ("auto_cast", "fp16_master_weights_and_grads"),
-         "ZeRO-topo casts the model itself and keeps fp32 masters")
+         "it casts the model itself and keeps fp32 masters")
     _off(ds_config.get("bf16") or {}, "bf16", ("immediate_grad_update", "bf16_master_weights_and_grads",
                                                "bf16_optimizer_states"),
-         "ZeRO-topo keeps fp32 masters and moments and updates at the step")
+         "it keeps fp32 masters and moments and updates them at the step")
     for k in ("amp", "torch_autocast"):
         if (ds_config.get(k) or {}).get("enabled"):
-            _refuse(f"{k}.enabled", "ZeRO-topo runs the model in the fp16/bf16 section's dtype", "false", True)
+            _refuse(f"{k}.enabled", "it runs the model in the dtype of the fp16 / bf16 section", "false", True)
     _off(ds_config, "", ("prescale_gradients", "sparse_gradients"),
-         "ZeRO-topo divides dense gradients by the world size before reducing them")
+         "it divides dense gradients by the world size before reducing them")
     predivide = ds_config.get("gradient_predivide_factor", 1.0)
     if predivide != 1.0:
-        _refuse("gradient_predivide_factor", "ZeRO-topo divides gradients by the world size before reducing them",
+        _refuse("gradient_predivide_factor", "it divides gradients by the world size before reducing them",
                 "1.0", predivide)
     if ds_config.get("communication_data_type") is not None:
-        _refuse("communication_data_type", "ZeRO-topo's wire formats are set by ds_ext.zero_topo weights.gather_bits "
-                "and gradients.bits", "unset", ds_config["communication_data_type"])
+        _refuse("communication_data_type", "its wire formats are ds_ext.zero_topo weights.gather_bits and gradients.bits", "unset", ds_config["communication_data_type"])
     accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
     if accum is not None and accum not in _DTYPE_NAMES[dtype]:
-        _refuse("data_types.grad_accum_dtype", "ZeRO-topo accumulates gradient shards in the training dtype",
+        _refuse("data_types.grad_accum_dtype", "it accumulates gradient shards in the training dtype",
                 f"unset or {_DTYPE_NAMES[dtype][0]!r}", accum)
 
 
@@ -80,13 +79,13 @@ def check_model(model: nn.Module, optimizer: Any) -> None:
     from deepspeed.pipe import PipelineModule
 
     if isinstance(model, PipelineModule):
-        _refuse("model", "pipeline parallelism (deepspeed.pipe.PipelineModule) is not supported", "a plain nn.Module",
+        _refuse("model", "pipeline parallelism: deepspeed.pipe.PipelineModule", "a plain nn.Module",
                 type(model).__name__)
     experts = [n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
     if experts:
-        _refuse("model", f"expert parameters (DeepSpeed-MoE, allreduce=False) such as {experts[0]!r} are not "
-                "supported: ZeRO-topo shards every parameter over the whole world", "dense models (MoE: ds_ext.ted "
-                "with ZeRO-1/2)", f"{len(experts)} expert parameters")
+        _refuse("model", f"DeepSpeed-MoE expert parameters (allreduce=False) such as {experts[0]!r}: it shards "
+                "every parameter over the whole world", "dense models (MoE: ds_ext.ted with ZeRO-1/2)",
+                f"{len(experts)} expert parameters")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        _refuse("optimizer", "ZeRO-topo shards the state of a torch optimizer instance passed as optimizer=...",
+        _refuse("optimizer", "it shards the state of a torch optimizer instance passed as optimizer=...",
                 "a torch.optim.Optimizer", type(optimizer).__name__)
