@@ -58,6 +58,46 @@ def test_tiles_match_torch_step_bit_for_bit(cls, kw, tile):
     assert tiled.buffer.nbytes == 0
 
 
+def test_tiled_step_runs_the_optimizers_step_hooks():
+    """The tiled step replaces ``optimizer.step``: the hooks registered on the optimizer
+    (and global ones) run once per applied step, pre before the first tile, post after."""
+    from ds_ext.optim.tiled import TiledAdam
+
+    p = torch.nn.Parameter(torch.randn(1000))
+    opt = torch.optim.AdamW([p], lr=1e-2)
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o is opt, p.detach().clone())))
+    opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o is opt, p.detach().clone())))
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("global", o is opt, None)))
+    try:
+        tiled = TiledAdam(opt, 300)
+        before = p.detach().clone()
+        for _ in range(2):
+            p.grad = torch.randn(1000)
+            tiled.step_fp32_params()
+        tiled.end_step()  # a step that updated nothing (skipped) runs no hooks
+    finally:
+        handle.remove()
+    assert [(k, same) for k, same, _ in calls] == [("global", True), ("pre", True), ("post", True)] * 2
+    assert torch.equal(calls[1][2], before) and not torch.equal(calls[2][2], before)
+
+
+def test_forked_steps_refuse_a_deepspeed_whose_step_source_differs():
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from ds_ext.integration import ds_zero12_step
+    from ds_ext.integration.ds_version import DeepSpeedVersionError, require_source
+
+    require_source(DeepSpeedZeroOptimizer.step, ds_zero12_step.ZERO12_STEP_SHA256, "x")  # the installed 0.19.8
+    require_source(FP16_UnfusedOptimizer.step, ds_zero12_step.UNFUSED_STEP_SHA256, "x")
+    with pytest.raises(DeepSpeedVersionError, match=r"^ds_ext.tiled_optimizer: deepspeed .*'s "
+                       r"ZeROOptimizer.backward differs from the DeepSpeed 0.19.8 source .*deepspeed==0.19.8"):
+        require_source(DeepSpeedZeroOptimizer.backward, ds_zero12_step.ZERO12_STEP_SHA256, "ds_ext.tiled_optimizer")
+
+
 def test_piecewise_loader_pads_with_zeros():
     from ds_ext.optim.tiled import piecewise_loader
 

@@ -134,14 +134,33 @@ class TiledAdam:
         check_tileable(optimizer)
         self.optimizer = optimizer
         self.buffer = TileBuffer(tile_size)
+        self._in_step = False
 
     @property
     def tile_size(self) -> int:
         return self.buffer.tile_size
 
+    def _run_hooks(self, post: bool) -> None:
+        """The optimizer's registered step hooks (``register_step_pre_hook`` /
+        ``register_step_post_hook``, global ones first, as ``Optimizer.step`` runs them),
+        once per applied step: the tiled step replaces ``optimizer.step``."""
+        from torch.optim import optimizer as torch_optimizer
+
+        opt = self.optimizer
+        if post:
+            hooks = (*torch_optimizer._global_optimizer_post_hooks.values(), *opt._optimizer_step_post_hooks.values())
+        else:
+            hooks = (*torch_optimizer._global_optimizer_pre_hooks.values(), *opt._optimizer_step_pre_hooks.values())
+        for hook in hooks:
+            hook(opt, (), {})
+
     def end_step(self) -> None:
-        """Release the tile buffer; every integration calls this when its step is done."""
+        """Release the tile buffer and run the step post-hooks; every integration calls
+        this when its step is done (a skipped step never started one: no hooks)."""
         self.buffer.release()
+        if self._in_step:
+            self._in_step = False
+            self._run_hooks(post=True)
 
     @torch.no_grad()
     def update(
@@ -160,6 +179,9 @@ class TiledAdam:
         """
         if param.dtype != torch.float32 or not param.is_contiguous():
             raise ValueError("the tiled step updates contiguous fp32 master tensors")
+        if not self._in_step:  # the step's first update: it is applied
+            self._in_step = True
+            self._run_hooks(post=False)
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         amsgrad, maximize = group["amsgrad"], group["maximize"]
