@@ -1,4 +1,4 @@
-"""``ds-ext`` command line: ``detect``, ``schema``, ``bench <name>``.
+"""``ds-ext`` command line: ``detect``, ``schema``, ``bench <name>``, ``checkpoint``.
 
 ``ds-ext detect`` prints the topology read from the launcher environment (or given by
 ``--preset`` / ``--world-size``) and the groups of the calling rank, or of every rank
@@ -54,6 +54,39 @@ def cmd_detect(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint_dir(path: str, tag: str | None):
+    """A ZeRO-topo tag directory from a save directory (its ``latest`` or ``--tag``) or the
+    tag directory itself."""
+    from pathlib import Path
+
+    from ds_ext.zero_topo import checkpoint as ckpt
+
+    p = Path(path)
+    if tag is None and any(p.glob(ckpt.SHARD_FILE.replace("{rank:05d}", "*"))):
+        return p
+    return ckpt.resolve_tag_dir(p, tag)
+
+
+def cmd_checkpoint(ns: argparse.Namespace) -> int:
+    import torch
+
+    from ds_ext.zero_topo import checkpoint as ckpt
+
+    try:
+        tag_dir = _checkpoint_dir(ns.ckpt_dir, ns.tag)
+        if ns.action == "inspect":
+            print(ckpt.describe(tag_dir))
+            return 0
+        state = ckpt.consolidate(tag_dir)
+        torch.save(state, ns.out)
+    except ckpt.CheckpointError as err:
+        print(f"ds-ext: error: {err}", file=sys.stderr)
+        return 2
+    n = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
+    print(f"wrote {ns.out}: {len(state)} tensors, {n:,} fp32 parameters from {tag_dir}")
+    return 0
+
+
 def cmd_schema(_: argparse.Namespace) -> int:
     json.dump(cfgmod.json_schema(), sys.stdout, indent=2)
     print()
@@ -73,6 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_detect)
     s = sub.add_parser("schema", help="print the JSON schema of the \"ds_ext\" block")
     s.set_defaults(func=cmd_schema)
+    c = sub.add_parser("checkpoint", help="consolidate or inspect a ZeRO-topo checkpoint")
+    csub = c.add_subparsers(dest="action", required=True)
+    cc = csub.add_parser("consolidate", help="write the full fp32 state dict (torch.load(..., weights_only=True))")
+    cc.add_argument("ckpt_dir", help="the save directory (uses its 'latest') or a tag directory")
+    cc.add_argument("out", help="output file")
+    ci = csub.add_parser("inspect", help="print what a checkpoint holds")
+    ci.add_argument("ckpt_dir", help="the save directory (uses its 'latest') or a tag directory")
+    for sp in (cc, ci):
+        sp.add_argument("--tag", default=None, help="tag to use instead of 'latest'")
+        sp.set_defaults(func=cmd_checkpoint)
     b = sub.add_parser("bench", help="run a benchmark (writes JSON and a PNG)")
     bsub = b.add_subparsers(dest="benchmark", required=True)
     for name in BENCHMARKS:

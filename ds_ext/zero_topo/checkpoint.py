@@ -84,6 +84,7 @@ def read_shard(path: Path) -> dict:
     """A shard file's contents (tensors memory-mapped), or :class:`CheckpointError`."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint shard {path} is missing")
+    check_zip(path, "checkpoint shard")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file gets the same one line
@@ -94,15 +95,16 @@ def read_shard(path: Path) -> dict:
     return state
 
 
-def check_zip(path: Path) -> None:
-    """Verify a torch zip file's CRCs without unpickling it (DeepSpeed's module file)."""
+def check_zip(path: Path, what: str = "checkpoint file") -> None:
+    """Verify the CRC of every record of a torch zip file without unpickling it (a load
+    with ``mmap`` reads tensor bytes unchecked)."""
     try:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
-    except (OSError, zipfile.BadZipFile) as err:
-        raise CheckpointError(f"checkpoint file {path} is unreadable (truncated or corrupt): {err}") from None
+    except (OSError, zipfile.BadZipFile, EOFError) as err:
+        raise CheckpointError(f"{what} {path} is unreadable (truncated or corrupt): {err}") from None
     if bad is not None:
-        raise CheckpointError(f"checkpoint file {path} is corrupt (bad CRC in {bad})")
+        raise CheckpointError(f"{what} {path} is unreadable (truncated or corrupt): bad CRC in {bad}")
 
 
 def resolve_tag_dir(load_dir: str | Path, tag: str | None) -> Path:
