@@ -1,0 +1,137 @@
+"""Faults (issue 8, point 9): a rank killed with SIGKILL mid-step ends the job on every
+other rank with an error naming ``ds_ext.comm.timeout_s``, within the timeout plus a
+margin, and a restart from the last checkpoint reproduces the uninterrupted run's losses
+bit for bit (deterministic CPU run, ZeRO-topo's default quantized preset with the tiled
+optimizer).
+
+These ranks are real processes started like a launcher starts them (RANK, WORLD_SIZE,
+MASTER_ADDR/PORT), not the shared test world: the point is what happens to processes.
+"""
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import traceback
+
+import pytest
+
+RANKS = 4  # 2 nodes x 1 GPU x 2 GCDs
+TIMEOUT_S = 8
+STEPS = 4
+KILL = (2, 3)  # (step, rank): rank 3 dies in the forward of step 2, after the checkpoint at 2 steps
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 0},
+    "steps_per_print": 10**9,
+    "ds_ext": {
+        "topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True},
+        "comm": {"timeout_s": TIMEOUT_S},
+        "zero_topo": {"enabled": True, "preset": "zero_topo"},
+        "tiled_optimizer": {"enabled": True, "tile_size": 20_000},
+    },
+}
+
+
+def _job(rank, port, tmp, name, kill, resume_from):
+    """One rank of a training job; writes its losses (or its error) to ``tmp``."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(RANKS),
+                       "LOCAL_SIZE": str(RANKS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    out = os.path.join(tmp, f"{name}.{rank}")
+    try:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        import torch
+
+        torch.set_num_threads(1)
+        import ds_ext
+        from ds_ext.data import ByteCorpus
+        from ds_ext.models import GPT, GPTConfig
+
+        torch.manual_seed(1234)
+        model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=4))
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=CONFIG)
+        if resume_from:
+            engine.load_checkpoint(os.path.join(tmp, resume_from))
+        corpus = ByteCorpus(max_bytes=200_000)
+        losses = {}
+        for step in range(engine.global_steps, STEPS):
+            for micro in range(2):
+                loss = engine(corpus.micro_batch(step, micro, rank, RANKS, 2, 2, 32))
+                if kill == (step, rank):
+                    with open(out + ".killed", "w") as f:
+                        f.write(repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                engine.backward(loss)
+                engine.step()
+                losses[f"{step}.{micro}"] = loss.item()
+            if (step + 1) % 2 == 0:
+                engine.save_checkpoint(os.path.join(tmp, f"ckpt_{name}"))
+        with open(out, "w") as f:
+            json.dump(losses, f)
+    except BaseException:
+        with open(out + ".error", "w") as f:
+            f.write(traceback.format_exc())
+        raise SystemExit(1)
+
+
+def _launch(tmp, name, kill=None, resume_from=None, timeout=240):
+    """Start RANKS processes; wait for all to exit. Returns (exit codes, exit times)."""
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_job, args=(r, port, tmp, name, kill, resume_from)) for r in range(RANKS)]
+    for p in procs:
+        p.start()
+    ended = {}
+    deadline = time.time() + timeout
+    while len(ended) < RANKS and time.time() < deadline:
+        for r, p in enumerate(procs):
+            if r not in ended and not p.is_alive():
+                ended[r] = time.time()
+        time.sleep(0.05)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    return [p.exitcode for p in procs], ended
+
+
+def _read(tmp, name, rank, suffix=""):
+    with open(os.path.join(tmp, f"{name}.{rank}{suffix}")) as f:
+        return f.read()
+
+
+def test_kill_9_ends_every_rank_with_a_timeout_error_and_restart_reproduces_the_run(tmp_path):
+    tmp = str(tmp_path)
+    codes, _ = _launch(tmp, "whole")
+    assert codes == [0] * RANKS, [_read(tmp, "whole", r, ".error") for r, c in enumerate(codes) if c]
+    whole = [json.loads(_read(tmp, "whole", r)) for r in range(RANKS)]
+
+    codes, ended = _launch(tmp, "killed", kill=KILL)
+    victim = KILL[1]
+    assert codes[victim] == -signal.SIGKILL
+    killed_at = float(_read(tmp, "killed", victim, ".killed"))
+    for r in range(RANKS):
+        if r == victim:
+            continue
+        assert codes[r] == 1, (r, codes)
+        assert ended[r] - killed_at < TIMEOUT_S + 10, (r, ended[r] - killed_at)
+        error = _read(tmp, "killed", r, ".error").strip().splitlines()[-1]
+        assert "ds_ext.comm.timeout_s = 8 s" in error and "a peer rank died or did not answer" in error, error
+
+    codes, _ = _launch(tmp, "resumed", resume_from="ckpt_killed")
+    assert codes == [0] * RANKS, [_read(tmp, "resumed", r, ".error") for r, c in enumerate(codes) if c]
+    for r in range(RANKS):
+        resumed = json.loads(_read(tmp, "resumed", r))
+        assert sorted(resumed) == ["2.0", "2.1", "3.0", "3.1"]
+        assert resumed == {k: whole[r][k] for k in resumed}  # bit for bit
