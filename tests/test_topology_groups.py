@@ -156,3 +156,22 @@ def test_frontier_batch_script_is_valid_bash():
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
     assert "--ntasks-per-node=8" in text and "MASTER_ADDR" in text
+
+
+def test_ledger_level_is_computed_once_per_group(monkeypatch):
+    """The ledger's hot path: a group's level is found once, not per collective (issue 8
+    point 10; ``ds-ext bench ledger`` times it for 9,408 ranks)."""
+    from ds_ext.comm.collectives import Communicator
+    from ds_ext.groups import GroupRegistry
+
+    topo = Topology.from_preset("frontier", 9408)
+    registry = GroupRegistry(topo)
+    comm = Communicator(registry)
+    handle = object()
+    registry._ranks[handle] = tuple(range(0, 9408, 8))
+    calls = []
+    level_of = topo.level_of
+    monkeypatch.setattr(Topology, "level_of", lambda self, ranks: calls.append(1) or level_of(ranks))
+    for _ in range(100):
+        comm.account("all_reduce", handle, 1000)
+    assert len(calls) == 1 and comm.ledger.current.by_level() == {"node": 100 * 1000}

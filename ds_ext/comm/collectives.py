@@ -115,22 +115,26 @@ class Communicator:
         self.emulator = emulator
         self.timeout_s = timeout_s
 
+    def failed(self, op: str, group: object | None, err: BaseException) -> BaseException:
+        """The one-line :class:`CommError` for a failed collective (``err`` if it is one)."""
+        if isinstance(err, CommError):
+            return err
+        ranks = self.registry.ranks(group)
+        level = self.registry.level(group)
+        timeout = "the process group's default" if self.timeout_s is None else f"{self.timeout_s:g} s"
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return CommError(
+            f"ds_ext.comm: {op} over {len(ranks)} ranks ({level} level) failed: a peer rank died or did not "
+            f"answer within the collective timeout (ds_ext.comm.timeout_s = {timeout}): {cause}"
+        )
+
     @contextlib.contextmanager
     def guard(self, op: str, group: object | None) -> Iterator[None]:
         """Turn a failed collective into one :class:`CommError` line."""
         try:
             yield
-        except CommError:
-            raise
         except RuntimeError as err:
-            ranks = self.registry.ranks(group)
-            level = self.registry.level(group)
-            timeout = "the process group's default" if self.timeout_s is None else f"{self.timeout_s:g} s"
-            cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise CommError(
-                f"ds_ext.comm: {op} over {len(ranks)} ranks ({level} level) failed: a peer rank died or did not "
-                f"answer within the collective timeout (ds_ext.comm.timeout_s = {timeout}): {cause}"
-            ) from err
+            raise self.failed(op, group, err) from err
 
     # ---- bookkeeping shared with ds_ext.comm.instrument -------------------------------
     def account(self, op: str, group: object | None, nbytes: float) -> float:
