@@ -16,7 +16,6 @@ import socket
 import time
 import traceback
 
-import pytest
 
 RANKS = 4  # 2 nodes x 1 GPU x 2 GCDs
 TIMEOUT_S = 8

@@ -221,7 +221,8 @@ class SavedCheckpoint:
 
     def slice_size(self, unit: str) -> int:
         """Elements of one optimizer slice of ``unit`` in the saved (padded) layout."""
-        return self.meta["slices"][self._unit_index(unit)]["stop"] - self.meta["slices"][self._unit_index(unit)]["start"]
+        saved = self.meta["slices"][self._unit_index(unit)]
+        return saved["stop"] - saved["start"]
 
     def _unit_index(self, unit: str) -> int:
         return next(i for i, u in enumerate(self.meta["units"]) if u["name"] == unit)
@@ -229,7 +230,6 @@ class SavedCheckpoint:
     def _slices(self, unit: str, start: int, stop: int) -> Iterator[tuple[dict, int, int]]:
         """(shard, a, b) for every saved slice overlapping [start, stop), in order."""
         size = self.slice_size(unit)
-        i = self._unit_index(unit)
         for k in range(start // size, (stop - 1) // size + 1):
             yield self.shard(self._rank_of_slice[k]), max(start, k * size), min(stop, (k + 1) * size)
 
