@@ -87,6 +87,13 @@ def cmd_checkpoint(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(ns: argparse.Namespace) -> int:
+    from ds_ext.run import main as run_main
+
+    run_main(ns.script_and_args)
+    return 0
+
+
 def cmd_schema(_: argparse.Namespace) -> int:
     json.dump(cfgmod.json_schema(), sys.stdout, indent=2)
     print()
@@ -106,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_detect)
     s = sub.add_parser("schema", help="print the JSON schema of the \"ds_ext\" block")
     s.set_defaults(func=cmd_schema)
+    r = sub.add_parser("run", help="run an unmodified DeepSpeed script with ds_ext active (python -m ds_ext.run)",
+                       add_help=False)
+    r.add_argument("script_and_args", nargs=argparse.REMAINDER)
+    r.set_defaults(func=cmd_run)
     c = sub.add_parser("checkpoint", help="consolidate or inspect a ZeRO-topo checkpoint")
     csub = c.add_subparsers(dest="action", required=True)
     cc = csub.add_parser("consolidate", help="write the full fp32 state dict (torch.load(..., weights_only=True))")

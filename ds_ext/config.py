@@ -15,10 +15,12 @@ the key path and the allowed values, in one line (:class:`DsExtConfigError`).
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+import hjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from ds_ext.plugin import PluginConfig, registered_plugins
@@ -161,19 +163,35 @@ def parse(block: Mapping[str, Any] | None) -> BaseModel:
 
 
 def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-    """A ds_config as a dict from a dict or a JSON file path."""
+    """A ds_config as a dict, from what ``deepspeed.initialize`` accepts: a dict, a path to a
+    JSON (or hjson, as DeepSpeed reads it) file, or a urlsafe-base64 JSON string (GPT-NeoX
+    passes ``--deepspeed_config`` that way)."""
     if isinstance(config, Mapping):
         return dict(config)
     path = Path(config)
-    if not path.is_file():
-        raise DsExtConfigError(f"ds_config file {str(path)!r} does not exist")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise DsExtConfigError(f"ds_config file {str(path)!r} is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise DsExtConfigError(f"ds_config file {str(path)!r} must hold a JSON object")
-    return data
+        is_file = path.is_file()
+    except OSError:  # a base64 config longer than a file name may be
+        is_file = False
+    if is_file:
+        source, text = f"ds_config file {str(path)!r}", path.read_text()
+    elif "/" in str(config) or "." in str(config):  # not urlsafe base64: a path
+        raise DsExtConfigError(f"ds_config file {str(path)!r} does not exist")
+    else:
+        try:
+            text = base64.urlsafe_b64decode(str(config)).decode("utf-8")
+        except (ValueError, UnicodeDecodeError):
+            raise DsExtConfigError(
+                f"ds_config {str(config)[:60]!r} is neither an existing file nor a base64 JSON string"
+            ) from None
+        source = "ds_config (base64 string)"
+    try:
+        data = hjson.loads(text)
+    except hjson.HjsonDecodeError as err:
+        raise DsExtConfigError(f"{source} is not valid JSON: {err}") from None
+    if not isinstance(data, Mapping):
+        raise DsExtConfigError(f"{source} must hold a JSON object")
+    return json.loads(json.dumps(data))  # plain dicts, as DeepSpeed's own loader gives
 
 
 def json_schema() -> dict[str, Any]:

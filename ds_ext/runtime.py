@@ -67,6 +67,7 @@ class Runtime:
     plugins: list[Plugin] = field(default_factory=list)
     # the arguments of ds_ext.initialize beyond model / optimizer / config (mpu, ...)
     initialize_kwargs: dict = field(default_factory=dict)
+    model_bytes: int | None = None  # M: bytes of the model's parameters in the training dtype
 
     @property
     def rank(self) -> int:
@@ -112,4 +113,19 @@ class Runtime:
         for name, pcfg in cfgmod.plugin_configs(config).items():
             if pcfg.enabled:
                 runtime.plugins.append(plugin_classes[name](pcfg, runtime))
+        _CREATED.append(runtime)
         return runtime
+
+    def report(self, skip: int = 1) -> str:
+        """The topology and the per-level traffic table (bytes per optimizer step)."""
+        from ds_ext.report import traffic_table
+
+        return self.topology.describe() + "\n" + traffic_table(self.ledger, self.topology, self.model_bytes, skip)
+
+
+_CREATED: list[Runtime] = []
+
+
+def latest() -> Runtime | None:
+    """The runtime ds_ext.initialize built last in this process (for exit reports)."""
+    return _CREATED[-1] if _CREATED else None

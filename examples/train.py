@@ -23,7 +23,6 @@ from tqdm import tqdm
 import ds_ext
 from ds_ext.data import ByteCorpus
 from ds_ext.models import GPT, GPTConfig
-from ds_ext.report import traffic_table
 
 
 def parse_args() -> argparse.Namespace:
@@ -35,6 +34,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--log-losses", action="store_true", help="print every step's loss (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     deepspeed.add_config_arguments(p)
     return p.parse_args()
@@ -64,16 +64,16 @@ def main() -> None:
             engine.step()
             losses.append(loss.item())
         bar.set_postfix(loss=f"{sum(losses) / len(losses):.4f}")
+        if rank == 0 and args.log_losses:
+            print(f"step {step}: loss {sum(losses) / len(losses):.6f}", flush=True)
     elapsed = time.perf_counter() - t0
 
     runtime = engine.ds_ext
     if rank == 0:
-        params = cfg.num_parameters
-        model_bytes = params * next(engine.module.parameters()).element_size()
         print(f"\nfinal loss {sum(losses) / len(losses):.4f} after {args.steps} steps "
-              f"({elapsed / args.steps:.2f} s/step), {params:,} parameters, M = {model_bytes:,} bytes")
-        print(runtime.topology.describe())
-        print(traffic_table(runtime.ledger, runtime.topology, model_bytes, skip=1))
+              f"({elapsed / args.steps:.2f} s/step), {cfg.num_parameters:,} parameters, "
+              f"M = {runtime.model_bytes:,} bytes")
+        print(runtime.report())
 
 
 if __name__ == "__main__":

@@ -295,6 +295,16 @@ def test_expert_parameters_and_non_torch_optimizers_are_refused():
         support.check_model(nn.Linear(2, 2), None)
 
 
+class _TensorParallelMpu:
+    """What Megatron passes with --tensor-model-parallel-size 2 (only the sizes matter)."""
+
+    def get_tensor_model_parallel_world_size(self):
+        return 2
+
+    def get_pipeline_model_parallel_world_size(self):
+        return 1
+
+
 def _refused_in_initialize(case):
     import ds_ext
     from deepspeed.pipe import PipelineModule
@@ -304,7 +314,7 @@ def _refused_in_initialize(case):
     if case == "stage3":
         cfg["zero_optimization"]["stage"] = 3
     elif case == "mpu":
-        kwargs["mpu"] = object()
+        kwargs["mpu"] = _TensorParallelMpu()
     elif case == "pipeline":
         model = PipelineModule([nn.Linear(4, 4), nn.Linear(4, 4)], num_stages=1)
     try:
@@ -317,8 +327,8 @@ def _refused_in_initialize(case):
 @pytest.mark.parametrize("case,expected", [
     ("stage3", "zero_optimization.stage: not supported with ds_ext.zero_topo (it replaces DeepSpeed's ZeRO); "
                "allowed: 0 (got 3)"),
-    ("mpu", "ds_ext.zero_topo shards over the whole world (pure data parallelism) and cannot run with a "
-            "model-parallel unit (from the caller's mpu= argument)"),
+    ("mpu", "ds_ext.zero_topo shards over the whole world (pure data parallelism) and cannot run with model "
+            "parallelism (tensor parallel 2, pipeline parallel 1 from the caller's mpu= argument)"),
     ("pipeline", "model: not supported with ds_ext.zero_topo (pipeline parallelism: deepspeed.pipe.PipelineModule)"),
 ])
 def test_refused_in_initialize_on_every_rank(world, case, expected):

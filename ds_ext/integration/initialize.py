@@ -18,7 +18,7 @@ from typing import Any
 
 from ds_ext import config as cfgmod
 from ds_ext.comm import instrument
-from ds_ext.integration import ds_engine
+from ds_ext.integration import activation, ds_engine
 from ds_ext.integration.ds_version import check_version
 from ds_ext.runtime import Runtime
 
@@ -58,15 +58,31 @@ def _with_plugin_mpu(runtime: Runtime, kwargs: dict) -> dict:
         raise cfgmod.DsExtConfigError(f"two model-parallel units for DeepSpeed: {names}; enable only one")
     if sources:
         refusing = [p.name for p in runtime.plugins if not p.accepts_mpu]
-        if refusing:
+        parallel = _model_parallel_sizes(sources[0][1])
+        if refusing and any(size != 1 for size in parallel.values()):
             source = sources[0][0]
             source = source if source.startswith("the ") else f"ds_ext.{source}"
+            shown = ", ".join(f"{k} {v}" for k, v in parallel.items())
             raise cfgmod.DsExtConfigError(
                 f"ds_ext.{refusing[0]} shards over the whole world (pure data parallelism) and cannot run "
-                f"with a model-parallel unit (from {source}); allowed: no mpu, or disable ds_ext.{refusing[0]}"
+                f"with model parallelism ({shown} from {source}); allowed: an mpu whose tensor and pipeline "
+                f"parallel sizes are 1, or no mpu"
             )
         kwargs = {**kwargs, "mpu": sources[0][1]}
     return kwargs
+
+
+def _model_parallel_sizes(mpu: Any) -> dict[str, Any]:
+    """Tensor / pipeline parallel sizes an mpu reports (GPT-NeoX and Megatron pass one with
+    size 1 when they run pure data parallelism); an mpu that reports none counts as
+    model-parallel ('unknown')."""
+    sizes: dict[str, Any] = {}
+    for name, getters in (("tensor parallel", ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")),
+                          ("pipeline parallel", ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size"))):
+        getter = next((getattr(mpu, g) for g in getters if callable(getattr(mpu, g, None))), None)
+        if getter is not None:
+            sizes[name] = getter()
+    return sizes or {"model parallel": "unknown"}
 
 
 def _tag_engine(engine: Any, runtime: Runtime) -> None:
@@ -114,8 +130,6 @@ def initialize(
     Extra keyword arguments (``mpu``, ``collate_fn``, ``mesh_param``,
     ``distributed_port``) pass through to DeepSpeed unchanged.
     """
-    import deepspeed
-
     check_version()
     ds_config = cfgmod.load_ds_config(_resolve_config(args, config, config_params))
     parsed = cfgmod.parse(ds_config.get(cfgmod.BLOCK))
@@ -127,7 +141,8 @@ def initialize(
     for plugin in runtime.plugins:
         model, optimizer, ds_config = plugin.prepare(model, optimizer, ds_config)
     kwargs = _with_plugin_mpu(runtime, kwargs)
-    engine, opt, loader, sched = deepspeed.initialize(
+    runtime.model_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    engine, opt, loader, sched = activation.deepspeed_initialize()(
         args=_without_config_path(args),
         model=model,
         optimizer=optimizer,

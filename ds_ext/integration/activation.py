@@ -1,0 +1,138 @@
+"""ds_ext for scripts that call ``deepspeed.initialize`` themselves, with no edit.
+
+GPT-NeoX, Megatron-DeepSpeed, Hugging Face and most DeepSpeed scripts call
+``deepspeed.initialize`` directly, and DeepSpeed keeps an unknown top-level ``"ds_ext"``
+block without a word. Two ways in:
+
+* :func:`patch_deepspeed` (active): ``deepspeed.initialize`` becomes a dispatcher; a
+  config that holds a ``"ds_ext"`` block (given as ``config=``, ``config_params=`` or
+  ``args.deepspeed_config``: a dict, a JSON/hjson path or a base64 string) goes through
+  :func:`ds_ext.initialize`, any other goes to DeepSpeed untouched. ``python -m
+  ds_ext.run script.py ...`` patches and then runs the script (``ds_ext/run.py``).
+* :func:`watch` (passive, installed when ``ds_ext`` is imported): if DeepSpeed is
+  initialized directly with a ``"ds_ext"`` block while ds_ext is not active, a warning
+  says the block is ignored and how to activate it.
+
+Behind the version gate of :mod:`ds_ext.integration.ds_version`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import inspect
+import importlib.util
+import sys
+import warnings
+from typing import Any, Callable
+
+_ORIGINAL: Callable | None = None  # DeepSpeed's own initialize, once wrapped
+_ACTIVE = False
+
+IGNORED = (
+    'the "ds_ext" block of this ds_config is ignored: deepspeed.initialize was called directly. Run the script '
+    "under `python -m ds_ext.run` (`deepspeed --module ds_ext.run script.py ...`), call ds_ext.patch_deepspeed() "
+    "first, or call ds_ext.initialize"
+)
+
+
+def deepspeed_initialize() -> Callable:
+    """DeepSpeed's own ``initialize`` (what ds_ext calls after its plugins)."""
+    import deepspeed
+
+    return _ORIGINAL if _ORIGINAL is not None else deepspeed.initialize
+
+
+def _has_ds_ext_block(arguments: dict) -> bool:
+    from ds_ext import config as cfgmod
+    from ds_ext.integration.initialize import _resolve_config
+
+    try:
+        resolved = _resolve_config(arguments.get("args"), arguments.get("config"), arguments.get("config_params"))
+        return cfgmod.BLOCK in cfgmod.load_ds_config(resolved)
+    except (ValueError, cfgmod.DsExtConfigError):
+        return False  # DeepSpeed reports a missing or broken config itself
+
+
+def _dispatcher(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def initialize(*args: Any, **kwargs: Any):
+        arguments = signature.bind(*args, **kwargs).arguments  # DeepSpeed's positional order
+        if not _has_ds_ext_block(arguments):
+            return original(*args, **kwargs)
+        if _ACTIVE:
+            import ds_ext
+
+            return ds_ext.initialize(**arguments)
+        warnings.warn(IGNORED, stacklevel=2)
+        return original(*args, **kwargs)
+
+    initialize.__ds_ext_dispatcher__ = True  # type: ignore[attr-defined]
+    return initialize
+
+
+def _wrap(deepspeed_module: Any) -> None:
+    global _ORIGINAL
+    if _ORIGINAL is None:
+        _ORIGINAL = deepspeed_module.initialize
+        deepspeed_module.initialize = _dispatcher(_ORIGINAL)
+
+
+def patch_deepspeed() -> None:
+    """Route ``deepspeed.initialize`` through ds_ext for configs with a ``"ds_ext"`` block
+    (idempotent; :func:`unpatch_deepspeed` switches it back to reporting)."""
+    global _ACTIVE
+    import deepspeed
+
+    from ds_ext.integration.ds_version import check_version
+
+    check_version()
+    _wrap(deepspeed)
+    _ACTIVE = True
+
+
+def unpatch_deepspeed() -> None:
+    """Stop routing through ds_ext; an ignored ``"ds_ext"`` block is reported again."""
+    global _ACTIVE
+    _ACTIVE = False
+
+
+def active() -> bool:
+    return _ACTIVE
+
+
+class _WatchDeepSpeedImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Wraps ``deepspeed.initialize`` right after ``import deepspeed`` runs."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "deepspeed":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        self._loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+        self._loader.exec_module(module)
+        _wrap(module)
+
+
+def watch() -> None:
+    """Report an ignored ``"ds_ext"`` block: wrap ``deepspeed.initialize`` now if DeepSpeed
+    is imported, else as soon as it is (no DeepSpeed import here)."""
+    if "deepspeed" in sys.modules and hasattr(sys.modules["deepspeed"], "initialize"):
+        _wrap(sys.modules["deepspeed"])
+    elif not any(isinstance(f, _WatchDeepSpeedImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WatchDeepSpeedImport())

@@ -1,0 +1,70 @@
+"""``python -m ds_ext.run SCRIPT [ARGS...]``: run an unmodified DeepSpeed script with ds_ext.
+
+Activates ds_ext (:func:`ds_ext.patch_deepspeed`: a ``deepspeed.initialize`` whose config
+holds a ``"ds_ext"`` block goes through ``ds_ext.initialize``), runs SCRIPT as
+``__main__`` with ARGS, and at exit prints on rank 0 the per-level traffic table of the
+ledger. It works wherever a launcher can run a module or a Python file:
+
+    deepspeed --num_gpus 8 --module ds_ext.run train.py --deepspeed_config cfg.json
+    srun python -m ds_ext.run pretrain_gpt.py ...
+    torchrun --nproc_per_node 8 -m ds_ext.run train.py ...
+    ds-ext run train.py ...
+
+``-m MODULE`` runs a module instead of a file. Options the ``deepspeed`` launcher puts
+before the script (``--local_rank=N``) are handed to the script, where a plain launch
+would have put them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+
+
+def _split(argv: list[str]) -> tuple[list[str], str, bool, list[str]]:
+    """(launcher options, script or module, is_module, script args)."""
+    lead = []
+    args = list(argv)
+    if args and args[0] == "--":
+        args.pop(0)
+    while args and args[0].startswith("--local_rank"):
+        lead.append(args.pop(0))
+        if lead[-1] == "--local_rank" and args:
+            lead.append(args.pop(0))
+    if not args:
+        raise SystemExit("usage: python -m ds_ext.run SCRIPT [ARGS...]  |  python -m ds_ext.run -m MODULE [ARGS...]")
+    if args[0] == "-m":
+        if len(args) < 2:
+            raise SystemExit("ds_ext.run: -m needs a module name")
+        return lead, args[1], True, args[2:]
+    return lead, args[0], False, args[1:]
+
+
+def _exit_report() -> None:
+    from ds_ext.runtime import latest
+
+    runtime = latest()
+    if runtime is None or runtime.job.rank != 0 or not runtime.ledger.steps:
+        return
+    print(f"\nds_ext: per-level traffic of this rank (ledger of {runtime.topology.name})", flush=True)
+    print(runtime.report(), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    lead, target, is_module, rest = _split(sys.argv[1:] if argv is None else argv)
+    import ds_ext
+
+    ds_ext.patch_deepspeed()
+    atexit.register(_exit_report)
+    sys.argv = [target, *lead, *rest]
+    if is_module:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""ds_ext without editing the script (issue 11, items 1-3): ``ds_ext.patch_deepspeed`` /
+``python -m ds_ext.run`` route ``deepspeed.initialize`` through ds_ext; GPT-NeoX's and
+Megatron-DeepSpeed's call shapes train exactly like a direct ``ds_ext.initialize``; an
+ignored ``"ds_ext"`` block is reported; an unmodified DeepSpeed script launched the
+documented way prints the same losses and traffic table as the ds_ext example.
+
+References: the direct ``ds_ext.initialize`` run (same model, data, config), and
+``examples/train.py`` launched by the real ``deepspeed`` launcher.
+"""
+
+import base64
+import json
+import os
+import re
+import socket
+import subprocess
+import warnings
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+WORLD_SIZE = 4
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 0},
+    "steps_per_print": 10**9,
+    "ds_ext": {
+        "topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True},
+        "zero_topo": {"enabled": True, "preset": "zero_topo"},
+    },
+}
+
+
+def test_run_hands_launcher_options_to_the_script():
+    from ds_ext.run import _split
+
+    assert _split(["--local_rank=3", "train.py", "--x", "1"]) == (["--local_rank=3"], "train.py", False, ["--x", "1"])
+    assert _split(["--", "train.py"]) == ([], "train.py", False, [])
+    assert _split(["-m", "pkg.train", "--y"]) == ([], "pkg.train", True, ["--y"])
+    with pytest.raises(SystemExit, match="usage"):
+        _split(["--local_rank=0"])
+
+
+def test_base64_and_hjson_configs_load_like_deepspeed(tmp_path):
+    from ds_ext.config import DsExtConfigError, load_ds_config
+
+    encoded = base64.urlsafe_b64encode(json.dumps(CONFIG).encode()).decode()
+    assert load_ds_config(encoded) == CONFIG
+    path = tmp_path / "cfg.json"
+    path.write_text('{\n  // a comment, as DeepSpeed (hjson) allows\n  "train_batch_size": 8\n}\n')
+    assert load_ds_config(str(path)) == {"train_batch_size": 8}
+    with pytest.raises(DsExtConfigError, match="does not exist"):
+        load_ds_config(str(tmp_path / "missing.json"))
+
+
+# ---- call shapes on 4 ranks -----------------------------------------------------------------
+class _DataParallelMpu:
+    """What GPT-NeoX / Megatron hand DeepSpeed at tensor and pipeline parallel size 1."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self._alone = None
+        for r in range(dist.get_world_size()):  # every rank creates every group
+            g = dist.new_group([r])
+            if r == dist.get_rank():
+                self._alone = g
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_pipeline_model_parallel_world_size(self):
+        return 1
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_model_parallel_group(self):
+        return self._alone
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_world_size(self):
+        import torch.distributed as dist
+
+        return dist.get_world_size()
+
+    def get_data_parallel_rank(self):
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    def get_data_parallel_group(self):
+        import torch.distributed as dist
+
+        return dist.group.WORLD
+
+
+def _model_and_optimizer():
+    from ds_ext.models import GPT, GPTConfig
+
+    torch.manual_seed(1234)
+    model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=4))
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def _train(engine, steps=10):
+    import torch.distributed as dist
+
+    from ds_ext.data import ByteCorpus
+
+    corpus = ByteCorpus(max_bytes=200_000)
+    losses = []
+    for step in range(steps):
+        for m in range(2):
+            loss = engine(corpus.micro_batch(step, m, dist.get_rank(), dist.get_world_size(), 2, 2, 32))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def _shape(kind):
+    import deepspeed
+
+    import ds_ext
+
+    model, opt = _model_and_optimizer()
+    if kind == "direct":
+        engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=CONFIG)
+    else:
+        ds_ext.patch_deepspeed()
+        try:
+            if kind == "neox":  # megatron/training.py: config in args.deepspeed_config as urlsafe base64
+                args = Namespace(deepspeed_config=base64.urlsafe_b64encode(json.dumps(CONFIG).encode()).decode(),
+                                 local_rank=int(os.environ["LOCAL_RANK"]))
+                engine, *_ = deepspeed.initialize(model=model, optimizer=opt, args=args, lr_scheduler=None,
+                                                  dist_init_required=False, model_parameters=model.parameters(),
+                                                  mpu=_DataParallelMpu())
+            else:  # Megatron-DeepSpeed: config dict, args.deepspeed_config cleared, an mpu
+                args = Namespace(deepspeed_config=None, local_rank=int(os.environ["LOCAL_RANK"]))
+                engine, *_ = deepspeed.initialize(model=model, optimizer=opt, args=args, lr_scheduler=None,
+                                                  mpu=_DataParallelMpu(), config=dict(CONFIG))
+        finally:
+            ds_ext.unpatch_deepspeed()
+    assert engine.ds_ext.plugins[0].name == "zero_topo"
+    losses = _train(engine)
+    traffic = engine.ds_ext.ledger.mean_by_level(skip=1)
+    engine.destroy()
+    return losses, traffic
+
+
+@pytest.mark.parametrize("kind", ["neox", "megatron_deepspeed"])
+def test_neox_and_megatron_deepspeed_call_shapes_train_like_ds_ext_initialize(world, kind):
+    direct = world.run(_shape, "direct")
+    shaped = world.run(_shape, kind)
+    for (a, ta), (b, tb) in zip(shaped, direct):
+        assert a == b and ta == tb  # exactly: the same run
+    assert direct[0][0][-1] < direct[0][0][0]
+
+
+def _ignored_block():
+    import deepspeed
+
+    from ds_ext.integration import activation
+
+    model, opt = _model_and_optimizer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=dict(CONFIG))
+    plain = [str(w.message) for w in caught if "is ignored" in str(w.message)]
+    out = (plain, hasattr(engine, "ds_ext"), activation.active())
+    engine.destroy()
+    return out
+
+
+def test_an_ignored_ds_ext_block_is_reported(world):
+    """ds_ext imported, not activated: DeepSpeed would silently keep the block."""
+    from ds_ext.integration.activation import IGNORED
+
+    for messages, has_ds_ext, active in world.run(_ignored_block):
+        assert not active and not has_ds_ext
+        assert messages == [IGNORED]
+
+
+# ---- the documented launch of an unmodified script --------------------------------------------
+def _launch(script, config, *extra):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = ["deepspeed", "--num_gpus", str(WORLD_SIZE), "--master_port", str(port), *extra, script,
+           "--deepspeed_config", str(config), "--steps", "3", "--d-model", "64", "--layers", "2",
+           "--seq-len", "32", "--log-losses"]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+def _losses_and_table(stdout):
+    losses = re.findall(r"step \d+: loss [0-9.]+", stdout)
+    start = stdout.index("frontier: world 4")
+    table = stdout[start:].splitlines()[:6]
+    return losses, table
+
+
+def test_unmodified_script_under_ds_ext_run_matches_the_ds_ext_example(tmp_path):
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps(CONFIG))
+    ours = _launch("examples/train.py", config)
+    unmodified = _launch("examples/train_deepspeed.py", config, "--module", "ds_ext.run")
+    assert "ds_ext: per-level traffic" in unmodified
+    losses, table = _losses_and_table(ours)
+    losses_u, table_u = _losses_and_table(unmodified)
+    assert len(losses) == 3 and losses_u == losses
+    assert table_u == table and table[1].startswith("level")
