@@ -474,3 +474,20 @@ def test_level_of_is_linear_and_agrees_with_coordinates():
         cs = [topo.coords(r) for r in ranks]
         brute = next((topo.levels[i].name for i in range(2, -1, -1) if len({c[i] for c in cs}) > 1), None)
         assert topo.level_of(ranks) == brute
+
+
+def test_gradient_clipping_default_is_deepspeeds():
+    """An absent ``gradient_clipping`` means 1.0 to DeepSpeed 0.19.8, so to ZeRO-topo too (it
+    read 0 before: plain DeepSpeed clipped where ZeRO-topo did not)."""
+    from types import SimpleNamespace
+
+    from ds_ext.topology import Topology
+    from ds_ext.zero_topo.plugin import ZeroTopoPlugin
+    from ds_ext.zero_topo.plan import ZeroTopoConfig
+
+    runtime = SimpleNamespace(topology=Topology.from_preset("frontier", 8, {"gpu": 2}), initialize_kwargs={})
+    model = nn.Linear(4, 4)
+    for cfg, clip in (({}, 1.0), ({"gradient_clipping": 0.0}, 0.0), ({"gradient_clipping": 0.3}, 0.3)):
+        plugin = ZeroTopoPlugin(ZeroTopoConfig(enabled=True), runtime)
+        _, _, handed = plugin.prepare(model, torch.optim.AdamW(model.parameters()), {"train_batch_size": 8, **cfg})
+        assert plugin.clip == clip and handed["gradient_clipping"] == 0.0

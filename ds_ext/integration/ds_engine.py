@@ -91,6 +91,14 @@ def loss_scaler(ds_config: dict):
     )
 
 
+def gradient_clipping(ds_config: dict) -> float:
+    """``gradient_clipping`` as DeepSpeed reads it: its default is 1.0 (0.19.8,
+    runtime/constants.py), not 0, when the key is absent."""
+    from deepspeed.runtime.config import get_gradient_clipping
+
+    return float(get_gradient_clipping(ds_config))
+
+
 LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 

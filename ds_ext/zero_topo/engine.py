@@ -50,8 +50,9 @@ class UnitError(ValueError):
 def find_units(model: nn.Module, names: list[str] | str) -> list[tuple[str, nn.Module]]:
     """Modules wrapped as units: entries of every ModuleList ('auto') or by class name.
 
-    Class names that match no module are an error; finding no unit at all is a warning
-    (the whole model becomes one unit, gathered whole for every forward).
+    Class names of which none matches a module are an error (some of several not matching,
+    as in one config shared by model families, a warning); finding no unit with 'auto' is
+    a warning (the whole model becomes one unit, gathered whole for every forward).
     """
     found = []
     for qual, mod in model.named_modules():
@@ -66,12 +67,15 @@ def find_units(model: nn.Module, names: list[str] | str) -> list[tuple[str, nn.M
     if names != "auto":
         present = {type(m).__name__ for m in model.modules()}
         missing = [n for n in names if n not in present]
-        if missing:
+        if len(missing) == len(names):
             raise UnitError(
                 f"ds_ext.zero_topo.units: no module of class {', '.join(map(repr, missing))} in the model; "
                 f"allowed: 'auto' or class names present, e.g. {', '.join(sorted(present)[:12])}"
             )
-    if not found:
+        if missing:
+            warnings.warn(f"ds_ext.zero_topo.units: no module of class {', '.join(map(repr, missing))} in this "
+                          "model (the other class names match)", stacklevel=2)
+    if not found and names == "auto":
         warnings.warn(
             "ds_ext.zero_topo: the model has no nn.ModuleList, so units='auto' found no unit: the whole model "
             "becomes one unit, gathered whole for every forward; set ds_ext.zero_topo.units to the class names "

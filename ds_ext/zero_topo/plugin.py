@@ -50,7 +50,7 @@ class ZeroTopoPlugin(Plugin):
         support.check_ds_config(ds_config, self.dtype)
         support.check_model(model, optimizer)
         self.scaler = ds_engine.loss_scaler(ds_config)
-        self.clip = float(ds_config.get("gradient_clipping", 0.0))
+        self.clip = ds_engine.gradient_clipping(ds_config)
         cfg = copy.deepcopy(ds_config)
         for key in ("bf16", "fp16"):
             cfg.setdefault(key, {})["enabled"] = False
