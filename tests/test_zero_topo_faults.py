@@ -18,7 +18,7 @@ import traceback
 
 
 RANKS = 4  # 2 nodes x 1 GPU x 2 GCDs
-TIMEOUT_S = 8
+TIMEOUT_S = 30  # generous: group creation under load must not hit it; a dead peer is seen in seconds
 STEPS = 4
 KILL = (2, 3)  # (step, rank): rank 3 dies in the forward of step 2, after the checkpoint at 2 steps
 CONFIG = {
@@ -126,7 +126,7 @@ def test_kill_9_ends_every_rank_with_a_timeout_error_and_restart_reproduces_the_
         assert codes[r] == 1, (r, codes)
         assert ended[r] - killed_at < TIMEOUT_S + 10, (r, ended[r] - killed_at)
         error = _read(tmp, "killed", r, ".error").strip().splitlines()[-1]
-        assert "ds_ext.comm.timeout_s = 8 s" in error and "a peer rank died or did not answer" in error, error
+        assert f"ds_ext.comm.timeout_s = {TIMEOUT_S} s" in error and "a peer rank died or did not answer" in error, error
 
     codes, _ = _launch(tmp, "resumed", resume_from="ckpt_killed")
     assert codes == [0] * RANKS, [_read(tmp, "resumed", r, ".error") for r, c in enumerate(codes) if c]
