@@ -29,6 +29,24 @@ HIDDEN, FFN = 32, 64
 )
 @pytest.mark.parametrize("tile", [1, 7, 4099, 10**6])
 def test_tiles_match_torch_step_bit_for_bit(cls, kw, tile):
+    _tiles_match(cls, kw, tile)
+
+
+@pytest.mark.parametrize(
+    "cls,kw",
+    [
+        (torch.optim.AdamW, {"weight_decay": 0.1, "fused": True}),
+        (torch.optim.Adam, {"weight_decay": 0.1, "fused": True}),
+        (torch.optim.Adam, {"amsgrad": True, "maximize": True, "fused": True}),
+    ],
+)
+@pytest.mark.parametrize("tile", [16, 4096, 10**6])
+def test_fused_tiles_match_torch_fused_step_bit_for_bit(cls, kw, tile):
+    """torch's fused=True Adam/AdamW (its own kernel arithmetic) tile by tile: same bits."""
+    _tiles_match(cls, kw, tile)
+
+
+def _tiles_match(cls, kw, tile):
     from ds_ext.optim.tiled import TiledAdam, piecewise_loader
 
     torch.manual_seed(0)
@@ -123,8 +141,13 @@ def test_untiled_optimizer_types_are_refused():
     for opt in (torch.optim.SGD(p, lr=0.1), torch.optim.Adagrad(p)):
         with pytest.raises(DsExtConfigError, match=r"ds_ext\.tiled_optimizer: .*allowed types: torch\.optim\.Adam, torch\.optim\.AdamW"):
             check_tileable(opt)
-    with pytest.raises(DsExtConfigError, match="fused=True"):
-        check_tileable(torch.optim.AdamW(p, fused=True))
+    with pytest.raises(DsExtConfigError, match=r"^ds_ext\.tiled_optimizer\.tile_size: param group 0 is fused=True.*"
+                       r"allowed: a multiple of 16 \(got 100\)"):
+        check_tileable(torch.optim.AdamW(p, fused=True), 100)
+    with pytest.raises(DsExtConfigError, match="capturable=True"):
+        check_tileable(torch.optim.AdamW(p, capturable=True))
+    with pytest.raises(DsExtConfigError, match=r"zero_optimization\.zenflow"):
+        _check_ds_config({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, torch.optim.AdamW(p))
     with pytest.raises(DsExtConfigError, match="allowed types"):
         _check_ds_config({"optimizer": {"type": "Adam", "params": {}}}, None)
     with pytest.raises(DsExtConfigError, match="allowed types"):
@@ -231,13 +254,13 @@ def test_stage0_tiled_is_bit_identical(world, precision, overflow, kind):
         assert ref[0]["skipped"][OVERFLOW_STEP] and ours[0]["skipped"] == ref[0]["skipped"]
 
 
-def _zero_topo_engine(precision, tile):
+def _zero_topo_engine(precision, tile, fused=False):
     import ds_ext
     from ds_ext.models import GPT, GPTConfig
 
     torch.manual_seed(1234)
     model = GPT(GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.01, fused=fused)
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
@@ -260,10 +283,10 @@ def _zero_topo_engine(precision, tile):
     return engine
 
 
-def _train_zero_topo(precision, tile, overflow=False):
+def _train_zero_topo(precision, tile, overflow=False, fused=False):
     import torch.distributed as dist
 
-    engine = _zero_topo_engine(precision, tile)
+    engine = _zero_topo_engine(precision, tile, fused)
     g = torch.Generator().manual_seed(dist.get_rank())
     losses, skipped = [], []
     for step in range(STEPS):
@@ -291,12 +314,14 @@ def _train_zero_topo(precision, tile, overflow=False):
     return out
 
 
-@pytest.mark.parametrize("precision,overflow", [("fp32", False), ("bf16", False), ("fp16", True)])
-def test_zero_topo_tiled_is_bit_identical(world, precision, overflow):
+@pytest.mark.parametrize("precision,overflow,fused", [("fp32", False, False), ("bf16", False, False),
+                                                     ("fp16", True, False), ("bf16", False, True)])
+def test_zero_topo_tiled_is_bit_identical(world, precision, overflow, fused):
     """(b) inside ZeRO-topo's sharded step, with the overlapped weight all-gather: same bits,
-    and the same bytes per level and phase as the untiled step."""
-    ref = world.run(_train_zero_topo, precision, None, overflow)
-    ours = world.run(_train_zero_topo, precision, 333, overflow)
+    and the same bytes per level and phase as the untiled step; also with torch's fused
+    AdamW kernel (fused=True), 20 steps."""
+    ref = world.run(_train_zero_topo, precision, None, overflow, fused)
+    ours = world.run(_train_zero_topo, precision, 336 if fused else 333, overflow, fused)
     _assert_identical(ref, ours, "ZeroTopoOptimizer")
     for r, o in zip(ref, ours):
         assert o["bytes"] == r["bytes"] and o["calls"] == r["calls"]

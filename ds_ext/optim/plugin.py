@@ -36,7 +36,7 @@ import torch
 from pydantic import Field, StrictInt
 
 from ds_ext.config import DsExtConfigError
-from ds_ext.optim.tiled import ALLOWED_TYPES, KEY, TiledAdam, check_tileable
+from ds_ext.optim.tiled import ALLOWED_TYPES, FUSED_TILE_MULTIPLE, KEY, TiledAdam, check_tileable
 from ds_ext.plugin import Plugin, PluginConfig, register_plugin
 
 DEFAULT_TILE_SIZE = 1_800_000  # 001 §7.2: "we fix the tile size to 1.8 million parameters"
@@ -52,7 +52,8 @@ class TiledOptimizerConfig(PluginConfig):
     )
 
 
-def _check_ds_config(ds_config: dict, optimizer: Any) -> None:
+def _check_ds_config(ds_config: dict, optimizer: Any, tile_size: int = DEFAULT_TILE_SIZE) -> None:
+    """Everything the tiled step cannot serve is refused here, before DeepSpeed builds the engine."""
     zero = ds_config.get("zero_optimization", {}) or {}
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2):
@@ -65,6 +66,10 @@ def _check_ds_config(ds_config: dict, optimizer: Any) -> None:
             raise DsExtConfigError(
                 f"{KEY}: zero_optimization.{key}.device {dev!r} is not tiled; allowed: 'none'"
             )
+    if zero.get("zenflow"):
+        raise DsExtConfigError(f"{KEY}: zero_optimization.zenflow is not tiled; allowed: no zenflow section")
+    if (ds_config.get("torch_autocast") or {}).get("enabled"):
+        raise DsExtConfigError(f"{KEY}: torch_autocast.enabled is not tiled; allowed: false (use the bf16/fp16 sections)")
     if optimizer is None:
         section = ds_config.get("optimizer")
         if section is None:
@@ -76,8 +81,13 @@ def _check_ds_config(ds_config: dict, optimizer: Any) -> None:
                 f"{KEY}: ds_config optimizer {section.get('type')!r} (torch_adam={torch_adam}) is not tiled; "
                 f"allowed types: {ALLOWED_TYPES} (ds_config 'Adam'/'AdamW' with \"torch_adam\": true)"
             )
+        if (section.get("params") or {}).get("fused") and tile_size % FUSED_TILE_MULTIPLE:
+            raise DsExtConfigError(
+                f"{KEY}.tile_size: a fused=True optimizer needs tiles of whole 64-byte cache lines; "
+                f"allowed: a multiple of {FUSED_TILE_MULTIPLE} (got {tile_size})"
+            )
     elif isinstance(optimizer, torch.optim.Optimizer):
-        check_tileable(optimizer)
+        check_tileable(optimizer, tile_size)
 
 
 @register_plugin
@@ -90,7 +100,7 @@ class TiledOptimizerPlugin(Plugin):
     tiled: TiledAdam
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
-        _check_ds_config(ds_config, optimizer)
+        _check_ds_config(ds_config, optimizer, self.config.tile_size)
         return model, optimizer, ds_config
 
     def attach(self, engine: Any) -> None:

@@ -28,8 +28,9 @@ Bit-identity. Adam is elementwise, so applying torch's single-tensor Adam arithm
 same bits as applying it to the whole tensor. The reference is torch's
 ``for-loop`` implementation (``foreach=False``), which is also what ``foreach=None`` (the
 default) picks for CPU tensors; ``foreach=True`` (``_multi_tensor_adam``) was checked to give
-the same bits on CPU as well (tests/test_tiled_optimizer.py). ``fused=True`` (one fused
-kernel with its own arithmetic), ``capturable`` and ``differentiable`` are refused
+the same bits on CPU as well (tests/test_tiled_optimizer.py). ``fused=True`` groups run
+torch's fused kernel itself on each tile (its arithmetic differs from the for-loop's), with
+tiles of whole cache lines; ``capturable`` and ``differentiable`` are refused
 (:func:`check_tileable`).
 """
 
@@ -52,21 +53,29 @@ LoadTile = Callable[[torch.Tensor, int], None]
 StoreTile = Callable[[int, int], None]
 
 
-def check_tileable(optimizer: Any) -> None:
+FUSED_TILE_MULTIPLE = 16  # fp32 elements per 64-byte cache line: the CPU fused kernel's work unit
+
+
+def check_tileable(optimizer: Any, tile_size: int | None = None) -> None:
     """Raise :class:`DsExtConfigError` unless ``optimizer`` is a torch Adam/AdamW we tile
-    bit-identically (001 §7.2)."""
+    bit-identically (001 §7.2). ``fused=True`` groups need whole cache lines per tile:
+    torch's CPU fused kernel vectorises whole cache lines and does a partial one scalar."""
     if not isinstance(optimizer, TILEABLE):
         raise DsExtConfigError(
             f"{KEY}: optimizer type {type(optimizer).__module__}.{type(optimizer).__qualname__} "
             f"is not tiled; allowed types: {ALLOWED_TYPES}"
         )
     for i, g in enumerate(optimizer.param_groups):
-        bad = [k for k in ("capturable", "differentiable", "fused") if g.get(k)]
+        bad = [k for k in ("capturable", "differentiable") if g.get(k)]
         if bad:
             raise DsExtConfigError(
                 f"{KEY}: param group {i} sets {', '.join(f'{k}=True' for k in bad)}; the tiled step "
-                "reproduces torch's single-tensor Adam: allowed fused=None/False, "
-                "capturable=False, differentiable=False"
+                "reproduces torch's single-tensor and fused Adam: allowed capturable=False, differentiable=False"
+            )
+        if g.get("fused") and tile_size is not None and tile_size % FUSED_TILE_MULTIPLE:
+            raise DsExtConfigError(
+                f"{KEY}.tile_size: param group {i} is fused=True, whose tiles must be whole 64-byte cache lines to "
+                f"give the fused kernel's bits; allowed: a multiple of {FUSED_TILE_MULTIPLE} (got {tile_size})"
             )
         for k in ("lr", "eps", "weight_decay"):
             if isinstance(g.get(k), torch.Tensor):
@@ -109,12 +118,16 @@ class TileBuffer:
         return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
 
 
-def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, amsgrad: bool) -> dict:
-    """The optimizer's state of ``p``, created exactly as torch's Adam does lazily."""
+def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, amsgrad: bool, fused: bool) -> dict:
+    """The optimizer's state of ``p``, created exactly as torch's Adam does lazily
+    (``Adam._init_group``: a fused step counter lives on the parameter's device)."""
     state = optimizer.state[p]
     if len(state) == 0:
-        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        state["step"] = torch.tensor(0.0, dtype=scalar)
+        if fused:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        else:
+            scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            state["step"] = torch.tensor(0.0, dtype=scalar)
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if amsgrad:
@@ -131,7 +144,7 @@ class TiledAdam:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, tile_size: int) -> None:
-        check_tileable(optimizer)
+        check_tileable(optimizer, tile_size)
         self.optimizer = optimizer
         self.buffer = TileBuffer(tile_size)
         self._in_step = False
@@ -188,8 +201,12 @@ class TiledAdam:
         decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
         if param not in self.optimizer.state and not any(param is q for q in group["params"]):
             raise ValueError("the tiled step needs the optimizer's own parameter object (its state is keyed by it)")
-        state = _adam_state(self.optimizer, param, amsgrad)
+        fused = bool(group.get("fused"))
+        state = _adam_state(self.optimizer, param, amsgrad, fused)
         state["step"] += 1
+        if fused:
+            self._fused_update(param, group, state, load, store, after_tile)
+            return
         step = state["step"].item()
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
@@ -223,6 +240,32 @@ class TiledAdam:
                 torch.sqrt(v, out=buf)
             buf.div_(bias_correction2_sqrt).add_(eps)
             p.addcdiv_(m, buf, value=-step_size)
+            self.buffer.tiles_processed += 1
+            if store is not None:
+                store(s, e)
+            if after_tile is not None:
+                after_tile()
+
+    def _fused_update(self, param, group, state, load, store, after_tile) -> None:
+        """torch's fused Adam/AdamW kernel (``torch._fused_adam(w)_``, what ``fused=True``
+        runs) on each tile: the step counter is raised once per step, as
+        ``torch.optim.adam._fused_adam`` does before its one kernel call; the kernel is
+        elementwise, so tiles give the bits of the whole tensor (tested)."""
+        beta1, beta2 = group["betas"]
+        decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        flat = [param.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
+        vmax = state["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None
+        n = flat[0].numel()
+        for s in range(0, n, self.tile_size):
+            e = min(s + self.tile_size, n)
+            buf = self.buffer.view(e - s, param.device)
+            load(buf, s)
+            p, m, v = (t[s:e] for t in flat)
+            kernel([p], [buf], [m], [v], [vmax[s:e]] if vmax is not None else [], [state["step"]],
+                   amsgrad=group["amsgrad"], lr=group["lr"], beta1=beta1, beta2=beta2,
+                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                   grad_scale=None, found_inf=None)
             self.buffer.tiles_processed += 1
             if store is not None:
                 store(s, e)
