@@ -87,6 +87,15 @@ def cmd_checkpoint(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_autoload_path(_: argparse.Namespace) -> int:
+    import os
+
+    import ds_ext
+
+    print(os.path.join(os.path.dirname(ds_ext.__file__), "autoload"))
+    return 0
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
     from ds_ext.run import main as run_main
 
@@ -117,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                        add_help=False)
     r.add_argument("script_and_args", nargs=argparse.REMAINDER)
     r.set_defaults(func=cmd_run)
+    a = sub.add_parser("autoload-path", help="print the directory to put on PYTHONPATH to activate ds_ext in "
+                                            "every process (launchers that build the rank command themselves)")
+    a.set_defaults(func=cmd_autoload_path)
     c = sub.add_parser("checkpoint", help="consolidate or inspect a ZeRO-topo checkpoint")
     csub = c.add_subparsers(dest="action", required=True)
     cc = csub.add_parser("consolidate", help="write the full fp32 state dict (torch.load(..., weights_only=True))")

@@ -224,3 +224,18 @@ def test_unmodified_script_under_ds_ext_run_matches_the_ds_ext_example(tmp_path)
     losses_u, table_u = _losses_and_table(unmodified)
     assert len(losses) == 3 and losses_u == losses
     assert table_u == table and table[1].startswith("level")
+
+
+def test_autoload_path_activates_ds_ext_in_every_process_without_importing_deepspeed():
+    """For launchers that build the rank command themselves (GPT-NeoX's deepy.py):
+    PYTHONPATH=$(ds-ext autoload-path) activates ds_ext at interpreter start, lazily."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    path = subprocess.run(["ds-ext", "autoload-path"], capture_output=True, text=True, env=env, timeout=120)
+    assert path.returncode == 0, path.stderr
+    env["PYTHONPATH"] = path.stdout.strip() + os.pathsep + env.get("PYTHONPATH", "")
+    probe = ("import sys; before = ('deepspeed' in sys.modules, 'torch' in sys.modules); import deepspeed; "
+             "from ds_ext.integration import activation; "
+             "print(before, getattr(deepspeed.initialize, '__ds_ext_dispatcher__', False), activation.active())")
+    out = subprocess.run(["python", "-c", probe], capture_output=True, text=True, env=env, timeout=300, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "(False, False) True True"

@@ -93,6 +93,15 @@ def patch_deepspeed() -> None:
     _ACTIVE = True
 
 
+def activate_on_import() -> None:
+    """:func:`patch_deepspeed` without importing DeepSpeed now: it takes effect when the
+    script imports it (``ds_ext/autoload/sitecustomize.py`` calls this at interpreter
+    start, for launchers that build the rank command themselves, e.g. GPT-NeoX's deepy)."""
+    global _ACTIVE
+    _ACTIVE = True
+    watch()
+
+
 def unpatch_deepspeed() -> None:
     """Stop routing through ds_ext; an ignored ``"ds_ext"`` block is reported again."""
     global _ACTIVE
