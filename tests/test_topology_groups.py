@@ -148,16 +148,6 @@ def test_slurm_rank_variables_for_srun_tasks():
     assert slurm_rank_variables({}) == {}
 
 
-def test_frontier_batch_script_is_valid_bash():
-    import subprocess
-    from pathlib import Path
-
-    script = Path(__file__).parents[1] / "launch" / "frontier.sbatch"
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    text = script.read_text()
-    assert "--ntasks-per-node=8" in text and "MASTER_ADDR" in text
-
-
 def test_ledger_level_is_computed_once_per_group(monkeypatch):
     """The ledger's hot path: a group's level is found once, not per collective (issue 8
     point 10; ``ds-ext bench ledger`` times it for 9,408 ranks)."""
