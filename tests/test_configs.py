@@ -26,7 +26,7 @@ def test_shipped_config_is_valid(path):
 
 def test_one_config_per_zero_topo_preset():
     names = {p.stem for p in CONFIGS if p.parent.name == "zero_topo"}
-    assert names == {"zero3", "zeropp", "mics", "zero_topo_paper", "zero_topo"}
+    assert names == {"zero3", "zeropp", "mics", "zero_topo_paper", "zero_topo", "zero_topo_int8"}
 
 
 class _Mpu:

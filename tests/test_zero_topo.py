@@ -185,7 +185,7 @@ def _measured_vs_analytic(preset, accum, overrides):
     return out
 
 
-@pytest.mark.parametrize("preset", ["zero_topo", "zero_topo_paper", "zero3", "zeropp", "mics"])
+@pytest.mark.parametrize("preset", ["zero_topo", "zero_topo_paper", "zero3", "zeropp", "mics", "zero_topo_int8"])
 @pytest.mark.parametrize("accum", [1, 3])
 @pytest.mark.parametrize("quantized", [True, False])
 def test_ledger_equals_analytic_model(world, preset, accum, quantized):
@@ -222,9 +222,56 @@ def test_quantized_within_2_percent_of_unquantized_after_200_steps(world):
         "unquantized": {"preset": "zero_topo", **UNQUANTIZED},
         "zero_topo": {"preset": "zero_topo"},  # zero_topo_paper quantizes the same tensors
         "zeropp": {"preset": "zeropp"},
+        "zero_topo_int8": {"preset": "zero_topo_int8"},  # + int8 across nodes at the step boundary
     }.items():
         final[name] = world.run(_train_then_eval, _ds_config(0, "bf16", accum=1, zero_topo=zt), 200)[0]
     assert final["unquantized"] < 3.0, final  # it learned: random init is ln(256) = 5.55
     print("held-out loss after 200 steps:", final)
     for name in ("zero_topo", "zeropp"):
         assert abs(final[name] - final["unquantized"]) <= 0.02 * final["unquantized"], final
+    # issue 12: the int8 step boundary stays within 1 % of unquantized zero_topo
+    assert abs(final["zero_topo_int8"] - final["unquantized"]) <= 0.01 * final["unquantized"], final
+
+
+def _int8_boundary(accum):
+    """zero_topo_int8: primary shards of every rank, masters, and inter-node bytes per step."""
+    import torch
+
+    from ds_ext.zero_topo.layout import shard_index
+
+    engine = _engine(_ds_config(0, "bf16", accum=accum, zero_topo={"preset": "zero_topo_int8"}))
+    _run_steps(engine, 3)
+    plugin = engine.ds_ext.plugins[0]
+    ctx = plugin.sharded.ctx
+    opt = plugin.optimizer
+    primaries = {u.name: u.primary.clone() for u in plugin.sharded.all_units}
+    own = [(u.name, lo, hi, m.clone(), opt._own_slice(u)[lo:hi].clone()) for u, lo, hi, m in opt.segments]
+    node = engine.ds_ext.ledger.mean_by_level(skip=1)["node"]
+    m_bytes = sum(u.numel for u in plugin.sharded.all_units) * 2
+    out = {"shard": shard_index(ctx.topo, ctx.rank, plan_level := plugin.plan.weights), "level": plan_level,
+           "primaries": primaries, "own": own, "node_over_M": node / m_bytes,
+           "describe": plugin.plan.describe()}
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("accum", [1, 8])
+def test_int8_step_boundary_replicas_identical_and_below_the_16_bit_floor(world, accum):
+    """Below the 16-bit floor (issue 12): across nodes the boundary carries int8 blocks; every
+    rank, owners included, continues from the dequantized weights, so all replicas of a
+    weight shard are bit-identical, while the fp32 masters keep what the optimizer computed."""
+    import torch
+
+    results = world.run(_int8_boundary, accum)
+    by_shard = {}
+    for r in results:
+        by_shard.setdefault(r["shard"], []).append(r["primaries"])
+    assert all(len(v) == 4 for v in by_shard.values())  # 8 ranks, shards over GCD pairs: 4 replicas each
+    for replicas in by_shard.values():
+        for other in replicas[1:]:
+            assert all(torch.equal(other[k], replicas[0][k]) for k in replicas[0])
+    quantized = sum(int((m.to(w.dtype) != w).sum()) for r in results for *_, m, w in r["own"])
+    assert quantized > 0  # the weights are the dequantized ones, not the masters rounded
+    for r in results:
+        assert "8-bit across nodes" in r["describe"]
+        assert r["node_over_M"] <= 0.135, r["node_over_M"]  # the 16-bit floor is 0.25 M here

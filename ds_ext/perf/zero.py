@@ -154,7 +154,10 @@ def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:
     else:
         for lv in range(g + 1, o + 1):
             d = topo.levels[lv].size
-            t.add("step", _level(plan, [lv]), x * e * (d - 1) / d, 1)
+            if plan.step_level_bits(lv) == 8:  # int8 all-to-all reduce-scatter: payload + scales
+                t.add("step", _level(plan, [lv]), sum(_wire(x, 8, plan.block_size)) * (d - 1) / d, 2)
+            else:
+                t.add("step", _level(plan, [lv]), x * e * (d - 1) / d, 1)
             x /= d
         if o < top:
             levels = list(range(o + 1, top + 1))
@@ -167,7 +170,10 @@ def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:
     else:
         for lv in range(o, w, -1):
             d = topo.levels[lv].size
-            t.add("step", _level(plan, [lv]), x * e * (d - 1), 1)
+            if plan.step_level_bits(lv) == 8:  # int8 all-gather: payload + scales
+                t.add("step", _level(plan, [lv]), sum(_wire(x, 8, plan.block_size)) * (d - 1), 2)
+            else:
+                t.add("step", _level(plan, [lv]), x * e * (d - 1), 1)
             x *= d
 
 

@@ -15,6 +15,9 @@ Per optimizer step (:class:`ZeroTopoOptimizer`):
   gather    16-bit weights back up to the primary shard: ``hierarchical`` = all-gather
             level by level (outer first), only what the primary shard needs;
             ``allreduce`` = 003's all-gather over the world; then rebuild the secondary.
+With ``step.bits: 8`` the cross-node reduce-scatter and all-gather of the boundary carry
+int8 blocks with fp32 scales: the fp32 masters stay exact on their owners, and every rank,
+owners included, continues from the dequantized 16-bit weights, so replicas agree bit for bit.
 With ``ds_ext.tiled_optimizer`` (001 §7.2) the step keeps the reduced gradients in 16 bits,
 updates each unit tile by tile through one fp32 buffer, and issues the unit's weight
 all-gather asynchronously so that it runs while the next unit is updated (same collectives,
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from ds_ext.comm.quantized import all_gather_int, all_to_all_reduce
 from ds_ext.zero_topo.layout import chunk, shard_count, shard_index, sub_chunk, to_shard_order
 from ds_ext.zero_topo.units import FlatUnit, ShardContext
 
@@ -381,6 +385,9 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
             x = sub_chunk(x, ctx.topo, ctx.rank, unit.U, plan.gradients, plan.optimizer)
         else:
             for level in range(plan.gradients + 1, plan.optimizer + 1):
+                if plan.step_level_bits(level) == 8:  # int8 blocks across nodes; fp32 partial sums out
+                    x = all_to_all_reduce(ctx.comm, x, ctx.weight_quantizer, ctx.group([level]))
+                    continue
                 out = torch.empty(x.numel() // ctx.topo.levels[level].size, dtype=x.dtype, device=x.device)
                 ctx.comm.reduce_scatter(out, x, group=ctx.group([level]))
                 x = out
@@ -410,7 +417,11 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         else:
             for level in range(plan.optimizer, plan.weights, -1):
                 out = torch.empty(x.numel() * ctx.topo.levels[level].size, dtype=x.dtype, device=x.device)
-                yield ctx.comm.all_gather(out, x, group=ctx.group([level]), async_op=async_op)
+                if plan.step_level_bits(level) == 8:  # every rank, the owner too, takes the dequantized values
+                    pending = all_gather_int(ctx.comm, x, ctx.weight_quantizer, out, ctx.group([level]), async_op)
+                    yield pending if async_op else None
+                else:
+                    yield ctx.comm.all_gather(out, x, group=ctx.group([level]), async_op=async_op)
                 x = out
         unit.primary.copy_(x)
         unit.rebuild_secondary()

@@ -11,8 +11,9 @@ optimizer level is at or above the gradient level, which is at or above the weig
 level. The secondary weight copy (hpZ / 003's Sec-Degree) may sit at any level.
 
 Presets (issue 3): ``zero3``, ``zeropp`` (qwZ + hpZ + qgZ as DeepSpeed does them),
-``mics``, ``zero_topo_paper`` (003 exactly) and ``zero_topo`` (003's partitioning with a
-hierarchical step boundary). Presets name levels relative to the topology (innermost,
+``mics``, ``zero_topo_paper`` (003 exactly), ``zero_topo`` (003's partitioning with a
+hierarchical step boundary) and ``zero_topo_int8`` (``zero_topo`` with int8 blocks on the
+cross-node collectives of the step boundary: below the 16-bit floor). Presets name levels relative to the topology (innermost,
 node, world) so they work on any hierarchy; explicit fields override them.
 """
 
@@ -21,14 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ds_ext.plugin import PluginConfig
 from ds_ext.topology import Topology
 
 Bits = Literal[4, 8, 16]
 StepKind = Literal["hierarchical", "allreduce"]
-PresetName = Literal["zero3", "zeropp", "mics", "zero_topo_paper", "zero_topo"]
+PresetName = Literal["zero3", "zeropp", "mics", "zero_topo_paper", "zero_topo", "zero_topo_int8"]
 PRESETS: tuple[str, ...] = PresetName.__args__  # type: ignore[attr-defined]
 
 # Relative level names used by presets: resolved against the topology.
@@ -63,6 +64,20 @@ class OptimizerConfig(_Section):
     level: str | None = Field(None, description="Level the fp32 master weights and optimizer moments are sharded over.")
 
 
+class StepConfig(_Section):
+    kind: StepKind | None = Field(
+        None,
+        description="'allreduce' = 003: cross-node all-reduce of the gradient shard and a world all-gather "
+        "of the weights; 'hierarchical' = reduce-scatter / all-gather level by level.",
+    )
+    bits: Literal[8, 16] | None = Field(
+        None,
+        description="Wire format of the cross-node gradient reduce-scatter and weight all-gather of the step "
+        "boundary: 8 = int8 blocks with fp32 scales (every rank, the owner too, then uses the dequantized "
+        "weights; fp32 masters stay exact), 16 = the training dtype.",
+    )
+
+
 class ZeroTopoConfig(PluginConfig):
     """``"ds_ext": {"zero_topo": {...}}``."""
 
@@ -71,11 +86,16 @@ class ZeroTopoConfig(PluginConfig):
     secondary: SecondaryConfig = Field(default_factory=SecondaryConfig)
     gradients: GradientsConfig = Field(default_factory=GradientsConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    step: StepKind | None = Field(
-        None,
-        description="'allreduce' = 003: cross-node all-reduce of the gradient shard and a world all-gather "
-        "of the weights; 'hierarchical' = reduce-scatter / all-gather level by level.",
+    step: StepConfig = Field(
+        default_factory=StepConfig,
+        description="The step boundary: {'kind': 'hierarchical' | 'allreduce', 'bits': 8 | 16}; a bare kind "
+        "string is accepted too.",
     )
+
+    @field_validator("step", mode="before")
+    @classmethod
+    def _step_kind_string(cls, value):
+        return {"kind": value} if isinstance(value, str) else value
     quant_block_size: int = Field(512, ge=2, description="Elements per quantization block (even).")
     compile_quantizer: bool = Field(
         False,
@@ -91,11 +111,12 @@ class ZeroTopoConfig(PluginConfig):
 
 
 _PRESET_FIELDS: dict[str, dict] = {
-    "zero3": dict(w=WORLD, wb=16, s=None, sb=16, g=WORLD, gb=16, hops=1, o=WORLD, step="hierarchical"),
-    "zeropp": dict(w=WORLD, wb=8, s=NODE, sb=16, g=WORLD, gb=4, hops=2, o=WORLD, step="hierarchical"),
-    "mics": dict(w=NODE, wb=16, s=None, sb=16, g=NODE, gb=16, hops=1, o=NODE, step="hierarchical"),
-    "zero_topo_paper": dict(w=INNER, wb=8, s=INNER, sb=8, g=NODE, gb=4, hops=1, o=WORLD, step="allreduce"),
-    "zero_topo": dict(w=INNER, wb=8, s=INNER, sb=8, g=NODE, gb=4, hops=1, o=WORLD, step="hierarchical"),
+    "zero3": dict(w=WORLD, wb=16, s=None, sb=16, g=WORLD, gb=16, hops=1, o=WORLD, step="hierarchical", stb=16),
+    "zeropp": dict(w=WORLD, wb=8, s=NODE, sb=16, g=WORLD, gb=4, hops=2, o=WORLD, step="hierarchical", stb=16),
+    "mics": dict(w=NODE, wb=16, s=None, sb=16, g=NODE, gb=16, hops=1, o=NODE, step="hierarchical", stb=16),
+    "zero_topo_paper": dict(w=INNER, wb=8, s=INNER, sb=8, g=NODE, gb=4, hops=1, o=WORLD, step="allreduce", stb=16),
+    "zero_topo": dict(w=INNER, wb=8, s=INNER, sb=8, g=NODE, gb=4, hops=1, o=WORLD, step="hierarchical", stb=16),
+    "zero_topo_int8": dict(w=INNER, wb=8, s=INNER, sb=8, g=NODE, gb=4, hops=1, o=WORLD, step="hierarchical", stb=8),
 }
 
 
@@ -114,6 +135,7 @@ class ShardingPlan:
     optimizer: int
     step: str
     block_size: int
+    step_bits: int = 16  # wire format of the step boundary's cross-node collectives
 
     def name(self, index: int | None) -> str:
         return "none" if index is None else self.topology.levels[index].name
@@ -130,11 +152,16 @@ class ShardingPlan:
     def describe(self) -> str:
         sec = "none" if self.secondary is None else f"{self.name(self.secondary)} int{self.secondary_bits}" \
             if self.secondary_bits < 16 else f"{self.name(self.secondary)} 16-bit"
+        step = f"step {self.step}" + (f" ({self.step_bits}-bit across nodes)" if self.step_bits < 16 else "")
         return (
             f"weights {self.name(self.weights)} (gather {self.gather_bits}-bit), secondary {sec}, "
             f"gradients {self.name(self.gradients)} ({self.gradient_bits}-bit, {self.gradient_hops}-hop), "
-            f"optimizer {self.name(self.optimizer)}, step {self.step}"
+            f"optimizer {self.name(self.optimizer)}, {step}"
         )
+
+    def step_level_bits(self, level: int) -> int:
+        """Wire bits of a step-boundary collective over ``level``: quantized only across nodes."""
+        return self.step_bits if level == len(self.topology.levels) - 1 else 16
 
 
 def _level_index(topo: Topology, value: str, key: str) -> int:
@@ -155,7 +182,8 @@ def resolve_plan(cfg: ZeroTopoConfig, topo: Topology) -> ShardingPlan:
     for key, value in (
         ("w", cfg.weights.level), ("wb", cfg.weights.gather_bits), ("s", cfg.secondary.level),
         ("sb", cfg.secondary.bits), ("g", cfg.gradients.level), ("gb", cfg.gradients.bits),
-        ("hops", cfg.gradients.hops), ("o", cfg.optimizer.level), ("step", cfg.step),
+        ("hops", cfg.gradients.hops), ("o", cfg.optimizer.level), ("step", cfg.step.kind),
+        ("stb", cfg.step.bits),
     ):
         if value is not None:
             p[key] = None if (key == "s" and value == "none") else value
@@ -176,10 +204,16 @@ def resolve_plan(cfg: ZeroTopoConfig, topo: Topology) -> ShardingPlan:
             "ds_ext.zero_topo.gradients.hops: 2 needs a quantized gradient reduction (bits 4 or 8) "
             f"over more than one level; got level {topo.levels[g].name!r}, bits {p['gb']}"
         )
+    if p["stb"] == 8 and (p["step"] != "hierarchical" or o != len(topo.levels) - 1):
+        raise PlanError(
+            "ds_ext.zero_topo.step.bits: 8 needs step.kind 'hierarchical' with the optimizer sharded over the world "
+            f"(a cross-node reduce-scatter and all-gather); got kind {p['step']!r}, optimizer "
+            f"{topo.levels[o].name!r}; allowed: 16 otherwise"
+        )
     if cfg.quant_block_size % 2:
         raise PlanError(f"ds_ext.zero_topo.quant_block_size: must be even (got {cfg.quant_block_size})")
     return ShardingPlan(
         topology=topo, weights=w, gather_bits=p["wb"], secondary=s, secondary_bits=p["sb"],
         gradients=g, gradient_bits=p["gb"], gradient_hops=p["hops"], optimizer=o, step=p["step"],
-        block_size=cfg.quant_block_size,
+        block_size=cfg.quant_block_size, step_bits=p["stb"],
     )

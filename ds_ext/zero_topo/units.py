@@ -56,7 +56,7 @@ class ShardContext:
 
     def __post_init__(self) -> None:
         b, c = self.plan.block_size, self.compile_quantizer
-        self.weight_quantizer = BlockQuantizer(8, b, c)
+        self.weight_quantizer = BlockQuantizer(8, b, c)  # also the int8 step boundary's
         self.grad_quantizer = BlockQuantizer(self.plan.gradient_bits, b, c) if self.plan.gradient_bits < 16 else None
 
     @property
