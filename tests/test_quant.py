@@ -39,10 +39,10 @@ def test_wire_format(bits):
     codes = torch.where(scales[:, None] > 0, torch.round(pad / scales.clamp_min(1e-30)[:, None]), 0).view(-1)
     if bits == 8:
         assert q.payload.dtype == torch.int8 and torch.equal(q.payload.long(), codes.long())
-    else:  # two codes per byte, even element in the low nibble, stored as q + 8
+    else:  # two codes per byte, stored as q + 8: element j low nibble, element j + B/2 high
         assert q.payload.dtype == torch.uint8 and q.payload.numel() == 6
-        u = (codes.long() + 8).view(-1, 2)
-        assert torch.equal(q.payload.long(), u[:, 0] | (u[:, 1] << 4))
+        u = (codes.long() + 8).view(3, 2, 2)
+        assert torch.equal(q.payload.long(), (u[:, 0] | (u[:, 1] << 4)).view(-1))
     assert q.wire_bytes == qz.wire_bytes(9) == 12 * bits // 8 + 3 * 4
     assert q.numel == 9
 

@@ -1,9 +1,12 @@
-"""``ds-ext bench quant``: the block quantizer, eager against ``torch.compile``.
+"""``ds-ext bench quant``: ds_ext's block quantizer against DeepSpeed's and a memcpy.
 
-Times ``BlockQuantizer(compile=False)`` against ``BlockQuantizer(compile=True)`` (the same
-encode / decode bodies fused by ``torch.compile``), int8 and int4, 1 thread, bf16 input as
-ZeRO-topo's weights and gradients are, plus the compile time a fresh process pays (graph
-cache off) and the number of calls that pays it back.
+One process, one thread, bf16 input (ZeRO-topo's weights and gradients): encode and
+decode of ds_ext's int8 and int4 quantizer, eager and fused by ``torch.compile`` (the
+default in ZeRO-topo), side by side with DeepSpeed's pure-torch quantizer (the
+``NPUQuantizer`` ZeRO++ falls back to without its CUDA kernels: ``quantize`` for int8,
+``swizzle_quant`` for int4, ``dequantize`` for both; it takes fp16, as its hpZ path casts)
+and a memcpy of the same tensor (the floor). Also the one-time compile cost a fresh
+process pays (inductor's disk cache off) and how many calls pay it back.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--numel", type=int, default=1 << 22, help="elements per call")
     p.add_argument("--block-size", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=11)
 
 
 def _time(fn: Callable[[], Any], repeats: int) -> float:
@@ -37,40 +40,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch._inductor.config as inductor_config
 
     from ds_ext.comm.quant import BlockQuantizer
+    from ds_ext.integration.ds_zeropp_quantizer import deepspeed_cpu_quantizer
 
     torch.set_num_threads(1)
     inductor_config.fx_graph_cache = False  # measure what a fresh machine pays
-    x = torch.randn(args.numel).to(torch.bfloat16)
+    n, block = args.numel, args.block_size
+    x = torch.randn(n).to(torch.bfloat16)
+    x16 = x.half()
+    ds = deepspeed_cpu_quantizer()
+    memcpy = _time(lambda: x.clone(), args.repeats)
     records = []
     for bits in (8, 4):
-        qz = BlockQuantizer(bits, args.block_size)
-        qc = BlockQuantizer(bits, args.block_size, compile=True)
-        q = qz.quantize(x)
+        eager, fused = BlockQuantizer(bits, block), BlockQuantizer(bits, block, compile=True)
+        q = eager.quantize(x)
         t0 = time.perf_counter()
-        qc.quantize(x)
-        qc.dequantize(q, torch.bfloat16)
+        fused.dequantize(fused.quantize(x), torch.bfloat16)
         compile_s = time.perf_counter() - t0
+        if bits == 8:
+            ds_encode = lambda: ds.quantize(x16, n // block, 8, 0)  # noqa: E731
+        else:
+            ds_encode = lambda: ds.swizzle_quant(x16, n // block, 4, 0, 1, 1, 1)  # noqa: E731
+        ds_q, ds_scales = ds_encode()
         rec = {
-            "bits": bits,
-            "numel": args.numel,
-            "block_size": args.block_size,
-            "quantize_eager_s": _time(lambda: qz.quantize(x), args.repeats),
-            "quantize_compiled_s": _time(lambda: qc.quantize(x), args.repeats),
-            "dequantize_eager_s": _time(lambda: qz.dequantize(q, torch.bfloat16), args.repeats),
-            "dequantize_compiled_s": _time(lambda: qc.dequantize(q, torch.bfloat16), args.repeats),
+            "bits": bits, "numel": n, "block_size": block, "memcpy_s": memcpy,
+            "deepspeed_encode_s": _time(ds_encode, args.repeats),
+            "deepspeed_decode_s": _time(lambda: ds.dequantize(ds_q, ds_scales, n // block, bits, 0), args.repeats),
+            "encode_eager_s": _time(lambda: eager.quantize(x), args.repeats),
+            "encode_s": _time(lambda: fused.quantize(x), args.repeats),
+            "decode_eager_s": _time(lambda: eager.dequantize(q, torch.bfloat16), args.repeats),
+            "decode_s": _time(lambda: fused.dequantize(q, torch.bfloat16), args.repeats),
             "compile_s": compile_s,
         }
-        rec["quantize_speedup"] = rec["quantize_eager_s"] / rec["quantize_compiled_s"]
-        rec["dequantize_speedup"] = rec["dequantize_eager_s"] / rec["dequantize_compiled_s"]
-        saved = (rec["quantize_eager_s"] - rec["quantize_compiled_s"]
-                 + rec["dequantize_eager_s"] - rec["dequantize_compiled_s"])
+        rec["encode_vs_deepspeed"] = rec["deepspeed_encode_s"] / rec["encode_s"]
+        rec["decode_vs_deepspeed"] = rec["deepspeed_decode_s"] / rec["decode_s"]
+        rec["encode_vs_eager"] = rec["encode_eager_s"] / rec["encode_s"]
+        rec["encode_vs_memcpy"] = rec["encode_s"] / memcpy
+        saved = rec["encode_eager_s"] - rec["encode_s"] + rec["decode_eager_s"] - rec["decode_s"]
         rec["calls_to_amortize_compile"] = compile_s / saved if saved > 0 else None
         records.append(rec)
-        print(f"int{bits}: quantize {rec['quantize_eager_s'] * 1e3:.1f} ms eager, "
-              f"{rec['quantize_compiled_s'] * 1e3:.1f} ms compiled ({rec['quantize_speedup']:.2f}x); "
-              f"dequantize {rec['dequantize_eager_s'] * 1e3:.1f} / {rec['dequantize_compiled_s'] * 1e3:.1f} ms "
-              f"({rec['dequantize_speedup']:.2f}x); compile {compile_s:.1f} s")
-    payload = {"benchmark": "quant", "records": records}
+        print(f"int{bits}: encode {rec['encode_s'] * 1e3:.2f} ms ({rec['encode_vs_deepspeed']:.1f}x DeepSpeed's "
+              f"{rec['deepspeed_encode_s'] * 1e3:.1f} ms, {rec['encode_vs_memcpy']:.1f}x a memcpy, eager "
+              f"{rec['encode_eager_s'] * 1e3:.1f} ms); decode {rec['decode_s'] * 1e3:.2f} ms "
+              f"({rec['decode_vs_deepspeed']:.1f}x DeepSpeed's); compile {compile_s:.1f} s once")
+    payload = {"benchmark": "quant", "threads": 1, "dtype": "bfloat16", "records": records}
     out = write_json(args.out, payload)
     print(f"wrote {out}")
     return payload

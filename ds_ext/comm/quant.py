@@ -14,10 +14,17 @@ value no real scale takes: scales are >= 0), and decodes to NaN. The flag rides 
 scales the wire carries anyway, so an overflow on one rank reaches every receiver at no
 extra byte, and the step's norm check (which sees NaN) skips the step on every rank.
 
-Wire format: ``payload`` int8 codes (int8), or two int4 codes per uint8 byte (low nibble
-= even element, stored as q + 8); ``scales`` fp32, one per block. The input is zero
-padded to whole blocks, so blocks never straddle two ranks' chunks when a caller cuts a
-tensor into whole-block chunks.
+Wire format: ``payload`` int8 codes (int8), or two int4 codes per uint8 byte, stored as
+q + 8: byte j of a block holds element j in the low nibble and element j + B/2 in the
+high nibble (both halves are read contiguously, so the encode vectorises; DeepSpeed's
+even/odd pairing does not); ``scales`` fp32, one per block. The input is zero padded to
+whole blocks, so blocks never straddle two ranks' chunks when a caller cuts a tensor
+into whole-block chunks.
+
+Speed: ``ds-ext bench quant`` times encode and decode against DeepSpeed's pure-torch
+quantizer (ZeRO++'s CPU fallback) and a memcpy. The fused path (``compile=True``,
+ZeRO-topo's default) is one pass over the input per block; it costs a few seconds of
+``torch.compile`` per process once (cached on disk by inductor afterwards).
 """
 
 from __future__ import annotations
@@ -48,23 +55,27 @@ class QuantizedTensor:
 
 
 def _encode(blocks: torch.Tensor, qmax: int, pack4: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``[blocks, B]`` -> (payload, fp32 scales); non-finite input gives non-finite scales."""
-    scales = blocks.abs().amax(dim=1) / qmax
+    """``[blocks, B]`` of any float dtype -> (payload, fp32 scales); non-finite input gives
+    non-finite scales. The cast to fp32 happens here, inside the fused region."""
+    x = blocks.float()
+    scales = x.abs().amax(dim=1) / qmax
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    q = torch.round(blocks * inv[:, None]).clamp_(-qmax, qmax).to(torch.int8).view(-1)
-    if pack4:
-        u = (q + 8).to(torch.uint8).view(-1, 2)
-        q = u[:, 0] | (u[:, 1] << 4)
-    return q, scales
+    codes = torch.round(x * inv[:, None]).clamp_(-qmax, qmax)
+    if pack4:  # element j in the low nibble, element j + B/2 in the high one
+        half = codes.shape[1] // 2
+        codes = codes + 8
+        return (codes[:, :half] + 16 * codes[:, half:]).to(torch.uint8).reshape(-1), scales
+    return codes.to(torch.int8).reshape(-1), scales
 
 
 def _decode(payload: torch.Tensor, scales: torch.Tensor, block_size: int, pack4: bool) -> torch.Tensor:
     """(payload, scales) -> fp32 values of the padded blocks."""
     if pack4:
-        codes = torch.stack([(payload & 0xF), (payload >> 4)], dim=1).view(-1).to(torch.int8) - 8
+        p = payload.view(-1, block_size // 2).to(torch.int16)
+        codes = torch.cat([(p & 15) - 8, (p >> 4) - 8], dim=1)
     else:
-        codes = payload
-    return (codes.view(-1, block_size).float() * scales[:, None]).view(-1)
+        codes = payload.view(-1, block_size)
+    return (codes.float() * scales[:, None]).reshape(-1)
 
 
 _COMPILED: dict[str, object] = {}
@@ -118,9 +129,9 @@ class BlockQuantizer:
         n = flat.numel()
         padded = self.padded_numel(n)
         if padded == n:
-            blocks = flat.float()
+            blocks = flat
         else:
-            blocks = torch.zeros(padded, dtype=torch.float32, device=flat.device)
+            blocks = torch.zeros(padded, dtype=flat.dtype, device=flat.device)
             blocks[:n] = flat
         blocks = blocks.view(-1, self.block_size)
         q, scales = self._encode(blocks, self.qmax, self.bits == 4)

@@ -46,3 +46,11 @@ def enable_cpu_zeropp_quantizer() -> None:
     op_builder.QuantizerBuilder = CpuQuantizerBuilder
 
 
+
+
+def deepspeed_cpu_quantizer():
+    """DeepSpeed's pure-torch ZeRO++ quantizer (``NPUQuantizer``: ``quantize``,
+    ``swizzle_quant``, ``dequantize``), the baseline of ``ds-ext bench quant``."""
+    from deepspeed.ops.op_builder.npu.quantizer import NPUQuantizer
+
+    return NPUQuantizer
