@@ -168,10 +168,13 @@ def _instrumented_torch_distributed():
         dist.all_to_all_single(torch.empty(16), torch.ones(16), group=None)
         w = dist.all_gather_into_tensor(torch.empty(32), torch.ones(4), async_op=True)
         w.wait()
+        dist.all_gather_single(torch.empty(32), torch.ones(4))  # torch 2.13's names (FSDP2)
+        dist.reduce_scatter_single(torch.empty(2), torch.ones(16))
     dist.all_reduce(x)  # after the block: not counted
     s = rt.ledger.mark_step()
     assert s.by_level(op="all_reduce") == {"gpu": 2 * 2 * 64 * 3 / 4}
-    assert s.by_level(op="all_gather") == {"node": 2 * 16 * 7}
+    assert s.by_level(op="all_gather") == {"node": 3 * 16 * 7}
+    assert s.by_level(op="reduce_scatter") == {"node": 64 * 7 / 8}
     assert s.by_level(op="all_to_all") == {"node": 64 * 7 / 8}
     from ds_ext.comm.collectives import TORCH_OPS
 

@@ -8,10 +8,14 @@ accumulation. Every variant runs in a fresh gloo world, side by side in one invo
   distance 0, persistence 0), as spec/deepspeed_traffic_measured.md;
 * ``deepspeed_zeropp``: ZeRO-3 + hpZ over the node + qwZ + qgZ, with DeepSpeed's
   pure-torch quantizer patched in (``ds_zeropp_quantizer.enable_cpu_zeropp_quantizer``);
-* ``ds_ext_<preset>`` for every ZeRO-topo preset (003 §III-C, §V).
+* ``ds_ext_<preset>`` for every ZeRO-topo preset (003 §III-C, §V);
+* ``torch_fsdp2``: PyTorch's ``fully_shard`` per block and on the root (bf16 compute and
+  reduce, fp32 shards, a reduce-scatter every micro-batch as ZeRO-3);
+* ``torch_ddp``: PyTorch's DDP with bf16 autocast, fp32 gradients all-reduced at the
+  accumulation boundary (its bf16 compression hook needs CUDA).
 
-DeepSpeed's collectives are counted by the same ledger as ds_ext's (torch.distributed is
-wrapped), so bytes per level compare like for like. Measured steps alternate between
+DeepSpeed's and PyTorch's collectives are counted by the same ledger as ds_ext's
+(torch.distributed is wrapped), so bytes per level compare like for like. Measured steps alternate between
 plain wall time and alpha-beta time emulation (Frontier latencies and bandwidths x
 ``--time-scale``), so both step times come from the same warm process.
 """
@@ -28,8 +32,9 @@ from ds_ext.bench import median, write_json
 
 LEVELS = ("gcd", "gpu", "node")
 DEEPSPEED_VARIANTS = ("deepspeed_zero3", "deepspeed_zeropp")
-DS_EXT_PRESETS = ("zero3", "zeropp", "mics", "zero_topo_paper", "zero_topo")
-ALL_VARIANTS = DEEPSPEED_VARIANTS + tuple(f"ds_ext_{p}" for p in DS_EXT_PRESETS)
+TORCH_VARIANTS = ("torch_fsdp2", "torch_ddp")
+DS_EXT_PRESETS = ("zero3", "zeropp", "mics", "zero_topo_paper", "zero_topo", "zero_topo_int8")
+ALL_VARIANTS = DEEPSPEED_VARIANTS + TORCH_VARIANTS + tuple(f"ds_ext_{p}" for p in DS_EXT_PRESETS)
 MODELS = {  # name -> (d_model, n_layers, n_heads, seq_len)
     "gpt20m": (512, 6, 8, 128),
     "tiny": (64, 2, 4, 32),
@@ -67,7 +72,9 @@ def _ds_config(variant: str, grad_accum: int, time_scale: float) -> dict[str, An
             "comm": {"ledger": True, "emulate_time": True, "time_scale": time_scale},
         },
     }
-    if variant in DEEPSPEED_VARIANTS:
+    if variant in TORCH_VARIANTS:
+        cfg["ds_ext"]["comm"]["count_torch_collectives"] = True
+    elif variant in DEEPSPEED_VARIANTS:
         zero = {
             "stage": 3,
             "reduce_bucket_size": 10_000_000,
@@ -84,6 +91,66 @@ def _ds_config(variant: str, grad_accum: int, time_scale: float) -> dict[str, An
         cfg["zero_optimization"] = {"stage": 0}
         cfg["ds_ext"]["zero_topo"] = {"enabled": True, "preset": variant.removeprefix("ds_ext_")}
     return cfg
+
+
+class _TorchEngine:
+    """PyTorch's own data parallelism behind the calls the loop makes of a DeepSpeed engine
+    (``engine(x)``, ``backward``, ``step``), with a ds_ext runtime whose ledger counts its
+    torch.distributed calls per phase and topology level."""
+
+    def __init__(self, variant: str, net, grad_accum: int, ds_config: dict[str, Any]) -> None:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel
+
+        from ds_ext import config as cfgmod
+        from ds_ext.comm import instrument
+        from ds_ext.runtime import Runtime
+
+        self.ds_ext = Runtime.create(cfgmod.parse(ds_config["ds_ext"]))
+        instrument.install(self.ds_ext.comm)
+        self.fsdp = variant == "torch_fsdp2"
+        if self.fsdp:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+            for block in net.blocks:
+                fully_shard(block, mp_policy=policy)
+            self.module = fully_shard(net, mp_policy=policy)
+        else:  # torch's bf16 compression hook needs CUDA/XPU: fp32 gradients, all-reduced as DDP does
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            self.module = DistributedDataParallel(net)
+            # DDP's default reduction, through Python's torch.distributed (so the ledger sees it)
+            self.module.register_comm_hook(None, allreduce_hook)
+        self.optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.0)
+        self.grad_accum, self.micro, self.global_steps = grad_accum, 0, 0
+
+    def __call__(self, tokens):
+        import torch
+
+        with self.ds_ext.ledger.phase("forward"):
+            if self.fsdp:
+                return self.module(tokens)
+            self.module.require_backward_grad_sync = self.micro == self.grad_accum - 1
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.module(tokens)
+
+    def backward(self, loss) -> None:
+        with self.ds_ext.ledger.phase("backward"):
+            (loss / self.grad_accum).backward()
+
+    def step(self) -> None:
+        import torch
+
+        self.micro += 1
+        if self.micro < self.grad_accum:
+            return
+        with self.ds_ext.ledger.phase("step"):
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        self.micro, self.global_steps = 0, self.global_steps + 1
+        self.ds_ext.ledger.mark_step()
 
 
 def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, steps: int,
@@ -108,7 +175,10 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
         cfg = GPTConfig(seq_len=seq, d_model=d, n_layers=layers, n_heads=heads)
         net = GPT(cfg)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.0)
-        engine, *_ = ds_ext.initialize(model=net, optimizer=opt, config=_ds_config(variant, ga, time_scale))
+        if variant in TORCH_VARIANTS:
+            engine = _TorchEngine(variant, net, ga, _ds_config(variant, ga, time_scale))
+        else:
+            engine, *_ = ds_ext.initialize(model=net, optimizer=opt, config=_ds_config(variant, ga, time_scale))
         rt = engine.ds_ext
         emulator = rt.comm.emulator
         times: dict[bool, list[float]] = {False: [], True: []}
@@ -153,7 +223,7 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
             "peak_state_bytes": state,
             "analytic_state_bytes": None,
         }
-        if variant not in DEEPSPEED_VARIANTS:
+        if variant.startswith("ds_ext_"):
             plugin = rt.plugins[0]
             model_traffic = plugin.analytic_traffic(ga)
             record.update(
@@ -184,7 +254,8 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The acceptance numbers of issue 3, computed from the records."""
     by = {(r["variant"], r["grad_accum"]): r for r in records}
     out: dict[str, Any] = {"model_vs_measured_max_rel_err": {}, "inter_node_vs_deepspeed": {},
-                           "zero_topo_vs_floor": {}, "step_time_ratio_emulated": {}, "step_time_ratio": {}}
+                           "zero_topo_vs_floor": {}, "step_time_ratio_emulated": {}, "step_time_ratio": {},
+                           "inter_node_x_M": {}}
     for (v, ga), r in by.items():
         if r["analytic_bytes_per_step"] is not None:
             errs = [abs(r["bytes_per_step"][lv] - r["analytic_bytes_per_step"][lv]) / max(r["analytic_bytes_per_step"][lv], 1.0)
@@ -193,10 +264,14 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
         twin = DEEPSPEED_TWIN.get(v)
         if twin and (twin, ga) in by:
             out["inter_node_vs_deepspeed"][f"{v}@GA{ga}"] = r["bytes_per_step"]["node"] / by[twin, ga]["bytes_per_step"]["node"]
-        if v == "ds_ext_zero_topo":
+        out["inter_node_x_M"][f"{v}@GA{ga}"] = r["bytes_per_step"]["node"] / r["model_bytes"]
+        if v in ("ds_ext_zero_topo", "ds_ext_zero_topo_int8"):
             n, p = r["nodes"], r["ranks_per_node"]
-            floor = 2 * (r["model_bytes"] / p) * (n - 1) / n
-            out["zero_topo_vs_floor"][f"GA{ga}"] = r["bytes_per_step"]["node"] / floor
+            floor = 2 * (r["model_bytes"] / p) * (n - 1) / n  # one exact 16-bit gradient synchronisation
+            out["zero_topo_vs_floor"][f"{v}@GA{ga}"] = r["bytes_per_step"]["node"] / floor
+        if v == "ds_ext_zero3" and ("torch_fsdp2", ga) in by:
+            for key, field in (("step_time_ratio", "step_time_s"), ("step_time_ratio_emulated", "step_time_emulated_s")):
+                out[key][f"ds_ext_zero3/torch_fsdp2@GA{ga}"] = r[field] / by["torch_fsdp2", ga][field]
         for ours in ("ds_ext_zero_topo", "ds_ext_zero_topo_paper"):
             for theirs in DEEPSPEED_VARIANTS:
                 if v == ours and (theirs, ga) in by:

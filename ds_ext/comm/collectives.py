@@ -41,6 +41,8 @@ TORCH_OPS: dict[str, Callable] = {
     for name in (
         "all_gather_into_tensor",
         "reduce_scatter_tensor",
+        "all_gather_single",  # torch >= 2.13's names for the two above (FSDP2 calls these)
+        "reduce_scatter_single",
         "all_reduce",
         "all_to_all_single",
         "broadcast",

@@ -36,11 +36,11 @@ def _volume(comm: Communicator, name: str, a: dict) -> tuple[str, float]:
     """(ledger op, bytes sent by this rank) for a bound torch.distributed call."""
     group = a.get("group")
     d = comm.size(group)
-    if name == "all_gather_into_tensor":
+    if name in ("all_gather_into_tensor", "all_gather_single"):
         return "all_gather", all_gather_bytes(_nb(a["input_tensor"]), d)
     if name == "all_gather":
         return "all_gather", all_gather_bytes(_nb(a["tensor"]), d)
-    if name == "reduce_scatter_tensor":
+    if name in ("reduce_scatter_tensor", "reduce_scatter_single"):
         return "reduce_scatter", reduce_scatter_bytes(_nb(a["input"]), d)
     if name == "reduce_scatter":
         return "reduce_scatter", reduce_scatter_bytes(sum(_nb(t) for t in a["input_list"]), d)
