@@ -41,7 +41,7 @@ class _FeatureSharded(nn.Module):
 
     def _mark(self) -> None:
         for p in self.parameters(recurse=False):
-            p.pmm_replicated_over = ("x", "z")  # distinct over Y only (ds_ext.integration.ds_pmm)
+            p.pmm_replicated_over = ("x", "z")  # distinct over Y only (ds_ext.pmm.norm)
 
 
 class Embedding(_FeatureSharded):

@@ -109,7 +109,9 @@ class Linear(nn.Module):
         with torch.no_grad():
             self.weight = nn.Parameter(self.layout.shard(serial.weight))
             self.bias = nn.Parameter(self.layout.bias(serial.bias)) if serial.bias is not None else None
-        self.weight.pmm_sharded = True  # distinct on every tensor rank (ds_ext.integration.ds_pmm)
+        self.weight.pmm_sharded = True  # distinct on every tensor rank (ds_ext.pmm.norm)
+        if self.bias is not None:
+            self.bias.pmm_replicated_over = (self.in_axis.name, "z")
 
     def extra_repr(self) -> str:
         kind = "transposed" if self.transposed else "normal"
