@@ -49,6 +49,7 @@ class DeferredGradients:
         self._views: dict[int, torch.Tensor] = {}
         self._token: torch.Tensor | None = None
         self._pending: list[Handle] = []
+        self.waited = 0  # deferred collectives completed by the gate (telemetry)
 
     def open(self, params: list[torch.nn.Parameter]) -> None:
         params = [p for p in params if p.requires_grad]
@@ -82,6 +83,7 @@ class DeferredGradients:
         pending, self._pending = self._pending, []
         for h in pending:
             h.wait()
+        self.waited += len(pending)
 
 
 @dataclass
@@ -101,6 +103,7 @@ class AllGatherPrefetcher:
         self._stop_queued = False
         self._cursor = 0
         self._inflight: dict[int, _Ticket] = {}
+        self.hits = 0  # gathers served by a prefetch (telemetry)
 
     def weight(self, layer: Any, shard: torch.Tensor) -> torch.Tensor:
         """The gathered weight block of ``layer`` (prefetched if it was issued)."""
@@ -111,6 +114,7 @@ class AllGatherPrefetcher:
         if ticket is not None:
             ticket.handle.wait()
             block = ticket.buffer
+            self.hits += 1
         else:
             block = layer.gather(shard)
         self._advance(layer)
