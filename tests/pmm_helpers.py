@@ -95,13 +95,13 @@ def serial_run(family, clip=0.0):
     return _SERIAL[key]
 
 
-def ds_config(grid, stage=0, bf16=False, clip=0.0, overlap=None, tiled=False, tune=False, by_layer=False):
+def ds_config(grid, stage=0, bf16=False, clip=0.0, overlap=None, tiled=False, tune=False, by_layer=False, accum=1):
     x, y, z, data = grid
     pmm = {"enabled": True, "grid": {"x": x, "y": y, "z": z, "data": data}, "ledger_by_layer": by_layer,
            "tune_matmul": tune, "overlap": overlap or {}}
     cfg = {
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // data,
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (data * accum),
+        "gradient_accumulation_steps": accum,
         "gradient_clipping": clip,
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,

@@ -51,3 +51,106 @@ def test_matmul_tuning_same_results(world):
     layers = [f"blocks.{b}.{n}" for b in range(2) for n in ("qkv", "proj", "fc1", "fc2")]
     assert tel["tuned_sites"] == sorted(f"{lay}/{s}" for lay in layers for s in ("fwd", "dgrad", "wgrad"))
     assert all(r["telemetry"]["tuned_modes"] == tel["tuned_modes"] for r in results)  # agreed by all ranks
+
+
+def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None):
+    from ds_ext.perf.pmm import ledger_bytes
+    from ds_ext.pmm.plans import plan_for
+    from ds_ext.pmm.spec import model_spec
+    from pmm_helpers import gpt
+
+    engine = engine_for("gpt", ds_config(grid, bf16=bf16, accum=accum, by_layer=True, overlap=overlap))
+    axes = engine.ds_ext.plugins[-1].axes
+    micro = GLOBAL_BATCH // (axes["data"].size * accum)
+    for step in range(1):
+        for m in range(accum):
+            start = (axes["data"].rank * accum + m) * micro
+            engine.backward(engine(tokens(step)[start:start + micro]))
+            engine.step()
+    measured = {ph: lv for ph, lv in engine.ds_ext.ledger.steps[-1].by_phase().items() if ph != "step"}
+    serial = gpt()
+    model = ledger_bytes(model_spec(serial, plan_for(serial)), engine.ds_ext.plugins[-1].grid,
+                         engine.ds_ext.topology, micro, SEQ, 2 if bf16 else 4, accum)
+    engine.destroy()
+    return measured, model
+
+
+def _fitting_grids():
+    from ds_ext.perf.pmm import factorizations, unfit_reason
+    from ds_ext.pmm.plans import plan_for
+    from ds_ext.pmm.spec import model_spec
+    from pmm_helpers import gpt
+
+    serial = gpt()
+    spec = model_spec(serial, plan_for(serial))
+    return [g.dims for g in factorizations(WORLD_SIZE) if unfit_reason(spec, g, GLOBAL_BATCH // g.data) is None]
+
+
+ALL_GRIDS = [(1, 1, 1, 8), (1, 1, 2, 4), (1, 1, 4, 2), (1, 1, 8, 1), (1, 2, 1, 4), (1, 2, 2, 2), (1, 2, 4, 1),
+             (1, 4, 1, 2), (1, 4, 2, 1), (1, 8, 1, 1), (2, 1, 1, 4), (2, 1, 2, 2), (2, 1, 4, 1), (2, 2, 1, 2),
+             (2, 2, 2, 1), (2, 4, 1, 1), (4, 1, 1, 2), (4, 1, 2, 1), (4, 2, 1, 1), (8, 1, 1, 1)]
+
+
+def test_ledger_grids_are_every_factorization_fitting_the_test_gpt():
+    assert sorted(_fitting_grids()) == ALL_GRIDS
+
+
+@pytest.mark.parametrize("grid,accum,bf16,overlap", [
+    *[(g, 1, True, None) for g in ALL_GRIDS],
+    ((2, 2, 2, 1), 2, False, None), ((1, 2, 2, 2), 2, True, ALL_ON),
+], ids=str)
+def test_ledger_equals_model_per_layer_and_level(world, grid, accum, bf16, overlap):
+    for measured, model in world.run(_ledger_vs_model, grid, accum, bf16, overlap):
+        assert measured == model  # exact: {"forward/<layer>": {level: bytes}, ..., "backward": {...}}
+
+
+def _memory(stage):
+    import torch
+
+    from ds_ext.integration.ds_pmm import optimizer_state_bytes
+    from ds_ext.perf.pmm import memory
+    from ds_ext.pmm import Linear
+    from ds_ext.pmm.plans import plan_for
+    from ds_ext.pmm.spec import model_spec
+    from pmm_helpers import gpt
+
+    grid = (2, 1, 2, 2)
+    engine = engine_for("gpt", ds_config(grid, stage=stage, bf16=True))
+    micro = GLOBAL_BATCH // grid[3]
+    start = engine.ds_ext.plugins[-1].axes["data"].rank * micro
+    engine.backward(engine(tokens(0)[start:start + micro]))
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    linear = [m for m in engine.module.modules() if isinstance(m, Linear)]
+    weights = {id(m.weight) for m in linear}
+    others = [p for p in engine.module.parameters() if id(p) not in weights]
+    measured = {
+        "layer_params": sum(nbytes(m.weight) for m in linear),
+        "layer_grads": sum(nbytes(m.weight.grad) for m in linear) if stage == 0 else None,
+        "replicated_params": sum(nbytes(p) for p in others),
+        "replicated_names": sorted(n for n, p in engine.module.named_parameters() if id(p) not in weights),
+    }
+    engine.step()
+    measured["optimizer"] = optimizer_state_bytes(engine)
+    engine.destroy()
+    serial = gpt()
+    serial_linear = sum(m.weight.numel() * 2 for m in serial.modules() if isinstance(m, torch.nn.Linear))
+    return measured, memory(model_spec(serial, plan_for(serial)), _grid(grid), 2, stage), serial_linear
+
+
+def _grid(dims):
+    from ds_ext.pmm import Grid
+
+    return Grid(*dims)
+
+
+def test_memory_per_rank(world):
+    tensor = 2 * 1 * 2
+    for (m0, model0, serial_linear), (m1, model1, _) in zip(world.run(_memory, 0), world.run(_memory, 1)):
+        assert m0["layer_params"] == m0["layer_grads"] == serial_linear // tensor == model0["layer_params"]
+        assert m1["layer_params"] == model1["layer_params"]
+        # replicated: norms and embeddings (split over Y only) and layer biases, listed and counted
+        assert m0["replicated_params"] == model0["replicated_params"]
+        assert all(n.endswith("bias") or ".ln" in n or n in ("embed.weight", "pos.weight", "ln_f.weight")
+                   for n in m0["replicated_names"])
+        assert m0["optimizer"] == model0["optimizer"]  # fp32 master + Adam m, v: 12 bytes per local parameter
+        assert m1["optimizer"] == model1["optimizer"] == model0["optimizer"] / 2  # ZeRO-1: further / data

@@ -30,13 +30,16 @@ def mark_parameters(model: nn.Module, axes: dict[str, Axis]) -> None:
 
 
 def optimizer_state_bytes(engine) -> int:
-    """Bytes of optimizer state one rank holds: fp32 master partitions (ZeRO-1/2, 16-bit
-    training) plus the torch optimizer's state tensors."""
+    """Bytes of optimizer state one rank holds: fp32 master copies (ZeRO-1/2:
+    ``single_partition_of_fp32_groups``; 16-bit stage 0: ``fp32_groups``) plus the torch
+    optimizer's state tensors."""
     opt = engine.optimizer
     inner = getattr(opt, "optimizer", opt)
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     state = sum(nbytes(v) for st in inner.state.values() for v in st.values() if getattr(v, "dim", lambda: 0)())
-    masters = getattr(opt, "single_partition_of_fp32_groups", None) or []
+    masters = getattr(opt, "single_partition_of_fp32_groups", None)
+    if masters is None:
+        masters = [t for group in getattr(opt, "fp32_groups", []) for t in group]
     return state + sum(nbytes(t) for t in masters)
 
 
