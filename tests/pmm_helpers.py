@@ -23,13 +23,13 @@ BF16 = {"rtol": 2e-2, "atol": 5e-2}  # bf16 run vs the fp32 serial model: ~10 bf
 
 
 # ---- models and data (built identically on every rank) --------------------------------
-def gpt(checkpoint=False):
+def gpt(checkpoint=False, heads=8):
     import torch
 
     from ds_ext.models import GPT, GPTConfig
 
     torch.manual_seed(1234)
-    return GPT(GPTConfig(seq_len=SEQ, d_model=64, n_layers=2, n_heads=8, checkpoint=checkpoint))
+    return GPT(GPTConfig(seq_len=SEQ, d_model=64, n_layers=2, n_heads=heads, checkpoint=checkpoint))
 
 
 def _neox():
@@ -52,7 +52,7 @@ def _llama():
     return LlamaForCausalLM(cfg)
 
 
-MODELS = {"gpt": gpt, "gpt_ckpt": lambda: gpt(checkpoint=True), "neox": _neox, "llama": _llama}
+MODELS = {"gpt": gpt, "gpt_ckpt": lambda: gpt(checkpoint=True), "gpt_4heads": lambda: gpt(heads=4), "neox": _neox, "llama": _llama}
 
 
 def tokens(step):

@@ -154,3 +154,35 @@ def test_memory_per_rank(world):
                    for n in m0["replicated_names"])
         assert m0["optimizer"] == model0["optimizer"]  # fp32 master + Adam m, v: 12 bytes per local parameter
         assert m1["optimizer"] == model1["optimizer"] == model0["optimizer"] / 2  # ZeRO-1: further / data
+
+
+def _initialize_error(grid, micro=None, instance=False, family="gpt"):
+    import torch
+
+    import ds_ext
+    from ds_ext.config import DsExtConfigError
+    from pmm_helpers import MODELS
+
+    cfg = ds_config(grid)
+    if micro is not None:
+        cfg["train_micro_batch_size_per_gpu"] = micro
+    model = MODELS[family]()
+    opt = torch.optim.AdamW(model.parameters()) if instance else (lambda p: torch.optim.AdamW(p))
+    try:
+        ds_ext.initialize(model=model, optimizer=opt, config=cfg)
+    except DsExtConfigError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"grid": (2, 2, 2, 2)}, r"ds_ext.pmm3d.grid \(x=2, y=2, z=2, data=2\) has product 16 but the world has 8 ranks"),
+    ({"grid": (8, 1, 1, 1), "family": "gpt_4heads"}, r"ds_ext.pmm3d.grid.x=8 does not divide the 4 attention heads"),
+    ({"grid": (1, 1, 8, 1), "micro": 4}, r"ds_ext.pmm3d.grid.z=8 does not divide train_micro_batch_size_per_gpu=4"),
+    ({"grid": (2, 2, 2, 1), "instance": True}, r"pass optimizer=lambda params: .* not an optimizer instance"),
+], ids=["product", "heads", "micro-batch", "optimizer"])
+def test_bad_input_one_line_before_training(world, kwargs, message):
+    import re
+
+    for err in world.run(_initialize_error, **kwargs):
+        assert err is not None and re.search(message, err) and "\n" not in err, err

@@ -82,7 +82,7 @@ class PMMEngine:
 
     def all_reduce_world_max(self, t: torch.Tensor) -> None:
         """Agree on a value across all ranks (matmul tuning decisions)."""
-        if dist.get_world_size() > 1:
+        if dist.is_initialized() and dist.get_world_size() > 1:
             self.comm.all_reduce(t, op=dist.ReduceOp.MAX)
 
     # ---- matmuls ---------------------------------------------------------------------------
