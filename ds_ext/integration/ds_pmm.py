@@ -14,6 +14,8 @@ norm DeepSpeed computes (and clips with) is the serial model's (the rule of
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from ds_ext.integration.ds_version import check_version
@@ -52,3 +54,21 @@ def optimized_parameters(engine) -> list:
         if groups is not None:
             return [p for g in groups for p in g]
     return [p for g in opt.param_groups for p in g["params"]]
+
+
+def release_mpu_on_destroy(engine, mpu) -> None:
+    """Make ``engine.destroy()`` also drop ``mpu`` from DeepSpeed's module-global
+    ``deepspeed.utils.groups.mpu``, which an engine built with an mpu leaves behind (a later
+    engine without one would otherwise read its groups)."""
+    from deepspeed.utils import groups
+
+    destroy = engine.destroy
+
+    @functools.wraps(destroy)
+    def destroy_and_release(*args, **kwargs):
+        out = destroy(*args, **kwargs)
+        if groups.mpu is mpu:
+            groups.mpu = None
+        return out
+
+    engine.destroy = destroy_and_release

@@ -209,15 +209,26 @@ def axis_bandwidths(grid: Grid, topology: Topology, bw: Bandwidths | None = None
 
 def comm_time(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, seq_len: int,
               elem_bytes: int, grad_accum: int = 1, bw: Bandwidths | None = None,
-              paper_terms_only: bool = False) -> float:
-    """Predicted seconds of communication per step, Eq 5.6 summed over layers (Assumption-3:
-    no latency); with ``paper_terms_only`` only Eqs 5.1-5.5 of the linear layers."""
+              paper_terms_only: bool = False, latency: bool = False) -> float:
+    """Predicted seconds of communication per step, Eq 5.6 summed over layers.
+
+    ``paper_terms_only``: only Eqs 5.1-5.5 of the linear layers. ``latency``: drop
+    Assumption-3 and add α per ring step (d - 1 steps, 2 (d - 1) for an all-reduce) with α
+    the latency of the level the axis spans, as ``ds_ext.comm.emulation`` charges it; small
+    messages (a CPU emulation, or a small model) are latency-bound.
+    """
+    from ds_ext.comm.emulation import message_steps
+
     beta = axis_bandwidths(grid, topology, bw)
+    levels = axis_levels(grid.axes(), topology)
     total = 0.0
     for it in items(spec, grid, micro_batch, seq_len, elem_bytes, grad_accum):
         if paper_terms_only and not it.equation.startswith("5."):
             continue
         total += it.nbytes * it.calls / beta[it.axis]
+        if latency:
+            alpha = topology.level(levels[it.axis]).latency
+            total += it.calls * message_steps(it.op, _size(grid, it.axis)) * alpha
     return total
 
 

@@ -37,6 +37,7 @@ class Pmm3dPlugin(Plugin):
 
     name = "pmm3d"
     Config = Pmm3dConfig
+    _mpu: GridMPU | None = None
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         from ds_ext.integration import ds_pmm
@@ -97,10 +98,12 @@ class Pmm3dPlugin(Plugin):
         return ranked[0].grid
 
     def mpu(self) -> GridMPU:
-        data = self.grid.axes().groups(["data"])
-        tensor = self.grid.axes().groups(["x", "y", "z"])
-        me = self.runtime.rank
-        return GridMPU(self.axes, next(g for g in data if me in g), next(g for g in tensor if me in g)[0])
+        if self._mpu is None:
+            data = self.grid.axes().groups(["data"])
+            tensor = self.grid.axes().groups(["x", "y", "z"])
+            me = self.runtime.rank
+            self._mpu = GridMPU(self.axes, next(g for g in data if me in g), next(g for g in tensor if me in g)[0])
+        return self._mpu
 
     def attach(self, engine: Any) -> None:
         from ds_ext.integration import ds_pmm
@@ -111,6 +114,7 @@ class Pmm3dPlugin(Plugin):
                 f"{KEY}: the optimizer does not hold the converted model's parameters (model_parameters from the "
                 "serial model?); pass model_parameters=None and build the optimizer from the params it is given"
             )
+        ds_pmm.release_mpu_on_destroy(engine, self._mpu)
 
 
 def perf_seq_len(model: Any) -> int:
