@@ -186,3 +186,20 @@ def test_bad_input_one_line_before_training(world, kwargs, message):
 
     for err in world.run(_initialize_error, **kwargs):
         assert err is not None and re.search(message, err) and "\n" not in err, err
+
+
+def test_tune_measure_database_reads_the_emulated_machine(world):
+    from ds_ext.pmm.tune import measure_on_rank
+    from ds_ext.topology import GB
+
+    dbs = world.run(measure_on_rank, {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}, 8 << 20, True,
+                    300.0)
+    db = dbs[0]
+    assert all(d == db for d in dbs) and db["ranks_per_node"] == 4
+    # (G_0, G_1): (1,2) = GCD pairs, (2,2) and (1,4) cross the GPUs of a node; beta_inter: one ring over nodes.
+    # Measured = bytes / (emulated bandwidth time + latency steps), so within (0.5, 1] of the level's bandwidth.
+    expected = {"1,2": 200 * GB, "2,2": 50 * GB, "1,4": 50 * GB}
+    assert set(db["intra"]) == set(expected)
+    for key, bw in expected.items():
+        assert 0.5 * bw < db["intra"][key] <= 1.01 * bw, (key, db["intra"][key])
+    assert 0.5 * 12.5 * GB < db["beta_inter"] <= 1.01 * 12.5 * GB

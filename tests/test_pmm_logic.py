@@ -213,3 +213,36 @@ def test_tuner_times_every_mode_once_per_signature():
     assert len(tuner.choice) == 1 and len(next(iter(tuner.timings.values()))) == len(MODES) == 8
     tuner.matmul("site", a, b.t().contiguous().t())  # other strides: another signature
     assert len(tuner.choice) == 2
+
+
+def test_gpt_spec_matches_the_built_model():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=16, d_model=64, n_layers=2, n_heads=8))
+    assert perf.gpt_spec(64, 2, 8, 256, 16) == model_spec(model, plan_for(model))
+
+
+# ---- command line -------------------------------------------------------------------------
+def test_cli_detect_shows_the_level_each_axis_spans(capsys):
+    from ds_ext.cli import main
+
+    assert main(["detect", "--preset", "frontier", "--world-size", "16", "--grid", "2,4,1,2"]) == 0
+    assert "pmm3d grid (x=2, y=4, z=1, data=2): x=2 spans gcd, y=4 spans gpu, z=1 spans -, data=2 spans node" \
+        in capsys.readouterr().out
+
+
+def test_cli_tune_prints_and_writes_the_top_k(tmp_path, capsys):
+    import json
+
+    from ds_ext.cli import main
+
+    out = tmp_path / "tune.json"
+    assert main(["tune", "--model", "gpt-20b", "--world", "32", "--memory-GB", "40", "--top-k", "4",
+                 "--out", str(out)]) == 0
+    top = json.loads(out.read_text())["top"]
+    assert len(top) == 4 and [r["predicted_comm_s"] for r in top] == sorted(r["predicted_comm_s"] for r in top)
+    assert all(r["memory_per_rank_bytes"] <= 40e9 and 56 % r["grid"]["x"] == 0 for r in top)
+    spec = perf.gpt_spec(7168, 32, 56, 50304, 2048)
+    topo = Topology.from_preset("frontier", 32)
+    best = Grid(**top[0]["grid"])
+    assert top[0]["predicted_comm_s"] == perf.comm_time(spec, best, topo, 1024 // best.data, 2048, 2)
+    assert "gpt-20b (32 layers, hidden 7168, 56 heads)" in capsys.readouterr().out

@@ -149,6 +149,30 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
     return out
 
 
+# GPT models of 001 Table 5.1 (= 000 Table II): name -> (layers, hidden, heads)
+TABLE_5_1: dict[str, tuple[int, int, int]] = {
+    "gpt-5b": (24, 4096, 32), "gpt-10b": (32, 5120, 40), "gpt-20b": (32, 7168, 56), "gpt-40b": (38, 9216, 72),
+    "gpt-60b": (56, 9216, 72), "gpt-80b": (42, 12288, 96), "gpt-160b": (84, 12288, 96),
+    "gpt-320b": (96, 16384, 128), "gpt-640b": (192, 16384, 128),
+}
+
+
+def gpt_spec(d_model: int, n_layers: int, n_heads: int, vocab: int, seq_len: int, ffn_mult: int = 4) -> ModelSpec:
+    """The spec of ds_ext's GPT (ds_ext.models.gpt) without building it: per block a fused
+    q|k|v (normal), attention-out (transposed), FC1 (normal), FC2 (transposed), two
+    LayerNorms; a final LayerNorm; token and position tables; the head tied to the tokens."""
+    d, f = d_model, ffn_mult * d_model
+    layers, norms = [], []
+    for b in range(n_layers):
+        p = f"blocks.{b}."
+        layers += [LayerSpec(p + "qkv", d, 3 * d, False, True, 3), LayerSpec(p + "proj", d, d, True, True),
+                   LayerSpec(p + "fc1", d, f, False, True), LayerSpec(p + "fc2", f, d, True, True)]
+        norms += [NormSpec(p + "ln1", d, 2, 2), NormSpec(p + "ln2", d, 2, 2)]
+    norms.append(NormSpec("ln_f", d, 2, 2))
+    tables = (TableSpec("embed", vocab, d), TableSpec("pos", seq_len, d))
+    return ModelSpec(tuple(layers), tuple(norms), tables, vocab, {"GPTConfig.n_heads": n_heads})
+
+
 def replicated_numels(spec: ModelSpec, grid: Grid) -> list[int]:
     """Local sizes of the parameters replicated over Z (norm vectors, tables), one each."""
     norms = [N.features // grid.y for N in spec.norms for _ in range(N.params)]
