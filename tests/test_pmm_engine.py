@@ -203,3 +203,25 @@ def test_tune_measure_database_reads_the_emulated_machine(world):
     for key, bw in expected.items():
         assert 0.5 * bw < db["intra"][key] <= 1.01 * bw, (key, db["intra"][key])
     assert 0.5 * 12.5 * GB < db["beta_inter"] <= 1.01 * 12.5 * GB
+
+
+def _auto_grid():
+    from ds_ext.perf.pmm import rank_grids
+    from ds_ext.pmm.plans import plan_for
+    from ds_ext.pmm.spec import model_spec
+    from pmm_helpers import gpt
+
+    cfg = ds_config((1, 1, 1, 1))
+    cfg["ds_ext"]["pmm3d"]["grid"] = "auto"
+    cfg["train_micro_batch_size_per_gpu"] = 4
+    engine = engine_for("gpt", cfg)
+    chosen = engine.ds_ext.plugins[-1].grid.dims
+    serial = gpt()
+    expected = rank_grids(model_spec(serial, plan_for(serial)), WORLD_SIZE, engine.ds_ext.topology, 4, SEQ, 4)
+    engine.destroy()
+    return chosen, expected[0].grid.dims
+
+
+def test_auto_grid_is_the_models_first_choice(world):
+    for chosen, expected in world.run(_auto_grid):
+        assert chosen == expected

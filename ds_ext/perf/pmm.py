@@ -206,12 +206,20 @@ class Bandwidths:
 
     intra: dict[tuple[int, int], float]
     beta_inter: float
+    ring_sharing: bool = True  # Eq 5.7's β_inter / min(G_node, Π_{j<i} G_j) across nodes
 
     @classmethod
     def from_topology(cls, topology: Topology) -> "Bandwidths":
         """No database: inside a node, the bandwidth of the level a group spans; β_inter is a
         node's injection bandwidth (ranks per node x the outer level's per-rank bandwidth)."""
         return cls({}, topology.levels[-1].bandwidth * topology.ranks_per_node)
+
+    @classmethod
+    def per_rank_links(cls, topology: Topology) -> "Bandwidths":
+        """The machine ``ds_ext.comm.emulation`` emulates: every rank has its own share of each
+        level's links, so a group gets its level's per-rank bandwidth whatever runs beside it
+        (no ring sharing across nodes)."""
+        return cls({}, topology.levels[-1].bandwidth, ring_sharing=False)
 
 
 def axis_bandwidths(grid: Grid, topology: Topology, bw: Bandwidths | None = None) -> dict[str, float]:
@@ -226,7 +234,7 @@ def axis_bandwidths(grid: Grid, topology: Topology, bw: Bandwidths | None = None
                 default = topology.level(levels[axis]).bandwidth
                 out[axis] = bw.intra.get((before, g), default)
             else:
-                out[axis] = bw.beta_inter / min(g_node, before)
+                out[axis] = bw.beta_inter / (min(g_node, before) if bw.ring_sharing else 1)
         before *= g
     return out
 

@@ -90,6 +90,8 @@ class Pmm3dPlugin(Plugin):
             model_spec(model, plan), world, self.runtime.topology,
             micro_batch=ds_config.get("train_micro_batch_size_per_gpu", 1),
             seq_len=perf_seq_len(model), elem_bytes=_elem_bytes(ds_config),
+            grad_accum=ds_config.get("gradient_accumulation_steps", 1),
+            zero_stage=(ds_config.get("zero_optimization") or {}).get("stage", 0),
             memory_limit=None if self.config.memory_per_rank_GB is None else self.config.memory_per_rank_GB * 1e9,
         )
         if not ranked:
