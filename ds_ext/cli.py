@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--measure", action="store_true",
                    help="measure the database on --world local ranks with alpha-beta emulation of --preset")
     t.add_argument("--message-MB", type=float, default=16.0, help="all-reduce size for --measure")
-    t.add_argument("--time-scale", type=float, default=1.0, help="emulation time scale for --measure")
+    t.add_argument("--time-scale", type=float, default=3000.0,
+                   help="--measure: stretch emulated link times so they dominate gloo's own (results are scaled back)")
     t.set_defaults(func=cmd_tune)
     s = sub.add_parser("schema", help="print the JSON schema of the \"ds_ext\" block")
     s.set_defaults(func=cmd_schema)
