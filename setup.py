@@ -18,6 +18,7 @@ setup(
         "tqdm>=4.60",
         "matplotlib>=3.7",
         "packaging>=23",
+        "scipy>=1.10",
     ],
     entry_points={"console_scripts": ["ds-ext=ds_ext.cli:main"]},
 )

@@ -1,8 +1,11 @@
-"""``ds-ext`` command line: ``detect``, ``schema``, ``bench <name>``, ``checkpoint``.
+"""``ds-ext`` command line: ``detect``, ``schema``, ``bench <name>``, ``tune``, ``checkpoint``, ``run``,
+``autoload-path``.
 
 ``ds-ext detect`` prints the topology read from the launcher environment (or given by
 ``--preset`` / ``--world-size``) and the groups of the calling rank, or of every rank
-with ``--all``.
+with ``--all``; with ``--grid X,Y,Z,D`` also which level each 3D-PMM grid axis spans.
+``ds-ext tune`` ranks the 3D-PMM grids of a model (001 §5.1.2), optionally from a bandwidth
+database that ``ds-ext tune --measure`` writes.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import importlib
 import json
 import sys
+from pathlib import Path
 
 from ds_ext import config as cfgmod
 from ds_ext.bench import BENCHMARKS
@@ -51,6 +55,60 @@ def cmd_detect(ns: argparse.Namespace) -> int:
     ranks = range(topo.world_size) if ns.all else [job.rank if ns.rank is None else ns.rank]
     for r in ranks:
         print("\n".join(_rank_lines(topo, r)))
+    if ns.grid is not None:
+        print(_grid_lines(topo, ns.grid))
+    return 0
+
+
+def _parse_grid(text: str) -> tuple[int, int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise SystemExit(f"--grid expects X,Y,Z,DATA (positive integers), got {text!r}")
+    return tuple(int(p) for p in parts)  # type: ignore[return-value]
+
+
+def _grid_lines(topo: Topology, dims: tuple[int, int, int, int]) -> str:
+    from ds_ext.groups import axis_levels
+    from ds_ext.pmm.grid import Grid, GridError
+
+    grid = Grid(*dims)
+    try:
+        grid.check_world(topo.world_size)
+    except GridError as err:
+        raise SystemExit(f"ds-ext: error: {err}") from None
+    spans = axis_levels(grid.axes(), topo)
+    axes = ", ".join(f"{a}={getattr(grid, a)} spans {spans[a] or '-'}" for a in ("x", "y", "z", "data"))
+    return f"pmm3d grid {grid}: {axes}"
+
+
+def cmd_tune(ns: argparse.Namespace) -> int:
+    from ds_ext.perf import pmm as perf
+    from ds_ext.pmm import tune
+
+    block = {"preset": ns.preset, "sizes": _parse_sizes(ns.size), "emulate": True}
+    topo = resolve_topology(cfgmod.parse({"topology": block}).topology, ns.world, detect_environment())
+    if ns.measure:
+        from ds_ext.local_world import World
+
+        with World(ns.world) as world:
+            db = world.run(tune.measure_on_rank, block, int(ns.message_MB * 2**20), True, ns.time_scale)[0]
+        print(json.dumps(db, indent=2))
+        if ns.out:
+            Path(ns.out).write_text(json.dumps(db, indent=2) + "\n")
+        return 0
+    layers, hidden, heads = perf.TABLE_5_1[ns.model]
+    spec = perf.gpt_spec(hidden, layers, heads, ns.vocab, ns.seq_len)
+    bw = tune.bandwidths_from(json.loads(Path(ns.database).read_text()), topo) if ns.database else None
+    limit = ns.memory_GB * 1e9 if ns.memory_GB else None
+    top = tune.top_grids(spec, topo, ns.global_batch, ns.seq_len, 2, ns.zero_stage, limit, bw, ns.top_k)
+    print(f"{ns.model} ({layers} layers, hidden {hidden}, {heads} heads) on {topo.describe()}")
+    print(f"{'#':>3} {'x':>4} {'y':>4} {'z':>4} {'data':>5} {'comm s':>10} {'GB/rank':>9}  levels (x, y, z, data)")
+    for i, r in enumerate(top, 1):
+        g, lv = r["grid"], r["levels"]
+        print(f"{i:>3} {g['x']:>4} {g['y']:>4} {g['z']:>4} {g['data']:>5} {r['predicted_comm_s']:>10.4f} "
+              f"{r['memory_per_rank_bytes'] / 1e9:>9.2f}  " + ", ".join(lv[a] or "-" for a in ("x", "y", "z", "data")))
+    if ns.out:
+        Path(ns.out).write_text(json.dumps({"model": ns.model, "world": ns.world, "top": top}, indent=2) + "\n")
     return 0
 
 
@@ -109,6 +167,12 @@ def cmd_schema(_: argparse.Namespace) -> int:
     return 0
 
 
+def _table_5_1() -> tuple[str, ...]:
+    from ds_ext.perf.pmm import TABLE_5_1
+
+    return tuple(TABLE_5_1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ds-ext", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -119,7 +183,28 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--emulate", action="store_true", help="ignore the launcher's ranks per node")
     d.add_argument("--rank", type=int, default=None, help="show this rank instead of the caller")
     d.add_argument("--all", action="store_true", help="show every rank")
+    d.add_argument("--grid", type=_parse_grid, default=None, metavar="X,Y,Z,DATA",
+                   help="also show the topology level each 3D-PMM grid axis spans")
     d.set_defaults(func=cmd_detect)
+    t = sub.add_parser("tune", help="rank the 3D-PMM grids of a model (001 §5.1.2); --measure: bandwidth database")
+    t.add_argument("--model", choices=sorted(_table_5_1()), default="gpt-20b", help="a GPT of 001 Table 5.1")
+    t.add_argument("--world", type=int, required=True, help="ranks (GPUs / GCDs)")
+    t.add_argument("--preset", choices=PRESET_NAMES, default="frontier")
+    t.add_argument("--size", action="append", default=[], metavar="LEVEL=N", help="override a level size")
+    t.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
+    t.add_argument("--seq-len", type=int, default=2048)
+    t.add_argument("--vocab", type=int, default=50304)
+    t.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2))
+    t.add_argument("--memory-GB", type=float, default=None, help="model-state bytes allowed per rank")
+    t.add_argument("--database", default=None, help="bandwidth database JSON from 'ds-ext tune --measure'")
+    t.add_argument("--top-k", type=int, default=10)
+    t.add_argument("--out", default=None, help="write the result as JSON")
+    t.add_argument("--measure", action="store_true",
+                   help="measure the database on --world local ranks with alpha-beta emulation of --preset")
+    t.add_argument("--message-MB", type=float, default=16.0, help="all-reduce size for --measure")
+    t.add_argument("--time-scale", type=float, default=3000.0,
+                   help="--measure: stretch emulated link times so they dominate gloo's own (results are scaled back)")
+    t.set_defaults(func=cmd_tune)
     s = sub.add_parser("schema", help="print the JSON schema of the \"ds_ext\" block")
     s.set_defaults(func=cmd_schema)
     r = sub.add_parser("run", help="run an unmodified DeepSpeed script with ds_ext active (python -m ds_ext.run)",

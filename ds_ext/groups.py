@@ -196,3 +196,45 @@ class GroupRegistry:
         except KeyError:
             me = self._group_rank[key] = self.ranks(group).index(dist.get_rank())
             return me
+
+
+# ---- 3D-PMM: the 4D grid X x Y x Z x data (001 §5.1.1, §5.1.2) ---------------------------
+
+PMM_AXES: tuple[str, ...] = ("x", "y", "z", "data")
+
+
+def pmm_axes(x: int, y: int, z: int, data: int, world_size: int) -> ParallelAxes:
+    """The 4D grid laid over the ranks, X innermost, then Y, Z, data outermost (001 §5.1.2).
+
+    With ranks numbered innermost topology level first, X groups are the closest ranks, so
+    the fastest links carry X (001 Fig 5.1: 8 ranks with all degrees 2 give X groups
+    (0,1),(2,3),... and Y groups (0,2),(1,3),...).
+    """
+    return ParallelAxes.build([("x", x), ("y", y), ("z", z), ("data", data)], world_size)
+
+
+def axis_levels(axes: ParallelAxes, topology: Topology) -> dict[str, str | None]:
+    """Outermost topology level any group of each axis crosses (None for a degree of 1)."""
+    out: dict[str, str | None] = {}
+    for name, _ in axes.axes:
+        levels = {topology.level_of(g) for g in axes.groups([name])} - {None}
+        out[name] = max(levels, key=topology.index) if levels else None
+    return out
+
+
+PMM_TENSOR: tuple[str, ...] = ("x", "y", "z")
+
+
+def pmm_groups(registry: GroupRegistry, axes: ParallelAxes) -> dict[str, object | None]:
+    """This rank's process group along each grid axis and over the tensor axes X x Y x Z
+    (key ``tensor``, DeepSpeed's model-parallel group). X, Y and Z of degree 1 get None
+    (nothing to communicate); ``data`` and ``tensor`` always get a group, since DeepSpeed
+    reads None as the whole world.
+
+    Collective: every rank calls it with the same ``axes``; groups are created in one
+    order and cached by the registry.
+    """
+    out = {n: registry.axes(axes, [n]) if axes.size(n) > 1 else None for n in PMM_TENSOR}
+    out["data"] = registry.axes(axes, ["data"])
+    out["tensor"] = registry.axes(axes, PMM_TENSOR)
+    return out

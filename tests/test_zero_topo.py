@@ -235,7 +235,6 @@ def test_quantized_within_2_percent_of_unquantized_after_200_steps(world):
 
 def _int8_boundary(accum):
     """zero_topo_int8: primary shards of every rank, masters, and inter-node bytes per step."""
-    import torch
 
     from ds_ext.zero_topo.layout import shard_index
 

@@ -1,0 +1,417 @@
+"""``ds-ext bench pmm``: every 4D factorization of 8 ranks on a GPT, beside the anchors.
+
+8 CPU ranks emulate 2 nodes x 2 GPUs x 2 GCDs (the Frontier hierarchy of
+``ds_ext.topology``, shrunk); a GPT (fp32) trains on byte-level stdlib text with the same
+global batch in every variant, side by side in one gloo world:
+
+* ``pmm3d`` on every factorization (G_x, G_y, G_z, G_data) of 8 that divides the model,
+  among them Megatron-style 1D tensor parallelism (8,1,1,1) with alternating transposes,
+  FSDP (1,1,8,1) and DDP (1,1,1,8); and, on the grids given by ``--overlap-grids``, the same
+  with OAR + ORS + OAG on;
+* ``deepspeed_zero3``: the plain GPT under DeepSpeed ZeRO-3 over all 8 ranks;
+* ``megatron_tp8``: the GPT's block linears replaced by megatron-core's
+  ``ColumnParallelLinear`` / ``RowParallelLinear`` (tensor parallel 8, CPU initialization),
+  trained with torch AdamW; a bytes-and-time anchor (its fused q|k|v split differs).
+
+Every collective (ds_ext's, DeepSpeed's, megatron-core's) is counted by the same ledger
+per topology level and held for its alpha-beta time (Frontier latencies and bandwidths x
+``--time-scale``). Reported per variant: bytes per level per step (and, for pmm3d, the
+exact ``ds_ext.perf.pmm`` prediction), the predicted communication time (Eqs 5.1-5.7),
+the median step time with and without emulation, model-state bytes per rank, the loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from ds_ext.bench import median, write_json
+
+WORLD = 8
+LEVELS = ("gcd", "gpu", "node")
+TOPOLOGY = {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}
+MODELS = {  # name -> (d_model, n_layers, n_heads, seq_len)
+    "gpt": (512, 2, 8, 128),
+    "tiny": (64, 2, 8, 16),
+}
+ANCHORS = ("deepspeed_zero3", "megatron_tp8")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="JSON file to write (a PNG is written next to it)")
+    p.add_argument("--model", choices=sorted(MODELS), default="gpt")
+    p.add_argument("--global-batch", type=int, default=8, help="samples per optimizer step (all variants)")
+    p.add_argument("--warmup", type=int, default=1, help="optimizer steps before measuring")
+    p.add_argument("--steps", type=int, default=5, help="measured emulated steps (and half as many plain ones)")
+    p.add_argument("--time-scale", type=float, default=1000.0,
+                   help="multiply emulated link times: one CPU core computes ~1000x slower than a GCD")
+    p.add_argument("--overlap-grids", nargs="*", default=["2,2,2,1", "1,1,8,1", "1,2,4,1", "8,1,1,1"],
+                   metavar="X,Y,Z,D", help="grids also measured with OAR + ORS + OAG on")
+    p.add_argument("--grids", nargs="*", default=None, metavar="X,Y,Z,D",
+                   help="only these grids (default: every factorization of 8 that divides the model)")
+    p.add_argument("--anchors", nargs="*", default=list(ANCHORS), choices=ANCHORS)
+    p.add_argument("--timeout", type=float, default=3600)
+
+
+# ---- one rank ---------------------------------------------------------------------------
+def _gpt(model: str):
+    import torch
+
+    from ds_ext.models import GPT, GPTConfig
+
+    d, layers, heads, seq = MODELS[model]
+    torch.manual_seed(1234)
+    return GPT(GPTConfig(seq_len=seq, d_model=d, n_layers=layers, n_heads=heads))
+
+
+def _config(micro: int, time_scale: float, block: dict) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "ds_ext": {"topology": TOPOLOGY,
+                   "comm": {"ledger": True, "emulate_time": True, "time_scale": time_scale}, **block},
+        **({"zero_optimization": {"stage": 0}} if "pmm3d" in block else {}),
+    }
+
+
+def _timed_steps(step_fn, comm, warmup: int, steps: int) -> tuple[dict[str, float], list[float], dict[str, int]]:
+    """Warm-up, then ``steps`` emulated and ``steps // 2`` plain steps; medians and losses."""
+    import torch.distributed as dist
+
+    emulator, times, losses = comm.emulator, {"emulated": [], "plain": []}, []
+    state: dict[str, int] = {}
+    plain = max(1, steps // 2)
+    for i in range(warmup + steps + plain):
+        mode = "emulated" if i < warmup + steps else "plain"
+        comm.emulator = emulator if mode == "emulated" else None
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(step_fn(i, state))
+        dist.barrier()
+        if i >= warmup:
+            times[mode].append(time.perf_counter() - t0)
+    comm.emulator = emulator
+    return {k: median(v) for k, v in times.items()}, losses, state
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _measure_pmm(grid: tuple[int, int, int, int], overlap: bool, model: str, global_batch: int, warmup: int,
+                 steps: int, time_scale: float) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import ds_ext
+    from ds_ext.data import ByteCorpus
+    from ds_ext.integration.ds_pmm import optimizer_state_bytes
+    from ds_ext.perf import pmm as perf
+    from ds_ext.pmm.plans import plan_for
+    from ds_ext.pmm.spec import model_spec
+
+    x, y, z, data = grid
+    micro, seq = global_batch // data, MODELS[model][3]
+    flags = {"all_reduce": overlap, "reduce_scatter": overlap, "all_gather": overlap}
+    block = {"pmm3d": {"enabled": True, "grid": {"x": x, "y": y, "z": z, "data": data}, "overlap": flags,
+                       "ledger_by_layer": True}}
+    serial = _gpt(model)
+    spec = model_spec(serial, plan_for(serial))
+    engine, *_ = ds_ext.initialize(model=_gpt(model), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+                                   config=_config(micro, time_scale, block))
+    rt = engine.ds_ext
+    plugin = rt.plugins[-1]
+    corpus = ByteCorpus(max_bytes=300_000)
+    drank = plugin.axes["data"].rank
+
+    def step(i: int, state: dict[str, int]) -> float:
+        loss = engine(corpus.micro_batch(i, 0, drank, data, micro, 1, seq))
+        engine.backward(loss)
+        state["grads"] = _nbytes(p.grad for p in engine.module.parameters())
+        engine.step()
+        return loss.item()
+
+    times, losses, state = _timed_steps(step, rt.comm, warmup, steps)
+    measured = {ph: lv for ph, lv in rt.ledger.steps[-1].by_phase().items() if ph != "step"}
+    g = plugin.grid
+    links = perf.Bandwidths.per_rank_links(rt.topology)
+    model_bytes = perf.ledger_bytes(spec, g, rt.topology, micro, seq, 4)
+    mem = perf.memory(spec, g, 4, 0)
+    record = {
+        "variant": f"pmm3d{'+overlap' if overlap else ''}",
+        "grid": list(grid),
+        "bytes_per_step": _by_level(rt.ledger.steps[-1].by_level()),
+        "model_bytes_per_step": _by_level(_sum_levels(model_bytes)),
+        "ledger_equals_model": measured == model_bytes,
+        "predicted_comm_s": perf.comm_time(spec, g, rt.topology, micro, seq, 4),
+        "predicted_paper_comm_s": perf.comm_time(spec, g, rt.topology, micro, seq, 4, paper_terms_only=True),
+        "predicted_per_rank_links_comm_s": perf.comm_time(spec, g, rt.topology, micro, seq, 4, bw=links),
+        "predicted_alpha_beta_comm_s": perf.comm_time(spec, g, rt.topology, micro, seq, 4, bw=links, latency=True),
+        "step_time_emulated_s": times["emulated"],
+        "step_time_s": times["plain"],
+        "model_state_bytes": _nbytes(engine.module.parameters()) + state["grads"] + optimizer_state_bytes(engine),
+        "model_state_bytes_predicted": mem["layer_params"] + mem["layer_grads"] + mem["replicated_params"]
+        + mem["replicated_grads"] + mem["optimizer"],
+        "losses": _mean_over_data(losses, plugin.axes["data"]),
+        "prefetch_hits": plugin.engine.prefetcher.hits if plugin.engine.prefetcher else 0,
+    }
+    engine.destroy()
+    dist.barrier()
+    return record
+
+
+def _mean_over_data(losses: list[float], data_axis) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(t, group=data_axis.group)
+    return (t / data_axis.size).tolist()
+
+
+def _sum_levels(by_phase: dict[str, dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for per in by_phase.values():
+        for lv, b in per.items():
+            out[lv] = out.get(lv, 0.0) + b
+    return out
+
+
+def _by_level(d: dict[str, float]) -> dict[str, float]:
+    return {lv: float(d.get(lv, 0.0)) for lv in LEVELS}
+
+
+def _measure_zero3(model: str, global_batch: int, warmup: int, steps: int, time_scale: float) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import ds_ext
+    from ds_ext.data import ByteCorpus
+    from ds_ext.integration.ds_zero3_state import deepspeed_zero3_state_bytes
+
+    micro, seq = global_batch // WORLD, MODELS[model][3]
+    cfg = _config(micro, time_scale, {})
+    cfg["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    net = _gpt(model)
+    engine, *_ = ds_ext.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-3), config=cfg)
+    rt, corpus, rank = engine.ds_ext, ByteCorpus(max_bytes=300_000), dist.get_rank()
+
+    def step(i: int, state: dict[str, int]) -> float:
+        loss = engine(corpus.micro_batch(i, 0, rank, WORLD, micro, 1, seq))
+        engine.backward(loss)
+        state.update(deepspeed_zero3_state_bytes(engine))
+        engine.step()
+        return loss.item()
+
+    times, losses, state = _timed_steps(step, rt.comm, warmup, steps)
+    record = {"variant": "deepspeed_zero3", "grid": [1, 1, WORLD, 1],
+              "bytes_per_step": _by_level(rt.ledger.steps[-1].by_level()),
+              "step_time_emulated_s": times["emulated"], "step_time_s": times["plain"],
+              "model_state_bytes": sum(state.values()), "losses": _mean_over_world(losses)}
+    engine.destroy()
+    return record
+
+
+def _mean_over_world(losses: list[float]) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def _measure_megatron(model: str, global_batch: int, warmup: int, steps: int, time_scale: float) -> dict[str, Any]:
+    """megatron-core tensor parallelism over 8 ranks, counted by a ds_ext ledger."""
+    import torch
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state
+
+    from ds_ext import config as cfgmod
+    from ds_ext.comm import instrument_torch_distributed
+    from ds_ext.data import ByteCorpus
+    from ds_ext.runtime import Runtime
+
+    rt = Runtime.create(cfgmod.parse({"topology": TOPOLOGY, "comm": {"emulate_time": True,
+                                                                     "time_scale": time_scale}}))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=WORLD)
+    try:
+        net = _megatron_gpt(model)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        corpus, seq = ByteCorpus(max_bytes=300_000), MODELS[model][3]
+
+        def step(i: int, state: dict[str, int]) -> float:
+            loss = net(corpus.micro_batch(i, 0, 0, 1, global_batch, 1, seq))
+            loss.backward()
+            state["grads"] = _nbytes(p.grad for p in net.parameters())
+            opt.step()
+            opt.zero_grad()
+            rt.ledger.mark_step()
+            return loss.item()
+
+        with instrument_torch_distributed(rt.comm):
+            times, losses, state = _timed_steps(step, rt.comm, warmup, steps)
+        opt_bytes = _nbytes(v for st in opt.state.values() for v in st.values() if v.dim())
+        return {"variant": "megatron_tp8", "grid": [WORLD, 1, 1, 1],
+                "bytes_per_step": _by_level(rt.ledger.steps[-1].by_level()),
+                "step_time_emulated_s": times["emulated"], "step_time_s": times["plain"],
+                "model_state_bytes": _nbytes(net.parameters()) + state["grads"] + opt_bytes, "losses": losses}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _megatron_gpt(model: str):
+    """ds_ext's GPT with megatron-core column / row parallel block linears (TP 8)."""
+    import torch
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from torch import nn
+
+    class Unpack(nn.Module):
+        def __init__(self, layer: nn.Module) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x)[0]
+
+    net = _gpt(model)
+    d, _, heads, _ = MODELS[model]
+    cfg = TransformerConfig(num_layers=1, hidden_size=d, num_attention_heads=heads, use_cpu_initialization=True,
+                            tensor_model_parallel_size=WORLD)
+    init = nn.init.xavier_normal_
+    for block in net.blocks:
+        block.qkv = Unpack(ColumnParallelLinear(d, 3 * d, config=cfg, init_method=init, bias=True,
+                                                gather_output=False))
+        block.fc1 = Unpack(ColumnParallelLinear(d, 4 * d, config=cfg, init_method=init, bias=True,
+                                                gather_output=False))
+        block.proj = Unpack(RowParallelLinear(d, d, config=cfg, init_method=init, bias=True, input_is_parallel=True,
+                                              skip_bias_add=False))
+        block.fc2 = Unpack(RowParallelLinear(4 * d, d, config=cfg, init_method=init, bias=True,
+                                             input_is_parallel=True, skip_bias_add=False))
+        block.n_heads = heads // WORLD
+    return net
+
+
+# ---- driver -----------------------------------------------------------------------------
+def _rank_of(values: list[float]) -> list[float]:
+    from scipy.stats import rankdata
+
+    return list(rankdata(values))
+
+
+def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The acceptance numbers of issue 10, computed from the records."""
+    from scipy.stats import spearmanr
+
+    grids = [r for r in records if r["variant"] == "pmm3d"]
+    measured = [r["step_time_emulated_s"] for r in grids]
+    out: dict[str, Any] = {"ledger_equals_model_all_grids": all(r["ledger_equals_model"] for r in grids)}
+    for key in ("predicted_paper_comm_s", "predicted_comm_s", "predicted_per_rank_links_comm_s",
+                "predicted_alpha_beta_comm_s"):
+        predicted = [r[key] for r in grids]
+        first = min(range(len(grids)), key=lambda i: predicted[i])
+        out[f"spearman[{key}]"] = float(spearmanr(predicted, measured).statistic)
+        out[f"model_first_choice[{key}]"] = grids[first]["grid"]
+        out[f"model_first_choice_measured_rank[{key}]"] = float(_rank_of(measured)[first])
+    by_grid = {tuple(r["grid"]): r for r in grids}
+    out["overlap_step_time_ratio_emulated"] = {
+        "x{}y{}z{}d{}".format(*r["grid"]): r["step_time_emulated_s"] / by_grid[tuple(r["grid"])]["step_time_emulated_s"]
+        for r in records if r["variant"] == "pmm3d+overlap"}
+    best = min(grids, key=lambda r: r["step_time_emulated_s"])
+    for r in records:
+        if r["variant"] in ANCHORS:
+            out[f"{r['variant']}_over_best_pmm3d_emulated"] = r["step_time_emulated_s"] / best["step_time_emulated_s"]
+    out["fastest_measured_grid"] = best["grid"]
+    return out
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    head = (f"{'variant':<18}{'grid':>10}{'gcd MB':>9}{'gpu MB':>9}{'node MB':>9}{'=model':>7}{'pred ms':>9}"
+            f"{'emul s':>8}{'step s':>8}{'state MB':>9}{'loss':>7}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        b = r["bytes_per_step"]
+        lines.append(
+            f"{r['variant']:<18}{'x'.join(map(str, r['grid'])):>10}{b['gcd'] / 1e6:>9.2f}{b['gpu'] / 1e6:>9.2f}"
+            f"{b['node'] / 1e6:>9.2f}{str(r.get('ledger_equals_model', '-')):>7}"
+            f"{1e3 * r.get('predicted_comm_s', float('nan')):>9.3f}{r['step_time_emulated_s']:>8.3f}"
+            f"{r['step_time_s']:>8.3f}{r['model_state_bytes'] / 1e6:>9.2f}{r['losses'][-1]:>7.3f}")
+    lines.append("bytes sent per rank per step; grid = x*y*z*data; 'pred ms' = Eqs 5.1-5.7 + ds_ext terms (no "
+                 "latency, unscaled); 'emul s' = step with alpha-beta emulation")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grids = [r for r in records if r["variant"] == "pmm3d"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
+    ax1.scatter([1e3 * r["predicted_comm_s"] for r in grids], [r["step_time_emulated_s"] for r in grids])
+    for r in grids:
+        ax1.annotate("".join(map(str, r["grid"])), (1e3 * r["predicted_comm_s"], r["step_time_emulated_s"]),
+                     fontsize=7)
+    ax1.set_xlabel("predicted communication per step, ms (Eqs 5.1-5.7)")
+    ax1.set_ylabel("measured step time with alpha-beta emulation, s")
+    ax1.set_title("grids (x y z data) of 8 ranks")
+    rows = sorted(records, key=lambda r: r["step_time_emulated_s"])
+    bottom = [0.0] * len(rows)
+    for lv in LEVELS:
+        vals = [r["bytes_per_step"][lv] / 1e6 for r in rows]
+        ax2.bar(range(len(rows)), vals, bottom=bottom, label=lv)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    labels = [f"{r['variant'].replace('pmm3d', '')} {''.join(map(str, r['grid']))}".strip() for r in rows]
+    ax2.set_xticks(range(len(rows)), labels, rotation=70, ha="right", fontsize=7)
+    ax2.set_ylabel("MB sent per rank per step (fastest first)")
+    ax2.legend(title="level")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from ds_ext.local_world import World
+    from ds_ext.perf.pmm import factorizations, unfit_reason
+    from ds_ext.pmm.plans import plan_for
+    from ds_ext.pmm.spec import model_spec
+
+    serial = _gpt(args.model)
+    spec = model_spec(serial, plan_for(serial))
+    grids = [g.dims for g in factorizations(WORLD) if unfit_reason(spec, g, args.global_batch // g.data) is None]
+    parse = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
+    if args.grids is not None:
+        grids = [g for g in grids if g in {parse(s) for s in args.grids}]
+    overlap = [parse(s) for s in args.overlap_grids]
+    jobs = []  # each overlap variant right after its blocking twin: same machine load
+    for g in grids:
+        jobs += [("pmm", g, False)] + ([("pmm", g, True)] if g in overlap else [])
+    jobs += [(a, None, None) for a in args.anchors]
+    common = (args.model, args.global_batch, args.warmup, args.steps, args.time_scale)
+    records: list[dict[str, Any]] = []
+    with World(WORLD, {"LOCAL_SIZE": str(WORLD)}, timeout=args.timeout) as world:
+        for kind, grid, on in tqdm(jobs, desc="bench pmm", unit="variant"):
+            if kind == "pmm":
+                records.append(world.run(_measure_pmm, grid, on, *common)[0])
+            elif kind == "deepspeed_zero3":
+                records.append(world.run(_measure_zero3, *common)[0])
+            else:
+                records.append(world.run(_measure_megatron, *common)[0])
+    payload = {"benchmark": "pmm", "world_size": WORLD, "model": args.model, "model_dims": MODELS[args.model],
+               "global_batch": args.global_batch, "time_scale": args.time_scale, "records": records,
+               "checks": checks(records)}
+    out = write_json(args.out, payload)
+    plot(records, out.with_suffix(".png"))
+    print(table(records))
+    print({k: v for k, v in payload["checks"].items()})
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return payload

@@ -1,0 +1,134 @@
+"""Per-rank state the converted layers share: grid axes, collectives, overlap, tuning.
+
+Every collective of 3D-PMM passes through :class:`PMMEngine`, which calls the ds_ext
+:class:`~ds_ext.comm.Communicator` (so the ledger counts bytes per topology level and the
+alpha-beta emulator holds each one for its cost), skips axes of size one, and, with
+``ledger_by_layer``, records a layer's collectives under the phase ``<phase>/<layer>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ds_ext.comm import Communicator, Handle
+from ds_ext.pmm.config import OverlapConfig
+from ds_ext.pmm.grid import Axis
+from ds_ext.pmm.overlap import AllGatherPrefetcher, DeferredGradients
+from ds_ext.pmm.tuning import MatmulTuner
+
+_DONE = Handle(None, 0.0)
+
+
+class PMMEngine:
+    """Axes x, y, z, data of this rank and the machinery of 001 §5.1.3-5.1.4."""
+
+    def __init__(
+        self,
+        axes: dict[str, Axis],
+        comm: Communicator,
+        overlap: OverlapConfig | None = None,
+        tune_matmul: bool = False,
+        ledger_by_layer: bool = False,
+    ) -> None:
+        self.x, self.y, self.z, self.data = axes["x"], axes["y"], axes["z"], axes["data"]
+        self.comm = comm
+        self.overlap = overlap or OverlapConfig()
+        self.ledger_by_layer = ledger_by_layer
+        self.tuner = MatmulTuner(self) if tune_matmul else None
+        self.prefetcher = AllGatherPrefetcher(self) if self.overlap.all_gather else None
+        self.deferred = DeferredGradients(self) if self.overlap.reduce_scatter else None
+        # per forward pass: one gradient-reducing view per replicated parameter
+        self._replicated_views: dict[int, torch.Tensor] = {}
+
+    # ---- ledger tags ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def tag(self, layer: str | None) -> Iterator[None]:
+        if not (self.ledger_by_layer and layer):
+            yield
+            return
+        ledger = self.comm.ledger
+        with ledger.phase(f"{ledger.current_phase}/{layer}"):
+            yield
+
+    # ---- collectives (no call for an axis of size one) -------------------------------------
+    def all_reduce(self, t: torch.Tensor, axis: Axis, layer: str | None = None, async_op: bool = False) -> Handle:
+        if axis.size == 1:
+            return _DONE
+        with self.tag(layer):
+            h = self.comm.all_reduce(t, group=axis.group, async_op=async_op)
+        return h or _DONE
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis, layer: str | None = None,
+                   async_op: bool = False) -> Handle:
+        if axis.size == 1:
+            out.copy_(inp.view_as(out))
+            return _DONE
+        with self.tag(layer):
+            h = self.comm.all_gather(out, inp, group=axis.group, async_op=async_op)
+        return h or _DONE
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis, layer: str | None = None,
+                       async_op: bool = False) -> Handle:
+        if axis.size == 1:
+            out.copy_(inp.view_as(out))
+            return _DONE
+        with self.tag(layer):
+            h = self.comm.reduce_scatter(out, inp, group=axis.group, async_op=async_op)
+        return h or _DONE
+
+    def all_reduce_world_max(self, t: torch.Tensor) -> None:
+        """Agree on a value across all ranks (matmul tuning decisions)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self.comm.all_reduce(t, op=dist.ReduceOp.MAX)
+
+    # ---- matmuls ---------------------------------------------------------------------------
+    def matmul(self, site: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b``, in the fastest mode found for this call site when tuning is on."""
+        if self.tuner is None:
+            return a @ b
+        return self.tuner.matmul(site, a, b)
+
+    # ---- per forward pass ------------------------------------------------------------------
+    def begin_forward(self, weights: list[torch.nn.Parameter]) -> None:
+        """Called at the model's forward start: fresh replicated views, ORS gate."""
+        self._replicated_views.clear()
+        if self.deferred is not None:
+            self.deferred.open(weights)
+
+    def end_forward(self) -> None:
+        self._replicated_views.clear()
+        if self.deferred is not None:
+            self.deferred.close()
+
+    def replicated(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """``param`` for a module that holds it replicated over Z (and X or Y).
+
+        Z splits the batch rows, so the gradients of such a parameter are partial sums
+        over Z: the returned view all-reduces its gradient over Z in backward, once per
+        forward pass however often the parameter is used (a tied embedding).
+        """
+        from ds_ext.pmm.ops import reduce_grad
+
+        if self.z.size == 1 or not torch.is_grad_enabled() or not param.requires_grad:
+            return param
+        view = self._replicated_views.get(id(param))
+        if view is None:
+            view = reduce_grad(param, self, self.z)
+            self._replicated_views[id(param)] = view
+        return view
+
+    def weight_input(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """What a PMM layer feeds its autograd function: the ORS-gated view, if any."""
+        if self.deferred is not None:
+            return self.deferred.view(param)
+        return param
+
+    def input_with_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The first PMM layer of a forward pass ties the ORS gate into its input."""
+        if self.deferred is not None:
+            return self.deferred.tie(x)
+        return x

@@ -1,0 +1,93 @@
+"""Autograd collectives between the converted layers (the f / g operators of 001 §5.1.1).
+
+Each says what is replicated and what is split before and after it:
+
+* :func:`reduce_forward` (the LM head): partial products over an axis -> their sum,
+  replicated; backward passes the replicated gradient through unchanged.
+* :func:`reduce_both` (norm statistics): partial sums over an axis -> their sum, used by
+  every rank for its own slice; backward sums the slices' gradients over the axis.
+* :func:`reduce_grad` (parameters replicated over Z): identity forward; backward sums the
+  gradient over Z, whose ranks hold different batch rows.
+* :func:`mean_over` (the loss): each Z rank's mean over its rows -> the mean over all rows,
+  replicated; backward scales by 1 / G_z.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ds_ext.pmm.grid import Axis
+
+if TYPE_CHECKING:
+    from ds_ext.pmm.engine import PMMEngine
+
+
+class _ReduceForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+        out = t.contiguous().clone()
+        engine.all_reduce(out, axis)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None
+
+
+class _ReduceBoth(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+        ctx.engine, ctx.axis = engine, axis
+        out = t.contiguous().clone()
+        engine.all_reduce(out, axis)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        ctx.engine.all_reduce(grad, ctx.axis)
+        return grad, None, None
+
+
+class _ReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+        ctx.engine, ctx.axis = engine, axis
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        ctx.engine.all_reduce(grad, ctx.axis)
+        return grad, None, None
+
+
+class _MeanOver(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+        ctx.size = axis.size
+        out = t.detach().clone().contiguous()
+        engine.all_reduce(out, axis)
+        return out / axis.size
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad / ctx.size, None, None
+
+
+def reduce_forward(t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+    return t if axis.size == 1 else _ReduceForward.apply(t, engine, axis)
+
+
+def reduce_both(t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+    return t if axis.size == 1 else _ReduceBoth.apply(t, engine, axis)
+
+
+def reduce_grad(t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+    return t if axis.size == 1 else _ReduceGrad.apply(t, engine, axis)
+
+
+def mean_over(t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+    return t if axis.size == 1 else _MeanOver.apply(t, engine, axis)

@@ -1,0 +1,165 @@
+"""``ds_ext.pmm.parallelize(model, engine)``: convert a model to 3D-PMM in place (001 §5.1.1).
+
+* every ``nn.Linear`` named in the plan becomes a :class:`~ds_ext.pmm.linear.Linear`
+  (normal or transposed), the LM head a :class:`~ds_ext.pmm.layers.Head`, embeddings and
+  norms their Y-split forms (:mod:`ds_ext.pmm.layers`); all initialized by slicing the
+  serial parameters;
+* attention keeps n_heads / G_x heads per rank (the plan's head counts must divide by G_x);
+* the model's forward takes the *data-parallel group's* micro-batch on every tensor rank
+  (like Megatron's tensor parallelism) and keeps this rank's Z share of the rows (dim 0 of
+  every batch tensor); a returned loss (a scalar, or ``output.loss``) is the mean over the
+  Z shares, i.e. the loss of the whole micro-batch on every rank. Other outputs (logits)
+  hold this rank's Z share of the rows.
+
+Everything is checked before anything is converted: a module with parameters that no rule
+converts, a grid that does not divide a layer, a head count, or nonzero dropout raise one
+line naming the layer or the config key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ds_ext.pmm.config import KEY
+from ds_ext.pmm.engine import PMMEngine
+from ds_ext.pmm.layers import Embedding, Head, LayerNorm, RMSNorm
+from ds_ext.pmm.layout import LinearLayout
+from ds_ext.pmm.linear import Linear
+from ds_ext.pmm.ops import mean_over
+from ds_ext.pmm.plans import Plan, plan_for
+
+CONVERTED = (Linear, Embedding, Head, LayerNorm, RMSNorm)
+
+
+class ConversionError(ValueError):
+    """A model or grid that :func:`parallelize` cannot convert."""
+
+
+def _is_rmsnorm(m: nn.Module) -> bool:
+    return type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), nn.Parameter)
+
+
+def _grid(engine: PMMEngine) -> str:
+    return f"x={engine.x.size}, y={engine.y.size}, z={engine.z.size}"
+
+
+def _check(model: nn.Module, plan: Plan, engine: PMMEngine) -> None:
+    gx, gy = engine.x.size, engine.y.size
+    for key, value in plan.dropout.items():
+        if value:
+            raise ConversionError(f"ds_ext.pmm.parallelize: {plan.family} {key}={value}; 3D-PMM needs 0 "
+                                  "(replicated ranks would draw different dropout masks)")
+    for key, heads in plan.heads.items():
+        if heads % gx:
+            allowed = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+            raise ConversionError(f"{KEY}.grid.x={gx} does not divide the {heads} attention heads "
+                                  f"({plan.family} {key}); allowed x: {allowed}")
+    for name, m in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if isinstance(m, nn.Linear) and name == plan.head:
+            if m.in_features % gy:
+                raise ConversionError(f"{KEY}.grid.y={gy} does not divide {name}'s {m.in_features} in-features")
+        elif isinstance(m, nn.Linear) and last in plan.linears:
+            style = plan.linears[last]
+            out_ax, in_ax = (engine.y, engine.x) if style.transposed else (engine.x, engine.y)
+            try:
+                LinearLayout(m.out_features, m.in_features, out_ax.size, 0, in_ax.size, 0, engine.z.size, 0,
+                             style.out_chunks)
+            except ValueError as err:
+                raise ConversionError(f"{KEY}.grid ({_grid(engine)}) does not fit layer {name}: {err}") from None
+        elif isinstance(m, (nn.Embedding, nn.LayerNorm)) or _is_rmsnorm(m):
+            features = m.weight.shape[-1] if m.weight is not None else m.normalized_shape[0]
+            if features % gy:
+                raise ConversionError(f"{KEY}.grid.y={gy} does not divide {name}'s {features} hidden features")
+        elif any(True for _ in m.parameters(recurse=False)):
+            named = ", ".join(plan.linears)
+            raise ConversionError(
+                f"ds_ext.pmm.parallelize: cannot convert {name} ({type(m).__name__}); convertible: nn.Linear named "
+                f"{named}{f' or the head {plan.head}' if plan.head else ''}, nn.Embedding, nn.LayerNorm, *RMSNorm"
+            )
+
+
+def _convert(name: str, m: nn.Module, plan: Plan, engine: PMMEngine, tables: dict[int, Embedding]) -> nn.Module | None:
+    if isinstance(m, nn.Linear) and name == plan.head:
+        return Head(m, engine, tied=tables.get(id(m.weight)), name=name)
+    if isinstance(m, nn.Linear):
+        style = plan.linears[name.rsplit(".", 1)[-1]]
+        return Linear.from_serial(m, engine, transposed=style.transposed, out_chunks=style.out_chunks, name=name)
+    if isinstance(m, nn.Embedding):
+        tables[id(m.weight)] = Embedding(m, engine, name=name)
+        return tables[id(m.weight)]
+    if isinstance(m, nn.LayerNorm):
+        return LayerNorm(m, engine, name=name)
+    if _is_rmsnorm(m):
+        return RMSNorm(m, engine, name=name)
+    return None
+
+
+class _BatchHooks:
+    """Root forward hooks: keep the Z share of the batch; the loss becomes the Z mean."""
+
+    def __init__(self, engine: PMMEngine, weights: list[nn.Parameter]) -> None:
+        self.engine, self.weights = engine, weights
+
+    def _slice(self, t: Any, batch: int) -> Any:
+        if not (torch.is_tensor(t) and t.dim() >= 1 and t.shape[0] == batch):
+            return t
+        z = self.engine.z
+        share = batch // z.size
+        return t.narrow(0, z.rank * share, share)
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        first = next((t for t in (*args, *kwargs.values()) if torch.is_tensor(t) and t.dim() >= 1), None)
+        if first is not None and self.engine.z.size > 1:
+            batch = first.shape[0]
+            if batch % self.engine.z.size:
+                raise ValueError(f"{KEY}.grid.z={self.engine.z.size} does not divide the micro-batch of {batch} "
+                                 "samples (train_micro_batch_size_per_gpu): every Z rank takes an equal share")
+            args = tuple(self._slice(a, batch) for a in args)
+            kwargs = {k: self._slice(v, batch) for k, v in kwargs.items()}
+        self.engine.begin_forward(self.weights)
+        return args, kwargs
+
+    def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        self.engine.end_forward()
+        if torch.is_tensor(out) and out.dim() == 0:
+            return mean_over(out, self.engine, self.engine.z)
+        if getattr(out, "loss", None) is not None:
+            out.loss = mean_over(out.loss, self.engine, self.engine.z)
+        return out
+
+
+def parallelize(model: nn.Module, engine: PMMEngine, plan: Plan | None = None) -> nn.Module:
+    """Convert ``model`` in place to the 3D-PMM layout of ``engine``'s grid; returns it."""
+    plan = plan or plan_for(model)
+    _check(model, plan, engine)
+    tables: dict[int, Embedding] = {}
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            new = _convert(name, child, plan, engine, tables)
+            if new is not None:
+                setattr(parent, child_name, new)
+    if plan.adapt is not None:
+        plan.adapt(model, engine)
+    weights = [p for m in model.modules() if isinstance(m, Linear) for p in (m.weight, m.bias) if p is not None]
+    hooks = _BatchHooks(engine, weights)
+    model.register_forward_pre_hook(hooks.pre, with_kwargs=True)
+    model.register_forward_hook(hooks.post, with_kwargs=True)
+    model.pmm_engine = engine
+    return model
+
+
+def local_shards(model: nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's part of every parameter, cut from a serial model's tensors of the same names."""
+    out = {}
+    for mod_name, m in model.named_modules():
+        for p_name, _ in m.named_parameters(recurse=False):
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            if name not in full:
+                continue
+            out[name] = m.shard_full(p_name, full[name]) if isinstance(m, CONVERTED) else full[name]
+    return out

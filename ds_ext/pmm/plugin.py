@@ -1,0 +1,133 @@
+"""``"ds_ext": {"pmm3d": {...}}``: registers 3D-PMM with ``ds_ext.initialize`` (001 ch. 5).
+
+* ``prepare``: resolves the grid (given, or ``"auto"``: the first choice of
+  :mod:`ds_ext.perf.pmm` among factorizations that divide the model and fit memory),
+  builds its process groups, converts the model in place (:func:`ds_ext.pmm.parallelize`)
+  and flags parameters for DeepSpeed's gradient norm;
+* ``mpu``: DeepSpeed's data-parallel group is the ``data`` axis (gradient averaging, ZeRO-1
+  partitions), its model-parallel group the tensor grid X x Y x Z;
+* ``attach``: checks that DeepSpeed's optimizer holds exactly the converted parameters.
+
+The optimizer must be built on the converted parameters: pass it as a callable
+(``optimizer=lambda params: torch.optim.AdamW(params, ...)``) or as a ds_config
+``"optimizer"`` section; an optimizer instance built on the serial model is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ds_ext.config import DsExtConfigError
+from ds_ext.plugin import Plugin, register_plugin
+from ds_ext.pmm.config import KEY, Pmm3dConfig
+from ds_ext.pmm.engine import PMMEngine
+from ds_ext.pmm.grid import Grid, GridError, build_axes
+from ds_ext.pmm.mpu import GridMPU
+from ds_ext.pmm.parallelize import ConversionError, parallelize
+from ds_ext.pmm.plans import plan_for
+
+ALLOWED_STAGES = (0, 1, 2)
+
+
+@register_plugin
+class Pmm3dPlugin(Plugin):
+    """AxoNN's 4D hybrid parallelism as a ds_ext plugin."""
+
+    name = "pmm3d"
+    Config = Pmm3dConfig
+    _mpu: GridMPU | None = None
+
+    def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        from ds_ext.integration import ds_pmm
+
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise DsExtConfigError(
+                f"{KEY} converts the model's layers, so the optimizer must be built on the converted parameters: "
+                "pass optimizer=lambda params: torch.optim.AdamW(params, ...) or a ds_config 'optimizer' section, "
+                "not an optimizer instance"
+            )
+        stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+        if stage not in ALLOWED_STAGES:
+            raise DsExtConfigError(f"{KEY}: zero_optimization.stage {stage} is not supported; allowed: "
+                                   f"{', '.join(map(str, ALLOWED_STAGES))} (3D-PMM's Z axis shards like ZeRO-3)")
+        rt = self.runtime
+        plan = plan_for(model)
+        self.grid = self._grid(model, plan, ds_config)
+        try:
+            self.axes = build_axes(self.grid, rt.groups, rt.rank)
+        except GridError as err:
+            raise DsExtConfigError(str(err)) from None
+        micro = ds_config.get("train_micro_batch_size_per_gpu")
+        if micro is not None and micro % self.grid.z:
+            raise DsExtConfigError(f"{KEY}.grid.z={self.grid.z} does not divide train_micro_batch_size_per_gpu="
+                                   f"{micro}: every Z rank takes an equal share of the micro-batch")
+        cfg = self.config
+        self.engine = PMMEngine(self.axes, rt.comm, cfg.overlap, cfg.tune_matmul, cfg.ledger_by_layer)
+        try:
+            parallelize(model, self.engine, plan)
+        except ConversionError as err:
+            raise DsExtConfigError(str(err)) from None
+        ds_pmm.mark_parameters(model, self.axes)
+        self.model = model
+        return model, optimizer, ds_config
+
+    def _grid(self, model: Any, plan, ds_config: dict) -> Grid:
+        world = self.runtime.topology.world_size
+        if self.config.grid != "auto":
+            g = self.config.grid
+            grid = Grid(g.x, g.y, g.z, g.data)
+            try:
+                grid.check_world(world)
+            except GridError as err:
+                raise DsExtConfigError(str(err)) from None
+            return grid
+        from ds_ext.perf import pmm as perf
+        from ds_ext.pmm.spec import model_spec
+
+        ranked = perf.rank_grids(
+            model_spec(model, plan), world, self.runtime.topology,
+            micro_batch=ds_config.get("train_micro_batch_size_per_gpu", 1),
+            seq_len=perf_seq_len(model), elem_bytes=_elem_bytes(ds_config),
+            grad_accum=ds_config.get("gradient_accumulation_steps", 1),
+            zero_stage=(ds_config.get("zero_optimization") or {}).get("stage", 0),
+            memory_limit=None if self.config.memory_per_rank_GB is None else self.config.memory_per_rank_GB * 1e9,
+        )
+        if not ranked:
+            raise DsExtConfigError(f"{KEY}.grid 'auto': no factorization of {world} ranks divides the model and "
+                                   "fits memory_per_rank_GB; give the grid explicitly or raise the limit")
+        return ranked[0].grid
+
+    def mpu(self) -> GridMPU:
+        if self._mpu is None:
+            data = self.grid.axes().groups(["data"])
+            tensor = self.grid.axes().groups(["x", "y", "z"])
+            me = self.runtime.rank
+            self._mpu = GridMPU(self.axes, next(g for g in data if me in g), next(g for g in tensor if me in g)[0])
+        return self._mpu
+
+    def attach(self, engine: Any) -> None:
+        from ds_ext.integration import ds_pmm
+
+        mine = {id(p) for p in self.model.parameters() if p.requires_grad}
+        if {id(p) for p in ds_pmm.optimized_parameters(engine)} != mine:
+            raise DsExtConfigError(
+                f"{KEY}: the optimizer does not hold the converted model's parameters (model_parameters from the "
+                "serial model?); pass model_parameters=None and build the optimizer from the params it is given"
+            )
+        ds_pmm.release_mpu_on_destroy(engine, self._mpu)
+
+
+def perf_seq_len(model: Any) -> int:
+    """Tokens per sample for the performance model: the model config's sequence length."""
+    cfg = getattr(model, "cfg", None) or getattr(model, "config", None)
+    for attr in ("seq_len", "max_position_embeddings"):
+        if getattr(cfg, attr, None):
+            return int(getattr(cfg, attr))
+    raise DsExtConfigError(f"{KEY}.grid 'auto': cannot read the sequence length from {type(model).__name__}'s config")
+
+
+def _elem_bytes(ds_config: dict) -> int:
+    half = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
+    return 2 if half else 4

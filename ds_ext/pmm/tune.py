@@ -1,0 +1,118 @@
+"""``ds-ext tune``: rank the 4D grids of a model (001 §5.1.2) and measure the bandwidth database.
+
+* :func:`top_grids`: every factorization of the world that divides the model and fits the
+  memory limit, ranked by predicted communication time (:mod:`ds_ext.perf.pmm`), with the
+  topology level each axis spans and the model-state bytes per rank.
+* :func:`measure_database`: 001 §5.1.2 Case 1 profiling. For every two-level hierarchy
+  (G_0, G_1) with G_0 G_1 <= G_node, all outer groups of size G_1 (rank stride G_0) run
+  all-reduces of ``message_bytes`` at once; the bandwidth is the bytes one rank sends (ring
+  convention) over the time. β_inter comes from one ring over one rank per node. Run on
+  the ranks of a job (on one host, with alpha-beta emulation, it measures the emulated
+  machine).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ds_ext.groups import ParallelAxes, axis_levels
+from ds_ext.perf import pmm as perf
+from ds_ext.topology import Topology
+
+REPEATS = 3
+
+
+def top_grids(spec: perf.ModelSpec, topology: Topology, global_batch: int, seq_len: int, elem_bytes: int,
+              zero_stage: int, memory_limit: float | None, bw: perf.Bandwidths | None, k: int) -> list[dict]:
+    """The ``k`` best grids as JSON-ready records (micro-batch = global batch / G_data)."""
+    out = []
+    world = topology.world_size
+    for grid in perf.factorizations(world):
+        if global_batch % grid.data:
+            continue
+        micro = global_batch // grid.data
+        if perf.unfit_reason(spec, grid, micro) is not None:
+            continue
+        mem = perf.model_state_bytes(spec, grid, elem_bytes, zero_stage)
+        if memory_limit is not None and mem > memory_limit:
+            continue
+        args = (spec, grid, topology, micro, seq_len, elem_bytes)
+        out.append({
+            "grid": {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data},
+            "predicted_comm_s": perf.comm_time(*args, bw=bw),
+            "predicted_paper_comm_s": perf.comm_time(*args, bw=bw, paper_terms_only=True),
+            "memory_per_rank_bytes": mem,
+            "levels": axis_levels(grid.axes(), topology),
+        })
+    out.sort(key=lambda r: r["predicted_comm_s"])
+    return out[:k]
+
+
+def measure_database(comm, topology: Topology, message_bytes: int) -> dict[str, Any]:
+    """Runs on every rank of the job; returns the database (identical on all ranks)."""
+    import torch
+    import torch.distributed as dist
+
+    world, g_node = topology.world_size, topology.ranks_per_node
+    buf = torch.zeros(message_bytes // 4, dtype=torch.float32)
+    intra = {}
+    pairs = [(g0, g1) for g0 in range(1, g_node + 1) for g1 in range(2, g_node + 1)
+             if g0 * g1 <= g_node and g_node % (g0 * g1) == 0]
+    for g0, g1 in pairs:
+        axes = ParallelAxes.build([("inner", g0), ("outer", g1), ("rest", None)], world)
+        intra[f"{g0},{g1}"] = _bandwidth(comm, comm.registry.axes(axes, ["outer"]), buf, g1)
+    beta_inter = None
+    if world > g_node:
+        nodes = world // g_node
+        axes = ParallelAxes.build([("local", g_node), ("nodes", nodes)], world)
+        beta_inter = _bandwidth(comm, comm.registry.axes(axes, ["nodes"]), buf, nodes)
+    dist.barrier()
+    return {"ranks_per_node": g_node, "message_bytes": message_bytes, "intra": intra, "beta_inter": beta_inter}
+
+
+def _bandwidth(comm, group, buf, d: int) -> float:
+    """Bytes one rank sends per second in a ring all-reduce, the slowest rank's view."""
+    import torch
+    import torch.distributed as dist
+
+    comm.all_reduce(buf, group=group)  # warm-up
+    times = []
+    for _ in range(REPEATS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        comm.all_reduce(buf, group=group)
+        times.append(time.perf_counter() - t0)
+    slowest = torch.tensor([min(times)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return 2 * buf.numel() * buf.element_size() * (d - 1) / d / float(slowest)
+
+
+def bandwidths_from(database: dict[str, Any], topology: Topology) -> perf.Bandwidths:
+    """A measured database as :class:`ds_ext.perf.pmm.Bandwidths` (β_inter from the topology if absent)."""
+    intra = {tuple(int(v) for v in key.split(",")): bw for key, bw in database["intra"].items()}
+    beta_inter = database.get("beta_inter")
+    if beta_inter is None:
+        beta_inter = perf.Bandwidths.from_topology(topology).beta_inter
+    return perf.Bandwidths(intra, beta_inter)  # type: ignore[arg-type]
+
+
+def measure_on_rank(topology_block: dict[str, Any], message_bytes: int, emulate_time: bool,
+                    time_scale: float) -> dict[str, Any]:
+    """:func:`measure_database` on this rank of a started job (``ds_ext.local_world`` or a launcher).
+
+    With emulation, link times are stretched by ``time_scale`` (so that they dominate gloo's
+    own time on one host) and the measured bandwidths are multiplied back by it: the
+    database then describes the emulated machine.
+    """
+    from ds_ext import config as cfgmod
+    from ds_ext.runtime import Runtime
+
+    block = {"topology": topology_block, "comm": {"emulate_time": emulate_time, "time_scale": time_scale}}
+    rt = Runtime.create(cfgmod.parse(block))
+    db = measure_database(rt.comm, rt.topology, message_bytes)
+    scale = time_scale if emulate_time else 1.0
+    db["intra"] = {k: v * scale for k, v in db["intra"].items()}
+    if db["beta_inter"] is not None:
+        db["beta_inter"] *= scale
+    return db

@@ -1,0 +1,218 @@
+"""3D-PMM engine on 8 gloo ranks: overlap, DeepSpeed integration, ledger vs model, memory, tuning.
+
+References: the serial model (tests/pmm_helpers.py), the blocking run for the overlap
+switches, and ``ds_ext.perf.pmm`` (Eqs 5.1-5.5 plus the terms ds_ext adds) for the ledger.
+"""
+
+import pytest
+from pmm_helpers import GLOBAL_BATCH, SEQ, engine_for, ds_config, parity, tokens, train_and_compare
+
+WORLD_SIZE = 8
+ALL_ON = {"all_reduce": True, "reduce_scatter": True, "all_gather": True}
+
+
+def _overlap_pair(grid):
+    import torch
+
+    off = train_and_compare("gpt_ckpt", grid)
+    on = train_and_compare("gpt_ckpt", grid, overlap=ALL_ON)
+    identical = all(torch.equal(on["params"][n], p) for n, p in off["params"].items())
+    return identical, on["losses"] == off["losses"], on["telemetry"]
+
+
+def test_overlap_bit_identical_to_blocking(world):
+    # activation checkpointing on: OAG must prefetch inside the recomputes of backward too
+    for identical, same_losses, tel in world.run(_overlap_pair, (2, 2, 2, 1)):
+        assert identical and same_losses
+        order = tel["recorded_order"]
+        assert len(order) == 2 * 8  # 8 layers in forward, again in the recompute
+        assert order[8:] == order[4:8] + order[:4]  # the recompute runs the last block first
+        assert tel["prefetch_hits"] >= (5 - 1) * (len(order) - 1)  # every later call after the first step
+        assert tel["deferred_waited"] == 5 * 8 * 2  # each layer: weight reduce-scatter + bias all-reduce
+
+
+def test_zero1_fp32_tiled_optimizer_with_clipping(world):
+    # data axis through DeepSpeed's ZeRO-1 (optimizer states sharded over 'data'); DeepSpeed's
+    # clipping norm must be the serial model's (ds_pmm.mark_parameters), so clip at 1.0 here
+    world.run(parity, "gpt", (2, 1, 2, 2), stage=1, clip=1.0, tiled=True)
+
+
+def test_zero1_bf16_tiled_optimizer(world):
+    world.run(parity, "gpt", (2, 2, 1, 2), stage=1, clip=1.0, tiled=True, bf16=True)
+
+
+def test_zero2_fp32(world):
+    world.run(parity, "gpt", (1, 2, 2, 2), stage=2)
+
+
+def test_matmul_tuning_same_results(world):
+    results = world.run(train_and_compare, "gpt", (2, 2, 2, 1), tune=True)
+    tel = results[0]["telemetry"]
+    layers = [f"blocks.{b}.{n}" for b in range(2) for n in ("qkv", "proj", "fc1", "fc2")]
+    assert tel["tuned_sites"] == sorted(f"{lay}/{s}" for lay in layers for s in ("fwd", "dgrad", "wgrad"))
+    assert all(r["telemetry"]["tuned_modes"] == tel["tuned_modes"] for r in results)  # agreed by all ranks
+
+
+def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None):
+    from ds_ext.perf.pmm import ledger_bytes
+    from ds_ext.pmm.plans import plan_for
+    from ds_ext.pmm.spec import model_spec
+    from pmm_helpers import gpt
+
+    engine = engine_for("gpt", ds_config(grid, bf16=bf16, accum=accum, by_layer=True, overlap=overlap))
+    axes = engine.ds_ext.plugins[-1].axes
+    micro = GLOBAL_BATCH // (axes["data"].size * accum)
+    for step in range(1):
+        for m in range(accum):
+            start = (axes["data"].rank * accum + m) * micro
+            engine.backward(engine(tokens(step)[start:start + micro]))
+            engine.step()
+    measured = {ph: lv for ph, lv in engine.ds_ext.ledger.steps[-1].by_phase().items() if ph != "step"}
+    serial = gpt()
+    model = ledger_bytes(model_spec(serial, plan_for(serial)), engine.ds_ext.plugins[-1].grid,
+                         engine.ds_ext.topology, micro, SEQ, 2 if bf16 else 4, accum)
+    engine.destroy()
+    return measured, model
+
+
+LEDGER_GRIDS = [(2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 2, 2), (4, 2, 1, 1), (2, 2, 1, 2), (8, 1, 1, 1), (1, 1, 8, 1),
+                (1, 1, 1, 8), (1, 8, 1, 1), (1, 2, 4, 1)]  # ds-ext bench pmm checks all 20 factorizations
+
+
+@pytest.mark.parametrize("grid,accum,bf16,overlap", [
+    *[(g, 1, True, None) for g in LEDGER_GRIDS],
+    ((2, 2, 2, 1), 2, False, None), ((1, 2, 2, 2), 2, True, ALL_ON),
+], ids=str)
+def test_ledger_equals_model_per_layer_and_level(world, grid, accum, bf16, overlap):
+    for measured, model in world.run(_ledger_vs_model, grid, accum, bf16, overlap):
+        assert measured == model  # exact: {"forward/<layer>": {level: bytes}, ..., "backward": {...}}
+
+
+def _memory(stage):
+    import torch
+
+    from ds_ext.integration.ds_pmm import optimizer_state_bytes
+    from ds_ext.perf.pmm import memory
+    from ds_ext.pmm import Linear
+    from ds_ext.pmm.plans import plan_for
+    from ds_ext.pmm.spec import model_spec
+    from pmm_helpers import gpt
+
+    grid = (2, 1, 2, 2)
+    engine = engine_for("gpt", ds_config(grid, stage=stage, bf16=True))
+    micro = GLOBAL_BATCH // grid[3]
+    start = engine.ds_ext.plugins[-1].axes["data"].rank * micro
+    engine.backward(engine(tokens(0)[start:start + micro]))
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    linear = [m for m in engine.module.modules() if isinstance(m, Linear)]
+    weights = {id(m.weight) for m in linear}
+    others = [p for p in engine.module.parameters() if id(p) not in weights]
+    measured = {
+        "layer_params": sum(nbytes(m.weight) for m in linear),
+        "layer_grads": sum(nbytes(m.weight.grad) for m in linear) if stage == 0 else None,
+        "replicated_params": sum(nbytes(p) for p in others),
+        "replicated_names": sorted(n for n, p in engine.module.named_parameters() if id(p) not in weights),
+    }
+    engine.step()
+    measured["optimizer"] = optimizer_state_bytes(engine)
+    engine.destroy()
+    serial = gpt()
+    serial_linear = sum(m.weight.numel() * 2 for m in serial.modules() if isinstance(m, torch.nn.Linear))
+    return measured, memory(model_spec(serial, plan_for(serial)), _grid(grid), 2, stage), serial_linear
+
+
+def _grid(dims):
+    from ds_ext.pmm import Grid
+
+    return Grid(*dims)
+
+
+def test_memory_per_rank(world):
+    tensor = 2 * 1 * 2
+    for (m0, model0, serial_linear), (m1, model1, _) in zip(world.run(_memory, 0), world.run(_memory, 1)):
+        assert m0["layer_params"] == m0["layer_grads"] == serial_linear // tensor == model0["layer_params"]
+        assert m1["layer_params"] == model1["layer_params"]
+        # replicated: norms and embeddings (split over Y only) and layer biases, listed and counted
+        assert m0["replicated_params"] == model0["replicated_params"]
+        assert all(n.endswith("bias") or ".ln" in n or n in ("embed.weight", "pos.weight", "ln_f.weight")
+                   for n in m0["replicated_names"])
+        assert m0["optimizer"] == model0["optimizer"]  # fp32 master + Adam m, v: 12 bytes per local parameter
+        assert m1["optimizer"] == model1["optimizer"] == model0["optimizer"] / 2  # ZeRO-1: further / data
+
+
+def _initialize_error(grid, micro=None, instance=False, family="gpt"):
+    import torch
+
+    import ds_ext
+    from ds_ext.config import DsExtConfigError
+    from pmm_helpers import MODELS
+
+    cfg = ds_config(grid)
+    if micro is not None:
+        cfg["train_micro_batch_size_per_gpu"] = micro
+    model = MODELS[family]()
+    opt = torch.optim.AdamW(model.parameters()) if instance else (lambda p: torch.optim.AdamW(p))
+    try:
+        ds_ext.initialize(model=model, optimizer=opt, config=cfg)
+    except DsExtConfigError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"grid": (2, 2, 2, 2)}, r"ds_ext.pmm3d.grid \(x=2, y=2, z=2, data=2\) has product 16 but the world has 8 ranks"),
+    ({"grid": (8, 1, 1, 1), "family": "gpt_4heads"}, r"ds_ext.pmm3d.grid.x=8 does not divide the 4 attention heads"),
+    ({"grid": (1, 1, 8, 1), "micro": 4}, r"ds_ext.pmm3d.grid.z=8 does not divide train_micro_batch_size_per_gpu=4"),
+    ({"grid": (2, 2, 2, 1), "instance": True}, r"pass optimizer=lambda params: .* not an optimizer instance"),
+], ids=["product", "heads", "micro-batch", "optimizer"])
+def test_bad_input_one_line_before_training(world, kwargs, message):
+    import re
+
+    for err in world.run(_initialize_error, **kwargs):
+        assert err is not None and re.search(message, err) and "\n" not in err, err
+
+
+def test_tune_measure_database_reads_the_emulated_machine(world):
+    from ds_ext.pmm.tune import measure_on_rank
+    from ds_ext.topology import Topology
+
+    scale, message = 3000.0, 2 << 20  # emulated link time >> gloo's own time on this host
+    dbs = world.run(measure_on_rank, {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}, message, True,
+                    scale)
+    db = dbs[0]
+    assert all(d == db for d in dbs) and db["ranks_per_node"] == 4
+    topo = Topology.from_preset("frontier", 8, {"gpu": 2})
+
+    def achieved(level, d):  # what a ring all-reduce achieves on the emulated level (alpha-beta)
+        lv = topo.level(level)
+        sent = 2 * message * (d - 1) / d
+        return sent / (sent / lv.bandwidth + 2 * (d - 1) * lv.latency)
+
+    # (G_0, G_1) = (1,2): GCD pairs; (2,2) and (1,4): across the GPUs of a node; beta_inter: one ring over nodes
+    expected = {"1,2": achieved("gcd", 2), "2,2": achieved("gpu", 2), "1,4": achieved("gpu", 4)}
+    assert set(db["intra"]) == set(expected)
+    for key, bw in expected.items():
+        assert 0.5 * bw < db["intra"][key] <= 1.01 * bw, (key, db["intra"][key], bw)
+    assert 0.5 * achieved("node", 2) < db["beta_inter"] <= 1.01 * achieved("node", 2)
+
+
+def _auto_grid():
+    from ds_ext.perf.pmm import rank_grids
+    from ds_ext.pmm.plans import plan_for
+    from ds_ext.pmm.spec import model_spec
+    from pmm_helpers import gpt
+
+    cfg = ds_config((1, 1, 1, 1))
+    cfg["ds_ext"]["pmm3d"]["grid"] = "auto"
+    cfg["train_micro_batch_size_per_gpu"] = 4
+    engine = engine_for("gpt", cfg)
+    chosen = engine.ds_ext.plugins[-1].grid.dims
+    serial = gpt()
+    expected = rank_grids(model_spec(serial, plan_for(serial)), WORLD_SIZE, engine.ds_ext.topology, 4, SEQ, 4)
+    engine.destroy()
+    return chosen, expected[0].grid.dims
+
+
+def test_auto_grid_is_the_models_first_choice(world):
+    for chosen, expected in world.run(_auto_grid):
+        assert chosen == expected

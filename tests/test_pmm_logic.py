@@ -1,0 +1,248 @@
+"""3D-PMM pure logic, no processes: grid layout, shard indices, config and conversion errors,
+the performance model (Eqs 5.1-5.7, Fig 5.3, degenerate grids), matmul modes."""
+
+import pytest
+import torch
+from torch import nn
+
+from ds_ext.groups import axis_levels, pmm_axes
+from ds_ext.models import GPT, GPTConfig
+from ds_ext.perf import pmm as perf
+from ds_ext.pmm import ConversionError, Grid, GridError, PMMEngine, parallelize
+from ds_ext.pmm.grid import Axis
+from ds_ext.pmm.layout import LinearLayout, chunked_index
+from ds_ext.pmm.plans import plan_for
+from ds_ext.pmm.spec import model_spec
+from ds_ext.pmm.tuning import MODES, MatmulTuner, run_mode
+from ds_ext.topology import GB, US, Level, Topology
+
+
+# ---- grid -----------------------------------------------------------------------------
+def test_grid_layout_x_innermost_as_in_001_5_1_2():
+    axes = pmm_axes(2, 2, 2, 1, 8)
+    assert axes.groups(["x"]) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert axes.groups(["y"]) == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert axes.groups(["z"]) == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert pmm_axes(1, 1, 1, 8, 8).groups(["data"]) == (tuple(range(8)),)
+
+
+def test_axis_levels_on_frontier_fastest_links_carry_x():
+    topo = Topology.from_preset("frontier", 16)  # 2 GCD x 4 GPU x 2 nodes
+    assert axis_levels(pmm_axes(2, 4, 1, 2, 16), topo) == {"x": "gcd", "y": "gpu", "z": None, "data": "node"}
+    assert axis_levels(pmm_axes(1, 1, 16, 1, 16), topo) == {"x": None, "y": None, "z": "node", "data": None}
+
+
+def test_grid_product_must_equal_world_one_line():
+    with pytest.raises(GridError, match=r"ds_ext.pmm3d.grid .* product 16 .* 8 ranks") as err:
+        Grid(2, 2, 2, 2).check_world(8)
+    assert "\n" not in str(err.value)
+
+
+def test_config_section_rejects_unknown_keys_and_bad_degrees():
+    from ds_ext.config import DsExtConfigError, parse
+
+    assert parse({"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 2}}}).pmm3d.grid.x == 2
+    assert parse({"pmm3d": {"enabled": True}}).pmm3d.grid == "auto"
+    with pytest.raises(DsExtConfigError, match=r"ds_ext.pmm3d.overlap.all_gathers: unknown key; allowed keys: "
+                                               r"all_gather, all_reduce, reduce_scatter"):
+        parse({"pmm3d": {"overlap": {"all_gathers": True}}})
+    with pytest.raises(DsExtConfigError, match=r"ds_ext.pmm3d.grid.*x"):
+        parse({"pmm3d": {"grid": {"x": 0}}})
+
+
+# ---- shard layout ---------------------------------------------------------------------
+def test_linear_layout_blocks_and_z_chunks_tile_the_weight():
+    w = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)  # [n, k]
+    pieces = []
+    for xo in range(2):
+        for yi in range(3):
+            for z in range(2):
+                pieces.append(LinearLayout(8, 6, 2, xo, 3, yi, 2, z).shard(w))
+    assert torch.equal(torch.cat(pieces).sort().values, w.flatten())
+    lay = LinearLayout(8, 6, 2, 1, 3, 2, 2, 0)
+    assert torch.equal(lay.block(w), w[4:8, 4:6]) and torch.equal(lay.shard(w), w[4:6, 4:6].flatten())
+
+
+def test_fused_qkv_split_head_blocks_per_chunk():
+    # out = [q | k | v] of 4 features each, 2 ranks: rank 1 keeps the second half of q, k and v
+    assert chunked_index(12, 2, 1, 3).tolist() == [2, 3, 6, 7, 10, 11]
+
+
+# ---- conversion errors (fake axes: no process group is needed to validate) -------------
+def _engine(x=1, y=1, z=1, data=1):
+    sizes = {"x": x, "y": y, "z": z, "data": data, "tensor": x * y * z}
+    return PMMEngine({n: Axis(n, None, s, 0) for n, s in sizes.items()}, comm=None)
+
+
+def _gpt(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(seq_len=8, d_model=48, n_layers=1, n_heads=4, **kw))
+
+
+def test_heads_not_divisible_one_line():
+    with pytest.raises(ConversionError, match=r"ds_ext.pmm3d.grid.x=3 does not divide the 4 attention heads .*"
+                                              r"allowed x: 1, 2, 4") as err:
+        parallelize(_gpt(), _engine(x=3))
+    assert "\n" not in str(err.value)
+
+
+def test_hidden_not_divisible_one_line():
+    with pytest.raises(ConversionError, match=r"ds_ext.pmm3d.grid.y=5 does not divide embed's 48 hidden "
+                                              r"features") as err:
+        parallelize(_gpt(), _engine(y=5))
+    assert "\n" not in str(err.value)
+
+
+def test_z_must_divide_weight_blocks():
+    with pytest.raises(ConversionError, match=r"does not fit layer blocks.0.qkv: .* 7 Z chunks"):
+        parallelize(_gpt(), _engine(z=7))
+
+
+def test_unconvertible_layer_type_one_line_and_nothing_converted():
+    model = _gpt()
+    model.blocks[0].extra = nn.Conv1d(4, 4, 1)
+    with pytest.raises(ConversionError, match=r"cannot convert blocks.0.extra \(Conv1d\); convertible: nn.Linear "
+                                              r"named qkv, proj, fc1, fc2") as err:
+        parallelize(model, _engine(x=2))
+    assert "\n" not in str(err.value)
+    assert type(model.blocks[0].qkv) is nn.Linear  # checked before anything was converted
+
+
+def test_unknown_model_and_unplanned_linear():
+    with pytest.raises(TypeError, match=r"no plan for Sequential; built-in plans: GPT, GPTNeoXForCausalLM"):
+        parallelize(nn.Sequential(nn.Linear(4, 4)), _engine())
+    model = _gpt()
+    model.blocks[0].gate = nn.Linear(48, 48)
+    with pytest.raises(ConversionError, match=r"cannot convert blocks.0.gate \(Linear\)"):
+        parallelize(model, _engine())
+
+
+def test_dropout_refused():
+    with pytest.raises(ConversionError, match=r"GPTConfig.dropout=0.1; 3D-PMM needs 0"):
+        parallelize(_gpt(dropout=0.1), _engine())
+
+
+# ---- performance model ------------------------------------------------------------------
+TWO_NODES_OF_4 = Topology.build([Level("gpu", 4, 100 * GB, 1 * US), Level("node", None, 10 * GB, 5 * US)], 8)
+
+
+def test_eq_5_7_fig_5_3_examples():
+    beta_inter = 10 * GB * 4  # one node's injection bandwidth
+    # left: one ring over 8 GPUs on 2 nodes gets all of beta_inter
+    assert perf.axis_bandwidths(Grid(1, 1, 1, 8), TWO_NODES_OF_4) == {"data": beta_inter}
+    # right: rings (0,4,6,2) and (1,5,7,3) (Z of 4 behind X of 2) share it: beta_inter / 2
+    assert Grid(2, 1, 4, 1).axes().groups(["z"]) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert perf.axis_bandwidths(Grid(2, 1, 4, 1), TWO_NODES_OF_4)["z"] == beta_inter / 2
+    # the sharing is capped by G_node; inside a node Case 1 (the level's bandwidth or a database)
+    assert perf.axis_bandwidths(Grid(4, 1, 1, 2), TWO_NODES_OF_4) == {"x": 100 * GB, "data": beta_inter / 4}
+    db = perf.Bandwidths({(1, 4): 77 * GB}, beta_inter)
+    assert perf.axis_bandwidths(Grid(4, 1, 1, 2), TWO_NODES_OF_4, db)["x"] == 77 * GB
+
+
+def _block_spec():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=16, d_model=64, n_layers=2, n_heads=8))
+    return model_spec(model, plan_for(model))
+
+
+def _layer_bytes(spec, grid, e=2):
+    return sum(i.nbytes * i.calls for i in perf.items(spec, grid, 8, 16, e) if i.equation[:3] in
+               ("5.1", "5.2", "5.3", "5.4"))
+
+
+def test_eqs_5_1_to_5_5_by_hand_for_one_layer():
+    layer = perf.LayerSpec("fc", k=64, n=256)
+    spec = perf.ModelSpec((layer,))
+    g, m, e = Grid(2, 2, 2, 1), 8 * 16, 2
+    got = {i.equation: i.nbytes for i in perf.items(spec, g, 8, 16, e) if i.equation.startswith("5.")}
+    k, n = 64, 256
+    assert got == {
+        "5.1": (2 - 1) * k * n / (2 * 2 * 2) * e,
+        "5.3": 2 * (2 - 1) / 2 * m * n / (2 * 2) * e,
+        "5.4": 2 * (2 - 1) / 2 * m * k / (2 * 2) * e,
+        "5.2": (2 - 1) / 2 * k * n / (2 * 2) * e,
+    }
+    assert perf.items(spec, Grid(1, 1, 1, 8), 8, 16, e)[0].nbytes == 2 * 7 / 8 * k * n * e  # Eq 5.5
+
+
+def test_transposed_layer_swaps_x_and_y():
+    normal, transposed = perf.LayerSpec("a", 64, 256), perf.LayerSpec("a", 64, 256, transposed=True)
+    strip = lambda its: sorted((i.op, i.nbytes, {"x": "y", "y": "x"}.get(i.axis, i.axis)) for i in its)  # noqa: E731
+    for grid, swapped in [(Grid(4, 2, 1, 1), Grid(2, 4, 1, 1)), (Grid(2, 1, 2, 2), Grid(1, 2, 2, 2))]:
+        a = perf.items(perf.ModelSpec((normal,)), grid, 8, 16, 2)
+        b = perf.items(perf.ModelSpec((transposed,)), swapped, 8, 16, 2)
+        assert strip(a) == sorted((i.op, i.nbytes, i.axis) for i in b)
+
+
+def test_degenerate_grids_reduce_to_megatron_fsdp_ddp():
+    spec, e, rows = _block_spec(), 2, 8 * 16
+    layers = list(spec.layers)
+    assert _layer_bytes(spec, Grid(8, 1, 1, 1)) == perf.megatron_bytes(layers, rows, 8, e)
+    assert _layer_bytes(spec, Grid(1, 1, 8, 1)) == perf.fsdp_bytes(layers, 8, e)
+    ddp = [i for i in perf.items(spec, Grid(1, 1, 1, 8), 8, 16, e) if i.equation.startswith("5.")]
+    assert [i.axis for i in ddp] == ["data"] and ddp[0].nbytes == perf.ddp_bytes(layers, 8, e)
+
+
+def test_ranking_filters_by_divisibility_and_memory():
+    spec = _block_spec()
+    topo = Topology.from_preset("frontier", 8, {"gpu": 2})
+    ranked = perf.rank_grids(spec, 8, topo, micro_batch=4, seq_len=16, elem_bytes=2)
+    assert {c.grid.dims for c in ranked} == {g.dims for g in perf.factorizations(8) if g.z <= 4}
+    assert [c.time for c in ranked] == sorted(c.time for c in ranked)
+    limit = sorted(c.memory for c in ranked)[3]
+    assert all(c.memory <= limit for c in perf.rank_grids(spec, 8, topo, 4, 16, 2, memory_limit=limit))
+
+
+# ---- matmul modes (001 §5.1.3) ------------------------------------------------------------
+def test_every_matmul_mode_gives_identical_results():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-8, 8, (24, 40), generator=g).float()  # integer values: every summation order is exact
+    b = torch.randint(-8, 8, (40, 16), generator=g).float()
+    for lhs, rhs in [(a, b), (a, b.t().contiguous().t()), (b.t().contiguous().t().t(), a.t())]:
+        want = lhs @ rhs
+        for mode in MODES:
+            got = run_mode(mode, lhs, rhs)
+            assert torch.equal(got, want) and got.is_contiguous(), mode
+
+
+def test_tuner_times_every_mode_once_per_signature():
+    tuner = MatmulTuner(_engine())
+    a, b = torch.randn(32, 16), torch.randn(16, 8)
+    tuner.matmul("site", a, b)
+    tuner.matmul("site", a, b)
+    assert len(tuner.choice) == 1 and len(next(iter(tuner.timings.values()))) == len(MODES) == 8
+    tuner.matmul("site", a, b.t().contiguous().t())  # other strides: another signature
+    assert len(tuner.choice) == 2
+
+
+def test_gpt_spec_matches_the_built_model():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=16, d_model=64, n_layers=2, n_heads=8))
+    assert perf.gpt_spec(64, 2, 8, 256, 16) == model_spec(model, plan_for(model))
+
+
+# ---- command line -------------------------------------------------------------------------
+def test_cli_detect_shows_the_level_each_axis_spans(capsys):
+    from ds_ext.cli import main
+
+    assert main(["detect", "--preset", "frontier", "--world-size", "16", "--grid", "2,4,1,2"]) == 0
+    assert "pmm3d grid (x=2, y=4, z=1, data=2): x=2 spans gcd, y=4 spans gpu, z=1 spans -, data=2 spans node" \
+        in capsys.readouterr().out
+
+
+def test_cli_tune_prints_and_writes_the_top_k(tmp_path, capsys):
+    import json
+
+    from ds_ext.cli import main
+
+    out = tmp_path / "tune.json"
+    assert main(["tune", "--model", "gpt-20b", "--world", "32", "--memory-GB", "40", "--top-k", "4",
+                 "--out", str(out)]) == 0
+    top = json.loads(out.read_text())["top"]
+    assert len(top) == 4 and [r["predicted_comm_s"] for r in top] == sorted(r["predicted_comm_s"] for r in top)
+    assert all(r["memory_per_rank_bytes"] <= 40e9 and 56 % r["grid"]["x"] == 0 for r in top)
+    spec = perf.gpt_spec(7168, 32, 56, 50304, 2048)
+    topo = Topology.from_preset("frontier", 32)
+    best = Grid(**top[0]["grid"])
+    assert top[0]["predicted_comm_s"] == perf.comm_time(spec, best, topo, 1024 // best.data, 2048, 2)
+    assert "gpt-20b (32 layers, hidden 7168, 56 heads)" in capsys.readouterr().out

@@ -1,0 +1,24 @@
+"""3D-PMM on 8 gloo ranks (2 nodes x 2 GPUs x 2 GCDs, emulated) against the serial model.
+
+For each grid: the loss, every parameter's gradient after the data-parallel reduction,
+the global gradient norm (and HF logits) at each of 5 AdamW steps, and every parameter
+after them, equal the serial model's under the same seed (tests/pmm_helpers.py).
+"""
+
+import pytest
+from pmm_helpers import GPT_GRIDS, parity
+
+WORLD_SIZE = 8
+
+
+@pytest.mark.parametrize("grid", GPT_GRIDS, ids=lambda g: "x{}y{}z{}d{}".format(*g))
+def test_gpt_parity(world, grid):
+    results = world.run(parity, "gpt", grid)
+    losses = results[0][0]
+    assert all(r[0] == losses for r in results)  # every rank reports the whole model's loss
+
+
+@pytest.mark.parametrize("family,grid", [("neox", (2, 2, 2, 1)), ("neox", (2, 1, 2, 2)),
+                                         ("llama", (2, 2, 2, 1)), ("llama", (1, 2, 2, 2))])
+def test_hf_parity(world, family, grid):
+    world.run(parity, family, grid)
