@@ -22,17 +22,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--numel", type=int, default=1 << 22, help="elements per call")
     p.add_argument("--block-size", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--repeats", type=int, default=21)
 
 
-def _time(fn: Callable[[], Any], repeats: int) -> float:
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def _times(fns: list[Callable[[], Any]], repeats: int) -> list[float]:
+    """Median seconds of each function, measured interleaved (one call of each per round),
+    so that a change of load on a shared machine hits every variant alike."""
+    for fn in fns:
         fn()
-        out.append(time.perf_counter() - t0)
-    return median(out)
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            out[i].append(time.perf_counter() - t0)
+    return [median(v) for v in out]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -48,7 +52,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     x = torch.randn(n).to(torch.bfloat16)
     x16 = x.half()
     ds = deepspeed_cpu_quantizer()
-    memcpy = _time(lambda: x.clone(), args.repeats)
     records = []
     for bits in (8, 4):
         eager, fused = BlockQuantizer(bits, block), BlockQuantizer(bits, block, compile=True)
@@ -61,14 +64,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             ds_encode = lambda: ds.swizzle_quant(x16, n // block, 4, 0, 1, 1, 1)  # noqa: E731
         ds_q, ds_scales = ds_encode()
+        memcpy, ds_enc, enc_eager, enc = _times(
+            [lambda: x.clone(), ds_encode, lambda: eager.quantize(x), lambda: fused.quantize(x)], args.repeats)
+        ds_dec, dec_eager, dec = _times(
+            [lambda: ds.dequantize(ds_q, ds_scales, n // block, bits, 0), lambda: eager.dequantize(q, torch.bfloat16),
+             lambda: fused.dequantize(q, torch.bfloat16)], args.repeats)
         rec = {
             "bits": bits, "numel": n, "block_size": block, "memcpy_s": memcpy,
-            "deepspeed_encode_s": _time(ds_encode, args.repeats),
-            "deepspeed_decode_s": _time(lambda: ds.dequantize(ds_q, ds_scales, n // block, bits, 0), args.repeats),
-            "encode_eager_s": _time(lambda: eager.quantize(x), args.repeats),
-            "encode_s": _time(lambda: fused.quantize(x), args.repeats),
-            "decode_eager_s": _time(lambda: eager.dequantize(q, torch.bfloat16), args.repeats),
-            "decode_s": _time(lambda: fused.dequantize(q, torch.bfloat16), args.repeats),
+            "deepspeed_encode_s": ds_enc, "deepspeed_decode_s": ds_dec,
+            "encode_eager_s": enc_eager, "encode_s": enc, "decode_eager_s": dec_eager, "decode_s": dec,
             "compile_s": compile_s,
         }
         rec["encode_vs_deepspeed"] = rec["deepspeed_encode_s"] / rec["encode_s"]

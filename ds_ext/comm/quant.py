@@ -30,6 +30,7 @@ ZeRO-topo's default) is one pass over the input per block; it costs a few second
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -58,14 +59,14 @@ def _encode(blocks: torch.Tensor, qmax: int, pack4: bool) -> tuple[torch.Tensor,
     """``[blocks, B]`` of any float dtype -> (payload, fp32 scales); non-finite input gives
     non-finite scales. The cast to fp32 happens here, inside the fused region."""
     x = blocks.float()
-    scales = x.abs().amax(dim=1) / qmax
-    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-    codes = torch.round(x * inv[:, None]).clamp_(-qmax, qmax)
+    scales = x.abs().amax(dim=1, keepdim=True) / qmax
+    inv = torch.where(scales > 0, 1.0 / scales, 0.0)
+    codes = torch.round(x * inv).clamp(-qmax, qmax)
     if pack4:  # element j in the low nibble, element j + B/2 in the high one
         half = codes.shape[1] // 2
         codes = codes + 8
-        return (codes[:, :half] + 16 * codes[:, half:]).to(torch.uint8).reshape(-1), scales
-    return codes.to(torch.int8).reshape(-1), scales
+        return (codes[:, :half] + 16 * codes[:, half:]).to(torch.uint8).reshape(-1), scales.reshape(-1)
+    return codes.to(torch.int8).reshape(-1), scales.reshape(-1)
 
 
 def _decode(payload: torch.Tensor, scales: torch.Tensor, block_size: int, pack4: bool) -> torch.Tensor:
@@ -78,17 +79,28 @@ def _decode(payload: torch.Tensor, scales: torch.Tensor, block_size: int, pack4:
     return (codes.float() * scales[:, None]).reshape(-1)
 
 
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[str, Callable] = {}
 
 
-def _kernels(compile: bool):
+def _kernels(compile: bool) -> tuple[Callable, Callable]:
     """The encode / decode bodies, eager or fused by ``torch.compile`` (once per process;
-    ``ds-ext bench quant`` measures the two)."""
+    ``ds-ext bench quant`` measures the two). Compiled with the block size static and only
+    the number of blocks dynamic: the inner loop then vectorises without a tail."""
     if not compile:
         return _encode, _decode
     if not _COMPILED:
-        _COMPILED["encode"] = torch.compile(_encode, dynamic=True)
-        _COMPILED["decode"] = torch.compile(_decode, dynamic=True)
+        encode, decode = torch.compile(_encode, dynamic=False), torch.compile(_decode, dynamic=False)
+
+        def compiled_encode(blocks: torch.Tensor, qmax: int, pack4: bool):
+            torch._dynamo.maybe_mark_dynamic(blocks, 0)
+            return encode(blocks, qmax, pack4)
+
+        def compiled_decode(payload: torch.Tensor, scales: torch.Tensor, block_size: int, pack4: bool):
+            torch._dynamo.maybe_mark_dynamic(payload, 0)
+            torch._dynamo.maybe_mark_dynamic(scales, 0)
+            return decode(payload, scales, block_size, pack4)
+
+        _COMPILED.update(encode=compiled_encode, decode=compiled_decode)
     return _COMPILED["encode"], _COMPILED["decode"]
 
 
