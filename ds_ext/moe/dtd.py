@@ -79,9 +79,6 @@ def exchange(x: torch.Tensor, ted: TEDContext, frame: Frame | None) -> torch.Ten
     expert_group = ted.groups["expert"]
     if not ted.dtd or T == 1:
         return all_to_all(x, comm, expert_group, frame)
-    if x.shape[1] % T:
-        raise ValueError(f"duplicate token dropping: capacity {x.shape[1]} is not divisible by "
-                         f"tensor_parallel {T}")
     tensor_group, t = ted.groups["tensor"], ted.tensor_rank
     x = _DropTokens.apply(x, comm, tensor_group, t, T)
     x = all_to_all(x, comm, expert_group, frame)

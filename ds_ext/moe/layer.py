@@ -23,8 +23,6 @@ slices the experts for the tensor group. Unbound with ``ep_size > 1`` it refuses
 from __future__ import annotations
 
 import copy
-import re
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -164,6 +162,8 @@ class TEDMoE(ds_moe.MoEBase):
         frame = self.ted_tape.frame(ted.cac if ted is not None else False)
         routing = self.gate(x, used_token, frame)
         E, C = self.num_experts, routing.decision.capacity
+        if ted is not None and ted.dtd and C % ted.layout.tensor:
+            self._refuse_capacity(x.shape[0], C, ted.layout.tensor)
         route_slots = slots(routing.decision, E)
         dispatched = encode(x, route_slots, E, C)
         if ted is not None:
@@ -177,6 +177,16 @@ class TEDMoE(ds_moe.MoEBase):
             coef = F.softmax(self.coefficient(x), dim=-1)
             out = out * coef[..., 0:1] + self._mlp(self.mlp, x, frame) * coef[..., 1:]
         return out.reshape(hidden_states.shape), routing.l_aux, routing.decision.exp_counts
+
+    def _refuse_capacity(self, tokens: int, C: int, T: int) -> None:
+        g = self.gate
+        factor = g.capacity_factor if self.training else g.eval_capacity_factor
+        raise ValueError(
+            f"ds_ext.ted: expert capacity {C} = max(ceil({tokens} tokens / {self.num_experts} experts x "
+            f"capacity_factor {factor} x k {g.k}), min_capacity {g.min_capacity}) is not divisible by tensor_parallel "
+            f"{T}, which duplicate_token_dropping splits it over; choose capacity_factor, min_capacity or the tokens "
+            "per micro-batch so that it is, or drop_tokens=False (dropless capacity is padded)"
+        )
 
     def _mlp(self, mlp: nn.Module, x: torch.Tensor, frame: Frame) -> torch.Tensor:
         """One expert (or the residual MLP) on replicated tokens; replicated output."""
@@ -210,21 +220,3 @@ class TEDMoE(ds_moe.MoEBase):
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None else y + bias
 
-
-_EXPERT_KEY = re.compile(r"^(.*deepspeed_experts\.)(\d+)(\..*)$")
-
-
-def local_expert_state(state: Mapping[str, torch.Tensor], expert_rank: int,
-                       num_local_experts: int) -> dict[str, torch.Tensor]:
-    """A state dict with every expert of every MoE layer (``ep_size=1``) cut to the experts
-    expert rank ``expert_rank`` holds, renumbered from 0: what a model built with
-    ``ep_size = G_expert`` loads (global expert ``g`` = ``expert_rank * k + local``)."""
-    out = {}
-    lo = expert_rank * num_local_experts
-    for key, value in state.items():
-        m = _EXPERT_KEY.match(key)
-        if m is None:
-            out[key] = value
-        elif lo <= int(m.group(2)) < lo + num_local_experts:
-            out[f"{m.group(1)}{int(m.group(2)) - lo}{m.group(3)}"] = value
-    return out
