@@ -14,112 +14,50 @@ import dataclasses
 
 import pytest
 
+from ted_support import MICRO, SEQ
+
 WORLD_SIZE = 8
-TOPOLOGY = {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}
 LAYOUTS = [(2, 2, 2), (2, 4, 1), (1, 4, 2), (4, 2, 1)]
-MICRO, SEQ = 2, 16
-_CORPUS = []
-
-
-def _corpus():
-    from ds_ext.data import ByteCorpus
-
-    if not _CORPUS:
-        _CORPUS.append(ByteCorpus(max_bytes=200_000))
-    return _CORPUS[0]
-
-
-def _config(**kw):
-    from ds_ext.models.gpt_moe import GPTMoEConfig
-
-    base = dict(seq_len=SEQ, d_model=32, n_layers=2, n_heads=4, num_experts=4, min_capacity=0, use_rts=False,
-                top2_2nd_expert_sampling=False)
-    return GPTMoEConfig(**{**base, **kw})
-
-
-def _shards(layout, step=0):
-    return [_corpus().micro_batch(step, 0, d, layout.nonexp_data, MICRO, 1, SEQ) for d in range(layout.nonexp_data)]
-
-
-def _serial(cfg, batches, seed=0):
-    """The serial reference: every shard through the whole model, losses averaged."""
-    import torch
-
-    from ds_ext.models.gpt_moe import GPTMoE
-
-    torch.manual_seed(seed)
-    model = GPTMoE(cfg)
-    losses = [model(b) for b in batches]
-    torch.stack(losses).mean().backward()
-    return model, [x.item() for x in losses], {n: p.grad for n, p in model.named_parameters()}
-
-
-def _ted_model(cfg, serial, layout, rank):
-    """The same initialization, built for expert rank e (``ep_size = G_expert``)."""
-    from ds_ext.models.gpt_moe import GPTMoE
-    from ds_ext.moe.reference import local_expert_state
-
-    model = GPTMoE(dataclasses.replace(cfg, ep_size=layout.expert))
-    k = cfg.num_experts // layout.expert
-    model.load_state_dict(local_expert_state(serial.state_dict(), layout.coords(rank)["expert"], k))
-    return model
-
-
-def _assert_matches_serial(model, serial_grads, layout, rank):
-    import torch
-
-    from ds_ext.moe.reference import serial_name, tensor_shard
-
-    c = layout.coords(rank)
-    k = next(m.num_local_experts for m in model.modules() if hasattr(m, "num_local_experts"))
-    n = 0
-    for name, p in model.named_parameters():
-        ref = tensor_shard(serial_grads[serial_name(name, c["expert"], k)], p, c["tensor"], layout.tensor)
-        torch.testing.assert_close(p.grad, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=name)
-        n += 1
-    return n
 
 
 # ---- parity with the serial reference, through ds_ext.initialize and DeepSpeed ---------------
-def _parity(T, P, k):
+def _parity(T, P):
     import torch
     import torch.distributed as dist
 
     import ds_ext
+    import ted_support as ts
     from ds_ext.groups import TEDLayout
 
     rank = dist.get_rank()
     layout = TEDLayout.build(dist.get_world_size(), T, P)
-    out = {}
-    for top_k, kw in ((1, dict(drop_tokens=False)), (2, dict(capacity_factor=2.0))):
-        if top_k != k:
-            continue
-        cfg = _config(top_k=top_k, n_layers=4, **kw)  # 2 MoE blocks; top-2 capacity 2 x 2 x S/E = S: no drops
-        batches = _shards(layout)
-        serial, losses, grads = _serial(cfg, batches)
-        model = _ted_model(cfg, serial, layout, rank)
-        ds_cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
-                  "steps_per_print": 10**6, "zero_optimization": {"stage": 0},
-                  "ds_ext": {"topology": TOPOLOGY,
-                             "ted": {"enabled": True, "tensor_parallel": T, "expert_parallel": P}}}
-        engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=ds_cfg)
-        d = engine.ds_ext.plugins[0].ted.data_rank
-        loss = engine(batches[d])
+    out = []
+    # 2 MoE blocks; top-1 dropless, top-2 with capacity 2 x 2 x S / E = S: no token dropped
+    for cfg in (ts.config(top_k=1, n_layers=4, drop_tokens=False), ts.config(top_k=2, n_layers=4, capacity_factor=2.0)):
+        batches = ts.shards(layout)
+        serial, losses, grads = ts.serial(cfg, batches)
+        model = ts.ted_model(cfg, serial.state_dict(), layout, rank)
+        opt = torch.optim.AdamW(model.parameters())
+        engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=ts.ds_config(T, P))
+        ted = engine.ds_ext.plugins[0].ted
+        loss = engine(batches[ted.data_rank])
         engine.backward(loss)  # DeepSpeed averages non-expert grads over G_data^nonexp, experts over G_data^exp
-        assert abs(loss.item() - losses[d]) <= 1e-6 * abs(losses[d]), (loss.item(), losses[d])
-        out["params"] = _assert_matches_serial(engine.module, grads, layout, rank)
-        out["expert_group"] = engine.ds_ext.plugins[0].ted.ranks("expert")
+        want = losses[ted.data_rank]
+        assert abs(loss.item() - want) <= 1e-6 * abs(want), (loss.item(), want)
+        named = {n: p.grad for n, p in engine.module.named_parameters()}
+        out.append((ts.assert_close_to_serial(named, ts.serial_view(engine.module, grads, layout, rank)),
+                    ted.ranks("expert")))
         engine.destroy()
     return out
 
 
-@pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: "TP{}xEP{}xDP{}".format(*lay))
-def test_parity_with_serial_reference(world, layout, k):
+def test_parity_with_serial_reference_top1_top2(world, layout):
     T, P, _ = layout
-    res = world.run(_parity, T, P, k)
-    assert all(r["params"] >= 20 for r in res)
-    assert res[0]["expert_group"] == tuple(range(0, T * P, T))
+    res = world.run(_parity, T, P)
+    for per_rank in res:
+        assert [n for n, _ in per_rank] == [per_rank[0][0]] * 2 and per_rank[0][0] >= 30
+    assert res[0][0][1] == tuple(range(0, T * P, T))
 
 
 # ---- DTD / CAC: bit-identity, call counts, ledger == analytic model --------------------------
@@ -128,29 +66,24 @@ def _variants(T, P, modes, dropless=False):
     import torch
     import torch.distributed as dist
 
-    from ds_ext import config as cfgmod
-    from ds_ext.groups import TEDLayout
-    from ds_ext.moe import TEDContext, TEDMoE
+    import ted_support as ts
+    from ds_ext.moe import TEDMoE
     from ds_ext.perf.ted import MoEBlockShape, moe_block_traffic
-    from ds_ext.runtime import Runtime
 
     rank = dist.get_rank()
-    layout = TEDLayout.build(dist.get_world_size(), T, P)
-    runtime = Runtime.create(cfgmod.parse({"topology": TOPOLOGY}))
-    ted = TEDContext.create(layout, runtime.comm)
-    kw = dict(drop_tokens=False) if dropless else dict(capacity_factor=1.0)
-    cfg = _config(n_layers=1, moe_every=1, **kw)  # one MoE block
-    batches = _shards(layout)
-    serial, _, _ = _serial(cfg, batches)
+    runtime, ted = ts.context(T, P)
+    layout = ted.layout
+    cfg = ts.config(n_layers=1, moe_every=1, **(dict(drop_tokens=False) if dropless else {}))  # one MoE block
+    batches = ts.shards(layout)
+    serial, _, _ = ts.serial(cfg, batches)
     counts = []  # exp_counts of each shard, from the serial model
     hook = serial.blocks[0].ffn.register_forward_hook(lambda m, i, o: counts.append(o[2]) and None)
     for b in batches:
         serial(b)
     hook.remove()
     d, c = ted.data_rank, layout.coords(rank)
-    expert_shards = [e + P * c["expert_data"] for e in range(P)]
     if dropless:  # agreed over the expert group, padded to G_tensor
-        C = -(-max(int(counts[s].max()) for s in expert_shards) // T) * T
+        C = -(-max(int(counts[e + P * c["expert_data"]].max()) for e in range(P)) // T) * T
     else:
         C = MICRO * SEQ // cfg.num_experts
     shape = MoEBlockShape(tokens=MICRO * SEQ, hidden=cfg.d_model, num_experts=cfg.num_experts, capacity=C,
@@ -159,10 +92,8 @@ def _variants(T, P, modes, dropless=False):
     for mode in modes:
         for dtd in (False, True):
             for cac in (False, True):
-                model = _ted_model(dataclasses.replace(cfg, checkpoint=mode), serial, layout, rank)
-                bound = [m for m in model.modules() if hasattr(m, "ted_bind")]
-                for i, m in enumerate(bound):
-                    m.ted_bind(dataclasses.replace(ted, dtd=dtd, cac=cac), i)
+                model = ts.ted_model(dataclasses.replace(cfg, checkpoint=mode), serial.state_dict(), layout, rank)
+                ts.bind(model, dataclasses.replace(ted, dtd=dtd, cac=cac))
                 ledger = runtime.ledger
                 ledger.reset()
                 with ledger.phase("forward"):
@@ -188,8 +119,7 @@ def _variants(T, P, modes, dropless=False):
 
 def test_dtd_cac_bit_identical_and_ledger_equals_model(world):
     modes = ["none", "torch", "torch-reentrant", "deepspeed"]
-    res = world.run(_variants, 2, 4, modes)
-    calls = res[0]
+    calls = world.run(_variants, 2, 4, modes)[0]
     assert calls[("none", False, False)] == {"all_reduce": 4, "all_to_all": 4}
     for mode in modes[1:]:
         assert calls[(mode, False, False)] == {"all_reduce": 6, "all_to_all": 6}  # 001 §7.3: six and six
@@ -209,23 +139,14 @@ def _noisy_replay():
     import torch
     import torch.distributed as dist
 
-    from ds_ext import config as cfgmod
-    from ds_ext.groups import TEDLayout
-    from ds_ext.moe import TEDContext
-    from ds_ext.runtime import Runtime
+    import ted_support as ts
 
-    layout = TEDLayout.build(dist.get_world_size(), 2, 4)
-    runtime = Runtime.create(cfgmod.parse({"topology": TOPOLOGY}))
-    ted = TEDContext.create(layout, runtime.comm)
+    _, ted = ts.context(2, 4)
     grads = {}
     for mode in ("none", "torch", "torch-reentrant", "deepspeed"):
-        cfg = _config(n_layers=1, moe_every=1, noisy_gate_policy="Jitter", use_rts=True, checkpoint=mode)
-        torch.manual_seed(0)
-        serial, _, _ = _serial(cfg, _shards(layout))
-        model = _ted_model(cfg, serial, layout, dist.get_rank())
-        for i, m in enumerate(m for m in model.modules() if hasattr(m, "ted_bind")):
-            m.ted_bind(ted, i)
-        model(_shards(layout)[ted.data_rank]).backward()
+        cfg = ts.config(n_layers=1, moe_every=1, noisy_gate_policy="Jitter", use_rts=True, checkpoint=mode)
+        model = ts.bind(ts.ted_model(cfg, ts.serial_model(cfg).state_dict(), ted.layout, dist.get_rank()), ted)
+        model(ts.shards(ted.layout)[ted.data_rank]).backward()
         grads[mode] = {n: p.grad for n, p in model.named_parameters()}
     for mode in ("torch", "torch-reentrant", "deepspeed"):
         for n, g in grads[mode].items():
@@ -239,29 +160,20 @@ def test_noisy_gate_is_replayed_in_the_recompute(world):
 def _capacity_error():
     import torch.distributed as dist
 
-    from ds_ext import config as cfgmod
-    from ds_ext.groups import TEDLayout
-    from ds_ext.moe import TEDContext
-    from ds_ext.runtime import Runtime
+    import ted_support as ts
 
-    layout = TEDLayout.build(dist.get_world_size(), 2, 4)
-    runtime = Runtime.create(cfgmod.parse({"topology": TOPOLOGY}))
-    ted = TEDContext.create(layout, runtime.comm)
-    cfg = _config(n_layers=1, moe_every=1, capacity_factor=1.125)  # C = ceil(32 / 4 x 1.125) = 9
-    serial, _, _ = _serial(cfg, _shards(layout)[:1])
-    model = _ted_model(cfg, serial, layout, dist.get_rank())
-    for i, m in enumerate(m for m in model.modules() if hasattr(m, "ted_bind")):
-        m.ted_bind(ted, i)
+    runtime, ted = ts.context(2, 4)
+    cfg = ts.config(n_layers=1, moe_every=1, capacity_factor=1.125)  # C = ceil(32 / 4 x 1.125) = 9
+    model = ts.bind(ts.ted_model(cfg, ts.serial_model(cfg).state_dict(), ted.layout, dist.get_rank()), ted)
     try:
-        model(_shards(layout)[ted.data_rank])
+        model(ts.shards(ted.layout)[ted.data_rank])
     except ValueError as err:
         return str(err), runtime.ledger.current.by_level(op="all_to_all")
     return None
 
 
 def test_capacity_not_divisible_by_tensor_parallel(world):
-    for res in world.run(_capacity_error):
-        msg, a2a = res
+    for msg, a2a in world.run(_capacity_error):
         assert msg == ("ds_ext.ted: expert capacity 9 = max(ceil(32 tokens / 4 experts x capacity_factor 1.125 x k 1), "
                        "min_capacity 0) is not divisible by tensor_parallel 2, which duplicate_token_dropping splits it "
                        "over; choose capacity_factor, min_capacity or the tokens per micro-batch so that it is, or "
