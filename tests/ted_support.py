@@ -106,13 +106,10 @@ def assert_close_to_serial(named, views, rtol=1e-5):
     return len(named)
 
 
-def ds_config(T, P, stage=0, **extra):
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
-           "zero_optimization": {"stage": stage},
-           "ds_ext": {"topology": TOPOLOGY, "ted": {"enabled": True, "tensor_parallel": T, "expert_parallel": P}}}
-    for key, value in extra.items():
-        if key == "ted":
-            cfg["ds_ext"]["ted"].update(value)
-        else:
-            cfg[key] = value
-    return cfg
+def ds_config(T, P, stage=0, ted=None, plugins=None, **extra):
+    """A ds_config with ``ds_ext.ted`` (T, P) (+ ``ted`` keys), other ``plugins`` sections and
+    top-level DeepSpeed keys ``extra``."""
+    block = {"topology": TOPOLOGY, "ted": {"enabled": True, "tensor_parallel": T, "expert_parallel": P, **(ted or {})},
+             **(plugins or {})}
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+            "zero_optimization": {"stage": stage}, "ds_ext": block, **extra}
