@@ -145,3 +145,86 @@ def _checkpoint(path):
 def test_checkpoint_round_trip(world, tmp_path):
     for after, resumed in world.run(_checkpoint, str(tmp_path)):
         assert after == resumed
+
+
+# ---- DeepSpeed-MoE at G_tensor = 1 -----------------------------------------------------------
+def _vs_deepspeed(k, steps=20):
+    """20 ZeRO-1 steps of the same GPT-MoE, same initialization and data: DeepSpeed's MoE layer
+    (its own groups and all-to-alls) and TEDMoE (TP 1, EP 4, expert data 2)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import ds_ext
+    import ted_support as ts
+    from ds_ext.groups import TEDLayout
+    from ds_ext.moe.reference import local_expert_state
+
+    # top-1 dropless; top-2 with capacity factor 1: tokens are dropped (DeepSpeed's top-2 drops
+    # by position, deterministically)
+    cfg = ts.config(top_k=k, **(dict(drop_tokens=False) if k == 1 else dict(capacity_factor=1.0)))
+    state = ts.serial_model(cfg).state_dict()
+    layout = TEDLayout.build(dist.get_world_size(), 1, 4)
+    ds_cfg = dataclasses.replace(cfg, moe_impl="deepspeed", ep_size=4)
+    from ds_ext.models.gpt_moe import GPTMoE
+
+    model = GPTMoE(ds_cfg)
+    model.load_state_dict(local_expert_state(state, layout.coords(dist.get_rank())["expert"], 1))
+    plain = ts.ds_config(1, 4, 1, gradient_clipping=1.0)
+    del plain["ds_ext"]["ted"]
+    engine, *_ = ds_ext.initialize(model=model, optimizer=_optimizer(model), config=plain)
+    rank_d = dist.get_rank(engine.data_parallel_group)
+    ds_losses = []
+    for s in range(steps):
+        loss = engine(ts.shards(layout, s)[rank_d])
+        engine.backward(loss)
+        engine.step()
+        ds_losses.append(loss.item())
+    engine.destroy()
+    engine, ted = _engine(cfg, state, 1, 4, 1, gradient_clipping=1.0)
+    assert ted.data_rank == rank_d
+    ted_losses = [_step(engine, ted, s) for s in range(steps)]
+    engine.destroy()
+    return ds_losses, ted_losses
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_losses_equal_deepspeed_moe_at_tp1(world, k):
+    for ds_losses, ted_losses in world.run(_vs_deepspeed, k):
+        for a, b in zip(ds_losses, ted_losses, strict=True):
+            assert abs(a - b) <= 1e-5 * a, (a, b)
+    assert ds_losses[-1] < ds_losses[0] - 0.5
+
+
+# ---- memory: Eq 7.4 -------------------------------------------------------------------------
+def _state_bytes():
+    """16-bit parameter and gradient bytes (a non-boundary micro-step of ZeRO-1 keeps whole
+    gradients) and optimizer bytes (fp32 partitions + Adam m, v) of this rank, bf16 ZeRO-1."""
+    import torch
+
+    import ted_support as ts
+    from ds_ext.perf.ted import eq_7_4
+
+    cfg = ts.config(d_model=64, drop_tokens=False)
+    engine, ted = _engine(cfg, ts.serial_model(cfg).state_dict(), 2, 4, 1, bf16={"enabled": True},
+                          gradient_accumulation_steps=2)
+    params = list(engine.module.parameters())
+    for micro in range(2):
+        engine.backward(engine(ts.shards(ted.layout, 0)[ted.data_rank]))
+        if micro == 0:
+            grads = sum(p.grad.numel() * p.grad.element_size() for p in params)
+        engine.step()
+    zero = engine.optimizer
+    optim = sum(t.numel() * t.element_size() for t in zero.single_partition_of_fp32_groups) + sum(
+        v.numel() * v.element_size() for s in zero.optimizer.state.values() for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0)
+    measured = (sum(p.numel() * p.element_size() for p in params), grads, optim)
+    n_exp = sum(p.numel() for p in params if getattr(p, "allreduce", True) is False)
+    model = eq_7_4(sum(p.numel() for p in params) - n_exp, n_exp, ted.layout)
+    engine.destroy()
+    return measured, (model.params, model.grads, model.optimizer), n_exp
+
+
+def test_state_memory_equals_eq_7_4(world):
+    for measured, model, n_exp in world.run(_state_bytes):
+        assert measured == model and n_exp > 0

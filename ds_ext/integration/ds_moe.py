@@ -26,7 +26,7 @@ check_version()
 from deepspeed.moe.layer import MoE as MoEBase  # noqa: E402  (after the version gate)
 
 __all__ = ["MoEBase", "expert_group_name", "mark_expert_params", "register_expert_groups",
-           "checkpoint_function_codes"]
+           "release_groups", "checkpoint_function_codes"]
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -61,6 +61,23 @@ def register_expert_groups(
     groups._EXPERT_DATA_PARALLEL_GROUP[group_name] = expert_data_group
     groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[group_name] = list(expert_data_ranks)
     groups.expert_tensor_parallel_world_size = tensor_size
+
+
+def release_groups(group_names: Iterable[str], expert_group: object, mpu: object) -> None:
+    """Forget the expert groups ``group_names`` if they still name ``expert_group``, and the
+    global ``groups.mpu`` if it is ``mpu``. DeepSpeed keeps both process-wide and never resets
+    them (engine.py:2120 only sets ``groups.mpu``): a later engine, TED or DeepSpeed's own MoE,
+    must not find a finished engine's groups, and a finished engine must not remove a later one's."""
+    groups = sys.modules["deepspeed.utils.groups"]
+    for name in group_names:
+        if groups._EXPERT_PARALLEL_GROUP.get(name) is not expert_group:
+            continue
+        for registry in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                         groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+            registry.pop(name, None)
+        groups.expert_tensor_parallel_world_size = 1
+    if groups.mpu is mpu:
+        groups.mpu = None
 
 
 def checkpoint_function_codes() -> frozenset[CodeType]:

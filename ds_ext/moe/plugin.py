@@ -10,7 +10,8 @@
   its data group; ``TEDMoE.set_deepspeed_parallelism`` registers the expert / expert-data
   groups, so DeepSpeed reduces non-expert gradients over G_data^nonexp and expert gradients
   over G_data^exp;
-* ``attach``: clears the layers' CAC tapes at every ``engine.forward``.
+* ``attach``: clears the layers' CAC tapes at every ``engine.forward``; ``engine.destroy()``
+  also removes TED's groups and mpu from DeepSpeed's process-wide group registry.
 """
 
 from __future__ import annotations
@@ -155,3 +156,13 @@ class TEDPlugin(Plugin):
             return forward(*args, **kwargs)
 
         engine.forward = forward_with_fresh_tapes
+        destroy = engine.destroy
+        names = {m.expert_group_name for m in layers if isinstance(m, TEDMoE)}
+
+        @functools.wraps(destroy)
+        def destroy_and_unregister(*args, **kwargs):
+            out = destroy(*args, **kwargs)
+            ds_moe.release_groups(names, self.ted.groups["expert"], engine.mpu)
+            return out
+
+        engine.destroy = destroy_and_unregister
