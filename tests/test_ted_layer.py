@@ -179,3 +179,66 @@ def test_capacity_not_divisible_by_tensor_parallel(world):
                        "over; choose capacity_factor, min_capacity or the tokens per micro-batch so that it is, or "
                        "drop_tokens=False (dropless capacity is padded)")
         assert a2a == {}  # refused before the all-to-all
+
+
+# ---- megatron-core's tensor-parallel attention next to TEDMoE -------------------------------
+def _megatron_attention(T, P):
+    """Attention QKV / output projection are megatron-core ``ColumnParallelLinear`` /
+    ``RowParallelLinear`` (CPU initialization, then the serial weights' shards) on ds_ext's
+    tensor group; the MoE blocks are TEDMoE on the same groups. Data-parallel gradient
+    averaging as DeepSpeed does it (non-expert over G_data^nonexp, experts over G_data^exp,
+    both divided by G_data^nonexp). Loss and every gradient match the serial model."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    import ted_support as ts
+    from ds_ext.moe.reference import tensor_shard
+
+    class Megatron(torch.nn.Module):
+        """megatron-core layers return (output, bias); the attention wants the output."""
+
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return self.layer(x)[0]
+
+    rank = dist.get_rank()
+    _, ted = ts.context(T, P)
+    layout, tp = ted.layout, ted.groups["tensor"]
+    cfg = ts.config(n_layers=2, drop_tokens=False)
+    batches = ts.shards(layout)
+    serial, losses, grads = ts.serial(cfg, batches)
+    model = ts.ted_model(cfg, serial.state_dict(), layout, rank)
+    mp = ModelParallelConfig(tensor_model_parallel_size=T, use_cpu_initialization=True)
+    init = torch.nn.init.zeros_
+    d = cfg.d_model
+    for i, block in enumerate(model.blocks):
+        block.attn.qkv = Megatron(ColumnParallelLinear(d, 3 * d, config=mp, init_method=init, bias=True,
+                                                       gather_output=False, tp_group=tp))
+        block.attn.proj = Megatron(RowParallelLinear(d, d, config=mp, init_method=init, bias=True,
+                                                     input_is_parallel=True, skip_bias_add=False, tp_group=tp))
+        with torch.no_grad():
+            for part in ("qkv", "proj"):
+                for kind, p in getattr(block.attn, part).layer.named_parameters():
+                    p.copy_(tensor_shard(serial.state_dict()[f"blocks.{i}.attn.{part}.{kind}"], p, ted.tensor_rank, T))
+    ts.bind(model, ted)
+    loss = model(batches[ted.data_rank])
+    loss.backward()
+    for p in model.parameters():
+        expert = getattr(p, "allreduce", True) is False
+        dist.all_reduce(p.grad, group=ted.groups["expert_data" if expert else "data"])
+        p.grad /= layout.nonexp_data
+    assert abs(loss.item() - losses[ted.data_rank]) <= 1e-6 * losses[ted.data_rank]
+    names = {n: n.replace(".layer.", ".") for n, _ in model.named_parameters()}  # megatron -> serial names
+    views = ts.serial_view(model, grads | {n: grads[s] for n, s in names.items() if n != s}, layout, rank)
+    named = {n: p.grad for n, p in model.named_parameters()}
+    return ts.assert_close_to_serial(named, views), sum(n != s for n, s in names.items())
+
+
+def test_megatron_core_attention_next_to_tedmoe(world):
+    for n, megatron_params in world.run(_megatron_attention, 2, 2):
+        assert megatron_params == 8 and n >= 25
