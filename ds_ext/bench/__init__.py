@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS: tuple[str, ...] = ("zero", "tiled", "quant")
+BENCHMARKS: tuple[str, ...] = ("zero", "tiled", "quant", "ted")
 
 
 def median(xs: list[float]) -> float:

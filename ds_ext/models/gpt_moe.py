@@ -64,6 +64,16 @@ class GPTMoEConfig:
     def num_moe_layers(self) -> int:
         return sum(self.is_moe(i) for i in range(self.n_layers))
 
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the whole model (every expert, nothing sliced)."""
+        d, f, E = self.d_model, self.ffn_mult * self.d_model, self.num_experts
+        attn = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d)
+        mlp = (d * f + f) + (f * d + d)
+        moe = d * E + E * mlp
+        blocks = self.n_layers * attn + self.num_moe_layers * moe + (self.n_layers - self.num_moe_layers) * mlp
+        return self.vocab_size * d + self.seq_len * d + blocks + 2 * d
+
 
 class Attention(nn.Module):
     """Causal self-attention; heads split over the tensor group (QKV rows are ordered
