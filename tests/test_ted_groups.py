@@ -174,3 +174,16 @@ def test_memory_model_eq_7_4_to_7_6():
     assert math.isclose(eq_7_5(max_base_params(M, E, G, T), E, G, T), M)
     assert max_base_params(M, E, 10**9, T) == pytest.approx(eq_7_6(M, T))
     assert eq_7_6(M, 8) / eq_7_6(M, 1) == 8  # TED fits G_tensor x larger base models
+
+
+def test_base_model_table_and_parameter_count():
+    from ds_ext.models.gpt_moe import GPTMoE, GPTMoEConfig
+    from ds_ext.perf.ted import base_model_table, eq_7_5
+
+    rows = {(r["G"], r["E"]): r for r in base_model_table()}
+    assert rows[64, 16]["tensor_8"] is None and rows[64, 16]["tensor_4"] is not None  # 8 x 16 > 64
+    r = rows[4096, 128]
+    assert eq_7_5(r["tensor_8"], 128, 4096, 8) == pytest.approx(64e9)
+    assert r["tensor_8"] / r["tensor_1"] > 6  # Eq 7.6: -> G_tensor x as G grows
+    for cfg in (GPTMoEConfig(), GPTMoEConfig(n_layers=3, num_experts=8, d_model=32, ffn_mult=2)):
+        assert cfg.num_parameters == sum(p.numel() for p in GPTMoE(cfg).parameters())

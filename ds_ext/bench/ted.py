@@ -346,8 +346,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with World(WORLD, {"LOCAL_SIZE": str(RANKS_PER_NODE)}, timeout=args.timeout) as world:
             records.append(_merge_ranks(world.run(_measure, variant, args.model, args.warmup, args.steps,
                                                   args.time_scale)))
+    from ds_ext.perf.ted import base_model_table
+
     payload = {"benchmark": "ted", "world_size": WORLD, "model": args.model, "records": records,
-               "checks": checks(records)}
+               "checks": checks(records), "eq_7_5_base_model_params_64GB": base_model_table()}
     out = write_json(args.out, payload)
     plot(records, out.with_suffix(".png"))
     print(table(records))

@@ -111,3 +111,16 @@ def max_base_params(memory: float, num_experts: int, world: int, tensor: int) ->
 def eq_7_6(memory: float, tensor: int) -> float:
     """Eq 7.6, the large-G bound: NP_base <= G_tensor M / 4."""
     return tensor * memory / 4
+
+
+# Frontier: 64 GB of HBM per GCD, 8 GCDs per node (G_tensor <= 8, 001 §7.1.1).
+FRONTIER_GCD_BYTES = 64e9
+BASE_MODEL_GRID = ((64, 16), (256, 16), (256, 64), (1024, 64), (4096, 128))  # (G, E)
+
+
+def base_model_table(memory: float = FRONTIER_GCD_BYTES, grid=BASE_MODEL_GRID,
+                     tensors=(1, 2, 4, 8)) -> list[dict[str, float | int | None]]:
+    """Largest base model (Eq 7.5) per (G, E) and G_tensor; None where G_tensor x E > G
+    (G_expert = E needs G_data^exp = G / (G_tensor E) >= 1). G_tensor = 1 is DeepSpeed-MoE."""
+    return [{"G": G, "E": E, **{f"tensor_{T}": (max_base_params(memory, E, G, T) if T * E <= G else None)
+                                for T in tensors}} for G, E in grid]
