@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ds_ext.models.gpt import GPT
 from ds_ext.moe import ColumnParallelLinear, RowParallelLinear, TEDMoE
 from ds_ext.moe.tensor_parallel import check_divisible
 
@@ -162,14 +163,7 @@ class GPTMoE(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe(i)) for i in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+        self.apply(GPT._init)  # every expert copy drawn independently
 
     def logits(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[batch, seq]`` tokens -> (logits ``[batch, seq, vocab]``, sum of l_aux)."""

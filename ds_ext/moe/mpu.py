@@ -8,8 +8,6 @@ parameter broadcast. No pipeline parallelism.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from ds_ext.moe.context import TEDContext
 
 
@@ -52,6 +50,3 @@ class TEDMpu:
 
     def get_pipeline_model_parallel_rank(self) -> int:
         return 0
-
-    def get_global_rank(self) -> int:
-        return dist.get_rank()
