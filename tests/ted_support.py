@@ -113,3 +113,14 @@ def ds_config(T, P, stage=0, ted=None, plugins=None, **extra):
              **(plugins or {})}
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
             "zero_optimization": {"stage": stage}, "ds_ext": block, **extra}
+
+
+def average_gradients(model, ted):
+    """DeepSpeed's data-parallel averaging done by hand: non-expert gradients summed over
+    G_data^nonexp, expert gradients over G_data^exp, both divided by G_data^nonexp."""
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        expert = getattr(p, "allreduce", True) is False
+        dist.all_reduce(p.grad, group=ted.groups["expert_data" if expert else "data"])
+        p.grad /= ted.layout.nonexp_data

@@ -228,10 +228,7 @@ def _megatron_attention(T, P):
     ts.bind(model, ted)
     loss = model(batches[ted.data_rank])
     loss.backward()
-    for p in model.parameters():
-        expert = getattr(p, "allreduce", True) is False
-        dist.all_reduce(p.grad, group=ted.groups["expert_data" if expert else "data"])
-        p.grad /= layout.nonexp_data
+    ts.average_gradients(model, ted)
     assert abs(loss.item() - losses[ted.data_rank]) <= 1e-6 * losses[ted.data_rank]
     names = {n: n.replace(".layer.", ".") for n, _ in model.named_parameters()}  # megatron -> serial names
     views = ts.serial_view(model, grads | {n: grads[s] for n, s in names.items() if n != s}, layout, rank)
@@ -242,3 +239,47 @@ def _megatron_attention(T, P):
 def test_megatron_core_attention_next_to_tedmoe(world):
     for n, megatron_params in world.run(_megatron_attention, 2, 2):
         assert megatron_params == 8 and n >= 25
+
+
+# ---- the layer alone, with DeepSpeed's residual MoE --------------------------------------------
+def _residual_layer(T, P):
+    """TEDMoE(use_residual=True, k=2) as a drop-in layer: output and every gradient equal the
+    unbound layer holding all experts (serial), each data shard run in turn."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import ted_support as ts
+    from ds_ext.moe import TEDMoE
+    from ds_ext.moe.reference import local_expert_state
+
+    def layer(ep_size):
+        torch.manual_seed(0)
+        m = TEDMoE(16, nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), num_experts=4,
+                   ep_size=ep_size, k=2, capacity_factor=2.0, min_capacity=0, use_residual=True,
+                   top2_2nd_expert_sampling=False, enable_expert_tensor_parallelism=True)
+        for p in m.parameters():  # distinct experts
+            nn.init.normal_(p, std=0.3)
+        return m
+
+    _, ted = ts.context(T, P)
+    D = ted.layout.nonexp_data
+    xs = torch.randn(D, 24, 16, generator=torch.Generator().manual_seed(1))
+    serial = layer(1)
+    outs = [serial(x) for x in xs]
+    torch.stack([o.sum() + aux for o, aux, _ in outs]).mean().backward()
+    model = layer(P)
+    model.load_state_dict(local_expert_state(serial.state_dict(), ted.expert_rank, 4 // P))
+    ts.bind(model, ted)
+    out, aux, counts = model(xs[ted.data_rank])
+    (out.sum() + aux).backward()
+    ts.average_gradients(model, ted)
+    torch.testing.assert_close(out, outs[ted.data_rank][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(counts, outs[ted.data_rank][2])
+    named = {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: p.grad for n, p in serial.named_parameters()}
+    return ts.assert_close_to_serial(named, ts.serial_view(model, grads, ted.layout, dist.get_rank()))
+
+
+def test_residual_moe_layer_matches_serial(world):
+    assert all(n == 15 for n in world.run(_residual_layer, 2, 2))  # gate, 2 experts x 4, mlp x 4, coefficient x 2
