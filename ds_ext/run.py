@@ -10,7 +10,8 @@ ledger. It works wherever a launcher can run a module or a Python file:
     torchrun --nproc_per_node 8 -m ds_ext.run train.py ...
     ds-ext run train.py ...
 
-``-m MODULE`` runs a module instead of a file. Options the ``deepspeed`` launcher puts
+If the script's ``--deepspeed_config`` enables ``ds_ext.ted``, its
+``deepspeed.moe.layer.MoE`` layers are TEDMoE. ``-m MODULE`` runs a module instead of a file. Options the ``deepspeed`` launcher puts
 before the script (``--local_rank=N``) are handed to the script, where a plain launch
 would have put them.
 """
@@ -56,9 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     lead, target, is_module, rest = _split(sys.argv[1:] if argv is None else argv)
     import ds_ext
 
-    ds_ext.patch_deepspeed()
-    atexit.register(_exit_report)
     sys.argv = [target, *lead, *rest]
+    ds_ext.patch_deepspeed()  # reads the script's --deepspeed_config (TEDMoE substitution)
+    atexit.register(_exit_report)
     if is_module:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:

@@ -226,7 +226,7 @@ def test_unmodified_script_under_ds_ext_run_matches_the_ds_ext_example(tmp_path)
     assert table_u == table and table[1].startswith("level")
 
 
-def test_autoload_path_activates_ds_ext_in_every_process_without_importing_deepspeed():
+def test_autoload_path_activates_ds_ext_in_every_process_without_importing_deepspeed(tmp_path):
     """For launchers that build the rank command themselves (GPT-NeoX's deepy.py):
     PYTHONPATH=$(ds-ext autoload-path) activates ds_ext at interpreter start, lazily."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -239,3 +239,164 @@ def test_autoload_path_activates_ds_ext_in_every_process_without_importing_deeps
     out = subprocess.run(["python", "-c", probe], capture_output=True, text=True, env=env, timeout=300, cwd="/")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "(False, False) True True"
+    ted = Path(tmp_path) / "ted.json"
+    ted.write_text(json.dumps(_ted_config(True)))
+    probe = "import deepspeed.moe.layer as l; print(l.MoE.__module__)"
+    for argv, want in (([], "deepspeed.moe.layer"), (["--deepspeed_config", str(ted)], "ds_ext.moe.layer")):
+        out = subprocess.run(["python", "-c", probe, *argv], capture_output=True, text=True, env=env, timeout=300, cwd="/")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip().splitlines()[-1] == want
+
+
+# ---- Megatron-DeepSpeed MoE: deepspeed.moe.layer.MoE becomes TEDMoE ---------------------------
+MEGATRON_MOE_SCRIPT = '''
+"""Megatron-DeepSpeed's MoE path in small: its own process groups and mpu (tensor innermost),
+``deepspeed.moe.layer.MoE`` built with the model (megatron/model/transformer.py), MoE param
+groups, the config loaded from --deepspeed_config and passed as a dict with
+args.deepspeed_config = None (megatron/training.py)."""
+import argparse
+import json
+import os
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.moe.layer import MoE
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from torch import nn
+
+p = argparse.ArgumentParser()
+p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+p.add_argument("--out", required=True)
+p.add_argument("--explicit", action="store_true", help="the reference: TEDMoE written into the script")
+args = deepspeed.add_config_arguments(p).parse_args()
+if args.explicit:
+    from ds_ext.moe import TEDMoE as MoE
+config = json.load(open(args.deepspeed_config))
+args.deepspeed_config = None
+TP, rank, world = 2, dist.get_rank(), dist.get_world_size()
+tensor_groups = [dist.new_group(list(range(i, i + TP))) for i in range(0, world, TP)]
+data_groups = [dist.new_group(list(range(t, world, TP))) for t in range(TP)]
+
+
+class Mpu:
+    def get_model_parallel_group(self):
+        return tensor_groups[rank // TP]
+
+    def get_model_parallel_world_size(self):
+        return TP
+
+    def get_model_parallel_rank(self):
+        return rank % TP
+
+    def get_data_parallel_group(self):
+        return data_groups[rank % TP]
+
+    def get_data_parallel_world_size(self):
+        return world // TP
+
+    def get_data_parallel_rank(self):
+        return rank // TP
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.emb = nn.Embedding(64, 32)
+        self.moe = MoE(32, nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)), num_experts=2,
+                       ep_size=2, k=1, capacity_factor=2.0, enable_expert_tensor_parallelism=True)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, x):
+        h = self.emb(x[:, :-1])
+        out, l_aux, _ = torch.utils.checkpoint.checkpoint(self.moe, h, use_reentrant=False)
+        return F.cross_entropy(self.head(h + out).flatten(0, 1), x[:, 1:].flatten()) + 0.01 * l_aux
+
+
+model = Net()
+groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "dense"})
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2), args=args,
+                                  mpu=Mpu(), config=config)
+losses = []
+for step in range(5):
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(100 * step + rank // TP))
+    loss = engine(x)
+    engine.backward(loss)
+    engine.step()
+    losses.append(loss.item())
+ted = engine.module.moe.ted
+result = {"moe": f"{type(engine.module.moe).__module__}.{type(engine.module.moe).__name__}", "losses": losses,
+          "dtd": ted.dtd, "cac": ted.cac, "bytes": engine.ds_ext.ledger.mean_by_level(skip=1)}
+with open(f"{args.out}.{rank}.json", "w") as f:
+    json.dump(result, f)
+engine.destroy()
+'''
+
+
+def _ted_config(dtd_cac):
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 1}, "steps_per_print": 10**9,
+            "ds_ext": {"topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True},
+                       "ted": {"enabled": True, "tensor_parallel": 2, "expert_parallel": 2,
+                               "duplicate_token_dropping": dtd_cac, "comm_aware_checkpointing": dtd_cac}}}
+
+
+def _run_moe_script(script, config, out, explicit):
+    import deepspeed.moe.layer
+    import torch.distributed as dist
+
+    import ds_ext
+    from ds_ext.run import main
+
+    original = deepspeed.moe.layer.MoE
+    try:
+        main([script, "--deepspeed_config", config, "--out", out, *(["--explicit"] if explicit else [])])
+    finally:
+        deepspeed.moe.layer.MoE = original
+        ds_ext.unpatch_deepspeed()
+    return json.loads(Path(f"{out}.{dist.get_rank()}.json").read_text())
+
+
+def test_megatron_deepspeed_moe_script_gets_tedmoe_from_the_config(world, tmp_path):
+    """Issue 11 item 3: under ``ds_ext.run`` with TED enabled in --deepspeed_config, a script
+    building ``deepspeed.moe.layer.MoE`` and passing its own mpu trains TEDMoE exactly like
+    the same script with TEDMoE written in; DTD and CAC follow the config."""
+    script = tmp_path / "pretrain_moe.py"
+    script.write_text(MEGATRON_MOE_SCRIPT)
+    runs = {}
+    for name, dtd_cac, explicit in (("explicit", True, True), ("substituted", True, False),
+                                    ("substituted_off", False, False)):
+        config = tmp_path / f"{name}.json"
+        config.write_text(json.dumps(_ted_config(dtd_cac)))
+        runs[name] = world.run(_run_moe_script, str(script), str(config), str(tmp_path / name), explicit)
+    for ref, sub, off in zip(runs["explicit"], runs["substituted"], runs["substituted_off"]):
+        assert sub["moe"] == ref["moe"] == off["moe"] == "ds_ext.moe.layer.TEDMoE"
+        assert (sub["dtd"], sub["cac"], off["dtd"], off["cac"]) == (True, True, False, False)
+        assert sub["losses"] == ref["losses"] == off["losses"]  # DTD and CAC are bit-identical
+        assert sub["bytes"] == ref["bytes"] and off["bytes"] != sub["bytes"]
+    assert runs["substituted"][0]["losses"][-1] < runs["substituted"][0]["losses"][0]
+
+
+def test_moe_substitution_reads_the_command_line_config(tmp_path):
+    import deepspeed.moe.layer
+
+    from ds_ext.integration import moe_substitution as ms
+
+    ted, plain = tmp_path / "ted.json", tmp_path / "plain.json"
+    ted.write_text(json.dumps(_ted_config(True)))
+    plain.write_text(json.dumps(CONFIG))
+    b64 = base64.urlsafe_b64encode(json.dumps(_ted_config(True)).encode()).decode()
+    assert ms.config_from_argv(["--x", "--deepspeed_config", "a.json", "--deepspeed-config=b.json"]) == "b.json"
+    assert ms.config_from_argv(["--deepspeed"]) is None
+    assert ms.ted_enabled(str(ted)) and ms.ted_enabled(b64) and not ms.ted_enabled(str(plain))
+    assert not ms.ted_enabled(str(tmp_path / "missing.json"))
+    original = deepspeed.moe.layer.MoE
+    try:
+        assert not ms.substitute_from_argv(["--deepspeed_config", str(plain)])
+        assert deepspeed.moe.layer.MoE is original
+        assert ms.substitute_from_argv(["--deepspeed_config", b64])
+        assert deepspeed.moe.layer.MoE.__name__ == "TEDMoE" and issubclass(deepspeed.moe.layer.MoE, original)
+    finally:
+        deepspeed.moe.layer.MoE = original

@@ -7,7 +7,9 @@ block without a word. Two ways in:
 * :func:`patch_deepspeed` (active): ``deepspeed.initialize`` becomes a dispatcher; a
   config that holds a ``"ds_ext"`` block (given as ``config=``, ``config_params=`` or
   ``args.deepspeed_config``: a dict, a JSON/hjson path or a base64 string) goes through
-  :func:`ds_ext.initialize`, any other goes to DeepSpeed untouched. ``python -m
+  :func:`ds_ext.initialize`, any other goes to DeepSpeed untouched; if the command line's
+  ``--deepspeed_config`` enables TED, ``deepspeed.moe.layer.MoE`` becomes TEDMoE
+  (:mod:`ds_ext.integration.moe_substitution`). ``python -m
   ds_ext.run script.py ...`` patches and then runs the script (``ds_ext/run.py``).
 * :func:`watch` (passive, installed when ``ds_ext`` is imported): if DeepSpeed is
   initialized directly with a ``"ds_ext"`` block while ds_ext is not active, a warning
@@ -91,6 +93,15 @@ def patch_deepspeed() -> None:
     check_version()
     _wrap(deepspeed)
     _ACTIVE = True
+    _substitute_moe()
+
+
+def _substitute_moe() -> None:
+    """TEDMoE for ``deepspeed.moe.layer.MoE`` when the command line's ds_config enables TED
+    (:mod:`ds_ext.integration.moe_substitution`)."""
+    from ds_ext.integration.moe_substitution import substitute_from_argv
+
+    substitute_from_argv()
 
 
 def activate_on_import() -> None:
@@ -136,6 +147,8 @@ class _WatchDeepSpeedImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
         self._loader.exec_module(module)
         _wrap(module)
+        if _ACTIVE:
+            _substitute_moe()
 
 
 def watch() -> None:

@@ -51,11 +51,14 @@ def _with_plugin_mpu(runtime: Runtime, kwargs: dict) -> dict:
     """``kwargs`` with the mpu a plugin provides; refuse two sources of one."""
     sources = [(p.name, p.mpu()) for p in runtime.plugins]
     sources = [(name, m) for name, m in sources if m is not None]
+    if kwargs.get("mpu") is not None and len(sources) == 1 and _same_groups(kwargs["mpu"], sources[0][1]):
+        return {**kwargs, "mpu": sources[0][1]}  # Megatron-DeepSpeed's own mpu over the plugin's layout
     if kwargs.get("mpu") is not None:
         sources.insert(0, ("the caller's mpu= argument", kwargs["mpu"]))
     if len(sources) > 1:
         names = " and ".join(f"ds_ext.{n}" if not n.startswith("the ") else n for n, _ in sources)
-        raise cfgmod.DsExtConfigError(f"two model-parallel units for DeepSpeed: {names}; enable only one")
+        raise cfgmod.DsExtConfigError(f"two model-parallel units for DeepSpeed with different groups: {names}; "
+                                      "allowed: an mpu with the plugin's tensor and data groups, or only one")
     if sources:
         refusing = [p.name for p in runtime.plugins if not p.accepts_mpu]
         parallel = _model_parallel_sizes(sources[0][1])
@@ -70,6 +73,33 @@ def _with_plugin_mpu(runtime: Runtime, kwargs: dict) -> dict:
             )
         kwargs = {**kwargs, "mpu": sources[0][1]}
     return kwargs
+
+
+def _mpu_groups(mpu: Any) -> tuple[Any, ...] | None:
+    """(tensor group ranks, data group ranks, pipeline size) of a Megatron-style mpu, or None
+    if it does not expose them."""
+    import torch.distributed as dist
+
+    def call(*names: str) -> Any:
+        fn = next((getattr(mpu, n) for n in names if callable(getattr(mpu, n, None))), None)
+        return None if fn is None else fn()
+
+    tensor = call("get_tensor_model_parallel_group", "get_model_parallel_group")
+    data = call("get_data_parallel_group")
+    if tensor is None or data is None:
+        return None
+    pipe = call("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size") or 1
+    return tuple(dist.get_process_group_ranks(tensor)), tuple(dist.get_process_group_ranks(data)), pipe
+
+
+def _same_groups(caller: Any, own: Any) -> bool:
+    """Collective: whether the caller's mpu has, on every rank, the tensor and data groups of
+    the plugin's (then the plugin's is used; otherwise both sources are refused)."""
+    import torch.distributed as dist
+
+    same = [None] * dist.get_world_size()
+    dist.all_gather_object(same, _mpu_groups(caller) is not None and _mpu_groups(caller) == _mpu_groups(own))
+    return all(same)
 
 
 def _model_parallel_sizes(mpu: Any) -> dict[str, Any]:
