@@ -46,6 +46,40 @@ def test_fused_tiles_match_torch_fused_step_bit_for_bit(cls, kw, tile):
     _tiles_match(cls, kw, tile)
 
 
+@pytest.mark.parametrize("adam_w_mode,bias_correction", [(True, True), (False, False)])
+@pytest.mark.parametrize("tile", [16, 4096, 10**6])
+def test_deepspeed_fused_adam_tiles_match_its_step_bit_for_bit(adam_w_mode, bias_correction, tile):
+    """DeepSpeed's FusedAdam (its CPU kernel here, the CUDA one on GPUs) tile by tile: same
+    bits as ``FusedAdam.step``, including its group step rule (the counter of the group's last
+    parameter with a gradient; in step 3 the last parameter has none)."""
+    from deepspeed.ops.adam import FusedAdam
+
+    from ds_ext.optim.tiled import TiledAdam
+
+    torch.manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(n)) for n in (3000, 1, 5003, 40)]
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    kw = dict(lr=1e-2, weight_decay=0.1, adam_w_mode=adam_w_mode, bias_correction=bias_correction)
+    ref_opt = FusedAdam([{"params": ref[:2]}, {"params": ref[2:]}], **kw)
+    our_opt = FusedAdam([{"params": ours[:2]}, {"params": ours[2:]}], **kw)
+    tiled = TiledAdam(our_opt, tile)
+    grads = [[None if (step == 2 and i == 3) else torch.randn(p.numel()) for i, p in enumerate(ref)]
+             for step in range(5)]
+    # one run after the other: the CPU kernel keeps beta^t of its last call in a process-wide
+    # static (cpu_adam.h IncrementStep), so interleaving two optimizers changes their bits
+    for params, step in ((ref, ref_opt.step), (ours, tiled.step_fp32_params)):
+        for g in grads:
+            for p, gi in zip(params, g):
+                p.grad = None if gi is None else gi.clone()
+            step()
+    for r, o in zip(ref, ours):
+        assert torch.equal(r, o)
+        for k, v in ref_opt.state[r].items():
+            assert (torch.equal(v, our_opt.state[o][k]) if torch.is_tensor(v) else v == our_opt.state[o][k]), k
+    assert [our_opt.state[p]["step"] for p in ours] == [0, 5, 1, 4]  # FusedAdam's own counters
+    assert tiled.buffer.nbytes == 0
+
+
 def _tiles_match(cls, kw, tile):
     from ds_ext.optim.tiled import TiledAdam, piecewise_loader
 
@@ -139,17 +173,23 @@ def test_untiled_optimizer_types_are_refused():
 
     p = [torch.nn.Parameter(torch.zeros(3))]
     for opt in (torch.optim.SGD(p, lr=0.1), torch.optim.Adagrad(p)):
-        with pytest.raises(DsExtConfigError, match=r"ds_ext\.tiled_optimizer: .*allowed types: torch\.optim\.Adam, torch\.optim\.AdamW"):
+        with pytest.raises(DsExtConfigError, match=r"ds_ext\.tiled_optimizer: .*allowed types: torch\.optim\.Adam, torch\.optim\.AdamW, "
+                           r"deepspeed\.ops\.adam\.FusedAdam"):
             check_tileable(opt)
-    with pytest.raises(DsExtConfigError, match=r"^ds_ext\.tiled_optimizer\.tile_size: param group 0 is fused=True.*"
+    with pytest.raises(DsExtConfigError, match=r"^ds_ext\.tiled_optimizer\.tile_size: param group 0 is fused \(.*"
                        r"allowed: a multiple of 16 \(got 100\)"):
         check_tileable(torch.optim.AdamW(p, fused=True), 100)
     with pytest.raises(DsExtConfigError, match="capturable=True"):
         check_tileable(torch.optim.AdamW(p, capturable=True))
     with pytest.raises(DsExtConfigError, match=r"zero_optimization\.zenflow"):
         _check_ds_config({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, torch.optim.AdamW(p))
-    with pytest.raises(DsExtConfigError, match="allowed types"):
-        _check_ds_config({"optimizer": {"type": "Adam", "params": {}}}, None)
+    with pytest.raises(DsExtConfigError, match=r"tile_size: a fused optimizer \(FusedAdam or fused=True\).*got 100"):
+        _check_ds_config({"optimizer": {"type": "Adam", "params": {}}}, None, 100)
+    with pytest.raises(DsExtConfigError, match=r"^ds_ext\.tiled_optimizer: DeepSpeed wraps FusedAdam in its fused "
+                       r"FP16_Optimizer at zero_optimization\.stage 0 with fp16/bf16, which is not tiled; allowed: "):
+        _check_ds_config({"optimizer": {"type": "AdamW", "params": {}}, "bf16": {"enabled": True}}, None)
+    _check_ds_config({"optimizer": {"type": "Adam", "params": {}}, "zero_optimization": {"stage": 1},
+                      "fp16": {"enabled": True}}, None)  # DeepSpeed's FusedAdam under ZeRO-1: tiled
     with pytest.raises(DsExtConfigError, match="allowed types"):
         _check_ds_config({"optimizer": {"type": "Lamb", "params": {"torch_adam": True}}}, None)
     with pytest.raises(DsExtConfigError, match=r"zero_optimization\.stage 3 .*allowed: 0, 1, 2"):
@@ -170,7 +210,7 @@ def _allow_fp16_on_cpu():
     get_accelerator().is_fp16_supported = lambda: True
 
 
-def _train(stage, precision, tile, overflow=False, clip=0.05, experts=4):
+def _train(stage, precision, tile, overflow=False, clip=0.05, experts=4, optimizer="torch"):
     """20 steps of the DeepSpeed-MoE model; returns losses and every weight's bits."""
     import torch.distributed as dist
 
@@ -179,7 +219,7 @@ def _train(stage, precision, tile, overflow=False, clip=0.05, experts=4):
     if precision == "fp16":
         _allow_fp16_on_cpu()
     engine = moe_engine(experts, "tiled" if tile else "untiled", tile, HIDDEN, FFN,
-                        stage=stage, precision=precision, clip=clip, lr=3e-2)
+                        stage=stage, precision=precision, clip=clip, lr=3e-2, optimizer=optimizer)
     dtype = next(engine.module.parameters()).dtype
     losses, skipped = [], []
     for step in range(STEPS):
@@ -238,6 +278,16 @@ def test_deepspeed_zero_tiled_is_bit_identical(world, stage, precision, overflow
     if overflow:
         assert ref[0]["skipped"][OVERFLOW_STEP] and ours[0]["skipped"] == ref[0]["skipped"]
         assert sum(ref[0]["skipped"]) == 1
+
+
+@pytest.mark.parametrize("stage,precision,kind", [(1, "bf16", "DeepSpeedZeroOptimizer"), (0, "fp32", "FusedAdam")])
+def test_deepspeed_fused_adam_tiled_is_bit_identical(world, stage, precision, kind):
+    """DeepSpeed's FusedAdam (what Megatron-DeepSpeed and GPT-NeoX use) in ZeRO-1 with MoE
+    expert groups and clipping, and at stage 0: tiles of 1008 (whole cache lines) give the bits
+    of its untiled step."""
+    ref = world.run(_train, stage, precision, None, False, 0.05, 4, "ds_fused")
+    ours = world.run(_train, stage, precision, 1008, False, 0.05, 4, "ds_fused")
+    _assert_identical(ref, ours, kind)
 
 
 @pytest.mark.parametrize(

@@ -151,15 +151,22 @@ def ds_config(stage: int, precision: str, clip: float, tiled: int | None) -> dic
 
 
 def moe_engine(experts: int, variant: str, tile_size: int, hidden: int, ffn: int,
-               stage: int = 1, precision: str = "bf16", clip: float = 1.0, lr: float = 1e-3):
-    """A DeepSpeed engine (through ``ds_ext.initialize``) for one benchmark variant."""
+               stage: int = 1, precision: str = "bf16", clip: float = 1.0, lr: float = 1e-3,
+               optimizer: str = "torch"):
+    """A DeepSpeed engine (through ``ds_ext.initialize``) for one benchmark variant;
+    ``optimizer``: torch's AdamW or DeepSpeed's FusedAdam (``"ds_fused"``), same hyper-parameters."""
     import torch
 
     import ds_ext
 
     model = moe_model(hidden, ffn, experts, WORLD if experts >= WORLD else experts)
     groups = moe_param_groups(model, tile_size if variant == "ds_group_split" else None)
-    opt = torch.optim.AdamW(groups, lr=lr)
+    if optimizer == "ds_fused":
+        from deepspeed.ops.adam import FusedAdam
+
+        opt = FusedAdam(groups, lr=lr, weight_decay=0.01, adam_w_mode=True)
+    else:
+        opt = torch.optim.AdamW(groups, lr=lr)
     cfg = ds_config(stage, precision, clip, tile_size if variant == "tiled" else None)
     engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     return engine

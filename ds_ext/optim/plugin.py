@@ -23,9 +23,11 @@ coefficient is bit-identical, up-casts one gradient tensor at a time (DeepSpeed:
 bytes x the largest parameter segment), and about 1 MiB of allocator, gloo and Python slack.
 The step peak is therefore max(4 x tile_size, 8 x largest parameter) + ~1 MiB on DeepSpeed.
 
-The optimizer must be a torch ``Adam`` / ``AdamW`` (an instance passed as ``optimizer=``,
-or a ds_config ``"optimizer"`` of type Adam/AdamW with ``"torch_adam": true``); anything
-else fails at start naming ``ds_ext.tiled_optimizer`` and the allowed types.
+The optimizer must be a torch ``Adam`` / ``AdamW`` or DeepSpeed's ``FusedAdam`` (an instance
+passed as ``optimizer=``, or a ds_config ``"optimizer"`` of type Adam/AdamW: FusedAdam, or
+torch's with ``"torch_adam": true``); anything else, and FusedAdam at stage 0 in fp16/bf16
+(DeepSpeed's fused FP16_Optimizer), fails before DeepSpeed builds the engine, naming
+``ds_ext.tiled_optimizer`` and what is allowed.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 from pydantic import Field, StrictInt
 
 from ds_ext.config import DsExtConfigError
+from ds_ext.integration import ds_fused_adam
 from ds_ext.optim.tiled import ALLOWED_TYPES, FUSED_TILE_MULTIPLE, KEY, TiledAdam, check_tileable
 from ds_ext.plugin import Plugin, PluginConfig, register_plugin
 
@@ -75,19 +78,29 @@ def _check_ds_config(ds_config: dict, optimizer: Any, tile_size: int = DEFAULT_T
         if section is None:
             raise DsExtConfigError(f"{KEY}: no optimizer; pass a torch optimizer ({ALLOWED_TYPES})")
         kind = str(section.get("type", "")).lower()
-        torch_adam = (section.get("params") or {}).get("torch_adam", False)
-        if kind not in ("adam", "adamw") or not torch_adam:
+        params = section.get("params") or {}
+        if kind not in ("adam", "adamw"):
             raise DsExtConfigError(
-                f"{KEY}: ds_config optimizer {section.get('type')!r} (torch_adam={torch_adam}) is not tiled; "
-                f"allowed types: {ALLOWED_TYPES} (ds_config 'Adam'/'AdamW' with \"torch_adam\": true)"
+                f"{KEY}: ds_config optimizer {section.get('type')!r} is not tiled; allowed types: {ALLOWED_TYPES} "
+                "(ds_config 'Adam'/'AdamW': FusedAdam, or torch's with \"torch_adam\": true)"
             )
-        if (section.get("params") or {}).get("fused") and tile_size % FUSED_TILE_MULTIPLE:
+        ds_fused = not params.get("torch_adam", False)  # DeepSpeed builds its FusedAdam (no offload here)
+        if (params.get("fused") or ds_fused) and tile_size % FUSED_TILE_MULTIPLE:
             raise DsExtConfigError(
-                f"{KEY}.tile_size: a fused=True optimizer needs tiles of whole 64-byte cache lines; "
-                f"allowed: a multiple of {FUSED_TILE_MULTIPLE} (got {tile_size})"
+                f"{KEY}.tile_size: a fused optimizer (FusedAdam or fused=True) needs tiles of whole 64-byte cache "
+                f"lines; allowed: a multiple of {FUSED_TILE_MULTIPLE} (got {tile_size})"
             )
     elif isinstance(optimizer, torch.optim.Optimizer):
         check_tileable(optimizer, tile_size)
+        ds_fused = ds_fused_adam.is_fused_adam(optimizer)
+    else:
+        ds_fused = False
+    low_precision = any((ds_config.get(k) or {}).get("enabled") for k in ("fp16", "bf16"))
+    if ds_fused and stage == 0 and low_precision:
+        raise DsExtConfigError(
+            f"{KEY}: DeepSpeed wraps FusedAdam in its fused FP16_Optimizer at zero_optimization.stage 0 with "
+            "fp16/bf16, which is not tiled; allowed: stage 1 or 2, fp32, or torch AdamW"
+        )
 
 
 @register_plugin

@@ -31,7 +31,9 @@ default) picks for CPU tensors; ``foreach=True`` (``_multi_tensor_adam``) was ch
 the same bits on CPU as well (tests/test_tiled_optimizer.py). ``fused=True`` groups run
 torch's fused kernel itself on each tile (its arithmetic differs from the for-loop's), with
 tiles of whole cache lines; ``capturable`` and ``differentiable`` are refused
-(:func:`check_tileable`).
+(:func:`check_tileable`). DeepSpeed's ``FusedAdam`` (what a ds_config ``"Adam"`` builds, and
+what Megatron-DeepSpeed and GPT-NeoX use) runs its own kernel on each tile, with its group
+step rule (:mod:`ds_ext.integration.ds_fused_adam`), also on tiles of whole cache lines.
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ from typing import Any, Callable
 import torch
 
 from ds_ext.config import DsExtConfigError
+from ds_ext.integration import ds_fused_adam
 
 KEY = "ds_ext.tiled_optimizer"
 TILEABLE: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Adam, torch.optim.AdamW)
-ALLOWED_TYPES = "torch.optim.Adam, torch.optim.AdamW"
+ALLOWED_TYPES = "torch.optim.Adam, torch.optim.AdamW, deepspeed.ops.adam.FusedAdam"
 
 # fill(buf, start): write the fp32, unscaled and clipped gradient of elements
 # [start, start + buf.numel()) of the master tensor into ``buf``.
@@ -59,8 +62,10 @@ FUSED_TILE_MULTIPLE = 16  # fp32 elements per 64-byte cache line: the CPU fused 
 def check_tileable(optimizer: Any, tile_size: int | None = None) -> None:
     """Raise :class:`DsExtConfigError` unless ``optimizer`` is a torch Adam/AdamW we tile
     bit-identically (001 §7.2). ``fused=True`` groups need whole cache lines per tile:
-    torch's CPU fused kernel vectorises whole cache lines and does a partial one scalar."""
-    if not isinstance(optimizer, TILEABLE):
+    torch's CPU fused kernel vectorises whole cache lines and does a partial one scalar
+    (DeepSpeed's FusedAdam on CPU too)."""
+    ds_fused = ds_fused_adam.is_fused_adam(optimizer)
+    if not isinstance(optimizer, TILEABLE) and not ds_fused:
         raise DsExtConfigError(
             f"{KEY}: optimizer type {type(optimizer).__module__}.{type(optimizer).__qualname__} "
             f"is not tiled; allowed types: {ALLOWED_TYPES}"
@@ -72,9 +77,9 @@ def check_tileable(optimizer: Any, tile_size: int | None = None) -> None:
                 f"{KEY}: param group {i} sets {', '.join(f'{k}=True' for k in bad)}; the tiled step "
                 "reproduces torch's single-tensor and fused Adam: allowed capturable=False, differentiable=False"
             )
-        if g.get("fused") and tile_size is not None and tile_size % FUSED_TILE_MULTIPLE:
+        if (g.get("fused") or ds_fused) and tile_size is not None and tile_size % FUSED_TILE_MULTIPLE:
             raise DsExtConfigError(
-                f"{KEY}.tile_size: param group {i} is fused=True, whose tiles must be whole 64-byte cache lines to "
+                f"{KEY}.tile_size: param group {i} is fused (fused=True or FusedAdam), whose tiles must be whole 64-byte cache lines to "
                 f"give the fused kernel's bits; allowed: a multiple of {FUSED_TILE_MULTIPLE} (got {tile_size})"
             )
         for k in ("lr", "eps", "weight_decay"):
@@ -148,6 +153,9 @@ class TiledAdam:
         self.optimizer = optimizer
         self.buffer = TileBuffer(tile_size)
         self._in_step = False
+        self._ds_fused = ds_fused_adam.is_fused_adam(optimizer)
+        self._group_steps: dict[int, int] = {}  # FusedAdam: this step's counter per group
+        self.step_holders: dict[int, torch.Tensor] = {}  # FusedAdam: the group's last parameter with a gradient
 
     @property
     def tile_size(self) -> int:
@@ -171,6 +179,8 @@ class TiledAdam:
         """Release the tile buffer and run the step post-hooks; every integration calls
         this when its step is done (a skipped step never started one: no hooks)."""
         self.buffer.release()
+        self._group_steps.clear()
+        self.step_holders.clear()
         if self._in_step:
             self._in_step = False
             self._run_hooks(post=True)
@@ -195,12 +205,15 @@ class TiledAdam:
         if not self._in_step:  # the step's first update: it is applied
             self._in_step = True
             self._run_hooks(post=False)
+        if param not in self.optimizer.state and not any(param is q for q in group["params"]):
+            raise ValueError("the tiled step needs the optimizer's own parameter object (its state is keyed by it)")
+        if self._ds_fused:
+            self._ds_fused_update(param, group, load, store, after_tile)
+            return
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         amsgrad, maximize = group["amsgrad"], group["maximize"]
         decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
-        if param not in self.optimizer.state and not any(param is q for q in group["params"]):
-            raise ValueError("the tiled step needs the optimizer's own parameter object (its state is keyed by it)")
         fused = bool(group.get("fused"))
         state = _adam_state(self.optimizer, param, amsgrad, fused)
         state["step"] += 1
@@ -272,13 +285,38 @@ class TiledAdam:
             if after_tile is not None:
                 after_tile()
 
+    def _ds_fused_update(self, param, group, load, store, after_tile) -> None:
+        """DeepSpeed's FusedAdam kernel on each tile; the group's counter is raised once per step
+        on its last parameter with a gradient (``step_holders``; by default the group's last
+        parameter, the one flat partition ZeRO-1/2 gives each group), as ``FusedAdam.step`` does."""
+        st = ds_fused_adam.state(self.optimizer, param, group)
+        key = id(group)
+        if key not in self._group_steps:
+            holder = ds_fused_adam.state(self.optimizer, self.step_holders.get(key, group["params"][-1]), group)
+            holder["step"] += 1
+            self._group_steps[key] = holder["step"]
+        step = self._group_steps[key]
+        flat = [param.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)]
+        n = flat[0].numel()
+        for s in range(0, n, self.tile_size):
+            e = min(s + self.tile_size, n)
+            buf = self.buffer.view(e - s, param.device)
+            load(buf, s)
+            ds_fused_adam.apply(self.optimizer, group, step, buf, *(t[s:e] for t in flat))
+            self.buffer.tiles_processed += 1
+            if store is not None:
+                store(s, e)
+            if after_tile is not None:
+                after_tile()
+
     def step_fp32_params(self) -> None:
         """Tiled step of a plain optimizer whose params hold their own fp32 ``.grad``
         (DeepSpeed stage 0 in fp32): same result as ``optimizer.step()``."""
         for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            if with_grad:
+                self.step_holders[id(group)] = with_grad[-1]
+            for p in with_grad:
                 if p.dtype != torch.float32:
                     raise ValueError(f"{KEY}: a stage-0 fp32 engine holds a {p.dtype} parameter")
                 flat_g = p.grad.view(-1)
