@@ -300,3 +300,22 @@ def test_simulate_sweep_efficiency_and_outputs(tmp_path, capsys):
     assert main(["simulate", "--nodes", "2", "4", "--families", "zero", "--out", str(out)]) == 0
     assert "sweep: 12 points" in capsys.readouterr().out
     assert len(json.loads(out.read_text())["records"]) == 12 and out.with_suffix(".png").exists()
+
+
+def test_validation_rows_and_table():
+    from ds_ext.planner import validate
+
+    row = validate.Row("ratio", "003", 1.405, 1.5, 0.15)
+    assert row.rel_error == pytest.approx(1.5 / 1.405 - 1) and row.holds is True
+    assert validate.Row("ratio", "003", 1.707, 1.06, 0.15).holds is False
+    assert validate.Row("x", "000", 1.0, 0.9).holds is None
+    rows = validate.zero_rows(FRONTIER)
+    by = {r.claim: r for r in rows}
+    s384 = _estimates(48)
+    assert by["TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs"].predicted == s384["zeropp"].tflops / s384["zero3"].tflops
+    assert by["largest model, ZeRO-3, 16 GCDs (B params)"].holds is True
+    pmm = validate.pmm_rows(FRONTIER, ((16, "gpt-5b", 1.6), (32, "gpt-5b", 3.0)))
+    assert [r.published for r in pmm] == [100.0, 93.75, 0.9375]
+    assert pmm[2].predicted == pytest.approx(pmm[1].predicted / pmm[0].predicted)
+    text = validate.markdown(rows)
+    assert text.count("\n") == len(rows) + 1 and "| **no** |" in text and "| yes |" in text

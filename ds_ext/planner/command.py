@@ -108,7 +108,21 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step for every point (default: recipes)")
     p.add_argument("--grad-accum", type=int, default=None, help="micro-steps per step for every point")
     p.add_argument("--families", nargs="*", default=None, help="plan families (default: all)")
+    p.add_argument("--validate", action="store_true",
+                   help="instead of the sweep: predictions beside 003's and 000's published numbers")
     p.add_argument("--out", default=None, help="write JSON here and a PNG next to it")
+
+
+def run_validate(ns: argparse.Namespace) -> int:
+    from ds_ext.planner import validate
+
+    machine = machine_from(ns)
+    rows = validate.validate(machine)
+    print(validate.markdown(rows))
+    if ns.out:
+        payload = {"machine": machine.model_dump(), "rows": [r.record() for r in rows]}
+        _write(ns.out, payload, lambda png: validate.plot(rows, png))
+    return 0
 
 
 def run_simulate(ns: argparse.Namespace) -> int:
@@ -116,6 +130,8 @@ def run_simulate(ns: argparse.Namespace) -> int:
 
     from ds_ext.planner import models, plan, simulate
 
+    if ns.validate:
+        return run_validate(ns)
     machine = machine_from(ns)
     archs = [models.lookup(m) for m in ns.models]
     for n in ns.nodes:
