@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ds_ext import config as cfgmod
 from ds_ext.bench import BENCHMARKS
-from ds_ext.groups import member_group, topology_partition
+from ds_ext.groups import GroupError, TEDLayout, member_group, topology_partition
 from ds_ext.planner import PlannerError
 from ds_ext.planner import command as planner_command
 from ds_ext.runtime import resolve_topology
@@ -59,6 +59,9 @@ def cmd_detect(ns: argparse.Namespace) -> int:
         print("\n".join(_rank_lines(topo, r)))
     if ns.grid is not None:
         print(_grid_lines(topo, ns.grid))
+    if ns.ted:
+        for r in ranks:
+            print("\n".join(_ted_lines(topo, ns.ted, r)))
     return 0
 
 
@@ -163,6 +166,23 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _ted_lines(topo: Topology, spec: str, rank: int) -> list[str]:
+    """The TED groups (001 §7.1) of ``rank`` for ``--ted T,P[,D]`` and the level each spans."""
+    degrees = spec.split(",")
+    if not 2 <= len(degrees) <= 3 or not all(d.isdigit() for d in degrees):
+        raise SystemExit(f"--ted expects TENSOR,EXPERT[,EXPERT_DATA], got {spec!r}")
+    try:
+        layout = TEDLayout.build(topo.world_size, *map(int, degrees))
+        layout.check_placement(topo)
+    except GroupError as err:
+        raise cfgmod.DsExtConfigError(str(err)) from None
+    lines = [f"TED G_tensor={layout.tensor} x G_expert={layout.expert} x G_data^exp={layout.expert_data} "
+             f"(G_data^nonexp={layout.nonexp_data})"]
+    for kind, level in layout.levels(topo, rank).items():
+        lines.append(f"  {kind:<11}  {list(member_group(layout.partition(kind), rank))}  {level or '-'}")
+    return lines
+
+
 def cmd_schema(_: argparse.Namespace) -> int:
     json.dump(cfgmod.json_schema(), sys.stdout, indent=2)
     print()
@@ -187,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--all", action="store_true", help="show every rank")
     d.add_argument("--grid", type=_parse_grid, default=None, metavar="X,Y,Z,DATA",
                    help="also show the topology level each 3D-PMM grid axis spans")
+    d.add_argument("--ted", default=None, metavar="T,P[,D]",
+                   help="also show the TED groups (tensor, expert, expert-data, data) and their levels")
     d.set_defaults(func=cmd_detect)
     t = sub.add_parser("tune", help="rank the 3D-PMM grids of a model (001 §5.1.2); --measure: bandwidth database")
     t.add_argument("--model", choices=sorted(_table_5_1()), default="gpt-20b", help="a GPT of 001 Table 5.1")

@@ -238,3 +238,102 @@ def pmm_groups(registry: GroupRegistry, axes: ParallelAxes) -> dict[str, object 
     out["data"] = registry.axes(axes, ["data"])
     out["tensor"] = registry.axes(axes, PMM_TENSOR)
     return out
+
+
+# ---- TED: tensor x expert x data parallelism (001 §7.1) ---------------------------------
+#
+# Notation (001 §7.1): G ranks; G_tensor tensor-parallel degree, shared by expert and
+# non-expert blocks; G_expert expert-parallel degree; G_data^exp expert-data degree;
+# G_data^nonexp non-expert data degree; E experts, E = k * G_expert (TED itself sets k = 1).
+#   Eq 7.1  G_tensor * G_expert * G_data^exp = G_tensor * G_data^nonexp = G
+#   Eq 7.7  G_data^exp = G_data^nonexp / G_expert
+# Rank layout, tensor innermost, then expert, then expert-data (DeepSpeed's
+# ``_get_expert_parallel_ranks`` and 001 Fig 7.3 agree):
+#   rank = t + G_tensor * (e + G_expert * d)
+# so a tensor group is G_tensor consecutive ranks (inside a GCD pair / GPU / node when
+# G_tensor divides it), and an expert group the G_expert ranks of stride G_tensor next to
+# it: the smallest domain the all-to-all can stay in once the tensor groups are placed.
+
+TED_GROUP_KINDS: tuple[str, ...] = ("tensor", "expert", "expert_data", "data")
+
+
+@dataclass(frozen=True)
+class TEDLayout:
+    """Validated TED degrees (Eq 7.1) and their rank layout."""
+
+    tensor: int
+    expert: int
+    expert_data: int
+
+    @classmethod
+    def build(
+        cls, world_size: int, tensor: int, expert: int, expert_data: int | None = None
+    ) -> "TEDLayout":
+        """Check Eq 7.1 for ``world_size`` ranks; ``expert_data=None`` infers G_data^exp."""
+        for key, value in (("tensor_parallel", tensor), ("expert_parallel", expert)):
+            if value < 1:
+                raise GroupError(f"ds_ext.ted.{key}={value} must be >= 1")
+        if expert_data is None:
+            if world_size % (tensor * expert):
+                raise GroupError(
+                    f"ds_ext.ted: world size {world_size} is not divisible by tensor_parallel {tensor} "
+                    f"x expert_parallel {expert} (Eq 7.1: G_tensor x G_expert x G_data^exp = G)"
+                )
+            expert_data = world_size // (tensor * expert)
+        elif tensor * expert * expert_data != world_size:
+            raise GroupError(
+                f"ds_ext.ted: tensor_parallel {tensor} x expert_parallel {expert} x expert_data_parallel "
+                f"{expert_data} = {tensor * expert * expert_data} != world size {world_size} (Eq 7.1)"
+            )
+        return cls(tensor, expert, expert_data)
+
+    @property
+    def axes(self) -> ParallelAxes:
+        return ParallelAxes(
+            (("tensor", self.tensor), ("expert", self.expert), ("expert_data", self.expert_data))
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.expert * self.expert_data
+
+    @property
+    def nonexp_data(self) -> int:
+        """G_data^nonexp = G_expert x G_data^exp (Eq 7.1 / 7.7)."""
+        return self.expert * self.expert_data
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{"tensor": t, "expert": e, "expert_data": d}`` of ``rank``."""
+        return self.axes.coords(rank)
+
+    def partition(self, kind: str) -> Partition:
+        """The world split into TED groups of ``kind`` (one of :data:`TED_GROUP_KINDS`).
+
+        ``data`` is the non-expert data-parallel group (expert x expert-data axes).
+        """
+        names = {"tensor": ["tensor"], "expert": ["expert"], "expert_data": ["expert_data"],
+                 "data": ["expert", "expert_data"]}
+        if kind not in names:
+            raise GroupError(f"unknown TED group {kind!r}; allowed: {', '.join(TED_GROUP_KINDS)}")
+        return self.axes.groups(names[kind])
+
+    def check_placement(self, topo: Topology) -> None:
+        """Refuse tensor groups that straddle a node (001 §7.1.1: G_tensor <= GPUs per node)."""
+        if topo.world_size != self.world_size:
+            raise GroupError(f"TED layout of {self.world_size} ranks on a topology of {topo.world_size}")
+        node = topo.ranks_per_node if len(topo.levels) > 1 else topo.world_size
+        if node % self.tensor:
+            raise GroupError(
+                f"ds_ext.ted.tensor_parallel={self.tensor} would split tensor groups across nodes of "
+                f"{node} ranks ({topo.name}); allowed: a divisor of {node}"
+            )
+
+    def levels(self, topo: Topology, rank: int) -> dict[str, str | None]:
+        """The outermost topology level each TED group of ``rank`` spans (None: one rank)."""
+        return {k: topo.level_of(member_group(self.partition(k), rank)) for k in TED_GROUP_KINDS}
+
+
+def ted_process_groups(registry: GroupRegistry, layout: TEDLayout) -> dict[str, object]:
+    """This rank's TED process groups by kind (collective: every rank creates all of them)."""
+    layout.check_placement(registry.topology)
+    return {kind: registry.group(layout.partition(kind)) for kind in TED_GROUP_KINDS}

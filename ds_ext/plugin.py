@@ -66,7 +66,9 @@ class Plugin:
 _REGISTRY: dict[str, type[Plugin]] = {}
 
 # Modules that register the built-in plugins when imported (one module per plugin).
-BUILTIN_PLUGIN_MODULES: tuple[str, ...] = ("ds_ext.zero_topo.plugin", "ds_ext.optim.plugin", "ds_ext.pmm.plugin")
+BUILTIN_PLUGIN_MODULES: tuple[str, ...] = (
+    "ds_ext.zero_topo.plugin", "ds_ext.optim.plugin", "ds_ext.pmm.plugin", "ds_ext.moe.plugin"
+)
 
 
 def register_plugin(cls: type[Plugin]) -> type[Plugin]:

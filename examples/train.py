@@ -1,8 +1,14 @@
-"""Train a small GPT with DeepSpeed through ``ds_ext.initialize``.
+"""Train a small GPT (or GPT-MoE) with DeepSpeed through ``ds_ext.initialize``.
 
 Launch with the DeepSpeed launcher (see launch/local_cpu.sh)::
 
     deepspeed --num_gpus 8 examples/train.py --deepspeed_config configs/demo.json
+    deepspeed --num_gpus 8 examples/train.py --deepspeed_config configs/ted_moe.json --model gpt-moe
+
+``--model gpt-moe`` builds ``ds_ext.models.gpt_moe.GPTMoE`` (every other block an MoE layer)
+with the experts, top-k and capacity factor of the config's ``"ds_ext": {"ted": ...}`` block
+and one expert group of ``expert_parallel`` ranks; ``--checkpoint`` recomputes each block
+in backward (what CAC, 001 §7.3.2, optimizes).
 
 The model is built from its config (random init) and reads byte-level tokens of the
 Python standard library sources: nothing is downloaded. Rank 0 shows a progress bar
@@ -22,6 +28,7 @@ from tqdm import tqdm
 
 import ds_ext
 from ds_ext.data import ByteCorpus
+from ds_ext import config as cfgmod
 from ds_ext.models import GPT, GPTConfig
 
 
@@ -35,17 +42,43 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-losses", action="store_true", help="print every step's loss (rank 0)")
+    p.add_argument("--model", choices=("gpt", "gpt-moe"), default="gpt")
+    p.add_argument("--checkpoint", choices=("none", "torch", "torch-reentrant", "deepspeed"), default="none",
+                   help="gpt-moe: activation checkpointing of every block")
+    p.add_argument("--aux-loss-coef", type=float, default=0.01, help="gpt-moe: weight of the MoE load-balancing loss")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     deepspeed.add_config_arguments(p)
     return p.parse_args()
 
 
+def gpt_moe(args: argparse.Namespace):
+    """GPT-MoE shaped by the ds_config's ``ds_ext.ted`` block, and DeepSpeed-MoE param groups
+    (ZeRO-1/2 reduce expert gradients per group)."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    from ds_ext.models.gpt_moe import GPTMoE, GPTMoEConfig
+
+    ted = cfgmod.parse(cfgmod.load_ds_config(args.deepspeed_config).get(cfgmod.BLOCK)).ted
+    layer = {"num_experts": ted.num_experts, "top_k": ted.top_k, "capacity_factor": ted.capacity_factor}
+    cfg = GPTMoEConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                       ep_size=ted.expert_parallel if ted.enabled else 1, checkpoint=args.checkpoint,
+                       aux_loss_coef=args.aux_loss_coef, **{k: v for k, v in layer.items() if v is not None})
+    model = GPTMoE(cfg)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "dense", "lr": args.lr, "weight_decay": 0.0})
+    return cfg, model, groups
+
+
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
-    cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
-    model = GPT(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    if args.model == "gpt-moe":
+        cfg, model, params = gpt_moe(args)
+    else:
+        cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
+        model = GPT(cfg)
+        params = model.parameters()
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     engine, _, _, _ = ds_ext.initialize(args=args, model=model, optimizer=optimizer)
 
     rank, world = dist.get_rank(), dist.get_world_size()

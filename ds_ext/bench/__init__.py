@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS: tuple[str, ...] = ("zero", "tiled", "quant", "ledger", "pmm")
+BENCHMARKS: tuple[str, ...] = ("zero", "tiled", "quant", "ledger", "pmm", "ted")
 
 
 def median(xs: list[float]) -> float:

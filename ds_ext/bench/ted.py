@@ -1,0 +1,382 @@
+"""``ds-ext bench ted``: TED MoE (001 ch. 7) against DeepSpeed-MoE on the same model and data.
+
+8 CPU ranks emulate 2 nodes x 2 GPUs x 2 GCDs (Frontier's hierarchy, shrunk); a GPT-MoE
+(every other block an MoE layer of 4 experts, top-1, capacity factor 1.25, every block
+activation-checkpointed, bf16, ZeRO-1, same initialization and byte-level data) trains in
+one gloo world per variant, side by side in one invocation:
+
+* ``deepspeed_ep``: DeepSpeed's ``deepspeed.moe.layer.MoE``, expert parallel only
+  (G_expert = 4, G_data^exp = 2, no tensor parallelism);
+* ``deepspeed_ep_tp``: DeepSpeed's MoE with expert tensor parallelism (G_tensor = 2 through a
+  Megatron mpu, experts column/row-parallel): recorded with the error it stops with on gloo
+  (``moe/mappings.py:_gather_tokens``), or measured if it runs;
+* ``ted_base``, ``ted_dtd``, ``ted_dtd_cac``: TEDMoE, G_tensor = 2, G_expert = 4, with
+  duplicate token dropping (001 §7.3.1) and communication-aware checkpointing (§7.3.2)
+  switched on one after the other.
+
+Per variant: bytes and calls per topology level per optimizer step (the ledger counts
+DeepSpeed's collectives too), bytes and calls of one MoE block's forward + backward
+(+ recompute) by op and level, which must equal ``ds_ext.perf.ted`` exactly for the TED
+variants; the alpha-beta link time of a step's collectives at Frontier's latencies and
+bandwidths (summed by the time emulator from bytes, calls and levels: no CPU noise), and the
+wall time per step with and without that time (x ``--time-scale``) held (measured steps
+alternate); this rank's parameter, gradient and optimizer bytes and Eq 7.4's value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import time
+from pathlib import Path
+from typing import Any
+
+from ds_ext.bench import median, write_json
+
+WORLD, RANKS_PER_NODE = 8, 4
+LEVELS = ("gcd", "gpu", "node")
+TOPOLOGY = {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}
+VARIANTS = {  # name -> (moe implementation, G_tensor, DTD, CAC)
+    "deepspeed_ep": ("deepspeed", 1, False, False),
+    "deepspeed_ep_tp": ("deepspeed", 2, False, False),
+    "ted_base": ("ted", 2, False, False),
+    "ted_dtd": ("ted", 2, True, False),
+    "ted_dtd_cac": ("ted", 2, True, True),
+}
+EXPERTS, EXPERT_PARALLEL = 4, 4
+MODELS = {  # name -> (d_model, n_layers, n_heads, seq_len, micro-batch)
+    "moe6m": (256, 4, 8, 128, 8),
+    "tiny": (32, 2, 4, 16, 2),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="JSON file to write (a PNG is written next to it)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--model", choices=sorted(MODELS), default="moe6m")
+    p.add_argument("--warmup", type=int, default=2, help="optimizer steps before measuring")
+    p.add_argument("--steps", type=int, default=4, help="measured steps per timing mode")
+    p.add_argument("--time-scale", type=float, default=300.0,
+                   help="multiply emulated link times by this factor (a CPU core computes ~1000x slower than a GCD)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per variant before giving up")
+
+
+# ---- one rank ---------------------------------------------------------------------------
+def _model_config(model: str):
+    from ds_ext.models.gpt_moe import GPTMoEConfig
+
+    d, layers, heads, seq, _ = MODELS[model]
+    return GPTMoEConfig(seq_len=seq, d_model=d, n_layers=layers, n_heads=heads, num_experts=EXPERTS, top_k=1,
+                        capacity_factor=1.25, min_capacity=0, checkpoint="torch")
+
+
+def _ds_config(variant: str, micro: int, time_scale: float) -> dict[str, Any]:
+    impl, T, dtd, cac = VARIANTS[variant]
+    block: dict[str, Any] = {"topology": TOPOLOGY, "comm": {"ledger": True, "emulate_time": True,
+                                                          "time_scale": time_scale}}
+    if impl == "ted":
+        block["ted"] = {"enabled": True, "tensor_parallel": T, "expert_parallel": EXPERT_PARALLEL,
+                        "duplicate_token_dropping": dtd, "comm_aware_checkpointing": cac}
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+            "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
+            "ds_ext": block}
+
+
+def _deepspeed_tp_model(cfg, state, layout):
+    """DeepSpeed's MoE with Megatron-style expert tensor parallelism: ds_ext's tensor-parallel
+    attention / MLP / experts bound to a TED context (DeepSpeed gets its mpu)."""
+    import torch.distributed as dist
+    from deepspeed.moe.layer import MoE
+    from torch import nn
+
+    from ds_ext import config as cfgmod
+    from ds_ext.models.gpt_moe import GPTMoE
+    from ds_ext.moe import ColumnParallelLinear, RowParallelLinear, TEDContext
+    from ds_ext.moe.mpu import TEDMpu
+    from ds_ext.moe.reference import local_expert_state
+    from ds_ext.runtime import Runtime
+
+    model = GPTMoE(dataclasses.replace(cfg, moe_impl="deepspeed", ep_size=EXPERT_PARALLEL))
+    d, f = cfg.d_model, cfg.ffn_mult * cfg.d_model
+    for block in model.blocks:
+        if block.moe:
+            expert = nn.Sequential(ColumnParallelLinear(d, f), nn.GELU(), RowParallelLinear(f, d))
+            block.ffn = MoE(d, expert, num_experts=cfg.num_experts, ep_size=EXPERT_PARALLEL, k=cfg.top_k,
+                            capacity_factor=cfg.capacity_factor, min_capacity=cfg.min_capacity,
+                            enable_expert_tensor_parallelism=True)
+    model.load_state_dict(local_expert_state(state, layout.coords(dist.get_rank())["expert"],
+                                             cfg.num_experts // EXPERT_PARALLEL))
+    runtime = Runtime.create(cfgmod.parse({"topology": TOPOLOGY}))
+    ted = TEDContext.create(layout, runtime.comm, dtd=False, cac=False)
+    for i, m in enumerate(m for m in model.modules() if hasattr(m, "ted_bind")):
+        m.ted_bind(ted, i)
+    return model, TEDMpu(ted)
+
+
+def _build(variant: str, cfg, micro: int, time_scale: float):
+    """(engine, data rank, G_data^nonexp) of one variant; the same initialization for all."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    import ds_ext
+    from ds_ext.groups import TEDLayout
+    from ds_ext.models.gpt_moe import GPTMoE
+    from ds_ext.moe.reference import local_expert_state
+
+    impl, T, _, _ = VARIANTS[variant]
+    torch.manual_seed(1234)
+    state = GPTMoE(cfg).state_dict()
+    layout = TEDLayout.build(dist.get_world_size(), T, EXPERT_PARALLEL)
+    mpu = None
+    if impl == "deepspeed" and T > 1:
+        model, mpu = _deepspeed_tp_model(cfg, state, layout)
+    else:
+        model = GPTMoE(dataclasses.replace(cfg, moe_impl=impl, ep_size=EXPERT_PARALLEL))
+        model.load_state_dict(local_expert_state(state, layout.coords(dist.get_rank())["expert"],
+                                                 cfg.num_experts // EXPERT_PARALLEL))
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "dense", "lr": 1e-3, "weight_decay": 0.0})
+    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3),
+                                   config=_ds_config(variant, micro, time_scale), mpu=mpu)
+    d = layout.coords(dist.get_rank())
+    return engine, layout, d["expert"] + EXPERT_PARALLEL * d["expert_data"]
+
+
+def _state_bytes(engine, layout) -> dict[str, Any]:
+    """16-bit parameter and gradient bytes, optimizer bytes (fp32 partitions + Adam m, v),
+    and Eq 7.4 for this rank's expert / non-expert parameter counts."""
+    import torch
+
+    from ds_ext.perf.ted import eq_7_4
+
+    params = list(engine.module.parameters())
+    n_exp = sum(p.numel() for p in params if getattr(p, "allreduce", True) is False)
+    zero = engine.optimizer
+    optim = sum(t.numel() * t.element_size() for t in zero.single_partition_of_fp32_groups) + sum(
+        v.numel() * v.element_size() for s in zero.optimizer.state.values() for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0)
+    model = eq_7_4(sum(p.numel() for p in params) - n_exp, n_exp, layout)
+    pbytes = sum(p.numel() * p.element_size() for p in params)
+    return {"params": pbytes, "grads": pbytes, "optimizer": optim,
+            "eq_7_4": {"params": model.params, "grads": model.grads, "optimizer": model.optimizer}}
+
+
+def _moe_block(engine, cfg, tokens) -> dict[str, Any]:
+    """Ledger of one checkpointed MoE block's forward + backward on this micro-batch."""
+    import torch
+
+    from ds_ext.models.gpt_moe import _checkpointed
+
+    net = engine.module
+    block = next(b for b in net.blocks if b.moe)
+    ledger = engine.ds_ext.ledger
+    with torch.no_grad():
+        x = (net.embed(tokens[:, :-1]) + net.pos.weight[: cfg.seq_len]).detach()
+    x.requires_grad_(True)
+    ledger.reset()
+    with ledger.phase("forward"):
+        y, l_aux = _checkpointed(block, x, cfg.checkpoint)
+    with ledger.phase("backward"):
+        (y.float().sum() + l_aux).backward()
+    engine.zero_grad()
+    traffic = ledger.current
+    ledger.reset()
+    return {"bytes": {f"{ph}/{op}/{lv}": b for (ph, op, lv), b in traffic.bytes.items()},
+            "calls": {f"{ph}/{op}/{lv}": c for (ph, op, lv), c in traffic.calls.items()}}
+
+
+def _moe_block_model(variant: str, cfg, micro: int, layout, topology) -> dict[str, Any]:
+    from ds_ext.perf.ted import MoEBlockShape, moe_block_traffic
+
+    _, _, dtd, cac = VARIANTS[variant]
+    tokens = micro * cfg.seq_len
+    capacity = -(-tokens * cfg.top_k * cfg.capacity_factor // cfg.num_experts)
+    shape = MoEBlockShape(tokens, cfg.d_model, cfg.num_experts, int(capacity), element_bytes=2)
+    traffic = moe_block_traffic(layout, topology, 0, shape, dtd=dtd, cac=cac, checkpointing=True)
+    return {"bytes": {f"{ph}/{op}/{lv}": b for (ph, op, lv), b in traffic.bytes.items()},
+            "calls": {f"{ph}/{op}/{lv}": c for (ph, op, lv), c in traffic.calls.items()}}
+
+
+class _LinkClock:
+    """Wraps the time emulator and sums the link time it charges: the alpha-beta cost of a
+    step's collectives from their bytes, calls and levels alone (no CPU noise)."""
+
+    def __init__(self, emulator) -> None:
+        self.emulator = emulator
+        self.total = 0.0
+
+    def cost(self, op: str, level: str | None, nbytes: float, d: int) -> float:
+        c = self.emulator.cost(op, level, nbytes, d)
+        self.total += c
+        return c
+
+
+def _measure(variant: str, model: str, warmup: int, steps: int, time_scale: float) -> dict[str, Any]:
+    """Runs on every rank: build, train ``warmup + 2 steps`` steps, measure."""
+    import torch.distributed as dist
+
+    from ds_ext.data import ByteCorpus
+
+    cfg, micro = _model_config(model), MODELS[model][4]
+    corpus = ByteCorpus()
+    engine, layout, data_rank = _build(variant, cfg, micro, time_scale)
+    rt = engine.ds_ext
+    clock = _LinkClock(rt.comm.emulator)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    link: list[float] = []
+    losses = []
+    try:
+        for step in range(warmup + 2 * steps):
+            emulate = step >= warmup and (step - warmup) % 2 == 1
+            rt.comm.emulator = clock if emulate else None
+            clock.total = 0.0
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = engine(corpus.micro_batch(step, 0, data_rank, layout.nonexp_data, micro, 1, cfg.seq_len))
+            engine.backward(loss)
+            engine.step()
+            dist.barrier()
+            if step >= warmup:
+                times[emulate].append(time.perf_counter() - t0)
+                if emulate:
+                    link.append(clock.total / time_scale)
+            losses.append(loss.item())
+    except RuntimeError as err:
+        engine.destroy()
+        return {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
+    rt.comm.emulator = None
+    record = {
+        "variant": variant,
+        "error": None,
+        "layout": {"tensor": layout.tensor, "expert": layout.expert, "expert_data": layout.expert_data},
+        "tokens_per_rank": micro * cfg.seq_len,
+        "bytes_per_step": {lv: rt.ledger.mean_by_level(warmup).get(lv, 0.0) for lv in LEVELS},
+        "calls_per_step": {lv: rt.ledger.mean_calls_by_level(warmup).get(lv, 0.0) for lv in LEVELS},
+        "step_time_s": median(times[False]),
+        "step_time_emulated_s": median(times[True]),
+        "link_time_per_step_s": median(link),
+        "time_scale": time_scale,
+        "losses": losses,
+        "state_bytes": _state_bytes(engine, layout),
+        "moe_block": _moe_block(engine, cfg, corpus.micro_batch(10**6, 0, data_rank, layout.nonexp_data, micro, 1,
+                                                                cfg.seq_len)),
+        "moe_block_model": (_moe_block_model(variant, cfg, micro, layout, rt.topology)
+                            if VARIANTS[variant][0] == "ted" else None),
+    }
+    engine.destroy()
+    gc.collect()
+    return record
+
+
+# ---- driver -----------------------------------------------------------------------------
+def _merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's record, the loss averaged over ranks, times the max over ranks."""
+    rec = dict(per_rank[0])
+    if rec["error"] is None:
+        rec["losses"] = [sum(r["losses"][k] for r in per_rank) / len(per_rank) for k in range(len(rec["losses"]))]
+        for key in ("step_time_s", "step_time_emulated_s", "link_time_per_step_s"):
+            rec[key] = max(r[key] for r in per_rank)
+    return rec
+
+
+def _per_op(block: dict[str, Any], what: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, v in block[what].items():
+        op = key.split("/")[1]
+        out[op] = out.get(op, 0) + v
+    return out
+
+
+def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ledger == model per MoE block; DTD / CAC ratios; TED vs DeepSpeed step times."""
+    by = {r["variant"]: r for r in records if r["error"] is None}
+    out: dict[str, Any] = {"moe_block_ledger_equals_model": {}, "moe_block_calls": {},
+                           "a2a_bytes_dtd_over_base": None, "link_time_ratio": {}, "step_time_emulated_ratio": {},
+                           "step_time_ratio": {}}
+    for v, r in by.items():
+        out["moe_block_calls"][v] = _per_op(r["moe_block"], "calls")
+        if r["moe_block_model"] is not None:
+            out["moe_block_ledger_equals_model"][v] = r["moe_block"] == r["moe_block_model"]
+    if "ted_base" in by and "ted_dtd" in by:
+        out["a2a_bytes_dtd_over_base"] = (_per_op(by["ted_dtd"]["moe_block"], "bytes")["all_to_all"]
+                                          / _per_op(by["ted_base"]["moe_block"], "bytes")["all_to_all"])
+    for v in by:
+        if v != "ted_base" and "ted_base" in by:
+            out["link_time_ratio"][f"ted_base/{v}"] = (by["ted_base"]["link_time_per_step_s"]
+                                                       / by[v]["link_time_per_step_s"])
+            out["step_time_emulated_ratio"][f"ted_base/{v}"] = (by["ted_base"]["step_time_emulated_s"]
+                                                                / by[v]["step_time_emulated_s"])
+            out["step_time_ratio"][f"ted_base/{v}"] = by["ted_base"]["step_time_s"] / by[v]["step_time_s"]
+    return out
+
+
+def table(records: list[dict[str, Any]]) -> str:
+    head = (f"{'variant':<17}{'gcd MB':>8}{'gpu MB':>8}{'node MB':>8}{'a2a':>5}{'AR':>5}{'AG':>5}{'a2a MB':>8}"
+            f"{'link ms':>9}{'step s':>8}{'emul s':>8}{'state MB':>10}{'loss':>7}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        if r["error"] is not None:
+            lines.append(f"{r['variant']:<17}fails: {r['error'][:100]}")
+            continue
+        b = r["bytes_per_step"]
+        calls, nbytes = _per_op(r["moe_block"], "calls"), _per_op(r["moe_block"], "bytes")
+        state = r["state_bytes"]
+        lines.append(
+            f"{r['variant']:<17}{b['gcd'] / 1e6:>8.2f}{b['gpu'] / 1e6:>8.2f}{b['node'] / 1e6:>8.2f}"
+            f"{calls.get('all_to_all', 0):>5.0f}{calls.get('all_reduce', 0):>5.0f}{calls.get('all_gather', 0):>5.0f}"
+            f"{nbytes.get('all_to_all', 0) / 1e6:>8.3f}{r['link_time_per_step_s'] * 1e3:>9.2f}"
+            f"{r['step_time_s']:>8.2f}{r['step_time_emulated_s']:>8.2f}"
+            f"{(state['params'] + state['grads'] + state['optimizer']) / 1e6:>10.2f}{r['losses'][-1]:>7.3f}"
+        )
+    lines.append("MB per rank per optimizer step by level; a2a / AR / AG calls and a2a MB of one checkpointed MoE "
+                 "block (forward + backward + recompute); 'link ms': alpha-beta link time of a step's collectives "
+                 "at Frontier's latencies and bandwidths; 'emul s': wall time with that link time x time_scale held")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if r["error"] is None]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    bottom = [0.0] * len(rows)
+    for lv in LEVELS:
+        vals = [r["bytes_per_step"][lv] / 1e6 for r in rows]
+        ax1.bar(range(len(rows)), vals, bottom=bottom, label=lv)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    names = [r["variant"] for r in rows]
+    ax1.set_xticks(range(len(rows)), names, rotation=30, ha="right")
+    ax1.set_ylabel("MB per rank per optimizer step")
+    ax1.legend(title="level")
+    ax2.bar(range(len(rows)), [r["link_time_per_step_s"] * 1e3 for r in rows])
+    ax2.set_xticks(range(len(rows)), names, rotation=30, ha="right")
+    ax2.set_ylabel("alpha-beta link time per step on Frontier (ms)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from ds_ext.local_world import World
+
+    records: list[dict[str, Any]] = []
+    for variant in tqdm(args.variants, desc="bench ted", unit="variant"):
+        with World(WORLD, {"LOCAL_SIZE": str(RANKS_PER_NODE)}, timeout=args.timeout) as world:
+            records.append(_merge_ranks(world.run(_measure, variant, args.model, args.warmup, args.steps,
+                                                  args.time_scale)))
+    from ds_ext.perf.ted import base_model_table
+
+    payload = {"benchmark": "ted", "world_size": WORLD, "model": args.model, "records": records,
+               "checks": checks(records), "eq_7_5_base_model_params_64GB": base_model_table()}
+    out = write_json(args.out, payload)
+    plot(records, out.with_suffix(".png"))
+    print(table(records))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return payload

@@ -1,0 +1,92 @@
+"""DeepSpeed-MoE touch points of TED (read in DeepSpeed 0.19.8).
+
+DeepSpeed treats a module as MoE only if it is an instance of ``deepspeed.moe.layer.MoE``
+(engine.py:2102 ``has_moe_layers``; ZeRO-1/2 then reduce expert gradients over the expert
+data-parallel group of ``param.group_name``, stage_1_and_2.py:880, 1641), and looks that
+group up in ``deepspeed.utils.groups._EXPERT_{,DATA_}PARALLEL_GROUP[_RANKS]`` (filled by
+``MoE.set_deepspeed_parallelism``, which the engine calls on every module that has it).
+TED registers its own groups there under DeepSpeed's name ``ep_size_<G_expert>``.
+
+Behind the version gate of :mod:`ds_ext.integration.ds_version`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from types import CodeType
+from typing import Iterable
+
+import torch
+
+from ds_ext.integration.ds_version import check_version
+
+check_version()
+
+from deepspeed.moe.layer import MoE as MoEBase  # noqa: E402  (after the version gate)
+
+__all__ = ["MoEBase", "expert_group_name", "mark_expert_params", "register_expert_groups",
+           "release_groups", "checkpoint_function_codes"]
+
+
+def expert_group_name(ep_size: int) -> str:
+    """DeepSpeed's name of the expert groups of ``ep_size`` (moe/layer.py:62)."""
+    return f"ep_size_{ep_size}"
+
+
+def mark_expert_params(params: Iterable[torch.nn.Parameter], group_name: str) -> None:
+    """Tag expert parameters the way DeepSpeed's ``Experts`` does (moe/experts.py:24): not
+    all-reduced over the data group but over the expert data group of ``group_name``."""
+    for p in params:
+        p.allreduce = False
+        p.group_name = group_name
+
+
+def register_expert_groups(
+    group_name: str,
+    expert_group: object,
+    expert_ranks: tuple[int, ...],
+    expert_data_group: object,
+    expert_data_ranks: tuple[int, ...],
+    tensor_size: int,
+) -> None:
+    """Make DeepSpeed's group getters return TED's groups for ``group_name``.
+
+    Replaces any groups registered earlier under the name (one process may build several
+    engines), and sets the expert tensor-parallel size DeepSpeed's MoE code reads.
+    """
+    groups = sys.modules["deepspeed.utils.groups"]
+    groups._EXPERT_PARALLEL_GROUP[group_name] = expert_group
+    groups._EXPERT_PARALLEL_GROUP_RANKS[group_name] = list(expert_ranks)
+    groups._EXPERT_DATA_PARALLEL_GROUP[group_name] = expert_data_group
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[group_name] = list(expert_data_ranks)
+    groups.expert_tensor_parallel_world_size = tensor_size
+
+
+def release_groups(group_names: Iterable[str], expert_group: object, mpu: object) -> None:
+    """Forget the expert groups ``group_names`` if they still name ``expert_group``, and the
+    global ``groups.mpu`` if it is ``mpu``. DeepSpeed keeps both process-wide and never resets
+    them (engine.py:2120 only sets ``groups.mpu``): a later engine, TED or DeepSpeed's own MoE,
+    must not find a finished engine's groups, and a finished engine must not remove a later one's."""
+    groups = sys.modules["deepspeed.utils.groups"]
+    for name in group_names:
+        if groups._EXPERT_PARALLEL_GROUP.get(name) is not expert_group:
+            continue
+        for registry in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                         groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+            registry.pop(name, None)
+        groups.expert_tensor_parallel_world_size = 1
+    if groups.mpu is mpu:
+        groups.mpu = None
+
+
+def checkpoint_function_codes() -> frozenset[CodeType]:
+    """Code objects of the activation-checkpoint entry points whose first forward TED layers
+    record for the recompute: ``torch.utils.checkpoint.checkpoint`` (reentrant and not),
+    ``deepspeed.checkpointing.checkpoint`` and its ``CheckpointFunction.forward``."""
+    import torch.utils.checkpoint as torch_ckpt
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
+
+    fns = (torch_ckpt.checkpoint, torch_ckpt.CheckpointFunction.forward, ds_ckpt.checkpoint,
+           ds_ckpt.CheckpointFunction.forward)
+    return frozenset(inspect.unwrap(f).__code__ for f in fns)

@@ -1,0 +1,62 @@
+"""What a TED layer needs from the runtime: its process groups, coordinates and switches.
+
+Built once by the ``ted`` plugin (or by hand, from a :class:`~ds_ext.comm.Communicator`)
+and handed to every TED layer in ``ted_bind``; layers never look groups up globally
+(DESIGN.md §4). Groups follow ``ds_ext.groups.TEDLayout`` (001 §7.1, Eq 7.1 / 7.7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch.distributed as dist
+
+from ds_ext.comm import Communicator
+from ds_ext.groups import TEDLayout, ted_process_groups
+
+
+@dataclass(frozen=True)
+class TEDContext:
+    """One rank's view of a TED layout.
+
+    ``groups``: ``tensor`` (G_tensor), ``expert`` (G_expert), ``expert_data`` (G_data^exp)
+    and ``data`` (G_data^nonexp) process groups of this rank. ``dtd`` / ``cac`` switch
+    duplicate token dropping (001 §7.3.1) and communication-aware checkpointing (§7.3.2).
+    ``seed`` seeds the gates' noise (identical on the ranks of a tensor group).
+    """
+
+    layout: TEDLayout
+    comm: Communicator
+    groups: Mapping[str, object]
+    rank: int
+    dtd: bool = True
+    cac: bool = True
+    seed: int = 0
+
+    @classmethod
+    def create(cls, layout: TEDLayout, comm: Communicator, dtd: bool = True, cac: bool = True,
+               seed: int = 0) -> "TEDContext":
+        """Create the TED process groups (collective over the world) and the context."""
+        return cls(layout, comm, ted_process_groups(comm.registry, layout), dist.get_rank(), dtd, cac, seed)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.layout.coords(self.rank)
+
+    @property
+    def tensor_rank(self) -> int:
+        return self.coords["tensor"]
+
+    @property
+    def expert_rank(self) -> int:
+        return self.coords["expert"]
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index in its non-expert data-parallel group (its batch shard)."""
+        c = self.coords
+        return c["expert"] + self.layout.expert * c["expert_data"]
+
+    def ranks(self, kind: str) -> tuple[int, ...]:
+        return self.comm.registry.ranks(self.groups[kind])

@@ -1,0 +1,222 @@
+"""``TEDMoE``: a drop-in for ``deepspeed.moe.layer.MoE`` with TED's 3-D parallelism (001 §7.1).
+
+Same constructor arguments, same return ``(output, l_aux, exp_counts)``, same state-dict
+keys (``deepspeed_moe.gate.wg.weight``, ``deepspeed_moe.experts.deepspeed_experts.<i>...``)
+and a subclass of DeepSpeed's ``MoE``, so DeepSpeed's engine treats it as one (expert
+parameter groups, expert-data gradient reduction, MoE checkpoints).
+
+Forward of one rank (001 Fig 7.3; T = G_tensor, P = G_expert, E = k P experts, S tokens):
+
+  x ``[S, H]`` replicated over the tensor group
+  ❸ gate -> routing (identical on the tensor group) ; encode -> ``[E, C, H]``
+  ❹ all-to-all over the expert group (DTD: drop / all-to-all / all-gather) -> ``[P, k, C, H]``:
+     the slots of my k experts from each expert rank
+  ❺ column-parallel fc1, activation, row-parallel fc2 of each local expert (its T-th shard)
+  ❻ all-reduce over the tensor group -> expert outputs replicated over the tensor group
+  ❼ all-to-all back (DTD as in ❹) -> ``[E, C, H]`` ; decode -> ``[S, H]``
+
+Built whole (serial semantics, ``ep_size`` local copies of ``expert`` as DeepSpeed does);
+``ds_ext.initialize`` with ``"ted"`` enabled binds it to the TED layout (``ted_bind``), which
+slices the experts for the tensor group. Unbound with ``ep_size > 1`` it refuses to run.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ds_ext.groups import TEDLayout
+from ds_ext.integration import ds_moe
+from ds_ext.moe.cac import Frame, Tape
+from ds_ext.moe.collectives import copy_to_tensor_region, reduce_from_tensor_region
+from ds_ext.moe.context import TEDContext
+from ds_ext.moe.dispatch import decode, encode, slots
+from ds_ext.moe.dtd import exchange
+from ds_ext.moe.gate import TopKGate, all_reduce_max
+from ds_ext.moe.tensor_parallel import check_tensor_parallel_mlp, mlp_partial, shard_column_, shard_row_
+
+# Gate noise seeds: distinct per layer and per batch shard, equal on a tensor group.
+_LAYER_STRIDE, _SHARD_STRIDE = 1_000_003, 7_919
+
+
+class Experts(nn.Module):
+    """This rank's experts, under DeepSpeed's attribute name and parameter marks."""
+
+    def __init__(self, expert: nn.Module, num_local_experts: int, group_name: str) -> None:
+        super().__init__()
+        self.deepspeed_experts = nn.ModuleList(copy.deepcopy(expert) for _ in range(num_local_experts))
+        ds_moe.mark_expert_params(self.deepspeed_experts.parameters(), group_name)
+
+
+class MoEBody(nn.Module):
+    """DeepSpeed's ``deepspeed_moe`` attribute: the gate and the experts."""
+
+    def __init__(self, gate: TopKGate, experts: Experts) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+
+
+class TEDMoE(ds_moe.MoEBase):
+    """Tensor x expert x data parallel MoE layer (see module docstring).
+
+    Arguments are DeepSpeed's (``deepspeed.moe.layer.MoE``). Not supported, each refused
+    with one line: ``use_tutel=True``; with tensor parallelism, an expert that is not
+    ``nn.Sequential(Linear, elementwise activation, Linear)`` and
+    ``enable_expert_tensor_parallelism=False`` (TED splits experts over the tensor group).
+    """
+
+    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1,
+                 k: int = 1, capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0,
+                 min_capacity: int = 4, use_residual: bool = False, noisy_gate_policy: str | None = None,
+                 drop_tokens: bool = True, use_rts: bool = True, use_tutel: bool = False,
+                 enable_expert_tensor_parallelism: bool = False, top2_2nd_expert_sampling: bool = True) -> None:
+        nn.Module.__init__(self)
+        if ep_size < 1 or num_experts % ep_size:
+            raise ValueError(f"ds_ext.ted: num_experts {num_experts} must be a multiple of the expert-parallel "
+                             f"size ep_size {ep_size}")
+        if use_tutel:
+            raise ValueError("ds_ext.ted: use_tutel=True is not supported (Tutel kernels are CUDA-only); allowed: False")
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.expert_group_name = ds_moe.expert_group_name(ep_size)
+        self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
+        self.use_residual = use_residual
+        gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
+                        noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling)
+        self.deepspeed_moe = MoEBody(gate, Experts(expert, self.num_local_experts, self.expert_group_name))
+        if use_residual:
+            self.mlp = expert
+            self.coefficient = nn.Linear(hidden_size, 2)
+        self.ted: TEDContext | None = None
+        self.ted_tape = Tape("TEDMoE")
+
+    @property
+    def gate(self) -> TopKGate:
+        return self.deepspeed_moe.gate
+
+    @property
+    def local_experts(self) -> nn.ModuleList:
+        return self.deepspeed_moe.experts.deepspeed_experts
+
+    def _mlps(self) -> list[nn.Module]:
+        return list(self.local_experts) + ([self.mlp] if self.use_residual else [])
+
+    # ---- binding to a TED layout (ds_ext.moe.plugin) --------------------------------------
+    def ted_validate(self, layout: TEDLayout, name: str) -> None:
+        """Pure checks against the layout, before any process group exists."""
+        if self.ep_size != layout.expert:
+            raise ValueError(f"ds_ext.ted: {name} has ep_size {self.ep_size} but ds_ext.ted.expert_parallel is "
+                             f"{layout.expert}; allowed: ep_size == expert_parallel")
+        if layout.tensor == 1:
+            return
+        if not self.enable_expert_tensor_parallelism:
+            raise ValueError(f"ds_ext.ted: {name} has enable_expert_tensor_parallelism=False but tensor_parallel is "
+                             f"{layout.tensor}; TED splits every expert over the tensor group (001 §7.1): allowed: True")
+        for i, mlp in enumerate(self._mlps()):
+            check_tensor_parallel_mlp(mlp, f"{name} expert {i}")
+            if mlp[0].out_features % layout.tensor:
+                raise ValueError(f"ds_ext.ted: {name} expert hidden size {mlp[0].out_features} is not divisible by "
+                                 f"tensor_parallel {layout.tensor}")
+
+    def ted_bind(self, ted: TEDContext, index: int) -> None:
+        """Slice the experts for this tensor rank and attach the TED groups."""
+        T = ted.layout.tensor
+        if T > 1:
+            for mlp in self._mlps():
+                shard_column_(mlp[0], ted.tensor_rank, T)
+                shard_row_(mlp[2], ted.tensor_rank, T)
+        gate = self.gate
+        gate.seed = ted.seed + _LAYER_STRIDE * index + _SHARD_STRIDE * ted.data_rank
+        gate.tensor_parallel = T
+        if ted.layout.expert > 1:
+            gate.agree_capacity = all_reduce_max(ted.comm, ted.groups["expert"])
+        self.ted = ted
+        self.ted_tape = Tape(f"TEDMoE[{index}]")
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        """Called by DeepSpeed's engine: register TED's expert groups under DeepSpeed's name."""
+        if self.ted is None:
+            raise RuntimeError("ds_ext.ted: TEDMoE reached deepspeed.initialize unbound; build the engine with "
+                               "ds_ext.initialize and \"ds_ext\": {\"ted\": {\"enabled\": true, ...}}")
+        if use_data_before_expert_parallel_:
+            raise ValueError("ds_ext.ted: use_data_before_expert_parallel_ is not supported; TED places expert "
+                             "groups inside the non-expert data groups (001 §7.1); allowed: false")
+        ted = self.ted
+        ds_moe.register_expert_groups(self.expert_group_name, ted.groups["expert"], ted.ranks("expert"),
+                                      ted.groups["expert_data"], ted.ranks("expert_data"), ted.layout.tensor)
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
+        """``hidden_states`` ``[..., H]`` -> ``(output [..., H], l_aux, exp_counts)``."""
+        ted = self.ted
+        if ted is None and self.ep_size > 1:
+            raise RuntimeError(f"ds_ext.ted: TEDMoE(ep_size={self.ep_size}) runs only once bound by ds_ext.initialize "
+                               "with \"ted\" enabled")
+        x = hidden_states.reshape(-1, self.hidden_size)
+        frame = self.ted_tape.frame(ted.cac if ted is not None else False)
+        routing = self.gate(x, used_token, frame)
+        E, C = self.num_experts, routing.decision.capacity
+        if ted is not None and ted.dtd and C % ted.layout.tensor:
+            self._refuse_capacity(x.shape[0], C, ted.layout.tensor)
+        route_slots = slots(routing.decision, E)
+        dispatched = encode(x, route_slots, E, C)
+        if ted is not None:
+            dispatched = exchange(dispatched, ted, frame)
+        y = self._experts(dispatched.view(self.ep_size, self.num_local_experts, C, -1), frame)
+        y = y.reshape(E, C, -1)
+        if ted is not None:
+            y = exchange(y, ted, frame)
+        out = decode(y, route_slots, routing.gates)
+        if self.use_residual:
+            coef = F.softmax(self.coefficient(x), dim=-1)
+            out = out * coef[..., 0:1] + self._mlp(self.mlp, x, frame) * coef[..., 1:]
+        return out.reshape(hidden_states.shape), routing.l_aux, routing.decision.exp_counts
+
+    def _refuse_capacity(self, tokens: int, C: int, T: int) -> None:
+        g = self.gate
+        factor = g.capacity_factor if self.training else g.eval_capacity_factor
+        raise ValueError(
+            f"ds_ext.ted: expert capacity {C} = max(ceil({tokens} tokens / {self.num_experts} experts x "
+            f"capacity_factor {factor} x k {g.k}), min_capacity {g.min_capacity}) is not divisible by tensor_parallel "
+            f"{T}, which duplicate_token_dropping splits it over; choose capacity_factor, min_capacity or the tokens "
+            "per micro-batch so that it is, or drop_tokens=False (dropless capacity is padded)"
+        )
+
+    def _mlp(self, mlp: nn.Module, x: torch.Tensor, frame: Frame) -> torch.Tensor:
+        """One expert (or the residual MLP) on replicated tokens; replicated output."""
+        ted = self.ted
+        if ted is None or ted.layout.tensor == 1:
+            out = mlp(x)
+            return out[0] if isinstance(out, tuple) else out
+        group = ted.groups["tensor"]
+        partial = mlp_partial(mlp, copy_to_tensor_region(x, ted.comm, group))
+        return _add_bias(reduce_from_tensor_region(partial, ted.comm, group, frame), mlp[2].bias)
+
+    def _experts(self, x: torch.Tensor, frame: Frame) -> torch.Tensor:
+        """``[P, k, C, H]`` slots of the k local experts -> their outputs, same shape (❺, ❻).
+
+        With tensor parallelism the k experts share one f and one g (001 Fig 7.3 ❻ is one
+        all-reduce per layer).
+        """
+        ted = self.ted
+        experts = self.local_experts
+        if ted is None or ted.layout.tensor == 1:
+            return torch.stack([self._mlp(e, x[:, i], frame) for i, e in enumerate(experts)], dim=1)
+        group = ted.groups["tensor"]
+        x = copy_to_tensor_region(x, ted.comm, group)
+        partial = torch.stack([mlp_partial(e, x[:, i]) for i, e in enumerate(experts)], dim=1)
+        y = reduce_from_tensor_region(partial, ted.comm, group, frame)
+        if experts[0][2].bias is None:
+            return y
+        return y + torch.stack([e[2].bias for e in experts])[None, :, None, :]
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
+

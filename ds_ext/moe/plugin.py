@@ -1,0 +1,175 @@
+"""``"ds_ext": {"ted": {...}}``: TED MoE (001 ch. 7) through ``ds_ext.initialize``.
+
+* ``prepare``: checks the block against the world (Eq 7.1), the topology (tensor groups
+  inside a node), the ds_config (ZeRO stage 0 / 1 / 2; DeepSpeed's stage-0 clipping
+  averages per-rank norms, which is not the global norm once experts differ per rank, so
+  clipping needs ZeRO-1/2) and every TED layer of the model, all before any collective; then
+  creates the TED process groups and binds the layers (slicing their weights for this
+  tensor rank);
+* ``mpu``: the tensor group as DeepSpeed's model-parallel group, the non-expert data group as
+  its data group; ``TEDMoE.set_deepspeed_parallelism`` registers the expert / expert-data
+  groups, so DeepSpeed reduces non-expert gradients over G_data^nonexp and expert gradients
+  over G_data^exp;
+* ``attach``: clears the layers' CAC tapes at every ``engine.forward``; ``engine.destroy()``
+  also removes TED's groups and mpu from DeepSpeed's process-wide group registry.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, StrictBool, StrictInt, model_validator
+
+from ds_ext.config import DsExtConfigError
+from ds_ext.groups import GroupError, TEDLayout
+from ds_ext.moe.context import TEDContext
+from ds_ext.moe.mpu import TEDMpu
+from ds_ext.plugin import Plugin, PluginConfig, register_plugin
+
+KEY = "ds_ext.ted"
+
+
+class TEDConfig(PluginConfig):
+    """``ds_ext.ted`` (001 §7.1, §7.3)."""
+
+    tensor_parallel: StrictInt = Field(1, ge=1, description="G_tensor: tensor-parallel degree of expert and "
+                                       "non-expert blocks (at most the ranks of a node).")
+    expert_parallel: StrictInt = Field(1, ge=1, description="G_expert: ranks an MoE layer's experts are spread "
+                                       "over (TED: = num_experts; any divisor of num_experts works).")
+    expert_data_parallel: StrictInt | None = Field(None, ge=1, description="G_data^exp; omit to infer it "
+                                                   "from the world size (Eq 7.1).")
+    num_experts: StrictInt | None = Field(None, ge=1, description="Experts per MoE layer; every TEDMoE must "
+                                          "have it (omit to take the layers' own).")
+    top_k: Literal[1, 2] | None = Field(None, description="Routes per token; every TEDMoE must have it.")
+    capacity_factor: float | None = Field(None, gt=0, description="Training capacity factor; every TEDMoE "
+                                          "must have it.")
+    duplicate_token_dropping: StrictBool = Field(True, description="DTD (001 §7.3.1): drop the tensor "
+                                                 "group's duplicate tokens around each all-to-all.")
+    comm_aware_checkpointing: StrictBool = Field(True, description="CAC (001 §7.3.2): activation-checkpoint "
+                                                 "recomputes reuse the first forward's collective outputs.")
+    seed: StrictInt = Field(1234, description="Seed of the gates' noise and random token selection.")
+
+    @model_validator(mode="after")
+    def _experts_divisible(self) -> "TEDConfig":
+        if self.num_experts is not None and self.num_experts % self.expert_parallel:
+            raise ValueError(f"num_experts {self.num_experts} is not a multiple of expert_parallel "
+                             f"{self.expert_parallel} (E = k x G_expert)")
+        return self
+
+
+def _refuse(msg: str) -> None:
+    raise DsExtConfigError(f"{KEY}: {msg}")
+
+
+def _check_ds_config(ds_config: dict) -> None:
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        _refuse(f"zero_optimization.stage {stage} is not supported (DeepSpeed's MoE parameter groups need "
+                "ZeRO <= 2; 001 §7.1 uses ZeRO-1); allowed: 0, 1, 2")
+    from ds_ext.integration.ds_engine import gradient_clipping
+
+    clip = gradient_clipping(ds_config)  # DeepSpeed's default is 1.0, not 0
+    if stage == 0 and clip > 0:
+        _refuse(f"gradient_clipping {clip} with zero_optimization.stage 0: DeepSpeed's stage-0 clipping averages "
+                "per-rank norms, not the global norm over experts (DeepSpeed clips at 1.0 when the key is absent); allowed: stage 1 or 2, "
+                "or gradient_clipping 0")
+
+
+def _check_param_groups(optimizer: Any, ds_config: dict) -> None:
+    """ZeRO-1/2 reduce expert gradients per param group: experts need their own groups."""
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if stage == 0 or not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    for group in optimizer.param_groups:
+        experts = [p for p in group["params"] if getattr(p, "allreduce", True) is False]
+        if experts and (not group.get("moe") or len(experts) != len(group["params"])):
+            _refuse("ZeRO-1/2 need the expert parameters in their own param groups: build the optimizer from "
+                    "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(...)")
+
+
+@register_plugin
+class TEDPlugin(Plugin):
+    """TED as a ds_ext plugin (see module docstring)."""
+
+    name = "ted"
+    Config = TEDConfig
+
+    ted: TEDContext
+
+    def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        cfg, rt = self.config, self.runtime
+        if any(p.name == "zero_topo" for p in rt.plugins):
+            _refuse("cannot run with ds_ext.zero_topo (it shards every state over the whole world); enable one")
+        _check_ds_config(ds_config)
+        try:
+            layout = TEDLayout.build(rt.topology.world_size, cfg.tensor_parallel, cfg.expert_parallel,
+                                     cfg.expert_data_parallel)
+            layout.check_placement(rt.topology)
+        except GroupError as err:
+            raise DsExtConfigError(str(err)) from None
+        layers = self._layers(model, layout)
+        _check_param_groups(optimizer, ds_config)
+        self.ted = TEDContext.create(layout, rt.comm, cfg.duplicate_token_dropping, cfg.comm_aware_checkpointing,
+                                     cfg.seed)
+        for index, (_, module) in enumerate(layers):
+            module.ted_bind(self.ted, index)
+        self.layers = [m for _, m in layers]
+        return model, optimizer, ds_config
+
+    def _layers(self, model: Any, layout: TEDLayout) -> list[tuple[str, Any]]:
+        """The model's layers to bind, after validating every TED-aware module against the layout
+        and the block."""
+        from ds_ext.integration import ds_moe  # imports DeepSpeed: kept out of ``ds-ext schema``
+        from ds_ext.moe.layer import TEDMoE
+
+        cfg = self.config
+        modules = list(model.named_modules())
+        if not any(isinstance(m, TEDMoE) for _, m in modules):
+            _refuse("is enabled but the model has no ds_ext.moe.TEDMoE layer")
+        for name, module in modules:
+            if isinstance(module, ds_moe.MoEBase) and not isinstance(module, TEDMoE):
+                _refuse(f"{name} is a deepspeed.moe.layer.MoE; replace it by ds_ext.moe.TEDMoE (same arguments)")
+            if hasattr(module, "ted_validate"):
+                try:
+                    module.ted_validate(layout, name)
+                except ValueError as err:
+                    raise DsExtConfigError(str(err)) from None
+            if not isinstance(module, TEDMoE):
+                continue
+            gate = module.gate
+            for key, want, got in (("num_experts", cfg.num_experts, module.num_experts),
+                                   ("top_k", cfg.top_k, gate.k),
+                                   ("capacity_factor", cfg.capacity_factor, gate.capacity_factor)):
+                if want is not None and want != got:
+                    _refuse(f"{key} is {want} but layer {name} has {got}")
+        return [(n, m) for n, m in modules if hasattr(m, "ted_bind")]
+
+    def mpu(self) -> TEDMpu:
+        return TEDMpu(self.ted)
+
+    def attach(self, engine: Any) -> None:
+        from ds_ext.integration import ds_moe
+        from ds_ext.moe.cac import clear_tapes
+        from ds_ext.moe.layer import TEDMoE
+
+        forward = engine.forward
+        layers = self.layers
+
+        @functools.wraps(forward)
+        def forward_with_fresh_tapes(*args, **kwargs):
+            clear_tapes(layers)
+            return forward(*args, **kwargs)
+
+        engine.forward = forward_with_fresh_tapes
+        destroy = engine.destroy
+        names = {m.expert_group_name for m in layers if isinstance(m, TEDMoE)}
+
+        @functools.wraps(destroy)
+        def destroy_and_unregister(*args, **kwargs):
+            out = destroy(*args, **kwargs)
+            ds_moe.release_groups(names, self.ted.groups["expert"], engine.mpu)
+            return out
+
+        engine.destroy = destroy_and_unregister
