@@ -11,7 +11,7 @@ from ds_ext.perf import pmm as perf_pmm
 from ds_ext.perf import zero as perf_zero
 from ds_ext.perf.compute import ActivationSplit, activation_bytes, step_flops
 from ds_ext.planner import models, pmm_grids, zero_plans
-from ds_ext.planner.estimate import Candidate, Job, Traffic, batch_options, comm_seconds, divisors, evaluate
+from ds_ext.planner.estimate import Candidate, Traffic, batch_options, comm_seconds, divisors, evaluate
 from ds_ext.planner.machine import MACHINES, GiB
 from ds_ext.planner.plan import make_job, plan
 from ds_ext.pmm.grid import Grid

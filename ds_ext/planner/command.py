@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 SHAPE = ("layers", "hidden", "heads", "vocab", "seq")
 
@@ -33,7 +32,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     for key in SHAPE:
         p.add_argument(f"--{key}", type=int, default=None)
     p.add_argument("--ffn-mult", type=int, default=4)
-    p.add_argument("--experts", type=int, default=1, help="MoE: experts of every alternate layer (001 §7.1.1)")
+    p.add_argument("--experts", type=int, default=1, help="MoE: experts of every alternate layer (001 §7.1.1); with --model, an MoE built on that base")
     p.add_argument("--untied", action="store_true", help="separate LM head (GPT-NeoX no-weight-tying)")
     p.add_argument("--rotary", action="store_true", help="no learned position table")
     p.add_argument("--nodes", type=int, required=True)
@@ -66,7 +65,7 @@ def arch_from(ns: argparse.Namespace):
     if ns.model is not None:
         if given:
             raise models.ModelError(f"--model {ns.model} takes no --{given[0]}; give a model or a shape")
-        return models.lookup(ns.model)
+        return models.with_experts(models.lookup(ns.model), ns.experts)
     if len(given) < len(SHAPE):
         missing = [f"--{k}" for k in SHAPE if k not in given]
         raise models.ModelError(f"give --model NAME or the shape; missing {' '.join(missing)}")

@@ -145,6 +145,15 @@ def lookup(name: str) -> Arch:
         raise ModelError(f"--model: unknown model {name!r}; allowed: {', '.join(CATALOGUE)}") from None
 
 
+def with_experts(base: Arch, experts: int) -> Arch:
+    """The MoE of 001 §7.1.1 built on ``base``: every alternate FFN becomes ``experts`` experts."""
+    if experts < 1:
+        raise ModelError(f"--experts: {experts} must be >= 1")
+    if experts == 1:
+        return base
+    return base.model_copy(update={"name": f"{base.name}-moe{experts}", "experts": experts})
+
+
 def custom(**shape) -> Arch:
     """A shape from the command line (``--layers --hidden --heads --vocab --seq`` ...)."""
     try:

@@ -1,7 +1,8 @@
 """``ds-ext plan``: every plan of every family for one model on one machine, ranked.
 
-Families: the ZeRO-topo presets (``zero_plans``) and the 3D-PMM grids (``pmm_grids``); plus
-the plan a ds_config selects (``dsconfig``). Each
+Families: the ZeRO-topo presets (``zero_plans``) and the 3D-PMM grids (``pmm_grids``) for a
+dense model, the TED layouts (``ted_layouts``) for an MoE; plus the plan a ds_config selects
+(``dsconfig``). Each
 candidate is evaluated at the fewest micro-steps whose memory fits
 (:func:`ds_ext.planner.estimate.evaluate`); the fitting ones are ranked by predicted step
 time, the best and the runner-up first.
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from ds_ext.planner import PlannerError, pmm_grids, zero_plans
+from ds_ext.planner import PlannerError, pmm_grids, ted_layouts, zero_plans
 from ds_ext.planner.estimate import Candidate, Estimate, Job, evaluate
 from ds_ext.planner.machine import Machine
 from ds_ext.planner.models import Arch
@@ -20,6 +21,7 @@ from ds_ext.planner.models import Arch
 FAMILIES: dict[str, Callable[[Job], list[Candidate]]] = {
     "zero": zero_plans.candidates,
     "pmm3d": pmm_grids.candidates,
+    "ted": ted_layouts.candidates,
 }
 
 
