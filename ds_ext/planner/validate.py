@@ -11,6 +11,8 @@ others have no stated tolerance and are reported as they come out.
   ``zero_topo_paper`` preset (secondary int8 on the GCD pair, 003's step boundary).
 * 000 Table III (3D-PMM weak scaling on Frontier, GPT-5B ... 80B on 512 ... 8,192 GCDs, batch
   16.8M tokens): TFLOPS per GCD of the best grid and the efficiency against 512 GCDs.
+* 001 Fig 7.9 (Summit, 32-512 V100 of 16 GB): the largest MoE TED fits over DeepSpeed-MoE's
+  (G_tensor = 1), from Eq 7.4 model states of every Table 4.1 base with 4-128 experts.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ds_ext.groups import TEDLayout
+from ds_ext.planner import ted_layouts
 from ds_ext.planner.estimate import Estimate
-from ds_ext.planner.machine import Machine
-from ds_ext.planner.models import lookup
+from ds_ext.planner.machine import GiB, Machine
+from ds_ext.planner.models import Arch, lookup, with_experts
 from ds_ext.planner.plan import make_job, plan
 
 
@@ -102,8 +106,45 @@ def pmm_rows(machine: Machine, table=TABLE_III) -> list[Row]:
     return rows
 
 
+# 001 Fig 7.9 (Summit): GPU counts, Table 4.1 base models, experts 4-128, G_tensor <= 6 GPUs of a node
+FIG_7_9_GPUS = (32, 64, 128, 256, 512)
+FIG_7_9_BASES = ("gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b")
+FIG_7_9_EXPERTS = (4, 8, 16, 32, 64, 128)
+FIG_7_9_TENSOR = (1, 2, 3, 4, 6)
+SUMMIT_GPU_BYTES = 16 * GiB  # "the 16 GB DRAM capacity of Summit's V100 GPUs" (001 §3.3), binary as for Frontier
+FIG_7_9_PUBLISHED = {32: 1.09, 512: 4.8}  # "1.09-4.8x larger MoE models ... increasing with the GPUs"
+
+
+def largest_moe(gpus: int, tensors: tuple[int, ...], memory: float = SUMMIT_GPU_BYTES) -> Arch | None:
+    """The largest MoE (001 §7.1.1, G_expert = E) whose Eq 7.4 model states fit ``memory`` on
+    ``gpus`` GPUs with some G_tensor of ``tensors`` dividing its heads (None if none fits)."""
+    best = None
+    for base in FIG_7_9_BASES:
+        for E in FIG_7_9_EXPERTS:
+            arch = with_experts(lookup(base), E)
+            for T in tensors:
+                if arch.heads % T or gpus % (T * E):
+                    continue
+                fits = sum(ted_layouts.states(arch, TEDLayout.build(gpus, T, E)).values()) <= memory
+                if fits and (best is None or arch.params > best.params):
+                    best = arch
+    return best
+
+
+def ted_rows() -> list[Row]:
+    """001 Fig 7.9: largest MoE with TED (G_tensor <= 6) over DeepSpeed-MoE (G_tensor = 1)."""
+    rows = []
+    for gpus in FIG_7_9_GPUS:
+        ted, ds = largest_moe(gpus, FIG_7_9_TENSOR), largest_moe(gpus, (1,))
+        assert ted is not None and ds is not None
+        rows.append(Row(f"largest MoE TED / DeepSpeed-MoE, {gpus} V100 ({ted.name} / {ds.name})", "001 Fig 7.9",
+                        FIG_7_9_PUBLISHED.get(gpus), ted.params / ds.params, None,
+                        "model states only (Eq 7.4); the figure's runs also hold activations"))
+    return rows
+
+
 def validate(machine: Machine) -> list[Row]:
-    return zero_rows(machine) + pmm_rows(machine)
+    return zero_rows(machine) + pmm_rows(machine) + ted_rows()
 
 
 def markdown(rows: list[Row]) -> str:
