@@ -20,9 +20,10 @@ checkpointing):
   all-gathers), the per-block model the TED ledger tests hold the engine to;
 * every dense block, G_tensor > 1: Megatron's two forward all-reduces (attention out, FC2) and
   two backward ones (the *f* of QKV and FC1) of S h b bytes; CAC replays the recompute's;
-* per step (ZeRO-1, modelled, not ledger-checked here): reduce-scatter of the 16-bit gradients
-  and all-gather of the updated weights over the non-expert data group for non-expert
-  parameters and over the expert-data group for expert ones, n e (d - 1) / d bytes each.
+* per step (DeepSpeed's ZeRO-1 as the ledger measures it): an all-reduce of the 16-bit
+  gradients, 2 n e (d - 1) / d, and an all-gather of the updated weights, n e (d - 1) / d, over
+  the non-expert data group for non-expert parameters and over the expert-data group for
+  expert ones (DeepSpeed's few-byte gradient-norm and overflow all-reduces are left out).
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ def block_shape(arch: Arch, micro: int, elem_bytes: int) -> MoEBlockShape:
     return MoEBlockShape(tokens, arch.hidden, arch.experts, -(-tokens // arch.experts), elem_bytes)
 
 
-def traffic(arch: Arch, layout: TEDLayout, topology: Topology, micro: int, grad_accum: int, elem_bytes: int,
-            checkpointing: bool = True) -> Traffic:
-    """Bytes and messages rank 0 sends per optimizer step, per level (module docstring)."""
+def micro_traffic(arch: Arch, layout: TEDLayout, topology: Topology, micro: int, elem_bytes: int,
+                  checkpointing: bool = True) -> Traffic:
+    """Bytes and messages rank 0 sends in forward + backward of one micro-step, per level:
+    the MoE blocks (``perf.ted``) and the dense blocks' tensor-parallel all-reduces."""
     levels = layout.levels(topology, 0)
     group = {"all_to_all": layout.expert, "all_reduce": layout.tensor, "all_gather": layout.tensor}
     nbytes: dict[str, float] = defaultdict(float)
@@ -74,21 +76,39 @@ def traffic(arch: Arch, layout: TEDLayout, topology: Topology, micro: int, grad_
                               checkpointing=checkpointing)
     for key, b in block.bytes.items():
         _, op, level = key
-        nbytes[level] += b * arch.moe_layers * grad_accum
-        messages[level] += block.calls[key] * message_steps(op, group[op]) * arch.moe_layers * grad_accum
+        nbytes[level] += b * arch.moe_layers
+        messages[level] += block.calls[key] * message_steps(op, group[op]) * arch.moe_layers
     T = layout.tensor
     if T > 1:
-        calls = 4 + (2 if checkpointing and not CAC else 0)
-        dense = (arch.layers - arch.moe_layers) * calls * grad_accum
+        calls = (arch.layers - arch.moe_layers) * (4 + (2 if checkpointing and not CAC else 0))
         A = micro * arch.seq * arch.hidden * elem_bytes
-        nbytes[levels["tensor"]] += dense * all_reduce_bytes(A, T)
-        messages[levels["tensor"]] += dense * message_steps("all_reduce", T)
-    nonexp, exp = rank_params(arch, T, layout.expert)
+        nbytes[levels["tensor"]] += calls * all_reduce_bytes(A, T)
+        messages[levels["tensor"]] += calls * message_steps("all_reduce", T)
+    return Traffic(dict(nbytes), dict(messages))
+
+
+def step_traffic(arch: Arch, layout: TEDLayout, topology: Topology, elem_bytes: int) -> Traffic:
+    """DeepSpeed ZeRO-1's gradient all-reduce (in the boundary micro-step's backward) and weight
+    all-gather (after the step) of one optimizer step, per level."""
+    levels = layout.levels(topology, 0)
+    nbytes: dict[str, float] = defaultdict(float)
+    messages: dict[str, float] = defaultdict(float)
+    nonexp, exp = rank_params(arch, layout.tensor, layout.expert)
     for kind, d, n in (("data", layout.nonexp_data, nonexp), ("expert_data", layout.expert_data, exp)):
         if d > 1:
-            nbytes[levels[kind]] += 2 * n * elem_bytes * (d - 1) / d  # reduce-scatter + all-gather
-            messages[levels[kind]] += 2 * message_steps("all_gather", d)
+            nbytes[levels[kind]] += 3 * n * elem_bytes * (d - 1) / d  # all-reduce (2) + all-gather (1)
+            messages[levels[kind]] += message_steps("all_reduce", d) + message_steps("all_gather", d)
     return Traffic(dict(nbytes), dict(messages))
+
+
+def traffic(arch: Arch, layout: TEDLayout, topology: Topology, micro: int, grad_accum: int, elem_bytes: int,
+            checkpointing: bool = True) -> Traffic:
+    """Per optimizer step: ``grad_accum`` micro-steps and the step (module docstring)."""
+    m = micro_traffic(arch, layout, topology, micro, elem_bytes, checkpointing)
+    s = step_traffic(arch, layout, topology, elem_bytes)
+    return Traffic({lv: m.bytes.get(lv, 0.0) * grad_accum + s.bytes.get(lv, 0.0) for lv in {*m.bytes, *s.bytes}},
+                   {lv: m.messages.get(lv, 0.0) * grad_accum + s.messages.get(lv, 0.0)
+                    for lv in {*m.messages, *s.messages}})
 
 
 def layouts(arch: Arch, topology: Topology) -> list[TEDLayout]:
