@@ -1,5 +1,5 @@
 """Planner (issue 13), pure logic: the planner's memory and bytes per level are the plugins'
-ledger-checked models (``ds_ext.perf.zero``, ``ds_ext.perf.pmm``) on the configurations the
+ledger-checked models (``ds_ext.perf.zero``, ``ds_ext.perf.pmm``, ``ds_ext.perf.ted``) on the configurations the
 plugin tests measure; FLOPs, batch choice, step time, max model sizes, CLI and errors."""
 
 import json
@@ -10,7 +10,9 @@ import pytest
 from ds_ext.perf import pmm as perf_pmm
 from ds_ext.perf import zero as perf_zero
 from ds_ext.perf.compute import ActivationSplit, activation_bytes, step_flops
-from ds_ext.planner import models, pmm_grids, zero_plans
+from ds_ext.groups import TEDLayout
+from ds_ext.perf.ted import eq_7_5, moe_block_traffic
+from ds_ext.planner import models, pmm_grids, ted_layouts, zero_plans
 from ds_ext.planner.estimate import Candidate, Traffic, batch_options, comm_seconds, divisors, evaluate
 from ds_ext.planner.machine import MACHINES, GiB
 from ds_ext.planner.plan import make_job, plan
@@ -319,3 +321,93 @@ def test_validation_rows_and_table():
     assert pmm[2].predicted == pytest.approx(pmm[1].predicted / pmm[0].predicted)
     text = validate.markdown(rows)
     assert text.count("\n") == len(rows) + 1 and "| **no** |" in text and "| yes |" in text
+
+
+# ---- TED layouts (001 ch. 7) ------------------------------------------------------------------
+def _moe(**kw):
+    from ted_support import config
+
+    c = config(**kw)
+    return models.Arch(name="moe", layers=c.n_layers, hidden=c.d_model, heads=c.n_heads, vocab=c.vocab_size,
+                       seq=c.seq_len, experts=c.num_experts), c
+
+
+@pytest.mark.parametrize("T,P", [(1, 1), (2, 4), (2, 2), (1, 8), (4, 2)])
+def test_ted_rank_params_equal_the_built_model(T, P):
+    """Non-expert and expert parameters per rank equal the GPTMoE's, sliced as ``ted_bind`` slices it
+    (Megatron: column weight and bias split, row weight split; experts E / G_expert per rank)."""
+    from ds_ext.models.gpt_moe import GPTMoE
+
+    arch, cfg = _moe(num_experts=8)
+    model = GPTMoE(cfg)
+    n_exp = n_nonexp = 0
+    for name, p in model.named_parameters():
+        n = p.numel()
+        expert = "deepspeed_experts" in name
+        column = any(f".{k}." in name for k in ("qkv", "fc1")) or (expert and name.split(".")[-2] == "0")
+        row = name.endswith(("proj.weight", "fc2.weight")) or (expert and name.endswith(".2.weight"))
+        n = n // T if column or row else n
+        if expert:
+            n_exp += n
+        else:
+            n_nonexp += n
+    n_exp //= P  # the serial model holds all E experts, a rank E / G_expert of them
+    assert ted_layouts.rank_params(arch, T, P) == (n_nonexp, n_exp)
+    assert arch.params == sum(p.numel() for p in model.parameters())
+
+
+def test_ted_states_are_eq_7_4_and_eq_7_5():
+    """Eq 7.4 per state; for the 001 §7.1.1 family (G_expert = E) the total is Eq 7.5 plus the
+    tables ds_ext's GPT-MoE keeps whole on every tensor rank."""
+    arch = models.with_experts(models.lookup("gpt3-6.7b"), 16)
+    G, T, E = 256, 4, 16
+    lay = TEDLayout.build(G, T, E)
+    s = ted_layouts.states(arch, lay)
+    nonexp, exp = ted_layouts.rank_params(arch, T, E)
+    assert s["weights"] == s["gradients"] == 2 * (nonexp + exp)
+    assert s["optimizer"] == 12 * nonexp / lay.nonexp_data + 12 * exp / lay.expert_data
+    base = models.lookup("gpt3-6.7b")
+    replicated_root = 4 * base.root_params * (1 - 1 / T)  # Eq 7.5 splits every non-expert parameter over T
+    assert sum(s.values()) == pytest.approx(eq_7_5(base.params, E, G, T) + replicated_root, rel=0.005)
+
+
+def test_ted_traffic_is_perf_ted_per_block_plus_dense_and_zero1():
+    arch = models.with_experts(models.lookup("gpt3-1.3b"), 8)
+    topo = Topology.from_preset("frontier", 64)
+    lay = TEDLayout.build(64, 2, 8)
+    shape = ted_layouts.block_shape(arch, 4, 2)
+    assert shape.capacity == 4 * arch.seq // 8
+    block = moe_block_traffic(lay, topo, 0, shape, dtd=True, cac=True, checkpointing=True)
+    levels = lay.levels(topo, 0)
+    micro = ted_layouts.micro_traffic(arch, lay, topo, 4, 2)
+    dense = (arch.layers - arch.moe_layers) * 4 * 2 * (4 * arch.seq * arch.hidden * 2) / 2
+    per_level = {lv: 0.0 for lv in micro.bytes}
+    for (_, _, lv), b in block.bytes.items():
+        per_level[lv] += b * arch.moe_layers
+    per_level[levels["tensor"]] += dense
+    assert micro.bytes == pytest.approx(per_level)
+    step = ted_layouts.step_traffic(arch, lay, topo, 2)
+    nonexp, exp = ted_layouts.rank_params(arch, 2, 8)
+    assert sum(step.bytes.values()) == pytest.approx(3 * 2 * (nonexp * 31 / 32 + exp * 3 / 4))
+    total = ted_layouts.traffic(arch, lay, topo, 4, 3, 2)
+    assert total.bytes == pytest.approx({lv: 3 * micro.bytes.get(lv, 0) + step.bytes.get(lv, 0) for lv in total.bytes})
+
+
+def test_ted_plan_for_an_moe_only_and_layout_constraints():
+    job = make_job(models.with_experts(models.lookup("gpt3-6.7b"), 32), FRONTIER, 16)
+    result = plan(job)
+    assert {e.family for e in result.estimates} == {"ted"} and result.best is not None
+    for e in result.estimates:
+        t = e.config["ds_ext"]["ted"]
+        assert 8 % t["tensor_parallel"] == 0 and 32 % t["expert_parallel"] == 0
+    assert ted_layouts.candidates(make_job(models.lookup("gpt3-6.7b"), FRONTIER, 16)) == []
+
+
+def test_fig_7_9_ted_fits_larger_moes():
+    from ds_ext.planner import validate
+
+    for gpus in (32, 512):
+        ted, ds = validate.largest_moe(gpus, validate.FIG_7_9_TENSOR), validate.largest_moe(gpus, (1,))
+        assert ted.params > ds.params
+        lay = TEDLayout.build(gpus, 1, ds.experts)
+        assert sum(ted_layouts.states(ds, lay).values()) <= validate.SUMMIT_GPU_BYTES
