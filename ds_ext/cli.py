@@ -1,5 +1,5 @@
-"""``ds-ext`` command line: ``detect``, ``schema``, ``bench <name>``, ``tune``, ``checkpoint``, ``run``,
-``autoload-path``.
+"""``ds-ext`` command line: ``detect``, ``schema``, ``bench <name>``, ``tune``, ``plan``, ``simulate``,
+``checkpoint``, ``run``, ``autoload-path``.
 
 ``ds-ext detect`` prints the topology read from the launcher environment (or given by
 ``--preset`` / ``--world-size``) and the groups of the calling rank, or of every rank
@@ -19,6 +19,8 @@ from pathlib import Path
 from ds_ext import config as cfgmod
 from ds_ext.bench import BENCHMARKS
 from ds_ext.groups import GroupError, TEDLayout, member_group, topology_partition
+from ds_ext.planner import PlannerError
+from ds_ext.planner import command as planner_command
 from ds_ext.runtime import resolve_topology
 from ds_ext.topology import PRESET_NAMES, Topology, TopologyError, detect_environment
 
@@ -227,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--time-scale", type=float, default=3000.0,
                    help="--measure: stretch emulated link times so they dominate gloo's own (results are scaled back)")
     t.set_defaults(func=cmd_tune)
+    pl = sub.add_parser("plan", help="memory, bytes per level and step time of every plan of a model; the best two")
+    planner_command.add_plan_arguments(pl)
+    pl.set_defaults(func=planner_command.run_plan)
+    sm = sub.add_parser("simulate", help="sweep models x nodes x plans: predicted TFLOPS per GCD, scaling efficiency")
+    planner_command.add_simulate_arguments(sm)
+    sm.set_defaults(func=planner_command.run_simulate)
     s = sub.add_parser("schema", help="print the JSON schema of the \"ds_ext\" block")
     s.set_defaults(func=cmd_schema)
     r = sub.add_parser("run", help="run an unmodified DeepSpeed script with ds_ext active (python -m ds_ext.run)",
@@ -262,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = ns.func(ns)
         return result if isinstance(result, int) else 0
-    except (TopologyError, cfgmod.DsExtConfigError) as err:
+    except (TopologyError, cfgmod.DsExtConfigError, PlannerError) as err:
         print(f"ds-ext: error: {err}", file=sys.stderr)
         return 2
 

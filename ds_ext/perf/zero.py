@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ds_ext.comm.emulation import message_steps
 from ds_ext.zero_topo.plan import ShardingPlan
 
 
@@ -38,12 +39,17 @@ class _Tally:
     def __init__(self) -> None:
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.calls: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.steps: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
-    def add(self, phase: str, level: str | None, nbytes: float, calls: int, times: int = 1) -> None:
+    def add(self, phase: str, level: str | None, nbytes: float, calls: int, times: int = 1,
+            op: str = "", d: int = 1) -> None:
+        """``calls`` collectives of ``op`` over ``d`` ranks (all_reduce: 2 (d - 1) messages each, any
+        other op d - 1), repeated ``times``."""
         if level is None or times == 0:
             return
         self.bytes[phase][level] += nbytes * times
         self.calls[phase][level] += calls * times
+        self.steps[phase][level] += calls * message_steps(op, d) * times
 
 
 @dataclass
@@ -52,6 +58,7 @@ class Traffic:
 
     bytes: dict[str, dict[str, float]]
     calls: dict[str, dict[str, float]]
+    steps: dict[str, dict[str, float]] = field(default_factory=dict)  # ring / pairwise messages (α terms)
 
     def by_level(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
@@ -63,6 +70,15 @@ class Traffic:
     def calls_by_level(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
         for per in self.calls.values():
+            for lv, c in per.items():
+                out[lv] += c
+        return dict(out)
+
+    def steps_by_level(self) -> dict[str, float]:
+        """Sequential messages per level (ds_ext.comm.emulation.message_steps per call), the
+        count an alpha-beta model charges the level's latency for."""
+        out: dict[str, float] = defaultdict(float)
+        for per in self.steps.values():
             for lv, c in per.items():
                 out[lv] += c
         return dict(out)
@@ -95,9 +111,9 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
         n = U / d
         if quantized:
             pay, sc = _wire(n, 8, B)
-            t.add(phase, _level(plan, levels), (pay + sc) * (d - 1), 2, times)
+            t.add(phase, _level(plan, levels), (pay + sc) * (d - 1), 2, times, d=d)
         else:
-            t.add(phase, _level(plan, levels), n * elem_bytes * (d - 1), 1, times)
+            t.add(phase, _level(plan, levels), n * elem_bytes * (d - 1), 1, times, d=d)
 
     s, w = plan.secondary, plan.weights
     sec_quant = plan.secondary_bits == 8 or plan.gather_bits == 8
@@ -118,8 +134,9 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
         _step(t, plan, u.U, elem_bytes, top)
     o_levels = list(range(plan.optimizer + 1))
     d = _group_size(plan, o_levels)
-    t.add("step", _level(plan, o_levels), 2 * 8 * (d - 1) / d, 1)  # grad-norm all-reduce
-    return Traffic({p: dict(v) for p, v in t.bytes.items()}, {p: dict(v) for p, v in t.calls.items()})
+    t.add("step", _level(plan, o_levels), 2 * 8 * (d - 1) / d, 1, op="all_reduce", d=d)  # grad-norm all-reduce
+    return Traffic({p: dict(v) for p, v in t.bytes.items()}, {p: dict(v) for p, v in t.calls.items()},
+                   {p: dict(v) for p, v in t.steps.items()})
 
 
 def _gradient_reduce(t: _Tally, plan: ShardingPlan, U: int, e: int, times: int) -> None:
@@ -127,18 +144,18 @@ def _gradient_reduce(t: _Tally, plan: ShardingPlan, U: int, e: int, times: int) 
     levels = list(range(g + 1))
     d = _group_size(plan, levels)
     if plan.gradient_bits == 16:
-        t.add("backward", _level(plan, levels), U * e * (d - 1) / d, 1, times)
+        t.add("backward", _level(plan, levels), U * e * (d - 1) / d, 1, times, d=d)
         return
     pay, sc = _wire(U, plan.gradient_bits, plan.block_size)
     if plan.gradient_hops == 1:
-        t.add("backward", _level(plan, levels), (pay + sc) * (d - 1) / d, 2, times)
+        t.add("backward", _level(plan, levels), (pay + sc) * (d - 1) / d, 2, times, d=d)
         return
     inner = list(range(g))
     p = _group_size(plan, inner)
-    t.add("backward", _level(plan, inner), (pay + sc) * (p - 1) / p, 2, times)
+    t.add("backward", _level(plan, inner), (pay + sc) * (p - 1) / p, 2, times, d=p)
     n = plan.topology.levels[g].size
     pay2, sc2 = _wire(U / p, plan.gradient_bits, plan.block_size)
-    t.add("backward", _level(plan, [g]), (pay2 + sc2) * (n - 1) / n, 2, times)
+    t.add("backward", _level(plan, [g]), (pay2 + sc2) * (n - 1) / n, 2, times, d=n)
 
 
 def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:
@@ -150,30 +167,30 @@ def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:
         if g < top:
             levels = list(range(g + 1, top + 1))
             d = _group_size(plan, levels)
-            t.add("step", _level(plan, levels), 2 * x * e * (d - 1) / d, 1)
+            t.add("step", _level(plan, levels), 2 * x * e * (d - 1) / d, 1, op="all_reduce", d=d)
     else:
         for lv in range(g + 1, o + 1):
             d = topo.levels[lv].size
             if plan.step_level_bits(lv) == 8:  # int8 all-to-all reduce-scatter: payload + scales
-                t.add("step", _level(plan, [lv]), sum(_wire(x, 8, plan.block_size)) * (d - 1) / d, 2)
+                t.add("step", _level(plan, [lv]), sum(_wire(x, 8, plan.block_size)) * (d - 1) / d, 2, d=d)
             else:
-                t.add("step", _level(plan, [lv]), x * e * (d - 1) / d, 1)
+                t.add("step", _level(plan, [lv]), x * e * (d - 1) / d, 1, d=d)
             x /= d
         if o < top:
             levels = list(range(o + 1, top + 1))
             d = _group_size(plan, levels)
-            t.add("step", _level(plan, levels), 2 * x * e * (d - 1) / d, 1)
+            t.add("step", _level(plan, levels), 2 * x * e * (d - 1) / d, 1, op="all_reduce", d=d)
     x = U / n_of(o)
     if plan.step == "allreduce" and o > w:
         d = n_of(o)
-        t.add("step", _level(plan, list(range(o + 1))), x * e * (d - 1), 1)
+        t.add("step", _level(plan, list(range(o + 1))), x * e * (d - 1), 1, d=d)
     else:
         for lv in range(o, w, -1):
             d = topo.levels[lv].size
             if plan.step_level_bits(lv) == 8:  # int8 all-gather: payload + scales
-                t.add("step", _level(plan, [lv]), sum(_wire(x, 8, plan.block_size)) * (d - 1), 2)
+                t.add("step", _level(plan, [lv]), sum(_wire(x, 8, plan.block_size)) * (d - 1), 2, d=d)
             else:
-                t.add("step", _level(plan, [lv]), x * e * (d - 1), 1)
+                t.add("step", _level(plan, [lv]), x * e * (d - 1), 1, d=d)
             x *= d
 
 

@@ -1,0 +1,77 @@
+"""``ds-ext plan --ds-config``: the batch, precision and plan a ds_config selects.
+
+Read as DeepSpeed reads it (``ds_ext.config.load_ds_config``: JSON, hjson or base64) and the
+``"ds_ext"`` block validated by its schema. The batch is ``train_batch_size``, or
+``train_micro_batch_size_per_gpu x gradient_accumulation_steps x`` the ranks (each rank its own
+replica, as under ZeRO); ``bf16`` / ``fp16`` mean 2-byte elements, neither 4. An enabled
+``zero_topo`` section, or ``pmm3d`` with an explicit grid, becomes one more candidate, named ``configured <plan>``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ds_ext import config as cfgmod
+from ds_ext.planner import PlannerError, pmm_grids, zero_plans
+from ds_ext.planner.estimate import Candidate, Job
+from ds_ext.pmm.grid import Grid
+
+CONFIGURED = "configured"
+
+
+class DsConfigError(PlannerError):
+    """A ds_config the planner cannot use; the message starts with ``--ds-config``."""
+
+
+@dataclass(frozen=True)
+class DsConfig:
+    path: str
+    global_batch: int | None
+    micro_batch: int | None
+    grad_accum: int | None
+    elem_bytes: int
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)  # enabled plugin sections
+
+    def batch(self, world: int) -> int | None:
+        if self.global_batch is not None:
+            return self.global_batch
+        if self.micro_batch is not None:
+            return self.micro_batch * (self.grad_accum or 1) * world
+        return None
+
+    def candidates(self, job: Job) -> list[Candidate]:
+        out = []
+        if "zero_topo" in self.sections:
+            section = {k: v for k, v in self.sections["zero_topo"].items() if k != "enabled"}
+            out.append(zero_plans.candidate(job, section))
+        grid = self.sections.get("pmm3d", {}).get("grid", "auto")
+        if grid != "auto":
+            g = Grid(**grid)
+            if g.world_size != job.world:
+                raise DsConfigError(f"--ds-config {self.path}: ds_ext.pmm3d.grid {g} has product {g.world_size}, "
+                                    f"but --nodes gives {job.world} ranks")
+            out.append(pmm_grids.candidate(job, g))
+        return [replace(c, name=f"{CONFIGURED} {c.name}") for c in out]
+
+
+def _positive(cfg: dict[str, Any], key: str, path: str) -> int | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise DsConfigError(f"--ds-config {path}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def read(path: str) -> DsConfig:
+    try:
+        cfg = cfgmod.load_ds_config(path)
+        block = cfgmod.parse(cfg.get(cfgmod.BLOCK))
+    except cfgmod.DsExtConfigError as err:
+        raise DsConfigError(f"--ds-config {path}: {err}") from None
+    half = any(isinstance(cfg.get(k), dict) and cfg[k].get("enabled") for k in ("bf16", "fp16"))
+    sections = {name: sec.model_dump(exclude_unset=True) for name, sec in cfgmod.plugin_configs(block).items()
+                if sec.enabled}
+    return DsConfig(path, _positive(cfg, "train_batch_size", path), _positive(cfg, "train_micro_batch_size_per_gpu", path),
+                    _positive(cfg, "gradient_accumulation_steps", path), 2 if half else 4, sections)

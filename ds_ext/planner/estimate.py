@@ -1,0 +1,151 @@
+"""One plan's prediction: memory per state, bytes per level, step time, fit.
+
+Step time (α-β per level, compute at the machine's efficiency, no overlap)::
+
+    t_step = F / (W peak efficiency) + Σ_L (bytes_L / β_L + messages_L α_L)
+
+with F the step's FLOPs (``ds_ext.perf.compute.step_flops``), W ranks, and bytes_L /
+messages_L what one rank sends over level L per optimizer step (the ledger's convention) by
+the plan's own analytic model (``ds_ext.perf.zero``, ``ds_ext.perf.pmm``, ``ds_ext.perf.ted``).
+Communication is not overlapped with compute: 003's ratios between ZeRO-3, ZeRO++ and
+ZeRO-topo show that it was not hidden on Frontier, and it is the bound ds_ext's engines reach
+without prefetch. TFLOPS per rank = F / (t_step W), GPT-NeoX's definition (spec A1).
+
+Memory per rank and state: ``weights`` (16-bit parameters the rank keeps), ``secondary``
+(ZeRO-topo / hpZ secondary partition; for 3D-PMM the Z-gathered weight blocks Algorithm 3
+caches from forward to backward), ``gradients``, ``optimizer`` (fp32 master + Adam moments),
+``activations`` (``ds_ext.perf.compute.activation_bytes``). A plan fits when their sum is at
+most the device memory. ``max_params`` scales the model at the plan's bytes per parameter of
+model states alone (003 §II-A: "not including data batches, temporary buffers, and
+activations"), the size at which they fill the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ds_ext.perf.compute import step_flops
+from ds_ext.planner.machine import Machine
+from ds_ext.planner.models import Arch
+from ds_ext.topology import Topology
+
+STATES: tuple[str, ...] = ("weights", "secondary", "gradients", "optimizer", "activations")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A model on a machine: the global batch, accumulation (None: fewest micro-steps that fit)."""
+
+    arch: Arch
+    machine: Machine
+    topology: Topology
+    global_batch: int
+    grad_accum: int | None = None
+    elem_bytes: int = 2
+    checkpointing: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def flops(self) -> float:
+        """F of one optimizer step."""
+        a = self.arch
+        return step_flops(self.global_batch, a.seq, a.layers, a.hidden, a.vocab, self.checkpointing)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Per optimizer step, what one rank sends over each level and in how many messages."""
+
+    bytes: dict[str, float]
+    messages: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    family: str  # "zero", "pmm3d", "ted"
+    name: str
+    config: dict  # the ds_config keys that select this plan
+    micro_batch: int  # sequences per data-parallel replica per micro-step
+    grad_accum: int
+    memory: dict[str, float]  # bytes per rank, STATES
+    traffic: Traffic
+    compute_s: float
+    comm_s: dict[str, float]  # seconds per level
+    tflops: float  # per rank
+    fits: bool
+    reason: str  # why it does not fit ("" if it does)
+    max_params: float
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + sum(self.comm_s.values())
+
+    @property
+    def total_memory(self) -> float:
+        return sum(self.memory.values())
+
+
+def comm_seconds(traffic: Traffic, topology: Topology) -> dict[str, float]:
+    """α-β seconds per level (module docstring)."""
+    out = {}
+    for level, nbytes in traffic.bytes.items():
+        lv = topology.level(level)
+        out[level] = nbytes / lv.bandwidth + traffic.messages.get(level, 0.0) * lv.latency
+    return out
+
+
+def batch_options(job: Job, data: int) -> list[tuple[int, int]]:
+    """(micro-batch per replica, accumulation steps) for ``data`` replicas, fewest micro-steps first."""
+    if job.global_batch % data:
+        return []
+    per = job.global_batch // data
+    steps = [job.grad_accum] if job.grad_accum else divisors(per)
+    return [(per // g, g) for g in steps if per % g == 0]
+
+
+def divisors(n: int) -> list[int]:
+    """Divisors of ``n``, ascending."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """How a plan family describes one plan to :func:`evaluate`."""
+
+    family: str
+    name: str
+    config: dict
+    data: int  # data-parallel replicas
+    states: dict[str, float]  # model-state bytes per rank (weights, secondary, gradients, optimizer)
+    activations: Callable[[int], float]  # micro-batch -> bytes per rank
+    traffic: Callable[[int, int], Traffic]  # (micro-batch, accumulation) -> per-step traffic
+    unfit: Callable[[int], str | None] = lambda micro: None  # a micro-batch the plan cannot split
+    notes: tuple[str, ...] = ()
+
+
+def evaluate(job: Job, cand: Candidate) -> Estimate | None:
+    """The plan at the fewest micro-steps whose memory fits (or, if none does, the most);
+    None if the global batch cannot be split over its replicas at all."""
+    options = [(b, g) for b, g in batch_options(job, cand.data) if cand.unfit(b) is None]
+    if not options:
+        return None
+    limit = job.machine.device_memory
+    states = sum(cand.states.values())
+    chosen = next(((b, g) for b, g in options if states + cand.activations(b) <= limit), options[-1])
+    b, g = chosen
+    memory = {**cand.states, "activations": cand.activations(b)}
+    total = sum(memory.values())
+    traffic = cand.traffic(b, g)
+    comm = comm_seconds(traffic, job.topology)
+    compute = job.flops / job.world / job.machine.flops
+    step = compute + sum(comm.values())
+    fits = total <= limit
+    reason = "" if fits else f"needs {total / 1e9:.1f} GB per rank > {limit / 1e9:.1f} GB"
+    return Estimate(cand.family, cand.name, cand.config, b, g, memory, traffic, compute, comm,
+                    job.flops / (step * job.world), fits, reason, limit * job.arch.params / states, cand.notes)

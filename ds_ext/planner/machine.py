@@ -1,0 +1,87 @@
+"""Machine presets: the hardware facts the planner uses, each with its source.
+
+Communication is an α-β model per topology level (``ds_ext.topology``): a collective that
+spans level L costs ``messages x α_L + bytes / β_L`` for the bytes one rank sends (the
+ledger's convention), β_L being one rank's share of the level's links when every rank uses
+them at once (the machine ``ds_ext.comm.emulation`` emulates). Compute runs at
+``peak x efficiency``, the efficiency taken from one stated single-device measurement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+
+from ds_ext.planner import PlannerError
+from ds_ext.topology import GB, US, Topology, preset_levels
+
+GiB = 2**30
+
+
+class MachineError(PlannerError):
+    """Nodes or overrides that do not fit the machine; the message names the argument."""
+
+
+class Machine(BaseModel):
+    """One machine: topology preset, device memory, 16-bit peak and the compute efficiency."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    topology: str = Field(description="ds_ext.topology preset (levels, bandwidths, latencies).")
+    device_memory: PositiveFloat = Field(description="Bytes of memory per rank (device).")
+    peak_flops: PositiveFloat = Field(description="16-bit peak FLOP/s per rank.")
+    efficiency: PositiveFloat = Field(le=1, description="Fraction of the peak the compute reaches.")
+    max_nodes: PositiveInt
+    sources: dict[str, str]
+
+    @property
+    def flops(self) -> float:
+        """FLOP/s the compute model runs at."""
+        return self.peak_flops * self.efficiency
+
+    def build_topology(self, nodes: int, bandwidth_GBps: dict[str, float] | None = None,
+                       latency_us: dict[str, float] | None = None) -> Topology:
+        """The topology of ``nodes`` nodes, with per-level bandwidth / latency overrides."""
+        if not 1 <= nodes <= self.max_nodes:
+            raise MachineError(f"--nodes: {nodes} does not fit {self.name}; allowed: 1 to {self.max_nodes}")
+        levels = list(preset_levels(self.topology))
+        names = [lv.name for lv in levels]
+        for key, values in (("--bandwidth", bandwidth_GBps or {}), ("--latency", latency_us or {})):
+            for name, value in values.items():
+                if name not in names:
+                    raise MachineError(f"{key}: {self.name} has no level {name!r}; allowed: {', '.join(names)}")
+                if value < 0 or (key == "--bandwidth" and value == 0):
+                    raise MachineError(f"{key}: {name}={value} must be {'> 0' if key == '--bandwidth' else '>= 0'}")
+        levels = [replace(lv, bandwidth=(bandwidth_GBps or {}).get(lv.name, lv.bandwidth / GB) * GB,
+                          latency=(latency_us or {}).get(lv.name, lv.latency / US) * US) for lv in levels]
+        inner = 1
+        for lv in levels[:-1]:
+            inner *= lv.size  # type: ignore[operator]
+        return Topology.build(levels, nodes * inner, self.topology)
+
+
+MACHINES: dict[str, Machine] = {
+    "frontier": Machine(
+        name="frontier", topology="frontier", device_memory=64 * GiB, peak_flops=191.5e12, efficiency=125 / 191.5,
+        max_nodes=9408,
+        sources={
+            "levels": "ds_ext.topology 'frontier': GCD pair 200 GB/s (003 §IV), Infinity Fabric 50 GB/s between "
+                      "MI250X (003 Table II), Slingshot 4 x 25 GB/s per node = 12.5 GB/s per GCD (003 §IV, 004 Fig 4); "
+                      "latencies 5 / 8 / 15 us assumed (no paper gives them)",
+            "device_memory": "64 GB HBM2e per GCD (003 §IV, 000 §VI-A) in binary units, as 003 §II-A's 68B ZeRO-3 "
+                             "figure counts it (64 GiB / 16 B per parameter x 16 GCDs)",
+            "peak_flops": "191.5 Tflop/s 16-bit per GCD (000 §VI-C, 004 §V-B)",
+            "efficiency": "125 / 191.5: the best bf16 GEMM on one GCD, 32768^2 (000 §VI-C)",
+            "max_nodes": "9,408 nodes = 75,264 GCDs (004 abstract)",
+        },
+    ),
+}
+
+
+def lookup(name: str) -> Machine:
+    try:
+        return MACHINES[name]
+    except KeyError:
+        raise MachineError(f"--machine: unknown machine {name!r}; allowed: {', '.join(MACHINES)}") from None

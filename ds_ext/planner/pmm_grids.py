@@ -1,0 +1,107 @@
+"""3D-PMM grids as planner candidates (001 ch. 5, 000 §V; ``ds_ext.perf.pmm``).
+
+Every factorization (G_x, G_y, G_z, G_data) of the world that divides the model
+(``perf.pmm.unfit_reason``), with ZeRO-1 over the data axis as ``ds-ext tune`` assumes.
+A data-parallel replica of G_x G_y G_z ranks runs micro-batches of ``b`` sequences, each rank
+``b s / G_z`` rows of them. Bytes per step are ``perf.pmm.items`` (Eqs 5.1-5.5 and the terms
+ds_ext adds), memory ``perf.pmm.memory``; activations split rows over Z, the residual stream
+over Y and matmul activations over X Y (001 §5.1.2's layout; the head's logits are
+all-reduced over Y, so each rank keeps its rows' full logits).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+
+from ds_ext.comm.emulation import message_steps
+from ds_ext.perf import pmm as perf
+from ds_ext.perf.compute import ActivationSplit, activation_bytes
+from ds_ext.planner.estimate import Candidate, Job, Traffic
+from ds_ext.planner.models import Arch
+from ds_ext.pmm.grid import Grid
+from ds_ext.topology import Topology
+
+
+def model_spec(arch: Arch, checkpointing: bool = True) -> perf.ModelSpec:
+    """``perf.pmm.gpt_spec`` with ``arch``'s tables (no position table with rotary, an untied
+    head) and, with activation checkpointing, every block's layers and norms recomputed in
+    backward (as ``ds_ext.pmm.spec.model_spec`` reads a checkpointed GPT)."""
+    spec = perf.gpt_spec(arch.hidden, arch.layers, arch.heads, arch.vocab, arch.seq, arch.ffn_mult)
+    tables = [t for t in spec.tables if arch.learned_positions or t.name != "pos"]
+    if not arch.tied_embeddings:
+        tables.append(perf.TableSpec("head", arch.vocab, arch.hidden))
+    block = lambda x: checkpointing and x.name.startswith("blocks.")  # noqa: E731
+    return replace(spec, tables=tuple(tables), layers=tuple(replace(L, recomputed=block(L)) for L in spec.layers),
+                   norms=tuple(replace(N, recomputed=block(N)) for N in spec.norms))
+
+
+def axis_levels(grid: Grid, topology: Topology) -> dict[str, str | None]:
+    """``ds_ext.groups.axis_levels`` of the grid in O(levels) per axis: the groups of an axis
+    with stride S (product of the inner degrees) and degree g tile blocks of S g consecutive
+    ranks, so some group crosses a domain of D ranks exactly when D is not a multiple of S g;
+    the axis spans the outermost level whose inner domain size is not."""
+    out: dict[str, str | None] = {}
+    stride = 1
+    for axis, g in zip(perf.AXES, grid.dims):
+        block = stride * g
+        level = None
+        if g > 1:
+            domain = 1
+            for lv in topology.levels:
+                if domain % block:
+                    level = lv.name
+                domain *= lv.size  # type: ignore[operator]
+        out[axis] = level
+        stride = block
+    return out
+
+
+def traffic(spec: perf.ModelSpec, grid: Grid, topology: Topology, micro: int, seq: int, elem_bytes: int,
+            grad_accum: int) -> Traffic:
+    levels = axis_levels(grid, topology)
+    nbytes: dict[str, float] = defaultdict(float)
+    messages: dict[str, float] = defaultdict(float)
+    for it in perf.items(spec, grid, micro, seq, elem_bytes, grad_accum, by_layer=False):
+        lv = levels[it.axis]
+        nbytes[lv] += it.nbytes * it.calls  # type: ignore[index]
+        messages[lv] += it.calls * message_steps(it.op, getattr(grid, it.axis))  # type: ignore[index]
+    return Traffic(dict(nbytes), dict(messages))
+
+
+def states(spec: perf.ModelSpec, grid: Grid, elem_bytes: int) -> dict[str, float]:
+    m = perf.memory(spec, grid, elem_bytes, zero_stage=1)
+    return {"weights": m["layer_params"] + m["replicated_params"], "secondary": m["gathered_weights"],
+            "gradients": m["layer_grads"] + m["replicated_grads"], "optimizer": m["optimizer"]}
+
+
+def candidate(job: Job, grid: Grid, spec: perf.ModelSpec | None = None) -> Candidate:
+    a, e = job.arch, job.elem_bytes
+    spec = spec or model_spec(a, job.checkpointing)
+    split = ActivationSplit(rows=grid.z, residual=grid.y, tensor=grid.x * grid.y)
+    return Candidate(
+        family="pmm3d", name=f"pmm3d {grid.x}x{grid.y}x{grid.z}x{grid.data}",
+        config={"zero_optimization": {"stage": 1}, "ds_ext": {"pmm3d": {
+            "enabled": True, "grid": {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data}}}},
+        data=grid.data, states=states(spec, grid, e),
+        activations=lambda b: activation_bytes(b * a.seq, a.layers, a.hidden, a.heads, a.seq, a.vocab, split,
+                                               job.checkpointing),
+        traffic=lambda b, g: traffic(spec, grid, job.topology, b, a.seq, e, g),
+        unfit=lambda b: None if b % grid.z == 0 else f"z={grid.z} does not divide the micro-batch {b}",
+    )
+
+
+def candidates(job: Job) -> list[Candidate]:
+    """Every grid whose layers, heads and hidden sizes it divides (``perf.pmm.unfit_reason`` at a
+    micro-batch of G_z; the candidate then only needs G_z to divide its micro-batch) and whose
+    model states alone fit the device (as ``perf.pmm.rank_grids`` filters); none for an MoE."""
+    if job.arch.experts > 1:
+        return []
+    spec = model_spec(job.arch, job.checkpointing)
+    out = []
+    for g in perf.factorizations(job.world):
+        if perf.unfit_reason(spec, g, g.z) is None:
+            c = candidate(job, g, spec)
+            if sum(c.states.values()) <= job.machine.device_memory:
+                out.append(c)
+    return out

@@ -1,0 +1,120 @@
+"""Terminal table, JSON and PNG of a :class:`ds_ext.planner.plan.PlanResult`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ds_ext.planner.dsconfig import CONFIGURED
+from ds_ext.planner.estimate import STATES, Estimate
+from ds_ext.planner.plan import PlanResult
+
+
+def shown(result: PlanResult, top_k: int) -> list[Estimate]:
+    """Every ZeRO preset and TED layout, the ``top_k`` fastest 3D-PMM grids, the configured plan."""
+    pmm = [e for e in result.estimates if e.family == "pmm3d"]
+    keep = {id(e) for e in pmm[:top_k]} | {id(e) for e in result.estimates if e.name.startswith(CONFIGURED)}
+    return [e for e in result.estimates if e.family != "pmm3d" or id(e) in keep]
+
+
+SHORT = {"weights": "wts", "secondary": "sec", "gradients": "grad", "optimizer": "opt", "activations": "act"}
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+def table(result: PlanResult, top_k: int = 5) -> str:
+    job = result.job
+    levels = job.topology.level_names
+    a = job.arch
+    head = (f"{a.name}: {a.params / 1e9:.2f}B parameters ({a.layers} layers, hidden {a.hidden}, {a.heads} heads, "
+            f"vocab {a.vocab}, seq {a.seq}{f', {a.experts} experts' if a.experts > 1 else ''}) on "
+            f"{job.topology.describe()}\n"
+            f"batch {job.global_batch} sequences per step; {job.machine.device_memory / 1e9:.1f} GB per rank; "
+            f"compute at {job.machine.flops / 1e12:.1f} TFLOP/s per rank; "
+            f"{job.flops / 1e15:.1f} PFLOP per step (GPT-NeoX formula)")
+    cols = (["#", "plan", "mb x GA"] + [SHORT[s] for s in STATES] + ["total", "fits"]
+            + [f"{lv} GB" for lv in levels] + ["comp s", "comm s", "step s", "TFLOPS", "max B"])
+    rows = []
+    rank = {id(e): i for i, e in enumerate(result.ranked, 1)}
+    for e in shown(result, top_k):
+        rows.append([str(rank.get(id(e), "-")), e.name, f"{e.micro_batch} x {e.grad_accum}"]
+                    + [_gb(e.memory[s]) for s in STATES] + [_gb(e.total_memory), "yes" if e.fits else "no"]
+                    + [_gb(e.traffic.bytes.get(lv, 0.0)) for lv in levels]
+                    + [f"{e.compute_s:.2f}", f"{sum(e.comm_s.values()):.2f}", f"{e.step_s:.2f}",
+                       f"{e.tflops / 1e12:.1f}", f"{e.max_params / 1e9:.1f}"])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    fmt = lambda r: "  ".join(v.ljust(w) if i == 1 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))  # noqa: E731
+    lines = [head, "", fmt(cols), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    lines.append("wts / sec / grad / opt / act: GB per rank of weights, secondary, gradients, optimizer states, "
+                 "activations; <level> GB: bytes one rank sends per optimizer step; max B: billions of parameters "
+                 "whose model states fill the device at this plan's bytes per parameter")
+    for label, e in (("best", result.best), ("runner-up", result.runner_up)):
+        lines.append(f"{label}: " + (f"{e.name} ({e.step_s:.2f} s per step, {e.tflops / 1e12:.1f} TFLOPS per rank)"
+                                     if e else "no plan fits"))
+    return "\n".join(lines)
+
+
+def record(e: Estimate) -> dict[str, Any]:
+    return {
+        "family": e.family, "name": e.name, "config": e.config, "micro_batch": e.micro_batch,
+        "grad_accum": e.grad_accum, "memory_bytes": e.memory, "total_memory_bytes": e.total_memory,
+        "fits": e.fits, "reason": e.reason, "bytes_per_level": e.traffic.bytes,
+        "messages_per_level": e.traffic.messages, "compute_s": e.compute_s, "comm_s_per_level": e.comm_s,
+        "step_s": e.step_s, "tflops_per_rank": e.tflops, "max_params": e.max_params, "notes": list(e.notes),
+    }
+
+
+def job_record(result: PlanResult) -> dict[str, Any]:
+    job = result.job
+    return {
+        "model": {**job.arch.model_dump(), "params": job.arch.params},
+        "machine": job.machine.model_dump(),
+        "topology": job.topology.describe(),
+        "world": job.world,
+        "global_batch": job.global_batch,
+        "grad_accum": job.grad_accum or "fewest that fit",
+        "element_bytes": job.elem_bytes,
+        "flops_per_step": job.flops,
+    }
+
+
+def to_json(result: PlanResult) -> dict[str, Any]:
+    return {
+        "job": job_record(result),
+        "best": result.best.name if result.best else None,
+        "runner_up": result.runner_up.name if result.runner_up else None,
+        "configured": [e.name for e in result.estimates if e.name.startswith(CONFIGURED)],
+        "plans": [record(e) for e in result.estimates],
+    }
+
+
+def plot(result: PlanResult, path, top_k: int = 5) -> None:
+    """Memory per state (left) and step time per component (right) of the shown plans."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plans = shown(result, top_k)
+    names = [e.name for e in plans]
+    levels = result.job.topology.level_names
+    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(14, 0.45 * len(plans) + 2.5), sharey=True)
+    for ax, parts, unit in ((ax_m, STATES, 1e9), (ax_t, ("compute",) + levels, 1.0)):
+        left = [0.0] * len(plans)
+        for part in parts:
+            if ax is ax_m:
+                vals = [e.memory[part] / unit for e in plans]
+            else:
+                vals = [e.compute_s if part == "compute" else e.comm_s.get(part, 0.0) for e in plans]
+            ax.barh(names, vals, left=left, label=part)
+            left = [a + b for a, b in zip(left, vals)]
+        ax.legend(fontsize=8)
+    ax_m.axvline(result.job.machine.device_memory / 1e9, color="k", ls="--", lw=1)
+    ax_m.set_xlabel("GB per rank (dashed: device memory)")
+    ax_t.set_xlabel("seconds per optimizer step")
+    ax_m.invert_yaxis()
+    fig.suptitle(f"{result.job.arch.name} on {result.job.world} ranks of {result.job.machine.name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
