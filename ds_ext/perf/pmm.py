@@ -119,7 +119,13 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
                       "all_reduce": _ar(per_call, d)}[op]
             out.append(Item(phase, op, axis, nbytes, calls, eq))
 
+    same: dict[tuple, list[Item]] = {}  # by_layer=False: identical layers give identical items
     for L in spec.layers:
+        key = (L.k, L.n, L.transposed, L.bias, L.out_chunks, L.recomputed)
+        if not by_layer and key in same:
+            out.extend(same[key])
+            continue
+        first = len(out)
         o, i = _axes(L)
         go, gi, gz = _size(grid, o), _size(grid, i), grid.z
         fwd = f"forward/{L.name}" if by_layer else "forward"
@@ -134,6 +140,7 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
         add(bwd, "reduce_scatter", "z", block, grad_accum, "5.2")
         if L.bias:
             add(bwd, "all_reduce", "z", L.n // go * e, grad_accum, "bias")
+        same[key] = out[first:]
     for N in spec.norms:
         per_call = rows * N.stats * STATS_BYTES
         add("forward", "all_reduce", "y", per_call, grad_accum, "norm stats")

@@ -61,11 +61,13 @@ def traffic(spec: perf.ModelSpec, grid: Grid, topology: Topology, micro: int, se
             grad_accum: int) -> Traffic:
     levels = axis_levels(grid, topology)
     nbytes: dict[str, float] = defaultdict(float)
-    messages: dict[str, float] = defaultdict(float)
+    calls: dict[tuple[str, str], int] = defaultdict(int)
     for it in perf.items(spec, grid, micro, seq, elem_bytes, grad_accum, by_layer=False):
-        lv = levels[it.axis]
-        nbytes[lv] += it.nbytes * it.calls  # type: ignore[index]
-        messages[lv] += it.calls * message_steps(it.op, getattr(grid, it.axis))  # type: ignore[index]
+        nbytes[levels[it.axis]] += it.nbytes * it.calls  # type: ignore[index]
+        calls[(it.op, it.axis)] += it.calls
+    messages: dict[str, float] = defaultdict(float)
+    for (op, axis), n in calls.items():
+        messages[levels[axis]] += n * message_steps(op, getattr(grid, axis))  # type: ignore[index]
     return Traffic(dict(nbytes), dict(messages))
 
 
