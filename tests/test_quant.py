@@ -82,10 +82,20 @@ def test_bad_settings():
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_compiled_quantizer_matches_eager(bits):
-    x = torch.randn(3000).to(torch.bfloat16)
+    """compile=True (ZeRO-topo's default) gives the eager bits, in both non-finite modes;
+    tensors below COMPILE_MIN_NUMEL use the eager kernels themselves."""
+    from ds_ext.comm import quant
+
+    n = quant.COMPILE_MIN_NUMEL + 3000
+    x = torch.randn(n).to(torch.bfloat16)
     eager, fused = BlockQuantizer(bits, 64), BlockQuantizer(bits, 64, compile=True)
+    assert fused._kernels_for(n)[0] is not quant._encode and fused._kernels_for(n - 3001)[0] is quant._encode
     a, b = eager.quantize(x), fused.quantize(x)
     assert torch.equal(a.payload, b.payload) and torch.equal(a.scales, b.scales)
     assert torch.equal(eager.dequantize(a), fused.dequantize(a))
+    x[5] = float("nan")
+    a, b = eager.quantize(x, nonfinite="flag"), fused.quantize(x, nonfinite="flag")
+    assert torch.equal(a.payload, b.payload) and torch.equal(a.scales, b.scales) and a.scales[0] == quant.NONFINITE
+    assert torch.equal(eager.dequantize(a).isnan(), fused.dequantize(b).isnan())
     with pytest.raises(QuantizationError, match="non-finite"):
-        fused.quantize(torch.tensor([1.0, float("nan")] * 32))
+        fused.quantize(x)
