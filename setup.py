@@ -19,6 +19,7 @@ setup(
         "matplotlib>=3.7",
         "packaging>=23",
         "scipy>=1.10",
+        "hjson>=3",  # ds_configs in hjson, as DeepSpeed reads them
     ],
     entry_points={"console_scripts": ["ds-ext=ds_ext.cli:main"]},
 )
