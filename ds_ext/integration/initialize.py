@@ -98,7 +98,8 @@ def _same_groups(caller: Any, own: Any) -> bool:
     import torch.distributed as dist
 
     same = [None] * dist.get_world_size()
-    dist.all_gather_object(same, _mpu_groups(caller) is not None and _mpu_groups(caller) == _mpu_groups(own))
+    groups = _mpu_groups(caller)
+    dist.all_gather_object(same, groups is not None and groups == _mpu_groups(own))
     return all(same)
 
 

@@ -89,7 +89,11 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        return self.ln_f(x) @ self.embed.weight.t()
+        return self.head(self.ln_f(x))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head, tied to the token embedding."""
+        return x @ self.embed.weight.t()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens``: [batch, seq_len + 1] int64; loss over positions 1..seq_len."""
