@@ -103,9 +103,10 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         return 0
     layers, hidden, heads = perf.TABLE_5_1[ns.model]
     spec = perf.gpt_spec(hidden, layers, heads, ns.vocab, ns.seq_len)
-    bw = tune.bandwidths_from(json.loads(Path(ns.database).read_text()), topo) if ns.database else None
+    database = json.loads(Path(ns.database).read_text()) if ns.database else None
+    bw = tune.bandwidths(topo, database, ns.links)
     limit = ns.memory_GB * 1e9 if ns.memory_GB else None
-    top = tune.top_grids(spec, topo, ns.global_batch, ns.seq_len, 2, ns.zero_stage, limit, bw, ns.top_k)
+    top = tune.top_grids(spec, topo, ns.global_batch, ns.seq_len, 2, ns.zero_stage, limit, bw, ns.top_k, ns.latency)
     print(f"{ns.model} ({layers} layers, hidden {hidden}, {heads} heads) on {topo.describe()}")
     print(f"{'#':>3} {'x':>4} {'y':>4} {'z':>4} {'data':>5} {'comm s':>10} {'GB/rank':>9}  levels (x, y, z, data)")
     for i, r in enumerate(top, 1):
@@ -113,7 +114,8 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         print(f"{i:>3} {g['x']:>4} {g['y']:>4} {g['z']:>4} {g['data']:>5} {r['predicted_comm_s']:>10.4f} "
               f"{r['memory_per_rank_bytes'] / 1e9:>9.2f}  " + ", ".join(lv[a] or "-" for a in ("x", "y", "z", "data")))
     if ns.out:
-        Path(ns.out).write_text(json.dumps({"model": ns.model, "world": ns.world, "top": top}, indent=2) + "\n")
+        Path(ns.out).write_text(json.dumps({"model": ns.model, "world": ns.world, "links": ns.links,
+                                            "latency": ns.latency, "top": top}, indent=2) + "\n")
     return 0
 
 
@@ -221,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2))
     t.add_argument("--memory-GB", type=float, default=None, help="model-state bytes allowed per rank")
     t.add_argument("--database", default=None, help="bandwidth database JSON from 'ds-ext tune --measure'")
+    t.add_argument("--links", choices=("shared", "per-rank"), default="shared",
+                   help="shared: Eq 5.7 (rings across nodes share a node's NICs); per-rank: every rank its own share "
+                        "of each level (the machine ds_ext's alpha-beta emulation emulates)")
+    t.add_argument("--latency", action="store_true",
+                   help="add the level's latency per ring message (drops 001's bandwidth-bound Assumption 3)")
     t.add_argument("--top-k", type=int, default=10)
     t.add_argument("--out", default=None, help="write the result as JSON")
     t.add_argument("--measure", action="store_true",

@@ -116,6 +116,24 @@ def test_perf_zero_message_counts():
         assert zpp.steps_by_level()[level] >= calls  # every call is at least one message
 
 
+def test_hpz_as_deepspeed_0_13_1_gathers_the_primary_every_micro_batch():
+    """``secondary_serves_forward=False`` (003's DeepSpeed 0.13.1): every micro-batch's forward crosses
+    nodes; today's rule crosses once per step and gathers inside the node after that."""
+    plan_ = resolve_plan(ZeroTopoConfig(enabled=True, preset="zeropp"), EMULATED)
+    units = _engine_units(_zero_test_gpt(), 8, plan_.block_size)
+    one = perf_zero.traffic(plan_, units, 1, 2)
+    for accum in (2, 5):
+        old = perf_zero.traffic(plan_, units, accum, 2, secondary_serves_forward=False)
+        new = perf_zero.traffic(plan_, units, accum, 2)
+        assert old.bytes["forward"] == {lv: b * accum for lv, b in one.bytes["forward"].items()}
+        assert old.bytes["backward"] == new.bytes["backward"] and old.bytes["step"] == new.bytes["step"]
+        assert new.bytes["forward"]["node"] == one.bytes["forward"]["node"] > 0
+        two = perf_zero.traffic(plan_, units, 2, 2).bytes["forward"]["gpu"]  # one secondary gather per unit
+        assert new.bytes["forward"]["gpu"] == (accum - 1) * two > 0 and "gpu" not in old.bytes["forward"]
+    z3 = resolve_plan(ZeroTopoConfig(enabled=True, preset="zero3"), EMULATED)  # no secondary: no difference
+    assert perf_zero.traffic(z3, units, 3, 2, secondary_serves_forward=False).bytes == perf_zero.traffic(z3, units, 3, 2).bytes
+
+
 # ---- 3D-PMM: the planner's numbers are perf.pmm's on the ledger-test runs -------------------------
 def _factorizations_of(topology):
     return perf_pmm.factorizations(topology.world_size)
@@ -314,7 +332,10 @@ def test_validation_rows_and_table():
     rows = validate.zero_rows(FRONTIER)
     by = {r.claim: r for r in rows}
     s384 = _estimates(48)
-    assert by["TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs"].predicted == s384["zeropp"].tflops / s384["zero3"].tflops
+    old = validate._zero(FRONTIER, 48)[validate.ZEROPP_0131]
+    assert by["TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs"].predicted == old.tflops / s384["zero3"].tflops
+    assert by["  same, today's hpZ: ZeRO++ / ZeRO-3"].predicted == s384["zeropp"].tflops / s384["zero3"].tflops
+    assert old.traffic.bytes["node"] > s384["zeropp"].traffic.bytes["node"] and old.memory == s384["zeropp"].memory
     assert by["largest model, ZeRO-3, 16 GCDs (B params)"].holds is True
     pmm = validate.pmm_rows(FRONTIER, ((16, "gpt-5b", 1.6), (32, "gpt-5b", 3.0)))
     assert [r.published for r in pmm] == [100.0, 93.75, 0.9375]

@@ -246,3 +246,52 @@ def test_cli_tune_prints_and_writes_the_top_k(tmp_path, capsys):
     best = Grid(**top[0]["grid"])
     assert top[0]["predicted_comm_s"] == perf.comm_time(spec, best, topo, 1024 // best.data, 2048, 2)
     assert "gpt-20b (32 layers, hidden 7168, 56 heads)" in capsys.readouterr().out
+    # the emulated machine's model (bench pmm's ranking model): per-rank links and α per message
+    assert main(["tune", "--model", "gpt-20b", "--world", "32", "--memory-GB", "40", "--top-k", "4",
+                 "--links", "per-rank", "--latency", "--out", str(out)]) == 0
+    emu = json.loads(out.read_text())
+    assert (emu["links"], emu["latency"]) == ("per-rank", True)
+    best = Grid(**emu["top"][0]["grid"])
+    assert emu["top"][0]["predicted_comm_s"] == perf.comm_time(
+        spec, best, topo, 1024 // best.data, 2048, 2, bw=perf.Bandwidths.per_rank_links(topo), latency=True)
+    assert emu["top"][0]["predicted_comm_s"] > perf.comm_time(spec, best, topo, 1024 // best.data, 2048, 2,
+                                                              bw=perf.Bandwidths.per_rank_links(topo))
+
+
+def test_tune_bandwidths_links_and_database():
+    from ds_ext.pmm import tune
+
+    topo = Topology.from_preset("frontier", 16)
+    assert tune.bandwidths(topo, None, "shared") is None  # comm_time's default: Eq 5.7 from the topology
+    assert tune.bandwidths(topo, None, "per-rank") == perf.Bandwidths.per_rank_links(topo)
+    db = {"intra": {"1,2": 1e11, "2,4": 4e10}, "beta_inter": 9e10}
+    shared, own = tune.bandwidths(topo, db, "shared"), tune.bandwidths(topo, db, "per-rank")
+    assert shared.intra == own.intra == {(1, 2): 1e11, (2, 4): 4e10} and shared.beta_inter == own.beta_inter == 9e10
+    assert shared.ring_sharing and not own.ring_sharing
+    no_inter = tune.bandwidths(topo, {"intra": {}, "beta_inter": None}, "per-rank")
+    assert no_inter.beta_inter == perf.Bandwidths.per_rank_links(topo).beta_inter
+    with pytest.raises(ValueError, match="--links: 'both'; allowed: shared, per-rank"):
+        tune.bandwidths(topo, None, "both")
+
+
+def test_bench_pmm_checks_rank_with_the_emulated_machines_model():
+    """``ds-ext bench pmm``'s acceptance numbers from its records: Spearman and the first choice's
+    measured rank per predictor; ``ranking_holds`` from the α-β per-rank-links model."""
+    from ds_ext.bench.pmm import PREDICTORS, RANKING_MODEL, checks
+
+    def rec(grid, measured, alpha_beta, eq57):
+        r = {"variant": "pmm3d", "grid": list(grid), "ledger_equals_model": True, "step_time_emulated_s": measured}
+        return {**r, **{k: eq57 for k in PREDICTORS}, RANKING_MODEL: alpha_beta}
+
+    records = [rec((1, 1, 1, 8), 4.0, 4e-3, 1e-3), rec((4, 1, 1, 2), 1.0, 1e-3, 3e-3),
+               rec((1, 8, 1, 1), 9.0, 9e-3, 2e-3), rec((2, 2, 1, 2), 2.0, 3e-3, 4e-3)]
+    out = checks(records)
+    assert out["ranking_model"] == RANKING_MODEL and out["fastest_measured_grid"] == [4, 1, 1, 2]
+    assert out[f"spearman[{RANKING_MODEL}]"] == pytest.approx(1.0)  # same order as measured
+    assert out[f"model_first_choice_measured_rank[{RANKING_MODEL}]"] == 1.0 and out["ranking_holds"] is True
+    assert out["spearman[predicted_comm_s]"] == pytest.approx(-0.6)  # ranks 1,3,2,4 vs 3,1,4,2
+    assert out["model_first_choice_measured_rank[predicted_comm_s]"] == 3.0
+    records[1][RANKING_MODEL], records[3][RANKING_MODEL] = 10e-3, 5e-3  # picks (1,1,1,8), measured 3rd
+    out = checks(records)
+    assert out[f"model_first_choice_measured_rank[{RANKING_MODEL}]"] == 3.0
+    assert out[f"spearman[{RANKING_MODEL}]"] == pytest.approx(-0.4) and out["ranking_holds"] is False

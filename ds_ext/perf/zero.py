@@ -8,7 +8,12 @@ Notation: U padded unit size (elements), e bytes per 16-bit (or fp32) element,
 n_L = shards(L) = ranks in one domain of level L, d the group size, B the quantization
 block, wire_b(n) = n b / 8 + 4 n / B for a quantized chunk of n elements.
 Per micro-batch, for every unit:
-  forward   all-gather of the source shard over span(source)   n (d-1) bytes per chunk
+  forward   all-gather of the source shard over span(source)   n (d-1) bytes per chunk;
+            with an hpZ secondary narrower than the primary, the step's first forward gathers
+            the primary and the others the secondary (DeepSpeed >= 0.13.2, PR #4906, and
+            ds_ext's engine); ``secondary_serves_forward=False`` charges the primary in every
+            micro-batch, as DeepSpeed 0.13.1 (003's version, Table IX) did under activation
+            checkpointing: its recompute gathers with grad enabled, which hpZ did not serve
   backward  all-gather of the backward source (not the root unit, kept from forward)
             reduce of the gradient: reduce-scatter U e (d-1)/d, or int-b all-to-all
             wire_b(U)(d-1)/d (1 hop), or hop 1 over the node + hop 2 over N nodes.
@@ -99,8 +104,9 @@ def _group_size(plan: ShardingPlan, levels) -> int:
     return math.prod(plan.topology.levels[i].size for i in levels)  # type: ignore[misc]
 
 
-def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_bytes: int) -> Traffic:
-    """Bytes and calls per optimizer step of ``plan`` for ``units`` at ``grad_accum``."""
+def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_bytes: int,
+            secondary_serves_forward: bool = True) -> Traffic:
+    """Bytes and calls per optimizer step of ``plan`` for ``units`` at ``grad_accum`` (module docstring)."""
     t = _Tally()
     top = len(plan.topology.levels) - 1
     B = plan.block_size
@@ -120,7 +126,7 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
     pri_quant = plan.gather_bits == 8
     for u in units:
         # forward: from the primary, or from a narrower secondary once it exists
-        if s is not None and s < w:  # hpZ: built by the step's first gather, kept to the step
+        if secondary_serves_forward and s is not None and s < w:  # hpZ: built by the step's first gather, kept to the step
             gather("forward", w, u.U, pri_quant, 1)
             gather("forward", s, u.U, sec_quant, grad_accum - 1)
         else:

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ds_ext.groups import TEDLayout
-from ds_ext.planner import ted_layouts
-from ds_ext.planner.estimate import Estimate
+from ds_ext.planner import ted_layouts, zero_plans
+from ds_ext.planner.estimate import Estimate, evaluate
 from ds_ext.planner.machine import GiB, Machine
 from ds_ext.planner.models import Arch, lookup, with_experts
 from ds_ext.planner.plan import make_job, plan
@@ -51,35 +51,54 @@ class Row:
         return {**asdict(self), "rel_error": self.rel_error, "holds": self.holds}
 
 
+ZEROPP_0131 = "zeropp (DeepSpeed 0.13.1)"
+
+
 def _zero(machine: Machine, nodes: int, global_batch: int | None = None, grad_accum: int | None = None
           ) -> dict[str, Estimate]:
+    """Every preset, plus ZeRO++ with the hpZ rule of DeepSpeed 0.13.1 (``ZEROPP_0131``)."""
     job = make_job(lookup("gpt-neox-20b"), machine, nodes, global_batch, grad_accum)
-    return {e.name: e for e in plan(job, ["zero"]).estimates}
+    out = {e.name: e for e in plan(job, ["zero"]).estimates}
+    old = evaluate(job, zero_plans.candidate(job, {"preset": "zeropp"}, ZEROPP_0131, secondary_serves_forward=False))
+    assert old is not None
+    return {**out, ZEROPP_0131: old}
+
+
+ZPP_NOTE = ("ZeRO++ gathers as DeepSpeed 0.13.1, 003's version (Table IX), did: hpZ served no gather with grad "
+            "enabled, so every micro-batch's checkpoint recompute gathered across nodes (PR #4906 changed it in 0.13.2)")
 
 
 def zero_rows(machine: Machine) -> list[Row]:
     """003: max model sizes, 384-GCD ratios, ZeRO-topo's efficiency; plus a batch sensitivity."""
     s16, s384 = _zero(machine, 2), _zero(machine, 48)
     t = lambda est, name: est[name].tflops  # noqa: E731
+    zpp = ZEROPP_0131
     rows = [
         Row("largest model, ZeRO-3, 16 GCDs (B params)", "003 §II-A", 68, s16["zero3"].max_params / 1e9, 0.05),
         Row("largest model, ZeRO++, 16 GCDs (B params)", "003 §II-A", 55, s16["zeropp"].max_params / 1e9, 0.05),
         Row("largest model, ZeRO-topo (Sec-Degree 2), 384 GCDs (B params)", "003 §VII-B", 36,
             s384["zero_topo_paper"].max_params / 1e9, 0.05,
             "003's 36B needs 64e9 bytes per GCD, its 68B / 55B need 64 GiB; the planner uses 64 GiB"),
-        Row("TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs", "003 §VI, Fig 7", 1.405, t(s384, "zeropp") / t(s384, "zero3"), 0.15),
+        Row("TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs", "003 §VI, Fig 7", 1.405, t(s384, zpp) / t(s384, "zero3"), 0.15,
+            ZPP_NOTE),
         Row("TFLOPS per GCD ZeRO-topo / ZeRO++, 384 GCDs", "003 §VI, Fig 7", 1.707,
-            t(s384, "zero_topo_paper") / t(s384, "zeropp"), 0.15),
+            t(s384, "zero_topo_paper") / t(s384, zpp), 0.15, ZPP_NOTE),
         Row("TFLOPS per GCD ZeRO-topo / ZeRO-3, 384 GCDs", "003 §VI", 2.398, t(s384, "zero_topo_paper") / t(s384, "zero3")),
         Row("scaling efficiency ZeRO-topo, 16 -> 384 GCDs", "003 abstract, Fig 7", 0.94,
             t(s384, "zero_topo_paper") / t(s16, "zero_topo_paper")),
     ]
+    note = "sensitivity, not the prediction: hpZ as DeepSpeed >= 0.13.2 and ds_ext serve forwards"
+    rows += [
+        Row("  same, today's hpZ: ZeRO++ / ZeRO-3", "003 §VI", 1.405, t(s384, "zeropp") / t(s384, "zero3"), None, note),
+        Row("  same, today's hpZ: ZeRO-topo / ZeRO++", "003 §VI", 1.707,
+            t(s384, "zero_topo_paper") / t(s384, "zeropp"), None, note),
+    ]
     ga1 = _zero(machine, 48, global_batch=4 * machine.build_topology(48).world_size, grad_accum=1)
     note = "sensitivity, not the prediction: micro-batch 4, no accumulation (003 gives no batch)"
     rows += [
-        Row("  same, 1 micro-step per step: ZeRO++ / ZeRO-3", "003 §VI", 1.405, t(ga1, "zeropp") / t(ga1, "zero3"), None, note),
+        Row("  same, 1 micro-step per step: ZeRO++ / ZeRO-3", "003 §VI", 1.405, t(ga1, zpp) / t(ga1, "zero3"), None, note),
         Row("  same, 1 micro-step per step: ZeRO-topo / ZeRO++", "003 §VI", 1.707,
-            t(ga1, "zero_topo_paper") / t(ga1, "zeropp"), None, note),
+            t(ga1, "zero_topo_paper") / t(ga1, zpp), None, note),
     ]
     return rows
 

@@ -28,8 +28,10 @@ def units(arch: Arch, world: int, block: int) -> list[perf.UnitSpec]:
     return [root] + [block_unit] * arch.layers
 
 
-def traffic(plan: ShardingPlan, arch: Arch, grad_accum: int, elem_bytes: int) -> Traffic:
-    t = perf.traffic(plan, units(arch, plan.topology.world_size, plan.block_size), grad_accum, elem_bytes)
+def traffic(plan: ShardingPlan, arch: Arch, grad_accum: int, elem_bytes: int,
+            secondary_serves_forward: bool = True) -> Traffic:
+    t = perf.traffic(plan, units(arch, plan.topology.world_size, plan.block_size), grad_accum, elem_bytes,
+                     secondary_serves_forward)
     return Traffic(t.by_level(), t.steps_by_level())
 
 
@@ -39,8 +41,10 @@ def states(plan: ShardingPlan, arch: Arch, elem_bytes: int) -> dict[str, float]:
             "optimizer": m["optimizer"]}
 
 
-def candidate(job: Job, section: dict[str, Any], name: str | None = None) -> Candidate:
-    """The plan of one ``ds_ext.zero_topo`` section (a preset name and its overrides)."""
+def candidate(job: Job, section: dict[str, Any], name: str | None = None,
+              secondary_serves_forward: bool = True) -> Candidate:
+    """The plan of one ``ds_ext.zero_topo`` section (a preset name and its overrides);
+    ``secondary_serves_forward=False``: hpZ as DeepSpeed 0.13.1 ran it (``ds_ext.perf.zero``)."""
     cfg = ZeroTopoConfig(enabled=True, **section)
     plan = resolve_plan(cfg, job.topology)
     a, e = job.arch, job.elem_bytes
@@ -49,7 +53,7 @@ def candidate(job: Job, section: dict[str, Any], name: str | None = None) -> Can
         states=states(plan, a, e),
         activations=lambda b: activation_bytes(b * a.seq, a.layers, a.hidden, a.heads, a.seq, a.vocab,
                                                checkpointing=job.checkpointing),
-        traffic=lambda b, g: traffic(plan, a, g, e),
+        traffic=lambda b, g: traffic(plan, a, g, e, secondary_serves_forward),
         notes=(plan.describe(),),
     )
 

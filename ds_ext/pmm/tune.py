@@ -24,8 +24,10 @@ REPEATS = 3
 
 
 def top_grids(spec: perf.ModelSpec, topology: Topology, global_batch: int, seq_len: int, elem_bytes: int,
-              zero_stage: int, memory_limit: float | None, bw: perf.Bandwidths | None, k: int) -> list[dict]:
-    """The ``k`` best grids as JSON-ready records (micro-batch = global batch / G_data)."""
+              zero_stage: int, memory_limit: float | None, bw: perf.Bandwidths | None, k: int,
+              latency: bool = False) -> list[dict]:
+    """The ``k`` best grids as JSON-ready records (micro-batch = global batch / G_data), ranked by
+    :func:`ds_ext.perf.pmm.comm_time` with ``bw`` and, with ``latency``, α per message."""
     out = []
     world = topology.world_size
     for grid in perf.factorizations(world):
@@ -40,7 +42,7 @@ def top_grids(spec: perf.ModelSpec, topology: Topology, global_batch: int, seq_l
         args = (spec, grid, topology, micro, seq_len, elem_bytes)
         out.append({
             "grid": {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data},
-            "predicted_comm_s": perf.comm_time(*args, bw=bw),
+            "predicted_comm_s": perf.comm_time(*args, bw=bw, latency=latency),
             "predicted_paper_comm_s": perf.comm_time(*args, bw=bw, paper_terms_only=True),
             "memory_per_rank_bytes": mem,
             "levels": axis_levels(grid.axes(), topology),
@@ -88,13 +90,24 @@ def _bandwidth(comm, group, buf, d: int) -> float:
     return 2 * buf.numel() * buf.element_size() * (d - 1) / d / float(slowest)
 
 
-def bandwidths_from(database: dict[str, Any], topology: Topology) -> perf.Bandwidths:
-    """A measured database as :class:`ds_ext.perf.pmm.Bandwidths` (β_inter from the topology if absent)."""
+LINKS = ("shared", "per-rank")
+
+
+def bandwidths(topology: Topology, database: dict[str, Any] | None, links: str) -> perf.Bandwidths | None:
+    """The Eq 5.7 inputs ``ds-ext tune`` ranks with. ``links="shared"``: Eq 5.7 as written, the
+    rings of an axis across nodes share a node's NICs; ``"per-rank"``: every rank has its own
+    share of each level's links (the machine ``ds_ext.comm.emulation`` emulates). A database
+    (``ds-ext tune --measure``) gives the intra-node bandwidths and β_inter."""
+    if links not in LINKS:
+        raise ValueError(f"--links: {links!r}; allowed: {', '.join(LINKS)}")
+    if database is None:
+        return None if links == "shared" else perf.Bandwidths.per_rank_links(topology)
     intra = {tuple(int(v) for v in key.split(",")): bw for key, bw in database["intra"].items()}
     beta_inter = database.get("beta_inter")
     if beta_inter is None:
-        beta_inter = perf.Bandwidths.from_topology(topology).beta_inter
-    return perf.Bandwidths(intra, beta_inter)  # type: ignore[arg-type]
+        default = perf.Bandwidths.from_topology if links == "shared" else perf.Bandwidths.per_rank_links
+        beta_inter = default(topology).beta_inter
+    return perf.Bandwidths(intra, beta_inter, ring_sharing=links == "shared")  # type: ignore[arg-type]
 
 
 def measure_on_rank(topology_block: dict[str, Any], message_bytes: int, emulate_time: bool,
