@@ -93,7 +93,6 @@ def _deepspeed_tp_model(cfg, state, layout):
     from ds_ext import config as cfgmod
     from ds_ext.models.gpt_moe import GPTMoE
     from ds_ext.moe import ColumnParallelLinear, RowParallelLinear, TEDContext
-    from ds_ext.moe.mpu import TEDMpu
     from ds_ext.moe.reference import local_expert_state
     from ds_ext.runtime import Runtime
 
@@ -111,7 +110,7 @@ def _deepspeed_tp_model(cfg, state, layout):
     ted = TEDContext.create(layout, runtime.comm, dtd=False, cac=False)
     for i, m in enumerate(m for m in model.modules() if hasattr(m, "ted_bind")):
         m.ted_bind(ted, i)
-    return model, TEDMpu(ted)
+    return model, ted.mpu()
 
 
 def _build(variant: str, cfg, micro: int, time_scale: float):

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ds_ext.comm import Communicator
 from ds_ext.groups import TEDLayout, ted_process_groups
+from ds_ext.mpu import MegatronMPU, ParallelGroup
 
 
 @dataclass(frozen=True)
@@ -60,3 +61,11 @@ class TEDContext:
 
     def ranks(self, kind: str) -> tuple[int, ...]:
         return self.comm.registry.ranks(self.groups[kind])
+
+    def mpu(self) -> MegatronMPU:
+        """The mpu TED hands DeepSpeed: model parallel = the tensor group (G_tensor), data parallel =
+        the non-expert data group (G_data^nonexp), which DeepSpeed uses for non-expert gradient
+        reduction, ZeRO partitioning and the parameter broadcast."""
+        return MegatronMPU(
+            ParallelGroup(self.groups["tensor"], self.layout.tensor, self.tensor_rank, self.ranks("tensor")),
+            ParallelGroup(self.groups["data"], self.layout.nonexp_data, self.data_rank, self.ranks("data")))

@@ -25,7 +25,7 @@ from pydantic import Field, StrictBool, StrictInt, model_validator
 from ds_ext.config import DsExtConfigError
 from ds_ext.groups import GroupError, TEDLayout
 from ds_ext.moe.context import TEDContext
-from ds_ext.moe.mpu import TEDMpu
+from ds_ext.mpu import MegatronMPU
 from ds_ext.plugin import Plugin, PluginConfig, register_plugin
 
 KEY = "ds_ext.ted"
@@ -146,8 +146,8 @@ class TEDPlugin(Plugin):
                     _refuse(f"{key} is {want} but layer {name} has {got}")
         return [(n, m) for n, m in modules if hasattr(m, "ted_bind")]
 
-    def mpu(self) -> TEDMpu:
-        return TEDMpu(self.ted)
+    def mpu(self) -> MegatronMPU:
+        return self.ted.mpu()
 
     def attach(self, engine: Any) -> None:
         from ds_ext.integration import ds_moe

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from ds_ext.config import DsExtConfigError
+from ds_ext.mpu import MegatronMPU, ParallelGroup
 from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.pmm.config import KEY, Pmm3dConfig
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.grid import Grid, GridError, build_axes
-from ds_ext.pmm.mpu import GridMPU
 from ds_ext.pmm.parallelize import ConversionError, parallelize
 from ds_ext.pmm.plans import plan_for
 
@@ -37,7 +37,7 @@ class Pmm3dPlugin(Plugin):
 
     name = "pmm3d"
     Config = Pmm3dConfig
-    _mpu: GridMPU | None = None
+    _mpu: MegatronMPU | None = None
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         from ds_ext.integration import ds_pmm
@@ -99,12 +99,18 @@ class Pmm3dPlugin(Plugin):
                                    "fits memory_per_rank_GB; give the grid explicitly or raise the limit")
         return ranked[0].grid
 
-    def mpu(self) -> GridMPU:
+    def mpu(self) -> MegatronMPU:
+        """Model parallel = the tensor grid X x Y x Z (DeepSpeed sums gradient norms over it,
+        parameters counted per ``ds_ext.integration.ds_pmm.mark_parameters``); data parallel =
+        the ``data`` axis (it averages gradients and shards ZeRO-1 optimizer states)."""
         if self._mpu is None:
-            data = self.grid.axes().groups(["data"])
-            tensor = self.grid.axes().groups(["x", "y", "z"])
             me = self.runtime.rank
-            self._mpu = GridMPU(self.axes, next(g for g in data if me in g), next(g for g in tensor if me in g)[0])
+
+            def side(axis: str, kinds: list[str]) -> ParallelGroup:
+                a = self.axes[axis]
+                return ParallelGroup(a.group, a.size, a.rank, next(g for g in self.grid.axes().groups(kinds) if me in g))
+
+            self._mpu = MegatronMPU(side("tensor", ["x", "y", "z"]), side("data", ["data"]))
         return self._mpu
 
     def attach(self, engine: Any) -> None:
