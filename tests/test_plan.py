@@ -122,13 +122,13 @@ def test_hpz_as_deepspeed_0_13_1_gathers_the_primary_every_micro_batch():
     plan_ = resolve_plan(ZeroTopoConfig(enabled=True, preset="zeropp"), EMULATED)
     units = _engine_units(_zero_test_gpt(), 8, plan_.block_size)
     one = perf_zero.traffic(plan_, units, 1, 2)
+    two = perf_zero.traffic(plan_, units, 2, 2).bytes["forward"]["gpu"]  # one secondary gather per unit
     for accum in (2, 5):
         old = perf_zero.traffic(plan_, units, accum, 2, secondary_serves_forward=False)
         new = perf_zero.traffic(plan_, units, accum, 2)
         assert old.bytes["forward"] == {lv: b * accum for lv, b in one.bytes["forward"].items()}
         assert old.bytes["backward"] == new.bytes["backward"] and old.bytes["step"] == new.bytes["step"]
         assert new.bytes["forward"]["node"] == one.bytes["forward"]["node"] > 0
-        two = perf_zero.traffic(plan_, units, 2, 2).bytes["forward"]["gpu"]  # one secondary gather per unit
         assert new.bytes["forward"]["gpu"] == (accum - 1) * two > 0 and "gpu" not in old.bytes["forward"]
     z3 = resolve_plan(ZeroTopoConfig(enabled=True, preset="zero3"), EMULATED)  # no secondary: no difference
     assert perf_zero.traffic(z3, units, 3, 2, secondary_serves_forward=False).bytes == perf_zero.traffic(z3, units, 3, 2).bytes
