@@ -160,6 +160,7 @@ def _instrumented_torch_distributed():
     rt = _runtime()
     node = rt.groups.span("gpu")
     x = torch.ones(16)
+    original = dist.all_reduce
     with instrument_torch_distributed(rt.comm):
         dist.all_reduce(x, group=node)  # third-party call: counted
         rt.comm.all_reduce(x, group=node)  # ds_ext call: counted once, not twice
@@ -176,13 +177,49 @@ def _instrumented_torch_distributed():
     assert s.by_level(op="all_gather") == {"node": 3 * 16 * 7}
     assert s.by_level(op="reduce_scatter") == {"node": 64 * 7 / 8}
     assert s.by_level(op="all_to_all") == {"node": 64 * 7 / 8}
-    from ds_ext.comm.collectives import TORCH_OPS
-
-    return dist.all_reduce is TORCH_OPS["all_reduce"]  # originals restored
+    return dist.all_reduce is original  # restored
 
 
 def test_instrument_counts_third_party_once(world):
     assert all(world.run(_instrumented_torch_distributed))
+
+
+def _wrapper_installed_after_import():
+    """A profiler wraps torch.distributed after ``import ds_ext``: ds_ext's own collectives
+    go through it, and so do third-party calls while the ledger is installed (chained)."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from ds_ext.comm import instrument_torch_distributed
+
+    rt = _runtime()
+    seen = []
+    original = dist.all_reduce
+
+    @functools.wraps(original)
+    def profiler(*args, **kwargs):
+        seen.append(args[0].numel())
+        return original(*args, **kwargs)
+
+    dist.all_reduce = profiler
+    try:
+        rt.comm.all_reduce(torch.ones(3))  # ds_ext's own call, not instrumented
+        with instrument_torch_distributed(rt.comm):
+            dist.all_reduce(torch.ones(5))  # third party: ledger, then the profiler
+            rt.comm.all_reduce(torch.ones(7))  # ds_ext: the profiler, counted once
+        counted = rt.ledger.current.calls_by_level()
+        restored = dist.all_reduce is profiler
+    finally:
+        dist.all_reduce = original
+    return seen, counted, restored
+
+
+def test_a_wrapper_installed_after_import_is_called_and_chained(world):
+    for seen, counted, restored in world.run(_wrapper_installed_after_import):
+        assert seen == [3, 5, 7] and restored
+        assert sum(counted.values()) == 3
 
 
 def _time_emulation():

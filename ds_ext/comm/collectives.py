@@ -34,10 +34,9 @@ from ds_ext.comm.ledger import (
 )
 from ds_ext.groups import GroupRegistry
 
-# The unpatched torch.distributed functions: ds_ext's own calls must not be counted
-# twice when ``ds_ext.comm.instrument`` wraps torch.distributed for third-party code.
-TORCH_OPS: dict[str, Callable] = {
-    name: getattr(dist, name)
+# The torch.distributed tensor collectives ds_ext calls and ``ds_ext.comm.instrument`` wraps.
+TORCH_OP_NAMES: tuple[str, ...] = tuple(
+    name
     for name in (
         "all_gather_into_tensor",
         "reduce_scatter_tensor",
@@ -53,7 +52,20 @@ TORCH_OPS: dict[str, Callable] = {
         "reduce",
     )
     if hasattr(dist, name)
-}
+)
+
+# While ``ds_ext.comm.instrument`` is installed: the functions it replaced (whatever was
+# in torch.distributed then, a profiler's or the user's wrapper included).
+_captured: dict[str, Callable] = {}
+
+
+def torch_op(name: str) -> Callable:
+    """The torch.distributed function ds_ext's own collectives call: the one the
+    instrumentation captured when it was installed (so they are not counted twice), else
+    the one in torch.distributed now (so a wrapper installed after ``import ds_ext`` is
+    honoured)."""
+    fn = _captured.get(name)
+    return fn if fn is not None else getattr(dist, name)
 
 
 class CommError(RuntimeError):
@@ -172,7 +184,7 @@ class Communicator:
             )
         deadline = self.account("all_gather", group, all_gather_bytes(_nbytes(input), d))
         with self.guard("all_gather", group):
-            work = TORCH_OPS["all_gather_into_tensor"](_flat(output), _flat(input), group=group, async_op=async_op)
+            work = torch_op("all_gather_into_tensor")(_flat(output), _flat(input), group=group, async_op=async_op)
         return self._finish("all_gather", group, work, deadline, async_op)
 
     def reduce_scatter(
@@ -192,7 +204,7 @@ class Communicator:
             )
         deadline = self.account("reduce_scatter", group, reduce_scatter_bytes(_nbytes(input), d))
         with self.guard("reduce_scatter", group):
-            work = TORCH_OPS["reduce_scatter_tensor"](
+            work = torch_op("reduce_scatter_tensor")(
                 _flat(output), _flat(input), op=op, group=group, async_op=async_op
             )
         return self._finish("reduce_scatter", group, work, deadline, async_op)
@@ -203,7 +215,7 @@ class Communicator:
         d = self.size(group)
         deadline = self.account("all_reduce", group, all_reduce_bytes(_nbytes(tensor), d))
         with self.guard("all_reduce", group):
-            work = TORCH_OPS["all_reduce"](tensor, op=op, group=group, async_op=async_op)
+            work = torch_op("all_reduce")(tensor, op=op, group=group, async_op=async_op)
         return self._finish("all_reduce", group, work, deadline, async_op)
 
     def all_to_all(
@@ -231,7 +243,7 @@ class Communicator:
         nbytes = _nbytes(input) - own * row
         deadline = self.account("all_to_all", group, nbytes)
         with self.guard("all_to_all", group):
-            work = TORCH_OPS["all_to_all_single"](
+            work = torch_op("all_to_all_single")(
                 output,
                 input,
                 output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
@@ -248,7 +260,7 @@ class Communicator:
         d = self.size(group)
         deadline = self.account("broadcast", group, broadcast_bytes(_nbytes(tensor), d))
         with self.guard("broadcast", group):
-            work = TORCH_OPS["broadcast"](tensor, src=src, group=group, async_op=async_op)
+            work = torch_op("broadcast")(tensor, src=src, group=group, async_op=async_op)
         return self._finish("broadcast", group, work, deadline, async_op)
 
 

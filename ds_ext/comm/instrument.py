@@ -3,8 +3,9 @@
 :func:`instrument_torch_distributed` replaces the tensor collectives of
 ``torch.distributed`` with wrappers that record into a :class:`Communicator`'s ledger
 (same byte convention, same level attribution, same time emulation) and then call the
-original. ds_ext's own collectives call the saved originals, so nothing is counted
-twice. DeepSpeed binds ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` when its
+function it replaced, captured at install time (so a profiler's or the user's wrapper
+installed earlier stays in the chain). ds_ext's own collectives call the captured
+functions (``collectives.torch_op``), so nothing is counted twice. DeepSpeed binds ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` when its
 backend starts; ``ds_ext.integration.ds_engine`` re-binds those.
 """
 
@@ -18,7 +19,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ds_ext.comm.collectives import TORCH_OPS, Communicator
+from ds_ext.comm import collectives
+from ds_ext.comm.collectives import TORCH_OP_NAMES, Communicator
 from ds_ext.comm.emulation import TimeEmulator
 from ds_ext.comm.ledger import (
     all_gather_bytes,
@@ -64,7 +66,10 @@ def _volume(comm: Communicator, name: str, a: dict) -> tuple[str, float]:
 
 
 def _wrap(comm: Communicator, name: str, fn: Callable) -> Callable:
-    names = tuple(inspect.signature(fn).parameters)  # arguments by name without Signature.bind (µs per call)
+    """``fn`` (the function in torch.distributed now) behind the ledger; arguments are
+    named by torch's own signature, since ``fn`` may be a ``(*args, **kwargs)`` wrapper."""
+    torch_fn = getattr(dist.distributed_c10d, name, fn)
+    names = tuple(inspect.signature(torch_fn).parameters)  # by name without Signature.bind (µs per call)
 
     @functools.wraps(fn)
     def wrapper(*args, **kw):
@@ -104,25 +109,31 @@ class _EmulatedWork:
         return getattr(self._work, name)
 
 
-_installed: dict[str, Callable] = {}
+_wrappers: dict[str, Callable] = {}
 
 
 def install(comm: Communicator) -> None:
-    """Route every torch.distributed tensor collective through ``comm``'s ledger.
+    """Route every torch.distributed tensor collective through ``comm``'s ledger, chained
+    in front of whatever torch.distributed holds now.
 
     Installing again replaces the previous communicator.
     """
     uninstall()
-    for n, fn in TORCH_OPS.items():
-        _installed[n] = getattr(dist, n)
-        setattr(dist, n, _wrap(comm, n, fn))
+    for n in TORCH_OP_NAMES:
+        current = getattr(dist, n)
+        collectives._captured[n] = current
+        _wrappers[n] = _wrap(comm, n, current)
+        setattr(dist, n, _wrappers[n])
 
 
 def uninstall() -> None:
-    """Restore the torch.distributed functions replaced by :func:`install`."""
-    for n, fn in _installed.items():
-        setattr(dist, n, fn)
-    _installed.clear()
+    """Put back the functions :func:`install` replaced, where torch.distributed still holds
+    its wrapper (a wrapper someone installed on top of it since stays, and calls through)."""
+    for n, fn in collectives._captured.items():
+        if getattr(dist, n) is _wrappers.get(n):
+            setattr(dist, n, fn)
+    collectives._captured.clear()
+    _wrappers.clear()
 
 
 @contextlib.contextmanager
