@@ -262,7 +262,6 @@ def test_unit_names_that_match_nothing_and_models_without_blocks():
         ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
          "zero_optimization.offload_optimizer.device"),
         ({"zero_optimization": {"stage": 0, "offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
-        ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, "optimizer"),
         ({"prescale_gradients": True}, "prescale_gradients"),
         ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
         ({"communication_data_type": "fp32"}, "communication_data_type"),
@@ -291,15 +290,30 @@ def test_honoured_settings_are_accepted():
     support.check_ds_config(cfg, support.precision(cfg))
 
 
-def test_expert_parameters_and_non_torch_optimizers_are_refused():
+def test_expert_parameters_and_optimizers_without_state_are_refused():
     from ds_ext.zero_topo import support
 
     model = nn.Linear(4, 4)
     model.weight.allreduce = False  # how DeepSpeed-MoE marks expert parameters
     with pytest.raises(DsExtConfigError, match=r"^model: not supported .*expert parameters .*'weight'.*allowed: dense"):
-        support.check_model(model, torch.optim.AdamW(model.parameters()))
-    with pytest.raises(DsExtConfigError, match=r"^optimizer: .*allowed: a torch.optim.Optimizer"):
-        support.check_model(nn.Linear(2, 2), None)
+        support.check_model(model)
+    with pytest.raises(DsExtConfigError, match=r"^optimizer: .*got none.*allowed: a torch.optim.Optimizer .*section"):
+        support.check_optimizer(None, {})
+    with pytest.raises(DsExtConfigError, match=r"^optimizer: .*allowed: a torch.optim.Optimizer.*\(got 'str'\)"):
+        support.check_optimizer("adam", {})
+
+
+def test_optimizer_sources_as_deepspeed_decides_them():
+    """Client optimizer + section: the client's wins and it is said once; section only or
+    client only: accepted (DeepSpeed builds from the section)."""
+    from ds_ext.zero_topo import support
+
+    opt = torch.optim.AdamW(nn.Linear(2, 2).parameters())
+    section = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    note = support.check_optimizer(opt, section)
+    assert "client optimizer (AdamW) is used" in note and "'Adam'" in note
+    assert support.check_optimizer(None, section) is None and support.check_optimizer(opt, {}) is None
+    assert support.check_optimizer(lambda params: torch.optim.SGD(params, lr=0.1), {}) is None
 
 
 class _TensorParallelMpu:
@@ -492,7 +506,7 @@ def test_gradient_clipping_default_is_deepspeeds():
     from ds_ext.zero_topo.plugin import ZeroTopoPlugin
     from ds_ext.zero_topo.plan import ZeroTopoConfig
 
-    runtime = SimpleNamespace(topology=Topology.from_preset("frontier", 8, {"gpu": 2}), initialize_kwargs={})
+    runtime = SimpleNamespace(topology=Topology.from_preset("frontier", 8, {"gpu": 2}), initialize_kwargs={}, rank=0)
     model = nn.Linear(4, 4)
     for cfg, clip in (({}, 1.0), ({"gradient_clipping": 0.0}, 0.0), ({"gradient_clipping": 0.3}, 0.3)):
         plugin = ZeroTopoPlugin(ZeroTopoConfig(enabled=True), runtime)

@@ -134,6 +134,12 @@ def report_precision(engine, dtype) -> None:
     engine.bfloat16_enabled = lambda: dtype == torch.bfloat16
 
 
+def report_gradient_clipping(engine, clip: float) -> None:
+    """Make ``engine.gradient_clipping()`` report the clipping a plugin applies itself
+    (DeepSpeed was handed 0 so that it does not clip a second time)."""
+    engine.gradient_clipping = lambda: clip
+
+
 def scale_backward_loss(engine, scale) -> None:
     """Multiply the loss by ``scale()`` in ``engine.backward`` (fp16 loss scaling)."""
     backward = engine.backward

@@ -12,7 +12,6 @@ closes a ledger step at each optimizer step.
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Any
 
@@ -38,13 +37,30 @@ def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
     return config
 
 
+class _ArgsWithoutConfig:
+    """``args`` as DeepSpeed should see it once ds_ext has read the config from it:
+    ``deepspeed_config`` (and the old ``deepscale_config``) read None, since DeepSpeed
+    refuses a config in both ``args`` and ``config=``; everything else, reads and writes
+    (DeepSpeed sets ``args.local_rank``), goes to the caller's object. A view, not a copy:
+    GPT-NeoX's ``deepspeed_config`` is a property without a setter."""
+
+    _HIDDEN = ("deepspeed_config", "deepscale_config")
+
+    def __init__(self, args: Any) -> None:
+        object.__setattr__(self, "_args", args)
+
+    def __getattr__(self, name: str) -> Any:
+        return None if name in self._HIDDEN else getattr(self._args, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._args, name, value)
+
+
 def _without_config_path(args: Any) -> Any:
-    """A copy of ``args`` whose ``deepspeed_config`` is cleared (DeepSpeed refuses both)."""
+    """``args`` with its config path hidden from DeepSpeed (see :class:`_ArgsWithoutConfig`)."""
     if args is None or getattr(args, "deepspeed_config", None) is None:
         return args
-    args = copy.copy(args)
-    args.deepspeed_config = None
-    return args
+    return _ArgsWithoutConfig(args)
 
 
 def _with_plugin_mpu(runtime: Runtime, kwargs: dict) -> dict:

@@ -142,6 +142,17 @@ def agree(error: str | None, what: str) -> None:
     raise CheckpointError(f"ds_ext.zero_topo: {what} failed on rank {rank}: {msg}")
 
 
+def agree_present(path: Path, what: str) -> bool:
+    """Collective: whether ``path`` is a file on every rank (False on every rank when it
+    is on none; a :class:`CheckpointError` on every rank when only some see it)."""
+    flag = torch.tensor([1.0 if path.is_file() else 0.0])
+    dist.all_reduce(flag)
+    if flag.item() in (0, dist.get_world_size()):
+        return bool(flag.item())
+    raise CheckpointError(f"ds_ext.zero_topo: {what}: {path} exists on {int(flag.item())} of "
+                          f"{dist.get_world_size()} ranks (a file system not shared by every rank?)")
+
+
 # ---- what a rank holds ---------------------------------------------------------------
 def unit_table(plugin: "ZeroTopoPlugin") -> list[dict]:
     """Units as a checkpoint records them (world-independent)."""

@@ -120,6 +120,39 @@ def assign_parameters(
     return out
 
 
+STATE_DICT_WAIT_S = 120.0  # how long a state_dict() waits for the other ranks to ask too
+_arrivals: dict[str, int] = {}
+
+
+def every_rank_arrives(what: str, rank: int, wait_s: float | None = None) -> None:
+    """Wait until every rank has reached its n-th call of ``what`` (n counted per process),
+    through the job's rendezvous store, for at most ``wait_s`` (default
+    :data:`STATE_DICT_WAIT_S`); then raise one line naming the ranks missing, so a call made
+    on some ranks only fails instead of hanging in the collective that follows."""
+    import time
+
+    import torch.distributed as dist
+
+    n = _arrivals[what] = _arrivals.get(what, 0) + 1
+    store = dist.distributed_c10d._get_default_store()
+    world = dist.get_world_size()
+    key = f"ds_ext/zero_topo/{what}/{n}"
+    store.set(f"{key}/{rank}", b"1")
+    wait_s = STATE_DICT_WAIT_S if wait_s is None else wait_s
+    deadline = time.monotonic() + wait_s
+    arrived = store.add(key, 1)
+    while arrived < world:
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world) if not store.check([f"{key}/{r}"])]
+            raise RuntimeError(
+                f"ds_ext.zero_topo: {what}() gathers the sharded weights and needs every rank, but rank(s) "
+                f"{missing} did not call it within {wait_s:.0f} s; call it on every rank (Hugging Face's "
+                "save_model does), or inside `with engine.ds_ext.gathered_parameters():`"
+            )
+        time.sleep(0.01)
+        arrived = store.add(key, 0)
+
+
 class ShardedModel:
     """Installs the unit hooks on ``model`` and owns its :class:`FlatUnit` s."""
 
@@ -145,6 +178,7 @@ class ShardedModel:
         model.register_forward_pre_hook(self._model_pre_forward)
         model.register_forward_hook(self._model_post_forward)
         self._guard_released_calls(model)  # after the gathering hooks: they run first
+        self._gather_for_state_dict(model)
         self._order: list[FlatUnit] = []
         self._callback_queued = False
         self.peak_state_bytes: dict[str, int] = {}
@@ -169,6 +203,37 @@ class ShardedModel:
                     )
 
             mod.register_forward_pre_hook(check)
+
+    def _gather_for_state_dict(self, model: nn.Module) -> None:
+        """``state_dict()`` of the model or any submodule returns full weights: the units it
+        needs are held for the call (a collective, like DeepSpeed's
+        ``stage3_gather_16bit_weights_on_model_save``; Hugging Face's ``save_model`` calls it
+        on every rank). The returned tensors stay valid after the units are released. A rank
+        that asks alone gets one line after :data:`STATE_DICT_WAIT_S` instead of a hang."""
+        unit_of = {id(p): u for u in self.all_units for p in u.params}
+        active: list[list[FlatUnit]] = []
+
+        def pre(module, prefix, keep_vars):
+            if active:  # inside an outer state_dict(): its units are held
+                active.append([])
+                return
+            units = {id(unit_of[id(p)]): unit_of[id(p)] for p in module.parameters() if id(p) in unit_of}
+            needed = [u for u in units.values() if not u.held]
+            if any(not u.gathered for u in needed):
+                every_rank_arrives("state_dict", self.ctx.rank)
+            else:
+                needed = []
+            for unit in needed:
+                unit.hold()
+            active.append(needed)
+
+        def post(module, state_dict, prefix, local_metadata):
+            for unit in active.pop():
+                unit.unhold()
+
+        for mod in model.modules():
+            mod.register_state_dict_pre_hook(pre)
+            mod.register_state_dict_post_hook(post)
 
     # ---- forward ------------------------------------------------------------------------
     def _model_pre_forward(self, module, args):

@@ -199,6 +199,8 @@ def resolve_plan(cfg: ZeroTopoConfig, topo: Topology) -> ShardingPlan:
             "weights level (N_os >= N_g >= N_w, P_os >= P_g >= P_w); got "
             f"weights={topo.levels[w].name}, gradients={topo.levels[g].name}, optimizer={topo.levels[o].name}"
         )
+    if p["wb"] == 4:
+        raise PlanError("ds_ext.zero_topo.weights.gather_bits: allowed values are 8 and 16 (got 4)")
     if p["sb"] == 4:
         raise PlanError("ds_ext.zero_topo.secondary.bits: allowed values are 8 and 16 (got 4)")
     if p["hops"] == 2 and (g == 0 or p["gb"] == 16):

@@ -4,7 +4,8 @@ ZeRO-topo replaces DeepSpeed's ZeRO and mixed-precision wrappers, so DeepSpeed r
 plain (stage 0, fp32-looking) engine around a model whose parameters ds_ext shards:
 
 * ``prepare``: resolves the plan against the topology and refuses every setting it does
-  not implement (``ds_ext.zero_topo.support``; errors before any collective), reads
+  not implement; the optimizer is the client's or the one DeepSpeed builds from the
+  ds_config ``optimizer`` section (and its ``scheduler`` section drives it), as in DeepSpeed (``ds_ext.zero_topo.support``; errors before any collective), reads
   ``bf16`` / ``fp16`` (DeepSpeed's own loss scaler) / ``gradient_clipping`` from the
   ds_config and hands DeepSpeed a copy with those switched off; casts the model to the
   training dtype;
@@ -25,6 +26,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from ds_ext.config import DsExtConfigError
 from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.zero_topo import checkpoint as ckpt
 from ds_ext.zero_topo import support
@@ -48,7 +50,12 @@ class ZeroTopoPlugin(Plugin):
         self.plan = resolve_plan(self.config, self.runtime.topology)
         self.dtype = support.precision(ds_config)
         support.check_ds_config(ds_config, self.dtype)
-        support.check_model(model, optimizer)
+        support.check_model(model)
+        note = support.check_optimizer(optimizer, ds_config)
+        if note is not None and self.runtime.rank == 0:
+            from deepspeed.utils import logger  # DeepSpeed's log, as its own line about this
+
+            logger.info(note)
         self.scaler = ds_engine.loss_scaler(ds_config)
         self.clip = ds_engine.gradient_clipping(ds_config)
         cfg = copy.deepcopy(ds_config)
@@ -62,6 +69,9 @@ class ZeroTopoPlugin(Plugin):
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
 
         rt = self.runtime
+        if not isinstance(engine.optimizer, torch.optim.Optimizer):
+            raise DsExtConfigError(f"optimizer: not supported with {support.KEY} (DeepSpeed built a "
+                                   f"{type(engine.optimizer).__name__}); allowed: a torch.optim.Optimizer")
         ctx = ShardContext(self.plan, rt.comm, rank=rt.rank, dtype=self.dtype,
                            compile_quantizer=self.config.compile_quantizer,
                            device=next(engine.module.parameters()).device)
@@ -71,6 +81,7 @@ class ZeroTopoPlugin(Plugin):
         if self.dtype == torch.float16:
             ds_engine.scale_backward_loss(engine, lambda: self.scaler.loss_scale)
         ds_engine.report_precision(engine, self.dtype)
+        ds_engine.report_gradient_clipping(engine, self.clip)
         self.engine = engine
         ds_engine.wrap_checkpoint_methods(
             engine, save_checkpoint=self._save_checkpoint, load_checkpoint=self._load_checkpoint,
@@ -159,6 +170,13 @@ class ZeroTopoPlugin(Plugin):
     def _load_checkpoint(self, original, load_dir, tag, load_module_strict, load_optimizer_states,
                          load_lr_scheduler_states, load_module_only, custom_load_fn):
         optimizer_states = load_optimizer_states and not load_module_only
+        if tag is None and not ckpt.agree_present(Path(load_dir) / ckpt.LATEST, f"loading checkpoint from {load_dir}"):
+            if self.runtime.rank == 0:
+                from deepspeed.utils import logger
+
+                logger.warning(f"{support.KEY}: no '{ckpt.LATEST}' file in {load_dir}: nothing loaded "
+                               "(returns (None, None), as DeepSpeed does)")
+            return None, None
         with self.runtime.ledger.phase("checkpoint"):
             error, loaded = None, None
             try:

@@ -49,9 +49,6 @@ def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
         device = (zero.get(k) or {}).get("device", "none")
         if device not in (None, "none"):
             _refuse(f"zero_optimization.{k}.device", "it keeps every state on the device", "'none'", device)
-    if "optimizer" in ds_config:
-        _refuse("optimizer", "it shards the state of the torch optimizer passed as optimizer=...",
-                "no ds_config 'optimizer' section", ds_config["optimizer"].get("type"))
     _off(ds_config.get("fp16") or {}, "fp16", ("auto_cast", "fp16_master_weights_and_grads"),
          "it casts the model itself and keeps fp32 masters")
     _off(ds_config.get("bf16") or {}, "bf16", ("immediate_grad_update", "bf16_master_weights_and_grads",
@@ -74,8 +71,8 @@ def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
                 f"unset or {_DTYPE_NAMES[dtype][0]!r}", accum)
 
 
-def check_model(model: nn.Module, optimizer: Any) -> None:
-    """Refuse pipeline modules, DeepSpeed-MoE expert parameters and non-torch optimizers."""
+def check_model(model: nn.Module) -> None:
+    """Refuse pipeline modules and DeepSpeed-MoE expert parameters."""
     from deepspeed.pipe import PipelineModule
 
     if isinstance(model, PipelineModule):
@@ -86,6 +83,23 @@ def check_model(model: nn.Module, optimizer: Any) -> None:
         _refuse("model", f"DeepSpeed-MoE expert parameters (allreduce=False) such as {experts[0]!r}: it shards "
                 "every parameter over the whole world", "dense models (MoE: ds_ext.ted with ZeRO-1/2)",
                 f"{len(experts)} expert parameters")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        _refuse("optimizer", "it shards the state of a torch optimizer instance passed as optimizer=...",
-                "a torch.optim.Optimizer", type(optimizer).__name__)
+
+
+def check_optimizer(optimizer: Any, ds_config: Mapping[str, Any]) -> str | None:
+    """Where the optimizer comes from, as DeepSpeed decides it (engine.py
+    ``_configure_optimizer``): the client's instance or callable wins over a ds_config
+    ``optimizer`` section (returned: a line saying so), else DeepSpeed builds it from the
+    section (Adam / AdamW / ``torch_adam`` / ``adam_w_mode``; FusedAdam where the
+    accelerator has it). ZeRO-topo shards the state of whichever it is; with neither,
+    there is nothing to shard and it refuses."""
+    section = ds_config.get("optimizer")
+    if optimizer is None and section is None:
+        _refuse("optimizer", "it shards an optimizer's state and got none", "a torch.optim.Optimizer (or a "
+                "callable building one) passed as optimizer=..., or a ds_config 'optimizer' section", None)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
+        _refuse("optimizer", "it shards the state of a torch optimizer", "a torch.optim.Optimizer, a callable "
+                "building one, or a ds_config 'optimizer' section", type(optimizer).__name__)
+    if optimizer is not None and section is not None:
+        return (f"{KEY}: the client optimizer ({type(optimizer).__name__}) is used and the ds_config 'optimizer' "
+                f"section (type {section.get('type')!r}) is not, as in DeepSpeed")
+    return None

@@ -89,6 +89,8 @@ class FlatUnit:
         self.numel = n
         self.U = padded_numel(n, ctx.topo.world_size, ctx.plan.block_size)
         self.shapes = [p.shape for p in params]
+        for p in params:  # DeepSpeed ZeRO-3's convention for the full size of a sharded parameter
+            p.ds_numel, p.ds_shape = p.numel(), p.shape
         self.full = torch.zeros(self.U, dtype=ctx.dtype, device=ctx.device)
         with torch.no_grad():
             for p, o in zip(params, self.offsets):
