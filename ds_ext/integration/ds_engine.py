@@ -135,9 +135,11 @@ def report_precision(engine, dtype) -> None:
 
 
 def report_gradient_clipping(engine, clip: float) -> None:
-    """Make ``engine.gradient_clipping()`` report the clipping a plugin applies itself
-    (DeepSpeed was handed 0 so that it does not clip a second time)."""
+    """Make ``engine.gradient_clipping()`` report the clipping a plugin applies itself in its
+    optimizer's step. DeepSpeed was handed 0; its own fp32 clipping at the step, the one
+    reader of the value after initialize (``_take_model_step``, engine.py:3506), stays off."""
     engine.gradient_clipping = lambda: clip
+    engine.clip_fp32_gradients = lambda: None
 
 
 def scale_backward_loss(engine, scale) -> None:
