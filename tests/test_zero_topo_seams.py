@@ -176,3 +176,49 @@ def test_load_checkpoint_where_nothing_was_saved_returns_none_like_deepspeed(wor
     """GPT-NeoX's first launch with ``load`` == ``save`` relies on this (defect 4)."""
     for out in world.run(_load_nothing, str(tmp_path)):
         assert out == [(None, None), (None, None)]
+
+
+def _mixed_shards(tmp):
+    import shutil
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from ds_ext.zero_topo.checkpoint import SHARD_FILE, CheckpointError
+
+    engine, _ = _gpt_engine({"preset": "zero_topo"})
+    x = torch.randint(0, 256, (2, 32))
+    for tag in ("a", "b"):
+        engine.backward(engine(x))
+        engine.step()
+        engine.save_checkpoint(tmp, tag=tag)
+    if dist.get_rank() == 0:  # one shard of save "b" replaced by the same rank's shard of save "a"
+        shutil.copy(Path(tmp) / "a" / SHARD_FILE.format(rank=2), Path(tmp) / "b" / SHARD_FILE.format(rank=2))
+    dist.barrier()
+    try:
+        engine.load_checkpoint(tmp, tag="b")
+        error = None
+    except CheckpointError as err:
+        error = str(err)
+    engine.destroy()
+    return error
+
+
+def test_a_shard_of_another_save_is_refused_on_every_rank_and_by_inspect(world, tmp_path):
+    """Defect 5: every shard carries its save's id and step; a load with one shard copied
+    from another save fails on every rank in one line, and ``ds-ext checkpoint inspect``
+    verifies every shard instead of reading rank 0's metadata alone."""
+    import os
+    import subprocess
+    import sys
+
+    for error in world.run(_mixed_shards, str(tmp_path)):
+        assert error is not None and "\n" not in error
+        assert "ds_ext_zero_topo_rank00002.pt belongs to another save" in error and "step 1" in error
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    inspect = [sys.executable, "-m", "ds_ext.cli", "checkpoint", "inspect"]
+    good = subprocess.run([*inspect, str(tmp_path / "a")], capture_output=True, text=True, env=env, timeout=300)
+    assert good.returncode == 0 and "every one verified" in good.stdout, good.stderr
+    bad = subprocess.run([*inspect, str(tmp_path / "b")], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "belongs to another save" in bad.stderr.strip().splitlines()[-1]

@@ -2,7 +2,8 @@
 
 A checkpoint is DeepSpeed's tag directory (its module and engine state, written by
 rank 0) plus one shard file per rank, ``ds_ext_zero_topo_rank{r:05d}.pt``. A shard
-records the world size, the topology's level sizes, the plan, every unit's parameters
+records the save's id (one random id per save, the same in every shard of it) and step,
+the world size, the topology's level sizes, the plan, every unit's parameters
 (qualified names, shapes, offsets) and, for the rank's *optimizer slice* of each unit
 (``U / shards(optimizer)`` elements at ``[start, stop)`` of the unit's flat index):
 
@@ -166,7 +167,16 @@ def unit_table(plugin: "ZeroTopoPlugin") -> list[dict]:
     return out
 
 
-def shard_state(plugin: "ZeroTopoPlugin", step: int) -> dict:
+def new_save_id() -> str:
+    """Collective: one random id for this save, rank 0's, on every rank."""
+    import uuid
+
+    box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def shard_state(plugin: "ZeroTopoPlugin", step: int, save_id: str) -> dict:
     """This rank's shard: metadata, optimizer slices, segments (module docstring)."""
     opt, ctx = plugin.optimizer, plugin.sharded.ctx
     topo, plan = ctx.topo, ctx.plan
@@ -185,6 +195,7 @@ def shard_state(plugin: "ZeroTopoPlugin", step: int) -> dict:
     n_opt = shard_count(topo, plan.optimizer)
     return {
         "format": FORMAT,
+        "save_id": save_id,
         "rank": ctx.rank,
         "world_size": topo.world_size,
         "topology": {"name": topo.name, "levels": [[lv.name, lv.size] for lv in topo.levels]},
@@ -222,13 +233,21 @@ class SavedCheckpoint:
         return cls(tag_dir, read_shard(tag_dir / SHARD_FILE.format(rank=0)))
 
     def shard(self, rank: int) -> dict:
+        """Shard ``rank``, checked to come from the same save as rank 0's."""
         if rank not in self._open:
-            state = read_shard(self.tag_dir / SHARD_FILE.format(rank=rank))
-            if state["world_size"] != self.meta["world_size"] or state["plan"] != self.meta["plan"]:
-                raise CheckpointError(f"checkpoint shard {self.tag_dir / SHARD_FILE.format(rank=rank)} belongs to "
-                                      "another checkpoint (world size or plan differ from rank 0's shard)")
+            path = self.tag_dir / SHARD_FILE.format(rank=rank)
+            state = read_shard(path)
+            mine, ref = _stamp(state), _stamp(self.meta)
+            if mine != ref:
+                raise CheckpointError(f"checkpoint shard {path} belongs to another save ({mine}) than rank 0's shard "
+                                      f"({ref}): shards of different saves are mixed in {self.tag_dir}")
             self._open[rank] = state
         return self._open[rank]
+
+    def verify(self, ranks: range) -> None:
+        """Open shards ``ranks`` (each present, readable, of this save)."""
+        for r in ranks:
+            self.shard(r)
 
     def slice_size(self, unit: str) -> int:
         """Elements of one optimizer slice of ``unit`` in the saved (padded) layout."""
@@ -279,6 +298,11 @@ class SavedCheckpoint:
         return set()
 
 
+def _stamp(shard: dict) -> str:
+    return (f"save id {shard.get('save_id')}, step {shard['step']}, world size {shard['world_size']}, "
+            f"plan {shard['plan']}")
+
+
 def compare_units(saved: list[dict], here: list[dict], where: Path) -> str | None:
     """Why the saved units differ from this model's (None if they match)."""
     if [u["name"] for u in saved] != [u["name"] for u in here]:
@@ -294,8 +318,7 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
     """The full fp32 state dict (every name of tied parameters) from a checkpoint's shards:
     trainable parameters from the fp32 masters, frozen ones from the 16-bit weights."""
     ckpt = SavedCheckpoint.open(tag_dir)
-    for r in range(ckpt.meta["world_size"]):
-        ckpt.shard(r)  # every shard must be readable and belong to this checkpoint
+    ckpt.verify(range(ckpt.meta["world_size"]))
     out: dict[str, torch.Tensor] = {}
     trainable = {(s["unit"], s["start"]) for r in ckpt._open for s in ckpt._open[r]["segments"]}
     for unit in ckpt.meta["units"]:
@@ -312,8 +335,10 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def describe(tag_dir: Path) -> str:
-    """What a checkpoint holds, for ``ds-ext checkpoint inspect``."""
+    """What a checkpoint holds, for ``ds-ext checkpoint inspect``, after verifying that every
+    shard is present, readable and of the same save."""
     ckpt = SavedCheckpoint.open(tag_dir)
+    ckpt.verify(range(ckpt.meta["world_size"]))
     m = ckpt.meta
     params = sum(int(torch.Size(p["shape"]).numel()) for u in m["units"] for p in u["params"])
     sizes = sum((tag_dir / SHARD_FILE.format(rank=r)).stat().st_size for r in range(m["world_size"])
@@ -321,7 +346,7 @@ def describe(tag_dir: Path) -> str:
     levels = " x ".join(f"{n}={s}" for n, s in m["topology"]["levels"])
     lines = [
         f"checkpoint {tag_dir}",
-        f"  format      {m['format']}, step {m['step']}, dtype {m['dtype']}",
+        f"  format      {m['format']}, step {m['step']}, dtype {m['dtype']}, save id {m.get('save_id')}",
         f"  world       {m['world_size']} ranks, topology {m['topology']['name']}: {levels}",
         f"  plan        {m['plan']}",
         f"  model       {params:,} parameters in {len(m['units'])} units",
@@ -329,7 +354,7 @@ def describe(tag_dir: Path) -> str:
         f"{m['optimizer_shards']} optimizer shards, state {sorted(ckpt.state_keys())}",
         f"  loss scaler {m['loss_scaler']}",
         f"  shard files {m['world_size']} x {SHARD_FILE.format(rank=0).replace('00000', 'NNNNN')}, "
-        f"{sizes / 1e6:.2f} MB in all",
+        f"{sizes / 1e6:.2f} MB in all, every one verified",
     ]
     return "\n".join(lines)
 

@@ -154,9 +154,10 @@ class ZeroTopoPlugin(Plugin):
                 original(str(save_dir), staged.name, client_state=client_state, save_latest=False,
                          exclude_frozen_parameters=exclude_frozen_parameters)
             path = staged / ckpt.SHARD_FILE.format(rank=rank)
+            save_id = ckpt.new_save_id()
             try:
                 staged.mkdir(parents=True, exist_ok=True)
-                ckpt.atomic_save(ckpt.shard_state(self, engine.global_steps), path)
+                ckpt.atomic_save(ckpt.shard_state(self, engine.global_steps, save_id), path)
             except OSError as err:
                 error = f"cannot write {path}: {err}"
             ckpt.agree(error, f"saving checkpoint {save_dir / tag}")
@@ -200,6 +201,8 @@ class ZeroTopoPlugin(Plugin):
         """Everything this rank takes from the checkpoint, read and checked before any
         state changes: per unit the primary shard, per segment master and optimizer state."""
         saved = ckpt.SavedCheckpoint.open(tag_dir)
+        # every saved shard is checked by some rank (then ckpt.agree refuses on all of them)
+        saved.verify(range(self.runtime.rank, saved.meta["world_size"], self.sharded.ctx.topo.world_size))
         why = ckpt.compare_units(saved.meta["units"], ckpt.unit_table(self), tag_dir)
         if why:
             raise ckpt.CheckpointError(why)
