@@ -512,3 +512,93 @@ def test_gradient_clipping_default_is_deepspeeds():
         plugin = ZeroTopoPlugin(ZeroTopoConfig(enabled=True), runtime)
         _, _, handed = plugin.prepare(model, torch.optim.AdamW(model.parameters()), {"train_batch_size": 8, **cfg})
         assert plugin.clip == clip and handed["gradient_clipping"] == 0.0
+
+
+# ---- issue 18, defect 2: quantization never leaves a parameter untrained ----------------------
+QUANTIZED_PRESETS = ["zero_topo", "zero_topo_paper", "zeropp", "zero_topo_int8"]
+
+
+def _demo_gpt():
+    """The demo's model (examples/train.py defaults, configs/demo.json), shorter sequences."""
+    return _gpt(d_model=128, n_layers=4)
+
+
+def _moved_parameters(preset, steps=1):
+    """Train the demo GPT with Adam (no weight decay: a parameter whose gradient rounds to
+    zero does not move at all) in fp32 (in bf16 a LayerNorm weight of 1.0 keeps its 16-bit
+    value until its updates add up to half a bf16 ulp, quantized or not); the names of
+    parameters that did not move."""
+    import ds_ext
+
+    model = _demo_gpt()
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+                                   config=_cfg({"preset": preset}, accum=1, clip=1.0))
+    for step in range(steps):
+        engine.backward(engine(_tokens(step, 0, 1)))
+        engine.step()
+    with engine.ds_ext.gathered_parameters():
+        still = [n for n, p in engine.module.named_parameters() if torch.equal(p, init[n])]
+    engine.destroy()
+    return still
+
+
+@pytest.mark.parametrize("preset", QUANTIZED_PRESETS)
+def test_every_parameter_moves_under_every_quantized_preset(world, preset):
+    """The demo's default int4 gradients left blocks.0.ln2.weight / .bias untrained: they shared a
+    quantization block with a bias whose gradients are ~100x larger and rounded to zero."""
+    for still in world.run(_moved_parameters, preset):
+        assert still == [], still
+
+
+def _gradient_errors(preset):
+    """Per parameter after one backward (fp32, accumulation 1): the max error of the reduced
+    gradient against the exact mean over ranks (plain data parallelism on the same model and
+    data), its bound, and whether the parameter is 1-D (it travels unquantized)."""
+    import torch.distributed as dist
+
+    from ds_ext.zero_topo.layout import to_shard_order
+
+    x = _tokens(0, 0, 1)
+    plain = _demo_gpt()
+    plain(x).backward()
+    local = {n: p.grad.detach() / dist.get_world_size() for n, p in plain.named_parameters()}
+    exact = {n: g.clone() for n, g in local.items()}
+    peak = {n: g.abs().max().reshape(1) for n, g in local.items()}
+    for n in exact:
+        dist.all_reduce(exact[n])
+        dist.all_reduce(peak[n], op=dist.ReduceOp.MAX)
+    engine = _engine(_cfg({"preset": preset}, accum=1), model=_demo_gpt())
+    engine.backward(engine(x))
+    plugin = engine.ds_ext.plugins[0]
+    ctx, g = plugin.sharded.ctx, plugin.plan.gradients
+    out = {}
+    for unit in plugin.sharded.all_units:
+        full = torch.empty(unit.U)
+        dist.all_gather_into_tensor(full, unit.grad_shard, group=ctx.span(g))
+        full = to_shard_order(full, ctx.topo, range(g + 1))
+        for p, off, shape, names in zip(unit.params, unit.offsets, unit.shapes, unit.param_names):
+            got = full[off : off + shape.numel()].view(shape)
+            name = names[0]
+            # int-b codes: |error| <= s / 2 per rank and hop, s = block absmax / qmax: d ranks
+            # on one hop, plus the requantized partial sums of the second hop (<= d M / qmax)
+            qmax = 2 ** (plugin.plan.gradient_bits - 1) - 1
+            out[name] = ((got - exact[name]).abs().max().item(),
+                         dist.get_world_size() * peak[name].item() / qmax, len(shape) <= 1,
+                         exact[name].abs().max().item())
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("preset", ["zero_topo", "zeropp"])
+def test_each_parameter_gradient_error_is_within_its_bound(world, preset):
+    """1-hop (zero_topo) and 2-hop (zeropp) int4 gradients: every parameter's error against
+    the exact mean is within the int4 bound of its own blocks (groups never cross a
+    parameter), and 1-D parameters (biases, norms) are exact to fp32 rounding."""
+    for errors in world.run(_gradient_errors, preset):
+        for name, (err, bound, one_d, size) in errors.items():
+            if one_d:
+                assert err <= 1e-6 * size + 1e-12, (name, err, size)
+            else:
+                assert err <= bound, (name, err, bound)
+        assert any(one_d for *_, one_d, _ in errors.values())

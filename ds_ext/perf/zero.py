@@ -16,7 +16,10 @@ Per micro-batch, for every unit:
             checkpointing: its recompute gathers with grad enabled, which hpZ did not serve
   backward  all-gather of the backward source (not the root unit, kept from forward)
             reduce of the gradient: reduce-scatter U e (d-1)/d, or int-b all-to-all
-            wire_b(U)(d-1)/d (1 hop), or hop 1 over the node + hop 2 over N nodes.
+            (1 hop, or hop 1 over the node + hop 2 over N nodes): every chunk but the
+            rank's own, each of q quantized blocks (B b / 8 + 4 bytes) and r raw blocks of
+            1-D parameters (B e bytes), per the unit's raw-block counts per gradient shard;
+            without raw blocks, wire_b(U)(d-1)/d.
 Per step: the cross-level reduction (reduce-scatter / all-reduce of U e / n_g), the
 grad-norm all-reduce (8 bytes), and the weight all-gather back to the primary shard.
 """
@@ -33,11 +36,19 @@ from ds_ext.zero_topo.plan import ShardingPlan
 
 @dataclass(frozen=True)
 class UnitSpec:
-    """One gather/release unit: padded size U, real parameter count, root or not."""
+    """One gather/release unit: padded size U, real parameter count, root or not; where the
+    engine measured one, the [start, stop) of each trainable parameter in the unit's flat
+    order (default: one run from 0) and the raw (unquantized) gradient blocks in each
+    gradient shard, in shard order (default: none)."""
 
     U: int
     numel: int
     root: bool = False
+    spans: tuple[tuple[int, int], ...] = ()
+    raw_per_shard: tuple[int, ...] = ()
+
+    def trainable_spans(self) -> tuple[tuple[int, int], ...]:
+        return self.spans or ((0, self.numel),)
 
 
 class _Tally:
@@ -105,8 +116,9 @@ def _group_size(plan: ShardingPlan, levels) -> int:
 
 
 def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_bytes: int,
-            secondary_serves_forward: bool = True) -> Traffic:
-    """Bytes and calls per optimizer step of ``plan`` for ``units`` at ``grad_accum`` (module docstring)."""
+            secondary_serves_forward: bool = True, rank: int = 0) -> Traffic:
+    """Bytes and calls per optimizer step of ``plan`` for ``units`` at ``grad_accum``, as rank
+    ``rank`` sends them (module docstring; ranks differ only where raw blocks are uneven)."""
     t = _Tally()
     top = len(plan.topology.levels) - 1
     B = plan.block_size
@@ -136,7 +148,7 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
                 gather("backward", s, u.U, sec_quant, grad_accum)
             else:
                 gather("backward", w, u.U, pri_quant, grad_accum)
-        _gradient_reduce(t, plan, u.U, elem_bytes, grad_accum)
+        _gradient_reduce(t, plan, u, elem_bytes, grad_accum, rank)
         _step(t, plan, u.U, elem_bytes, top)
     o_levels = list(range(plan.optimizer + 1))
     d = _group_size(plan, o_levels)
@@ -145,23 +157,36 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
                    {p: dict(v) for p, v in t.steps.items()})
 
 
-def _gradient_reduce(t: _Tally, plan: ShardingPlan, U: int, e: int, times: int) -> None:
-    g = plan.gradients
+def _gradient_reduce(t: _Tally, plan: ShardingPlan, u: UnitSpec, e: int, times: int, rank: int) -> None:
+    from ds_ext.zero_topo.layout import shard_index
+
+    U, g, B = u.U, plan.gradients, plan.block_size
     levels = list(range(g + 1))
     d = _group_size(plan, levels)
     if plan.gradient_bits == 16:
         t.add("backward", _level(plan, levels), U * e * (d - 1) / d, 1, times, d=d)
         return
-    pay, sc = _wire(U, plan.gradient_bits, plan.block_size)
+    per = U // (d * B)  # blocks per gradient shard
+    raw = u.raw_per_shard or (0,) * d
+    code, value = B * plan.gradient_bits / 8 + 4, B * e  # bytes of a quantized / a raw block
+
+    def sent(shards: list[int]) -> float:
+        return sum((per - raw[k]) * code + raw[k] * value for k in shards)
+
+    def calls(shards: list[int]) -> int:  # payload (+ scales where any block is quantized)
+        return 2 if any(raw[k] < per for k in shards) else 1
+
     if plan.gradient_hops == 1:
-        t.add("backward", _level(plan, levels), (pay + sc) * (d - 1) / d, 2, times, d=d)
+        others = [k for k in range(d) if k != shard_index(plan.topology, rank, g)]
+        t.add("backward", _level(plan, levels), sent(others), calls(range(d)), times, d=d)
         return
     inner = list(range(g))
-    p = _group_size(plan, inner)
-    t.add("backward", _level(plan, inner), (pay + sc) * (p - 1) / p, 2, times, d=p)
-    n = plan.topology.levels[g].size
-    pay2, sc2 = _wire(U / p, plan.gradient_bits, plan.block_size)
-    t.add("backward", _level(plan, [g]), (pay2 + sc2) * (n - 1) / n, 2, times, d=n)
+    p, n = _group_size(plan, inner), plan.topology.levels[g].size
+    mine, mine_g = shard_index(plan.topology, rank, g - 1), plan.topology.coords(rank)[g]
+    peers = [k for k in range(d) if k // n != mine]  # shard k = (intra digits, level-g digit)
+    t.add("backward", _level(plan, inner), sent(peers), calls(range(d)), times, d=p)
+    own = [mine * n + c for c in range(n)]  # the partial sums this rank holds after hop 1
+    t.add("backward", _level(plan, [g]), sent([k for k in own if k % n != mine_g]), calls(own), times, d=n)
 
 
 def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:
@@ -215,5 +240,5 @@ def memory(plan: ShardingPlan, units: list[UnitSpec], rank: int, elem_bytes: int
         out["gradients"] += u.U / n(plan.gradients) * elem_bytes
         size = u.U // n(plan.optimizer)
         a = shard_index(plan.topology, rank, plan.optimizer) * size
-        out["optimizer"] += 12 * max(0, min(a + size, u.numel) - a)
+        out["optimizer"] += 12 * sum(max(0, min(a + size, hi) - max(a, lo)) for lo, hi in u.trainable_spans())
     return out

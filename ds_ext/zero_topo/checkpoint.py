@@ -11,10 +11,11 @@ the world size, the topology's level sizes, the plan, every unit's parameters
 * one *segment* per trainable parameter piece in the slice: element range, param group,
   fp32 master and the optimizer state of that master (Adam's moments and step).
 
-Element ranges refer to the unpadded flat order of a unit's parameters, which does not
-depend on the world, topology or plan, so a load under another one gathers each range
-it needs from the old slices that overlap it (resharding). Units must match by name,
-parameter names and shapes; the optimizer state keys must match.
+Element ranges refer to the unit's flat order as saved, whose parameter offsets the shard
+records (they depend on the plan: quantizing plans start every parameter on a block
+boundary), so a load under another world, topology or plan maps each parameter piece it
+needs to its saved range and gathers it from the old slices that overlap it (resharding).
+Units must match by name, parameter names and shapes; the optimizer state keys must match.
 
 Saving is atomic: DeepSpeed writes into a staging directory ``.<tag>.partial``, every
 rank writes its shard under a temporary name, flushes and renames it, the ranks agree on
@@ -303,13 +304,24 @@ def _stamp(shard: dict) -> str:
             f"plan {shard['plan']}")
 
 
+def saved_pieces(saved_params: list[dict], offsets: list[int], start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+    """``(lo, hi, saved_lo)`` for each parameter piece ``[lo, hi)`` inside ``[start, stop)`` of
+    this run's flat order (parameters at ``offsets``), with where it starts in the saved one."""
+    for p, here in zip(saved_params, offsets):
+        lo, hi = max(start, here), min(stop, here + int(torch.Size(p["shape"]).numel()))
+        if lo < hi:
+            yield lo, hi, p["offset"] + lo - here
+
+
 def compare_units(saved: list[dict], here: list[dict], where: Path) -> str | None:
-    """Why the saved units differ from this model's (None if they match)."""
+    """Why the saved units differ from this model's (None if they match; parameter offsets
+    may differ, see the module docstring)."""
     if [u["name"] for u in saved] != [u["name"] for u in here]:
         return (f"checkpoint {where} has units {[u['name'] for u in saved][:6]}..., this model "
                 f"{[u['name'] for u in here][:6]}... (a different model or ds_ext.zero_topo.units)")
+    strip = lambda u: {**u, "params": [{k: v for k, v in p.items() if k != "offset"} for p in u["params"]]}  # noqa: E731
     for a, b in zip(saved, here):
-        if a != b:
+        if strip(a) != strip(b):
             return f"unit {a['name']!r} of checkpoint {where} has other parameters (names, shapes) than this model's"
     return None
 

@@ -161,6 +161,12 @@ class ShardingPlan:
             f"optimizer {self.name(self.optimizer)}, {step}"
         )
 
+    @property
+    def quantizes(self) -> bool:
+        """Whether any wire or stored format is block-quantized (then every parameter starts
+        on a block boundary of its unit: no quantization block crosses two parameters)."""
+        return self.gather_bits < 16 or self.secondary_bits < 16 or self.gradient_bits < 16 or self.step_bits < 16
+
     def step_level_bits(self, level: int) -> int:
         """Wire bits of a step-boundary collective over ``level``: quantized only across nodes."""
         return self.step_bits if level == len(self.topology.levels) - 1 else 16

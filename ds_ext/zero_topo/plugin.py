@@ -99,7 +99,8 @@ class ZeroTopoPlugin(Plugin):
         """The analytic model (ds_ext.perf.zero) of this run's bytes per step."""
         from ds_ext.perf.zero import traffic
 
-        return traffic(self.plan, self.sharded.unit_specs(), grad_accum, self.sharded.ctx.dtype.itemsize)
+        return traffic(self.plan, self.sharded.unit_specs(), grad_accum, self.sharded.ctx.dtype.itemsize,
+                       rank=self.runtime.rank)
 
     def analytic_memory(self):
         from ds_ext.perf.zero import memory
@@ -219,15 +220,18 @@ class ZeroTopoPlugin(Plugin):
         for unit in self.sharded.all_units:
             size = unit.U // n_w
             start = shard_index(topo, rank, plan.weights) * size
-            stop = min(start + size, unit.numel)
-            primaries[unit.name] = saved.weights(unit.name, start, stop) if stop > start else torch.empty(0)
+            values = torch.zeros(size, dtype=unit.primary.dtype)
+            for lo, hi, at in ckpt.saved_pieces(saved.units[unit.name]["params"], unit.offsets, start, start + size):
+                values[lo - start : hi - start] = saved.weights(unit.name, at, at + hi - lo)
+            primaries[unit.name] = values
         segments = []
         if optimizer_states:
             keys = saved.state_keys()
             for unit, lo, hi, master in opt.segments:
                 a, _ = opt.own_range(unit)
-                state = {k: saved.segment_values(unit.name, a + lo, a + hi, k) for k in keys}
-                segments.append((saved.segment_values(unit.name, a + lo, a + hi, None), state))
+                (_, _, at), = ckpt.saved_pieces(saved.units[unit.name]["params"], unit.offsets, a + lo, a + hi)
+                state = {k: saved.segment_values(unit.name, at, at + hi - lo, k) for k in keys}
+                segments.append((saved.segment_values(unit.name, at, at + hi - lo, None), state))
         return {"primaries": primaries, "segments": segments, "groups": saved_opt["param_groups"],
                 "scaler": saved.meta["loss_scaler"]}
 
@@ -237,9 +241,7 @@ class ZeroTopoPlugin(Plugin):
 
         opt = self.optimizer
         for unit in self.sharded.all_units:
-            values = loaded["primaries"][unit.name]
-            unit.primary.zero_()
-            unit.primary[: values.numel()].copy_(values)
+            unit.primary.copy_(loaded["primaries"][unit.name])
             unit.rebuild_secondary()
         if not optimizer_states:
             opt.reset_masters_from_weights()

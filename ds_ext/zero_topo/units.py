@@ -2,7 +2,11 @@
 
 A unit is a set of parameters (a transformer block, or the remaining "root"
 parameters) flattened into one buffer of U elements (padded so every shard at every
-level is whole quantization blocks). Per rank it holds:
+level is whole quantization blocks). Where the plan quantizes anything, every parameter
+starts on a block boundary, so a quantization block never mixes two parameters (a
+LayerNorm's small gradients never share a scale with a bias's large ones), and the blocks
+of 1-D parameters (biases, norms) travel in the training dtype in the quantized gradient
+reduction, as DeepSpeed's qgZ leaves 1-D tensors unquantized. Per rank it holds:
 
 * the **primary** shard: U / shards(w) elements of the model dtype at the weight level w;
 * optionally the **secondary** shard at level s: int8 block-quantized (003) or model
@@ -81,13 +85,21 @@ class FlatUnit:
         self.ctx = ctx
         self.params = params
         self.param_names = names  # qualified names of each parameter (several if tied)
+        B = ctx.plan.block_size
         self.offsets: list[int] = []
-        n = 0
+        end = 0
         for p in params:
-            self.offsets.append(n)
-            n += p.numel()
-        self.numel = n
-        self.U = padded_numel(n, ctx.topo.world_size, ctx.plan.block_size)
+            start = -(-end // B) * B if ctx.plan.quantizes else end
+            self.offsets.append(start)
+            end = start + p.numel()
+        self.numel = sum(p.numel() for p in params)  # parameter elements (padding excluded)
+        self.U = padded_numel(end, ctx.topo.world_size, B)
+        # blocks sent unquantized by the quantized gradient reduction: those of 1-D parameters
+        self.raw_blocks = torch.zeros(self.U // B, dtype=torch.bool, device=ctx.device)
+        if ctx.plan.gradient_bits < 16:
+            for p, o in zip(params, self.offsets):
+                if p.dim() <= 1:
+                    self.raw_blocks[o // B : -(-(o + p.numel()) // B)] = True
         self.shapes = [p.shape for p in params]
         for p in params:  # DeepSpeed ZeRO-3's convention for the full size of a sharded parameter
             p.ds_numel, p.ds_shape = p.numel(), p.shape
@@ -232,14 +244,15 @@ class FlatUnit:
             ctx.comm.reduce_scatter(out, ordered, group=ctx.span(g))
             self.grad_shard.add_(out)
         elif plan.gradient_hops == 1:
-            self.grad_shard.add_(all_to_all_reduce(ctx.comm, ordered, ctx.grad_quantizer, ctx.span(g)))
+            raw = from_shard_order(self.raw_blocks, ctx.topo, range(g + 1))
+            self.grad_shard.add_(all_to_all_reduce(ctx.comm, ordered, ctx.grad_quantizer, ctx.span(g), raw, ctx.dtype))
         else:
             # [p, n, c]: shard order puts the outermost level's digit last, so the chunks
             # for one intra-node peer on every node are contiguous (the qgZ slice reorder).
             by_peer = from_shard_order(flat, ctx.topo, range(g))
-            self.grad_shard.add_(
-                all_to_all_reduce_2hop(ctx.comm, by_peer, ctx.grad_quantizer, ctx.span(g - 1), ctx.group([g]))
-            )
+            raw = from_shard_order(self.raw_blocks, ctx.topo, range(g))
+            self.grad_shard.add_(all_to_all_reduce_2hop(ctx.comm, by_peer, ctx.grad_quantizer, ctx.span(g - 1),
+                                                        ctx.group([g]), raw, ctx.dtype))
         self.grads_ready = 0
 
     # ---- accounting ---------------------------------------------------------------------
