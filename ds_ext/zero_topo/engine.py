@@ -43,6 +43,12 @@ if TYPE_CHECKING:
     from ds_ext.optim.tiled import TiledAdam
 
 
+def _eager(hook):
+    """``hook`` run eagerly where ``torch.compile`` traces the module: gathers, releases and
+    collectives stay outside the compiled graphs (which see the gathered parameters)."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -167,16 +173,16 @@ class ShardedModel:
             if params:
                 unit = FlatUnit(qual, [p for p, _ in params], ctx, [n for _, n in params])
                 self.units.append(unit)
-                mod.register_forward_pre_hook(self._pre_forward(unit))
-                mod.register_forward_hook(self._post_forward(unit))
+                mod.register_forward_pre_hook(_eager(self._pre_forward(unit)))
+                mod.register_forward_hook(_eager(self._post_forward(unit)))
         self.root = FlatUnit("<root>", [p for p, _ in rest], ctx, [n for _, n in rest]) if rest else None
         self.all_units = ([self.root] if self.root else []) + self.units
         for unit in self.all_units:
             for p in unit.params:
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._grad_ready(unit))
-        model.register_forward_pre_hook(self._model_pre_forward)
-        model.register_forward_hook(self._model_post_forward)
+                    p.register_post_accumulate_grad_hook(_eager(self._grad_ready(unit)))
+        model.register_forward_pre_hook(_eager(self._model_pre_forward))
+        model.register_forward_hook(_eager(self._model_post_forward))
         self._guard_released_calls(model)  # after the gathering hooks: they run first
         self._gather_for_state_dict(model)
         self._order: list[FlatUnit] = []
@@ -202,7 +208,7 @@ class ShardedModel:
                         "`with engine.ds_ext.gathered_parameters():`"
                     )
 
-            mod.register_forward_pre_hook(check)
+            mod.register_forward_pre_hook(_eager(check))
 
     def _gather_for_state_dict(self, model: nn.Module) -> None:
         """``state_dict()`` of the model or any submodule returns full weights: the units it
@@ -266,7 +272,7 @@ class ShardedModel:
             if torch.is_grad_enabled():
                 for t in _tensors(output):
                     if t.requires_grad:
-                        t.register_hook(self._pre_backward(unit))
+                        t.register_hook(_eager(self._pre_backward(unit)))
                         break
             return output
         return hook
