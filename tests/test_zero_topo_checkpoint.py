@@ -261,7 +261,7 @@ def _masters_in_job(tmp):
     dist.all_gather_object(pieces, mine)
     full = {}
     for unit in plugin.sharded.all_units:
-        flat = torch.full((unit.numel,), float("nan"))
+        flat = torch.full((unit.U,), float("nan"))  # parameters sit at their (block-aligned) offsets
         for rank_pieces in pieces:
             for name, start, values in rank_pieces:
                 if name == unit.name:
