@@ -6,6 +6,10 @@
 with ``--all``; with ``--grid X,Y,Z,D`` also which level each 3D-PMM grid axis spans.
 ``ds-ext tune`` ranks the 3D-PMM grids of a model (001 §5.1.2), optionally from a bandwidth
 database that ``ds-ext tune --measure`` writes.
+
+``plan``, ``simulate``, ``tune`` (without ``--measure``) and ``schema`` are arithmetic and import
+no torch: the modules that need torch (runtime, benchmarks, local worlds, checkpoints) are
+imported inside the commands that use them (``tests/test_plan.py`` holds this).
 """
 
 from __future__ import annotations
@@ -16,13 +20,9 @@ import json
 import sys
 from pathlib import Path
 
-from ds_ext import config as cfgmod
-from ds_ext.bench import BENCHMARKS
-from ds_ext.groups import GroupError, TEDLayout, member_group, topology_partition
 from ds_ext.planner import PlannerError
 from ds_ext.planner import command as planner_command
-from ds_ext.runtime import resolve_topology
-from ds_ext.topology import PRESET_NAMES, Topology, TopologyError, detect_environment
+from ds_ext.topology import PRESET_NAMES, Topology, TopologyError, detect_environment, preset_levels
 
 
 def _parse_sizes(items: list[str]) -> dict[str, int]:
@@ -36,6 +36,8 @@ def _parse_sizes(items: list[str]) -> dict[str, int]:
 
 
 def _rank_lines(topo: Topology, rank: int) -> list[str]:
+    from ds_ext.groups import member_group, topology_partition
+
     coords = ", ".join(f"{n}={c}" for n, c in zip(topo.level_names, topo.coords(rank)))
     lines = [f"rank {rank}: {coords}"]
     for name in topo.level_names:
@@ -46,6 +48,9 @@ def _rank_lines(topo: Topology, rank: int) -> list[str]:
 
 
 def cmd_detect(ns: argparse.Namespace) -> int:
+    from ds_ext import config as cfgmod
+    from ds_ext.runtime import resolve_topology
+
     job = detect_environment()
     block = {"preset": ns.preset, "sizes": _parse_sizes(ns.size), "emulate": ns.emulate or ns.world_size is not None}
     topo_cfg = cfgmod.parse({"topology": block}).topology
@@ -91,7 +96,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     from ds_ext.pmm import tune
 
     block = {"preset": ns.preset, "sizes": _parse_sizes(ns.size), "emulate": True}
-    topo = resolve_topology(cfgmod.parse({"topology": block}).topology, ns.world, detect_environment())
+    topo = Topology.build(preset_levels(ns.preset), ns.world, ns.preset, block["sizes"])  # emulated: no job check
     if ns.measure:
         from ds_ext.local_world import World
 
@@ -101,6 +106,9 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         if ns.out:
             Path(ns.out).write_text(json.dumps(db, indent=2) + "\n")
         return 0
+    if ns.model not in perf.TABLE_5_1:
+        print(f"ds-ext: error: --model: unknown {ns.model!r}; allowed: {', '.join(perf.TABLE_5_1)}", file=sys.stderr)
+        return 2
     layers, hidden, heads = perf.TABLE_5_1[ns.model]
     spec = perf.gpt_spec(hidden, layers, heads, ns.vocab, ns.seq_len)
     database = json.loads(Path(ns.database).read_text()) if ns.database else None
@@ -170,6 +178,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 def _ted_lines(topo: Topology, spec: str, rank: int) -> list[str]:
     """The TED groups (001 §7.1) of ``rank`` for ``--ted T,P[,D]`` and the level each spans."""
+    from ds_ext.config import DsExtConfigError
+    from ds_ext.groups import GroupError, TEDLayout, member_group
+
     degrees = spec.split(",")
     if not 2 <= len(degrees) <= 3 or not all(d.isdigit() for d in degrees):
         raise SystemExit(f"--ted expects TENSOR,EXPERT[,EXPERT_DATA], got {spec!r}")
@@ -177,7 +188,7 @@ def _ted_lines(topo: Topology, spec: str, rank: int) -> list[str]:
         layout = TEDLayout.build(topo.world_size, *map(int, degrees))
         layout.check_placement(topo)
     except GroupError as err:
-        raise cfgmod.DsExtConfigError(str(err)) from None
+        raise DsExtConfigError(str(err)) from None
     lines = [f"TED G_tensor={layout.tensor} x G_expert={layout.expert} x G_data^exp={layout.expert_data} "
              f"(G_data^nonexp={layout.nonexp_data})"]
     for kind, level in layout.levels(topo, rank).items():
@@ -186,18 +197,16 @@ def _ted_lines(topo: Topology, spec: str, rank: int) -> list[str]:
 
 
 def cmd_schema(_: argparse.Namespace) -> int:
-    json.dump(cfgmod.json_schema(), sys.stdout, indent=2)
+    from ds_ext.config import json_schema
+
+    json.dump(json_schema(), sys.stdout, indent=2)
     print()
     return 0
 
 
-def _table_5_1() -> tuple[str, ...]:
-    from ds_ext.perf.pmm import TABLE_5_1
-
-    return tuple(TABLE_5_1)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
+    """The parser; ``benchmarks=False`` leaves the benchmark modules (torch) unimported and
+    their sub-commands without arguments (for a command line that is not ``bench``)."""
     p = argparse.ArgumentParser(prog="ds-ext", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("detect", help="print the topology and process groups")
@@ -213,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also show the TED groups (tensor, expert, expert-data, data) and their levels")
     d.set_defaults(func=cmd_detect)
     t = sub.add_parser("tune", help="rank the 3D-PMM grids of a model (001 §5.1.2); --measure: bandwidth database")
-    t.add_argument("--model", choices=sorted(_table_5_1()), default="gpt-20b", help="a GPT of 001 Table 5.1")
+    t.add_argument("--model", default="gpt-20b", help="a GPT of 001 Table 5.1 (gpt-5b ... gpt-640b)")
     t.add_argument("--world", type=int, required=True, help="ranks (GPUs / GCDs)")
     t.add_argument("--preset", choices=PRESET_NAMES, default="frontier")
     t.add_argument("--size", action="append", default=[], metavar="LEVEL=N", help="override a level size")
@@ -263,7 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=cmd_checkpoint)
     b = sub.add_parser("bench", help="run a benchmark (writes JSON and a PNG)")
     bsub = b.add_subparsers(dest="benchmark", required=True)
+    from ds_ext.bench import BENCHMARKS
+
     for name in BENCHMARKS:
+        if not benchmarks:
+            bsub.add_parser(name)
+            continue
         mod = importlib.import_module(f"ds_ext.bench.{name}")
         bp = bsub.add_parser(name, help=mod.__doc__.splitlines()[0], description=mod.__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,12 +286,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors reported in one line: the config's only if ``ds_ext.config`` was imported (it
+    cannot have raised otherwise; importing it costs pydantic at every ``--help``)."""
+    config = sys.modules.get("ds_ext.config")
+    return (TopologyError, PlannerError) + ((config.DsExtConfigError,) if config else ())
+
+
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    ns = build_parser(benchmarks=argv[:1] == ["bench"]).parse_args(argv)
     try:
         result = ns.func(ns)
         return result if isinstance(result, int) else 0
-    except (TopologyError, cfgmod.DsExtConfigError, PlannerError) as err:
+    except Exception as err:
+        if not isinstance(err, _user_errors()):
+            raise
         print(f"ds-ext: error: {err}", file=sys.stderr)
         return 2
 

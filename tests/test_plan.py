@@ -432,3 +432,48 @@ def test_fig_7_9_ted_fits_larger_moes():
         assert ted.params > ds.params
         lay = TEDLayout.build(gpus, 1, ds.experts)
         assert sum(ted_layouts.states(ds, lay).values()) <= validate.SUMMIT_GPU_BYTES
+
+
+NO_TORCH_COMMANDS = (
+    ["plan", "--model", "gpt-5b", "--nodes", "2"],
+    ["simulate", "--nodes", "2", "--families", "zero"],
+    ["tune", "--world", "8", "--size", "gpu=2"],
+    ["schema"],
+)
+
+
+def test_planner_commands_import_no_torch_and_help_is_cheap():
+    """Issue 23 deliver 5: plan, simulate, tune (no --measure) and schema are arithmetic: a fresh
+    interpreter runs them without importing torch; ``ds-ext plan --help`` costs under 0.5 s of CPU."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    script = ("import sys, contextlib, io\nfrom ds_ext.cli import main\n"
+              f"for argv in {list(NO_TORCH_COMMANDS)!r}:\n"
+              "    with contextlib.redirect_stdout(io.StringIO()):\n"
+              "        assert main(argv) == 0, argv\n"
+              "    assert 'torch' not in sys.modules, f'{argv} imported torch'\n")
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+    def cpu(*argv: str) -> float:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run([sys.executable, *argv], env=env, check=True, capture_output=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+    help_cpu = min(cpu("-m", "ds_ext.cli", "plan", "--help") for _ in range(2))
+    assert help_cpu < 0.5, f"ds-ext plan --help took {help_cpu:.2f} s of CPU"
+
+
+def test_builtin_config_sections_are_the_plugins_own():
+    """``ds-ext schema`` reads the built-ins' sections from torch-free modules: the same classes
+    the plugins validate with."""
+    from ds_ext.plugin import BUILTIN_CONFIGS, registered_configs, registered_plugins
+
+    configs, plugins = registered_configs(), registered_plugins()
+    assert set(BUILTIN_CONFIGS) <= set(plugins)
+    assert all(configs[name] is plugins[name].Config for name in plugins)
