@@ -282,7 +282,16 @@ def test_plan_reads_a_ds_config(tmp_path, capsys):
      "--ds-config /nonexistent/ds.json: ds_config file '/nonexistent/ds.json' does not exist"),
     (["--model", "gpt-5b", "--nodes", "2", "--global-batch", "48", "--grad-accum", "5"],
      "--grad-accum: 5 does not divide the global batch of 48 sequences"),
-    (["--model", "gpt-5b", "--nodes", "2", "--efficiency", "1.5"], "--efficiency: 1.5 out of range"),
+    (["--model", "gpt-5b", "--nodes", "2", "--efficiency", "1.5"], "--efficiency: 1.5 must be in (0, 1]"),
+    (["--model", "gpt-5b", "--nodes", "2", "--global-batch", "0"], "--global-batch: 0 must be a positive integer"),
+    (["--model", "gpt-5b", "--nodes", "2", "--grad-accum", "-2"], "--grad-accum: -2 must be a positive integer"),
+    (["--model", "gpt-5b", "--nodes", "2", "--memory-GB", "-1"], "--memory-GB: -1 must be a positive number"),
+    (["--model", "gpt-5b", "--nodes", "2", "--peak-TFLOPS", "0"], "--peak-TFLOPS: 0 must be a positive number"),
+    (["--model", "gpt-5b", "--nodes", "2", "--top-k", "0"], "--top-k: 0 must be a positive integer"),
+    (["--model", "gpt-5b", "--nodes", "2", "--latency", "node=-1"], "--latency: node=-1.0 must be >= 0"),
+    (["--model", "gpt-5b", "--nodes", "2", "--bandwidth", "node=x"], "--bandwidth expects LEVEL=NUMBER, got 'node=x'"),
+    (["--model", "gpt-5b", "--nodes", "2", "--bandwidth", "node=1", "--bandwidth", "node=2"],
+     "--bandwidth: level 'node' given twice"),
 ])
 def test_bad_input_fails_in_one_line(args, message, capsys):
     from ds_ext.cli import main
@@ -421,7 +430,50 @@ def test_ted_plan_for_an_moe_only_and_layout_constraints():
     for e in result.estimates:
         t = e.config["ds_ext"]["ted"]
         assert 8 % t["tensor_parallel"] == 0 and 32 % t["expert_parallel"] == 0
-    assert ted_layouts.candidates(make_job(models.lookup("gpt3-6.7b"), FRONTIER, 16)) == []
+    assert all("(an MoE)" in d.reason for d in result.dropped if d.family in ("zero", "pmm3d"))  # listed, not silent
+    assert {d.family for d in result.dropped} >= {"zero", "pmm3d"}
+    built, dropped = ted_layouts.candidates(make_job(models.lookup("gpt3-6.7b"), FRONTIER, 16))
+    assert built == [] and [d.reason for d in dropped] == ["a dense model (no experts): the zero and pmm3d families plan it"]
+    _, dropped = ted_layouts.layouts(models.with_experts(models.lookup("gpt3-2.7b"), 32), Topology.from_preset("frontier", 16))
+    assert {d.name: d.reason for d in dropped}["ted 8x32"] == "G_tensor x G_expert = 256 does not divide 16 ranks"
+
+
+def test_no_candidate_is_dropped_silently(capsys):
+    """Issue 23 deliver 3: every grid and preset is ranked or listed with its reason, in the
+    result, the table and the JSON."""
+    from ds_ext.cli import main
+    from ds_ext.planner import report
+
+    job = make_job(models.lookup("gpt-5b"), FRONTIER, 2, global_batch=24)  # 24 sequences: no 16 replicas
+    result = plan(job)
+    everything = {f"pmm3d {g.x}x{g.y}x{g.z}x{g.data}" for g in perf_pmm.factorizations(16)} | set(PRESETS) | {"ted"}
+    ranked = {e.name for e in result.estimates}
+    dropped = {d.name: d.reason for d in result.dropped}
+    assert ranked | set(dropped) == everything and not ranked & set(dropped)
+    assert dropped["zero3"] == "the global batch of 24 sequences does not divide over 16 replicas"
+    assert dropped["pmm3d 1x1x16x1"] == "z=16 does not divide the micro-batch 24, nor any of its 7 smaller splits"
+    hidden = report.not_shown(result, 2)
+    assert len(hidden) == len(everything) - len(report.shown(result, 2))
+    text = report.table(result, 2)
+    assert f"not shown ({len(hidden)}), by reason:" in text and "fit, slower than the --top-k 2 grids shown" in text
+    assert main(["plan", "--model", "gpt-5b", "--nodes", "2", "--global-batch", "24", "--top-k", "2"]) == 0
+    assert f"not shown ({len(hidden)})" in capsys.readouterr().out
+
+
+def test_no_plan_fits_says_what_would(capsys):
+    from ds_ext.cli import main
+    from ds_ext.planner.plan import what_would_fit
+
+    arch = models.lookup("gpt-175b")  # 004 Table V: a fixed batch of 640 sequences
+    job = make_job(arch, FRONTIER, 1)
+    assert plan(job, ["zero"]).best is None
+    assert what_would_fit(job, ["zero"], False).startswith("8 nodes would fit")  # 5: memory; 6, 7: 640 over 48, 56
+    assert plan(make_job(arch, FRONTIER, 8), ["zero"]).best is not None
+    assert all(plan(make_job(arch, FRONTIER, n), ["zero"]).best is None for n in (5, 6, 7))
+    seven = make_job(models.lookup("gpt-5b"), FRONTIER, 1, global_batch=7)  # never divides over 8k ranks
+    assert what_would_fit(seven, ["zero"], True).startswith("--global-batch 8 (one sequence per rank) would fit")
+    assert main(["plan", "--model", "gpt-175b", "--nodes", "1", "--families", "zero"]) == 0
+    assert "no plan fits: 8 nodes would fit" in capsys.readouterr().out
 
 
 def test_fig_7_9_ted_fits_larger_moes():
@@ -477,3 +529,24 @@ def test_builtin_config_sections_are_the_plugins_own():
     configs, plugins = registered_configs(), registered_plugins()
     assert set(BUILTIN_CONFIGS) <= set(plugins)
     assert all(configs[name] is plugins[name].Config for name in plugins)
+
+
+def test_simulate_honours_bandwidth_and_latency(tmp_path, capsys):
+    """Issue 23 deliver 3: simulate's machine flags reach the sweep (they were accepted and ignored);
+    --validate refuses the sweep's flags it has no use for."""
+    from ds_ext.cli import main
+
+    def zero3(*flags):
+        out = tmp_path / "sim.json"
+        assert main(["simulate", "--nodes", "2", "--families", "zero", "--out", str(out), *flags]) == 0
+        return next(r for r in json.loads(out.read_text())["records"] if r["plan"] == "zero3")
+
+    base, slow, late = zero3(), zero3("--bandwidth", "node=1.25"), zero3("--latency", "node=1500")
+    assert slow["comm_s"] > 5 * base["comm_s"] and late["comm_s"] > base["comm_s"]
+    assert slow["compute_s"] == base["compute_s"] and slow["tflops_per_gcd"] < base["tflops_per_gcd"]
+    capsys.readouterr()
+    assert main(["simulate", "--validate", "--nodes", "2"]) == 2
+    assert capsys.readouterr().err.strip() == ("ds-ext: error: --validate: takes no --nodes (the comparisons fix their "
+                                               "own models, nodes and batches); the machine flags apply")
+    assert main(["simulate", "--nodes", "2", "0"]) == 2
+    assert "--nodes: 0 does not fit frontier" in capsys.readouterr().err

@@ -115,6 +115,15 @@ def divisors(n: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Dropped:
+    """A plan the planner considered and does not rank, with the reason (issue 23: no silent drops)."""
+
+    family: str
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Candidate:
     """How a plan family describes one plan to :func:`evaluate`."""
 
@@ -127,6 +136,17 @@ class Candidate:
     traffic: Callable[[int, int], Traffic]  # (micro-batch, accumulation) -> per-step traffic
     unfit: Callable[[int], str | None] = lambda micro: None  # a micro-batch the plan cannot split
     notes: tuple[str, ...] = ()
+
+
+def unsplittable(job: Job, cand: Candidate) -> str:
+    """Why :func:`evaluate` finds no (micro-batch, accumulation) for ``cand``."""
+    if job.global_batch % cand.data:
+        return f"the global batch of {job.global_batch} sequences does not divide over {cand.data} replicas"
+    per = job.global_batch // cand.data
+    if job.grad_accum and per % job.grad_accum:
+        return f"--grad-accum {job.grad_accum} does not divide the {per} sequences per replica"
+    reasons = [r for r in (cand.unfit(b) for b, _ in batch_options(job, cand.data)) if r]
+    return reasons[0] + (f", nor any of its {len(reasons) - 1} smaller splits" if len(reasons) > 1 else "")
 
 
 def evaluate(job: Job, cand: Candidate) -> Estimate | None:

@@ -35,27 +35,33 @@ class Machine(BaseModel):
     efficiency: PositiveFloat = Field(le=1, description="Fraction of the peak the compute reaches.")
     max_nodes: PositiveInt
     sources: dict[str, str]
+    bandwidth_GBps: dict[str, PositiveFloat] = Field({}, description="Per-level bandwidth overrides (--bandwidth).")
+    latency_us: dict[str, float] = Field({}, description="Per-level latency overrides (--latency).")
 
     @property
     def flops(self) -> float:
         """FLOP/s the compute model runs at."""
         return self.peak_flops * self.efficiency
 
-    def build_topology(self, nodes: int, bandwidth_GBps: dict[str, float] | None = None,
-                       latency_us: dict[str, float] | None = None) -> Topology:
-        """The topology of ``nodes`` nodes, with per-level bandwidth / latency overrides."""
-        if not 1 <= nodes <= self.max_nodes:
-            raise MachineError(f"--nodes: {nodes} does not fit {self.name}; allowed: 1 to {self.max_nodes}")
-        levels = list(preset_levels(self.topology))
-        names = [lv.name for lv in levels]
-        for key, values in (("--bandwidth", bandwidth_GBps or {}), ("--latency", latency_us or {})):
+    def with_links(self, bandwidth_GBps: dict[str, float], latency_us: dict[str, float]) -> "Machine":
+        """This machine with per-level bandwidth (GB/s) / latency (µs) overrides, checked against its levels."""
+        names = [lv.name for lv in preset_levels(self.topology)]
+        for key, values in (("--bandwidth", bandwidth_GBps), ("--latency", latency_us)):
             for name, value in values.items():
                 if name not in names:
                     raise MachineError(f"{key}: {self.name} has no level {name!r}; allowed: {', '.join(names)}")
                 if value < 0 or (key == "--bandwidth" and value == 0):
                     raise MachineError(f"{key}: {name}={value} must be {'> 0' if key == '--bandwidth' else '>= 0'}")
-        levels = [replace(lv, bandwidth=(bandwidth_GBps or {}).get(lv.name, lv.bandwidth / GB) * GB,
-                          latency=(latency_us or {}).get(lv.name, lv.latency / US) * US) for lv in levels]
+        return self.model_copy(update={"bandwidth_GBps": {**self.bandwidth_GBps, **bandwidth_GBps},
+                                       "latency_us": {**self.latency_us, **latency_us}})
+
+    def build_topology(self, nodes: int) -> Topology:
+        """The topology of ``nodes`` nodes, with this machine's per-level overrides."""
+        if not 1 <= nodes <= self.max_nodes:
+            raise MachineError(f"--nodes: {nodes} does not fit {self.name}; allowed: 1 to {self.max_nodes}")
+        levels = [replace(lv, bandwidth=self.bandwidth_GBps.get(lv.name, lv.bandwidth / GB) * GB,
+                          latency=self.latency_us.get(lv.name, lv.latency / US) * US)
+                  for lv in preset_levels(self.topology)]
         inner = 1
         for lv in levels[:-1]:
             inner *= lv.size  # type: ignore[operator]

@@ -17,7 +17,7 @@ from dataclasses import replace
 from ds_ext.comm.emulation import message_steps
 from ds_ext.perf import pmm as perf
 from ds_ext.perf.compute import ActivationSplit, activation_bytes
-from ds_ext.planner.estimate import Candidate, Job, Traffic
+from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic
 from ds_ext.planner.models import Arch
 from ds_ext.pmm.grid import Grid
 from ds_ext.topology import Topology
@@ -93,17 +93,28 @@ def candidate(job: Job, grid: Grid, spec: perf.ModelSpec | None = None) -> Candi
     )
 
 
-def candidates(job: Job) -> list[Candidate]:
+def candidates(job: Job) -> tuple[list[Candidate], list[Dropped]]:
     """Every grid whose layers, heads and hidden sizes it divides (``perf.pmm.unfit_reason`` at a
     micro-batch of G_z; the candidate then only needs G_z to divide its micro-batch) and whose
-    model states alone fit the device (as ``perf.pmm.rank_grids`` filters); none for an MoE."""
+    model states alone fit the device (as ``perf.pmm.rank_grids`` filters); none for an MoE.
+    The others are returned as dropped, with the reason."""
+    name = lambda g: f"pmm3d {g.x}x{g.y}x{g.z}x{g.data}"  # noqa: E731
+    grids = perf.factorizations(job.world)
     if job.arch.experts > 1:
-        return []
+        return [], [Dropped("pmm3d", name(g), "3D-PMM has no experts (an MoE): the ted family plans it") for g in grids]
     spec = model_spec(job.arch, job.checkpointing)
-    out = []
-    for g in perf.factorizations(job.world):
-        if perf.unfit_reason(spec, g, g.z) is None:
-            c = candidate(job, g, spec)
-            if sum(c.states.values()) <= job.machine.device_memory:
-                out.append(c)
-    return out
+    out, dropped = [], []
+    limit = job.machine.device_memory
+    for g in grids:
+        reason = perf.unfit_reason(spec, g, g.z)
+        if reason is not None:
+            dropped.append(Dropped("pmm3d", name(g), reason))
+            continue
+        c = candidate(job, g, spec)
+        states = sum(c.states.values())
+        if states <= limit:
+            out.append(c)
+        else:
+            dropped.append(Dropped("pmm3d", c.name, f"model states alone need {states / 1e9:.1f} GB per rank > "
+                                                    f"{limit / 1e9:.1f} GB"))
+    return out, dropped

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ds_ext.planner.dsconfig import CONFIGURED
-from ds_ext.planner.estimate import STATES, Estimate
+from ds_ext.planner.estimate import STATES, Dropped, Estimate
 from ds_ext.planner.plan import PlanResult
 
 
@@ -14,6 +14,24 @@ def shown(result: PlanResult, top_k: int) -> list[Estimate]:
     pmm = [e for e in result.estimates if e.family == "pmm3d"]
     keep = {id(e) for e in pmm[:top_k]} | {id(e) for e in result.estimates if e.name.startswith(CONFIGURED)}
     return [e for e in result.estimates if e.family != "pmm3d" or id(e) in keep]
+
+
+def not_shown(result: PlanResult, top_k: int) -> list[Dropped]:
+    """Every candidate the table leaves out, with the reason: the families' and the batch's
+    drops, and the 3D-PMM grids past ``--top-k``."""
+    kept = {id(e) for e in shown(result, top_k)}
+    past = [Dropped(e.family, e.name, f"fit, slower than the --top-k {top_k} grids shown (fastest first)" if e.fits
+                    else f"past --top-k {top_k}; does not fit: {e.reason}")
+            for e in result.estimates if id(e) not in kept]
+    return list(result.dropped) + past
+
+
+def _reason_lines(dropped: list[Dropped]) -> list[str]:
+    """One line per (family, reason): the plans it drops."""
+    by: dict[tuple[str, str], list[str]] = {}
+    for d in dropped:
+        by.setdefault((d.family, d.reason), []).append(d.name.removeprefix(f"{d.family} "))
+    return [f"  {fam}: {reason}: {', '.join(names)}" for (fam, reason), names in by.items()]
 
 
 SHORT = {"weights": "wts", "secondary": "sec", "gradients": "grad", "optimizer": "opt", "activations": "act"}
@@ -49,6 +67,10 @@ def table(result: PlanResult, top_k: int = 5) -> str:
     lines.append("wts / sec / grad / opt / act: GB per rank of weights, secondary, gradients, optimizer states, "
                  "activations; <level> GB: bytes one rank sends per optimizer step; max B: billions of parameters "
                  "whose model states fill the device at this plan's bytes per parameter")
+    hidden = not_shown(result, top_k)
+    if hidden:
+        lines.append(f"not shown ({len(hidden)}), by reason:")
+        lines += _reason_lines(hidden)
     for label, e in (("best", result.best), ("runner-up", result.runner_up)):
         lines.append(f"{label}: " + (f"{e.name} ({e.step_s:.2f} s per step, {e.tflops / 1e12:.1f} TFLOPS per rank)"
                                      if e else "no plan fits"))
@@ -86,6 +108,7 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         "runner_up": result.runner_up.name if result.runner_up else None,
         "configured": [e.name for e in result.estimates if e.name.startswith(CONFIGURED)],
         "plans": [record(e) for e in result.estimates],
+        "not_ranked": [vars(d) for d in result.dropped],
     }
 
 

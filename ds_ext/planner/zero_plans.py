@@ -15,7 +15,7 @@ from typing import Any
 
 from ds_ext.perf import zero as perf
 from ds_ext.perf.compute import activation_bytes
-from ds_ext.planner.estimate import Candidate, Job, Traffic
+from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic
 from ds_ext.planner.models import Arch
 from ds_ext.zero_topo.layout import padded_numel
 from ds_ext.zero_topo.plan import PRESETS, ShardingPlan, ZeroTopoConfig, resolve_plan
@@ -58,8 +58,9 @@ def candidate(job: Job, section: dict[str, Any], name: str | None = None,
     )
 
 
-def candidates(job: Job) -> list[Candidate]:
+def candidates(job: Job) -> tuple[list[Candidate], list[Dropped]]:
     """Every preset; none for an MoE (ZeRO-topo refuses expert parameters)."""
     if job.arch.experts > 1:
-        return []
-    return [candidate(job, {"preset": p}) for p in PRESETS]
+        return [], [Dropped("zero", p, "ZeRO-topo refuses expert parameters (an MoE): the ted family plans it")
+                    for p in PRESETS]
+    return [candidate(job, {"preset": p}) for p in PRESETS], []
