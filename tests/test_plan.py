@@ -339,18 +339,19 @@ def test_validation_rows_and_table():
     assert validate.Row("ratio", "003", 1.707, 1.06, 0.15).holds is False
     assert validate.Row("x", "000", 1.0, 0.9).holds is None
     rows = validate.zero_rows(FRONTIER)
-    by = {r.claim: r for r in rows}
-    s384 = _estimates(48)
-    old = validate._zero(FRONTIER, 48)[validate.ZEROPP_0131]
-    assert by["TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs"].predicted == old.tflops / s384["zero3"].tflops
-    assert by["  same, today's hpZ: ZeRO++ / ZeRO-3"].predicted == s384["zeropp"].tflops / s384["zero3"].tflops
-    assert old.traffic.bytes["node"] > s384["zeropp"].traffic.bytes["node"] and old.memory == s384["zeropp"].memory
-    assert by["largest model, ZeRO-3, 16 GCDs (B params)"].holds is True
+    by = {r.claim.split(" (batch")[0]: r for r in rows}
+    s384 = validate._zero(FRONTIER, 48)
+    assert by["TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs"].predicted == s384["zeropp"].tflops / s384["zero3"].tflops
+    today = validate._zero(FRONTIER, 48, deepspeed="0.19.8")
+    assert s384["zeropp"].traffic.bytes["node"] > today["zeropp"].traffic.bytes["node"]
+    assert s384["zeropp"].memory == today["zeropp"].memory
+    for claim in ("largest model, ZeRO-3, 16 GCDs (B params)", "TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs"):
+        assert by[claim].holds is True
     pmm = validate.pmm_rows(FRONTIER, ((16, "gpt-5b", 1.6), (32, "gpt-5b", 3.0)))
     assert [r.published for r in pmm] == [100.0, 93.75, 0.9375]
     assert pmm[2].predicted == pytest.approx(pmm[1].predicted / pmm[0].predicted)
     text = validate.markdown(rows)
-    assert text.count("\n") == len(rows) + 1 and "| **no** |" in text and "| yes |" in text
+    assert text.count("\n") == len(rows) + 1 and "| yes |" in text
 
 
 # ---- TED layouts (001 ch. 7) ------------------------------------------------------------------
@@ -550,3 +551,57 @@ def test_simulate_honours_bandwidth_and_latency(tmp_path, capsys):
                                                "own models, nodes and batches); the machine flags apply")
     assert main(["simulate", "--nodes", "2", "0"]) == 2
     assert "--nodes: 0 does not fit frontier" in capsys.readouterr().err
+
+
+def test_rccl_alpha_reproduces_001s_speedups_and_is_the_machines():
+    """Issue 23 deliver 1: α per inter-node ring step from 001 §6.3.1 (``planner.rccl``): with the
+    derived ring bandwidth B and α, the RCCL ring time over the PCCL time gives back every
+    published speedup, at 2,048 GCDs and at 32; the Frontier preset charges their mean."""
+    from ds_ext.planner import rccl
+
+    for pt in rccl.DERIVED:
+        ring = lambda p, size: (p - 1) / p * size / pt.ring_bandwidth + (p - 1) * pt.alpha_s  # noqa: E731
+        assert ring(2048, pt.size) / rccl.pccl_seconds(2048, pt.size) == pytest.approx(pt.speedup)
+        assert ring(32, 2**30) / rccl.pccl_seconds(32, 2**30) == pytest.approx(pt.speedup_32)
+    lo, hi = rccl.ALPHA_BAND_S
+    assert 50e-6 < lo <= rccl.RING_STEP_ALPHA_S <= hi < 70e-6
+    assert 75e-6 < rccl.mean_alpha(rccl.TABLE_II) < 90e-6
+    node = FRONTIER.build_topology(2).level("node")
+    assert node.latency == pytest.approx(rccl.RING_STEP_ALPHA_S)
+
+
+def test_deepspeed_gathers_per_submodule_two_collectives_when_quantized():
+    """Issue 23 deliver 1: DeepSpeed's ZeRO-3 fetches per submodule above the persistence
+    threshold (4 per GPT-NeoX-20B block, its 2 tables), two all-gathers per quantized fetch;
+    bytes are the per-block model's."""
+    arch = models.lookup("gpt-neox-20b")
+    assert zero_plans.deepspeed_fetches(arch) == (2, 4)
+    tiny = models.Arch(name="t", layers=2, hidden=64, heads=4, vocab=256, seq=32)
+    with pytest.raises(ValueError, match="resident"):
+        zero_plans.deepspeed_fetches(tiny)
+    topo = FRONTIER.build_topology(48)
+    for preset, per_gather in (("zero3", 1), ("zeropp", 2)):
+        plan_ = resolve_plan(ZeroTopoConfig(enabled=True, preset=preset), topo)
+        ours = perf_zero.traffic(plan_, zero_plans.units(arch, topo.world_size, plan_.block_size), 1, 2)
+        ds = perf_zero.traffic(plan_, zero_plans.units(arch, topo.world_size, plan_.block_size, True), 1, 2)
+        assert ds.bytes == ours.bytes
+        fwd = ds.steps["forward"]["node"]
+        assert fwd == per_gather * (2 + 4 * arch.layers) * (topo.world_size - 1)
+        assert ours.steps["forward"]["node"] == per_gather * (1 + arch.layers) * (topo.world_size - 1)
+
+
+def test_batch_default_is_stated_and_printed(capsys):
+    """Issue 23 deliver 1: GPT-NeoX-20B's default batch is 20B.yml's per-GPU keys (micro-batch 4 x 32
+    accumulation steps) on every GCD, 49,152 sequences at 384 GCDs; every plan says where its batch
+    comes from."""
+    from ds_ext.cli import main
+
+    job = make_job(models.lookup("gpt-neox-20b"), FRONTIER, 48)
+    assert (job.global_batch, job.grad_accum) == (49_152, 32) and "1,536" in job.batch_source
+    best = plan(job, ["zero"]).best
+    assert (best.micro_batch, best.grad_accum) == (4, 32)
+    assert make_job(models.lookup("gpt-5b"), FRONTIER, 2, global_batch=64).batch_source == "--global-batch"
+    assert main(["plan", "--model", "gpt-neox-20b", "--nodes", "48", "--families", "zero"]) == 0
+    assert "batch 49152 sequences per step (gpt-neox-20b's recipe: GPT-NeoX configs/20B.yml" in capsys.readouterr().out
+    assert main(["plan", "--model", "gpt-5b", "--nodes", "2", "--global-batch", "64", "--families", "zero"]) == 0
+    assert "batch 64 sequences per step (--global-batch)" in capsys.readouterr().out

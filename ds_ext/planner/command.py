@@ -122,7 +122,8 @@ def run_plan(ns: argparse.Namespace) -> int:
     world_hint = machine.build_topology(ns.nodes).world_size
     batch = ns.global_batch if ns.global_batch is not None else (ds.batch(world_hint) if ds else None)
     accum = ns.grad_accum if ns.grad_accum is not None else (ds.grad_accum if ds else None)
-    job = plan.make_job(arch, machine, ns.nodes, batch, accum, ds.elem_bytes if ds else 2)
+    source = "--global-batch" if ns.global_batch is not None else f"--ds-config {ns.ds_config}"
+    job = plan.make_job(arch, machine, ns.nodes, batch, accum, ds.elem_bytes if ds else 2, source)
     extra = ds.candidates(job) if ds else []
     families = ns.families or tuple(plan.FAMILIES)
     result = plan.plan(job, families, extra)
@@ -185,6 +186,9 @@ def run_simulate(ns: argparse.Namespace) -> int:
     records = simulate.sweep(archs, nodes, machine, families, ns.global_batch, ns.grad_accum, progress=True)
     seconds = time.perf_counter() - t0
     print(simulate.table(records))
+    for arch in archs:
+        print(f"batch of {arch.name}: " + (f"{ns.global_batch} sequences (--global-batch)" if ns.global_batch
+                                            else f"its recipe: {arch.recipe.source}"))
     print(f"sweep: {len(records)} points in {seconds:.2f} s")
     if ns.out:
         payload = {"machine": machine.model_dump(), "models": [a.model_dump() for a in archs], "nodes": nodes,

@@ -44,6 +44,7 @@ class Job:
     grad_accum: int | None = None
     elem_bytes: int = 2
     checkpointing: bool = True
+    batch_source: str = ""  # where the global batch comes from (printed with every plan)
 
     @property
     def world(self) -> int:

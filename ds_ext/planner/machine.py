@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
-from ds_ext.planner import PlannerError
+from ds_ext.planner import PlannerError, rccl
 from ds_ext.topology import GB, US, Topology, preset_levels
 
 GiB = 2**30
@@ -70,12 +70,15 @@ class Machine(BaseModel):
 
 MACHINES: dict[str, Machine] = {
     "frontier": Machine(
+        latency_us={"node": rccl.RING_STEP_ALPHA_S * 1e6},
         name="frontier", topology="frontier", device_memory=64 * GiB, peak_flops=191.5e12, efficiency=125 / 191.5,
         max_nodes=9408,
         sources={
             "levels": "ds_ext.topology 'frontier': GCD pair 200 GB/s (003 §IV), Infinity Fabric 50 GB/s between "
                       "MI250X (003 Table II), Slingshot 4 x 25 GB/s per node = 12.5 GB/s per GCD (003 §IV, 004 Fig 4); "
-                      "latencies 5 / 8 / 15 us assumed (no paper gives them)",
+                      "latencies 5 / 8 us assumed inside a node (no paper gives them)",
+            "latency_us": "node: RCCL's latency per inter-node ring step, derived from 001 §6.3.1's PCCL / RCCL "
+                          "speedups at 2,048 and 32 GCDs (ds_ext.planner.rccl)",
             "device_memory": "64 GB HBM2e per GCD (003 §IV, 000 §VI-A) in binary units, as 003 §II-A's 68B ZeRO-3 "
                              "figure counts it (64 GiB / 16 B per parameter x 16 GCDs)",
             "peak_flops": "191.5 Tflop/s 16-bit per GCD (000 §VI-C, 004 §V-B)",

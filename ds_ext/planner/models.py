@@ -112,7 +112,9 @@ CATALOGUE: dict[str, Arch] = {
         name="gpt-neox-20b", layers=44, hidden=6144, heads=64, vocab=50432, seq=2048, **_NEOX,
         source="003 Figs 7, 9 (GPT-NeoX-20B); shape from GPT-NeoX configs/20B.yml",
         recipe=Recipe(batch_per_rank=128, grad_accum=32,
-                      source="GPT-NeoX configs/20B.yml: micro-batch 4 per GPU x 32 accumulation steps"),
+                      source="GPT-NeoX configs/20B.yml's per-GPU keys, micro-batch 4 x 32 accumulation steps on "
+                             "every rank (49,152 sequences at 384 GCDs); 20B.yml's own run is 1,536 sequences "
+                             "(96 A100, pipeline 4 x tensor 2, 12 replicas); 003 states no batch"),
     ),
     "gpt-neox-10b": Arch(
         name="gpt-neox-10b", layers=192, hidden=2048, heads=16, vocab=50432, seq=4096, **_NEOX,

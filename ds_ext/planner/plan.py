@@ -33,14 +33,16 @@ class PlanInputError(PlannerError):
 
 
 def make_job(arch: Arch, machine: Machine, nodes: int, global_batch: int | None = None, grad_accum: int | None = None,
-             elem_bytes: int = 2) -> Job:
-    """The job of ``arch`` on ``nodes`` nodes; the batch defaults to the model's recipe."""
+             elem_bytes: int = 2, batch_source: str = "--global-batch") -> Job:
+    """The job of ``arch`` on ``nodes`` nodes; the batch defaults to the model's recipe, and the
+    job says where its batch comes from (``batch_source`` for a given one)."""
     topology = machine.build_topology(nodes)
     batch = global_batch or arch.recipe.sequences(topology.world_size)
     accum = grad_accum if global_batch or grad_accum else arch.recipe.grad_accum
     if accum is not None and batch % accum:
         raise PlanInputError(f"--grad-accum: {accum} does not divide the global batch of {batch} sequences")
-    return Job(arch, machine, topology, batch, accum, elem_bytes)
+    return Job(arch, machine, topology, batch, accum, elem_bytes, batch_source=batch_source if global_batch
+               else f"{arch.name}'s recipe: {arch.recipe.source}")
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def what_would_fit(job: Job, families: Iterable[str], batch_given: bool) -> str:
 def _best(job: Job, nodes: int, batch: int | None, accum: int | None, families: list[str]) -> str | None:
     """The best plan's name for ``job`` moved to ``nodes`` nodes and ``batch`` (None: none fits)."""
     try:
-        other = make_job(job.arch, job.machine, nodes, batch, accum, job.elem_bytes)
+        other = make_job(job.arch, job.machine, nodes, batch, accum, job.elem_bytes, job.batch_source)
     except PlannerError:
         return None
     best = plan(other, families).best

@@ -48,7 +48,8 @@ def table(result: PlanResult, top_k: int = 5) -> str:
     head = (f"{a.name}: {a.params / 1e9:.2f}B parameters ({a.layers} layers, hidden {a.hidden}, {a.heads} heads, "
             f"vocab {a.vocab}, seq {a.seq}{f', {a.experts} experts' if a.experts > 1 else ''}) on "
             f"{job.topology.describe()}\n"
-            f"batch {job.global_batch} sequences per step; {job.machine.device_memory / 1e9:.1f} GB per rank; "
+            f"batch {job.global_batch} sequences per step ({job.batch_source}); "
+            f"{job.machine.device_memory / 1e9:.1f} GB per rank; "
             f"compute at {job.machine.flops / 1e12:.1f} TFLOP/s per rank; "
             f"{job.flops / 1e15:.1f} PFLOP per step (GPT-NeoX formula)")
     cols = (["#", "plan", "mb x GA"] + [SHORT[s] for s in STATES] + ["total", "fits"]
@@ -95,6 +96,7 @@ def job_record(result: PlanResult) -> dict[str, Any]:
         "topology": job.topology.describe(),
         "world": job.world,
         "global_batch": job.global_batch,
+        "batch_source": job.batch_source,
         "grad_accum": job.grad_accum or "fewest that fit",
         "element_bytes": job.elem_bytes,
         "flops_per_step": job.flops,

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ds_ext.groups import TEDLayout
-from ds_ext.planner import ted_layouts, zero_plans
+from ds_ext.planner import rccl, ted_layouts, zero_plans
 from ds_ext.planner.estimate import Estimate, evaluate
 from ds_ext.planner.machine import GiB, Machine
 from ds_ext.planner.models import Arch, lookup, with_experts
@@ -51,55 +51,63 @@ class Row:
         return {**asdict(self), "rel_error": self.rel_error, "holds": self.holds}
 
 
-ZEROPP_0131 = "zeropp (DeepSpeed 0.13.1)"
+ZERO_003 = ("zero3", "zeropp", "zero_topo_paper")  # 003's three, each as DeepSpeed runs it
 
 
-def _zero(machine: Machine, nodes: int, global_batch: int | None = None, grad_accum: int | None = None
-          ) -> dict[str, Estimate]:
-    """Every preset, plus ZeRO++ with the hpZ rule of DeepSpeed 0.13.1 (``ZEROPP_0131``)."""
+def _zero(machine: Machine, nodes: int, global_batch: int | None = None, grad_accum: int | None = None,
+          deepspeed: str | None = "0.13.1") -> dict[str, Estimate]:
+    """003's three plans on GPT-NeoX-20B, gathered as ``deepspeed`` (003's 0.13.1 by default,
+    None: ds_ext's engine) does (``zero_plans``)."""
     job = make_job(lookup("gpt-neox-20b"), machine, nodes, global_batch, grad_accum)
-    out = {e.name: e for e in plan(job, ["zero"]).estimates}
-    old = evaluate(job, zero_plans.candidate(job, {"preset": "zeropp"}, ZEROPP_0131, secondary_serves_forward=False))
-    assert old is not None
-    return {**out, ZEROPP_0131: old}
+    out = {}
+    for name in ZERO_003:
+        e = evaluate(job, zero_plans.candidate(job, {"preset": name}, deepspeed=deepspeed))
+        assert e is not None, name
+        out[name] = e
+    return out
 
 
-ZPP_NOTE = ("ZeRO++ gathers as DeepSpeed 0.13.1, 003's version (Table IX), did: hpZ served no gather with grad "
-            "enabled, so every micro-batch's checkpoint recompute gathered across nodes (PR #4906 changed it in 0.13.2)")
+DS_NOTE = ("DeepSpeed 0.13.1 (003's, Table IX): per-submodule gathers (4 per GPT-NeoX-20B block, 2 collectives "
+           "each when quantized), hpZ serving no gather with grad enabled; RCCL α per ring step from 001 §6.3.1")
 
 
 def zero_rows(machine: Machine) -> list[Row]:
-    """003: max model sizes, 384-GCD ratios, ZeRO-topo's efficiency; plus a batch sensitivity."""
+    """003: max model sizes, 384-GCD ratios, ZeRO-topo's efficiency; plus the sensitivity rows
+    (α band, today's DeepSpeed, ds_ext's per-block gathers, micro-batch and accumulation)."""
     s16, s384 = _zero(machine, 2), _zero(machine, 48)
-    t = lambda est, name: est[name].tflops  # noqa: E731
-    zpp = ZEROPP_0131
+    ratios = lambda est: (est["zeropp"].tflops / est["zero3"].tflops,  # noqa: E731
+                          est["zero_topo_paper"].tflops / est["zeropp"].tflops)
+    zz, tz = ratios(s384)
+    world = machine.build_topology(48).world_size
     rows = [
-        Row("largest model, ZeRO-3, 16 GCDs (B params)", "003 §II-A", 68, s16["zero3"].max_params / 1e9, 0.05),
-        Row("largest model, ZeRO++, 16 GCDs (B params)", "003 §II-A", 55, s16["zeropp"].max_params / 1e9, 0.05),
+        Row("largest model, ZeRO-3, 16 GCDs (B params)", "003 §II-A", 68, s16["zero3"].max_params / 1e9, 0.05,
+            "model states only, 64 GiB per GCD"),
+        Row("largest model, ZeRO++, 16 GCDs (B params)", "003 §II-A", 55, s16["zeropp"].max_params / 1e9, 0.05,
+            "model states only, 64 GiB per GCD"),
         Row("largest model, ZeRO-topo (Sec-Degree 2), 384 GCDs (B params)", "003 §VII-B", 36,
-            s384["zero_topo_paper"].max_params / 1e9, 0.05,
-            "003's 36B needs 64e9 bytes per GCD, its 68B / 55B need 64 GiB; the planner uses 64 GiB"),
-        Row("TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs", "003 §VI, Fig 7", 1.405, t(s384, zpp) / t(s384, "zero3"), 0.15,
-            ZPP_NOTE),
-        Row("TFLOPS per GCD ZeRO-topo / ZeRO++, 384 GCDs", "003 §VI, Fig 7", 1.707,
-            t(s384, "zero_topo_paper") / t(s384, zpp), 0.15, ZPP_NOTE),
-        Row("TFLOPS per GCD ZeRO-topo / ZeRO-3, 384 GCDs", "003 §VI", 2.398, t(s384, "zero_topo_paper") / t(s384, "zero3")),
+            s384["zero_topo_paper"].max_params / 1e9 * 64e9 / machine.device_memory, 0.05,
+            "model states only, 64e9 bytes per GCD: 003's 36B counts decimal GB, its 68B / 55B binary GiB"),
+        Row(f"TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs (batch {s384['zero3'].micro_batch} x "
+            f"{s384['zero3'].grad_accum} per GCD)", "003 §VI, Fig 7", 1.405, zz, 0.15, DS_NOTE),
+        Row("TFLOPS per GCD ZeRO-topo / ZeRO++, 384 GCDs", "003 §VI, Fig 7", 1.707, tz, 0.15, DS_NOTE),
+        Row("TFLOPS per GCD ZeRO-topo / ZeRO-3, 384 GCDs", "003 §VI", 2.398, zz * tz),
         Row("scaling efficiency ZeRO-topo, 16 -> 384 GCDs", "003 abstract, Fig 7", 0.94,
-            t(s384, "zero_topo_paper") / t(s16, "zero_topo_paper")),
+            s384["zero_topo_paper"].tflops / s16["zero_topo_paper"].tflops),
     ]
-    note = "sensitivity, not the prediction: hpZ as DeepSpeed >= 0.13.2 and ds_ext serve forwards"
-    rows += [
-        Row("  same, today's hpZ: ZeRO++ / ZeRO-3", "003 §VI", 1.405, t(s384, "zeropp") / t(s384, "zero3"), None, note),
-        Row("  same, today's hpZ: ZeRO-topo / ZeRO++", "003 §VI", 1.707,
-            t(s384, "zero_topo_paper") / t(s384, "zeropp"), None, note),
-    ]
-    ga1 = _zero(machine, 48, global_batch=4 * machine.build_topology(48).world_size, grad_accum=1)
-    note = "sensitivity, not the prediction: micro-batch 4, no accumulation (003 gives no batch)"
-    rows += [
-        Row("  same, 1 micro-step per step: ZeRO++ / ZeRO-3", "003 §VI", 1.405, t(ga1, zpp) / t(ga1, "zero3"), None, note),
-        Row("  same, 1 micro-step per step: ZeRO-topo / ZeRO++", "003 §VI", 1.707,
-            t(ga1, "zero_topo_paper") / t(ga1, zpp), None, note),
-    ]
+    lo, hi = rccl.ALPHA_BAND_S
+    cases = [(f"α {lo * 1e6:.0f} µs (band's low end)", _zero(machine.with_links({}, {"node": lo * 1e6}), 48)),
+             (f"α {hi * 1e6:.0f} µs (band's high end)", _zero(machine.with_links({}, {"node": hi * 1e6}), 48)),
+             ("α 15 µs (the earlier assumed value)", _zero(machine.with_links({}, {"node": 15.0}), 48)),
+             (f"α {rccl.mean_alpha(rccl.TABLE_II) * 1e6:.0f} µs (node ring at Table II's 50 GB/s)",
+              _zero(machine.with_links({}, {"node": rccl.mean_alpha(rccl.TABLE_II) * 1e6}), 48)),
+             ("today's DeepSpeed 0.19.8 (hpZ serves forwards)", _zero(machine, 48, deepspeed="0.19.8")),
+             ("one collective per block (ds_ext's engine)", _zero(machine, 48, deepspeed=None))]
+    cases += [(f"micro-batch {mb} x {ga} steps per GCD", _zero(machine, 48, mb * ga * world, ga))
+              for mb, ga in ((1, 32), (8, 32), (4, 1), (4, 8))]
+    for label, est in cases:
+        z, t = ratios(est)
+        rows += [Row(f"  sensitivity, {label}: ZeRO++ / ZeRO-3", "003 §VI", 1.405, z, None, "not the prediction"),
+                 Row(f"  sensitivity, {label}: ZeRO-topo / ZeRO++", "003 §VI", 1.707, t, None, "not the prediction")]
     return rows
 
 
