@@ -92,38 +92,26 @@ def _grid_lines(topo: Topology, dims: tuple[int, int, int, int]) -> str:
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
-    from ds_ext.perf import pmm as perf
+    """``--measure``: the bandwidth database on local ranks (torch); else the planner's 3D-PMM
+    ranking (``ds_ext.planner.command.run_tune``), the code path of ``plan --families pmm3d``."""
+    if not ns.measure:
+        return planner_command.run_tune(ns)
+    given = [f"--{k.replace('_', '-')}" for k in planner_command.TUNE_RANKING[:-1] if getattr(ns, k) is not None]
+    if given:
+        raise planner_command.ArgumentError(f"--measure: takes no {' '.join(given)} (they rank grids; --measure "
+                                            "writes the bandwidth database)")
+    from ds_ext.local_world import World
+    from ds_ext.planner import machine as machines
     from ds_ext.pmm import tune
 
-    block = {"preset": ns.preset, "sizes": _parse_sizes(ns.size), "emulate": True}
-    topo = Topology.build(preset_levels(ns.preset), ns.world, ns.preset, block["sizes"])  # emulated: no job check
-    if ns.measure:
-        from ds_ext.local_world import World
-
-        with World(ns.world) as world:
-            db = world.run(tune.measure_on_rank, block, int(ns.message_MB * 2**20), True, ns.time_scale)[0]
-        print(json.dumps(db, indent=2))
-        if ns.out:
-            Path(ns.out).write_text(json.dumps(db, indent=2) + "\n")
-        return 0
-    if ns.model not in perf.TABLE_5_1:
-        print(f"ds-ext: error: --model: unknown {ns.model!r}; allowed: {', '.join(perf.TABLE_5_1)}", file=sys.stderr)
-        return 2
-    layers, hidden, heads = perf.TABLE_5_1[ns.model]
-    spec = perf.gpt_spec(hidden, layers, heads, ns.vocab, ns.seq_len)
-    database = json.loads(Path(ns.database).read_text()) if ns.database else None
-    bw = tune.bandwidths(topo, database, ns.links)
-    limit = ns.memory_GB * 1e9 if ns.memory_GB else None
-    top = tune.top_grids(spec, topo, ns.global_batch, ns.seq_len, 2, ns.zero_stage, limit, bw, ns.top_k, ns.latency)
-    print(f"{ns.model} ({layers} layers, hidden {hidden}, {heads} heads) on {topo.describe()}")
-    print(f"{'#':>3} {'x':>4} {'y':>4} {'z':>4} {'data':>5} {'comm s':>10} {'GB/rank':>9}  levels (x, y, z, data)")
-    for i, r in enumerate(top, 1):
-        g, lv = r["grid"], r["levels"]
-        print(f"{i:>3} {g['x']:>4} {g['y']:>4} {g['z']:>4} {g['data']:>5} {r['predicted_comm_s']:>10.4f} "
-              f"{r['memory_per_rank_bytes'] / 1e9:>9.2f}  " + ", ".join(lv[a] or "-" for a in ("x", "y", "z", "data")))
+    preset = machines.lookup(ns.machine).topology
+    block = {"preset": preset, "sizes": _parse_sizes(ns.size), "emulate": True}
+    Topology.build(preset_levels(preset), ns.world, preset, block["sizes"])  # refuse a bad world before starting
+    with World(ns.world) as world:
+        db = world.run(tune.measure_on_rank, block, int(ns.message_MB * 2**20), True, ns.time_scale)[0]
+    print(json.dumps(db, indent=2))
     if ns.out:
-        Path(ns.out).write_text(json.dumps({"model": ns.model, "world": ns.world, "links": ns.links,
-                                            "latency": ns.latency, "top": top}, indent=2) + "\n")
+        Path(ns.out).write_text(json.dumps(db, indent=2) + "\n")
     return 0
 
 
@@ -221,26 +209,11 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     d.add_argument("--ted", default=None, metavar="T,P[,D]",
                    help="also show the TED groups (tensor, expert, expert-data, data) and their levels")
     d.set_defaults(func=cmd_detect)
-    t = sub.add_parser("tune", help="rank the 3D-PMM grids of a model (001 §5.1.2); --measure: bandwidth database")
-    t.add_argument("--model", default="gpt-20b", help="a GPT of 001 Table 5.1 (gpt-5b ... gpt-640b)")
-    t.add_argument("--world", type=int, required=True, help="ranks (GPUs / GCDs)")
-    t.add_argument("--preset", choices=PRESET_NAMES, default="frontier")
-    t.add_argument("--size", action="append", default=[], metavar="LEVEL=N", help="override a level size")
-    t.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
-    t.add_argument("--seq-len", type=int, default=2048)
-    t.add_argument("--vocab", type=int, default=50304)
-    t.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2))
-    t.add_argument("--memory-GB", type=float, default=None, help="model-state bytes allowed per rank")
-    t.add_argument("--database", default=None, help="bandwidth database JSON from 'ds-ext tune --measure'")
-    t.add_argument("--links", choices=("shared", "per-rank"), default="shared",
-                   help="shared: Eq 5.7 (rings across nodes share a node's NICs); per-rank: every rank its own share "
-                        "of each level (the machine ds_ext's alpha-beta emulation emulates)")
-    t.add_argument("--latency", action="store_true",
-                   help="add the level's latency per ring message (drops 001's bandwidth-bound Assumption 3)")
-    t.add_argument("--top-k", type=int, default=10)
-    t.add_argument("--out", default=None, help="write the result as JSON")
+    t = sub.add_parser("tune", help="rank the 3D-PMM grids of a model (001 §5.1.2) as plan --families pmm3d does; "
+                                     "--measure: bandwidth database")
+    planner_command.add_tune_arguments(t)
     t.add_argument("--measure", action="store_true",
-                   help="measure the database on --world local ranks with alpha-beta emulation of --preset")
+                   help="measure the database on --world local ranks with alpha-beta emulation of --machine's levels")
     t.add_argument("--message-MB", type=float, default=16.0, help="all-reduce size for --measure")
     t.add_argument("--time-scale", type=float, default=3000.0,
                    help="--measure: stretch emulated link times so they dominate gloo's own (results are scaled back)")

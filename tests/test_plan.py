@@ -605,3 +605,21 @@ def test_batch_default_is_stated_and_printed(capsys):
     assert "batch 49152 sequences per step (gpt-neox-20b's recipe: GPT-NeoX configs/20B.yml" in capsys.readouterr().out
     assert main(["plan", "--model", "gpt-5b", "--nodes", "2", "--global-batch", "64", "--families", "zero"]) == 0
     assert "batch 64 sequences per step (--global-batch)" in capsys.readouterr().out
+
+
+def test_tune_and_plan_pmm3d_are_one_ranker(tmp_path, capsys):
+    """Issue 23 deliver 4: ``ds-ext tune`` and ``ds-ext plan --families pmm3d`` answer the same
+    question with the same plans, batch and memory; --measure refuses the ranking flags."""
+    from ds_ext.cli import main
+
+    tune_out, plan_out = tmp_path / "tune.json", tmp_path / "plan.json"
+    assert main(["tune", "--model", "gpt-10b", "--world", "32", "--top-k", "3", "--out", str(tune_out)]) == 0
+    assert main(["plan", "--model", "gpt-10b", "--nodes", "4", "--families", "pmm3d", "--out", str(plan_out)]) == 0
+    tuned, planned = json.loads(tune_out.read_text()), json.loads(plan_out.read_text())
+    assert tuned["top"] == [p for p in planned["plans"] if p["fits"]][:3]
+    assert tuned["global_batch"] == planned["job"]["global_batch"] == 8192
+    capsys.readouterr()
+    assert main(["tune", "--world", "8", "--measure", "--top-k", "3"]) == 2
+    assert "--measure: takes no --top-k" in capsys.readouterr().err
+    assert main(["tune", "--world", "12"]) == 2
+    assert "--world: 12 is not a positive multiple of 8 ranks per node" in capsys.readouterr().err

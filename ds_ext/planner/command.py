@@ -195,3 +195,73 @@ def run_simulate(ns: argparse.Namespace) -> int:
                    "families": list(families), "sweep_seconds": seconds, "records": records}
         _write(ns.out, payload, lambda png: simulate.plot(records, png))
     return 0
+
+
+TUNE_RANKING = ("model", "global_batch", "grad_accum", "memory_GB", "database", "links", "no_latency", "top_k", "out")
+
+
+def add_tune_arguments(p: argparse.ArgumentParser) -> None:
+    """``ds-ext tune``: the planner's 3D-PMM family for one model on ``--world`` ranks (issue 23
+    deliver 4: one ranker, one definition of memory and batch with ``plan --families pmm3d``)."""
+    p.add_argument("--model", default=None, help="a catalogue model (default gpt-20b, 001 Table 5.1)")
+    p.add_argument("--world", type=int, required=True, help="ranks (GPUs / GCDs); a multiple of the ranks per node")
+    p.add_argument("--machine", default="frontier", help="machine preset (default frontier)")
+    p.add_argument("--size", action="append", default=[], metavar="LEVEL=N", help="ranks per domain of an inner level")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the model's recipe)")
+    p.add_argument("--grad-accum", type=int, default=None, help="micro-steps per step (default: fewest that fit)")
+    p.add_argument("--memory-GB", type=float, default=None,
+                   help="device memory per rank (model states + activations, as plan counts it)")
+    p.add_argument("--database", default=None, help="bandwidth database JSON from 'ds-ext tune --measure' (Eq 5.7)")
+    p.add_argument("--links", choices=("shared", "per-rank"), default=None,
+                   help="per-rank (default): the planner's alpha-beta per level, every rank its own share; shared: "
+                        "Eq 5.7, rings across nodes share a node's NICs")
+    p.add_argument("--no-latency", action="store_true", default=None,
+                   help="no latency per ring message (001's bandwidth-bound Assumption 3)")
+    p.add_argument("--top-k", type=int, default=None, help="grids shown (default 10; the others are listed)")
+    p.add_argument("--out", default=None, help="write the result as JSON")
+
+
+def _sizes(items: list[str]) -> dict[str, int]:
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if not value.isdigit():
+            raise ArgumentError(f"--size expects LEVEL=INT, got {item!r}")
+        out[name] = int(value)
+    return out
+
+
+def run_tune(ns: argparse.Namespace) -> int:
+    """Rank the grids with :func:`ds_ext.planner.plan.plan` on the ``pmm3d`` family; ``--links
+    shared`` / ``--database`` put the axes at Eq 5.7's bandwidths (``pmm_grids.eq_5_7_seconds``)."""
+    import json
+    from dataclasses import replace
+    from pathlib import Path
+
+    from ds_ext.perf.pmm import Bandwidths
+    from ds_ext.planner import machine as machines
+    from ds_ext.planner import models, plan, report
+    from ds_ext.pmm.tune import bandwidths
+
+    ns.bandwidth, ns.latency, ns.peak_TFLOPS, ns.efficiency = [], [], None, None
+    machine = machine_from(ns).with_sizes(_sizes(ns.size))
+    per_node = machine.ranks_per_node()
+    if ns.world < 1 or ns.world % per_node:
+        raise machines.MachineError(f"--world: {ns.world} is not a positive multiple of {per_node} ranks per node")
+    arch = models.lookup(ns.model or "gpt-20b")
+    job = plan.make_job(arch, machine, ns.world // per_node, ns.global_batch, ns.grad_accum)
+    links = ns.links or "per-rank"
+    database = json.loads(Path(ns.database).read_text()) if ns.database else None
+    eq = bandwidths(job.topology, database, links)
+    if links == "shared" and eq is None:
+        eq = Bandwidths.from_topology(job.topology)
+    job = replace(job, latency=not ns.no_latency, eq_5_7=eq if database or links == "shared" else None)
+    result = plan.plan(job, ["pmm3d"])
+    top_k = ns.top_k or 10
+    print(report.table(result, top_k))
+    if ns.out:
+        records = [report.record(e) for e in result.ranked[:top_k]]
+        Path(ns.out).write_text(json.dumps({"model": arch.name, "world": ns.world, "links": links,
+                                            "latency": job.latency, "global_batch": job.global_batch,
+                                            "top": records}, indent=2) + "\n")
+    return 0

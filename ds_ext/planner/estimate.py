@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ds_ext.perf.compute import step_flops
+from ds_ext.perf.pmm import Bandwidths
 from ds_ext.planner.machine import Machine
 from ds_ext.planner.models import Arch
 from ds_ext.topology import Topology
@@ -45,6 +46,8 @@ class Job:
     elem_bytes: int = 2
     checkpointing: bool = True
     batch_source: str = ""  # where the global batch comes from (printed with every plan)
+    latency: bool = True  # charge α per message (False: 001 §5.1.2's Assumption 3, bandwidth only)
+    eq_5_7: Bandwidths | None = None  # 3D-PMM axes at 001 Eq 5.7's bandwidths (ds-ext tune --links shared / --database)
 
     @property
     def world(self) -> int:
@@ -91,12 +94,12 @@ class Estimate:
         return sum(self.memory.values())
 
 
-def comm_seconds(traffic: Traffic, topology: Topology) -> dict[str, float]:
-    """α-β seconds per level (module docstring)."""
+def comm_seconds(traffic: Traffic, topology: Topology, latency: bool = True) -> dict[str, float]:
+    """α-β seconds per level (module docstring); ``latency=False``: β only."""
     out = {}
     for level, nbytes in traffic.bytes.items():
         lv = topology.level(level)
-        out[level] = nbytes / lv.bandwidth + traffic.messages.get(level, 0.0) * lv.latency
+        out[level] = nbytes / lv.bandwidth + (traffic.messages.get(level, 0.0) * lv.latency if latency else 0.0)
     return out
 
 
@@ -137,6 +140,7 @@ class Candidate:
     traffic: Callable[[int, int], Traffic]  # (micro-batch, accumulation) -> per-step traffic
     unfit: Callable[[int], str | None] = lambda micro: None  # a micro-batch the plan cannot split
     notes: tuple[str, ...] = ()
+    seconds: Callable[[int, int], dict[str, float]] | None = None  # another time model than α-β per level
 
 
 def unsplittable(job: Job, cand: Candidate) -> str:
@@ -163,7 +167,7 @@ def evaluate(job: Job, cand: Candidate) -> Estimate | None:
     memory = {**cand.states, "activations": cand.activations(b)}
     total = sum(memory.values())
     traffic = cand.traffic(b, g)
-    comm = comm_seconds(traffic, job.topology)
+    comm = cand.seconds(b, g) if cand.seconds else comm_seconds(traffic, job.topology, job.latency)
     compute = job.flops / job.world / job.machine.flops
     step = compute + sum(comm.values())
     fits = total <= limit

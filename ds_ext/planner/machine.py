@@ -9,6 +9,7 @@ them at once (the machine ``ds_ext.comm.emulation`` emulates). Compute runs at
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
@@ -37,6 +38,7 @@ class Machine(BaseModel):
     sources: dict[str, str]
     bandwidth_GBps: dict[str, PositiveFloat] = Field({}, description="Per-level bandwidth overrides (--bandwidth).")
     latency_us: dict[str, float] = Field({}, description="Per-level latency overrides (--latency).")
+    level_sizes: dict[str, PositiveInt] = Field({}, description="Ranks per domain of inner levels (tune --size).")
 
     @property
     def flops(self) -> float:
@@ -55,12 +57,27 @@ class Machine(BaseModel):
         return self.model_copy(update={"bandwidth_GBps": {**self.bandwidth_GBps, **bandwidth_GBps},
                                        "latency_us": {**self.latency_us, **latency_us}})
 
+    def with_sizes(self, sizes: dict[str, int]) -> "Machine":
+        """This machine with ``sizes`` ranks per domain of its inner levels (an emulated node)."""
+        inner = [lv.name for lv in preset_levels(self.topology)][:-1]
+        for name, value in sizes.items():
+            if name not in inner:
+                raise MachineError(f"--size: {self.name} has no inner level {name!r}; allowed: {', '.join(inner)}")
+            if value < 1:
+                raise MachineError(f"--size: {name}={value} must be >= 1")
+        return self.model_copy(update={"level_sizes": {**self.level_sizes, **sizes}})
+
+    def ranks_per_node(self) -> int:
+        """Ranks of one node (the product of the inner levels' sizes)."""
+        return math.prod(self.level_sizes.get(lv.name, lv.size) for lv in preset_levels(self.topology)[:-1])  # type: ignore[misc]
+
     def build_topology(self, nodes: int) -> Topology:
         """The topology of ``nodes`` nodes, with this machine's per-level overrides."""
         if not 1 <= nodes <= self.max_nodes:
             raise MachineError(f"--nodes: {nodes} does not fit {self.name}; allowed: 1 to {self.max_nodes}")
         levels = [replace(lv, bandwidth=self.bandwidth_GBps.get(lv.name, lv.bandwidth / GB) * GB,
-                          latency=self.latency_us.get(lv.name, lv.latency / US) * US)
+                          latency=self.latency_us.get(lv.name, lv.latency / US) * US,
+                          size=self.level_sizes.get(lv.name, lv.size))
                   for lv in preset_levels(self.topology)]
         inner = 1
         for lv in levels[:-1]:

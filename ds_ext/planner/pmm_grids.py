@@ -7,6 +7,10 @@ A data-parallel replica of G_x G_y G_z ranks runs micro-batches of ``b`` sequenc
 ds_ext adds), memory ``perf.pmm.memory``; activations split rows over Z, the residual stream
 over Y and matmul activations over X Y (001 §5.1.2's layout; the head's logits are
 all-reduced over Y, so each rank keeps its rows' full logits).
+
+Time is the planner's α-β per level, or, when the job asks for it (``ds-ext tune --links shared``
+or ``--database``), 001 Eq 5.7's per-axis bandwidths (``perf.pmm.axis_bandwidths``) on the same
+items: ``ds-ext tune`` and ``ds-ext plan --families pmm3d`` are this one module.
 """
 
 from __future__ import annotations
@@ -71,6 +75,21 @@ def traffic(spec: perf.ModelSpec, grid: Grid, topology: Topology, micro: int, se
     return Traffic(dict(nbytes), dict(messages))
 
 
+def eq_5_7_seconds(spec: perf.ModelSpec, grid: Grid, topology: Topology, micro: int, seq: int, elem_bytes: int,
+                   grad_accum: int, bw: perf.Bandwidths, latency: bool) -> dict[str, float]:
+    """Seconds per level with every axis at its Eq 5.7 bandwidth (and α per ring step with ``latency``):
+    ``perf.pmm.comm_time``'s sum, kept per level."""
+    levels = axis_levels(grid, topology)
+    beta = perf.axis_bandwidths(grid, topology, bw)
+    out: dict[str, float] = defaultdict(float)
+    for it in perf.items(spec, grid, micro, seq, elem_bytes, grad_accum, by_layer=False):
+        level = levels[it.axis]
+        out[level] += it.nbytes * it.calls / beta[it.axis]  # type: ignore[index]
+        if latency:
+            out[level] += it.calls * message_steps(it.op, getattr(grid, it.axis)) * topology.level(level).latency  # type: ignore[arg-type,index]
+    return dict(out)
+
+
 def states(spec: perf.ModelSpec, grid: Grid, elem_bytes: int) -> dict[str, float]:
     m = perf.memory(spec, grid, elem_bytes, zero_stage=1)
     return {"weights": m["layer_params"] + m["replicated_params"], "secondary": m["gathered_weights"],
@@ -90,6 +109,8 @@ def candidate(job: Job, grid: Grid, spec: perf.ModelSpec | None = None) -> Candi
                                                job.checkpointing),
         traffic=lambda b, g: traffic(spec, grid, job.topology, b, a.seq, e, g),
         unfit=lambda b: None if b % grid.z == 0 else f"z={grid.z} does not divide the micro-batch {b}",
+        seconds=None if job.eq_5_7 is None else
+        lambda b, g: eq_5_7_seconds(spec, grid, job.topology, b, a.seq, e, g, job.eq_5_7, job.latency),  # type: ignore[arg-type]
     )
 
 
