@@ -448,6 +448,7 @@ def test_no_candidate_is_dropped_silently(capsys):
     job = make_job(models.lookup("gpt-5b"), FRONTIER, 2, global_batch=24)  # 24 sequences: no 16 replicas
     result = plan(job)
     everything = {f"pmm3d {g.x}x{g.y}x{g.z}x{g.data}" for g in perf_pmm.factorizations(16)} | set(PRESETS) | {"ted"}
+    everything |= {f"megatron tp{t} pp{p} dp{16 // (t * p)}" for t in divisors(16) for p in divisors(16 // t)}
     ranked = {e.name for e in result.estimates}
     dropped = {d.name: d.reason for d in result.dropped}
     assert ranked | set(dropped) == everything and not ranked & set(dropped)
@@ -456,7 +457,7 @@ def test_no_candidate_is_dropped_silently(capsys):
     hidden = report.not_shown(result, 2)
     assert len(hidden) == len(everything) - len(report.shown(result, 2))
     text = report.table(result, 2)
-    assert f"not shown ({len(hidden)}), by reason:" in text and "fit, slower than the --top-k 2 grids shown" in text
+    assert f"not shown ({len(hidden)}), by reason:" in text and "fit, slower than the --top-k 2 shown" in text
     assert main(["plan", "--model", "gpt-5b", "--nodes", "2", "--global-batch", "24", "--top-k", "2"]) == 0
     assert f"not shown ({len(hidden)})" in capsys.readouterr().out
 
@@ -623,3 +624,31 @@ def test_tune_and_plan_pmm3d_are_one_ranker(tmp_path, capsys):
     assert "--measure: takes no --top-k" in capsys.readouterr().err
     assert main(["tune", "--world", "12"]) == 2
     assert "--world: 12 is not a positive multiple of 8 ranks per node" in capsys.readouterr().err
+
+
+def test_megatron_layouts_bubble_memory_and_the_published_recipe(capsys):
+    """Issue 23 deliver 2: TP x PP x DP with the 1F1B bubble (p - 1) / m, per-stage memory with and
+    without activation checkpointing, ZeRO-1 over DP; 004 Table V's recipe is always shown."""
+    from ds_ext.cli import main
+    from ds_ext.planner import megatron_plans as mp
+
+    arch = models.lookup("gpt-5b")
+    assert mp.stage_params(arch, 1, 1) == arch.params  # one stage, no TP: the whole model
+    job = make_job(arch, FRONTIER, 4, global_batch=64)  # 32 GCDs
+    e = evaluate(job, mp.candidate(job, 2, 4, 4))  # m = 64 / 4 = 16 micro-batches of 1
+    assert (e.micro_batch, e.grad_accum) == (1, 16)
+    assert e.compute_s == pytest.approx(job.flops / 32 / FRONTIER.flops * (16 + 4 - 1) / 16)
+    t = 2048 * 4096 * 2  # bytes of one micro-batch's activation
+    tp_level = job.topology.level_of([0, 1])
+    assert e.traffic.bytes[tp_level] == pytest.approx(16 * 6 * 6 * t)  # 6 all-reduces x 6 layers per stage, d = 2: 2S/2
+    stage = 24 // 4
+    ckpt = mp.activations(arch, 2, 4, 1, 16, True)
+    working = 2048 * 4096 * (10 + 24 / 2)
+    assert ckpt == pytest.approx(max(4 * stage * 2 * 2048 * 4096 + working,
+                                     stage * 2 * 2048 * 4096 + working + 4 * 2048 * 50304 / 2))
+    assert mp.activations(arch, 2, 4, 1, 16, False) == pytest.approx(4 * stage * working)
+    n = mp.stage_params(arch, 2, 4)
+    assert e.memory["optimizer"] == 12 * n / 4 and e.memory["weights"] == 2 * n
+    assert main(["plan", "--model", "gpt-175b", "--nodes", "8", "--families", "megatron", "--top-k", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "megatron tp4 pp16 dp1  1 x 640" in out  # the published recipe, shown although not the fastest

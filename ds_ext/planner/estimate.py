@@ -141,6 +141,7 @@ class Candidate:
     unfit: Callable[[int], str | None] = lambda micro: None  # a micro-batch the plan cannot split
     notes: tuple[str, ...] = ()
     seconds: Callable[[int, int], dict[str, float]] | None = None  # another time model than α-β per level
+    stretch: Callable[[int, int], float] = lambda micro, accum: 1.0  # compute slots per busy slot (pipeline bubble)
 
 
 def unsplittable(job: Job, cand: Candidate) -> str:
@@ -168,7 +169,7 @@ def evaluate(job: Job, cand: Candidate) -> Estimate | None:
     total = sum(memory.values())
     traffic = cand.traffic(b, g)
     comm = cand.seconds(b, g) if cand.seconds else comm_seconds(traffic, job.topology, job.latency)
-    compute = job.flops / job.world / job.machine.flops
+    compute = job.flops / job.world / job.machine.flops * cand.stretch(b, g)
     step = compute + sum(comm.values())
     fits = total <= limit
     reason = "" if fits else f"needs {total / 1e9:.1f} GB per rank > {limit / 1e9:.1f} GB"

@@ -30,6 +30,7 @@ class Recipe(_Frozen):
     global_batch: PositiveInt | None = Field(None, description="Sequences per optimizer step.")
     batch_per_rank: PositiveInt | None = Field(None, description="Sequences per rank per optimizer step.")
     grad_accum: PositiveInt | None = Field(None, description="Micro-steps per optimizer step; None = fewest that fit.")
+    megatron: tuple[PositiveInt, PositiveInt] | None = Field(None, description="Published (TP, PP) of a Megatron recipe.")
     source: str = "ds_ext default: one sequence per rank"
 
     @model_validator(mode="after")
@@ -123,9 +124,9 @@ CATALOGUE: dict[str, Arch] = {
     ),
     "gpt-22b": _gpt3_like("gpt-22b", 48, 6144, 48, "004 Table I", Recipe(batch_per_rank=1, source="004 gives no 22B batch: one sequence per rank")),
     "gpt-175b": _gpt3_like("gpt-175b", 96, 12288, 96, "004 Table I",
-                           Recipe(global_batch=640, source="004 Table V: GBS 640")),
+                           Recipe(global_batch=640, megatron=(4, 16), source="004 Table V: GBS 640, TP 4, PP 16, MBS 1")),
     "gpt-1t": _gpt3_like("gpt-1t", 128, 25600, 128, "004 Table I",
-                         Recipe(global_batch=1600, source="004 Table V: GBS 1600")),
+                         Recipe(global_batch=1600, megatron=(8, 64), source="004 Table V: GBS 1600, TP 8, PP 64, MBS 1")),
     **{name: _gpt3_like(name, L, h, a, "000 Table II / 001 Table 5.1", _000_BATCH)
        for name, (L, h, a) in TABLE_5_1.items()},
     # 001 Table 4.1 (GPT-3 shapes from Brown et al. 2020 Table 2.1): the MoE base models of Fig 7.9

@@ -1,7 +1,8 @@
 """``ds-ext plan``: every plan of every family for one model on one machine, ranked.
 
-Families: the ZeRO-topo presets (``zero_plans``) and the 3D-PMM grids (``pmm_grids``) for a
-dense model, the TED layouts (``ted_layouts``) for an MoE; plus the plan a ds_config selects
+Families: the ZeRO-topo presets (``zero_plans``), the 3D-PMM grids (``pmm_grids``) and Megatron's
+TP x PP x DP layouts (``megatron_plans``) for a dense model, the TED layouts (``ted_layouts``) for
+an MoE; plus the plan a ds_config selects
 (``dsconfig``). Each
 candidate is evaluated at the fewest micro-steps whose memory fits
 (:func:`ds_ext.planner.estimate.evaluate`); the fitting ones are ranked by predicted step
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from ds_ext.planner import PlannerError, pmm_grids, ted_layouts, zero_plans
+from ds_ext.planner import PlannerError, megatron_plans, pmm_grids, ted_layouts, zero_plans
 from ds_ext.planner.estimate import Candidate, Dropped, Estimate, Job, evaluate, unsplittable
 from ds_ext.planner.machine import Machine
 from ds_ext.planner.models import Arch
@@ -25,6 +26,7 @@ FAMILIES: dict[str, Callable[[Job], tuple[list[Candidate], list[Dropped]]]] = {
     "zero": zero_plans.candidates,
     "pmm3d": pmm_grids.candidates,
     "ted": ted_layouts.candidates,
+    "megatron": megatron_plans.candidates,
 }
 
 

@@ -9,18 +9,28 @@ from ds_ext.planner.estimate import STATES, Dropped, Estimate
 from ds_ext.planner.plan import PlanResult
 
 
+MANY = ("pmm3d", "megatron")  # families with many layouts: the top_k fastest shown in full
+
+
+def published(result: PlanResult, e: Estimate) -> bool:
+    """The layout of the model's published recipe (004 Table V): always shown, never steered away from silently."""
+    layout = result.job.arch.recipe.megatron
+    return layout is not None and e.family == "megatron" and e.name.startswith(f"megatron tp{layout[0]} pp{layout[1]} ")
+
+
 def shown(result: PlanResult, top_k: int) -> list[Estimate]:
-    """Every ZeRO preset and TED layout, the ``top_k`` fastest 3D-PMM grids, the configured plan."""
-    pmm = [e for e in result.estimates if e.family == "pmm3d"]
-    keep = {id(e) for e in pmm[:top_k]} | {id(e) for e in result.estimates if e.name.startswith(CONFIGURED)}
-    return [e for e in result.estimates if e.family != "pmm3d" or id(e) in keep]
+    """Every ZeRO preset and TED layout, the ``top_k`` fastest 3D-PMM grids and Megatron layouts,
+    the published recipe's layout and the configured plan."""
+    keep = {id(e) for f in MANY for e in [e for e in result.estimates if e.family == f][:top_k]}
+    keep |= {id(e) for e in result.estimates if e.name.startswith(CONFIGURED) or published(result, e)}
+    return [e for e in result.estimates if e.family not in MANY or id(e) in keep]
 
 
 def not_shown(result: PlanResult, top_k: int) -> list[Dropped]:
     """Every candidate the table leaves out, with the reason: the families' and the batch's
     drops, and the 3D-PMM grids past ``--top-k``."""
     kept = {id(e) for e in shown(result, top_k)}
-    past = [Dropped(e.family, e.name, f"fit, slower than the --top-k {top_k} grids shown (fastest first)" if e.fits
+    past = [Dropped(e.family, e.name, f"fit, slower than the --top-k {top_k} shown (fastest first)" if e.fits
                     else f"past --top-k {top_k}; does not fit: {e.reason}")
             for e in result.estimates if id(e) not in kept]
     return list(result.dropped) + past

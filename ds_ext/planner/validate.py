@@ -133,6 +133,34 @@ def pmm_rows(machine: Machine, table=TABLE_III) -> list[Row]:
     return rows
 
 
+# 004 §V-B measured TFLOPS per GCD; Table V's recipes (TP, PP, MBS 1, GBS) for 175B and 1T, one replica each
+TABLE_V = (("gpt-175b", 8, 69.2), ("gpt-1t", 64, 61.2))  # (model, nodes: TP x PP / 8 GCDs, published)
+MEGATRON_22B = (8, 640, 73.5)  # 22B: nodes, GBS (004 gives no 22B recipe: 175B's replica size and GBS), published
+
+
+def megatron_rows(machine: Machine) -> list[Row]:
+    """004 Table V: predicted TFLOPS per GCD of the published recipes (one data-parallel replica:
+    004 states no GCD count for them) and of 22B's best Megatron layout (no recipe published)."""
+    from ds_ext.planner import report
+
+    rows = []
+    for model, nodes, measured in TABLE_V:
+        result = plan(make_job(lookup(model), machine, nodes), ["megatron"])
+        recipe = next(e for e in result.estimates if report.published(result, e))
+        rows.append(Row(f"{model} Table V recipe ({recipe.name}, {recipe.micro_batch} x {recipe.grad_accum}), "
+                        "TFLOPS per GCD", "004 §V-B, Table V", measured, recipe.tflops / 1e12, 0.20,
+                        "one replica; compute at the single-GCD GEMM efficiency (000 §VI-C)"))
+        if result.best is not None and result.best is not recipe:
+            rows.append(Row(f"  {model}: planner's first choice {result.best.name}, TFLOPS per GCD", "004 §V-B",
+                            measured, result.best.tflops / 1e12, None, "shown beside the recipe, not the prediction"))
+    nodes, batch, measured = MEGATRON_22B
+    best = plan(make_job(lookup("gpt-22b"), machine, nodes, batch), ["megatron"]).best
+    assert best is not None
+    rows.append(Row(f"gpt-22b best Megatron layout ({best.name}, GBS {batch}), TFLOPS per GCD", "004 §V-B", measured,
+                    best.tflops / 1e12, None, "004 gives no 22B recipe: 175B's replica size and GBS assumed"))
+    return rows
+
+
 # 001 Fig 7.9 (Summit): GPU counts, Table 4.1 base models, experts 4-128, G_tensor <= 6 GPUs of a node
 FIG_7_9_GPUS = (32, 64, 128, 256, 512)
 FIG_7_9_BASES = ("gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b")
@@ -171,7 +199,7 @@ def ted_rows() -> list[Row]:
 
 
 def validate(machine: Machine) -> list[Row]:
-    return zero_rows(machine) + pmm_rows(machine) + ted_rows()
+    return zero_rows(machine) + pmm_rows(machine) + megatron_rows(machine) + ted_rows()
 
 
 def markdown(rows: list[Row]) -> str:
