@@ -95,11 +95,14 @@ def zero_rows(machine: Machine) -> list[Row]:
             s384["zero_topo_paper"].tflops / s16["zero_topo_paper"].tflops),
     ]
     lo, hi = rccl.ALPHA_BAND_S
+    ring_b = sum(p.ring_bandwidth for p in rccl.DERIVED) / len(rccl.DERIVED) / 1e9
     cases = [(f"α {lo * 1e6:.0f} µs (band's low end)", _zero(machine.with_links({}, {"node": lo * 1e6}), 48)),
              (f"α {hi * 1e6:.0f} µs (band's high end)", _zero(machine.with_links({}, {"node": hi * 1e6}), 48)),
              ("α 15 µs (the earlier assumed value)", _zero(machine.with_links({}, {"node": 15.0}), 48)),
              (f"α {rccl.mean_alpha(rccl.TABLE_II) * 1e6:.0f} µs (node ring at Table II's 50 GB/s)",
               _zero(machine.with_links({}, {"node": rccl.mean_alpha(rccl.TABLE_II) * 1e6}), 48)),
+             (f"node rings at the derived RCCL ring bandwidth B = {ring_b:.0f} GB/s per rank (not the NIC share)",
+              _zero(machine.with_links({"node": ring_b}, {}), 48)),
              ("today's DeepSpeed 0.19.8 (hpZ serves forwards)", _zero(machine, 48, deepspeed="0.19.8")),
              ("one collective per block (ds_ext's engine)", _zero(machine, 48, deepspeed=None))]
     cases += [(f"micro-batch {mb} x {ga} steps per GCD", _zero(machine, 48, mb * ga * world, ga))
