@@ -25,16 +25,6 @@ from ds_ext.planner import command as planner_command
 from ds_ext.topology import PRESET_NAMES, Topology, TopologyError, detect_environment, preset_levels
 
 
-def _parse_sizes(items: list[str]) -> dict[str, int]:
-    out = {}
-    for item in items:
-        name, _, value = item.partition("=")
-        if not value.isdigit():
-            raise SystemExit(f"--size expects NAME=INT, got {item!r}")
-        out[name] = int(value)
-    return out
-
-
 def _rank_lines(topo: Topology, rank: int) -> list[str]:
     from ds_ext.groups import member_group, topology_partition
 
@@ -52,7 +42,7 @@ def cmd_detect(ns: argparse.Namespace) -> int:
     from ds_ext.runtime import resolve_topology
 
     job = detect_environment()
-    block = {"preset": ns.preset, "sizes": _parse_sizes(ns.size), "emulate": ns.emulate or ns.world_size is not None}
+    block = {"preset": ns.preset, "sizes": planner_command.parse_sizes(ns.size), "emulate": ns.emulate or ns.world_size is not None}
     topo_cfg = cfgmod.parse({"topology": block}).topology
     world = ns.world_size or job.world_size
     topo = resolve_topology(topo_cfg, world, job)
@@ -105,7 +95,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     from ds_ext.pmm import tune
 
     preset = machines.lookup(ns.machine).topology
-    block = {"preset": preset, "sizes": _parse_sizes(ns.size), "emulate": True}
+    block = {"preset": preset, "sizes": planner_command.parse_sizes(ns.size), "emulate": True}
     Topology.build(preset_levels(preset), ns.world, preset, block["sizes"])  # refuse a bad world before starting
     with World(ns.world) as world:
         db = world.run(tune.measure_on_rank, block, int(ns.message_MB * 2**20), True, ns.time_scale)[0]

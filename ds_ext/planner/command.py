@@ -221,7 +221,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the result as JSON")
 
 
-def _sizes(items: list[str]) -> dict[str, int]:
+def parse_sizes(items: list[str]) -> dict[str, int]:
+    """``--size LEVEL=N`` items (detect, tune)."""
     out = {}
     for item in items:
         name, _, value = item.partition("=")
@@ -244,7 +245,7 @@ def run_tune(ns: argparse.Namespace) -> int:
     from ds_ext.pmm.tune import bandwidths
 
     ns.bandwidth, ns.latency, ns.peak_TFLOPS, ns.efficiency = [], [], None, None
-    machine = machine_from(ns).with_sizes(_sizes(ns.size))
+    machine = machine_from(ns).with_sizes(parse_sizes(ns.size))
     per_node = machine.ranks_per_node()
     if ns.world < 1 or ns.world % per_node:
         raise machines.MachineError(f"--world: {ns.world} is not a positive multiple of {per_node} ranks per node")

@@ -4,6 +4,8 @@ The names below load on first use (PEP 562), so that the torch-free modules of t
 (``grid``, ``layout``, ``config``, ``tune``) import without torch: the planner uses them.
 """
 
+import sys
+import types
 from importlib import import_module
 from typing import Any
 
@@ -33,3 +35,16 @@ def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'ds_ext.pmm' has no attribute {name!r}")
     return getattr(import_module(_EXPORTS[name]), name)
+
+
+class _Package(types.ModuleType):
+    """``parallelize`` is a submodule and its function: importing the submodule binds the package's
+    attribute to the function, as an eager ``from ds_ext.pmm.parallelize import parallelize`` did."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
