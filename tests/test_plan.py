@@ -278,6 +278,7 @@ def test_plan_reads_a_ds_config(tmp_path, capsys):
     (["--model", "gpt-5b", "--layers", "2", "--nodes", "2"], "--model gpt-5b takes no --layers"),
     (["--model", "gpt-5b", "--nodes", "2", "--bandwidth", "rack=3"], "--bandwidth: frontier has no level 'rack'; allowed: gcd, gpu, node"),
     (["--model", "gpt-5b", "--nodes", "2", "--families", "fsdp"], "--families: unknown fsdp; allowed: zero, pmm3d"),
+    (["--model", "gpt-5b", "--nodes", "2", "--families", "zero", "zero"], "--families: zero given twice"),
     (["--model", "gpt-5b", "--nodes", "2", "--ds-config", "/nonexistent/ds.json"],
      "--ds-config /nonexistent/ds.json: ds_config file '/nonexistent/ds.json' does not exist"),
     (["--model", "gpt-5b", "--nodes", "2", "--global-batch", "48", "--grad-accum", "5"],
@@ -539,13 +540,14 @@ def test_simulate_honours_bandwidth_and_latency(tmp_path, capsys):
     from ds_ext.cli import main
 
     def zero3(*flags):
-        out = tmp_path / "sim.json"
-        assert main(["simulate", "--nodes", "2", "--families", "zero", "--out", str(out), *flags]) == 0
-        return next(r for r in json.loads(out.read_text())["records"] if r["plan"] == "zero3")
+        """zero3's TFLOPS per GCD in the printed sweep."""
+        capsys.readouterr()
+        assert main(["simulate", "--nodes", "2", "--families", "zero", *flags]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.split()[1:2] == ["zero3"])
+        return float(row.split()[2])
 
     base, slow, late = zero3(), zero3("--bandwidth", "node=1.25"), zero3("--latency", "node=1500")
-    assert slow["comm_s"] > 5 * base["comm_s"] and late["comm_s"] > base["comm_s"]
-    assert slow["compute_s"] == base["compute_s"] and slow["tflops_per_gcd"] < base["tflops_per_gcd"]
+    assert slow < base / 3 and late < base
     capsys.readouterr()
     assert main(["simulate", "--validate", "--nodes", "2"]) == 2
     assert capsys.readouterr().err.strip() == ("ds-ext: error: --validate: takes no --nodes (the comparisons fix their "
@@ -613,12 +615,14 @@ def test_tune_and_plan_pmm3d_are_one_ranker(tmp_path, capsys):
     question with the same plans, batch and memory; --measure refuses the ranking flags."""
     from ds_ext.cli import main
 
-    tune_out, plan_out = tmp_path / "tune.json", tmp_path / "plan.json"
+    from ds_ext.planner import report
+
+    tune_out = tmp_path / "tune.json"
     assert main(["tune", "--model", "gpt-10b", "--world", "32", "--top-k", "3", "--out", str(tune_out)]) == 0
-    assert main(["plan", "--model", "gpt-10b", "--nodes", "4", "--families", "pmm3d", "--out", str(plan_out)]) == 0
-    tuned, planned = json.loads(tune_out.read_text()), json.loads(plan_out.read_text())
-    assert tuned["top"] == [p for p in planned["plans"] if p["fits"]][:3]
-    assert tuned["global_batch"] == planned["job"]["global_batch"] == 8192
+    tuned = json.loads(tune_out.read_text())
+    planned = plan(make_job(models.lookup("gpt-10b"), FRONTIER, 4), ["pmm3d"])  # what plan --nodes 4 runs
+    assert tuned["top"] == json.loads(json.dumps([report.record(e) for e in planned.ranked[:3]]))
+    assert tuned["global_batch"] == planned.job.global_batch == 8192
     capsys.readouterr()
     assert main(["tune", "--world", "8", "--measure", "--top-k", "3"]) == 2
     assert "--measure: takes no --top-k" in capsys.readouterr().err

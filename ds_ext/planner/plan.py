@@ -69,9 +69,13 @@ class PlanResult:
 
 def plan(job: Job, families: Iterable[str] = tuple(FAMILIES), extra: Iterable[Candidate] = ()) -> PlanResult:
     """Evaluate every candidate of ``families`` and ``extra``; rank them; keep the rest with reasons."""
+    families = list(families)
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise PlanInputError(f"--families: unknown {', '.join(unknown)}; allowed: {', '.join(FAMILIES)}")
+    twice = sorted({f for f in families if families.count(f) > 1})
+    if twice:
+        raise PlanInputError(f"--families: {', '.join(twice)} given twice")
     cands, dropped = list(extra), []
     for f in families:
         built, skipped = FAMILIES[f](job)
