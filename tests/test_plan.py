@@ -656,3 +656,21 @@ def test_megatron_layouts_bubble_memory_and_the_published_recipe(capsys):
     assert main(["plan", "--model", "gpt-175b", "--nodes", "8", "--families", "megatron", "--top-k", "1"]) == 0
     out = capsys.readouterr().out
     assert "megatron tp4 pp16 dp1  1 x 640" in out  # the published recipe, shown although not the fastest
+
+
+def test_pccl_costing_of_zero3_world_collectives():
+    """PCCL (001 §6.2) for ZeRO-3's world all-gathers / reduce-scatters: per collective of S bytes,
+    (N-1)/N S/8 bytes in log2 N messages across nodes and 7/8 S in 7 inside the node."""
+    topo = FRONTIER.build_topology(64)
+    arch = models.lookup("gpt3-6.7b")
+    plan_ = resolve_plan(ZeroTopoConfig(enabled=True, preset="zero3"), topo)
+    t = perf_zero.traffic(plan_, zero_plans.units(arch, topo.world_size, plan_.block_size, True), 1, 2, False)
+    p = zero_plans.pccl(t, plan_)
+    calls = sum(t.calls[ph]["node"] for ph in ("forward", "backward"))
+    full = sum(t.bytes[ph]["node"] for ph in ("forward", "backward")) * 512 / 511
+    step_b, step_m = t.bytes["step"]["node"], t.steps["step"]["node"]
+    assert p.bytes["node"] == pytest.approx(full * 63 / 64 / 8 + step_b)
+    assert p.messages["node"] == pytest.approx(calls * 6 + step_m)  # log2 64
+    assert p.bytes["gpu"] == pytest.approx(full * 7 / 8) and p.messages["gpu"] == calls * 7
+    with pytest.raises(ValueError, match="zero3"):
+        zero_plans.pccl(t, resolve_plan(ZeroTopoConfig(enabled=True, preset="zeropp"), topo))

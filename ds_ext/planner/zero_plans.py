@@ -22,6 +22,7 @@ grad enabled from hpZ's secondary (``ds_ext.perf.zero``'s ``secondary_serves_for
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ds_ext.perf import zero as perf
@@ -62,11 +63,39 @@ def units(arch: Arch, world: int, block: int, deepspeed: bool = False) -> list[p
     return [root] + [block_unit] * arch.layers
 
 
-def traffic(plan: ShardingPlan, arch: Arch, grad_accum: int, elem_bytes: int, deepspeed: str | None = None) -> Traffic:
-    """Bytes and ring messages per level; ``deepspeed``: as that DeepSpeed version gathers (module docstring)."""
+COLLECTIVES = ("rccl", "pccl")
+
+
+def pccl(t: perf.Traffic, plan: ShardingPlan) -> Traffic:
+    """ZeRO-3's world all-gathers and reduce-scatters issued with PCCL (001 §6.2): each becomes an
+    inter-node phase, recursive doubling over the N nodes on every GCD's NIC share, (N-1)/N S/P bytes in
+    log2 N messages, and RCCL's ring inside the node, (P-1)/P S bytes in P - 1 messages (S the
+    collective's full buffer, P ranks per node; the ring's S (W-1)/W becomes these two)."""
+    topo = plan.topology
+    top = len(topo.levels) - 1
+    if (plan.weights, plan.gradients, plan.secondary) != (top, top, None):
+        raise ValueError("PCCL costing covers ZeRO-3's world collectives only (preset zero3)")
+    w, p = topo.world_size, topo.ranks_per_node
+    n = w // p
+    node, inner = topo.levels[-1].name, topo.levels[-2].name
+    out_b, out_m = t.by_level(), t.steps_by_level()
+    world_calls = sum(t.calls[ph].get(node, 0.0) for ph in ("forward", "backward"))
+    world_bytes = sum(t.bytes[ph].get(node, 0.0) for ph in ("forward", "backward"))
+    full = world_bytes * w / (w - 1)  # Σ S over the world collectives
+    out_b[node] += full * (n - 1) / n / p - world_bytes
+    out_m[node] += world_calls * (math.log2(n) - (w - 1))
+    out_b[inner] = out_b.get(inner, 0.0) + full * (p - 1) / p
+    out_m[inner] = out_m.get(inner, 0.0) + world_calls * (p - 1)
+    return Traffic(out_b, out_m)
+
+
+def traffic(plan: ShardingPlan, arch: Arch, grad_accum: int, elem_bytes: int, deepspeed: str | None = None,
+            collectives: str = "rccl") -> Traffic:
+    """Bytes and ring messages per level; ``deepspeed``: as that DeepSpeed version gathers (module
+    docstring); ``collectives="pccl"``: ZeRO-3's world collectives by PCCL (:func:`pccl`)."""
     t = perf.traffic(plan, units(arch, plan.topology.world_size, plan.block_size, deepspeed is not None),
                      grad_accum, elem_bytes, secondary_serves_forward=deepspeed != "0.13.1")
-    return Traffic(t.by_level(), t.steps_by_level())
+    return pccl(t, plan) if collectives == "pccl" else Traffic(t.by_level(), t.steps_by_level())
 
 
 def states(plan: ShardingPlan, arch: Arch, elem_bytes: int) -> dict[str, float]:
@@ -75,11 +104,15 @@ def states(plan: ShardingPlan, arch: Arch, elem_bytes: int) -> dict[str, float]:
             "optimizer": m["optimizer"]}
 
 
-def candidate(job: Job, section: dict[str, Any], name: str | None = None, deepspeed: str | None = None) -> Candidate:
+def candidate(job: Job, section: dict[str, Any], name: str | None = None, deepspeed: str | None = None,
+              collectives: str = "rccl") -> Candidate:
     """The plan of one ``ds_ext.zero_topo`` section (a preset name and its overrides) in ds_ext's
-    engine, or with ``deepspeed`` (one of ``DEEPSPEED_VERSIONS``) as that DeepSpeed runs it."""
+    engine, or with ``deepspeed`` (one of ``DEEPSPEED_VERSIONS``) as that DeepSpeed runs it, its
+    collectives by ``collectives`` (``COLLECTIVES``)."""
     if deepspeed is not None and deepspeed not in DEEPSPEED_VERSIONS:
         raise ValueError(f"deepspeed {deepspeed!r}; allowed: {', '.join(DEEPSPEED_VERSIONS)}")
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"collectives {collectives!r}; allowed: {', '.join(COLLECTIVES)}")
     cfg = ZeroTopoConfig(enabled=True, **section)
     plan = resolve_plan(cfg, job.topology)
     a, e = job.arch, job.elem_bytes
@@ -88,7 +121,7 @@ def candidate(job: Job, section: dict[str, Any], name: str | None = None, deepsp
         states=states(plan, a, e),
         activations=lambda b: activation_bytes(b * a.seq, a.layers, a.hidden, a.heads, a.seq, a.vocab,
                                                checkpointing=job.checkpointing),
-        traffic=lambda b, g: traffic(plan, a, g, e, deepspeed),
+        traffic=lambda b, g: traffic(plan, a, g, e, deepspeed, collectives),
         notes=(plan.describe(),),
     )
 
