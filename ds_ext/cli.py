@@ -4,8 +4,9 @@
 ``ds-ext detect`` prints the topology read from the launcher environment (or given by
 ``--preset`` / ``--world-size``) and the groups of the calling rank, or of every rank
 with ``--all``; with ``--grid X,Y,Z,D`` also which level each 3D-PMM grid axis spans.
-``ds-ext tune`` ranks the 3D-PMM grids of a model (001 §5.1.2), optionally from a bandwidth
-database that ``ds-ext tune --measure`` writes.
+``ds-ext tune`` ranks the 3D-PMM grids of a model (001 §5.1.2) through the planner, the code
+path of ``ds-ext plan --families pmm3d``, optionally from a bandwidth database that
+``ds-ext tune --measure`` writes.
 
 ``plan``, ``simulate``, ``tune`` (without ``--measure``) and ``schema`` are arithmetic and import
 no torch: the modules that need torch (runtime, benchmarks, local worlds, checkpoints) are
