@@ -4,8 +4,13 @@
 ``ds-ext detect`` prints the topology read from the launcher environment (or given by
 ``--preset`` / ``--world-size``) and the groups of the calling rank, or of every rank
 with ``--all``; with ``--grid X,Y,Z,D`` also which level each 3D-PMM grid axis spans.
-``ds-ext tune`` ranks the 3D-PMM grids of a model (001 §5.1.2), optionally from a bandwidth
-database that ``ds-ext tune --measure`` writes.
+``ds-ext tune`` ranks the 3D-PMM grids of a model (001 §5.1.2) through the planner, the code
+path of ``ds-ext plan --families pmm3d``, optionally from a bandwidth database that
+``ds-ext tune --measure`` writes.
+
+``plan``, ``simulate``, ``tune`` (without ``--measure``) and ``schema`` are arithmetic and import
+no torch: the modules that need torch (runtime, benchmarks, local worlds, checkpoints) are
+imported inside the commands that use them (``tests/test_plan.py`` holds this).
 """
 
 from __future__ import annotations
@@ -16,26 +21,14 @@ import json
 import sys
 from pathlib import Path
 
-from ds_ext import config as cfgmod
-from ds_ext.bench import BENCHMARKS
-from ds_ext.groups import GroupError, TEDLayout, member_group, topology_partition
 from ds_ext.planner import PlannerError
 from ds_ext.planner import command as planner_command
-from ds_ext.runtime import resolve_topology
-from ds_ext.topology import PRESET_NAMES, Topology, TopologyError, detect_environment
-
-
-def _parse_sizes(items: list[str]) -> dict[str, int]:
-    out = {}
-    for item in items:
-        name, _, value = item.partition("=")
-        if not value.isdigit():
-            raise SystemExit(f"--size expects NAME=INT, got {item!r}")
-        out[name] = int(value)
-    return out
+from ds_ext.topology import PRESET_NAMES, Topology, TopologyError, detect_environment, preset_levels
 
 
 def _rank_lines(topo: Topology, rank: int) -> list[str]:
+    from ds_ext.groups import member_group, topology_partition
+
     coords = ", ".join(f"{n}={c}" for n, c in zip(topo.level_names, topo.coords(rank)))
     lines = [f"rank {rank}: {coords}"]
     for name in topo.level_names:
@@ -46,8 +39,11 @@ def _rank_lines(topo: Topology, rank: int) -> list[str]:
 
 
 def cmd_detect(ns: argparse.Namespace) -> int:
+    from ds_ext import config as cfgmod
+    from ds_ext.runtime import resolve_topology
+
     job = detect_environment()
-    block = {"preset": ns.preset, "sizes": _parse_sizes(ns.size), "emulate": ns.emulate or ns.world_size is not None}
+    block = {"preset": ns.preset, "sizes": planner_command.parse_sizes(ns.size), "emulate": ns.emulate or ns.world_size is not None}
     topo_cfg = cfgmod.parse({"topology": block}).topology
     world = ns.world_size or job.world_size
     topo = resolve_topology(topo_cfg, world, job)
@@ -87,35 +83,26 @@ def _grid_lines(topo: Topology, dims: tuple[int, int, int, int]) -> str:
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
-    from ds_ext.perf import pmm as perf
+    """``--measure``: the bandwidth database on local ranks (torch); else the planner's 3D-PMM
+    ranking (``ds_ext.planner.command.run_tune``), the code path of ``plan --families pmm3d``."""
+    if not ns.measure:
+        return planner_command.run_tune(ns)
+    given = [f"--{k.replace('_', '-')}" for k in planner_command.TUNE_RANKING[:-1] if getattr(ns, k) is not None]
+    if given:
+        raise planner_command.ArgumentError(f"--measure: takes no {' '.join(given)} (they rank grids; --measure "
+                                            "writes the bandwidth database)")
+    from ds_ext.local_world import World
+    from ds_ext.planner import machine as machines
     from ds_ext.pmm import tune
 
-    block = {"preset": ns.preset, "sizes": _parse_sizes(ns.size), "emulate": True}
-    topo = resolve_topology(cfgmod.parse({"topology": block}).topology, ns.world, detect_environment())
-    if ns.measure:
-        from ds_ext.local_world import World
-
-        with World(ns.world) as world:
-            db = world.run(tune.measure_on_rank, block, int(ns.message_MB * 2**20), True, ns.time_scale)[0]
-        print(json.dumps(db, indent=2))
-        if ns.out:
-            Path(ns.out).write_text(json.dumps(db, indent=2) + "\n")
-        return 0
-    layers, hidden, heads = perf.TABLE_5_1[ns.model]
-    spec = perf.gpt_spec(hidden, layers, heads, ns.vocab, ns.seq_len)
-    database = json.loads(Path(ns.database).read_text()) if ns.database else None
-    bw = tune.bandwidths(topo, database, ns.links)
-    limit = ns.memory_GB * 1e9 if ns.memory_GB else None
-    top = tune.top_grids(spec, topo, ns.global_batch, ns.seq_len, 2, ns.zero_stage, limit, bw, ns.top_k, ns.latency)
-    print(f"{ns.model} ({layers} layers, hidden {hidden}, {heads} heads) on {topo.describe()}")
-    print(f"{'#':>3} {'x':>4} {'y':>4} {'z':>4} {'data':>5} {'comm s':>10} {'GB/rank':>9}  levels (x, y, z, data)")
-    for i, r in enumerate(top, 1):
-        g, lv = r["grid"], r["levels"]
-        print(f"{i:>3} {g['x']:>4} {g['y']:>4} {g['z']:>4} {g['data']:>5} {r['predicted_comm_s']:>10.4f} "
-              f"{r['memory_per_rank_bytes'] / 1e9:>9.2f}  " + ", ".join(lv[a] or "-" for a in ("x", "y", "z", "data")))
+    preset = machines.lookup(ns.machine).topology
+    block = {"preset": preset, "sizes": planner_command.parse_sizes(ns.size), "emulate": True}
+    Topology.build(preset_levels(preset), ns.world, preset, block["sizes"])  # refuse a bad world before starting
+    with World(ns.world) as world:
+        db = world.run(tune.measure_on_rank, block, int(ns.message_MB * 2**20), True, ns.time_scale)[0]
+    print(json.dumps(db, indent=2))
     if ns.out:
-        Path(ns.out).write_text(json.dumps({"model": ns.model, "world": ns.world, "links": ns.links,
-                                            "latency": ns.latency, "top": top}, indent=2) + "\n")
+        Path(ns.out).write_text(json.dumps(db, indent=2) + "\n")
     return 0
 
 
@@ -170,6 +157,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 def _ted_lines(topo: Topology, spec: str, rank: int) -> list[str]:
     """The TED groups (001 §7.1) of ``rank`` for ``--ted T,P[,D]`` and the level each spans."""
+    from ds_ext.config import DsExtConfigError
+    from ds_ext.groups import GroupError, TEDLayout, member_group
+
     degrees = spec.split(",")
     if not 2 <= len(degrees) <= 3 or not all(d.isdigit() for d in degrees):
         raise SystemExit(f"--ted expects TENSOR,EXPERT[,EXPERT_DATA], got {spec!r}")
@@ -177,7 +167,7 @@ def _ted_lines(topo: Topology, spec: str, rank: int) -> list[str]:
         layout = TEDLayout.build(topo.world_size, *map(int, degrees))
         layout.check_placement(topo)
     except GroupError as err:
-        raise cfgmod.DsExtConfigError(str(err)) from None
+        raise DsExtConfigError(str(err)) from None
     lines = [f"TED G_tensor={layout.tensor} x G_expert={layout.expert} x G_data^exp={layout.expert_data} "
              f"(G_data^nonexp={layout.nonexp_data})"]
     for kind, level in layout.levels(topo, rank).items():
@@ -186,18 +176,16 @@ def _ted_lines(topo: Topology, spec: str, rank: int) -> list[str]:
 
 
 def cmd_schema(_: argparse.Namespace) -> int:
-    json.dump(cfgmod.json_schema(), sys.stdout, indent=2)
+    from ds_ext.config import json_schema
+
+    json.dump(json_schema(), sys.stdout, indent=2)
     print()
     return 0
 
 
-def _table_5_1() -> tuple[str, ...]:
-    from ds_ext.perf.pmm import TABLE_5_1
-
-    return tuple(TABLE_5_1)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
+    """The parser; ``benchmarks=False`` leaves the benchmark modules (torch) unimported and
+    their sub-commands without arguments (for a command line that is not ``bench``)."""
     p = argparse.ArgumentParser(prog="ds-ext", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("detect", help="print the topology and process groups")
@@ -212,26 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ted", default=None, metavar="T,P[,D]",
                    help="also show the TED groups (tensor, expert, expert-data, data) and their levels")
     d.set_defaults(func=cmd_detect)
-    t = sub.add_parser("tune", help="rank the 3D-PMM grids of a model (001 §5.1.2); --measure: bandwidth database")
-    t.add_argument("--model", choices=sorted(_table_5_1()), default="gpt-20b", help="a GPT of 001 Table 5.1")
-    t.add_argument("--world", type=int, required=True, help="ranks (GPUs / GCDs)")
-    t.add_argument("--preset", choices=PRESET_NAMES, default="frontier")
-    t.add_argument("--size", action="append", default=[], metavar="LEVEL=N", help="override a level size")
-    t.add_argument("--global-batch", type=int, default=1024, help="sequences per step")
-    t.add_argument("--seq-len", type=int, default=2048)
-    t.add_argument("--vocab", type=int, default=50304)
-    t.add_argument("--zero-stage", type=int, default=1, choices=(0, 1, 2))
-    t.add_argument("--memory-GB", type=float, default=None, help="model-state bytes allowed per rank")
-    t.add_argument("--database", default=None, help="bandwidth database JSON from 'ds-ext tune --measure'")
-    t.add_argument("--links", choices=("shared", "per-rank"), default="shared",
-                   help="shared: Eq 5.7 (rings across nodes share a node's NICs); per-rank: every rank its own share "
-                        "of each level (the machine ds_ext's alpha-beta emulation emulates)")
-    t.add_argument("--latency", action="store_true",
-                   help="add the level's latency per ring message (drops 001's bandwidth-bound Assumption 3)")
-    t.add_argument("--top-k", type=int, default=10)
-    t.add_argument("--out", default=None, help="write the result as JSON")
+    t = sub.add_parser("tune", help="rank the 3D-PMM grids of a model (001 §5.1.2) as plan --families pmm3d does; "
+                                     "--measure: bandwidth database")
+    planner_command.add_tune_arguments(t)
     t.add_argument("--measure", action="store_true",
-                   help="measure the database on --world local ranks with alpha-beta emulation of --preset")
+                   help="measure the database on --world local ranks with alpha-beta emulation of --machine's levels")
     t.add_argument("--message-MB", type=float, default=16.0, help="all-reduce size for --measure")
     t.add_argument("--time-scale", type=float, default=3000.0,
                    help="--measure: stretch emulated link times so they dominate gloo's own (results are scaled back)")
@@ -263,7 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=cmd_checkpoint)
     b = sub.add_parser("bench", help="run a benchmark (writes JSON and a PNG)")
     bsub = b.add_subparsers(dest="benchmark", required=True)
+    from ds_ext.bench import BENCHMARKS
+
     for name in BENCHMARKS:
+        if not benchmarks:
+            bsub.add_parser(name)
+            continue
         mod = importlib.import_module(f"ds_ext.bench.{name}")
         bp = bsub.add_parser(name, help=mod.__doc__.splitlines()[0], description=mod.__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,12 +250,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Errors reported in one line: the config's only if ``ds_ext.config`` was imported (it
+    cannot have raised otherwise; importing it costs pydantic at every ``--help``)."""
+    config = sys.modules.get("ds_ext.config")
+    return (TopologyError, PlannerError) + ((config.DsExtConfigError,) if config else ())
+
+
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    ns = build_parser(benchmarks=argv[:1] == ["bench"]).parse_args(argv)
     try:
         result = ns.func(ns)
         return result if isinstance(result, int) else 0
-    except (TopologyError, cfgmod.DsExtConfigError, PlannerError) as err:
+    except Exception as err:
+        if not isinstance(err, _user_errors()):
+            raise
         print(f"ds-ext: error: {err}", file=sys.stderr)
         return 2
 

@@ -23,7 +23,7 @@ from typing import Any, Literal, Mapping
 import hjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from ds_ext.plugin import PluginConfig, registered_plugins
+from ds_ext.plugin import PluginConfig, registered_configs
 from ds_ext.topology import PRESET_NAMES, US, GB, Level
 
 BLOCK = "ds_ext"
@@ -110,8 +110,8 @@ def _schema_model() -> type[BaseModel]:
         "topology": (TopologyConfig, Field(default_factory=TopologyConfig)),
         "comm": (CommConfig, Field(default_factory=CommConfig)),
     }
-    for name, plugin in registered_plugins().items():
-        fields[name] = (plugin.Config, Field(default_factory=plugin.Config))
+    for name, section in registered_configs().items():
+        fields[name] = (section, Field(default_factory=section))
     return create_model(
         "DsExtConfig", __config__=ConfigDict(extra="forbid"), **fields
     )

@@ -25,8 +25,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
 
-import torch.distributed as dist
-
 from ds_ext.topology import Topology, TopologyError
 
 Partition = tuple[tuple[int, ...], ...]
@@ -123,6 +121,7 @@ class GroupRegistry:
     """
 
     def __init__(self, topology: Topology, timeout_s: float | None = None) -> None:
+        import torch.distributed as dist  # here, not at the top: the planner imports this module without torch
         if dist.is_initialized() and dist.get_world_size() != topology.world_size:
             raise TopologyError(
                 f"world size {dist.get_world_size()} does not match topology "
@@ -137,6 +136,7 @@ class GroupRegistry:
 
     def group(self, partition: Partition) -> object:
         """This rank's process group of ``partition`` (created collectively once)."""
+        import torch.distributed as dist
         pg = self._by_partition.get(partition)
         if pg is not None:
             return pg
@@ -170,6 +170,7 @@ class GroupRegistry:
 
     def ranks(self, group: object | None) -> tuple[int, ...]:
         """Global ranks of ``group`` (None or WORLD: all ranks), ascending."""
+        import torch.distributed as dist
         if group is None or group is dist.group.WORLD:
             return tuple(range(self.topology.world_size))
         ranks = self._ranks.get(group)
@@ -181,6 +182,7 @@ class GroupRegistry:
     def level(self, group: object | None) -> str | None:
         """Outermost topology level the group crosses (None for one rank); computed once
         per group."""
+        import torch.distributed as dist
         key = dist.group.WORLD if group is None else group
         try:
             return self._levels[key]
@@ -190,6 +192,7 @@ class GroupRegistry:
 
     def group_rank(self, group: object | None) -> int:
         """This rank's position in ``group`` (cached per group)."""
+        import torch.distributed as dist
         key = dist.group.WORLD if group is None else group
         try:
             return self._group_rank[key]

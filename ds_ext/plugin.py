@@ -85,6 +85,23 @@ def unregister_plugin(name: str) -> None:
     _REGISTRY.pop(name, None)
 
 
+# The built-ins' config sections, in modules that import no torch (``ds-ext schema``, the planner).
+BUILTIN_CONFIGS: dict[str, tuple[str, str]] = {
+    "zero_topo": ("ds_ext.zero_topo.plan", "ZeroTopoConfig"),
+    "tiled_optimizer": ("ds_ext.optim.config", "TiledOptimizerConfig"),
+    "pmm3d": ("ds_ext.pmm.config", "Pmm3dConfig"),
+    "ted": ("ds_ext.moe.config", "TEDConfig"),
+}
+
+
+def registered_configs() -> dict[str, type[PluginConfig]]:
+    """Name -> config section of every plugin: the built-ins' without importing their plugin
+    modules (torch), then those of the plugins registered so far."""
+    out = {name: getattr(importlib.import_module(mod), cls) for name, (mod, cls) in BUILTIN_CONFIGS.items()}
+    out.update({name: plugin.Config for name, plugin in _REGISTRY.items()})
+    return out
+
+
 def registered_plugins() -> dict[str, type[Plugin]]:
     """Name -> plugin class, built-ins imported first."""
     for mod in BUILTIN_PLUGIN_MODULES:

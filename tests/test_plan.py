@@ -278,11 +278,21 @@ def test_plan_reads_a_ds_config(tmp_path, capsys):
     (["--model", "gpt-5b", "--layers", "2", "--nodes", "2"], "--model gpt-5b takes no --layers"),
     (["--model", "gpt-5b", "--nodes", "2", "--bandwidth", "rack=3"], "--bandwidth: frontier has no level 'rack'; allowed: gcd, gpu, node"),
     (["--model", "gpt-5b", "--nodes", "2", "--families", "fsdp"], "--families: unknown fsdp; allowed: zero, pmm3d"),
+    (["--model", "gpt-5b", "--nodes", "2", "--families", "zero", "zero"], "--families: zero given twice"),
     (["--model", "gpt-5b", "--nodes", "2", "--ds-config", "/nonexistent/ds.json"],
      "--ds-config /nonexistent/ds.json: ds_config file '/nonexistent/ds.json' does not exist"),
     (["--model", "gpt-5b", "--nodes", "2", "--global-batch", "48", "--grad-accum", "5"],
      "--grad-accum: 5 does not divide the global batch of 48 sequences"),
-    (["--model", "gpt-5b", "--nodes", "2", "--efficiency", "1.5"], "--efficiency: 1.5 out of range"),
+    (["--model", "gpt-5b", "--nodes", "2", "--efficiency", "1.5"], "--efficiency: 1.5 must be in (0, 1]"),
+    (["--model", "gpt-5b", "--nodes", "2", "--global-batch", "0"], "--global-batch: 0 must be a positive integer"),
+    (["--model", "gpt-5b", "--nodes", "2", "--grad-accum", "-2"], "--grad-accum: -2 must be a positive integer"),
+    (["--model", "gpt-5b", "--nodes", "2", "--memory-GB", "-1"], "--memory-GB: -1 must be a positive number"),
+    (["--model", "gpt-5b", "--nodes", "2", "--peak-TFLOPS", "0"], "--peak-TFLOPS: 0 must be a positive number"),
+    (["--model", "gpt-5b", "--nodes", "2", "--top-k", "0"], "--top-k: 0 must be a positive integer"),
+    (["--model", "gpt-5b", "--nodes", "2", "--latency", "node=-1"], "--latency: node=-1.0 must be >= 0"),
+    (["--model", "gpt-5b", "--nodes", "2", "--bandwidth", "node=x"], "--bandwidth expects LEVEL=NUMBER, got 'node=x'"),
+    (["--model", "gpt-5b", "--nodes", "2", "--bandwidth", "node=1", "--bandwidth", "node=2"],
+     "--bandwidth: level 'node' given twice"),
 ])
 def test_bad_input_fails_in_one_line(args, message, capsys):
     from ds_ext.cli import main
@@ -330,18 +340,19 @@ def test_validation_rows_and_table():
     assert validate.Row("ratio", "003", 1.707, 1.06, 0.15).holds is False
     assert validate.Row("x", "000", 1.0, 0.9).holds is None
     rows = validate.zero_rows(FRONTIER)
-    by = {r.claim: r for r in rows}
-    s384 = _estimates(48)
-    old = validate._zero(FRONTIER, 48)[validate.ZEROPP_0131]
-    assert by["TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs"].predicted == old.tflops / s384["zero3"].tflops
-    assert by["  same, today's hpZ: ZeRO++ / ZeRO-3"].predicted == s384["zeropp"].tflops / s384["zero3"].tflops
-    assert old.traffic.bytes["node"] > s384["zeropp"].traffic.bytes["node"] and old.memory == s384["zeropp"].memory
-    assert by["largest model, ZeRO-3, 16 GCDs (B params)"].holds is True
+    by = {r.claim.split(" (batch")[0]: r for r in rows}
+    s384 = validate._zero(FRONTIER, 48)
+    assert by["TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs"].predicted == s384["zeropp"].tflops / s384["zero3"].tflops
+    today = validate._zero(FRONTIER, 48, deepspeed="0.19.8")
+    assert s384["zeropp"].traffic.bytes["node"] > today["zeropp"].traffic.bytes["node"]
+    assert s384["zeropp"].memory == today["zeropp"].memory
+    for claim in ("largest model, ZeRO-3, 16 GCDs (B params)", "TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs"):
+        assert by[claim].holds is True
     pmm = validate.pmm_rows(FRONTIER, ((16, "gpt-5b", 1.6), (32, "gpt-5b", 3.0)))
     assert [r.published for r in pmm] == [100.0, 93.75, 0.9375]
     assert pmm[2].predicted == pytest.approx(pmm[1].predicted / pmm[0].predicted)
     text = validate.markdown(rows)
-    assert text.count("\n") == len(rows) + 1 and "| **no** |" in text and "| yes |" in text
+    assert text.count("\n") == len(rows) + 1 and "| yes |" in text
 
 
 # ---- TED layouts (001 ch. 7) ------------------------------------------------------------------
@@ -421,7 +432,51 @@ def test_ted_plan_for_an_moe_only_and_layout_constraints():
     for e in result.estimates:
         t = e.config["ds_ext"]["ted"]
         assert 8 % t["tensor_parallel"] == 0 and 32 % t["expert_parallel"] == 0
-    assert ted_layouts.candidates(make_job(models.lookup("gpt3-6.7b"), FRONTIER, 16)) == []
+    assert all("(an MoE)" in d.reason for d in result.dropped if d.family in ("zero", "pmm3d"))  # listed, not silent
+    assert {d.family for d in result.dropped} >= {"zero", "pmm3d"}
+    built, dropped = ted_layouts.candidates(make_job(models.lookup("gpt3-6.7b"), FRONTIER, 16))
+    assert built == [] and [d.reason for d in dropped] == ["a dense model (no experts): the zero and pmm3d families plan it"]
+    _, dropped = ted_layouts.layouts(models.with_experts(models.lookup("gpt3-2.7b"), 32), Topology.from_preset("frontier", 16))
+    assert {d.name: d.reason for d in dropped}["ted 8x32"] == "G_tensor x G_expert = 256 does not divide 16 ranks"
+
+
+def test_no_candidate_is_dropped_silently(capsys):
+    """Issue 23 deliver 3: every grid and preset is ranked or listed with its reason, in the
+    result, the table and the JSON."""
+    from ds_ext.cli import main
+    from ds_ext.planner import report
+
+    job = make_job(models.lookup("gpt-5b"), FRONTIER, 2, global_batch=24)  # 24 sequences: no 16 replicas
+    result = plan(job)
+    everything = {f"pmm3d {g.x}x{g.y}x{g.z}x{g.data}" for g in perf_pmm.factorizations(16)} | set(PRESETS) | {"ted"}
+    everything |= {f"megatron tp{t} pp{p} dp{16 // (t * p)}" for t in divisors(16) for p in divisors(16 // t)}
+    ranked = {e.name for e in result.estimates}
+    dropped = {d.name: d.reason for d in result.dropped}
+    assert ranked | set(dropped) == everything and not ranked & set(dropped)
+    assert dropped["zero3"] == "the global batch of 24 sequences does not divide over 16 replicas"
+    assert dropped["pmm3d 1x1x16x1"] == "z=16 does not divide the micro-batch 24, nor any of its 7 smaller splits"
+    hidden = report.not_shown(result, 2)
+    assert len(hidden) == len(everything) - len(report.shown(result, 2))
+    text = report.table(result, 2)
+    assert f"not shown ({len(hidden)}), by reason:" in text and "fit, slower than the --top-k 2 shown" in text
+    assert main(["plan", "--model", "gpt-5b", "--nodes", "2", "--global-batch", "24", "--top-k", "2"]) == 0
+    assert f"not shown ({len(hidden)})" in capsys.readouterr().out
+
+
+def test_no_plan_fits_says_what_would(capsys):
+    from ds_ext.cli import main
+    from ds_ext.planner.plan import what_would_fit
+
+    arch = models.lookup("gpt-175b")  # 004 Table V: a fixed batch of 640 sequences
+    job = make_job(arch, FRONTIER, 1)
+    assert plan(job, ["zero"]).best is None
+    assert what_would_fit(job, ["zero"], False).startswith("8 nodes would fit")  # 5: memory; 6, 7: 640 over 48, 56
+    assert plan(make_job(arch, FRONTIER, 8), ["zero"]).best is not None
+    assert all(plan(make_job(arch, FRONTIER, n), ["zero"]).best is None for n in (5, 6, 7))
+    seven = make_job(models.lookup("gpt-5b"), FRONTIER, 1, global_batch=7)  # never divides over 8k ranks
+    assert what_would_fit(seven, ["zero"], True).startswith("--global-batch 8 (one sequence per rank) would fit")
+    assert main(["plan", "--model", "gpt-175b", "--nodes", "1", "--families", "zero"]) == 0
+    assert "no plan fits: 8 nodes would fit" in capsys.readouterr().out
 
 
 def test_fig_7_9_ted_fits_larger_moes():
@@ -432,3 +487,190 @@ def test_fig_7_9_ted_fits_larger_moes():
         assert ted.params > ds.params
         lay = TEDLayout.build(gpus, 1, ds.experts)
         assert sum(ted_layouts.states(ds, lay).values()) <= validate.SUMMIT_GPU_BYTES
+
+
+NO_TORCH_COMMANDS = (
+    ["plan", "--model", "gpt-5b", "--nodes", "2"],
+    ["simulate", "--nodes", "2", "--families", "zero"],
+    ["tune", "--world", "8", "--size", "gpu=2"],
+    ["schema"],
+)
+
+
+def test_planner_commands_import_no_torch_and_help_is_cheap():
+    """Issue 23 deliver 5: plan, simulate, tune (no --measure) and schema are arithmetic: a fresh
+    interpreter runs them without importing torch; ``ds-ext plan --help`` costs under 0.5 s of CPU."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    script = ("import sys, contextlib, io\nfrom ds_ext.cli import main\n"
+              f"for argv in {list(NO_TORCH_COMMANDS)!r}:\n"
+              "    with contextlib.redirect_stdout(io.StringIO()):\n"
+              "        assert main(argv) == 0, argv\n"
+              "    assert 'torch' not in sys.modules, f'{argv} imported torch'\n")
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+    def cpu(*argv: str) -> float:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run([sys.executable, *argv], env=env, check=True, capture_output=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+    help_cpu = min(cpu("-m", "ds_ext.cli", "plan", "--help") for _ in range(2))
+    assert help_cpu < 0.5, f"ds-ext plan --help took {help_cpu:.2f} s of CPU"
+
+
+def test_builtin_config_sections_are_the_plugins_own():
+    """``ds-ext schema`` reads the built-ins' sections from torch-free modules: the same classes
+    the plugins validate with."""
+    from ds_ext.plugin import BUILTIN_CONFIGS, registered_configs, registered_plugins
+
+    configs, plugins = registered_configs(), registered_plugins()
+    assert set(BUILTIN_CONFIGS) <= set(plugins)
+    assert all(configs[name] is plugins[name].Config for name in plugins)
+
+
+def test_simulate_honours_bandwidth_and_latency(tmp_path, capsys):
+    """Issue 23 deliver 3: simulate's machine flags reach the sweep (they were accepted and ignored);
+    --validate refuses the sweep's flags it has no use for."""
+    from ds_ext.cli import main
+
+    def zero3(*flags):
+        """zero3's TFLOPS per GCD in the printed sweep."""
+        capsys.readouterr()
+        assert main(["simulate", "--nodes", "2", "--families", "zero", *flags]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.split()[1:2] == ["zero3"])
+        return float(row.split()[2])
+
+    base, slow, late = zero3(), zero3("--bandwidth", "node=1.25"), zero3("--latency", "node=1500")
+    assert slow < base / 3 and late < base
+    capsys.readouterr()
+    assert main(["simulate", "--validate", "--nodes", "2"]) == 2
+    assert capsys.readouterr().err.strip() == ("ds-ext: error: --validate: takes no --nodes (the comparisons fix their "
+                                               "own models, nodes and batches); the machine flags apply")
+    assert main(["simulate", "--nodes", "2", "0"]) == 2
+    assert "--nodes: 0 does not fit frontier" in capsys.readouterr().err
+
+
+def test_rccl_alpha_reproduces_001s_speedups_and_is_the_machines():
+    """Issue 23 deliver 1: α per inter-node ring step from 001 §6.3.1 (``planner.rccl``): with the
+    derived ring bandwidth B and α, the RCCL ring time over the PCCL time gives back every
+    published speedup, at 2,048 GCDs and at 32; the Frontier preset charges their mean."""
+    from ds_ext.planner import rccl
+
+    for pt in rccl.DERIVED:
+        ring = lambda p, size: (p - 1) / p * size / pt.ring_bandwidth + (p - 1) * pt.alpha_s  # noqa: E731
+        assert ring(2048, pt.size) / rccl.pccl_seconds(2048, pt.size) == pytest.approx(pt.speedup)
+        assert ring(32, 2**30) / rccl.pccl_seconds(32, 2**30) == pytest.approx(pt.speedup_32)
+    lo, hi = rccl.ALPHA_BAND_S
+    assert 50e-6 < lo <= rccl.RING_STEP_ALPHA_S <= hi < 70e-6
+    assert 75e-6 < rccl.mean_alpha(rccl.TABLE_II) < 90e-6
+    node = FRONTIER.build_topology(2).level("node")
+    assert node.latency == pytest.approx(rccl.RING_STEP_ALPHA_S)
+
+
+def test_deepspeed_gathers_per_submodule_two_collectives_when_quantized():
+    """Issue 23 deliver 1: DeepSpeed's ZeRO-3 fetches per submodule above the persistence
+    threshold (4 per GPT-NeoX-20B block, its 2 tables), two all-gathers per quantized fetch;
+    bytes are the per-block model's."""
+    arch = models.lookup("gpt-neox-20b")
+    assert zero_plans.deepspeed_fetches(arch) == (2, 4)
+    tiny = models.Arch(name="t", layers=2, hidden=64, heads=4, vocab=256, seq=32)
+    with pytest.raises(ValueError, match="resident"):
+        zero_plans.deepspeed_fetches(tiny)
+    topo = FRONTIER.build_topology(48)
+    for preset, per_gather in (("zero3", 1), ("zeropp", 2)):
+        plan_ = resolve_plan(ZeroTopoConfig(enabled=True, preset=preset), topo)
+        ours = perf_zero.traffic(plan_, zero_plans.units(arch, topo.world_size, plan_.block_size), 1, 2)
+        ds = perf_zero.traffic(plan_, zero_plans.units(arch, topo.world_size, plan_.block_size, True), 1, 2)
+        assert ds.bytes == ours.bytes
+        fwd = ds.steps["forward"]["node"]
+        assert fwd == per_gather * (2 + 4 * arch.layers) * (topo.world_size - 1)
+        assert ours.steps["forward"]["node"] == per_gather * (1 + arch.layers) * (topo.world_size - 1)
+
+
+def test_batch_default_is_stated_and_printed(capsys):
+    """Issue 23 deliver 1: GPT-NeoX-20B's default batch is 20B.yml's per-GPU keys (micro-batch 4 x 32
+    accumulation steps) on every GCD, 49,152 sequences at 384 GCDs; every plan says where its batch
+    comes from."""
+    from ds_ext.cli import main
+
+    job = make_job(models.lookup("gpt-neox-20b"), FRONTIER, 48)
+    assert (job.global_batch, job.grad_accum) == (49_152, 32) and "1,536" in job.batch_source
+    best = plan(job, ["zero"]).best
+    assert (best.micro_batch, best.grad_accum) == (4, 32)
+    assert make_job(models.lookup("gpt-5b"), FRONTIER, 2, global_batch=64).batch_source == "--global-batch"
+    assert main(["plan", "--model", "gpt-neox-20b", "--nodes", "48", "--families", "zero"]) == 0
+    assert "batch 49152 sequences per step (gpt-neox-20b's recipe: GPT-NeoX configs/20B.yml" in capsys.readouterr().out
+    assert main(["plan", "--model", "gpt-5b", "--nodes", "2", "--global-batch", "64", "--families", "zero"]) == 0
+    assert "batch 64 sequences per step (--global-batch)" in capsys.readouterr().out
+
+
+def test_tune_and_plan_pmm3d_are_one_ranker(tmp_path, capsys):
+    """Issue 23 deliver 4: ``ds-ext tune`` and ``ds-ext plan --families pmm3d`` answer the same
+    question with the same plans, batch and memory; --measure refuses the ranking flags."""
+    from ds_ext.cli import main
+
+    from ds_ext.planner import report
+
+    tune_out = tmp_path / "tune.json"
+    assert main(["tune", "--model", "gpt-10b", "--world", "32", "--top-k", "3", "--out", str(tune_out)]) == 0
+    tuned = json.loads(tune_out.read_text())
+    planned = plan(make_job(models.lookup("gpt-10b"), FRONTIER, 4), ["pmm3d"])  # what plan --nodes 4 runs
+    assert tuned["top"] == json.loads(json.dumps([report.record(e) for e in planned.ranked[:3]]))
+    assert tuned["global_batch"] == planned.job.global_batch == 8192
+    capsys.readouterr()
+    assert main(["tune", "--world", "8", "--measure", "--top-k", "3"]) == 2
+    assert "--measure: takes no --top-k" in capsys.readouterr().err
+    assert main(["tune", "--world", "12"]) == 2
+    assert "--world: 12 is not a positive multiple of 8 ranks per node" in capsys.readouterr().err
+
+
+def test_megatron_layouts_bubble_memory_and_the_published_recipe(capsys):
+    """Issue 23 deliver 2: TP x PP x DP with the 1F1B bubble (p - 1) / m, per-stage memory with and
+    without activation checkpointing, ZeRO-1 over DP; 004 Table V's recipe is always shown."""
+    from ds_ext.cli import main
+    from ds_ext.planner import megatron_plans as mp
+
+    arch = models.lookup("gpt-5b")
+    assert mp.stage_params(arch, 1, 1) == arch.params  # one stage, no TP: the whole model
+    job = make_job(arch, FRONTIER, 4, global_batch=64)  # 32 GCDs
+    e = evaluate(job, mp.candidate(job, 2, 4, 4))  # m = 64 / 4 = 16 micro-batches of 1
+    assert (e.micro_batch, e.grad_accum) == (1, 16)
+    assert e.compute_s == pytest.approx(job.flops / 32 / FRONTIER.flops * (16 + 4 - 1) / 16)
+    t = 2048 * 4096 * 2  # bytes of one micro-batch's activation
+    tp_level = job.topology.level_of([0, 1])
+    assert e.traffic.bytes[tp_level] == pytest.approx(16 * 6 * 6 * t)  # 6 all-reduces x 6 layers per stage, d = 2: 2S/2
+    stage = 24 // 4
+    ckpt = mp.activations(arch, 2, 4, 1, 16, True)
+    working = 2048 * 4096 * (10 + 24 / 2)
+    assert ckpt == pytest.approx(max(4 * stage * 2 * 2048 * 4096 + working,
+                                     stage * 2 * 2048 * 4096 + working + 4 * 2048 * 50304 / 2))
+    assert mp.activations(arch, 2, 4, 1, 16, False) == pytest.approx(4 * stage * working)
+    n = mp.stage_params(arch, 2, 4)
+    assert e.memory["optimizer"] == 12 * n / 4 and e.memory["weights"] == 2 * n
+    assert main(["plan", "--model", "gpt-175b", "--nodes", "8", "--families", "megatron", "--top-k", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "megatron tp4 pp16 dp1  1 x 640" in out  # the published recipe, shown although not the fastest
+
+
+def test_pccl_costing_of_zero3_world_collectives():
+    """PCCL (001 §6.2) for ZeRO-3's world all-gathers / reduce-scatters: per collective of S bytes,
+    (N-1)/N S/8 bytes in log2 N messages across nodes and 7/8 S in 7 inside the node."""
+    topo = FRONTIER.build_topology(64)
+    arch = models.lookup("gpt3-6.7b")
+    plan_ = resolve_plan(ZeroTopoConfig(enabled=True, preset="zero3"), topo)
+    t = perf_zero.traffic(plan_, zero_plans.units(arch, topo.world_size, plan_.block_size, True), 1, 2, False)
+    p = zero_plans.pccl(t, plan_)
+    calls = sum(t.calls[ph]["node"] for ph in ("forward", "backward"))
+    full = sum(t.bytes[ph]["node"] for ph in ("forward", "backward")) * 512 / 511
+    step_b, step_m = t.bytes["step"]["node"], t.steps["step"]["node"]
+    assert p.bytes["node"] == pytest.approx(full * 63 / 64 / 8 + step_b)
+    assert p.messages["node"] == pytest.approx(calls * 6 + step_m)  # log2 64
+    assert p.bytes["gpu"] == pytest.approx(full * 7 / 8) and p.messages["gpu"] == calls * 7
+    with pytest.raises(ValueError, match="zero3"):
+        zero_plans.pccl(t, resolve_plan(ZeroTopoConfig(enabled=True, preset="zeropp"), topo))

@@ -231,31 +231,37 @@ def test_cli_detect_shows_the_level_each_axis_spans(capsys):
 
 
 def test_cli_tune_prints_and_writes_the_top_k(tmp_path, capsys):
+    """``ds-ext tune`` is the planner's 3D-PMM family (issue 23): per-rank α-β per level by default,
+    Eq 5.7 with ``--links shared``, no α with ``--no-latency``; the planner's batch and memory."""
     import json
 
     from ds_ext.cli import main
+    from ds_ext.planner import pmm_grids
+    from ds_ext.planner.models import lookup
 
     out = tmp_path / "tune.json"
     assert main(["tune", "--model", "gpt-20b", "--world", "32", "--memory-GB", "40", "--top-k", "4",
-                 "--out", str(out)]) == 0
+                 "--global-batch", "1024", "--out", str(out)]) == 0
     top = json.loads(out.read_text())["top"]
-    assert len(top) == 4 and [r["predicted_comm_s"] for r in top] == sorted(r["predicted_comm_s"] for r in top)
-    assert all(r["memory_per_rank_bytes"] <= 40e9 and 56 % r["grid"]["x"] == 0 for r in top)
-    spec = perf.gpt_spec(7168, 32, 56, 50304, 2048)
-    topo = Topology.from_preset("frontier", 32)
-    best = Grid(**top[0]["grid"])
-    assert top[0]["predicted_comm_s"] == perf.comm_time(spec, best, topo, 1024 // best.data, 2048, 2)
-    assert "gpt-20b (32 layers, hidden 7168, 56 heads)" in capsys.readouterr().out
-    # the emulated machine's model (bench pmm's ranking model): per-rank links and α per message
-    assert main(["tune", "--model", "gpt-20b", "--world", "32", "--memory-GB", "40", "--top-k", "4",
-                 "--links", "per-rank", "--latency", "--out", str(out)]) == 0
-    emu = json.loads(out.read_text())
-    assert (emu["links"], emu["latency"]) == ("per-rank", True)
-    best = Grid(**emu["top"][0]["grid"])
-    assert emu["top"][0]["predicted_comm_s"] == perf.comm_time(
-        spec, best, topo, 1024 // best.data, 2048, 2, bw=perf.Bandwidths.per_rank_links(topo), latency=True)
-    assert emu["top"][0]["predicted_comm_s"] > perf.comm_time(spec, best, topo, 1024 // best.data, 2048, 2,
-                                                              bw=perf.Bandwidths.per_rank_links(topo))
+    assert len(top) == 4 and [r["step_s"] for r in top] == sorted(r["step_s"] for r in top)
+    assert all(r["total_memory_bytes"] <= 40e9 and r["fits"] for r in top)
+    assert "gpt-20b: 20.11B parameters (32 layers, hidden 7168, 56 heads" in capsys.readouterr().out
+    from ds_ext.planner.machine import MACHINES
+
+    spec = pmm_grids.model_spec(lookup("gpt-20b"))
+    topo = MACHINES["frontier"].build_topology(4)  # the planner's Frontier: RCCL's α per inter-node ring step
+    for links, flags, bw, latency in (("shared", ["--links", "shared"], perf.Bandwidths.from_topology(topo), True),
+                                      ("shared", ["--links", "shared", "--no-latency"],
+                                       perf.Bandwidths.from_topology(topo), False),
+                                      ("per-rank", [], perf.Bandwidths.per_rank_links(topo), True)):
+        assert main(["tune", "--model", "gpt-20b", "--world", "32", "--memory-GB", "40", "--top-k", "4",
+                     "--global-batch", "1024", "--out", str(out), *flags]) == 0
+        got = json.loads(out.read_text())
+        assert (got["links"], got["latency"]) == (links, latency)
+        r = got["top"][0]
+        best = Grid(*(int(v) for v in r["name"].split()[1].split("x")))
+        expected = perf.comm_time(spec, best, topo, r["micro_batch"], 2048, 2, r["grad_accum"], bw=bw, latency=latency)
+        assert sum(r["comm_s_per_level"].values()) == pytest.approx(expected)
 
 
 def test_tune_bandwidths_links_and_database():

@@ -39,7 +39,7 @@ ANCHORS = ("deepspeed_zero3", "megatron_tp8")
 # Predicted communication per step by ds_ext.perf.pmm, ranked against the measured emulated step:
 # Eqs 5.1-5.5 only; + ds_ext's extra terms, Eq 5.7 bandwidths (rings share a node's NICs); the same
 # with every rank on its own share of each level's links; and that with α per message. The last is
-# the machine ds_ext.comm.emulation emulates (``ds-ext tune --links per-rank --latency``): the model
+# the machine ds_ext.comm.emulation emulates (``ds-ext tune``, its default): the model
 # the ranking acceptance is checked with; the others show what each assumption costs here.
 PREDICTORS = ("predicted_paper_comm_s", "predicted_comm_s", "predicted_per_rank_links_comm_s",
               "predicted_alpha_beta_comm_s")

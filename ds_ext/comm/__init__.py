@@ -1,15 +1,25 @@
-"""Collectives, ledger, time emulation and quantizers: every ds_ext byte passes here."""
+"""Collectives, ledger, time emulation and quantizers: every ds_ext byte passes here.
 
-from ds_ext.comm.collectives import Communicator, Handle
-from ds_ext.comm.emulation import TimeEmulator
-from ds_ext.comm.instrument import instrument_torch_distributed
-from ds_ext.comm.ledger import Ledger, Traffic
+The names below load on first use (PEP 562), so that the torch-free modules of this package
+(``ledger``, ``emulation``) import without torch: the planner uses them for arithmetic.
+"""
 
-__all__ = [
-    "Communicator",
-    "Handle",
-    "Ledger",
-    "TimeEmulator",
-    "Traffic",
-    "instrument_torch_distributed",
-]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "Communicator": "ds_ext.comm.collectives",
+    "Handle": "ds_ext.comm.collectives",
+    "Ledger": "ds_ext.comm.ledger",
+    "TimeEmulator": "ds_ext.comm.emulation",
+    "Traffic": "ds_ext.comm.ledger",
+    "instrument_torch_distributed": "ds_ext.comm.instrument",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ds_ext.comm' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

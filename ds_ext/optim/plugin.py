@@ -35,24 +35,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import Field, StrictInt
 
 from ds_ext.config import DsExtConfigError
 from ds_ext.integration import ds_fused_adam
+from ds_ext.optim.config import DEFAULT_TILE_SIZE, TiledOptimizerConfig
 from ds_ext.optim.tiled import ALLOWED_TYPES, FUSED_TILE_MULTIPLE, KEY, TiledAdam, check_tileable
-from ds_ext.plugin import Plugin, PluginConfig, register_plugin
-
-DEFAULT_TILE_SIZE = 1_800_000  # 001 §7.2: "we fix the tile size to 1.8 million parameters"
-
-
-class TiledOptimizerConfig(PluginConfig):
-    """``ds_ext.tiled_optimizer`` (001 §7.2)."""
-
-    tile_size: StrictInt = Field(
-        DEFAULT_TILE_SIZE,
-        gt=0,
-        description="Parameters per tile; the step's fp32 gradient buffer is 4 x tile_size bytes.",
-    )
+from ds_ext.plugin import Plugin, register_plugin
 
 
 def _check_ds_config(ds_config: dict, optimizer: Any, tile_size: int = DEFAULT_TILE_SIZE) -> None:

@@ -36,7 +36,9 @@ from ds_ext.zero_topo.plan import ShardingPlan
 
 @dataclass(frozen=True)
 class UnitSpec:
-    """One gather/release unit: padded size U, real parameter count, root or not; where the
+    """One gather/release unit: padded size U, real parameter count, root or not; the
+    collectives one gather of it takes (1 in ds_ext's engine; DeepSpeed's ZeRO-3 fetches per
+    submodule, so a transformer block is several: ``ds_ext.planner.zero_plans``); where the
     engine measured one, the [start, stop) of each trainable parameter in the unit's flat
     order (default: one run from 0) and the raw (unquantized) gradient blocks in each
     gradient shard, in shard order (default: none)."""
@@ -44,6 +46,7 @@ class UnitSpec:
     U: int
     numel: int
     root: bool = False
+    gathers: int = 1
     spans: tuple[tuple[int, int], ...] = ()
     raw_per_shard: tuple[int, ...] = ()
 
@@ -123,15 +126,16 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
     top = len(plan.topology.levels) - 1
     B = plan.block_size
 
-    def gather(phase: str, level: int, U: int, quantized: bool, times: int) -> None:
+    def gather(phase: str, level: int, u: UnitSpec, quantized: bool, times: int) -> None:
+        """``u.gathers`` all-gathers (payload and scales each when quantized) of the unit's bytes."""
         levels = list(range(level + 1))
         d = _group_size(plan, levels)
-        n = U / d
+        n = u.U / d
         if quantized:
             pay, sc = _wire(n, 8, B)
-            t.add(phase, _level(plan, levels), (pay + sc) * (d - 1), 2, times, d=d)
+            t.add(phase, _level(plan, levels), (pay + sc) * (d - 1), 2 * u.gathers, times, d=d)
         else:
-            t.add(phase, _level(plan, levels), n * elem_bytes * (d - 1), 1, times, d=d)
+            t.add(phase, _level(plan, levels), n * elem_bytes * (d - 1), u.gathers, times, d=d)
 
     s, w = plan.secondary, plan.weights
     sec_quant = plan.secondary_bits == 8 or plan.gather_bits == 8
@@ -139,15 +143,15 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
     for u in units:
         # forward: from the primary, or from a narrower secondary once it exists
         if secondary_serves_forward and s is not None and s < w:  # hpZ: built by the step's first gather, kept to the step
-            gather("forward", w, u.U, pri_quant, 1)
-            gather("forward", s, u.U, sec_quant, grad_accum - 1)
+            gather("forward", w, u, pri_quant, 1)
+            gather("forward", s, u, sec_quant, grad_accum - 1)
         else:
-            gather("forward", w, u.U, pri_quant, grad_accum)
+            gather("forward", w, u, pri_quant, grad_accum)
         if not u.root:
             if s is not None:
-                gather("backward", s, u.U, sec_quant, grad_accum)
+                gather("backward", s, u, sec_quant, grad_accum)
             else:
-                gather("backward", w, u.U, pri_quant, grad_accum)
+                gather("backward", w, u, pri_quant, grad_accum)
         _gradient_reduce(t, plan, u, elem_bytes, grad_accum, rank)
         _step(t, plan, u.U, elem_bytes, top)
     o_levels = list(range(plan.optimizer + 1))

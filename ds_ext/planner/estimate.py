@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ds_ext.perf.compute import step_flops
+from ds_ext.perf.pmm import Bandwidths
 from ds_ext.planner.machine import Machine
 from ds_ext.planner.models import Arch
 from ds_ext.topology import Topology
@@ -44,6 +45,9 @@ class Job:
     grad_accum: int | None = None
     elem_bytes: int = 2
     checkpointing: bool = True
+    batch_source: str = ""  # where the global batch comes from (printed with every plan)
+    latency: bool = True  # charge α per message (False: 001 §5.1.2's Assumption 3, bandwidth only)
+    eq_5_7: Bandwidths | None = None  # 3D-PMM axes at 001 Eq 5.7's bandwidths (ds-ext tune --links shared / --database)
 
     @property
     def world(self) -> int:
@@ -90,12 +94,12 @@ class Estimate:
         return sum(self.memory.values())
 
 
-def comm_seconds(traffic: Traffic, topology: Topology) -> dict[str, float]:
-    """α-β seconds per level (module docstring)."""
+def comm_seconds(traffic: Traffic, topology: Topology, latency: bool = True) -> dict[str, float]:
+    """α-β seconds per level (module docstring); ``latency=False``: β only."""
     out = {}
     for level, nbytes in traffic.bytes.items():
         lv = topology.level(level)
-        out[level] = nbytes / lv.bandwidth + traffic.messages.get(level, 0.0) * lv.latency
+        out[level] = nbytes / lv.bandwidth + (traffic.messages.get(level, 0.0) * lv.latency if latency else 0.0)
     return out
 
 
@@ -115,6 +119,15 @@ def divisors(n: int) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Dropped:
+    """A plan the planner considered and does not rank, with the reason (issue 23: no silent drops)."""
+
+    family: str
+    name: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Candidate:
     """How a plan family describes one plan to :func:`evaluate`."""
 
@@ -127,6 +140,19 @@ class Candidate:
     traffic: Callable[[int, int], Traffic]  # (micro-batch, accumulation) -> per-step traffic
     unfit: Callable[[int], str | None] = lambda micro: None  # a micro-batch the plan cannot split
     notes: tuple[str, ...] = ()
+    seconds: Callable[[int, int], dict[str, float]] | None = None  # another time model than α-β per level
+    stretch: Callable[[int, int], float] = lambda micro, accum: 1.0  # compute slots per busy slot (pipeline bubble)
+
+
+def unsplittable(job: Job, cand: Candidate) -> str:
+    """Why :func:`evaluate` finds no (micro-batch, accumulation) for ``cand``."""
+    if job.global_batch % cand.data:
+        return f"the global batch of {job.global_batch} sequences does not divide over {cand.data} replicas"
+    per = job.global_batch // cand.data
+    if job.grad_accum and per % job.grad_accum:
+        return f"--grad-accum {job.grad_accum} does not divide the {per} sequences per replica"
+    reasons = [r for r in (cand.unfit(b) for b, _ in batch_options(job, cand.data)) if r]
+    return reasons[0] + (f", nor any of its {len(reasons) - 1} smaller splits" if len(reasons) > 1 else "")
 
 
 def evaluate(job: Job, cand: Candidate) -> Estimate | None:
@@ -142,8 +168,8 @@ def evaluate(job: Job, cand: Candidate) -> Estimate | None:
     memory = {**cand.states, "activations": cand.activations(b)}
     total = sum(memory.values())
     traffic = cand.traffic(b, g)
-    comm = comm_seconds(traffic, job.topology)
-    compute = job.flops / job.world / job.machine.flops
+    comm = cand.seconds(b, g) if cand.seconds else comm_seconds(traffic, job.topology, job.latency)
+    compute = job.flops / job.world / job.machine.flops * cand.stretch(b, g)
     step = compute + sum(comm.values())
     fits = total <= limit
     reason = "" if fits else f"needs {total / 1e9:.1f} GB per rank > {limit / 1e9:.1f} GB"

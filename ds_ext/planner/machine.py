@@ -9,11 +9,12 @@ them at once (the machine ``ds_ext.comm.emulation`` emulates). Compute runs at
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
-from ds_ext.planner import PlannerError
+from ds_ext.planner import PlannerError, rccl
 from ds_ext.topology import GB, US, Topology, preset_levels
 
 GiB = 2**30
@@ -35,27 +36,49 @@ class Machine(BaseModel):
     efficiency: PositiveFloat = Field(le=1, description="Fraction of the peak the compute reaches.")
     max_nodes: PositiveInt
     sources: dict[str, str]
+    bandwidth_GBps: dict[str, PositiveFloat] = Field({}, description="Per-level bandwidth overrides (--bandwidth).")
+    latency_us: dict[str, float] = Field({}, description="Per-level latency overrides (--latency).")
+    level_sizes: dict[str, PositiveInt] = Field({}, description="Ranks per domain of inner levels (tune --size).")
 
     @property
     def flops(self) -> float:
         """FLOP/s the compute model runs at."""
         return self.peak_flops * self.efficiency
 
-    def build_topology(self, nodes: int, bandwidth_GBps: dict[str, float] | None = None,
-                       latency_us: dict[str, float] | None = None) -> Topology:
-        """The topology of ``nodes`` nodes, with per-level bandwidth / latency overrides."""
-        if not 1 <= nodes <= self.max_nodes:
-            raise MachineError(f"--nodes: {nodes} does not fit {self.name}; allowed: 1 to {self.max_nodes}")
-        levels = list(preset_levels(self.topology))
-        names = [lv.name for lv in levels]
-        for key, values in (("--bandwidth", bandwidth_GBps or {}), ("--latency", latency_us or {})):
+    def with_links(self, bandwidth_GBps: dict[str, float], latency_us: dict[str, float]) -> "Machine":
+        """This machine with per-level bandwidth (GB/s) / latency (µs) overrides, checked against its levels."""
+        names = [lv.name for lv in preset_levels(self.topology)]
+        for key, values in (("--bandwidth", bandwidth_GBps), ("--latency", latency_us)):
             for name, value in values.items():
                 if name not in names:
                     raise MachineError(f"{key}: {self.name} has no level {name!r}; allowed: {', '.join(names)}")
                 if value < 0 or (key == "--bandwidth" and value == 0):
                     raise MachineError(f"{key}: {name}={value} must be {'> 0' if key == '--bandwidth' else '>= 0'}")
-        levels = [replace(lv, bandwidth=(bandwidth_GBps or {}).get(lv.name, lv.bandwidth / GB) * GB,
-                          latency=(latency_us or {}).get(lv.name, lv.latency / US) * US) for lv in levels]
+        return self.model_copy(update={"bandwidth_GBps": {**self.bandwidth_GBps, **bandwidth_GBps},
+                                       "latency_us": {**self.latency_us, **latency_us}})
+
+    def with_sizes(self, sizes: dict[str, int]) -> "Machine":
+        """This machine with ``sizes`` ranks per domain of its inner levels (an emulated node)."""
+        inner = [lv.name for lv in preset_levels(self.topology)][:-1]
+        for name, value in sizes.items():
+            if name not in inner:
+                raise MachineError(f"--size: {self.name} has no inner level {name!r}; allowed: {', '.join(inner)}")
+            if value < 1:
+                raise MachineError(f"--size: {name}={value} must be >= 1")
+        return self.model_copy(update={"level_sizes": {**self.level_sizes, **sizes}})
+
+    def ranks_per_node(self) -> int:
+        """Ranks of one node (the product of the inner levels' sizes)."""
+        return math.prod(self.level_sizes.get(lv.name, lv.size) for lv in preset_levels(self.topology)[:-1])  # type: ignore[misc]
+
+    def build_topology(self, nodes: int) -> Topology:
+        """The topology of ``nodes`` nodes, with this machine's per-level overrides."""
+        if not 1 <= nodes <= self.max_nodes:
+            raise MachineError(f"--nodes: {nodes} does not fit {self.name}; allowed: 1 to {self.max_nodes}")
+        levels = [replace(lv, bandwidth=self.bandwidth_GBps.get(lv.name, lv.bandwidth / GB) * GB,
+                          latency=self.latency_us.get(lv.name, lv.latency / US) * US,
+                          size=self.level_sizes.get(lv.name, lv.size))
+                  for lv in preset_levels(self.topology)]
         inner = 1
         for lv in levels[:-1]:
             inner *= lv.size  # type: ignore[operator]
@@ -64,12 +87,15 @@ class Machine(BaseModel):
 
 MACHINES: dict[str, Machine] = {
     "frontier": Machine(
+        latency_us={"node": rccl.RING_STEP_ALPHA_S * 1e6},
         name="frontier", topology="frontier", device_memory=64 * GiB, peak_flops=191.5e12, efficiency=125 / 191.5,
         max_nodes=9408,
         sources={
             "levels": "ds_ext.topology 'frontier': GCD pair 200 GB/s (003 §IV), Infinity Fabric 50 GB/s between "
                       "MI250X (003 Table II), Slingshot 4 x 25 GB/s per node = 12.5 GB/s per GCD (003 §IV, 004 Fig 4); "
-                      "latencies 5 / 8 / 15 us assumed (no paper gives them)",
+                      "latencies 5 / 8 us assumed inside a node (no paper gives them)",
+            "latency_us": "node: RCCL's latency per inter-node ring step, derived from 001 §6.3.1's PCCL / RCCL "
+                          "speedups at 2,048 and 32 GCDs (ds_ext.planner.rccl)",
             "device_memory": "64 GB HBM2e per GCD (003 §IV, 000 §VI-A) in binary units, as 003 §II-A's 68B ZeRO-3 "
                              "figure counts it (64 GiB / 16 B per parameter x 16 GCDs)",
             "peak_flops": "191.5 Tflop/s 16-bit per GCD (000 §VI-C, 004 §V-B)",

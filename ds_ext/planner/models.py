@@ -30,6 +30,7 @@ class Recipe(_Frozen):
     global_batch: PositiveInt | None = Field(None, description="Sequences per optimizer step.")
     batch_per_rank: PositiveInt | None = Field(None, description="Sequences per rank per optimizer step.")
     grad_accum: PositiveInt | None = Field(None, description="Micro-steps per optimizer step; None = fewest that fit.")
+    megatron: tuple[PositiveInt, PositiveInt] | None = Field(None, description="Published (TP, PP) of a Megatron recipe.")
     source: str = "ds_ext default: one sequence per rank"
 
     @model_validator(mode="after")
@@ -112,7 +113,9 @@ CATALOGUE: dict[str, Arch] = {
         name="gpt-neox-20b", layers=44, hidden=6144, heads=64, vocab=50432, seq=2048, **_NEOX,
         source="003 Figs 7, 9 (GPT-NeoX-20B); shape from GPT-NeoX configs/20B.yml",
         recipe=Recipe(batch_per_rank=128, grad_accum=32,
-                      source="GPT-NeoX configs/20B.yml: micro-batch 4 per GPU x 32 accumulation steps"),
+                      source="GPT-NeoX configs/20B.yml's per-GPU keys, micro-batch 4 x 32 accumulation steps on "
+                             "every rank (49,152 sequences at 384 GCDs); 20B.yml's own run is 1,536 sequences "
+                             "(96 A100, pipeline 4 x tensor 2, 12 replicas); 003 states no batch"),
     ),
     "gpt-neox-10b": Arch(
         name="gpt-neox-10b", layers=192, hidden=2048, heads=16, vocab=50432, seq=4096, **_NEOX,
@@ -121,9 +124,9 @@ CATALOGUE: dict[str, Arch] = {
     ),
     "gpt-22b": _gpt3_like("gpt-22b", 48, 6144, 48, "004 Table I", Recipe(batch_per_rank=1, source="004 gives no 22B batch: one sequence per rank")),
     "gpt-175b": _gpt3_like("gpt-175b", 96, 12288, 96, "004 Table I",
-                           Recipe(global_batch=640, source="004 Table V: GBS 640")),
+                           Recipe(global_batch=640, megatron=(4, 16), source="004 Table V: GBS 640, TP 4, PP 16, MBS 1")),
     "gpt-1t": _gpt3_like("gpt-1t", 128, 25600, 128, "004 Table I",
-                         Recipe(global_batch=1600, source="004 Table V: GBS 1600")),
+                         Recipe(global_batch=1600, megatron=(8, 64), source="004 Table V: GBS 1600, TP 8, PP 64, MBS 1")),
     **{name: _gpt3_like(name, L, h, a, "000 Table II / 001 Table 5.1", _000_BATCH)
        for name, (L, h, a) in TABLE_5_1.items()},
     # 001 Table 4.1 (GPT-3 shapes from Brown et al. 2020 Table 2.1): the MoE base models of Fig 7.9

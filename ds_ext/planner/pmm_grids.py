@@ -7,6 +7,10 @@ A data-parallel replica of G_x G_y G_z ranks runs micro-batches of ``b`` sequenc
 ds_ext adds), memory ``perf.pmm.memory``; activations split rows over Z, the residual stream
 over Y and matmul activations over X Y (001 §5.1.2's layout; the head's logits are
 all-reduced over Y, so each rank keeps its rows' full logits).
+
+Time is the planner's α-β per level, or, when the job asks for it (``ds-ext tune --links shared``
+or ``--database``), 001 Eq 5.7's per-axis bandwidths (``perf.pmm.axis_bandwidths``) on the same
+items: ``ds-ext tune`` and ``ds-ext plan --families pmm3d`` are this one module.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import replace
 from ds_ext.comm.emulation import message_steps
 from ds_ext.perf import pmm as perf
 from ds_ext.perf.compute import ActivationSplit, activation_bytes
-from ds_ext.planner.estimate import Candidate, Job, Traffic
+from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic
 from ds_ext.planner.models import Arch
 from ds_ext.pmm.grid import Grid
 from ds_ext.topology import Topology
@@ -71,6 +75,21 @@ def traffic(spec: perf.ModelSpec, grid: Grid, topology: Topology, micro: int, se
     return Traffic(dict(nbytes), dict(messages))
 
 
+def eq_5_7_seconds(spec: perf.ModelSpec, grid: Grid, topology: Topology, micro: int, seq: int, elem_bytes: int,
+                   grad_accum: int, bw: perf.Bandwidths, latency: bool) -> dict[str, float]:
+    """Seconds per level with every axis at its Eq 5.7 bandwidth (and α per ring step with ``latency``):
+    ``perf.pmm.comm_time``'s sum, kept per level."""
+    levels = axis_levels(grid, topology)
+    beta = perf.axis_bandwidths(grid, topology, bw)
+    out: dict[str, float] = defaultdict(float)
+    for it in perf.items(spec, grid, micro, seq, elem_bytes, grad_accum, by_layer=False):
+        level = levels[it.axis]
+        out[level] += it.nbytes * it.calls / beta[it.axis]  # type: ignore[index]
+        if latency:
+            out[level] += it.calls * message_steps(it.op, getattr(grid, it.axis)) * topology.level(level).latency  # type: ignore[arg-type,index]
+    return dict(out)
+
+
 def states(spec: perf.ModelSpec, grid: Grid, elem_bytes: int) -> dict[str, float]:
     m = perf.memory(spec, grid, elem_bytes, zero_stage=1)
     return {"weights": m["layer_params"] + m["replicated_params"], "secondary": m["gathered_weights"],
@@ -90,20 +109,33 @@ def candidate(job: Job, grid: Grid, spec: perf.ModelSpec | None = None) -> Candi
                                                job.checkpointing),
         traffic=lambda b, g: traffic(spec, grid, job.topology, b, a.seq, e, g),
         unfit=lambda b: None if b % grid.z == 0 else f"z={grid.z} does not divide the micro-batch {b}",
+        seconds=None if job.eq_5_7 is None else
+        lambda b, g: eq_5_7_seconds(spec, grid, job.topology, b, a.seq, e, g, job.eq_5_7, job.latency),  # type: ignore[arg-type]
     )
 
 
-def candidates(job: Job) -> list[Candidate]:
+def candidates(job: Job) -> tuple[list[Candidate], list[Dropped]]:
     """Every grid whose layers, heads and hidden sizes it divides (``perf.pmm.unfit_reason`` at a
     micro-batch of G_z; the candidate then only needs G_z to divide its micro-batch) and whose
-    model states alone fit the device (as ``perf.pmm.rank_grids`` filters); none for an MoE."""
+    model states alone fit the device (as ``perf.pmm.rank_grids`` filters); none for an MoE.
+    The others are returned as dropped, with the reason."""
+    name = lambda g: f"pmm3d {g.x}x{g.y}x{g.z}x{g.data}"  # noqa: E731
+    grids = perf.factorizations(job.world)
     if job.arch.experts > 1:
-        return []
+        return [], [Dropped("pmm3d", name(g), "3D-PMM has no experts (an MoE): the ted family plans it") for g in grids]
     spec = model_spec(job.arch, job.checkpointing)
-    out = []
-    for g in perf.factorizations(job.world):
-        if perf.unfit_reason(spec, g, g.z) is None:
-            c = candidate(job, g, spec)
-            if sum(c.states.values()) <= job.machine.device_memory:
-                out.append(c)
-    return out
+    out, dropped = [], []
+    limit = job.machine.device_memory
+    for g in grids:
+        reason = perf.unfit_reason(spec, g, g.z)
+        if reason is not None:
+            dropped.append(Dropped("pmm3d", name(g), reason))
+            continue
+        c = candidate(job, g, spec)
+        states = sum(c.states.values())
+        if states <= limit:
+            out.append(c)
+        else:
+            dropped.append(Dropped("pmm3d", c.name, f"model states alone need {states / 1e9:.1f} GB per rank > "
+                                                    f"{limit / 1e9:.1f} GB"))
+    return out, dropped

@@ -5,15 +5,43 @@ from __future__ import annotations
 from typing import Any
 
 from ds_ext.planner.dsconfig import CONFIGURED
-from ds_ext.planner.estimate import STATES, Estimate
+from ds_ext.planner.estimate import STATES, Dropped, Estimate
 from ds_ext.planner.plan import PlanResult
 
 
+MANY = ("pmm3d", "megatron")  # families with many layouts: the top_k fastest shown in full
+
+
+def published(result: PlanResult, e: Estimate) -> bool:
+    """The layout of the model's published recipe (004 Table V): always shown, never steered away from silently."""
+    layout = result.job.arch.recipe.megatron
+    return layout is not None and e.family == "megatron" and e.name.startswith(f"megatron tp{layout[0]} pp{layout[1]} ")
+
+
 def shown(result: PlanResult, top_k: int) -> list[Estimate]:
-    """Every ZeRO preset and TED layout, the ``top_k`` fastest 3D-PMM grids, the configured plan."""
-    pmm = [e for e in result.estimates if e.family == "pmm3d"]
-    keep = {id(e) for e in pmm[:top_k]} | {id(e) for e in result.estimates if e.name.startswith(CONFIGURED)}
-    return [e for e in result.estimates if e.family != "pmm3d" or id(e) in keep]
+    """Every ZeRO preset and TED layout, the ``top_k`` fastest 3D-PMM grids and Megatron layouts,
+    the published recipe's layout and the configured plan."""
+    keep = {id(e) for f in MANY for e in [e for e in result.estimates if e.family == f][:top_k]}
+    keep |= {id(e) for e in result.estimates if e.name.startswith(CONFIGURED) or published(result, e)}
+    return [e for e in result.estimates if e.family not in MANY or id(e) in keep]
+
+
+def not_shown(result: PlanResult, top_k: int) -> list[Dropped]:
+    """Every candidate the table leaves out, with the reason: the families' and the batch's
+    drops, and the 3D-PMM grids past ``--top-k``."""
+    kept = {id(e) for e in shown(result, top_k)}
+    past = [Dropped(e.family, e.name, f"fit, slower than the --top-k {top_k} shown (fastest first)" if e.fits
+                    else f"past --top-k {top_k}; does not fit: {e.reason}")
+            for e in result.estimates if id(e) not in kept]
+    return list(result.dropped) + past
+
+
+def _reason_lines(dropped: list[Dropped]) -> list[str]:
+    """One line per (family, reason): the plans it drops."""
+    by: dict[tuple[str, str], list[str]] = {}
+    for d in dropped:
+        by.setdefault((d.family, d.reason), []).append(d.name.removeprefix(f"{d.family} "))
+    return [f"  {fam}: {reason}: {', '.join(names)}" for (fam, reason), names in by.items()]
 
 
 SHORT = {"weights": "wts", "secondary": "sec", "gradients": "grad", "optimizer": "opt", "activations": "act"}
@@ -30,7 +58,8 @@ def table(result: PlanResult, top_k: int = 5) -> str:
     head = (f"{a.name}: {a.params / 1e9:.2f}B parameters ({a.layers} layers, hidden {a.hidden}, {a.heads} heads, "
             f"vocab {a.vocab}, seq {a.seq}{f', {a.experts} experts' if a.experts > 1 else ''}) on "
             f"{job.topology.describe()}\n"
-            f"batch {job.global_batch} sequences per step; {job.machine.device_memory / 1e9:.1f} GB per rank; "
+            f"batch {job.global_batch} sequences per step ({job.batch_source}); "
+            f"{job.machine.device_memory / 1e9:.1f} GB per rank; "
             f"compute at {job.machine.flops / 1e12:.1f} TFLOP/s per rank; "
             f"{job.flops / 1e15:.1f} PFLOP per step (GPT-NeoX formula)")
     cols = (["#", "plan", "mb x GA"] + [SHORT[s] for s in STATES] + ["total", "fits"]
@@ -49,6 +78,10 @@ def table(result: PlanResult, top_k: int = 5) -> str:
     lines.append("wts / sec / grad / opt / act: GB per rank of weights, secondary, gradients, optimizer states, "
                  "activations; <level> GB: bytes one rank sends per optimizer step; max B: billions of parameters "
                  "whose model states fill the device at this plan's bytes per parameter")
+    hidden = not_shown(result, top_k)
+    if hidden:
+        lines.append(f"not shown ({len(hidden)}), by reason:")
+        lines += _reason_lines(hidden)
     for label, e in (("best", result.best), ("runner-up", result.runner_up)):
         lines.append(f"{label}: " + (f"{e.name} ({e.step_s:.2f} s per step, {e.tflops / 1e12:.1f} TFLOPS per rank)"
                                      if e else "no plan fits"))
@@ -73,6 +106,7 @@ def job_record(result: PlanResult) -> dict[str, Any]:
         "topology": job.topology.describe(),
         "world": job.world,
         "global_batch": job.global_batch,
+        "batch_source": job.batch_source,
         "grad_accum": job.grad_accum or "fewest that fit",
         "element_bytes": job.elem_bytes,
         "flops_per_step": job.flops,
@@ -86,6 +120,7 @@ def to_json(result: PlanResult) -> dict[str, Any]:
         "runner_up": result.runner_up.name if result.runner_up else None,
         "configured": [e.name for e in result.estimates if e.name.startswith(CONFIGURED)],
         "plans": [record(e) for e in result.estimates],
+        "not_ranked": [vars(d) for d in result.dropped],
     }
 
 

@@ -2,7 +2,7 @@
 
 For each model and node count the planner (:func:`ds_ext.planner.plan.plan`) evaluates every
 candidate; the sweep keeps each ZeRO-topo preset by name and, per family with many layouts, the
-fastest fitting one (``pmm3d``: the best grid, ``ted``: the best layout), since the best grid
+fastest fitting one (``pmm3d``: the best grid, ``ted`` and ``megatron``: the best layout), since the best grid
 changes with the scale. TFLOPS per GCD use GPT-NeoX's FLOPs formula (spec A1); the scaling
 efficiency of a plan is its TFLOPS per GCD over those at the smallest node count where it fits
 (003 does not define the metric; spec A1 reads it this way). The batch follows each model's
@@ -19,7 +19,7 @@ from ds_ext.planner.machine import Machine
 from ds_ext.planner.models import Arch
 from ds_ext.planner.plan import FAMILIES, PlanResult, make_job, plan
 
-PICK_BEST = ("pmm3d", "ted")  # families represented by their fastest fitting layout
+PICK_BEST = ("pmm3d", "ted", "megatron")  # families represented by their fastest fitting layout
 
 
 def representatives(result: PlanResult) -> dict[str, Estimate]:

@@ -35,7 +35,7 @@ from ds_ext.comm.ledger import all_reduce_bytes
 from ds_ext.groups import TEDLayout
 from ds_ext.perf.compute import ActivationSplit, activation_bytes
 from ds_ext.perf.ted import MoEBlockShape, eq_7_4, moe_block_traffic
-from ds_ext.planner.estimate import Candidate, Job, Traffic, divisors
+from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic, divisors
 from ds_ext.planner.models import Arch
 from ds_ext.topology import Topology
 
@@ -111,18 +111,25 @@ def traffic(arch: Arch, layout: TEDLayout, topology: Topology, micro: int, grad_
                     for lv in {*m.messages, *s.messages}})
 
 
-def layouts(arch: Arch, topology: Topology) -> list[TEDLayout]:
-    """Every (G_tensor, G_expert, G_data^exp) of the module docstring on ``topology``."""
+def layouts(arch: Arch, topology: Topology) -> tuple[list[TEDLayout], list[Dropped]]:
+    """Every (G_tensor, G_expert, G_data^exp) of the module docstring on ``topology``; the
+    (G_tensor, G_expert) pairs that break a constraint are returned as dropped, with the reason."""
     node = topology.ranks_per_node if len(topology.levels) > 1 else topology.world_size
     f = arch.ffn_mult * arch.hidden
-    out = []
+    out, dropped = [], []
     for T in divisors(node):
-        if arch.heads % T or arch.hidden % T or f % T:
-            continue
         for P in divisors(arch.experts):
-            if topology.world_size % (T * P) == 0:
+            sizes = {"heads": arch.heads, "hidden": arch.hidden, "ffn": f}
+            bad = [f"{k} {v}" for k, v in sizes.items() if v % T]
+            if bad:
+                reason = f"G_tensor {T} does not divide {', '.join(bad)}"
+            elif topology.world_size % (T * P):
+                reason = f"G_tensor x G_expert = {T * P} does not divide {topology.world_size} ranks"
+            else:
                 out.append(TEDLayout.build(topology.world_size, T, P))
-    return out
+                continue
+            dropped.append(Dropped("ted", f"ted {T}x{P}", reason))
+    return out, dropped
 
 
 def candidate(job: Job, layout: TEDLayout) -> Candidate:
@@ -140,8 +147,9 @@ def candidate(job: Job, layout: TEDLayout) -> Candidate:
     )
 
 
-def candidates(job: Job) -> list[Candidate]:
+def candidates(job: Job) -> tuple[list[Candidate], list[Dropped]]:
     """Every layout of an MoE; none for a dense model (the ZeRO-topo and 3D-PMM families plan it)."""
     if job.arch.experts == 1:
-        return []
-    return [candidate(job, lay) for lay in layouts(job.arch, job.topology)]
+        return [], [Dropped("ted", "ted", "a dense model (no experts): the zero and pmm3d families plan it")]
+    good, dropped = layouts(job.arch, job.topology)
+    return [candidate(job, lay) for lay in good], dropped

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ds_ext.groups import TEDLayout
-from ds_ext.planner import ted_layouts, zero_plans
+from ds_ext.planner import rccl, ted_layouts, zero_plans
 from ds_ext.planner.estimate import Estimate, evaluate
 from ds_ext.planner.machine import GiB, Machine
 from ds_ext.planner.models import Arch, lookup, with_experts
@@ -51,55 +51,66 @@ class Row:
         return {**asdict(self), "rel_error": self.rel_error, "holds": self.holds}
 
 
-ZEROPP_0131 = "zeropp (DeepSpeed 0.13.1)"
+ZERO_003 = ("zero3", "zeropp", "zero_topo_paper")  # 003's three, each as DeepSpeed runs it
 
 
-def _zero(machine: Machine, nodes: int, global_batch: int | None = None, grad_accum: int | None = None
-          ) -> dict[str, Estimate]:
-    """Every preset, plus ZeRO++ with the hpZ rule of DeepSpeed 0.13.1 (``ZEROPP_0131``)."""
+def _zero(machine: Machine, nodes: int, global_batch: int | None = None, grad_accum: int | None = None,
+          deepspeed: str | None = "0.13.1") -> dict[str, Estimate]:
+    """003's three plans on GPT-NeoX-20B, gathered as ``deepspeed`` (003's 0.13.1 by default,
+    None: ds_ext's engine) does (``zero_plans``)."""
     job = make_job(lookup("gpt-neox-20b"), machine, nodes, global_batch, grad_accum)
-    out = {e.name: e for e in plan(job, ["zero"]).estimates}
-    old = evaluate(job, zero_plans.candidate(job, {"preset": "zeropp"}, ZEROPP_0131, secondary_serves_forward=False))
-    assert old is not None
-    return {**out, ZEROPP_0131: old}
+    out = {}
+    for name in ZERO_003:
+        e = evaluate(job, zero_plans.candidate(job, {"preset": name}, deepspeed=deepspeed))
+        assert e is not None, name
+        out[name] = e
+    return out
 
 
-ZPP_NOTE = ("ZeRO++ gathers as DeepSpeed 0.13.1, 003's version (Table IX), did: hpZ served no gather with grad "
-            "enabled, so every micro-batch's checkpoint recompute gathered across nodes (PR #4906 changed it in 0.13.2)")
+DS_NOTE = ("DeepSpeed 0.13.1 (003's, Table IX): per-submodule gathers (4 per GPT-NeoX-20B block, 2 collectives "
+           "each when quantized), hpZ serving no gather with grad enabled; RCCL α per ring step from 001 §6.3.1")
 
 
 def zero_rows(machine: Machine) -> list[Row]:
-    """003: max model sizes, 384-GCD ratios, ZeRO-topo's efficiency; plus a batch sensitivity."""
+    """003: max model sizes, 384-GCD ratios, ZeRO-topo's efficiency; plus the sensitivity rows
+    (α band, today's DeepSpeed, ds_ext's per-block gathers, micro-batch and accumulation)."""
     s16, s384 = _zero(machine, 2), _zero(machine, 48)
-    t = lambda est, name: est[name].tflops  # noqa: E731
-    zpp = ZEROPP_0131
+    ratios = lambda est: (est["zeropp"].tflops / est["zero3"].tflops,  # noqa: E731
+                          est["zero_topo_paper"].tflops / est["zeropp"].tflops)
+    zz, tz = ratios(s384)
+    world = machine.build_topology(48).world_size
     rows = [
-        Row("largest model, ZeRO-3, 16 GCDs (B params)", "003 §II-A", 68, s16["zero3"].max_params / 1e9, 0.05),
-        Row("largest model, ZeRO++, 16 GCDs (B params)", "003 §II-A", 55, s16["zeropp"].max_params / 1e9, 0.05),
+        Row("largest model, ZeRO-3, 16 GCDs (B params)", "003 §II-A", 68, s16["zero3"].max_params / 1e9, 0.05,
+            "model states only, 64 GiB per GCD"),
+        Row("largest model, ZeRO++, 16 GCDs (B params)", "003 §II-A", 55, s16["zeropp"].max_params / 1e9, 0.05,
+            "model states only, 64 GiB per GCD"),
         Row("largest model, ZeRO-topo (Sec-Degree 2), 384 GCDs (B params)", "003 §VII-B", 36,
-            s384["zero_topo_paper"].max_params / 1e9, 0.05,
-            "003's 36B needs 64e9 bytes per GCD, its 68B / 55B need 64 GiB; the planner uses 64 GiB"),
-        Row("TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs", "003 §VI, Fig 7", 1.405, t(s384, zpp) / t(s384, "zero3"), 0.15,
-            ZPP_NOTE),
-        Row("TFLOPS per GCD ZeRO-topo / ZeRO++, 384 GCDs", "003 §VI, Fig 7", 1.707,
-            t(s384, "zero_topo_paper") / t(s384, zpp), 0.15, ZPP_NOTE),
-        Row("TFLOPS per GCD ZeRO-topo / ZeRO-3, 384 GCDs", "003 §VI", 2.398, t(s384, "zero_topo_paper") / t(s384, "zero3")),
+            s384["zero_topo_paper"].max_params / 1e9 * 64e9 / machine.device_memory, 0.05,
+            "model states only, 64e9 bytes per GCD: 003's 36B counts decimal GB, its 68B / 55B binary GiB"),
+        Row(f"TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs (batch {s384['zero3'].micro_batch} x "
+            f"{s384['zero3'].grad_accum} per GCD)", "003 §VI, Fig 7", 1.405, zz, 0.15, DS_NOTE),
+        Row("TFLOPS per GCD ZeRO-topo / ZeRO++, 384 GCDs", "003 §VI, Fig 7", 1.707, tz, 0.15, DS_NOTE),
+        Row("TFLOPS per GCD ZeRO-topo / ZeRO-3, 384 GCDs", "003 §VI", 2.398, zz * tz),
         Row("scaling efficiency ZeRO-topo, 16 -> 384 GCDs", "003 abstract, Fig 7", 0.94,
-            t(s384, "zero_topo_paper") / t(s16, "zero_topo_paper")),
+            s384["zero_topo_paper"].tflops / s16["zero_topo_paper"].tflops),
     ]
-    note = "sensitivity, not the prediction: hpZ as DeepSpeed >= 0.13.2 and ds_ext serve forwards"
-    rows += [
-        Row("  same, today's hpZ: ZeRO++ / ZeRO-3", "003 §VI", 1.405, t(s384, "zeropp") / t(s384, "zero3"), None, note),
-        Row("  same, today's hpZ: ZeRO-topo / ZeRO++", "003 §VI", 1.707,
-            t(s384, "zero_topo_paper") / t(s384, "zeropp"), None, note),
-    ]
-    ga1 = _zero(machine, 48, global_batch=4 * machine.build_topology(48).world_size, grad_accum=1)
-    note = "sensitivity, not the prediction: micro-batch 4, no accumulation (003 gives no batch)"
-    rows += [
-        Row("  same, 1 micro-step per step: ZeRO++ / ZeRO-3", "003 §VI", 1.405, t(ga1, zpp) / t(ga1, "zero3"), None, note),
-        Row("  same, 1 micro-step per step: ZeRO-topo / ZeRO++", "003 §VI", 1.707,
-            t(ga1, "zero_topo_paper") / t(ga1, zpp), None, note),
-    ]
+    lo, hi = rccl.ALPHA_BAND_S
+    ring_b = sum(p.ring_bandwidth for p in rccl.DERIVED) / len(rccl.DERIVED) / 1e9
+    cases = [(f"α {lo * 1e6:.0f} µs (band's low end)", _zero(machine.with_links({}, {"node": lo * 1e6}), 48)),
+             (f"α {hi * 1e6:.0f} µs (band's high end)", _zero(machine.with_links({}, {"node": hi * 1e6}), 48)),
+             ("α 15 µs (the earlier assumed value)", _zero(machine.with_links({}, {"node": 15.0}), 48)),
+             (f"α {rccl.mean_alpha(rccl.TABLE_II) * 1e6:.0f} µs (node ring at Table II's 50 GB/s)",
+              _zero(machine.with_links({}, {"node": rccl.mean_alpha(rccl.TABLE_II) * 1e6}), 48)),
+             (f"node rings at the derived RCCL ring bandwidth B = {ring_b:.0f} GB/s per rank (not the NIC share)",
+              _zero(machine.with_links({"node": ring_b}, {}), 48)),
+             ("today's DeepSpeed 0.19.8 (hpZ serves forwards)", _zero(machine, 48, deepspeed="0.19.8")),
+             ("one collective per block (ds_ext's engine)", _zero(machine, 48, deepspeed=None))]
+    cases += [(f"micro-batch {mb} x {ga} steps per GCD", _zero(machine, 48, mb * ga * world, ga))
+              for mb, ga in ((1, 32), (8, 32), (4, 1), (4, 8))]
+    for label, est in cases:
+        z, t = ratios(est)
+        rows += [Row(f"  sensitivity, {label}: ZeRO++ / ZeRO-3", "003 §VI", 1.405, z, None, "not the prediction"),
+                 Row(f"  sensitivity, {label}: ZeRO-topo / ZeRO++", "003 §VI", 1.707, t, None, "not the prediction")]
     return rows
 
 
@@ -122,6 +133,56 @@ def pmm_rows(machine: Machine, table=TABLE_III) -> list[Row]:
         if gcds != table[0][0]:
             rows.append(Row(f"  weak-scaling efficiency {table[0][0]} -> {gcds} GCDs", "000 Table III, §VII-A",
                             published / base[0], best.tflops / base[1]))
+    return rows
+
+
+# 004 §V-B measured TFLOPS per GCD; Table V's recipes (TP, PP, MBS 1, GBS) for 175B and 1T, one replica each
+TABLE_V = (("gpt-175b", 8, 69.2), ("gpt-1t", 64, 61.2))  # (model, nodes: TP x PP / 8 GCDs, published)
+MEGATRON_22B = (8, 640, 73.5)  # 22B: nodes, GBS (004 gives no 22B recipe: 175B's replica size and GBS), published
+
+
+def megatron_rows(machine: Machine) -> list[Row]:
+    """004 Table V: predicted TFLOPS per GCD of the published recipes (one data-parallel replica:
+    004 states no GCD count for them) and of 22B's best Megatron layout (no recipe published)."""
+    from ds_ext.planner import report
+
+    rows = []
+    for model, nodes, measured in TABLE_V:
+        result = plan(make_job(lookup(model), machine, nodes), ["megatron"])
+        recipe = next(e for e in result.estimates if report.published(result, e))
+        rows.append(Row(f"{model} Table V recipe ({recipe.name}, {recipe.micro_batch} x {recipe.grad_accum}), "
+                        "TFLOPS per GCD", "004 §V-B, Table V", measured, recipe.tflops / 1e12, 0.20,
+                        "one replica; compute at the single-GCD GEMM efficiency (000 §VI-C)"))
+        if result.best is not None and result.best is not recipe:
+            rows.append(Row(f"  {model}: planner's first choice {result.best.name}, TFLOPS per GCD", "004 §V-B",
+                            measured, result.best.tflops / 1e12, None, "shown beside the recipe, not the prediction"))
+    nodes, batch, measured = MEGATRON_22B
+    best = plan(make_job(lookup("gpt-22b"), machine, nodes, batch), ["megatron"]).best
+    assert best is not None
+    rows.append(Row(f"gpt-22b best Megatron layout ({best.name}, GBS {batch}), TFLOPS per GCD", "004 §V-B", measured,
+                    best.tflops / 1e12, None, "004 gives no 22B recipe: 175B's replica size and GBS assumed"))
+    return rows
+
+
+# 001 Fig 6.12 (§6.3.2, DeepSpeed ZeRO-3 on Frontier, RCCL vs PCCL): (model, GCDs, published, what)
+FIG_6_12 = (("gpt3-6.7b", 512, 0.30, "less batch time"), ("gpt3-13b", 512, 0.16, "less batch time"),
+            ("gpt3-6.7b", 1024, 0.60, "speedup"), ("gpt3-13b", 1024, 0.39, "speedup"))
+
+
+def pccl_rows(machine: Machine) -> list[Row]:
+    """001 Fig 6.12: ZeRO-3 (DeepSpeed 0.19.8's gathers) with RCCL's ring vs PCCL (``zero_plans.pccl``).
+    The text gives "reduces batch time by" at 512 GCDs and "speedup" at 1,024; the figure's batch is
+    not in the text: the rows use 001 Table 4.1's."""
+    rows = []
+    for model, gcds, published, what in FIG_6_12:
+        job = make_job(lookup(model), machine, gcds // 8)
+        rccl_e, pccl_e = (evaluate(job, zero_plans.candidate(job, {"preset": "zero3"}, deepspeed="0.19.8",
+                                                             collectives=c)) for c in ("rccl", "pccl"))
+        assert rccl_e is not None and pccl_e is not None, model
+        value = 1 - pccl_e.step_s / rccl_e.step_s if what == "less batch time" else rccl_e.step_s / pccl_e.step_s - 1
+        rows.append(Row(f"{model} ZeRO-3 on {gcds} GCDs, PCCL over RCCL: {what} (batch {job.global_batch})",
+                        "001 §6.3.2, Fig 6.12", published, value, 0.15,
+                        "batch of 001 Table 4.1 (the figure's is not given); RCCL α from 001 §6.3.1"))
     return rows
 
 
@@ -163,7 +224,7 @@ def ted_rows() -> list[Row]:
 
 
 def validate(machine: Machine) -> list[Row]:
-    return zero_rows(machine) + pmm_rows(machine) + ted_rows()
+    return zero_rows(machine) + pmm_rows(machine) + megatron_rows(machine) + pccl_rows(machine) + ted_rows()
 
 
 def markdown(rows: list[Row]) -> str:

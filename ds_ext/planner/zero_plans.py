@@ -7,32 +7,95 @@ of tables, head and final norm first, then one unit per transformer block), padd
 ``ds_ext.zero_topo.layout.padded_numel``; bytes, messages and memory are
 ``ds_ext.perf.zero.traffic`` / ``memory`` of those units, the functions the ledger tests hold
 the engine to. Memory is rank 0's, the rank whose optimizer shard holds no padding.
+
+DeepSpeed's own ZeRO-3 / ZeRO++ (the baselines 003 measures, ``deepspeed=VERSION``) move the same
+bytes in more collectives: its pre-forward / pre-backward hooks fetch per submodule the
+parameters above ``stage3_param_persistence_threshold`` (default 1e5 elements; biases and norms
+stay resident), ``all_gather_coalesced`` issuing one all-gather per fetch, two when quantized
+(payload and scales: ``partition_parameters.py``, ``_all_gather_coalesced``; DeepSpeed 0.19.8).
+A GPT block is then its submodules holding a parameter above the threshold (QKV, attention
+out, FC1, FC2: 4 fetches for GPT-NeoX-20B), the root its tables. Gradients are reduced in
+buckets of ``reduce_bucket_size`` (GPT-NeoX 20B.yml: 1.26e9 elements, about one 20B block), so
+the per-block reduction stays. DeepSpeed 0.13.1 (003's version) also served no gather with
+grad enabled from hpZ's secondary (``ds_ext.perf.zero``'s ``secondary_serves_forward``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ds_ext.perf import zero as perf
 from ds_ext.perf.compute import activation_bytes
-from ds_ext.planner.estimate import Candidate, Job, Traffic
+from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic
 from ds_ext.planner.models import Arch
 from ds_ext.zero_topo.layout import padded_numel
 from ds_ext.zero_topo.plan import PRESETS, ShardingPlan, ZeroTopoConfig, resolve_plan
 
 
-def units(arch: Arch, world: int, block: int) -> list[perf.UnitSpec]:
-    """The engine's gather/release units of ``arch`` on ``world`` ranks."""
-    root = perf.UnitSpec(padded_numel(arch.root_params, world, block), arch.root_params, True)
-    block_unit = perf.UnitSpec(padded_numel(arch.block_params, world, block), arch.block_params)
+PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed stage3_param_persistence_threshold default (runtime/zero/config.py)
+DEEPSPEED_VERSIONS = ("0.13.1", "0.19.8")  # 003's (Table IX) and today's
+
+
+def _fetches(largest: list[int]) -> int:
+    """DeepSpeed's fetches of a unit: its submodules whose largest parameter is above the threshold."""
+    n = sum(1 for numel in largest if numel > PERSISTENCE_THRESHOLD)
+    if n == 0:
+        raise ValueError("every parameter of a unit stays resident under DeepSpeed's persistence threshold; "
+                         "the planner does not model that")
+    return n
+
+
+def deepspeed_fetches(arch: Arch) -> tuple[int, int]:
+    """(root, block) fetches of ``arch`` under DeepSpeed ZeRO-3 (module docstring)."""
+    h, f = arch.hidden, arch.ffn_mult * arch.hidden
+    tables = [arch.vocab * h] * (1 if arch.tied_embeddings else 2) + ([arch.seq * h] if arch.learned_positions else [])
+    block = [3 * h * h, h * h, f * h, f * h]  # QKV, attention out, FC1, FC2 weights (biases, norms: below)
+    return _fetches(tables), _fetches(block)
+
+
+def units(arch: Arch, world: int, block: int, deepspeed: bool = False) -> list[perf.UnitSpec]:
+    """The engine's gather/release units of ``arch`` on ``world`` ranks; ``deepspeed``: each
+    gathered in DeepSpeed's per-submodule fetches."""
+    root_g, block_g = deepspeed_fetches(arch) if deepspeed else (1, 1)
+    root = perf.UnitSpec(padded_numel(arch.root_params, world, block), arch.root_params, True, root_g)
+    block_unit = perf.UnitSpec(padded_numel(arch.block_params, world, block), arch.block_params, gathers=block_g)
     return [root] + [block_unit] * arch.layers
 
 
-def traffic(plan: ShardingPlan, arch: Arch, grad_accum: int, elem_bytes: int,
-            secondary_serves_forward: bool = True) -> Traffic:
-    t = perf.traffic(plan, units(arch, plan.topology.world_size, plan.block_size), grad_accum, elem_bytes,
-                     secondary_serves_forward)
-    return Traffic(t.by_level(), t.steps_by_level())
+COLLECTIVES = ("rccl", "pccl")
+
+
+def pccl(t: perf.Traffic, plan: ShardingPlan) -> Traffic:
+    """ZeRO-3's world all-gathers and reduce-scatters issued with PCCL (001 §6.2): each becomes an
+    inter-node phase, recursive doubling over the N nodes on every GCD's NIC share, (N-1)/N S/P bytes in
+    log2 N messages, and RCCL's ring inside the node, (P-1)/P S bytes in P - 1 messages (S the
+    collective's full buffer, P ranks per node; the ring's S (W-1)/W becomes these two)."""
+    topo = plan.topology
+    top = len(topo.levels) - 1
+    if (plan.weights, plan.gradients, plan.secondary) != (top, top, None):
+        raise ValueError("PCCL costing covers ZeRO-3's world collectives only (preset zero3)")
+    w, p = topo.world_size, topo.ranks_per_node
+    n = w // p
+    node, inner = topo.levels[-1].name, topo.levels[-2].name
+    out_b, out_m = t.by_level(), t.steps_by_level()
+    world_calls = sum(t.calls[ph].get(node, 0.0) for ph in ("forward", "backward"))
+    world_bytes = sum(t.bytes[ph].get(node, 0.0) for ph in ("forward", "backward"))
+    full = world_bytes * w / (w - 1)  # Σ S over the world collectives
+    out_b[node] += full * (n - 1) / n / p - world_bytes
+    out_m[node] += world_calls * (math.log2(n) - (w - 1))
+    out_b[inner] = out_b.get(inner, 0.0) + full * (p - 1) / p
+    out_m[inner] = out_m.get(inner, 0.0) + world_calls * (p - 1)
+    return Traffic(out_b, out_m)
+
+
+def traffic(plan: ShardingPlan, arch: Arch, grad_accum: int, elem_bytes: int, deepspeed: str | None = None,
+            collectives: str = "rccl") -> Traffic:
+    """Bytes and ring messages per level; ``deepspeed``: as that DeepSpeed version gathers (module
+    docstring); ``collectives="pccl"``: ZeRO-3's world collectives by PCCL (:func:`pccl`)."""
+    t = perf.traffic(plan, units(arch, plan.topology.world_size, plan.block_size, deepspeed is not None),
+                     grad_accum, elem_bytes, secondary_serves_forward=deepspeed != "0.13.1")
+    return pccl(t, plan) if collectives == "pccl" else Traffic(t.by_level(), t.steps_by_level())
 
 
 def states(plan: ShardingPlan, arch: Arch, elem_bytes: int) -> dict[str, float]:
@@ -41,10 +104,15 @@ def states(plan: ShardingPlan, arch: Arch, elem_bytes: int) -> dict[str, float]:
             "optimizer": m["optimizer"]}
 
 
-def candidate(job: Job, section: dict[str, Any], name: str | None = None,
-              secondary_serves_forward: bool = True) -> Candidate:
-    """The plan of one ``ds_ext.zero_topo`` section (a preset name and its overrides);
-    ``secondary_serves_forward=False``: hpZ as DeepSpeed 0.13.1 ran it (``ds_ext.perf.zero``)."""
+def candidate(job: Job, section: dict[str, Any], name: str | None = None, deepspeed: str | None = None,
+              collectives: str = "rccl") -> Candidate:
+    """The plan of one ``ds_ext.zero_topo`` section (a preset name and its overrides) in ds_ext's
+    engine, or with ``deepspeed`` (one of ``DEEPSPEED_VERSIONS``) as that DeepSpeed runs it, its
+    collectives by ``collectives`` (``COLLECTIVES``)."""
+    if deepspeed is not None and deepspeed not in DEEPSPEED_VERSIONS:
+        raise ValueError(f"deepspeed {deepspeed!r}; allowed: {', '.join(DEEPSPEED_VERSIONS)}")
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"collectives {collectives!r}; allowed: {', '.join(COLLECTIVES)}")
     cfg = ZeroTopoConfig(enabled=True, **section)
     plan = resolve_plan(cfg, job.topology)
     a, e = job.arch, job.elem_bytes
@@ -53,13 +121,14 @@ def candidate(job: Job, section: dict[str, Any], name: str | None = None,
         states=states(plan, a, e),
         activations=lambda b: activation_bytes(b * a.seq, a.layers, a.hidden, a.heads, a.seq, a.vocab,
                                                checkpointing=job.checkpointing),
-        traffic=lambda b, g: traffic(plan, a, g, e, secondary_serves_forward),
+        traffic=lambda b, g: traffic(plan, a, g, e, deepspeed, collectives),
         notes=(plan.describe(),),
     )
 
 
-def candidates(job: Job) -> list[Candidate]:
+def candidates(job: Job) -> tuple[list[Candidate], list[Dropped]]:
     """Every preset; none for an MoE (ZeRO-topo refuses expert parameters)."""
     if job.arch.experts > 1:
-        return []
-    return [candidate(job, {"preset": p}) for p in PRESETS]
+        return [], [Dropped("zero", p, "ZeRO-topo refuses expert parameters (an MoE): the ted family plans it")
+                    for p in PRESETS]
+    return [candidate(job, {"preset": p}) for p in PRESETS], []

@@ -1,27 +1,50 @@
-"""3D-PMM: AxoNN's 4D hybrid parallelism (X x Y x Z tensor grid + data), 001 ch. 5, 000 §V."""
+"""3D-PMM: AxoNN's 4D hybrid parallelism (X x Y x Z tensor grid + data), 001 ch. 5, 000 §V.
 
-from ds_ext.pmm.engine import PMMEngine
-from ds_ext.pmm.grid import Axis, Grid, GridError, build_axes
-from ds_ext.pmm.layers import Embedding, Head, LayerNorm, RMSNorm
-from ds_ext.pmm.linear import Linear
-from ds_ext.pmm.parallelize import ConversionError, local_shards, parallelize
-from ds_ext.pmm.plans import LinearStyle, Plan, plan_for
+The names below load on first use (PEP 562), so that the torch-free modules of this package
+(``grid``, ``layout``, ``config``, ``tune``) import without torch: the planner uses them.
+"""
 
-__all__ = [
-    "Axis",
-    "ConversionError",
-    "Embedding",
-    "Grid",
-    "GridError",
-    "Head",
-    "LayerNorm",
-    "Linear",
-    "LinearStyle",
-    "PMMEngine",
-    "Plan",
-    "RMSNorm",
-    "build_axes",
-    "local_shards",
-    "parallelize",
-    "plan_for",
-]
+import sys
+import types
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "Axis": "ds_ext.pmm.grid",
+    "ConversionError": "ds_ext.pmm.parallelize",
+    "Embedding": "ds_ext.pmm.layers",
+    "Grid": "ds_ext.pmm.grid",
+    "GridError": "ds_ext.pmm.grid",
+    "Head": "ds_ext.pmm.layers",
+    "LayerNorm": "ds_ext.pmm.layers",
+    "Linear": "ds_ext.pmm.linear",
+    "LinearStyle": "ds_ext.pmm.plans",
+    "PMMEngine": "ds_ext.pmm.engine",
+    "Plan": "ds_ext.pmm.plans",
+    "RMSNorm": "ds_ext.pmm.layers",
+    "build_axes": "ds_ext.pmm.grid",
+    "local_shards": "ds_ext.pmm.parallelize",
+    "parallelize": "ds_ext.pmm.parallelize",
+    "plan_for": "ds_ext.pmm.plans",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ds_ext.pmm' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)
+
+
+class _Package(types.ModuleType):
+    """``parallelize`` is a submodule and its function: importing the submodule binds the package's
+    attribute to the function, as an eager ``from ds_ext.pmm.parallelize import parallelize`` did."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

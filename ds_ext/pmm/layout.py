@@ -13,8 +13,10 @@ projection) are split block by block, so every rank keeps whole heads of q, k an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the planner imports this module without torch
+    import torch
 
 
 def feature_slice(features: int, parts: int, coord: int) -> slice:
@@ -27,6 +29,8 @@ def feature_slice(features: int, parts: int, coord: int) -> slice:
 
 def chunked_index(features: int, parts: int, coord: int, chunks: int) -> torch.Tensor:
     """Indices of block ``coord`` of each of ``chunks`` stacked sub-blocks of ``features``."""
+    import torch
+
     if features % (chunks * parts):
         raise ValueError(f"{features} features do not split into {chunks} x {parts} equal blocks")
     per = features // chunks

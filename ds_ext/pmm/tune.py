@@ -1,8 +1,7 @@
 """``ds-ext tune``: rank the 4D grids of a model (001 §5.1.2) and measure the bandwidth database.
 
-* :func:`top_grids`: every factorization of the world that divides the model and fits the
-  memory limit, ranked by predicted communication time (:mod:`ds_ext.perf.pmm`), with the
-  topology level each axis spans and the model-state bytes per rank.
+* ranking the grids is the planner's (``ds_ext.planner.pmm_grids`` through ``ds-ext tune`` /
+  ``ds-ext plan --families pmm3d``); :func:`bandwidths` gives it Eq 5.7's inputs.
 * :func:`measure_database`: 001 §5.1.2 Case 1 profiling. For every two-level hierarchy
   (G_0, G_1) with G_0 G_1 <= G_node, all outer groups of size G_1 (rank stride G_0) run
   all-reduces of ``message_bytes`` at once; the bandwidth is the bytes one rank sends (ring
@@ -16,39 +15,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ds_ext.groups import ParallelAxes, axis_levels
+from ds_ext.groups import ParallelAxes
 from ds_ext.perf import pmm as perf
 from ds_ext.topology import Topology
 
 REPEATS = 3
-
-
-def top_grids(spec: perf.ModelSpec, topology: Topology, global_batch: int, seq_len: int, elem_bytes: int,
-              zero_stage: int, memory_limit: float | None, bw: perf.Bandwidths | None, k: int,
-              latency: bool = False) -> list[dict]:
-    """The ``k`` best grids as JSON-ready records (micro-batch = global batch / G_data), ranked by
-    :func:`ds_ext.perf.pmm.comm_time` with ``bw`` and, with ``latency``, α per message."""
-    out = []
-    world = topology.world_size
-    for grid in perf.factorizations(world):
-        if global_batch % grid.data:
-            continue
-        micro = global_batch // grid.data
-        if perf.unfit_reason(spec, grid, micro) is not None:
-            continue
-        mem = perf.model_state_bytes(spec, grid, elem_bytes, zero_stage)
-        if memory_limit is not None and mem > memory_limit:
-            continue
-        args = (spec, grid, topology, micro, seq_len, elem_bytes)
-        out.append({
-            "grid": {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data},
-            "predicted_comm_s": perf.comm_time(*args, bw=bw, latency=latency),
-            "predicted_paper_comm_s": perf.comm_time(*args, bw=bw, paper_terms_only=True),
-            "memory_per_rank_bytes": mem,
-            "levels": axis_levels(grid.axes(), topology),
-        })
-    out.sort(key=lambda r: r["predicted_comm_s"])
-    return out[:k]
 
 
 def measure_database(comm, topology: Topology, message_bytes: int) -> dict[str, Any]:

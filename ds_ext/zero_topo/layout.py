@@ -20,13 +20,15 @@ reorders them (an einops rearrange that reverses the level axes).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import torch
 from einops import rearrange
 
 from ds_ext.groups import ParallelAxes, Partition
 from ds_ext.topology import Topology
+
+if TYPE_CHECKING:  # annotations only: the planner imports this module without torch
+    import torch
 
 
 def shard_index(topo: Topology, rank: int, level: int) -> int:

@@ -1,0 +1,166 @@
+"""Megatron-DeepSpeed 3D parallelism (tensor x pipeline x data) as planner candidates (004 §II, §V-A).
+
+A layout is (TP, PP, DP) with TP PP DP = W: TP inside a node and dividing the heads (004 §V-A:
+"Limit Tensor-Parallelism to a Single Node"), PP dividing the layers, ZeRO-1 over DP (004 §V-A),
+micro-batch 1 (004 Table V, MBS 1 for both recipes). Ranks are Megatron's order: TP innermost,
+then DP, then PP. Notation: b micro-batch, m = B / (DP b) micro-batches per replica per step,
+s sequence, h hidden, L layers, e bytes per element.
+
+Time per step (1F1B, 004 §II-C and §V-A: DeepSpeed's pipeline engine, PipeDream's schedule): a
+stage runs m forward-backward micro-batches and waits the (p - 1)-slot fill and drain, so every
+per-micro-batch cost is stretched by the bubble, ``(m + p - 1) / m``::
+
+    t = (m + p - 1) / m x (F / (W peak eff) + t_TP + t_PP) + t_DP
+
+* t_TP: Megatron's all-reduces of b s h e over the TP group, per layer and micro-batch two in
+  forward (attention out, FC2), two in backward (the f of QKV and FC1), two more in the
+  checkpoint recompute; L / p layers per stage;
+* t_PP: the stage boundary's point-to-point send, b s h e forward and b s h e backward per
+  micro-batch, over the level between consecutive stages (one message each);
+* t_DP: ZeRO-1 once per step, as DeepSpeed's ZeRO-1 does it (``ted_layouts``): an all-reduce of
+  the 16-bit gradients and an all-gather of the updated weights of the rank's parameters.
+
+Memory per rank, the larger of the first stage (the embedding, p micro-batches in flight under
+1F1B) and the last stage (the head, fp32 logits of its micro-batch, one in flight): 2 + 2 bytes per
+parameter of 16-bit weights and gradients, 12 / DP of fp32 master and Adam moments (ZeRO-1);
+activations per layer as ``perf.compute.activation_bytes`` with the matmul activations split
+over TP, with checkpointing the layers' inputs of every micro-batch in flight plus one layer's
+working set, without it every in-flight layer's working set.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ds_ext.comm.emulation import message_steps
+from ds_ext.comm.ledger import all_reduce_bytes
+from ds_ext.perf.compute import ActivationSplit, activation_bytes
+from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic, comm_seconds, divisors
+from ds_ext.planner.models import Arch
+from ds_ext.topology import Topology
+
+MICRO_BATCH = 1  # 004 Table V: MBS 1 (175B and 1T)
+
+
+def name(tp: int, pp: int, dp: int) -> str:
+    return f"megatron tp{tp} pp{pp} dp{dp}"
+
+
+def stage_params(arch: Arch, tp: int, pp: int) -> int:
+    """Parameters one rank of the larger end stage holds: L / p blocks split over TP (Megatron: QKV,
+    FC1 column-parallel with their biases, attention-out and FC2 row-parallel with whole biases,
+    norms replicated), the vocabulary-parallel table on the first stage and the head on the last
+    (Megatron keeps a copy of a tied embedding there), positions first, the final norm last."""
+    h, f = arch.hidden, arch.ffn_mult * arch.hidden
+    block = 4 * h + (3 * h * h + 3 * h) // tp + h * h // tp + h + (h * f + f) // tp + f * h // tp + h
+    table = arch.vocab * h // tp
+    positions = arch.seq * h if arch.learned_positions else 0
+    if pp == 1:
+        ends = table * (1 if arch.tied_embeddings else 2) + positions + 2 * h
+    else:
+        ends = table + max(positions, 2 * h)
+    return arch.layers // pp * block + ends
+
+
+def _levels(topology: Topology, tp: int, pp: int, dp: int) -> dict[str, str | None]:
+    """The level each group of rank 0 spans (TP innermost, then DP, then PP)."""
+    return {"tensor": topology.level_of(range(tp)) if tp > 1 else None,
+            "data": topology.level_of(range(0, tp * dp, tp)) if dp > 1 else None,
+            "pipeline": topology.level_of([0, tp * dp]) if pp > 1 else None}
+
+
+def micro_traffic(arch: Arch, job: Job, tp: int, pp: int, dp: int, micro: int, m: int) -> Traffic:
+    """TP all-reduces and PP sends of ``m`` micro-batches, per level (module docstring)."""
+    e, lv = job.elem_bytes, _levels(job.topology, tp, pp, dp)
+    act = micro * arch.seq * arch.hidden * e
+    nbytes: dict[str, float] = defaultdict(float)
+    messages: dict[str, float] = defaultdict(float)
+    if tp > 1:
+        calls = m * (arch.layers // pp) * (6 if job.checkpointing else 4)
+        nbytes[lv["tensor"]] += calls * all_reduce_bytes(act, tp)  # type: ignore[index]
+        messages[lv["tensor"]] += calls * message_steps("all_reduce", tp)  # type: ignore[index]
+    if pp > 1:
+        nbytes[lv["pipeline"]] += 2 * m * act  # type: ignore[index]
+        messages[lv["pipeline"]] += 2 * m  # type: ignore[index]
+    return Traffic(dict(nbytes), dict(messages))
+
+
+def step_traffic(arch: Arch, job: Job, tp: int, pp: int, dp: int) -> Traffic:
+    """ZeRO-1 over DP once per step (module docstring)."""
+    lv = _levels(job.topology, tp, pp, dp)
+    nbytes: dict[str, float] = defaultdict(float)
+    messages: dict[str, float] = defaultdict(float)
+    if dp > 1:
+        n, e = stage_params(arch, tp, pp), job.elem_bytes
+        nbytes[lv["data"]] += 3 * n * e * (dp - 1) / dp  # type: ignore[index]
+        messages[lv["data"]] += message_steps("all_reduce", dp) + message_steps("all_gather", dp)  # type: ignore[index]
+    return Traffic(dict(nbytes), dict(messages))
+
+
+def activations(arch: Arch, tp: int, pp: int, micro: int, m: int, checkpointing: bool) -> float:
+    """Peak activation bytes of the larger end stage (module docstring)."""
+    split = ActivationSplit(tensor=tp, vocab=tp)
+    per_stage = arch.layers // pp
+    t = micro * arch.seq
+    in_flight = min(pp, m)
+    first = activation_bytes(t, per_stage * in_flight, arch.hidden, arch.heads, arch.seq, 0, split, checkpointing)
+    last = activation_bytes(t, per_stage, arch.hidden, arch.heads, arch.seq, arch.vocab, split, checkpointing)
+    return max(first, last)
+
+
+def _sum(x: Traffic, y: Traffic) -> Traffic:
+    return Traffic({k: x.bytes.get(k, 0.0) + y.bytes.get(k, 0.0) for k in {*x.bytes, *y.bytes}},
+                   {k: x.messages.get(k, 0.0) + y.messages.get(k, 0.0) for k in {*x.messages, *y.messages}})
+
+
+def seconds(job: Job, tp: int, pp: int, dp: int, micro: int, m: int) -> dict[str, float]:
+    """Per level: the micro-batches' TP / PP time stretched by the bubble, plus ZeRO-1's step."""
+    stretched = comm_seconds(micro_traffic(job.arch, job, tp, pp, dp, micro, m), job.topology, job.latency)
+    step = comm_seconds(step_traffic(job.arch, job, tp, pp, dp), job.topology, job.latency)
+    bubble = (m + pp - 1) / m
+    return {k: stretched.get(k, 0.0) * bubble + step.get(k, 0.0) for k in {*stretched, *step}}
+
+
+def candidate(job: Job, tp: int, pp: int, dp: int) -> Candidate:
+    a = job.arch
+    n = stage_params(a, tp, pp)
+    return Candidate(
+        family="megatron", name=name(tp, pp, dp),
+        config={"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": MICRO_BATCH,
+                "megatron": {"tensor-model-parallel-size": tp, "pipeline-model-parallel-size": pp}},
+        data=dp, states={"weights": 2.0 * n, "secondary": 0.0, "gradients": 2.0 * n, "optimizer": 12.0 * n / dp},
+        activations=lambda b: activations(a, tp, pp, b, job.global_batch // (dp * b), job.checkpointing),
+        traffic=lambda b, g: _sum(micro_traffic(a, job, tp, pp, dp, b, g), step_traffic(a, job, tp, pp, dp)),
+        unfit=lambda b: None if b == MICRO_BATCH else f"micro-batch {b}: Megatron plans run micro-batch {MICRO_BATCH}",
+        seconds=lambda b, g: seconds(job, tp, pp, dp, b, g),
+        stretch=lambda b, g: (g + pp - 1) / g,  # m = g micro-batches per replica
+        notes=(f"1F1B bubble (p - 1) / m with p = {pp}",),
+    )
+
+
+def layouts(arch: Arch, topology: Topology) -> tuple[list[tuple[int, int, int]], list[Dropped]]:
+    """Every (TP, PP, DP) of the module docstring; the (TP, PP) that break a rule, with the reason."""
+    node = topology.ranks_per_node if len(topology.levels) > 1 else topology.world_size
+    out, dropped = [], []
+    for tp in divisors(topology.world_size):
+        for pp in divisors(topology.world_size // tp):
+            dp = topology.world_size // (tp * pp)
+            if tp > node:
+                reason = f"TP {tp} crosses a node of {node} ranks (004 §V-A)"
+            elif arch.heads % tp or arch.hidden % tp:
+                reason = f"TP {tp} does not divide heads {arch.heads} / hidden {arch.hidden}"
+            elif arch.layers % pp:
+                reason = f"PP {pp} does not divide {arch.layers} layers"
+            else:
+                out.append((tp, pp, dp))
+                continue
+            dropped.append(Dropped("megatron", name(tp, pp, dp), reason))
+    return out, dropped
+
+
+def candidates(job: Job) -> tuple[list[Candidate], list[Dropped]]:
+    """Every layout of a dense model; none for an MoE (the ted family plans it)."""
+    if job.arch.experts > 1:
+        return [], [Dropped("megatron", "megatron", "an MoE: the ted family plans it")]
+    good, dropped = layouts(job.arch, job.topology)
+    return [candidate(job, *lay) for lay in good], dropped
