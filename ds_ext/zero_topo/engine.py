@@ -328,9 +328,9 @@ class ShardedModel:
 
         n_g = shard_count(self.ctx.topo, self.ctx.plan.gradients)
         return [UnitSpec(u.U, u.numel, u is self.root,
-                         tuple((o, o + shape.numel()) for p, o, shape in zip(u.params, u.offsets, u.shapes)
-                               if p.requires_grad),
-                         tuple(u.raw_blocks.view(n_g, -1).sum(1).tolist()))
+                         spans=tuple((o, o + shape.numel()) for p, o, shape in zip(u.params, u.offsets, u.shapes)
+                                     if p.requires_grad),
+                         raw_per_shard=tuple(u.raw_blocks.view(n_g, -1).sum(1).tolist()))
                 for u in self.all_units]
 
     def units_of(self, params: Iterable[torch.Tensor] | None) -> list[FlatUnit]:
