@@ -1,0 +1,259 @@
+"""Ring and PCCL all-gather / reduce-scatter (001 §6.2) on 8 gloo ranks, groups of 2-8 ranks.
+
+References, independent of ds_ext.comm.algorithms:
+* all-gather: torch.distributed.all_gather_into_tensor on the same group, bit for bit;
+* reduce-scatter: a hand-written summation in the order the module docstring states
+  (ring: x_{b+1} + x_{b+2} + ... + x_b left to right; pccl: that ring inside each node, then the
+  dissemination tree S_k(r, q) = S_{k+1}(r, q) + S_{k+1}(r - 2^k, q + 2^k) across nodes),
+  from every rank's input regenerated locally from its seed, bit for bit;
+* ledger: bytes and messages per level == ds_ext.perf.collectives, whose formulas are checked
+  against numbers worked out by hand in the pure-logic tests.
+"""
+
+import math
+
+import pytest
+
+WORLD_SIZE = 8
+
+# topology name -> levels (innermost first; the outermost size follows from the world size)
+TOPOLOGIES = {
+    "2x4": [("gcd", 2, 200.0, 5.0), ("gpu", 2, 50.0, 8.0), ("node", None, 12.5, 15.0)],
+    "4x2": [("local", 2, 50.0, 8.0), ("node", None, 12.5, 15.0)],
+    "8x1": [("local", 1, 50.0, 8.0), ("node", None, 12.5, 15.0)],
+}
+# (topology, partition): this rank's group of the partition; covers N = 1..8 nodes,
+# M = 1, 2, 4 ranks per node, non-powers of two N = 3, 5, 7 and group sizes 2..8
+CASES = [
+    ("2x4", (tuple(range(8)),)),  # N=2, M=4, three levels
+    ("2x4", ((0, 1, 2, 3), (4, 5, 6, 7))),  # one node: N=1, M=4
+    ("2x4", ((0, 4), (1, 5), (2, 6), (3, 7))),  # N=2, M=1
+    ("4x2", (tuple(range(8)),)),  # N=4, M=2
+    ("4x2", ((0, 1, 2, 3, 4, 5), (6, 7))),  # N=3, M=2 and N=1, M=2
+    ("4x2", ((0, 2, 4), (1, 3, 5), (6,), (7,))),  # N=3, M=1
+    ("8x1", (tuple(range(8)),)),  # N=8
+    ("8x1", ((0, 1, 2, 3, 4), (5, 6, 7))),  # N=5 and N=3
+    ("8x1", ((0, 1, 2, 3, 4, 5, 6), (7,))),  # N=7
+]
+_REG = {}
+
+
+def _topology(name):
+    from ds_ext.topology import GB, US, Level, Topology
+
+    return Topology.build([Level(n, s, bw * GB, lat * US) for n, s, bw, lat in TOPOLOGIES[name]], 8, name)
+
+
+def _comm(name):
+    """One registry and communicator per topology per worker (groups are created once)."""
+    from ds_ext.comm import Communicator
+    from ds_ext.groups import GroupRegistry
+
+    if name not in _REG:
+        _REG[name] = Communicator(GroupRegistry(_topology(name)))
+    comm = _REG[name]
+    comm.ledger.reset()
+    return comm
+
+
+def _input(rank, numel, dtype, salt):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * salt + rank)
+    return (torch.randn(numel, generator=g) * (1 + rank)).to(dtype)
+
+
+# ---- hand-written reduce-scatter references -------------------------------------------------
+
+def _ring_sum(values, b):
+    """values[k] of d ranks, block b: ((v_{b+1} + v_{b+2}) + ...) + v_b."""
+    d = len(values)
+    acc = values[(b + 1) % d]
+    for s in range(2, d + 1):
+        acc = acc + values[(b + s) % d]
+    return acc
+
+
+def _pccl_sum(x, nodes, i, j, c):
+    """Block (i, j): ring order over node m's locals starting after j, then the dissemination
+    tree over nodes: S_K(r, q) = y_r[(r + q, j)]; S_k(r, q) = S_{k+1}(r, q) + S_{k+1}(r - 2^k,
+    q + 2^k) for q < min(2^k, N - 2^k); result S_0(i, 0)."""
+    N, M = len(nodes), len(nodes[0])
+
+    def chunk(rank, node, local):
+        g = node * M + local
+        return x[rank][g * c:(g + 1) * c]
+
+    def y(m, node):
+        return _ring_sum([chunk(nodes[m][l], node, j) for l in range(M)], j)
+
+    K = math.ceil(math.log2(N)) if N > 1 else 0
+
+    def S(k, r, q):
+        if k == K:
+            return y(r, (r + q) % N)
+        if q < min(2 ** k, N - 2 ** k):
+            return S(k + 1, r, q) + S(k + 1, (r - 2 ** k) % N, q + 2 ** k)
+        return S(k + 1, r, q)
+
+    return S(0, i, 0)
+
+
+# ---- distributed checks -----------------------------------------------------------------------
+
+def _exactness(topo_name, partition, dtype_name):
+    import torch
+    import torch.distributed as dist
+
+    from ds_ext.comm.collectives import TORCH_OPS
+    from ds_ext.perf import collectives as model
+
+    dtype = getattr(torch, dtype_name)
+    comm = _comm(topo_name)
+    group = comm.registry.group(partition)
+    ranks = comm.registry.ranks(group)
+    rank, d = dist.get_rank(), len(ranks)
+    me = ranks.index(rank)
+    c, e = 5, torch.tensor([], dtype=dtype).element_size()
+    shape = model.node_shape(comm.registry.topology, ranks)
+    algos = ["ring", "auto"] + (["pccl"] if shape is not None else [])
+    out = {"d": d, "shape": shape}
+
+    x = _input(rank, c, dtype, 1)
+    want = torch.empty(d * c, dtype=dtype)
+    TORCH_OPS["all_gather_into_tensor"](want, x, group=group)
+    big = {r: _input(r, d * c, dtype, 2) for r in ranks}
+    nodes = [[r for r in ranks if r // comm.registry.topology.ranks_per_node == n]
+             for n in sorted({r // comm.registry.topology.ranks_per_node for r in ranks})]
+    for algo in algos:
+        chosen = comm.choose(group, c * e, algo)
+        got = torch.empty(d * c, dtype=dtype)
+        comm.all_gather(got, x, group=group, algorithm=algo)
+        ag = comm.ledger.mark_step()
+        red = torch.empty(c, dtype=dtype)
+        comm.reduce_scatter(red, big[rank].clone(), group=group, algorithm=algo)
+        rs = comm.ledger.mark_step()
+        if chosen == "ring":
+            ref = _ring_sum([big[r][me * c:(me + 1) * c] for r in ranks], me)
+        else:
+            i = next(k for k, n in enumerate(nodes) if rank in n)
+            ref = _pccl_sum({r: big[r] for r in ranks}, nodes, i, nodes[i].index(rank), c)
+        expect = model.traffic(chosen, comm.registry.topology, ranks, c * e)
+        out[algo] = {
+            "chosen": chosen,
+            "all_gather_equal": torch.equal(got, want),
+            "reduce_scatter_equal": torch.equal(red, ref),
+            "ledger": [{lv: (s.by_level()[lv], s.messages_by_level()[lv]) for lv in s.by_level()} for s in (ag, rs)],
+            "model": expect,
+        }
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("topo,partition", CASES)
+def test_exact_and_ledger_equals_model(world, topo, partition, dtype):
+    results = world.run(_exactness, topo, partition, dtype)
+    sizes = set()
+    for r in results:
+        sizes.add(r["d"])
+        for algo in ("ring", "pccl", "auto"):
+            if algo not in r:
+                continue
+            got = r[algo]
+            assert got["all_gather_equal"], (algo, r["d"])
+            assert got["reduce_scatter_equal"], (algo, r["d"])
+            model = {lv: (float(b), m) for lv, (b, m) in got["model"].items()}
+            assert got["ledger"] == [model, model], (algo, got)
+    assert sizes <= set(range(1, 9))
+
+
+def _pccl_refuses_uneven_group():
+    import torch
+
+    from ds_ext.comm.algorithms import AlgorithmError
+
+    comm = _comm("4x2")
+    group = comm.registry.group(((0, 1, 2, 3, 4, 5, 6), (7,)))  # nodes of 2, 2, 2, 1 ranks
+    ranks = comm.registry.ranks(group)
+    if len(ranks) == 1:
+        return None
+    try:
+        comm.all_gather(torch.empty(7), torch.ones(1), group=group, algorithm="pccl")
+    except AlgorithmError as err:
+        msg = str(err)
+    auto = comm.choose(group, 4, "auto")
+    try:
+        comm.reduce_scatter(torch.empty(1), torch.ones(7), op=torch.distributed.ReduceOp.MAX, group=group,
+                            algorithm="ring")
+    except AlgorithmError as err:
+        return msg, auto, str(err)
+
+
+def test_pccl_refuses_uneven_group_and_other_reductions(world):
+    for r in world.run(_pccl_refuses_uneven_group):
+        if r is None:
+            continue
+        msg, auto, op_msg = r
+        assert "ds_ext.comm.algorithm='pccl'" in msg and "allowed here: auto, ring, native" in msg
+        assert "\n" not in msg
+        assert auto == "ring"
+        assert "SUM reductions only" in op_msg and "allowed: auto, native" in op_msg
+
+
+# ---- pure logic: the model against hand-worked numbers ----------------------------------------
+
+def test_model_traffic_by_hand():
+    from ds_ext.perf import collectives as model
+
+    t = _topology("4x2")
+    world = tuple(range(8))
+    # ring over 8 ranks at the node level: 7 chunks in 7 messages
+    assert model.traffic("ring", t, world, 100) == {"node": (700, 7)}
+    # pccl 4 nodes x 2: recursive doubling sends 1 + 2 = 3 chunks in 2 messages, then the ring
+    # inside the node one block of 4 chunks
+    assert model.traffic("pccl", t, world, 100) == {"node": (300, 2), "local": (400, 1)}
+    # 3 nodes x 2 (ranks 0-5): dissemination steps of 1 and 1 chunk
+    assert model.traffic("pccl", t, (0, 1, 2, 3, 4, 5), 100) == {"node": (200, 2), "local": (300, 1)}
+    t8 = _topology("8x1")
+    assert model.traffic("pccl", t8, (0, 1, 2, 3, 4), 10) == {"node": (40, 3)}  # steps of 1, 2, 1 chunks
+    assert model.traffic("pccl", t8, tuple(range(7)), 10) == {"node": (60, 3)}  # 1, 2, 3
+    assert model.node_shape(t, (0, 1, 2, 3, 4, 5, 6)) is None
+    t3 = _topology("2x4")
+    assert model.traffic("pccl", t3, world, 8) == {"node": (8, 1), "gpu": (48, 3)}
+
+
+def test_model_time_and_crossover():
+    from ds_ext.perf import collectives as model
+    from ds_ext.topology import GB, US
+
+    t = _topology("4x2")
+    world = tuple(range(8))
+    # ring: 7 (15 us + c / min(50, 2 x 12.5) GB/s); pccl: 2 x 15 us + 3c / 12.5 + 8 us + 4c / 50
+    c = 1e6
+    assert model.time("ring", t, world, c) == pytest.approx(7 * (15 * US + c / (25 * GB)))
+    assert model.time("pccl", t, world, c) == pytest.approx(30 * US + 3 * c / (12.5 * GB) + 8 * US + 4 * c / (50 * GB))
+    star = model.crossover(t, world)
+    # (105 - 38) us = c* (3/12.5 + 4/50 - 7/25) / GB
+    assert star == pytest.approx(67 * US * GB / 0.04)
+    assert model.choose(t, world, star / 2) == "pccl" and model.choose(t, world, star * 2) == "ring"
+    # one rank per node: same bytes, fewer messages, pccl never slower
+    assert model.crossover(_topology("8x1"), world) is None
+
+
+def test_dissemination_steps_any_count():
+    from ds_ext.comm.algorithms import dissemination_steps
+
+    for n in range(1, 40):
+        steps = dissemination_steps(n)
+        assert len(steps) == (math.ceil(math.log2(n)) if n > 1 else 0)
+        assert sum(m for _, m in steps) == n - 1
+        assert [dk for dk, _ in steps] == [2 ** k for k in range(len(steps))]
+
+
+def test_config_key_and_error():
+    from ds_ext import config as cfgmod
+
+    assert cfgmod.parse({}).comm.algorithm == "native"
+    assert cfgmod.parse({"comm": {"algorithm": "pccl"}}).comm.algorithm == "pccl"
+    with pytest.raises(cfgmod.DsExtConfigError, match=r"ds_ext\.comm\.algorithm.*'auto', 'ring', 'pccl' or 'native'"):
+        cfgmod.parse({"comm": {"algorithm": "tree"}})
