@@ -34,10 +34,20 @@ INTRA = (50.0, 8.0)
 INTER = (12.5, 15.0)
 
 
+def _size(text: str) -> int:
+    """Bytes from ``4096``, ``4K`` or ``64M`` (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B")
+    try:
+        return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size in bytes such as 4096, 4K or 64M, got {text!r}") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="JSON file to write (the PNG goes next to it)")
-    p.add_argument("--min-size", type=int, default=4 << 10, help="smallest per-rank buffer, bytes")
-    p.add_argument("--max-size", type=int, default=64 << 20, help="largest per-rank buffer, bytes")
+    p.add_argument("--min-size", type=_size, default=4 << 10, help="smallest per-rank buffer (4K, 1M, ...)")
+    p.add_argument("--max-size", type=_size, default=64 << 20, help="largest per-rank buffer (4K, 1M, ...)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--time-scale", type=float, default=100.0,
                    help="multiply emulated times so that they dominate gloo's own cost on one host")
