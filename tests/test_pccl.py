@@ -322,3 +322,48 @@ def test_deepspeed_zero3_through_pccl(world):
             assert sum(hier["bytes"].values()) == pytest.approx(ring["bytes"]["node"])  # same bytes in total
             assert hier["bytes"] == pytest.approx({lv: b * chunk_sum for lv, (b, _) in unit.items()})
             assert hier["messages"] == {lv: m * calls for lv, (_, m) in unit.items()}
+
+
+# ---- ds_ext's zero3 / zeropp presets with comm.algorithm: the ledger == ds_ext.perf.zero ------
+
+def _preset_ledger(preset, algorithm):
+    import torch
+    import torch.distributed as dist
+
+    import ds_ext
+    from ds_ext.models import GPT, GPTConfig
+
+    torch.manual_seed(7)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
+           "bf16": {"enabled": True}, "zero_optimization": {"stage": 0},
+           "ds_ext": {"topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True},
+                      "comm": {"algorithm": algorithm}, "zero_topo": {"enabled": True, "preset": preset}}}
+    engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
+    for step in range(2):
+        tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
+        engine.backward(engine(tokens))
+        engine.step()
+    last = engine.ds_ext.ledger.steps[-1]
+    model_traffic = engine.ds_ext.plugins[0].analytic_traffic(1)
+    out = {
+        "bytes": {ph: dict(v) for ph, v in last.by_phase().items() if ph != "other"},
+        "calls": last.calls_by_level(),
+        "messages": last.messages_by_level(),
+        "model_bytes": model_traffic.bytes,
+        "model_calls": model_traffic.calls_by_level(),
+        "model_messages": model_traffic.steps_by_level(),
+    }
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("preset,algorithm", [("zero3", "native"), ("zero3", "pccl"), ("zeropp", "pccl")])
+def test_presets_ledger_equals_model(world, preset, algorithm):
+    for r in world.run(_preset_ledger, preset, algorithm):
+        assert r["bytes"] == r["model_bytes"]
+        assert r["calls"] == r["model_calls"]
+        assert r["messages"] == r["model_messages"]
+        if algorithm == "pccl":  # the world-level collectives really ran in two phases
+            assert r["messages"]["node"] < r["calls"]["node"] * 7

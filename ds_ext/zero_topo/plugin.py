@@ -88,7 +88,8 @@ class ZeroTopoPlugin(Plugin):
         """The analytic model (ds_ext.perf.zero) of this run's bytes per step."""
         from ds_ext.perf.zero import traffic
 
-        return traffic(self.plan, self.sharded.unit_specs(), grad_accum, self.sharded.ctx.dtype.itemsize)
+        return traffic(self.plan, self.sharded.unit_specs(), grad_accum, self.sharded.ctx.dtype.itemsize,
+                       algorithm=self.runtime.comm.algorithm)
 
     def analytic_memory(self):
         from ds_ext.perf.zero import memory
