@@ -100,7 +100,7 @@ class CommConfig(_Section):
         "native",
         description="All-gather / reduce-scatter algorithm of ds_ext's collectives (001 §6.2; ds_ext.comm.algorithms): "
         "'native' torch.distributed's own, 'ring' the flat ring, 'pccl' recursive doubling/halving across nodes then "
-        "a ring inside the node, 'auto' ring or pccl by the alpha-beta model (ds_ext.perf.collectives).",
+        "a ring inside the node, 'auto' pccl where the alpha-beta model (ds_ext.perf.collectives) predicts it faster than a ring, else 'native'.",
     )
     timeout_s: float = Field(
         1800.0,

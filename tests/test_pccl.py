@@ -133,7 +133,10 @@ def _exactness(topo_name, partition, dtype_name):
         red = torch.empty(c, dtype=dtype)
         comm.reduce_scatter(red, big[rank].clone(), group=group, algorithm=algo)
         rs = comm.ledger.mark_step()
-        if chosen == "ring":
+        if chosen == "native":
+            ref = torch.empty(c, dtype=dtype)
+            TORCH_OPS["reduce_scatter_tensor"](ref, big[rank].clone(), group=group)
+        elif chosen == "ring":
             ref = _ring_sum([big[r][me * c:(me + 1) * c] for r in ranks], me)
         else:
             i = next(k for k, n in enumerate(nodes) if rank in n)
@@ -164,6 +167,10 @@ def test_exact_and_ledger_equals_model(world, topo, partition, dtype):
             assert got["reduce_scatter_equal"], (algo, r["d"])
             model = {lv: (float(b), m) for lv, (b, m) in got["model"].items()}
             assert got["ledger"] == [model, model], (algo, got)
+        if r["d"] > 1:  # 20-byte chunks, latency-bound: auto runs pccl wherever it sends fewer messages
+            N, M = r["shape"] or (1, r["d"])
+            fewer = N > 1 and math.ceil(math.log2(N)) + M - 1 < r["d"] - 1
+            assert r["auto"]["chosen"] == ("pccl" if r["shape"] and fewer else "native"), r
     assert sizes <= set(range(1, 9))
 
 
@@ -196,7 +203,7 @@ def test_pccl_refuses_uneven_group_and_other_reductions(world):
         msg, auto, op_msg = r
         assert "ds_ext.comm.algorithm='pccl'" in msg and "allowed here: auto, ring, native" in msg
         assert "\n" not in msg
-        assert auto == "ring"
+        assert auto == "native"
         assert "SUM reductions only" in op_msg and "allowed: auto, native" in op_msg
 
 
@@ -235,7 +242,8 @@ def test_model_time_and_crossover():
     star = model.crossover(t, world)
     # (105 - 38) us = c* (3/12.5 + 4/50 - 7/25) / GB
     assert star == pytest.approx(67 * US * GB / 0.04)
-    assert model.choose(t, world, star / 2) == "pccl" and model.choose(t, world, star * 2) == "ring"
+    assert model.choose(t, world, star / 2) == "pccl" and model.choose(t, world, star * 2) == "native"
+    assert model.choose(t, (0, 1), 4) == "native"  # inside one node a ring is all pccl has
     # one rank per node: same bytes, fewer messages, pccl never slower
     assert model.crossover(_topology("8x1"), world) is None
 

@@ -18,7 +18,9 @@ j holds the N ranks (i, j), i = 0..N-1 (001's inter-node sub-communicators).
            N - 1 chunks sent per rank for ANY N; for N a power of two these are the steps and
            sizes of pairwise recursive doubling (001 §6.2.3, [60]).
 ``native`` torch.distributed's own collective (the backend picks its algorithm).
-``auto``   ring or pccl, whichever ``ds_ext.perf.collectives`` predicts faster.
+``auto``   pccl where ``ds_ext.perf.collectives`` predicts it faster than a ring, else native
+           (torch's collective: NCCL / RCCL run a ring, and 001 §6.2.2 leaves the node's ranks to
+           the vendor library), so a group inside one node stays native.
 
 Summation order of reduce-scatter (IEEE addition is commutative, not associative, so the
 parenthesization is the order). Indices of ranks are taken modulo the ring / node count.

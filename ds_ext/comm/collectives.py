@@ -168,8 +168,8 @@ class Communicator:
 
     def choose(self, group: object | None, chunk_bytes: float, algorithm: str | None, op=dist.ReduceOp.SUM) -> str:
         """The algorithm a call runs: the call site's, else the communicator's; ``auto`` asks
-        ``ds_ext.perf.collectives`` (ring or pccl), and is ``native`` for a reduction other than SUM,
-        which only torch's collective implements."""
+        ``ds_ext.perf.collectives`` (pccl or native), and is ``native`` for a reduction other than
+        SUM, which only torch's collective implements."""
         algorithm = self._checked(algorithm or self.algorithm)
         if algorithm in algorithms.P2P_ALGORITHMS and op != dist.ReduceOp.SUM:
             raise algorithms.AlgorithmError(

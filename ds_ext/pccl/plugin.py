@@ -22,7 +22,7 @@ class PCCLConfig(PluginConfig):
     algorithm: Literal["pccl", "ring", "auto"] = Field(
         "pccl",
         description="Algorithm for DeepSpeed's all-gathers / reduce-scatters: 'pccl' (001 §6.2), 'ring', or 'auto' "
-        "(whichever ds_ext.perf.collectives predicts faster per call).",
+        "(pccl where ds_ext.perf.collectives predicts it faster than a ring, per call, else DeepSpeed's own).",
     )
 
 

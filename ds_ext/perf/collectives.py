@@ -99,11 +99,12 @@ def time(algorithm: str, topology: Topology, ranks: Sequence[int], chunk_bytes: 
 
 
 def choose(topology: Topology, ranks: Sequence[int], chunk_bytes: float) -> str:
-    """``auto``: pccl if it can run on the group and is predicted faster than ring, else ring."""
+    """``auto``: pccl if it can run on the group and is predicted faster than a ring, else native
+    (the vendor's ring; inside one node pccl is a ring and never faster)."""
     if node_shape(topology, ranks) is None:
-        return "ring"
+        return "native"
     faster = time("pccl", topology, ranks, chunk_bytes) < time("ring", topology, ranks, chunk_bytes)
-    return "pccl" if faster else "ring"
+    return "pccl" if faster else "native"
 
 
 def crossover(topology: Topology, ranks: Sequence[int]) -> float | None:
