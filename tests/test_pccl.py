@@ -375,3 +375,12 @@ def test_presets_ledger_equals_model(world, preset, algorithm):
         assert r["messages"] == r["model_messages"]
         if algorithm == "pccl":  # the world-level collectives really ran in two phases
             assert r["messages"]["node"] < r["calls"]["node"] * 7
+
+
+def test_bench_helpers():
+    from ds_ext.bench.pccl import _crossover, _size
+
+    assert (_size("4K"), _size("64M"), _size("4096"), _size("1mb")) == (4096, 64 << 20, 4096, 1 << 20)
+    rows = [{"size": s, "speedup_pccl_over_ring": v} for s, v in [(1, 2.0), (2, 0.9), (4, 1.1), (8, 0.8), (16, 0.7)]]
+    assert _crossover(rows) == 8  # ring faster from 8 on; the dip at 2 is not a crossover
+    assert _crossover([{"size": 1, "speedup_pccl_over_ring": 1.5}]) is None
