@@ -430,3 +430,29 @@ def test_pmm_z_axis_across_nodes(world):
         assert r["bytes"] == r["model_bytes"]
         assert r["messages"] == r["model_messages"]
         assert r["z_levels"] == ["gpu", "node"]  # Z's all-gathers / reduce-scatters ran in two phases
+
+
+def _emulated_hold():
+    import time
+
+    import torch
+
+    from ds_ext.comm import Communicator, TimeEmulator
+    from ds_ext.perf import collectives as model
+
+    comm = _comm("4x2")
+    timed = Communicator(comm.registry, emulator=TimeEmulator(comm.registry.topology, scale=2000.0))
+    world = tuple(range(8))
+    out = {}
+    for algo in ("ring", "pccl"):
+        t0 = time.perf_counter()
+        timed.all_gather(torch.empty(8 * 1000), torch.ones(1000), algorithm=algo)
+        out[algo] = (time.perf_counter() - t0, 2000.0 * model.time(algo, comm.registry.topology, world, 4000))
+    return out
+
+
+def test_time_emulation_holds_the_modelled_time(world):
+    for r in world.run(_emulated_hold):
+        for held, predicted in r.values():
+            assert predicted > 0.05 and held >= predicted
+        assert r["ring"][1] > r["pccl"][1]
