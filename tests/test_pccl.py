@@ -367,7 +367,7 @@ def _preset_ledger(preset, algorithm):
     return out
 
 
-@pytest.mark.parametrize("preset,algorithm", [("zero3", "pccl"), ("zeropp", "pccl")])
+@pytest.mark.parametrize("preset,algorithm", [("zero3", "pccl"), ("zeropp", "pccl"), ("zero_topo_paper", "pccl")])
 def test_presets_ledger_equals_model(world, preset, algorithm):
     for r in world.run(_preset_ledger, preset, algorithm):
         assert r["bytes"] == r["model_bytes"]
