@@ -207,7 +207,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for r in records:
         m = r["median_s"]
         print(f"{r['layout']:<6} {r['op']:<15} {_human(r['size']):>8} {m['ring'] * 1e3:9.2f} {m['pccl'] * 1e3:9.2f} "
-              f"{m['native'] * 1e3:9.2f} {r['speedup_pccl_over_ring']:9.2f} {r['predicted_speedup_pccl_over_ring']:9.2f}")
+              f"{m['native'] * 1e3:9.2f} {r['speedup_pccl_over_ring']:9.2f} "
+              f"{r['predicted_speedup_pccl_over_ring']:9.2f}")
     for layout, ops in crossover.items():
         for op, c in ops.items():
             print(f"crossover {layout} {op}: predicted {c['predicted_size']}, measured {c['measured_size']}, "
