@@ -96,6 +96,12 @@ class CommConfig(_Section):
     time_scale: float = Field(
         1.0, gt=0, description="Multiply emulated times (e.g. 100 to make a slow link visible on CPU)."
     )
+    algorithm: Literal["auto", "ring", "pccl", "native"] = Field(
+        "native",
+        description="All-gather / reduce-scatter algorithm of ds_ext's collectives (001 §6.2; ds_ext.comm.algorithms): "
+        "'native' torch.distributed's own, 'ring' the flat ring, 'pccl' recursive doubling/halving across nodes then "
+        "a ring inside the node, 'auto' pccl where the alpha-beta model (ds_ext.perf.collectives) predicts it faster than a ring, else 'native'.",
+    )
     timeout_s: float = Field(
         1800.0,
         gt=0,

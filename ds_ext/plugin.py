@@ -67,7 +67,7 @@ _REGISTRY: dict[str, type[Plugin]] = {}
 
 # Modules that register the built-in plugins when imported (one module per plugin).
 BUILTIN_PLUGIN_MODULES: tuple[str, ...] = (
-    "ds_ext.zero_topo.plugin", "ds_ext.optim.plugin", "ds_ext.pmm.plugin", "ds_ext.moe.plugin"
+    "ds_ext.zero_topo.plugin", "ds_ext.optim.plugin", "ds_ext.pmm.plugin", "ds_ext.moe.plugin", "ds_ext.pccl.plugin"
 )
 
 

@@ -106,7 +106,7 @@ class Runtime:
         ledger = Ledger(topology.level_names)
         ledger.enabled = config.comm.ledger
         emulator = TimeEmulator(topology, config.comm.time_scale) if config.comm.emulate_time else None
-        comm = Communicator(groups, ledger, emulator, config.comm.timeout_s)
+        comm = Communicator(groups, ledger, emulator, config.comm.timeout_s, config.comm.algorithm)
         runtime = cls(config, job, topology, groups, comm,
                       initialize_kwargs=dict(initialize_kwargs or {}))
         plugin_classes = registered_plugins()

@@ -22,7 +22,7 @@ def test_defaults():
     [
         ({"topology": {"preset": "summit"}},
          "ds_ext.topology.preset: Input should be 'frontier' or 'dgx-a100' (got 'summit')"),
-        ({"topolgy": {}}, "ds_ext.topolgy: unknown key; allowed keys: comm, pmm3d, ted, tiled_optimizer, topology"),
+        ({"topolgy": {}}, "ds_ext.topolgy: unknown key; allowed keys: comm, pccl, pmm3d, ted, tiled_optimizer, topology"),
         ({"topology": {"emulte": True}},
          "ds_ext.topology.emulte: unknown key; allowed keys: emulate, levels, preset, sizes"),
         ({"comm": {"time_scale": 0}}, "ds_ext.comm.time_scale: Input should be greater than 0 (got 0)"),

@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS: tuple[str, ...] = ("zero", "tiled", "quant", "ledger", "pmm", "ted")
+BENCHMARKS: tuple[str, ...] = ("zero", "tiled", "quant", "ledger", "pmm", "ted", "pccl")
 
 
 def median(xs: list[float]) -> float:

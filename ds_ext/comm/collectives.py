@@ -6,6 +6,10 @@ the convention documented there, at the topology level the group spans), and, wh
 :class:`~ds_ext.comm.emulation.TimeEmulator` is attached, holds each collective for its
 alpha-beta cost. Every method has an ``async_op`` form returning a :class:`Handle`.
 
+All-gather and reduce-scatter run by an algorithm (``ds_ext.comm.algorithms``, 001 §6.2):
+``native`` (torch.distributed's collective), ``ring``, ``pccl`` or ``auto``; the
+communicator's default comes from ``ds_ext.comm.algorithm``, a call site may pass its own.
+
 Sharding contract: tensors are passed flat or N-d; the communicator hands gloo
 contiguous 1-D views (gloo rejects an N-d input with a flat output, which NCCL accepts).
 
@@ -24,7 +28,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ds_ext.comm.emulation import TimeEmulator
+from ds_ext.comm import algorithms
+from ds_ext.comm.emulation import TimeEmulator, message_steps
 from ds_ext.comm.ledger import (
     Ledger,
     all_gather_bytes,
@@ -123,11 +128,13 @@ class Communicator:
         ledger: Ledger | None = None,
         emulator: TimeEmulator | None = None,
         timeout_s: float | None = None,
+        algorithm: str = "native",
     ) -> None:
         self.registry = registry
         self.ledger = ledger or Ledger(registry.topology.level_names)
         self.emulator = emulator
         self.timeout_s = timeout_s
+        self.algorithm = self._checked(algorithm)
 
     def failed(self, op: str, group: object | None, err: BaseException) -> BaseException:
         """The one-line :class:`CommError` for a failed collective (``err`` if it is one)."""
@@ -152,14 +159,59 @@ class Communicator:
 
     # ---- bookkeeping shared with ds_ext.comm.instrument -------------------------------
     def account(self, op: str, group: object | None, nbytes: float) -> float:
-        """Record ``nbytes`` sent by this rank; return the emulated completion deadline."""
+        """Record ``nbytes`` sent by this rank by a collective left to torch.distributed (its
+        messages by the ring convention); return the emulated completion deadline."""
         level = self.registry.level(group)
-        self.ledger.record(op, level, nbytes)
+        d = len(self.registry.ranks(group))
+        self.ledger.record(op, level, nbytes, message_steps(op, d))
         start = time.perf_counter()
         if self.emulator is None:
             return start
-        d = len(self.registry.ranks(group))
         return start + self.emulator.cost(op, level, nbytes, d)
+
+    # ---- algorithm choice (001 §6.2) ----------------------------------------------------
+    @staticmethod
+    def _checked(algorithm: str) -> str:
+        if algorithm not in algorithms.ALGORITHMS:
+            raise algorithms.AlgorithmError(
+                f"ds_ext.comm.algorithm={algorithm!r} is not an algorithm; allowed: {', '.join(algorithms.ALGORITHMS)}"
+            )
+        return algorithm
+
+    def choose(self, group: object | None, chunk_bytes: float, algorithm: str | None, op=dist.ReduceOp.SUM) -> str:
+        """The algorithm a call runs: the call site's, else the communicator's; ``auto`` asks
+        ``ds_ext.perf.collectives`` (pccl or native), and is ``native`` for a reduction other than
+        SUM, which only torch's collective implements."""
+        algorithm = self._checked(algorithm or self.algorithm)
+        if algorithm in algorithms.P2P_ALGORITHMS and op != dist.ReduceOp.SUM:
+            raise algorithms.AlgorithmError(
+                f"ds_ext.comm.algorithm={algorithm!r} implements SUM reductions only, got {op}; allowed: auto, native"
+            )
+        if algorithm != "auto":
+            return algorithm
+        if op != dist.ReduceOp.SUM:
+            return "native"
+        from ds_ext.perf import collectives as model
+
+        return model.choose(self.registry.topology, self.registry.ranks(group), chunk_bytes)
+
+    def _p2p(self, op: str, algorithm: str, output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+        """Run ``algorithm`` (ring / pccl) and record each of its phases at its level."""
+        from ds_ext.perf import collectives as model
+
+        ranks = self.registry.ranks(group)
+        tally = algorithms.Tally()
+        start = time.perf_counter()
+        run = algorithms.all_gather if op == "all_gather" else algorithms.reduce_scatter
+        with self.guard(op, group):
+            run(algorithm, _flat(output), _flat(input), ranks, dist.get_rank(), self.registry.topology, group, tally)
+        for level, nbytes in tally.bytes.items():
+            self.ledger.record(op, level, nbytes, tally.messages[level])
+        deadline = start
+        if self.emulator is not None:
+            chunk = _nbytes(input) if op == "all_gather" else _nbytes(output)
+            deadline += self.emulator.scale * model.time(algorithm, self.registry.topology, ranks, chunk)
+        return self._finish(op, group, None, deadline, async_op)
 
     def _finish(self, op: str, group, work, deadline: float, async_op: bool, after=None) -> Handle | None:
         handle = Handle(work, deadline, after, lambda: self.guard(op, group))
@@ -173,7 +225,8 @@ class Communicator:
 
     # ---- collectives ------------------------------------------------------------------
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False
+        self, output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
+        algorithm: str | None = None,
     ) -> Handle | None:
         """Concatenate every rank's ``input`` into ``output`` in group-rank order."""
         d = self.size(group)
@@ -182,6 +235,9 @@ class Communicator:
             raise ValueError(
                 f"all_gather output has {output.numel()} elements, needs {input.numel()} x {d}"
             )
+        algorithm = self.choose(group, _nbytes(input), algorithm)
+        if algorithm != "native" and d > 1:
+            return self._p2p("all_gather", algorithm, output, input, group, async_op)
         deadline = self.account("all_gather", group, all_gather_bytes(_nbytes(input), d))
         with self.guard("all_gather", group):
             work = torch_op("all_gather_into_tensor")(_flat(output), _flat(input), group=group, async_op=async_op)
@@ -194,6 +250,7 @@ class Communicator:
         op=dist.ReduceOp.SUM,
         group=None,
         async_op: bool = False,
+        algorithm: str | None = None,
     ) -> Handle | None:
         """Reduce ``input`` over the group; rank i keeps chunk i in ``output``."""
         d = self.size(group)
@@ -202,6 +259,9 @@ class Communicator:
             raise ValueError(
                 f"reduce_scatter input has {input.numel()} elements, needs {output.numel()} x {d}"
             )
+        algorithm = self.choose(group, _nbytes(output), algorithm, op)
+        if algorithm != "native" and d > 1:
+            return self._p2p("reduce_scatter", algorithm, output, input, group, async_op)
         deadline = self.account("reduce_scatter", group, reduce_scatter_bytes(_nbytes(input), d))
         with self.guard("reduce_scatter", group):
             work = torch_op("reduce_scatter_tensor")(

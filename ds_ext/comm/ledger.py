@@ -1,4 +1,4 @@
-"""Communication ledger: bytes and calls per (step, phase, op, topology level).
+"""Communication ledger: bytes, calls and messages per (step, phase, op, topology level).
 
 Byte convention (bytes *sent by one rank*, the usual bandwidth-optimal algorithms;
 003 §V-D and the formula sheet of spec/zero_topo_and_frontier.md part D), for a group
@@ -14,6 +14,13 @@ broadcast           S (d-1)/d    (pipelined chain: S (d-1) in total over d ranks
 
 A group of one rank sends nothing and is not recorded. Each record is attributed to the
 outermost topology level the group crosses (``Topology.level_of``).
+
+Messages (the alpha term of the alpha-beta model, 001 §6.2): point-to-point sends issued by
+this rank. ds_ext's own algorithms (``ds_ext.comm.algorithms``: ring, PCCL) count their sends
+one by one and record each phase at the level of the sub-group it runs on; a collective
+left to torch.distributed (``native``, or issued by third-party code) is counted by the
+convention of the ring it stands for, ``ds_ext.comm.emulation.message_steps``: d - 1 (all-reduce
+2 (d - 1)).
 """
 
 from __future__ import annotations
@@ -44,14 +51,16 @@ def broadcast_bytes(nbytes: int, d: int) -> float:
 
 @dataclass
 class Traffic:
-    """Aggregated bytes and calls keyed by (phase, op, level)."""
+    """Aggregated bytes, calls and messages keyed by (phase, op, level)."""
 
     bytes: dict[Key, float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[Key, int] = field(default_factory=lambda: defaultdict(int))
+    messages: dict[Key, int] = field(default_factory=lambda: defaultdict(int))
 
-    def add(self, key: Key, nbytes: float) -> None:
+    def add(self, key: Key, nbytes: float, messages: int = 0) -> None:
         self.bytes[key] += nbytes
         self.calls[key] += 1
+        self.messages[key] += messages
 
     def by_level(self, phase: str | None = None, op: str | None = None) -> dict[str, float]:
         """Bytes summed per level, optionally only one phase and/or op."""
@@ -66,6 +75,14 @@ class Traffic:
         for (ph, _, lv), c in self.calls.items():
             if phase is None or ph == phase:
                 out[lv] += c
+        return dict(out)
+
+    def messages_by_level(self, phase: str | None = None, op: str | None = None) -> dict[str, int]:
+        """Messages summed per level, optionally only one phase and/or op."""
+        out: dict[str, int] = defaultdict(int)
+        for (ph, o, lv), m in self.messages.items():
+            if (phase is None or ph == phase) and (op is None or o == op):
+                out[lv] += m
         return dict(out)
 
     def by_phase(self) -> dict[str, dict[str, float]]:
@@ -94,10 +111,12 @@ class Ledger:
         self.steps: list[Traffic] = []
         self.current = Traffic()
 
-    def record(self, op: str, level: str | None, nbytes: float) -> None:
+    def record(self, op: str, level: str | None, nbytes: float, messages: int = 0) -> None:
+        """One collective (or one phase of a hierarchical one) of ``op`` at ``level``: ``nbytes``
+        and ``messages`` sent by this rank."""
         if not self.enabled or level is None:
             return
-        self.current.add((self._phase, op, level), nbytes)
+        self.current.add((self._phase, op, level), nbytes, messages)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -150,6 +169,15 @@ class Ledger:
                 for lv, b in levels.items():
                     out[ph][lv] += b / len(steps)
         return {ph: dict(v) for ph, v in out.items()}
+
+    def mean_messages_by_level(self, skip: int = 0) -> dict[str, float]:
+        """Mean messages per closed step per level, ignoring the first ``skip`` steps."""
+        steps = self.steps[skip:]
+        out = {lv: 0.0 for lv in self.levels}
+        for s in steps:
+            for lv, m in s.messages_by_level().items():
+                out[lv] += m / len(steps)
+        return out
 
     def mean_calls_by_level(self, skip: int = 0) -> dict[str, float]:
         steps = self.steps[skip:]

@@ -7,7 +7,8 @@ private names, each in the module of the DeepSpeed surface it touches:
 * :mod:`ds_ext.integration.ds_zero12_step`: the forked ZeRO-1/2 and unfused fp16 steps
   (tiled optimizer), refused unless DeepSpeed's source is the one they were forked from;
 * :mod:`ds_ext.integration.ds_zero3_state`: ZeRO-3 state accounting (benchmarks);
-* :mod:`ds_ext.integration.ds_zeropp_quantizer`: ZeRO++'s quantizer on CPU (benchmarks).
+* :mod:`ds_ext.integration.ds_zeropp_quantizer`: ZeRO++'s quantizer on CPU (benchmarks);
+* :mod:`ds_ext.integration.ds_pccl`: the backend's all-gather / reduce-scatter functions (PCCL routing).
 
 Each of them calls :func:`check_version` when imported. The names were read in
 DeepSpeed 0.19.8.

@@ -197,13 +197,45 @@ def local_numel(spec: ModelSpec, grid: Grid) -> int:
 
 
 def ledger_bytes(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, seq_len: int,
-                 elem_bytes: int, grad_accum: int = 1, by_layer: bool = True) -> dict[str, dict[str, float]]:
+                 elem_bytes: int, grad_accum: int = 1, by_layer: bool = True,
+                 algorithm: str = "native") -> dict[str, dict[str, float]]:
     """``{phase: {level: bytes}}`` per optimizer step, as the ledger records it."""
+    return _ledger(spec, grid, topology, micro_batch, seq_len, elem_bytes, grad_accum, by_layer, algorithm)[0]
+
+
+def ledger_messages(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, seq_len: int,
+                    elem_bytes: int, grad_accum: int = 1, by_layer: bool = True,
+                    algorithm: str = "native") -> dict[str, dict[str, float]]:
+    """``{phase: {level: messages}}`` per optimizer step, as the ledger counts them."""
+    return _ledger(spec, grid, topology, micro_batch, seq_len, elem_bytes, grad_accum, by_layer, algorithm)[1]
+
+
+def _ledger(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, seq_len: int, elem_bytes: int,
+            grad_accum: int, by_layer: bool, algorithm: str) -> tuple[dict, dict]:
+    """Bytes and messages per phase and level. With ``ds_ext.comm.algorithm`` pccl (or auto, chosen
+    per call as the communicator does) an all-gather / reduce-scatter is split over the levels of its
+    phases by ``ds_ext.perf.collectives`` (001 §6.2); a collective left to torch counts d - 1 messages
+    (all-reduce 2 (d - 1)) at its axis's level, the ledger's convention."""
+    from ds_ext.comm.emulation import message_steps
+    from ds_ext.perf import collectives
+
     levels = axis_levels(grid.axes(), topology)
-    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    groups = {a: grid.axes().groups([a])[0] for a in AXES}  # rank 0's group; the others are congruent
+    nbytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    messages: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for it in items(spec, grid, micro_batch, seq_len, elem_bytes, grad_accum, by_layer):
-        out[it.phase][levels[it.axis]] += it.nbytes * it.calls
-    return {ph: dict(v) for ph, v in out.items()}
+        d = _size(grid, it.axis)
+        chosen = algorithm
+        if it.op in ("all_gather", "reduce_scatter") and algorithm == "auto":
+            chosen = collectives.choose(topology, groups[it.axis], it.nbytes / (d - 1))
+        if it.op in ("all_gather", "reduce_scatter") and chosen in ("pccl", "ring"):
+            split = collectives.traffic(chosen, topology, groups[it.axis], it.nbytes / (d - 1))
+        else:
+            split = {levels[it.axis]: (it.nbytes, message_steps(it.op, d))}
+        for lv, (b, m) in split.items():
+            nbytes[it.phase][lv] += b * it.calls
+            messages[it.phase][lv] += m * it.calls
+    return {ph: dict(v) for ph, v in nbytes.items()}, {ph: dict(v) for ph, v in messages.items()}
 
 
 # ---- bandwidths (Eq 5.7) and time ----------------------------------------------------------
@@ -382,6 +414,6 @@ def ddp_bytes(layers: list[LayerSpec], g: int, e: int) -> float:
 
 __all__ = [
     "Bandwidths", "Candidate", "Item", "LayerSpec", "ModelSpec", "NormSpec", "TableSpec", "axis_bandwidths",
-    "comm_time", "ddp_bytes", "factorizations", "fsdp_bytes", "items", "ledger_bytes", "local_numel",
+    "comm_time", "ddp_bytes", "factorizations", "fsdp_bytes", "items", "ledger_bytes", "ledger_messages", "local_numel",
     "megatron_bytes", "memory", "model_state_bytes", "rank_grids", "replicated_numels", "unfit_reason",
 ]

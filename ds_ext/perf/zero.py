@@ -22,6 +22,12 @@ Per micro-batch, for every unit:
             without raw blocks, wire_b(U)(d-1)/d.
 Per step: the cross-level reduction (reduce-scatter / all-reduce of U e / n_g), the
 grad-norm all-reduce (8 bytes), and the weight all-gather back to the primary shard.
+
+With ``algorithm="pccl"`` (``ds_ext.comm.algorithm``, 001 §6.2) every all-gather and
+reduce-scatter (quantized all-gathers included: they are two all-gathers) is split over the
+levels its phases run on, by ``ds_ext.perf.collectives.traffic``: across nodes c (N-1) bytes in
+ceil(log2 N) messages, inside the node c N (M-1) in M-1, one call at each level. ``ring`` counts
+as ``native`` (the ledger's convention is the ring).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ds_ext.comm.emulation import message_steps
+from ds_ext.perf import collectives
+from ds_ext.topology import Topology
 from ds_ext.zero_topo.plan import ShardingPlan
 
 
@@ -54,17 +62,35 @@ class UnitSpec:
         return self.spans or ((0, self.numel),)
 
 
+def _group_ranks(topology: Topology, levels: list[int]) -> tuple[int, ...]:
+    """Rank 0's group over topology ``levels`` (every other group of the partition is congruent)."""
+    others = [i for i in range(len(topology.levels)) if i not in levels]
+    return tuple(r for r in range(topology.world_size) if all(topology.coords(r)[i] == 0 for i in others))
+
+
 class _Tally:
-    def __init__(self) -> None:
+    def __init__(self, topology: Topology, algorithm: str = "native") -> None:
+        if algorithm not in ("native", "ring", "pccl"):
+            raise ValueError(f"ds_ext.perf.zero models ds_ext.comm.algorithm native, ring or pccl; got {algorithm!r}")
+        self.topology = topology
+        self.algorithm = algorithm
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.calls: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.steps: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
     def add(self, phase: str, level: str | None, nbytes: float, calls: int, times: int = 1,
-            op: str = "", d: int = 1) -> None:
+            op: str = "", d: int = 1, levels: list[int] | None = None) -> None:
         """``calls`` collectives of ``op`` over ``d`` ranks (all_reduce: 2 (d - 1) messages each, any
-        other op d - 1), repeated ``times``."""
+        other op d - 1), repeated ``times``; an all-gather / reduce-scatter over topology ``levels``
+        by pccl is split over its phases' levels."""
         if level is None or times == 0:
+            return
+        if self.algorithm == "pccl" and op in ("all_gather", "reduce_scatter"):
+            ranks = _group_ranks(self.topology, levels)  # type: ignore[arg-type]
+            for lv, (b, m) in collectives.traffic("pccl", self.topology, ranks, nbytes / (d - 1)).items():
+                self.bytes[phase][lv] += b * times
+                self.calls[phase][lv] += calls * times
+                self.steps[phase][lv] += calls * m * times
             return
         self.bytes[phase][level] += nbytes * times
         self.calls[phase][level] += calls * times
@@ -119,10 +145,10 @@ def _group_size(plan: ShardingPlan, levels) -> int:
 
 
 def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_bytes: int,
-            secondary_serves_forward: bool = True, rank: int = 0) -> Traffic:
+            secondary_serves_forward: bool = True, algorithm: str = "native", rank: int = 0) -> Traffic:
     """Bytes and calls per optimizer step of ``plan`` for ``units`` at ``grad_accum``, as rank
     ``rank`` sends them (module docstring; ranks differ only where raw blocks are uneven)."""
-    t = _Tally()
+    t = _Tally(plan.topology, algorithm)
     top = len(plan.topology.levels) - 1
     B = plan.block_size
 
@@ -133,9 +159,9 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
         n = u.U / d
         if quantized:
             pay, sc = _wire(n, 8, B)
-            t.add(phase, _level(plan, levels), (pay + sc) * (d - 1), 2 * u.gathers, times, d=d)
+            t.add(phase, _level(plan, levels), (pay + sc) * (d - 1), 2 * u.gathers, times, "all_gather", d, levels)
         else:
-            t.add(phase, _level(plan, levels), n * elem_bytes * (d - 1), u.gathers, times, d=d)
+            t.add(phase, _level(plan, levels), n * elem_bytes * (d - 1), u.gathers, times, "all_gather", d, levels)
 
     s, w = plan.secondary, plan.weights
     sec_quant = plan.secondary_bits == 8 or plan.gather_bits == 8
@@ -168,7 +194,7 @@ def _gradient_reduce(t: _Tally, plan: ShardingPlan, u: UnitSpec, e: int, times: 
     levels = list(range(g + 1))
     d = _group_size(plan, levels)
     if plan.gradient_bits == 16:
-        t.add("backward", _level(plan, levels), U * e * (d - 1) / d, 1, times, d=d)
+        t.add("backward", _level(plan, levels), U * e * (d - 1) / d, 1, times, "reduce_scatter", d, levels)
         return
     per = U // (d * B)  # blocks per gradient shard
     raw = u.raw_per_shard or (0,) * d
@@ -209,7 +235,7 @@ def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:
             if plan.step_level_bits(lv) == 8:  # int8 all-to-all reduce-scatter: payload + scales
                 t.add("step", _level(plan, [lv]), sum(_wire(x, 8, plan.block_size)) * (d - 1) / d, 2, d=d)
             else:
-                t.add("step", _level(plan, [lv]), x * e * (d - 1) / d, 1, d=d)
+                t.add("step", _level(plan, [lv]), x * e * (d - 1) / d, 1, op="reduce_scatter", d=d, levels=[lv])
             x /= d
         if o < top:
             levels = list(range(o + 1, top + 1))
@@ -218,14 +244,16 @@ def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:
     x = U / n_of(o)
     if plan.step == "allreduce" and o > w:
         d = n_of(o)
-        t.add("step", _level(plan, list(range(o + 1))), x * e * (d - 1), 1, d=d)
+        t.add("step", _level(plan, list(range(o + 1))), x * e * (d - 1), 1, op="all_gather", d=d,
+              levels=list(range(o + 1)))
     else:
         for lv in range(o, w, -1):
             d = topo.levels[lv].size
             if plan.step_level_bits(lv) == 8:  # int8 all-gather: payload + scales
-                t.add("step", _level(plan, [lv]), sum(_wire(x, 8, plan.block_size)) * (d - 1), 2, d=d)
+                t.add("step", _level(plan, [lv]), sum(_wire(x, 8, plan.block_size)) * (d - 1), 2, op="all_gather",
+                      d=d, levels=[lv])
             else:
-                t.add("step", _level(plan, [lv]), x * e * (d - 1), 1, d=d)
+                t.add("step", _level(plan, [lv]), x * e * (d - 1), 1, op="all_gather", d=d, levels=[lv])
             x *= d
 
 

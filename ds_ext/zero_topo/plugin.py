@@ -100,7 +100,7 @@ class ZeroTopoPlugin(Plugin):
         from ds_ext.perf.zero import traffic
 
         return traffic(self.plan, self.sharded.unit_specs(), grad_accum, self.sharded.ctx.dtype.itemsize,
-                       rank=self.runtime.rank)
+                       algorithm=self.runtime.comm.algorithm, rank=self.runtime.rank)
 
     def analytic_memory(self):
         from ds_ext.perf.zero import memory

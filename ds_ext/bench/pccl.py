@@ -1,0 +1,217 @@
+"""``ds-ext bench pccl``: ring vs PCCL vs torch's native all-gather / reduce-scatter (001 §6.3, Fig 6.9).
+
+One gloo world of 8 ranks laid out as 8 emulated nodes x 1 rank and as 4 x 2. For every
+per-rank buffer size (all-gather output / reduce-scatter input, 4 KB - 64 MB by default) and
+both operations, each algorithm runs ``--repeats`` times interleaved (one call of each per
+round, after a barrier); a call's time is the slowest rank's, the record keeps the median.
+
+ALPHA-BETA EMULATION, not a network: the ranks share one host's loopback, and each collective
+is held until its alpha-beta time on the emulated topology (``ds_ext.comm.emulation``; scaled by
+``--time-scale``) has passed: ring and pccl for the time ``ds_ext.perf.collectives`` predicts,
+native for the emulator's (d - 1) messages at the group level. The measured crossover is then
+the model's crossover plus what gloo's point-to-point really costs on this host, not evidence
+that the model is right; that takes the shaped-network cluster (``ds-ext cluster``) or real nodes.
+
+Writes JSON (every record, the predicted and measured crossover of each layout and operation)
+and a PNG heatmap of the pccl-over-ring speedup like 001 Fig 6.9.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from ds_ext.bench import median, write_json
+
+WORLD = 8
+LAYOUTS = {"8x1": 1, "4x2": 2}  # name -> ranks per emulated node
+ALGOS = ("ring", "pccl", "native")
+OPS = ("all_gather", "reduce_scatter")
+# emulated links: inside a node 50 GB/s and 8 us per message, across nodes 12.5 GB/s per rank and
+# 15 us (the Frontier preset's gpu and node levels, ds_ext/topology.py)
+INTRA = (50.0, 8.0)
+INTER = (12.5, 15.0)
+
+
+def _size(text: str) -> int:
+    """Bytes from ``4096``, ``4K`` or ``64M`` (powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B")
+    try:
+        return int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size in bytes such as 4096, 4K or 64M, got {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="JSON file to write (the PNG goes next to it)")
+    p.add_argument("--min-size", type=_size, default=4 << 10, help="smallest per-rank buffer (4K, 1M, ...)")
+    p.add_argument("--max-size", type=_size, default=64 << 20, help="largest per-rank buffer (4K, 1M, ...)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--time-scale", type=float, default=100.0,
+                   help="multiply emulated times so that they dominate gloo's own cost on one host")
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per layout before the world is killed")
+
+
+def _sizes(lo: int, hi: int) -> list[int]:
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= 2
+    return out
+
+
+def _topology_block(per_node: int) -> dict[str, Any]:
+    return {"levels": [{"name": "local", "size": per_node, "bandwidth_GBps": INTRA[0], "latency_us": INTRA[1]},
+                       {"name": "node", "bandwidth_GBps": INTER[0], "latency_us": INTER[1]}], "emulate": True}
+
+
+def _measure(per_node: int, sizes: list[int], repeats: int, time_scale: float) -> list[dict[str, Any]]:
+    """On every rank: the per-call seconds of each (op, size, algorithm), and its ledger."""
+    import torch
+    import torch.distributed as dist
+
+    from ds_ext import config as cfgmod
+    from ds_ext.runtime import Runtime
+
+    rt = Runtime.create(cfgmod.parse({"topology": _topology_block(per_node),
+                                      "comm": {"emulate_time": True, "time_scale": time_scale}}))
+    comm = rt.comm
+    out = []
+    for op in OPS:
+        for size in sizes:
+            numel = size // 4
+            chunk = numel // WORLD
+            big = torch.randn(chunk * WORLD)
+            small = torch.randn(chunk)
+            times: dict[str, list[float]] = {a: [] for a in ALGOS}
+            ledger: dict[str, dict[str, tuple[float, int]]] = {}
+            for rnd in range(repeats + 1):  # round 0 warms up
+                for algo in ALGOS:
+                    dist.barrier()
+                    comm.ledger.reset()
+                    t0 = time.perf_counter()
+                    if op == "all_gather":
+                        comm.all_gather(big, small, algorithm=algo)
+                    else:
+                        comm.reduce_scatter(small, big.clone(), algorithm=algo)
+                    dt = time.perf_counter() - t0
+                    if rnd:
+                        times[algo].append(dt)
+                    step = comm.ledger.mark_step()
+                    ledger[algo] = {lv: (b, step.messages_by_level()[lv]) for lv, b in step.by_level().items()}
+            out.append({"op": op, "size": chunk * WORLD * 4, "chunk_bytes": chunk * 4, "times": times,
+                        "ledger": ledger})
+    return out
+
+
+def _crossover(records: list[dict[str, Any]]) -> float | None:
+    """Smallest buffer size from which ring is faster than pccl at every larger size."""
+    cross = None
+    for r in sorted(records, key=lambda r: r["size"], reverse=True):
+        if r["speedup_pccl_over_ring"] < 1:
+            cross = r["size"]
+        else:
+            break
+    return cross
+
+
+def plot(payload: dict[str, Any], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    layouts, sizes = payload["layouts"], payload["sizes"]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 6))
+    for ax, op in zip(axes, OPS):
+        grid = np.full((len(sizes), len(layouts)), np.nan)
+        for r in payload["records"]:
+            if r["op"] == op:
+                grid[sizes.index(r["size"]), layouts.index(r["layout"])] = r["speedup_pccl_over_ring"]
+        im = ax.imshow(grid, origin="lower", cmap="RdYlGn", aspect="auto",
+                       norm=matplotlib.colors.TwoSlopeNorm(vcenter=1.0, vmin=min(0.5, np.nanmin(grid)),
+                                                           vmax=max(2.0, np.nanmax(grid))))
+        for (i, j), v in np.ndenumerate(grid):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+        for j, lay in enumerate(layouts):
+            pred = payload["crossover"][lay][op]["predicted_size"]
+            if pred is not None and sizes[0] <= pred <= sizes[-1]:
+                ax.plot([j - 0.5, j + 0.5], [np.log2(pred / sizes[0])] * 2, "k--", lw=1.5)
+        ax.set_xticks(range(len(layouts)), [f"{lay} ({WORLD} ranks)" for lay in layouts])
+        ax.set_yticks(range(len(sizes)), [_human(s) for s in sizes], fontsize=7)
+        ax.set_title(f"{op}: pccl / ring speedup")
+        ax.set_ylabel("per-rank buffer (all-gather output / reduce-scatter input)")
+        fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.suptitle("ALPHA-BETA EMULATION on one host (not a network); dashed: the model's crossover", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024:
+            return f"{n:g} {unit}"
+        n /= 1024
+    return f"{n:g} TB"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ds_ext import config as cfgmod
+    from ds_ext.local_world import World
+    from ds_ext.perf import collectives as model
+    from ds_ext.runtime import resolve_topology
+    from ds_ext.topology import detect_environment
+
+    sizes = _sizes(args.min_size, args.max_size)
+    records: list[dict[str, Any]] = []
+    crossover: dict[str, dict[str, Any]] = {}
+    for layout in args.layouts:
+        per_node = LAYOUTS[layout]
+        topo = resolve_topology(cfgmod.parse({"topology": _topology_block(per_node)}).topology, WORLD,
+                                detect_environment({}))
+        with World(WORLD, {"LOCAL_SIZE": str(WORLD)}, timeout=args.timeout) as world:
+            per_rank = world.run(_measure, per_node, sizes, args.repeats, args.time_scale)
+        rows = []
+        for k, rec in enumerate(per_rank[0]):
+            med = {a: median([max(r[k]["times"][a][i] for r in per_rank) for i in range(args.repeats)])
+                   for a in ALGOS}
+            predicted = {a: args.time_scale * model.time(a, topo, tuple(range(WORLD)), rec["chunk_bytes"])
+                         for a in ("ring", "pccl")}
+            rows.append({"layout": layout, "op": rec["op"], "size": rec["size"], "chunk_bytes": rec["chunk_bytes"],
+                         "median_s": med, "predicted_s": predicted, "ledger": rec["ledger"],
+                         "speedup_pccl_over_ring": med["ring"] / med["pccl"],
+                         "speedup_pccl_over_native": med["native"] / med["pccl"],
+                         "predicted_speedup_pccl_over_ring": predicted["ring"] / predicted["pccl"]})
+        records += rows
+        crossover[layout] = {}
+        star = model.crossover(topo, tuple(range(WORLD)))
+        for op in OPS:
+            measured = _crossover([r for r in rows if r["op"] == op])
+            predicted = None if star is None else star * WORLD
+            ratio = None if measured is None or predicted is None else measured / predicted
+            crossover[layout][op] = {"predicted_size": predicted, "measured_size": measured, "ratio": ratio,
+                                     "within_factor_2": None if ratio is None else 0.5 <= ratio <= 2}
+    payload = {"benchmark": "pccl", "emulation": "alpha-beta (one host, not a network)", "world": WORLD,
+               "intra_node": {"GBps": INTRA[0], "us": INTRA[1]}, "inter_node": {"GBps": INTER[0], "us": INTER[1]},
+               "time_scale": args.time_scale, "repeats": args.repeats, "layouts": list(args.layouts),
+               "sizes": sizes, "records": records, "crossover": crossover}
+    out = write_json(args.out, payload)
+    plot(payload, out.with_suffix(".png"))
+    print(f"{'layout':<6} {'op':<15} {'size':>8} {'ring ms':>9} {'pccl ms':>9} {'native ms':>9} "
+          f"{'pccl/ring':>9} {'predicted':>9}")
+    for r in records:
+        m = r["median_s"]
+        print(f"{r['layout']:<6} {r['op']:<15} {_human(r['size']):>8} {m['ring'] * 1e3:9.2f} {m['pccl'] * 1e3:9.2f} "
+              f"{m['native'] * 1e3:9.2f} {r['speedup_pccl_over_ring']:9.2f} "
+              f"{r['predicted_speedup_pccl_over_ring']:9.2f}")
+    for layout, ops in crossover.items():
+        for op, c in ops.items():
+            print(f"crossover {layout} {op}: predicted {c['predicted_size']}, measured {c['measured_size']}, "
+                  f"ratio {c['ratio']}")
+    print(f"wrote {out} and {out.with_suffix('.png')} (ALPHA-BETA EMULATION)")
+    return payload

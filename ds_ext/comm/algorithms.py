@@ -1,0 +1,243 @@
+"""All-gather and reduce-scatter algorithms on torch.distributed point-to-point (001 §6.2).
+
+Notation (001 §6.2.1, Fig 6.5): a group of W = N x M ranks, N nodes of M ranks each; group
+ranks are node-major (group rank g = i M + j for node i, local index j), since torch orders a
+group by global rank and ranks are numbered node-major; c elements per chunk (one rank's
+all-gather input, or its reduce-scatter output). The *node sub-communicator* of local index
+j holds the N ranks (i, j), i = 0..N-1 (001's inter-node sub-communicators).
+
+``ring``   the flat ring NCCL / RCCL run over all W ranks: W - 1 steps, one chunk per step.
+``pccl``   001 §6.2.1. All-gather: (1) all-gather inside every node sub-communicator, all M
+           of them at once, by recursive doubling; (2) ring all-gather inside each node of the
+           N-chunk blocks; (3) local shuffle (M, N, c) -> (N, M, c). Reduce-scatter is its
+           transpose: shuffle (N, M, c) -> (M, N, c), ring reduce-scatter inside each node,
+           then recursive halving inside every node sub-communicator.
+           Recursive doubling / halving run in Bruck's dissemination form (Bruck et al. 1997,
+           MPICH's all-gather for a non-power-of-two count): step k moves
+           m_k = min(2^k, N - 2^k) chunks between ranks 2^k apart, K = ceil(log2 N) steps and
+           N - 1 chunks sent per rank for ANY N; for N a power of two these are the steps and
+           sizes of pairwise recursive doubling (001 §6.2.3, [60]).
+``native`` torch.distributed's own collective (the backend picks its algorithm).
+``auto``   pccl where ``ds_ext.perf.collectives`` predicts it faster than a ring, else native
+           (torch's collective: NCCL / RCCL run a ring, and 001 §6.2.2 leaves the node's ranks to
+           the vendor library), so a group inside one node stays native.
+
+Summation order of reduce-scatter (IEEE addition is commutative, not associative, so the
+parenthesization is the order). Indices of ranks are taken modulo the ring / node count.
+
+* ring, block b of d ranks: ``(((x_{b+1} + x_{b+2}) + x_{b+3}) + ... + x_{b+d-1}) + x_b``.
+* pccl, block (i, j): first per node m the ring order over its local indices,
+  ``y_m = ((x_{m,j+1} + x_{m,j+2}) + ...) + x_{m,j}``; then the dissemination order over nodes,
+  ``S_K(r, q) = y_r[block (r + q, j)]`` and, for k = K-1 down to 0,
+  ``S_k(r, q) = S_{k+1}(r, q) + S_{k+1}(r - 2^k, q + 2^k)`` for q < m_k (else unchanged);
+  the result is ``S_0(i, 0)``.
+
+Only SUM reductions, contiguous tensors. The p2p algorithms complete before returning (an
+``async_op`` handle is already done, apart from emulated time). The ledger records each phase at
+the level of the sub-group it runs on, with the bytes and messages this rank actually sent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ds_ext.topology import Topology
+
+ALGORITHMS: tuple[str, ...] = ("auto", "ring", "pccl", "native")
+P2P_ALGORITHMS: tuple[str, ...] = ("ring", "pccl")
+
+
+class AlgorithmError(ValueError):
+    """An algorithm that cannot run on the given group or operation."""
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """A group's global ranks as N nodes x M ranks, node-major (001 Fig 6.5)."""
+
+    nodes: tuple[tuple[int, ...], ...]
+
+    @property
+    def N(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def M(self) -> int:
+        return len(self.nodes[0])
+
+    def position(self, rank: int) -> tuple[int, int]:
+        """(node index i, local index j) of global ``rank``."""
+        for i, node in enumerate(self.nodes):
+            if rank in node:
+                return i, node.index(rank)
+        raise AlgorithmError(f"rank {rank} is not in the group")
+
+    def node_comm(self, j: int) -> tuple[int, ...]:
+        """The node sub-communicator of local index ``j``: (0, j), (1, j), ..., (N-1, j)."""
+        return tuple(node[j] for node in self.nodes)
+
+
+def hierarchy(topology: Topology, ranks: tuple[int, ...]) -> Hierarchy | None:
+    """``ranks`` split by node, or None if the nodes hold different numbers of them."""
+    per_node = topology.ranks_per_node
+    by_node: dict[int, list[int]] = defaultdict(list)
+    for r in sorted(ranks):
+        by_node[r // per_node].append(r)
+    nodes = tuple(tuple(by_node[n]) for n in sorted(by_node))
+    if len({len(n) for n in nodes}) != 1:
+        return None
+    return Hierarchy(nodes)
+
+
+def require_hierarchy(topology: Topology, ranks: tuple[int, ...]) -> Hierarchy:
+    """:func:`hierarchy`, or the one-line error naming the config key."""
+    h = hierarchy(topology, ranks)
+    if h is None:
+        per_node = {r // topology.ranks_per_node for r in ranks}
+        raise AlgorithmError(
+            f"ds_ext.comm.algorithm='pccl' needs the same number of ranks on every node of the group; ranks "
+            f"{list(ranks)} spread unevenly over nodes {sorted(per_node)}; allowed here: auto, ring, native"
+        )
+    return h
+
+
+class Tally:
+    """Bytes and messages this rank sent, per topology level, in one collective."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, float] = defaultdict(float)
+        self.messages: dict[str, int] = defaultdict(int)
+
+
+Exchange = Callable[[torch.Tensor, int, torch.Tensor, int], None]
+
+
+def p2p_exchange(group: object | None, tally: Tally, level: str | None) -> Exchange:
+    """send(t, dst) and recv(into, src) at once over ``group`` (global ranks), counted in ``tally``."""
+
+    def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+        works = [dist.isend(send, dst, group=group), dist.irecv(recv, src, group=group)]
+        for w in works:
+            w.wait()
+        tally.bytes[level] += send.numel() * send.element_size()  # type: ignore[index]
+        tally.messages[level] += 1  # type: ignore[index]
+
+    return exchange
+
+
+# ---- ring (one ring over `ranks`, this rank at position g) --------------------------------
+
+def ring_all_gather(blocks: torch.Tensor, ranks: tuple[int, ...], g: int, exchange: Exchange) -> None:
+    """``blocks`` (d, c) holds this rank's block at row g; fill the others. Step s: send block
+    g - s to g + 1, receive block g - s - 1 from g - 1."""
+    d = len(ranks)
+    right, left = ranks[(g + 1) % d], ranks[(g - 1) % d]
+    for s in range(d - 1):
+        exchange(blocks[(g - s) % d], right, blocks[(g - s - 1) % d], left)
+
+
+def ring_reduce_scatter(
+    blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], g: int, exchange: Exchange
+) -> None:
+    """Sum of every rank's ``blocks`` (d, c) row g into ``out`` (c). Step s: send the partial sum
+    of block g - s - 1 to g + 1, receive that of block g - s - 2 from g - 1 and add the own row."""
+    d = len(ranks)
+    if d == 1:
+        out.copy_(blocks[0])
+        return
+    right, left = ranks[(g + 1) % d], ranks[(g - 1) % d]
+    send = blocks[(g - 1) % d].clone()
+    recv = torch.empty_like(send)
+    for s in range(d - 1):
+        exchange(send, right, recv, left)
+        torch.add(recv, blocks[(g - s - 2) % d], out=send)
+    out.copy_(send)
+
+
+# ---- recursive doubling / halving, dissemination form (rank r of n in `ranks`) -------------
+
+def dissemination_steps(n: int) -> list[tuple[int, int]]:
+    """(distance 2^k, chunks m_k = min(2^k, n - 2^k)) for k = 0 .. ceil(log2 n) - 1."""
+    return [(1 << k, min(1 << k, n - (1 << k))) for k in range(math.ceil(math.log2(n)) if n > 1 else 0)]
+
+
+def recursive_doubling_all_gather(
+    chunk: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], r: int, exchange: Exchange
+) -> None:
+    """``out`` (n, c) = every rank's ``chunk`` (c) in ``ranks`` order. Position q of the work
+    buffer holds rank r + q's chunk; step k sends positions [0, m_k) to r - 2^k and receives
+    positions [2^k, 2^k + m_k) from r + 2^k; a final rotation puts chunk b in row b."""
+    n = len(ranks)
+    work = torch.empty_like(out)
+    work[0].copy_(chunk)
+    for dist_k, m in dissemination_steps(n):
+        exchange(work[:m], ranks[(r - dist_k) % n], work[dist_k:dist_k + m], ranks[(r + dist_k) % n])
+    out.copy_(torch.roll(work, shifts=r, dims=0))
+
+
+def recursive_halving_reduce_scatter(
+    blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], r: int, exchange: Exchange
+) -> None:
+    """``out`` (c) = sum over ``ranks`` of their ``blocks`` (n, c) row r: the transpose of
+    :func:`recursive_doubling_all_gather`. Position q holds the partial sum of block r + q; step k
+    (largest first) sends positions [2^k, 2^k + m_k) to r + 2^k and adds those received from
+    r - 2^k into positions [0, m_k)."""
+    n = len(ranks)
+    work = torch.roll(blocks, shifts=-r, dims=0).contiguous()
+    recv = torch.empty_like(work)
+    for dist_k, m in reversed(dissemination_steps(n)):
+        exchange(work[dist_k:dist_k + m], ranks[(r + dist_k) % n], recv[:m], ranks[(r - dist_k) % n])
+        work[:m] += recv[:m]
+    out.copy_(work[0])
+
+
+# ---- the collectives -----------------------------------------------------------------------
+
+def all_gather(
+    algorithm: str, output: torch.Tensor, input: torch.Tensor, ranks: tuple[int, ...], me: int,
+    topology: Topology, group: object | None, tally: Tally,
+) -> None:
+    """``output`` (d c) = every group rank's ``input`` (c), by ``ring`` or ``pccl`` (flat tensors)."""
+    d, c = len(ranks), input.numel()
+    if algorithm == "ring":
+        blocks = output.view(d, c)
+        g = ranks.index(me)
+        blocks[g].copy_(input)
+        ring_all_gather(blocks, ranks, g, p2p_exchange(group, tally, topology.level_of(ranks)))
+        return
+    h = require_hierarchy(topology, ranks)
+    i, j = h.position(me)
+    inter = h.node_comm(j)
+    across = torch.empty(h.N, c, dtype=input.dtype)
+    recursive_doubling_all_gather(input, across, inter, i, p2p_exchange(group, tally, topology.level_of(inter)))
+    local = torch.empty(h.M, h.N * c, dtype=input.dtype)
+    local[j].copy_(across.view(-1))
+    ring_all_gather(local, h.nodes[i], j, p2p_exchange(group, tally, topology.level_of(h.nodes[i])))
+    output.view(h.N, h.M, c).copy_(local.view(h.M, h.N, c).transpose(0, 1))
+
+
+def reduce_scatter(
+    algorithm: str, output: torch.Tensor, input: torch.Tensor, ranks: tuple[int, ...], me: int,
+    topology: Topology, group: object | None, tally: Tally,
+) -> None:
+    """``output`` (c) = sum over the group of chunk ``me`` of ``input`` (d c), by ``ring`` or
+    ``pccl`` in the summation order of the module docstring (flat tensors)."""
+    d, c = len(ranks), output.numel()
+    if algorithm == "ring":
+        g = ranks.index(me)
+        ring_reduce_scatter(input.view(d, c), output, ranks, g, p2p_exchange(group, tally, topology.level_of(ranks)))
+        return
+    h = require_hierarchy(topology, ranks)
+    i, j = h.position(me)
+    by_local = input.view(h.N, h.M, c).transpose(0, 1).contiguous()  # (M, N, c)
+    partial = torch.empty(h.N, c, dtype=input.dtype)
+    ring_reduce_scatter(by_local.view(h.M, h.N * c), partial.view(-1), h.nodes[i], j,
+                        p2p_exchange(group, tally, topology.level_of(h.nodes[i])))
+    inter = h.node_comm(j)
+    recursive_halving_reduce_scatter(partial, output, inter, i, p2p_exchange(group, tally, topology.level_of(inter)))
