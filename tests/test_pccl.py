@@ -105,7 +105,7 @@ def _exactness(topo_name, partition, dtype_name):
     import torch
     import torch.distributed as dist
 
-    from ds_ext.comm.collectives import TORCH_OPS
+    from ds_ext.comm.collectives import torch_op
     from ds_ext.perf import collectives as model
 
     dtype = getattr(torch, dtype_name)
@@ -121,7 +121,7 @@ def _exactness(topo_name, partition, dtype_name):
 
     x = _input(rank, c, dtype, 1)
     want = torch.empty(d * c, dtype=dtype)
-    TORCH_OPS["all_gather_into_tensor"](want, x, group=group)
+    torch_op("all_gather_into_tensor")(want, x, group=group)
     big = {r: _input(r, d * c, dtype, 2) for r in ranks}
     nodes = [[r for r in ranks if r // comm.registry.topology.ranks_per_node == n]
              for n in sorted({r // comm.registry.topology.ranks_per_node for r in ranks})]
@@ -135,7 +135,7 @@ def _exactness(topo_name, partition, dtype_name):
         rs = comm.ledger.mark_step()
         if chosen == "native":
             ref = torch.empty(c, dtype=dtype)
-            TORCH_OPS["reduce_scatter_tensor"](ref, big[rank].clone(), group=group)
+            torch_op("reduce_scatter_tensor")(ref, big[rank].clone(), group=group)
         elif chosen == "ring":
             ref = _ring_sum([big[r][me * c:(me + 1) * c] for r in ranks], me)
         else:
