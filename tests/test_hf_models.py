@@ -66,19 +66,9 @@ def _trainer(zero_topo, tmp):
     import torch.distributed as dist
 
     import ds_ext
-    from ds_ext.data import ByteCorpus
     from ds_ext.models.hf import tiny_causal_lm
+    from hf_support import ByteWindows
     from transformers import Trainer, TrainingArguments
-
-    corpus = ByteCorpus(max_bytes=200_000)
-
-    class Windows(torch.utils.data.Dataset):
-        def __len__(self):
-            return 64
-
-        def __getitem__(self, i):
-            x = corpus.batch(i, 1, 32)[0]
-            return {"input_ids": x, "labels": x}
 
     cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
            "gradient_clipping": "auto", "zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
@@ -93,7 +83,7 @@ def _trainer(zero_topo, tmp):
                              max_grad_norm=0.0, learning_rate=3e-3, seed=1234, data_seed=1234)
     ds_ext.patch_deepspeed()
     try:
-        trainer = Trainer(model=tiny_causal_lm("llama"), args=args, train_dataset=Windows())
+        trainer = Trainer(model=tiny_causal_lm("llama"), args=args, train_dataset=ByteWindows())
         trainer.train()
     finally:
         ds_ext.unpatch_deepspeed()

@@ -36,21 +36,11 @@ def _hf_template_trainer(zero_topo, tmp):
     and WarmupLR from the sections; then ``save_model`` and ``from_pretrained``."""
     import torch
     import torch.distributed as dist
+    from hf_support import ByteWindows
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     import ds_ext
-    from ds_ext.data import ByteCorpus
     from ds_ext.models.hf import tiny_causal_lm
-
-    corpus = ByteCorpus(max_bytes=200_000)
-
-    class Windows(torch.utils.data.Dataset):
-        def __len__(self):
-            return 64
-
-        def __getitem__(self, i):
-            x = corpus.batch(i, 1, 32)[0]
-            return {"input_ids": x, "labels": x}
 
     cfg = {**HF_TEMPLATE, "ds_ext": {"topology": TOPOLOGY}}
     if zero_topo:
@@ -64,7 +54,7 @@ def _hf_template_trainer(zero_topo, tmp):
                              weight_decay=0.01, seed=1234, data_seed=1234)
     ds_ext.patch_deepspeed()
     try:
-        trainer = Trainer(model=tiny_causal_lm("llama"), args=args, train_dataset=Windows())
+        trainer = Trainer(model=tiny_causal_lm("llama"), args=args, train_dataset=ByteWindows())
         trainer.train()
         engine = trainer.model_wrapped
         trainer.save_model(f"{out}/saved")
