@@ -91,6 +91,7 @@ BUILTIN_CONFIGS: dict[str, tuple[str, str]] = {
     "tiled_optimizer": ("ds_ext.optim.config", "TiledOptimizerConfig"),
     "pmm3d": ("ds_ext.pmm.config", "Pmm3dConfig"),
     "ted": ("ds_ext.moe.config", "TEDConfig"),
+    "pccl": ("ds_ext.pccl.plugin", "PCCLConfig"),  # the plugin module imports no torch
 }
 
 
