@@ -133,8 +133,9 @@ def _rows(engine):
     return slice(start, start + micro), slice(start + axes["z"].rank * share, start + (axes["z"].rank + 1) * share)
 
 
-def train_and_compare(family, grid, clip=0.0, check=True, stage=0, **cfg_kw):
-    """Train STEPS steps; with ``check``, assert parity with the serial run at every step.
+def train_and_compare(family, grid, clip=0.0, check=True, stage=0, no_grad_first=False, **cfg_kw):
+    """Train STEPS steps; with ``check``, assert parity with the serial run at every step;
+    ``no_grad_first``: one evaluation forward (autograd off) before the first step.
 
     Stage 0 keeps reduced gradients in ``p.grad``: each is compared, and the norm is
     :func:`ds_ext.pmm.norm.global_grad_norm`. ZeRO-1/2 moves them into DeepSpeed's
@@ -149,6 +150,11 @@ def train_and_compare(family, grid, clip=0.0, check=True, stage=0, **cfg_kw):
     data_rows, z_rows = _rows(engine)
     steps, final = serial_run(family, clip)
     out = {"losses": [], "norms": []}
+    if no_grad_first:
+        import torch
+
+        with torch.no_grad():
+            call(engine, family, tokens(0)[data_rows])
     for step in range(STEPS):
         loss, logits = call(engine, family, tokens(step)[data_rows])
         engine.backward(loss)

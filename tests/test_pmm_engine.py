@@ -31,6 +31,13 @@ def test_overlap_bit_identical_to_blocking(world):
         assert tel["deferred_waited"] == 5 * 8 * 2  # each layer: weight reduce-scatter + bias all-reduce
 
 
+def test_prefetch_after_a_no_grad_forward_equals_serial(world):
+    # issue 20 defect 1: an evaluation pass before training recorded the order twice, and each
+    # step then used blocks.0.qkv gathered from the weights before the previous optimizer step
+    for out in world.run(train_and_compare, "gpt", (2, 2, 2, 1), overlap=ALL_ON, no_grad_first=True):
+        assert len(out["telemetry"]["recorded_order"]) == 8
+
+
 def test_zero1_fp32_tiled_optimizer_with_clipping(world):
     # data axis through DeepSpeed's ZeRO-1 (optimizer states sharded over 'data'); DeepSpeed's
     # clipping norm must be the serial model's (ds_pmm.mark_parameters), so clip at 1.0 here

@@ -193,6 +193,48 @@ def test_ranking_filters_by_divisibility_and_memory():
     assert all(c.memory <= limit for c in perf.rank_grids(spec, 8, topo, 4, 16, 2, memory_limit=limit))
 
 
+# ---- OAG prefetch (001 §5.1.4; issue 20 defect 1) -----------------------------------------
+def _oag_gpt():
+    from ds_ext.pmm.config import OverlapConfig
+
+    sizes = {"x": 1, "y": 1, "z": 1, "data": 1, "tensor": 1}
+    engine = PMMEngine({n: Axis(n, None, s, 0) for n, s in sizes.items()}, comm=None,
+                       overlap=OverlapConfig(all_gather=True))
+    return parallelize(_gpt(), engine), engine.prefetcher
+
+
+def test_prefetch_order_records_only_grad_enabled_passes():
+    model, prefetcher = _oag_gpt()
+    tokens = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        model(tokens)  # an evaluation pass before training is not a training step's order
+    model(tokens).backward()
+    assert [layer.name for layer in prefetcher.order] == ["blocks.0.qkv", "blocks.0.proj", "blocks.0.fc1",
+                                                          "blocks.0.fc2"]
+
+
+def test_prefetch_of_a_weight_changed_since_is_not_used():
+    model, prefetcher = _oag_gpt()
+    model(torch.randint(0, 256, (2, 9))).backward()
+    qkv, proj, fc1 = model.blocks[0].qkv, model.blocks[0].proj, model.blocks[0].fc1
+    prefetcher.weight(qkv, qkv.weight, True)  # in order: prefetches proj's weight as it is now
+    assert id(proj) in prefetcher._inflight
+    with torch.no_grad():
+        proj.weight.add_(1.0)  # an optimizer step between the prefetch and its use
+    assert torch.equal(prefetcher.weight(proj, proj.weight, True).reshape(-1), proj.weight)
+    assert prefetcher.hits == 0
+    prefetcher.weight(fc1, fc1.weight, True)
+    assert prefetcher.hits == 1  # an unchanged weight's prefetch is used
+
+
+def test_every_forward_drops_prefetches_in_flight():
+    model, prefetcher = _oag_gpt()
+    model(torch.randint(0, 256, (2, 9))).backward()
+    prefetcher.weight(model.blocks[0].qkv, model.blocks[0].qkv.weight, True)
+    assert prefetcher._inflight
+    model.pmm_engine.begin_forward([])
+    assert not prefetcher._inflight
+
 # ---- matmul modes (001 §5.1.3) ------------------------------------------------------------
 def test_every_matmul_mode_gives_identical_results():
     g = torch.Generator().manual_seed(0)

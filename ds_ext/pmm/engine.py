@@ -94,8 +94,11 @@ class PMMEngine:
 
     # ---- per forward pass ------------------------------------------------------------------
     def begin_forward(self, weights: list[torch.nn.Parameter]) -> None:
-        """Called at the model's forward start: fresh replicated views, ORS gate."""
+        """Called at the model's forward start: fresh replicated views, ORS gate; no prefetch
+        issued before (an optimizer step may have run since) survives into the pass."""
         self._replicated_views.clear()
+        if self.prefetcher is not None:
+            self.prefetcher.drop()
         if self.deferred is not None:
             self.deferred.open(weights)
 
