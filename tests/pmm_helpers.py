@@ -32,27 +32,29 @@ def gpt(checkpoint=False, heads=8):
     return GPT(GPTConfig(seq_len=SEQ, d_model=64, n_layers=2, n_heads=heads, checkpoint=checkpoint))
 
 
-def _neox():
+def _neox(tied=False):
     import torch
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     torch.manual_seed(1234)
     cfg = GPTNeoXConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=SEQ)
+                        intermediate_size=128, max_position_embeddings=SEQ, tie_word_embeddings=tied)
     return GPTNeoXForCausalLM(cfg)
 
 
-def _llama():
+def _llama(tied=False):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1234)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=SEQ)
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=SEQ,
+                      tie_word_embeddings=tied)
     return LlamaForCausalLM(cfg)
 
 
-MODELS = {"gpt": gpt, "gpt_ckpt": lambda: gpt(checkpoint=True), "gpt_4heads": lambda: gpt(heads=4), "neox": _neox, "llama": _llama}
+MODELS = {"gpt": gpt, "gpt_ckpt": lambda: gpt(checkpoint=True), "gpt_4heads": lambda: gpt(heads=4), "neox": _neox, "llama": _llama,
+          "neox_tied": lambda: _neox(tied=True), "llama_tied": lambda: _llama(tied=True)}
 
 
 def tokens(step):

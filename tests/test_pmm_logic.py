@@ -193,6 +193,17 @@ def test_ranking_filters_by_divisibility_and_memory():
     assert all(c.memory <= limit for c in perf.rank_grids(spec, 8, topo, 4, 16, 2, memory_limit=limit))
 
 
+@pytest.mark.parametrize("kind", ["llama", "neox"])
+def test_tied_hugging_face_head_stays_tied(kind):
+    # issue 20 defect 2: lm_head comes before the embedding in named_modules() order
+    from pmm_helpers import MODELS
+
+    model = MODELS[f"{kind}_tied"]()
+    serial_count = sum(p.numel() for p in model.parameters())
+    parallelize(model, _engine())
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert sum(p.numel() for p in model.parameters()) == serial_count
+
 # ---- OAG prefetch (001 §5.1.4; issue 20 defect 1) -----------------------------------------
 def _oag_gpt():
     from ds_ext.pmm.config import OverlapConfig

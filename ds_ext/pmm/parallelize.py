@@ -137,12 +137,15 @@ def parallelize(model: nn.Module, engine: PMMEngine, plan: Plan | None = None) -
     plan = plan or plan_for(model)
     _check(model, plan, engine)
     tables: dict[int, Embedding] = {}
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            new = _convert(name, child, plan, engine, tables)
-            if new is not None:
-                setattr(parent, child_name, new)
+    children = [(f"{pn}.{cn}" if pn else cn, parent, cn, child)
+                for pn, parent in model.named_modules() for cn, child in parent.named_children()]
+    # tables first: a tied head (Hugging Face's tie_word_embeddings) may come earlier in
+    # named_modules() order than its embedding, and must share the converted table
+    children.sort(key=lambda c: not isinstance(c[3], nn.Embedding))
+    for name, parent, child_name, child in children:
+        new = _convert(name, child, plan, engine, tables)
+        if new is not None:
+            setattr(parent, child_name, new)
     if plan.adapt is not None:
         plan.adapt(model, engine)
     weights = [p for m in model.modules() if isinstance(m, Linear) for p in (m.weight, m.bias) if p is not None]
