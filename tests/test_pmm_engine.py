@@ -147,6 +147,54 @@ def test_memory_per_rank(world):
         assert m1["optimizer"] == model1["optimizer"] == model0["optimizer"] / 2  # ZeRO-1: further / data
 
 
+def _trainer_step_gradients(grid):
+    """Gradients after one Hugging Face Trainer step of 2 accumulated micro-batches: Trainer's
+    own get_batch_samples counts the step's label tokens (num_items_in_batch) and its
+    training_step passes them to the model; the serial Llama, through the same Trainer, is
+    the reference (issue 20 defect 5)."""
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from ds_ext.pmm import local_shards
+    from pmm_helpers import FP32, MODELS, _close
+
+    ids = tokens(0)[:, :-1]
+    labels = ids.clone()
+    for row in range(GLOBAL_BATCH):
+        labels[row, : 2 * row] = -100  # uneven item counts over rows, Z shares and micro-batches
+    half = GLOBAL_BATCH // 2
+    batches = [{"input_ids": ids[:half], "labels": labels[:half]}, {"input_ids": ids[half:], "labels": labels[half:]}]
+
+    def step(model):
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(output_dir=tmp, gradient_accumulation_steps=2, per_device_train_batch_size=half,
+                                     use_cpu=True, report_to=[], average_tokens_across_devices=False)
+            trainer = Trainer(model=model, args=args)
+            samples, items = trainer.get_batch_samples(iter(batches), 2, torch.device("cpu"))
+            assert items is not None  # the model accepts loss kwargs: Trainer counts the items
+            losses = [float(trainer.training_step(model, dict(inputs), items)) for inputs in samples]
+        return losses
+
+    serial = MODELS["llama"]()
+    serial_losses = step(serial)
+    engine = engine_for("llama", ds_config(grid, accum=2))
+    losses = step(engine.module)
+    want = local_shards(engine.module, {n: p.grad for n, p in serial.named_parameters()})
+    for name, p in engine.module.named_parameters():
+        _close(p.grad, want[name], FP32, f"grad {name}")
+    engine.destroy()
+    return losses, serial_losses
+
+
+def test_hf_trainer_gradient_accumulation_num_items_in_batch(world):
+    import pytest
+
+    for losses, serial_losses in world.run(_trainer_step_gradients, (2, 2, 2, 1)):
+        assert losses == pytest.approx(serial_losses, rel=1e-5)
+
+
 def _initialize_error(grid, micro=None, instance=False, family="gpt"):
     import torch
 

@@ -8,8 +8,10 @@
 * the model's forward takes the *data-parallel group's* micro-batch on every tensor rank
   (like Megatron's tensor parallelism) and keeps this rank's Z share of the rows (dim 0 of
   every batch tensor); a returned loss (a scalar, or ``output.loss``) is the mean over the
-  Z shares, i.e. the loss of the whole micro-batch on every rank. Other outputs (logits)
-  hold this rank's Z share of the rows.
+  Z shares, i.e. the loss of the whole micro-batch on every rank (a Hugging Face
+  ``num_items_in_batch``, the item count of the whole step, is divided by G_z for the
+  share, so the loss stays the sum over the step's items / that count). Other outputs
+  (logits) hold this rank's Z share of the rows.
 
 Everything is checked before anything is converted: a module with parameters that no rule
 converts, a grid that does not divide a layer, a head count, or nonzero dropout raise one
@@ -120,6 +122,10 @@ class _BatchHooks:
                                  "samples (train_micro_batch_size_per_gpu): every Z rank takes an equal share")
             args = tuple(self._slice(a, batch) for a in args)
             kwargs = {k: self._slice(v, batch) for k, v in kwargs.items()}
+            if kwargs.get("num_items_in_batch") is not None:
+                # Hugging Face divides the loss sum by the step's item count; this rank sums
+                # over its Z share only and post() takes the Z mean, so each share counts 1 / G_z
+                kwargs["num_items_in_batch"] = kwargs["num_items_in_batch"] / self.engine.z.size
         self.engine.begin_forward(self.weights)
         return args, kwargs
 
