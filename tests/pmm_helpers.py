@@ -192,8 +192,8 @@ def train_and_compare(family, grid, clip=0.0, check=True, stage=0, no_grad_first
         "prefetch_hits": eng.prefetcher.hits if eng.prefetcher else 0,
         "recorded_order": [layer.name for layer in eng.prefetcher.order] if eng.prefetcher else [],
         "deferred_waited": eng.deferred.waited if eng.deferred else 0,
-        "tuned_sites": sorted({k[0] for k in eng.tuner.choice}) if eng.tuner else [],
-        "tuned_modes": {k[0]: v for k, v in eng.tuner.choice.items()} if eng.tuner else {},
+        "tuned_sites": sorted(eng.tuner.site_choice) if eng.tuner else [],
+        "tuned_modes": dict(eng.tuner.site_choice) if eng.tuner else {},
     }
     engine.destroy()
     return out

@@ -13,7 +13,7 @@ from ds_ext.pmm.grid import Axis
 from ds_ext.pmm.layout import LinearLayout, chunked_index
 from ds_ext.pmm.plans import plan_for
 from ds_ext.pmm.spec import model_spec
-from ds_ext.pmm.tuning import MODES, MatmulTuner, run_mode
+from ds_ext.pmm.tuning import MODES, MatmulTuner, merge, run_mode
 from ds_ext.topology import GB, US, Level, Topology
 
 
@@ -258,14 +258,33 @@ def test_every_matmul_mode_gives_identical_results():
             assert torch.equal(got, want) and got.is_contiguous(), mode
 
 
-def test_tuner_times_every_mode_once_per_signature():
-    tuner = MatmulTuner(_engine())
+def test_tuner_times_in_the_window_and_agrees_once():
+    gathers = []
+
+    def gather(t):  # a one-rank world that counts the collectives
+        gathers.append(t.numel())
+        return t.clone()
+
+    tuner = MatmulTuner(gather)
     a, b = torch.randn(32, 16), torch.randn(16, 8)
+    tuner.matmul("site", a, b)  # before the first grad-enabled forward: nothing timed
+    assert not tuner.local
+    tuner.begin_forward(False)  # an evaluation pass does not open the window
+    tuner.begin_forward(True)
     tuner.matmul("site", a, b)
     tuner.matmul("site", a, b)
-    assert len(tuner.choice) == 1 and len(next(iter(tuner.timings.values()))) == len(MODES) == 8
+    assert len(tuner.local) == 1 and len(next(iter(tuner.local.values()))) == len(MODES) == 8
     tuner.matmul("site", a, b.t().contiguous().t())  # other strides: another signature
-    assert len(tuner.choice) == 2
+    assert len(tuner.local) == 2 and gathers == []  # timing issues no collective
+    tuner.begin_forward(True)  # the agreed point: two all-gathers (sizes, then timings)
+    assert len(gathers) == 2 and len(tuner.choice) == 2 and set(tuner.site_choice) == {"site"}
+    tuner.matmul("site", torch.randn(7, 16), b)  # a new shape later: the site's mode, no collective
+    tuner.begin_forward(True)
+    assert len(gathers) == 2 and not tuner.local
+
+
+def test_tuning_merge_keeps_the_slowest_rank_per_mode():
+    assert merge([{"s": [1.0, 5.0]}, {"s": [3.0, 2.0], "t": [1.0, 1.0]}]) == {"s": [3.0, 5.0], "t": [1.0, 1.0]}
 
 
 def test_gpt_spec_matches_the_built_model():
