@@ -367,3 +367,24 @@ def test_bench_pmm_checks_rank_with_the_emulated_machines_model():
     out = checks(records)
     assert out[f"model_first_choice_measured_rank[{RANKING_MODEL}]"] == 3.0
     assert out[f"spearman[{RANKING_MODEL}]"] == pytest.approx(-0.4) and out["ranking_holds"] is False
+
+
+# ---- examples/train.py chooses the model and the optimizer from the config (issue 20, 9) -----
+def test_example_model_and_optimizer_follow_the_config():
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("example_train", root / "examples" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    config = {name: json.loads((root / "configs" / name).read_text())
+              for name in ("demo.json", "ted_moe.json", "pmm3d.json", "pmm3d_cpu8.json")}
+    assert train.model_kind(config["ted_moe.json"]) == "gpt-moe" and train.model_kind(config["demo.json"]) == "gpt"
+    params = [nn.Parameter(torch.zeros(2))]
+    assert isinstance(train.optimizer_for(config["demo.json"], params, 1e-3), torch.optim.AdamW)  # ZeRO-topo
+    assert train.optimizer_for(config["pmm3d.json"], params, 1e-3) is None  # its 'optimizer' section
+    no_section = {k: v for k, v in config["pmm3d_cpu8.json"].items() if k != "optimizer"}
+    build = train.optimizer_for(no_section, params, 1e-3)
+    assert callable(build) and isinstance(build(params), torch.optim.AdamW)  # built on the converted params
