@@ -204,6 +204,27 @@ def test_tied_hugging_face_head_stays_tied(kind):
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert sum(p.numel() for p in model.parameters()) == serial_count
 
+@pytest.mark.parametrize("transposed,chunks", [(False, 1), (True, 1), (False, 3)])
+def test_checkpoint_full_tensor_inverts_every_ranks_shard(transposed, chunks):
+    from ds_ext.pmm.checkpoint import full_tensor
+
+    grid = {"x": 2, "y": 3, "z": 2}
+    n, k = 12, 6
+    w, b = torch.randn(n, k), torch.randn(n)
+    weights, biases = {}, {}
+    for x in range(2):
+        for y in range(3):
+            for z in range(2):
+                c = {"x": x, "y": y}
+                out_ax, in_ax = ("y", "x") if transposed else ("x", "y")
+                if n % (chunks * grid[out_ax]) or k % grid[in_ax]:
+                    pytest.skip("grid does not divide")
+                lay = LinearLayout(n, k, grid[out_ax], c[out_ax], grid[in_ax], c[in_ax], 2, z, chunks)
+                weights[(x, y, z)], biases[(x, y, z)] = lay.shard(w), lay.bias(b)
+    rec = {"n": n, "k": k, "transposed": transposed, "out_chunks": chunks}
+    assert torch.equal(full_tensor({"kind": "linear_weight", **rec}, grid, weights), w)
+    assert torch.equal(full_tensor({"kind": "linear_bias", **rec}, grid, biases), b)
+
 # ---- OAG prefetch (001 §5.1.4; issue 20 defect 1) -----------------------------------------
 def _oag_gpt():
     from ds_ext.pmm.config import OverlapConfig

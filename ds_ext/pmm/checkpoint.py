@@ -70,24 +70,35 @@ def _hf_record(model: nn.Module) -> dict[str, Any] | None:
     return {"class": type(model).__name__, "config": config.to_dict()}
 
 
+def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, steps: int
+                     ) -> dict[str, dict[str, torch.Tensor]] | None:
+    """The optimizer's state per parameter name; None where it is not keyed by the model's
+    parameters (after a step, every trainable parameter must have one)."""
+    if optimizer is None:
+        return None
+    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    state = {names[id(p)]: {k: v.detach().cpu().clone() for k, v in st.items() if torch.is_tensor(v)}
+             for p, st in optimizer.state.items() if id(p) in names}
+    if steps > 0 and set(state) != set(names):
+        return None
+    return state
+
+
 def save(tag_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, axes: dict, grid,
          counters: dict[str, int]) -> None:
     """Write this rank's part of ``<tag_dir>/pmm3d`` (every rank calls it)."""
     out = Path(tag_dir) / DIR
     out.mkdir(parents=True, exist_ok=True)
-    if axes["data"].rank == 0:
-        params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-        state = None
-        if optimizer is not None:
-            names = {id(p): n for n, p in model.named_parameters()}
-            state = {names[id(p)]: {k: v.detach().cpu().clone() for k, v in st.items() if torch.is_tensor(v)}
-                     for p, st in optimizer.state.items() if id(p) in names}
-        coords = axes["x"].rank, axes["y"].rank, axes["z"].rank
-        torch.save({"params": params, "optimizer": state}, out / "tensor_{}_{}_{}.pt".format(*coords))
-    if axes["tensor"].rank == 0 and axes["data"].rank == 0:
+    if axes["data"].rank != 0:
+        return
+    params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    state = _optimizer_state(model, optimizer, counters["global_steps"])
+    coords = axes["x"].rank, axes["y"].rank, axes["z"].rank
+    torch.save({"params": params, "optimizer": state}, out / "tensor_{}_{}_{}.pt".format(*coords))
+    if axes["tensor"].rank == 0:
         record = {"grid": {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data}, "counters": counters,
                   "hf": _hf_record(model), "params": layout_record(model),
-                  "optimizer": optimizer is not None}
+                  "optimizer": state is not None}
         (out / LAYOUT).write_text(json.dumps(record, indent=1))
 
 
@@ -124,20 +135,25 @@ def full_tensor(rec: dict[str, Any], grid: dict[str, int], shards: dict[tuple[in
         for (_, y, _), t in shards.items():
             full[..., feature_slice(rec["shape"][-1], grid["y"], y)] = t
         return full
+    full = any_shard.new_empty((rec["n"], rec["k"]) if kind == "linear_weight" else (rec["n"],))
+    for x in range(grid["x"]):
+        for y in range(grid["y"]):
+            _place(full, kind, rec, grid, {"x": x, "y": y}, [shards[(x, y, z)] for z in range(grid["z"])])
+    return full
+
+
+def _place(full: torch.Tensor, kind: str, rec: dict[str, Any], grid: dict[str, int], c: dict[str, int],
+           z_chunks: list[torch.Tensor]) -> None:
+    """Write the (x, y) block of a linear weight (its Z chunks, in order) or bias into ``full``."""
     out_ax, in_ax = ("y", "x") if rec["transposed"] else ("x", "y")
     n, k = rec["n"], rec["k"]
-    full = any_shard.new_empty((n, k) if kind == "linear_weight" else (n,))
-    for (x, y, _), _t in shards.items():
-        c = {"x": x, "y": y}
-        lay = LinearLayout(n, k, grid[out_ax], c[out_ax], grid[in_ax], c[in_ax], grid["z"], 0, rec["out_chunks"])
-        rows = lay.out_index()
-        if kind == "linear_bias":
-            full[rows] = shards[(x, y, 0)]
-            continue
-        block = torch.cat([shards[(x, y, z)] for z in range(grid["z"])]).view(lay.n_local, lay.k_local)
-        cols = feature_slice(k, grid[in_ax], c[in_ax])
-        full[rows, cols] = block
-    return full
+    lay = LinearLayout(n, k, grid[out_ax], c[out_ax], grid[in_ax], c[in_ax], grid["z"], 0, rec["out_chunks"])
+    rows = lay.out_index()
+    if kind == "linear_bias":
+        full[rows] = z_chunks[0]
+        return
+    cols = feature_slice(k, grid[in_ax], c[in_ax])
+    full[rows, cols] = torch.cat(z_chunks).view(lay.n_local, lay.k_local)
 
 
 def _full(record: dict, files: dict, name: str, state_key: str | None = None) -> torch.Tensor:
@@ -190,7 +206,11 @@ def save_pretrained(tag_dir: Path, state: dict[str, torch.Tensor], out_dir: Path
         raise CheckpointError(f"{KEY}: checkpoint {tag_dir} is not of a Hugging Face model (no 'hf' record)")
     cls = getattr(transformers, hf["class"])
     model = cls(cls.config_class.from_dict(hf["config"]))
-    model.load_state_dict(state, strict=False)
+    unexpected = model.load_state_dict(state, strict=False).unexpected_keys  # tied aliases are not in state
+    absent = set(dict(model.named_parameters())) - set(state)
+    if unexpected or absent:
+        raise CheckpointError(f"{KEY}: checkpoint {tag_dir} does not match {hf['class']}: unexpected "
+                              f"{sorted(unexpected)[:4]}, missing {sorted(absent)[:4]}")
     model.save_pretrained(out_dir)
 
 
