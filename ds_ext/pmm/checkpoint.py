@@ -103,11 +103,14 @@ def save(tag_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | Non
 
 
 def read_record(tag_dir: Path) -> dict[str, Any]:
+    """The ``layout.json`` of a tag directory; one line if there is none."""
     path = Path(tag_dir) / DIR / LAYOUT
+    if not Path(tag_dir).is_dir():
+        raise CheckpointError(f"{KEY}: checkpoint {tag_dir} does not exist")
     if not path.is_file():
         raise CheckpointError(f"{KEY}: checkpoint {tag_dir} has no 3D-PMM layout record ({DIR}/{LAYOUT}: saved "
-                              "without ds_ext.pmm3d or by an older ds_ext), so its shards cannot be placed; load it "
-                              "on the grid it was saved on with DeepSpeed's load_checkpoint, or save it again")
+                              "without ds_ext.pmm3d or by an older ds_ext), so the grid its shards belong to is "
+                              "unknown; save it again from a run on its grid with this ds_ext")
     return json.loads(path.read_text())
 
 
