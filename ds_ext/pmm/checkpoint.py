@@ -79,7 +79,7 @@ def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     state = {names[id(p)]: {k: v.detach().cpu().clone() for k, v in st.items() if torch.is_tensor(v)}
              for p, st in optimizer.state.items() if id(p) in names}
-    if steps > 0 and set(state) != set(names):
+    if steps > 0 and set(state) != set(names.values()):
         return None
     return state
 
