@@ -119,11 +119,55 @@ def _checkpoint_dir(path: str, tag: str | None):
     return ckpt.resolve_tag_dir(p, tag)
 
 
+def _pmm_tag_dir(path: str, tag: str | None):
+    """A 3D-PMM tag directory (one with ``pmm3d/``) from a save or tag directory, else None."""
+    from pathlib import Path
+
+    from ds_ext.pmm import checkpoint as pmm_ckpt
+
+    p = Path(path)
+    if tag is None and (p / pmm_ckpt.DIR).is_dir():
+        return p
+    if tag is None and (p / "latest").is_file():
+        tag = (p / "latest").read_text().strip()
+    return p / tag if tag is not None and (p / tag / pmm_ckpt.DIR).is_dir() else None
+
+
+def cmd_pmm_checkpoint(ns: argparse.Namespace, tag_dir) -> int:
+    import torch
+
+    from ds_ext.pmm import checkpoint as pmm_ckpt
+
+    try:
+        record = pmm_ckpt.read_record(tag_dir)
+        if ns.action == "inspect":
+            print(f"3D-PMM checkpoint {tag_dir}: grid {record['grid']}, {len(record['params'])} parameters, "
+                  f"optimizer state: {record['optimizer']}, Hugging Face: {(record['hf'] or {}).get('class')}")
+            return 0
+        state = pmm_ckpt.consolidate(tag_dir)
+        torch.save(state, ns.out)
+        if ns.hf_dir:
+            pmm_ckpt.save_pretrained(tag_dir, state, ns.hf_dir)
+    except pmm_ckpt.CheckpointError as err:
+        print(f"ds-ext: error: {err}", file=sys.stderr)
+        return 2
+    n = sum(t.numel() for t in state.values())
+    print(f"wrote {ns.out}: {len(state)} tensors, {n:,} parameters of the serial model from {tag_dir} "
+          f"(3D-PMM grid {record['grid']})" + (f"; Hugging Face save_pretrained in {ns.hf_dir}" if ns.hf_dir else ""))
+    return 0
+
+
 def cmd_checkpoint(ns: argparse.Namespace) -> int:
     import torch
 
     from ds_ext.zero_topo import checkpoint as ckpt
 
+    pmm_dir = _pmm_tag_dir(ns.ckpt_dir, ns.tag)
+    if pmm_dir is not None:
+        return cmd_pmm_checkpoint(ns, pmm_dir)
+    if getattr(ns, "hf_dir", None):
+        print("ds-ext: error: --hf-dir: only a 3D-PMM checkpoint (with pmm3d/) of a Hugging Face model", file=sys.stderr)
+        return 2
     try:
         tag_dir = _checkpoint_dir(ns.ckpt_dir, ns.tag)
         if ns.action == "inspect":
@@ -224,11 +268,13 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     a = sub.add_parser("autoload-path", help="print the directory to put on PYTHONPATH to activate ds_ext in "
                                             "every process (launchers that build the rank command themselves)")
     a.set_defaults(func=cmd_autoload_path)
-    c = sub.add_parser("checkpoint", help="consolidate or inspect a ZeRO-topo checkpoint")
+    c = sub.add_parser("checkpoint", help="consolidate or inspect a ZeRO-topo or 3D-PMM checkpoint")
     csub = c.add_subparsers(dest="action", required=True)
     cc = csub.add_parser("consolidate", help="write the full fp32 state dict (torch.load(..., weights_only=True))")
     cc.add_argument("ckpt_dir", help="the save directory (uses its 'latest') or a tag directory")
     cc.add_argument("out", help="output file")
+    cc.add_argument("--hf-dir", default=None, help="3D-PMM checkpoint of a Hugging Face model: also write a "
+                                                   "save_pretrained directory here")
     ci = csub.add_parser("inspect", help="print what a checkpoint holds")
     ci.add_argument("ckpt_dir", help="the save directory (uses its 'latest') or a tag directory")
     for sp in (cc, ci):

@@ -5,10 +5,16 @@ Launch with the DeepSpeed launcher (see launch/local_cpu.sh)::
     deepspeed --num_gpus 8 examples/train.py --deepspeed_config configs/demo.json
     deepspeed --num_gpus 8 examples/train.py --deepspeed_config configs/ted_moe.json --model gpt-moe
 
-``--model gpt-moe`` builds ``ds_ext.models.gpt_moe.GPTMoE`` (every other block an MoE layer)
+``--model`` defaults to what the config needs: ``gpt-moe`` when its ``ds_ext.ted`` block is
+enabled, else ``gpt``. ``gpt-moe`` builds ``ds_ext.models.gpt_moe.GPTMoE`` (every other block an MoE layer)
 with the experts, top-k and capacity factor of the config's ``"ds_ext": {"ted": ...}`` block
 and one expert group of ``expert_parallel`` ranks; ``--checkpoint`` recomputes each block
 in backward (what CAC, 001 §7.3.2, optimizes).
+
+The optimizer: a config with an ``"optimizer"`` section gets DeepSpeed's (built on the
+parameters ds_ext hands over; its ``lr`` wins over ``--lr``); with ``ds_ext.pmm3d``, which
+converts the model's layers first, AdamW is passed as a callable on the converted
+parameters; otherwise as an AdamW instance.
 
 The model is built from its config (random init) and reads byte-level tokens of the
 Python standard library sources: nothing is downloaded. Rank 0 shows a progress bar
@@ -42,7 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-losses", action="store_true", help="print every step's loss (rank 0)")
-    p.add_argument("--model", choices=("gpt", "gpt-moe"), default="gpt")
+    p.add_argument("--model", choices=("gpt", "gpt-moe"), default=None,
+                   help="default: gpt-moe if the config enables ds_ext.ted, else gpt")
     p.add_argument("--checkpoint", choices=("none", "torch", "torch-reentrant", "deepspeed"), default="none",
                    help="gpt-moe: activation checkpointing of every block")
     p.add_argument("--aux-loss-coef", type=float, default=0.01, help="gpt-moe: weight of the MoE load-balancing loss")
@@ -69,17 +76,32 @@ def gpt_moe(args: argparse.Namespace):
     return cfg, model, groups
 
 
+def model_kind(ds_config: dict) -> str:
+    """The model a config needs when ``--model`` is not given."""
+    return "gpt-moe" if cfgmod.parse(ds_config.get(cfgmod.BLOCK)).ted.enabled else "gpt"
+
+
+def optimizer_for(ds_config: dict, params, lr: float):
+    """What ``ds_ext.initialize`` takes as ``optimizer`` for this config (module docstring)."""
+    if "optimizer" in ds_config:
+        return None
+    if cfgmod.parse(ds_config.get(cfgmod.BLOCK)).pmm3d.enabled:
+        return lambda converted: torch.optim.AdamW(converted, lr=lr, weight_decay=0.0)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
+    ds_config = cfgmod.load_ds_config(args.deepspeed_config)
+    args.model = args.model or model_kind(ds_config)
     if args.model == "gpt-moe":
         cfg, model, params = gpt_moe(args)
     else:
         cfg = GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
         model = GPT(cfg)
         params = model.parameters()
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    engine, _, _, _ = ds_ext.initialize(args=args, model=model, optimizer=optimizer)
+    engine, _, _, _ = ds_ext.initialize(args=args, model=model, optimizer=optimizer_for(ds_config, params, args.lr))
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = engine.data_parallel_group.size() if engine.data_parallel_group else world

@@ -32,27 +32,29 @@ def gpt(checkpoint=False, heads=8):
     return GPT(GPTConfig(seq_len=SEQ, d_model=64, n_layers=2, n_heads=heads, checkpoint=checkpoint))
 
 
-def _neox():
+def _neox(tied=False):
     import torch
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     torch.manual_seed(1234)
     cfg = GPTNeoXConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=SEQ)
+                        intermediate_size=128, max_position_embeddings=SEQ, tie_word_embeddings=tied)
     return GPTNeoXForCausalLM(cfg)
 
 
-def _llama():
+def _llama(tied=False):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1234)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=SEQ)
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=SEQ,
+                      tie_word_embeddings=tied)
     return LlamaForCausalLM(cfg)
 
 
-MODELS = {"gpt": gpt, "gpt_ckpt": lambda: gpt(checkpoint=True), "gpt_4heads": lambda: gpt(heads=4), "neox": _neox, "llama": _llama}
+MODELS = {"gpt": gpt, "gpt_ckpt": lambda: gpt(checkpoint=True), "gpt_4heads": lambda: gpt(heads=4), "neox": _neox, "llama": _llama,
+          "neox_tied": lambda: _neox(tied=True), "llama_tied": lambda: _llama(tied=True)}
 
 
 def tokens(step):
@@ -133,8 +135,9 @@ def _rows(engine):
     return slice(start, start + micro), slice(start + axes["z"].rank * share, start + (axes["z"].rank + 1) * share)
 
 
-def train_and_compare(family, grid, clip=0.0, check=True, stage=0, **cfg_kw):
-    """Train STEPS steps; with ``check``, assert parity with the serial run at every step.
+def train_and_compare(family, grid, clip=0.0, check=True, stage=0, no_grad_first=False, **cfg_kw):
+    """Train STEPS steps; with ``check``, assert parity with the serial run at every step;
+    ``no_grad_first``: one evaluation forward (autograd off) before the first step.
 
     Stage 0 keeps reduced gradients in ``p.grad``: each is compared, and the norm is
     :func:`ds_ext.pmm.norm.global_grad_norm`. ZeRO-1/2 moves them into DeepSpeed's
@@ -149,6 +152,11 @@ def train_and_compare(family, grid, clip=0.0, check=True, stage=0, **cfg_kw):
     data_rows, z_rows = _rows(engine)
     steps, final = serial_run(family, clip)
     out = {"losses": [], "norms": []}
+    if no_grad_first:
+        import torch
+
+        with torch.no_grad():
+            call(engine, family, tokens(0)[data_rows])
     for step in range(STEPS):
         loss, logits = call(engine, family, tokens(step)[data_rows])
         engine.backward(loss)
@@ -184,8 +192,8 @@ def train_and_compare(family, grid, clip=0.0, check=True, stage=0, **cfg_kw):
         "prefetch_hits": eng.prefetcher.hits if eng.prefetcher else 0,
         "recorded_order": [layer.name for layer in eng.prefetcher.order] if eng.prefetcher else [],
         "deferred_waited": eng.deferred.waited if eng.deferred else 0,
-        "tuned_sites": sorted({k[0] for k in eng.tuner.choice}) if eng.tuner else [],
-        "tuned_modes": {k[0]: v for k, v in eng.tuner.choice.items()} if eng.tuner else {},
+        "tuned_sites": sorted(eng.tuner.site_choice) if eng.tuner else [],
+        "tuned_modes": dict(eng.tuner.site_choice) if eng.tuner else {},
     }
     engine.destroy()
     return out

@@ -31,6 +31,13 @@ def test_overlap_bit_identical_to_blocking(world):
         assert tel["deferred_waited"] == 5 * 8 * 2  # each layer: weight reduce-scatter + bias all-reduce
 
 
+def test_prefetch_after_a_no_grad_forward_equals_serial(world):
+    # issue 20 defect 1: an evaluation pass before training recorded the order twice, and each
+    # step then used blocks.0.qkv gathered from the weights before the previous optimizer step
+    for out in world.run(train_and_compare, "gpt", (2, 2, 2, 1), overlap=ALL_ON, no_grad_first=True):
+        assert len(out["telemetry"]["recorded_order"]) == 8
+
+
 def test_zero1_fp32_tiled_optimizer_with_clipping(world):
     # data axis through DeepSpeed's ZeRO-1 (optimizer states sharded over 'data'); DeepSpeed's
     # clipping norm must be the serial model's (ds_pmm.mark_parameters), so clip at 1.0 here
@@ -51,6 +58,136 @@ def test_matmul_tuning_same_results(world):
     layers = [f"blocks.{b}.{n}" for b in range(2) for n in ("qkv", "proj", "fc1", "fc2")]
     assert tel["tuned_sites"] == sorted(f"{lay}/{s}" for lay in layers for s in ("fwd", "dgrad", "wgrad"))
     assert all(r["telemetry"]["tuned_modes"] == tel["tuned_modes"] for r in results)  # agreed by all ranks
+
+
+def _uneven_lengths(tune):
+    """(2,1,2,2): the two data groups see different sequence lengths: in the tuning window
+    (step 0: group 1 short), then shapes new to one group only (step 1: both full; step 2:
+    group 0 short, a shape only group 1 timed)."""
+    engine = engine_for("gpt", ds_config((2, 1, 2, 2), tune=tune))
+    data = engine.ds_ext.plugins[-1].axes["data"]
+    micro = GLOBAL_BATCH // data.size
+    losses = []
+    for step in range(3):
+        rows = tokens(step)[data.rank * micro:(data.rank + 1) * micro]
+        if (step, data.rank) in ((0, 1), (2, 0)):
+            rows = rows[:, : SEQ // 2 + 1]
+        loss = engine(rows)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    tuner = engine.ds_ext.plugins[-1].engine.tuner
+    modes = dict(tuner.choice) if tune else {}
+    engine.destroy()
+    return losses, modes
+
+
+def test_matmul_tuning_with_uneven_sequence_lengths(world):
+    # issue 20 defect 4: a collective per new shape paired up differently on the two data groups
+    tuned, plain = world.run(_uneven_lengths, True), world.run(_uneven_lengths, False)
+    for (losses, modes), (want, _) in zip(tuned, plain):
+        assert losses == pytest.approx(want, rel=1e-5)
+        assert modes == tuned[0][1] and len(modes) == 2 * 24  # both lengths, agreed by every rank
+
+
+def _train_steps(engine, family, steps):
+    """Per step the global batch's loss (the mean over data groups)."""
+    from pmm_helpers import _data_mean, _rows, call
+
+    data_rows, _ = _rows(engine)
+    data = engine.ds_ext.plugins[-1].axes["data"]
+    losses = []
+    for step in steps:
+        loss, _ = call(engine, family, tokens(step)[data_rows])
+        engine.backward(loss)
+        engine.step()
+        losses.append(_data_mean(loss.detach(), data))
+    return losses
+
+
+def _checkpoint_continuation(tmp):
+    """Save on (2,2,2,1) before training and after 2 of 5 steps; continue on (1,2,4,1) and
+    (1,1,1,8); consolidate the first checkpoint (issue 20 defect 3, acceptance)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from ds_ext.config import DsExtConfigError
+    from ds_ext.pmm import checkpoint
+    from pmm_helpers import MODELS
+
+    engine = engine_for("gpt", ds_config((2, 2, 2, 1)))
+    engine.save_checkpoint(tmp, tag="init")
+    whole = _train_steps(engine, "gpt", range(2))
+    engine.save_checkpoint(tmp, tag="step2")
+    whole += _train_steps(engine, "gpt", range(2, 5))
+    engine.destroy()
+    continued = {}
+    for grid in ((1, 2, 4, 1), (1, 1, 1, 8)):
+        engine = engine_for("gpt", ds_config(grid))
+        engine.load_checkpoint(tmp, tag="step2")
+        assert engine.global_steps == 2
+        continued[grid] = _train_steps(engine, "gpt", range(2, 5))
+        engine.destroy()
+    full = checkpoint.consolidate(f"{tmp}/init")
+    serial = dict(MODELS["gpt"]().named_parameters())
+    consolidated = set(full) == set(serial) and all(torch.equal(full[n], p.detach()) for n, p in serial.items())
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.remove(f"{tmp}/init/pmm3d/layout.json")
+    dist.barrier()
+    engine = engine_for("gpt", ds_config((1, 2, 4, 1)))
+    try:
+        engine.load_checkpoint(tmp, tag="init")
+        refusal = None
+    except DsExtConfigError as err:
+        refusal = str(err)
+    engine.destroy()
+    return whole, continued, consolidated, refusal
+
+
+def test_checkpoint_continues_on_other_grids(world, tmp_path):
+    for whole, continued, consolidated, refusal in world.run(_checkpoint_continuation, str(tmp_path)):
+        for grid, losses in continued.items():
+            assert losses == pytest.approx(whole[2:], rel=1e-6, abs=0), grid
+        assert consolidated  # ds-ext checkpoint consolidate's state dict = the serial initialization
+        assert refusal and "has no 3D-PMM layout record" in refusal and "\n" not in refusal
+
+
+def _hf_checkpoint(tmp):
+    """Llama: save on (2,2,2,1) after one step; ``ds-ext checkpoint consolidate --hf-dir``;
+    Hugging Face's own from_pretrained and ds_ext.pmm.checkpoint.load_full on (1,2,4,1) give
+    the loss the parallel model computed at step 1."""
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    from ds_ext.cli import main
+    from ds_ext.pmm.checkpoint import load_full
+    from pmm_helpers import call
+
+    engine = engine_for("llama", ds_config((2, 2, 2, 1)))
+    _train_steps(engine, "llama", range(1))
+    engine.save_checkpoint(tmp, tag="hf")
+    want = _train_steps(engine, "llama", range(1, 2))[0]
+    engine.destroy()
+    rc = main(["checkpoint", "consolidate", tmp, f"{tmp}/full.pt", "--tag", "hf", "--hf-dir", f"{tmp}/hf"]) \
+        if dist.get_rank() == 0 else 0
+    dist.barrier()
+    with torch.no_grad():
+        hf_loss = call(LlamaForCausalLM.from_pretrained(f"{tmp}/hf"), "llama", tokens(1))[0].item()
+    engine = engine_for("llama", ds_config((1, 2, 4, 1)))
+    load_full(engine.module, f"{tmp}/hf")
+    with torch.no_grad():
+        loaded_loss = call(engine, "llama", tokens(1))[0].item()
+    engine.destroy()
+    return rc, want, hf_loss, loaded_loss
+
+
+def test_hf_checkpoint_consolidates_and_loads_shard_by_shard(world, tmp_path):
+    for rc, want, hf_loss, loaded_loss in world.run(_hf_checkpoint, str(tmp_path)):
+        assert rc == 0 and hf_loss == pytest.approx(want, rel=1e-5) and loaded_loss == pytest.approx(want, rel=1e-5)
 
 
 def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None):
@@ -138,6 +275,54 @@ def test_memory_per_rank(world):
                    for n in m0["replicated_names"])
         assert m0["optimizer"] == model0["optimizer"]  # fp32 master + Adam m, v: 12 bytes per local parameter
         assert m1["optimizer"] == model1["optimizer"] == model0["optimizer"] / 2  # ZeRO-1: further / data
+
+
+def _trainer_step_gradients(grid):
+    """Gradients after one Hugging Face Trainer step of 2 accumulated micro-batches: Trainer's
+    own get_batch_samples counts the step's label tokens (num_items_in_batch) and its
+    training_step passes them to the model; the serial Llama, through the same Trainer, is
+    the reference (issue 20 defect 5)."""
+    import tempfile
+
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from ds_ext.pmm import local_shards
+    from pmm_helpers import FP32, MODELS, _close
+
+    ids = tokens(0)[:, :-1]
+    labels = ids.clone()
+    for row in range(GLOBAL_BATCH):
+        labels[row, : 2 * row] = -100  # uneven item counts over rows, Z shares and micro-batches
+    half = GLOBAL_BATCH // 2
+    batches = [{"input_ids": ids[:half], "labels": labels[:half]}, {"input_ids": ids[half:], "labels": labels[half:]}]
+
+    def step(model):
+        with tempfile.TemporaryDirectory() as tmp:
+            args = TrainingArguments(output_dir=tmp, gradient_accumulation_steps=2, per_device_train_batch_size=half,
+                                     use_cpu=True, report_to=[], average_tokens_across_devices=False)
+            trainer = Trainer(model=model, args=args)
+            samples, items = trainer.get_batch_samples(iter(batches), 2, torch.device("cpu"))
+            assert items is not None  # the model accepts loss kwargs: Trainer counts the items
+            losses = [float(trainer.training_step(model, dict(inputs), items)) for inputs in samples]
+        return losses
+
+    serial = MODELS["llama"]()
+    serial_losses = step(serial)
+    engine = engine_for("llama", ds_config(grid, accum=2))
+    losses = step(engine.module)
+    want = local_shards(engine.module, {n: p.grad for n, p in serial.named_parameters()})
+    for name, p in engine.module.named_parameters():
+        _close(p.grad, want[name], FP32, f"grad {name}")
+    engine.destroy()
+    return losses, serial_losses
+
+
+def test_hf_trainer_gradient_accumulation_num_items_in_batch(world):
+    import pytest
+
+    for losses, serial_losses in world.run(_trainer_step_gradients, (2, 2, 2, 1)):
+        assert losses == pytest.approx(serial_losses, rel=1e-5)
 
 
 def _initialize_error(grid, micro=None, instance=False, family="gpt"):

@@ -13,7 +13,7 @@ from ds_ext.pmm.grid import Axis
 from ds_ext.pmm.layout import LinearLayout, chunked_index
 from ds_ext.pmm.plans import plan_for
 from ds_ext.pmm.spec import model_spec
-from ds_ext.pmm.tuning import MODES, MatmulTuner, run_mode
+from ds_ext.pmm.tuning import MODES, MatmulTuner, merge, run_mode
 from ds_ext.topology import GB, US, Level, Topology
 
 
@@ -193,6 +193,80 @@ def test_ranking_filters_by_divisibility_and_memory():
     assert all(c.memory <= limit for c in perf.rank_grids(spec, 8, topo, 4, 16, 2, memory_limit=limit))
 
 
+@pytest.mark.parametrize("kind", ["llama", "neox"])
+def test_tied_hugging_face_head_stays_tied(kind):
+    # issue 20 defect 2: lm_head comes before the embedding in named_modules() order
+    from pmm_helpers import MODELS
+
+    model = MODELS[f"{kind}_tied"]()
+    serial_count = sum(p.numel() for p in model.parameters())
+    parallelize(model, _engine())
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert sum(p.numel() for p in model.parameters()) == serial_count
+
+@pytest.mark.parametrize("transposed,chunks", [(False, 1), (True, 1), (False, 3)])
+def test_checkpoint_full_tensor_inverts_every_ranks_shard(transposed, chunks):
+    from ds_ext.pmm.checkpoint import full_tensor
+
+    grid = {"x": 2, "y": 3, "z": 2}
+    n, k = 12, 6
+    w, b = torch.randn(n, k), torch.randn(n)
+    weights, biases = {}, {}
+    for x in range(2):
+        for y in range(3):
+            for z in range(2):
+                c = {"x": x, "y": y}
+                out_ax, in_ax = ("y", "x") if transposed else ("x", "y")
+                if n % (chunks * grid[out_ax]) or k % grid[in_ax]:
+                    pytest.skip("grid does not divide")
+                lay = LinearLayout(n, k, grid[out_ax], c[out_ax], grid[in_ax], c[in_ax], 2, z, chunks)
+                weights[(x, y, z)], biases[(x, y, z)] = lay.shard(w), lay.bias(b)
+    rec = {"n": n, "k": k, "transposed": transposed, "out_chunks": chunks}
+    assert torch.equal(full_tensor({"kind": "linear_weight", **rec}, grid, weights), w)
+    assert torch.equal(full_tensor({"kind": "linear_bias", **rec}, grid, biases), b)
+
+# ---- OAG prefetch (001 §5.1.4; issue 20 defect 1) -----------------------------------------
+def _oag_gpt():
+    from ds_ext.pmm.config import OverlapConfig
+
+    sizes = {"x": 1, "y": 1, "z": 1, "data": 1, "tensor": 1}
+    engine = PMMEngine({n: Axis(n, None, s, 0) for n, s in sizes.items()}, comm=None,
+                       overlap=OverlapConfig(all_gather=True))
+    return parallelize(_gpt(), engine), engine.prefetcher
+
+
+def test_prefetch_order_records_only_grad_enabled_passes():
+    model, prefetcher = _oag_gpt()
+    tokens = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        model(tokens)  # an evaluation pass before training is not a training step's order
+    model(tokens).backward()
+    assert [layer.name for layer in prefetcher.order] == ["blocks.0.qkv", "blocks.0.proj", "blocks.0.fc1",
+                                                          "blocks.0.fc2"]
+
+
+def test_prefetch_of_a_weight_changed_since_is_not_used():
+    model, prefetcher = _oag_gpt()
+    model(torch.randint(0, 256, (2, 9))).backward()
+    qkv, proj, fc1 = model.blocks[0].qkv, model.blocks[0].proj, model.blocks[0].fc1
+    prefetcher.weight(qkv, qkv.weight, True)  # in order: prefetches proj's weight as it is now
+    assert id(proj) in prefetcher._inflight
+    with torch.no_grad():
+        proj.weight.add_(1.0)  # an optimizer step between the prefetch and its use
+    assert torch.equal(prefetcher.weight(proj, proj.weight, True).reshape(-1), proj.weight)
+    assert prefetcher.hits == 0
+    prefetcher.weight(fc1, fc1.weight, True)
+    assert prefetcher.hits == 1  # an unchanged weight's prefetch is used
+
+
+def test_every_forward_drops_prefetches_in_flight():
+    model, prefetcher = _oag_gpt()
+    model(torch.randint(0, 256, (2, 9))).backward()
+    prefetcher.weight(model.blocks[0].qkv, model.blocks[0].qkv.weight, True)
+    assert prefetcher._inflight
+    model.pmm_engine.begin_forward([])
+    assert not prefetcher._inflight
+
 # ---- matmul modes (001 §5.1.3) ------------------------------------------------------------
 def test_every_matmul_mode_gives_identical_results():
     g = torch.Generator().manual_seed(0)
@@ -205,14 +279,33 @@ def test_every_matmul_mode_gives_identical_results():
             assert torch.equal(got, want) and got.is_contiguous(), mode
 
 
-def test_tuner_times_every_mode_once_per_signature():
-    tuner = MatmulTuner(_engine())
+def test_tuner_times_in_the_window_and_agrees_once():
+    gathers = []
+
+    def gather(t):  # a one-rank world that counts the collectives
+        gathers.append(t.numel())
+        return t.clone()
+
+    tuner = MatmulTuner(gather)
     a, b = torch.randn(32, 16), torch.randn(16, 8)
+    tuner.matmul("site", a, b)  # before the first grad-enabled forward: nothing timed
+    assert not tuner.local
+    tuner.begin_forward(False)  # an evaluation pass does not open the window
+    tuner.begin_forward(True)
     tuner.matmul("site", a, b)
     tuner.matmul("site", a, b)
-    assert len(tuner.choice) == 1 and len(next(iter(tuner.timings.values()))) == len(MODES) == 8
+    assert len(tuner.local) == 1 and len(next(iter(tuner.local.values()))) == len(MODES) == 8
     tuner.matmul("site", a, b.t().contiguous().t())  # other strides: another signature
-    assert len(tuner.choice) == 2
+    assert len(tuner.local) == 2 and gathers == []  # timing issues no collective
+    tuner.begin_forward(True)  # the agreed point: two all-gathers (sizes, then timings)
+    assert len(gathers) == 2 and len(tuner.choice) == 2 and set(tuner.site_choice) == {"site"}
+    tuner.matmul("site", torch.randn(7, 16), b)  # a new shape later: the site's mode, no collective
+    tuner.begin_forward(True)
+    assert len(gathers) == 2 and not tuner.local
+
+
+def test_tuning_merge_keeps_the_slowest_rank_per_mode():
+    assert merge([{"s": [1.0, 5.0]}, {"s": [3.0, 2.0], "t": [1.0, 1.0]}]) == {"s": [3.0, 5.0], "t": [1.0, 1.0]}
 
 
 def test_gpt_spec_matches_the_built_model():
@@ -301,3 +394,24 @@ def test_bench_pmm_checks_rank_with_the_emulated_machines_model():
     out = checks(records)
     assert out[f"model_first_choice_measured_rank[{RANKING_MODEL}]"] == 3.0
     assert out[f"spearman[{RANKING_MODEL}]"] == pytest.approx(-0.4) and out["ranking_holds"] is False
+
+
+# ---- examples/train.py chooses the model and the optimizer from the config (issue 20, 9) -----
+def test_example_model_and_optimizer_follow_the_config():
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("example_train", root / "examples" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    config = {name: json.loads((root / "configs" / name).read_text())
+              for name in ("demo.json", "ted_moe.json", "pmm3d.json", "pmm3d_cpu8.json")}
+    assert train.model_kind(config["ted_moe.json"]) == "gpt-moe" and train.model_kind(config["demo.json"]) == "gpt"
+    params = [nn.Parameter(torch.zeros(2))]
+    assert isinstance(train.optimizer_for(config["demo.json"], params, 1e-3), torch.optim.AdamW)  # ZeRO-topo
+    assert train.optimizer_for(config["pmm3d.json"], params, 1e-3) is None  # its 'optimizer' section
+    no_section = {k: v for k, v in config["pmm3d_cpu8.json"].items() if k != "optimizer"}
+    build = train.optimizer_for(no_section, params, 1e-3)
+    assert callable(build) and isinstance(build(params), torch.optim.AdamW)  # built on the converted params

@@ -72,3 +72,23 @@ def release_mpu_on_destroy(engine, mpu) -> None:
         return out
 
     engine.destroy = destroy_and_release
+
+
+def torch_optimizer(engine):
+    """The torch optimizer holding the model's parameters themselves (fp32, no ZeRO: DeepSpeed
+    uses the client optimizer as ``engine.optimizer``), or None (ZeRO / 16-bit wrappers keep
+    flat partitions of their own)."""
+    import torch
+
+    opt = engine.optimizer
+    return opt if isinstance(opt, torch.optim.Optimizer) else None
+
+
+def step_counters(engine) -> dict[str, int]:
+    """DeepSpeed's ``global_steps`` and ``global_samples`` (engine.py)."""
+    return {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples)}
+
+
+def set_step_counters(engine, counters: dict[str, int]) -> None:
+    engine.global_steps = counters["global_steps"]
+    engine.global_samples = counters["global_samples"]

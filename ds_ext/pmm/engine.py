@@ -38,11 +38,15 @@ class PMMEngine:
         self.comm = comm
         self.overlap = overlap or OverlapConfig()
         self.ledger_by_layer = ledger_by_layer
-        self.tuner = MatmulTuner(self) if tune_matmul else None
+        self.tuner = MatmulTuner(self._world_gather()) if tune_matmul else None
         self.prefetcher = AllGatherPrefetcher(self) if self.overlap.all_gather else None
         self.deferred = DeferredGradients(self) if self.overlap.reduce_scatter else None
         # per forward pass: one gradient-reducing view per replicated parameter
         self._replicated_views: dict[int, torch.Tensor] = {}
+
+    def _world_gather(self):
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        return self.all_gather_world if multi else None
 
     # ---- ledger tags ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -80,10 +84,11 @@ class PMMEngine:
             h = self.comm.reduce_scatter(out, inp, group=axis.group, async_op=async_op)
         return h or _DONE
 
-    def all_reduce_world_max(self, t: torch.Tensor) -> None:
-        """Agree on a value across all ranks (matmul tuning decisions)."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            self.comm.all_reduce(t, op=dist.ReduceOp.MAX)
+    def all_gather_world(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` (equal sizes) concatenated in rank order (matmul tuning's agreed point)."""
+        out = t.new_empty(dist.get_world_size() * t.numel())
+        self.comm.all_gather(out, t)
+        return out
 
     # ---- matmuls ---------------------------------------------------------------------------
     def matmul(self, site: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -94,8 +99,14 @@ class PMMEngine:
 
     # ---- per forward pass ------------------------------------------------------------------
     def begin_forward(self, weights: list[torch.nn.Parameter]) -> None:
-        """Called at the model's forward start: fresh replicated views, ORS gate."""
+        """Called at the model's forward start: fresh replicated views, ORS gate; no prefetch
+        issued before (an optimizer step may have run since) survives into the pass; matmul
+        tuning's window opens or its agreed point is reached (every rank in step)."""
         self._replicated_views.clear()
+        if self.prefetcher is not None:
+            self.prefetcher.drop()
+        if self.tuner is not None:
+            self.tuner.begin_forward(torch.is_grad_enabled())
         if self.deferred is not None:
             self.deferred.open(weights)
 

@@ -37,9 +37,10 @@ from ds_ext.pmm.layout import LinearLayout
 
 class _Algorithm3(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Linear"):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Linear",
+                grad_pass: bool):
         eng = layer.engine
-        w = layer.gathered_weight(weight)  # line 2
+        w = layer.gathered_weight(weight, grad_pass)  # line 2
         x2 = x.reshape(-1, layer.layout.k_local)
         out = eng.matmul(f"{layer.name}/fwd", x2, w.t())  # line 3
         eng.all_reduce(out, layer.in_axis, layer.name)  # line 4
@@ -63,7 +64,7 @@ class _Algorithm3(torch.autograd.Function):
         grad_block = eng.matmul(f"{layer.name}/wgrad", g2.t(), x2)  # line 13
         pending.wait()  # OAR: the all-reduce ran during line 13
         grad_w, grad_b = layer.reduce_gradients(grad_block, g2 if ctx.has_bias else None, ctx.deferred)  # line 14
-        return grad_in.view(ctx.in_shape), grad_w, grad_b, None
+        return grad_in.view(ctx.in_shape), grad_w, grad_b, None, None
 
 
 class Linear(nn.Module):
@@ -133,9 +134,10 @@ class Linear(nn.Module):
         block = shard.new_empty(self.layout.n_local, self.layout.k_local)
         return self.engine.all_gather(block, shard, self.engine.z, self.name, async_op=True), block
 
-    def gathered_weight(self, shard: torch.Tensor) -> torch.Tensor:
+    def gathered_weight(self, shard: torch.Tensor, grad_pass: bool) -> torch.Tensor:
+        """W_{j,i}; ``grad_pass``: the forward runs with autograd on (OAG records only those)."""
         if self.engine.prefetcher is not None:
-            return self.engine.prefetcher.weight(self, shard)
+            return self.engine.prefetcher.weight(self, shard, grad_pass)
         return self.gather(shard)
 
     # ---- line 14 (+ bias) ------------------------------------------------------------------
@@ -168,4 +170,4 @@ class Linear(nn.Module):
                 "ds_ext.pmm3d.overlap.reduce_scatter needs the model converted by ds_ext.pmm.parallelize "
                 f"(its forward opens the gate that waits for the reduce-scatters); {self.name} ran outside it"
             )
-        return _Algorithm3.apply(eng.input_with_gate(x.contiguous()), weight, bias, self)
+        return _Algorithm3.apply(eng.input_with_gate(x.contiguous()), weight, bias, self, torch.is_grad_enabled())

@@ -7,11 +7,14 @@
   node, created at the model's forward start and tied into the first layer's input,
   waits for all of them after the last layer's backward and only then lets the
   gradients reach the parameters (so DeepSpeed's gradient hooks see finished values).
-* OAG, :class:`AllGatherPrefetcher`: during the first step the order in which layers
-  gather their weights is recorded (activation-checkpoint recomputes included: they run
-  inside the first backward); afterwards each gather issues the next one in that order
-  asynchronously. Nothing is prefetched past the end of the recorded order, so no
-  gathered weight outlives an optimizer step; a call out of order drops what is in flight.
+* OAG, :class:`AllGatherPrefetcher`: during the first grad-enabled step the order in
+  which layers gather their weights is recorded (activation-checkpoint recomputes
+  included: they run inside the first backward; no-grad passes are not recorded, their
+  order is not a training step's); afterwards each gather issues the next one in that
+  order asynchronously. A prefetch is used only if its weight is unchanged since it was
+  issued (the parameter's version counter), every model forward drops what is in flight,
+  and nothing is prefetched past the end of the recorded order, so no gathered weight
+  outlives an optimizer step; a call out of order drops what is in flight.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ class _Ticket:
     layer: Any
     handle: Handle
     buffer: torch.Tensor
+    version: int  # the weight's version counter when the gather was issued
 
 
 class AllGatherPrefetcher:
@@ -105,14 +109,17 @@ class AllGatherPrefetcher:
         self._inflight: dict[int, _Ticket] = {}
         self.hits = 0  # gathers served by a prefetch (telemetry)
 
-    def weight(self, layer: Any, shard: torch.Tensor) -> torch.Tensor:
-        """The gathered weight block of ``layer`` (prefetched if it was issued)."""
+    def weight(self, layer: Any, shard: torch.Tensor, grad_pass: bool) -> torch.Tensor:
+        """The gathered weight block of ``layer`` (prefetched if it was issued); ``grad_pass``:
+        the layer's forward runs with autograd on (only those passes are recorded)."""
         if self.recording:
-            self.order.append(layer)
+            if grad_pass:
+                self.order.append(layer)
             return layer.gather(shard)
         ticket = self._inflight.pop(id(layer), None)
         if ticket is not None:
             ticket.handle.wait()
+        if ticket is not None and ticket.version == layer.weight._version:
             block = ticket.buffer
             self.hits += 1
         else:
@@ -146,7 +153,7 @@ class AllGatherPrefetcher:
             nxt = self.order[self._cursor]
             if id(nxt) not in self._inflight:
                 handle, buffer = nxt.gather_async()
-                self._inflight[id(nxt)] = _Ticket(nxt, handle, buffer)
+                self._inflight[id(nxt)] = _Ticket(nxt, handle, buffer, nxt.weight._version)
 
     def drop(self) -> None:
         """Complete and discard every prefetch in flight (weights may have changed)."""

@@ -8,8 +8,10 @@
 * the model's forward takes the *data-parallel group's* micro-batch on every tensor rank
   (like Megatron's tensor parallelism) and keeps this rank's Z share of the rows (dim 0 of
   every batch tensor); a returned loss (a scalar, or ``output.loss``) is the mean over the
-  Z shares, i.e. the loss of the whole micro-batch on every rank. Other outputs (logits)
-  hold this rank's Z share of the rows.
+  Z shares, i.e. the loss of the whole micro-batch on every rank (a Hugging Face
+  ``num_items_in_batch``, the item count of the whole step, is divided by G_z for the
+  share, so the loss stays the sum over the step's items / that count). Other outputs
+  (logits) hold this rank's Z share of the rows.
 
 Everything is checked before anything is converted: a module with parameters that no rule
 converts, a grid that does not divide a layer, a head count, or nonzero dropout raise one
@@ -120,6 +122,10 @@ class _BatchHooks:
                                  "samples (train_micro_batch_size_per_gpu): every Z rank takes an equal share")
             args = tuple(self._slice(a, batch) for a in args)
             kwargs = {k: self._slice(v, batch) for k, v in kwargs.items()}
+            if kwargs.get("num_items_in_batch") is not None:
+                # Hugging Face divides the loss sum by the step's item count; this rank sums
+                # over its Z share only and post() takes the Z mean, so each share counts 1 / G_z
+                kwargs["num_items_in_batch"] = kwargs["num_items_in_batch"] / self.engine.z.size
         self.engine.begin_forward(self.weights)
         return args, kwargs
 
@@ -137,12 +143,15 @@ def parallelize(model: nn.Module, engine: PMMEngine, plan: Plan | None = None) -
     plan = plan or plan_for(model)
     _check(model, plan, engine)
     tables: dict[int, Embedding] = {}
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            new = _convert(name, child, plan, engine, tables)
-            if new is not None:
-                setattr(parent, child_name, new)
+    children = [(f"{pn}.{cn}" if pn else cn, parent, cn, child)
+                for pn, parent in model.named_modules() for cn, child in parent.named_children()]
+    # tables first: a tied head (Hugging Face's tie_word_embeddings) may come earlier in
+    # named_modules() order than its embedding, and must share the converted table
+    children.sort(key=lambda c: not isinstance(c[3], nn.Embedding))
+    for name, parent, child_name, child in children:
+        new = _convert(name, child, plan, engine, tables)
+        if new is not None:
+            setattr(parent, child_name, new)
     if plan.adapt is not None:
         plan.adapt(model, engine)
     weights = [p for m in model.modules() if isinstance(m, Linear) for p in (m.weight, m.bias) if p is not None]

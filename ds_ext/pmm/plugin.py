@@ -6,7 +6,10 @@
   and flags parameters for DeepSpeed's gradient norm;
 * ``mpu``: DeepSpeed's data-parallel group is the ``data`` axis (gradient averaging, ZeRO-1
   partitions), its model-parallel group the tensor grid X x Y x Z;
-* ``attach``: checks that DeepSpeed's optimizer holds exactly the converted parameters.
+* ``attach``: checks that DeepSpeed's optimizer holds exactly the converted parameters, and
+  routes ``save_checkpoint`` / ``load_checkpoint`` through :mod:`ds_ext.pmm.checkpoint`: a
+  save also records the grid and layouts; a load on the same tensor grid is DeepSpeed's, on
+  another one the shards (and a torch optimizer's state) are resharded.
 
 The optimizer must be built on the converted parameters: pass it as a callable
 (``optimizer=lambda params: torch.optim.AdamW(params, ...)``) or as a ds_config
@@ -15,6 +18,7 @@ The optimizer must be built on the converted parameters: pass it as a callable
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -123,6 +127,61 @@ class Pmm3dPlugin(Plugin):
                 "serial model?); pass model_parameters=None and build the optimizer from the params it is given"
             )
         ds_pmm.release_mpu_on_destroy(engine, self._mpu)
+        from ds_ext.integration import ds_engine
+
+        self.ds_engine = engine
+        ds_engine.wrap_checkpoint_methods(engine, save_checkpoint=self._save_checkpoint,
+                                          load_checkpoint=self._load_checkpoint)
+
+    # ---- checkpoints (ds_ext.pmm.checkpoint) -------------------------------------------
+    def _save_checkpoint(self, original, save_dir, tag, client_state, save_latest, exclude_frozen_parameters):
+        import torch.distributed as dist
+
+        from ds_ext.integration import ds_pmm
+        from ds_ext.pmm import checkpoint
+
+        engine = self.ds_engine
+        tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+        out = original(save_dir, tag, client_state=client_state, save_latest=save_latest,
+                       exclude_frozen_parameters=exclude_frozen_parameters)
+        checkpoint.save(Path(save_dir) / tag, self.model, ds_pmm.torch_optimizer(engine), self.axes, self.grid,
+                        ds_pmm.step_counters(engine))
+        dist.barrier()
+        return out
+
+    def _load_checkpoint(self, original, load_dir, tag, load_module_strict, load_optimizer_states,
+                         load_lr_scheduler_states, load_module_only, custom_load_fn):
+        from ds_ext.integration import ds_pmm
+        from ds_ext.pmm import checkpoint
+
+        engine = self.ds_engine
+        if tag is None:
+            latest = Path(load_dir) / "latest"
+            if not latest.is_file():
+                raise DsExtConfigError(f"{KEY}: checkpoint directory {load_dir} has no 'latest' file; pass tag=...")
+            tag = latest.read_text().strip()
+        tag_dir = Path(load_dir) / str(tag)
+        try:
+            record = checkpoint.read_record(tag_dir)
+            saved = tuple(record["grid"][a] for a in ("x", "y", "z"))
+            if saved == (self.grid.x, self.grid.y, self.grid.z):
+                return original(load_dir, tag, load_module_strict=load_module_strict,
+                                load_optimizer_states=load_optimizer_states,
+                                load_lr_scheduler_states=load_lr_scheduler_states,
+                                load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+            with_optimizer = load_optimizer_states and not load_module_only
+            optimizer = ds_pmm.torch_optimizer(engine) if with_optimizer else None
+            if with_optimizer and optimizer is None:
+                raise checkpoint.CheckpointError(
+                    f"{KEY}: loading checkpoint {tag_dir} (grid {record['grid']}) onto grid {self.grid} reshards the "
+                    "optimizer state of fp32 zero_optimization.stage 0 only; load on the saved grid, or pass "
+                    "load_optimizer_states=False")
+            checkpoint.load_resharded(tag_dir, self.model, optimizer)
+        except checkpoint.CheckpointError as err:
+            raise DsExtConfigError(str(err)) from None
+        if not load_module_only:
+            ds_pmm.set_step_counters(engine, record["counters"])
+        return str(tag_dir), {}
 
 
 def perf_seq_len(model: Any) -> int:
