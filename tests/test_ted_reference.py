@@ -20,9 +20,14 @@ The same with the experts kept whole on every tensor rank (DeepSpeed's
 ``enable_expert_tensor_parallelism=False``) at G_tensor 2 and 4.
 """
 
+import os
+from pathlib import Path
+
 import pytest
 
 WORLD_SIZE = 4
+CLIENT = Path(os.environ.get("DS_EXT_CLIENTS") or Path(__file__).resolve().parents[1].parent / "shared" / "clients",
+              "megatron-deepspeed")
 LAYOUTS = [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
 H, FFN, E = 16, 32, 4
 MODES = {
@@ -198,3 +203,52 @@ def test_whole_experts_beside_tensor_parallelism(world, layout):
     T, P, _ = layout
     for n in world.run(_run, T, P, False, timeout=240):
         assert n >= 2 * len(MODES) * (1 + 4 * E // P)
+
+
+# ---- Megatron-DeepSpeed's own recompute with CAC ------------------------------------------------
+def _megatron_recompute(T, P, etp):
+    """One TED layer (top-2, jittered, tokens dropped) checkpointed by Megatron-DeepSpeed's
+    ``tensor_parallel.checkpoint`` (its CheckpointFunction, the recompute of --checkpoint-activations):
+    gradients bit-identical to the run without checkpointing; CAC saves the recompute's collectives."""
+    import dataclasses
+    import sys
+
+    import torch
+
+    import ted_support as ts
+
+    sys.path.insert(0, str(CLIENT))
+    from megatron.core.tensor_parallel.random import CheckpointFunction, checkpoint
+
+    assert Path(sys.modules[CheckpointFunction.__module__].__file__).is_relative_to(CLIENT)
+    runtime, base = ts.context(T, P)
+    x, w = _shard(base.data_rank)
+    runs = {}
+    for name, cac, checkpointed in (("none", True, False), ("megatron", False, True), ("megatron+cac", True, True)):
+        layer = _ted_layer("top2-drop-sampling-jitter", _weights(), dataclasses.replace(base, cac=cac), P, etp)
+        xx = x.clone().requires_grad_()
+        run = lambda t: layer(t)[:2]  # noqa: E731 - (output, l_aux), what a transformer layer passes on
+        runtime.ledger.reset()
+        out, aux = checkpoint(run, False, xx) if checkpointed else run(xx)
+        ((out * w).sum() + aux).backward()
+        calls = {}
+        for (_, op, _), n in runtime.ledger.current.calls.items():
+            calls[op] = calls.get(op, 0) + n
+        runs[name] = ([xx.grad] + [p.grad for p in layer.parameters()], calls)
+    for name in ("megatron", "megatron+cac"):
+        assert all(torch.equal(a, b) for a, b in zip(runs[name][0], runs["none"][0], strict=True)), name
+    return {name: calls for name, (_, calls) in runs.items()}
+
+
+@pytest.mark.skipif(not CLIENT.is_dir(), reason=f"Megatron-DeepSpeed client not found at {CLIENT}")
+@pytest.mark.parametrize("etp", [True, False], ids=["experts-split", "experts-whole"])
+def test_megatron_checkpoint_function_with_cac(world, etp):
+    """The old code refused Megatron's recompute ('its first forward did not run inside
+    torch.utils.checkpoint / deepspeed.checkpointing')."""
+    calls = world.run(_megatron_recompute, 2, 2, etp)[0]
+    agree = 1  # the capacity agreement (never recomputed)
+    reduce = 2 if etp else 0  # split experts: ❻ (forward g) and its f in backward; whole experts: none
+    gather = 2 if etp else 1  # DTD around both all-to-alls; whole experts: after the second only
+    assert calls["none"] == {"all_to_all": 4, "all_gather": 2 * gather, "all_reduce": reduce + agree}
+    assert calls["megatron"] == {"all_to_all": 6, "all_gather": 3 * gather, "all_reduce": reduce + reduce // 2 + agree}
+    assert calls["megatron+cac"] == calls["none"]
