@@ -79,23 +79,41 @@ def _reference(mode, W, seeds, P):
     return outs, {k: v.grad for k, v in leaves.items()}
 
 
-def _ted_layer(mode, W, ted, P, etp=True):
+def _fc(expert):
+    """(fc1, fc2) of an ``nn.Sequential`` expert or of Megatron-DeepSpeed's ``ParallelMLP``."""
+    return (expert[0], expert[2]) if isinstance(expert, __import__("torch").nn.Sequential) else (
+        expert.dense_h_to_4h, expert.dense_4h_to_h)
+
+
+def _ted_layer(mode, W, ted, P, etp=True, megatron=None):
+    """The layer with the weights ``W``; ``megatron``: the client's ParallelMLP experts, built
+    from this config (already split over Megatron's tensor group when ``etp``)."""
     import torch
     from torch import nn
 
     import ted_support as ts
     from ds_ext.moe import TEDMoE
 
-    layer = TEDMoE(H, nn.Sequential(nn.Linear(H, FFN), nn.GELU(), nn.Linear(FFN, H)), num_experts=E, ep_size=P,
-                   min_capacity=0, enable_expert_tensor_parallelism=etp, **MODES[mode])
-    k = E // P
+    if megatron is None:
+        expert, T = nn.Sequential(nn.Linear(H, FFN), nn.GELU(), nn.Linear(FFN, H)), 1  # TED slices it
+    else:
+        from megatron.model.transformer import ParallelMLP
+
+        expert, T = ParallelMLP(megatron, moe=True, enable_expert_tensor_parallelism=etp), ted.layout.tensor
+    layer = TEDMoE(H, expert, num_experts=E, ep_size=P, min_capacity=0, enable_expert_tensor_parallelism=etp,
+                   **MODES[mode])
+    k, t = E // P, ted.tensor_rank
+    F = FFN // T if etp else FFN
+    t = t if etp and T > 1 else 0
     with torch.no_grad():
         layer.gate.wg.weight.copy_(W["wg"])
         for i, expert in enumerate(layer.local_experts):
             e = ted.expert_rank * k + i
-            for p, key in ((expert[0].weight, "w1"), (expert[0].bias, "b1"), (expert[2].weight, "w2"),
-                           (expert[2].bias, "b2")):
-                p.copy_(W[key][e])
+            fc1, fc2 = _fc(expert)
+            fc1.weight.copy_(W["w1"][e][t * F:(t + 1) * F])
+            fc1.bias.copy_(W["b1"][e][t * F:(t + 1) * F])
+            fc2.weight.copy_(W["w2"][e][:, t * F:(t + 1) * F])
+            fc2.bias.copy_(W["b2"][e])
     return ts.bind(layer, ted)
 
 
@@ -111,7 +129,7 @@ def _average_gradients(layer, ted):
         p.grad /= ted.layout.nonexp_data
 
 
-def _run(T, P, etp=True):
+def _run(T, P, etp=True, modes=tuple(MODES), megatron=False):
     import dataclasses
 
     import torch
@@ -120,6 +138,7 @@ def _run(T, P, etp=True):
     import ted_support as ts
 
     _, base = ts.context(T, P)
+    config = _megatron(T) if megatron else None
     D = base.layout.nonexp_data
     d, t = base.data_rank, base.tensor_rank
     W = _weights()
@@ -127,12 +146,12 @@ def _run(T, P, etp=True):
     F = FFN // T if etp else FFN
     t = t if etp else 0
     checked = 0
-    for mode in MODES:
+    for mode in modes:
         runs = {}
         variants = [("plain", False, False)] * etp + [("dtd", True, False), ("dtd+cac", True, True)]  # whole: DTD needed
         for name, dtd, checkpointed in variants:
             ted = dataclasses.replace(base, dtd=dtd, cac=True)
-            layer = _ted_layer(mode, W, ted, P, etp)
+            layer = _ted_layer(mode, W, ted, P, etp, config)
             seen = []
             layer.gate.register_forward_hook(lambda m, i, o: seen.append(o.decision) and None)
             seeds = [None] * D
@@ -152,8 +171,9 @@ def _run(T, P, etp=True):
             views = {"wg": grads["wg"]}
             for i, expert in enumerate(layer.local_experts):
                 e = ted.expert_rank * (E // P) + i
-                got |= {f"w1.{i}": expert[0].weight.grad, f"b1.{i}": expert[0].bias.grad,
-                        f"w2.{i}": expert[2].weight.grad, f"b2.{i}": expert[2].bias.grad}
+                fc1, fc2 = _fc(expert)
+                got |= {f"w1.{i}": fc1.weight.grad, f"b1.{i}": fc1.bias.grad,
+                        f"w2.{i}": fc2.weight.grad, f"b2.{i}": fc2.bias.grad}
                 views |= {f"w1.{i}": grads["w1"][e][t * F:(t + 1) * F], f"b1.{i}": grads["b1"][e][t * F:(t + 1) * F],
                           f"w2.{i}": grads["w2"][e][:, t * F:(t + 1) * F], f"b2.{i}": grads["b2"][e]}
             ts.assert_close_to_serial(got, views)
@@ -252,3 +272,40 @@ def test_megatron_checkpoint_function_with_cac(world, etp):
     assert calls["none"] == {"all_to_all": 4, "all_gather": 2 * gather, "all_reduce": reduce + agree}
     assert calls["megatron"] == {"all_to_all": 6, "all_gather": 3 * gather, "all_reduce": reduce + reduce // 2 + agree}
     assert calls["megatron+cac"] == calls["none"]
+
+
+# ---- Megatron-DeepSpeed's ParallelMLP experts -------------------------------------------------
+def _megatron(T):
+    """The client's argument namespace and tensor-parallel groups (its parallel_state, whose tensor
+    groups of T consecutive ranks are TED's), and the TransformerConfig its ParallelMLP reads."""
+    import sys
+    from unittest import mock
+
+    sys.path.insert(0, str(CLIENT))
+    from megatron import global_vars
+    from megatron.arguments import parse_args
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    with mock.patch.object(sys, "argv", ["pretrain_gpt.py"]):
+        args = parse_args()  # the client's own defaults (GeLU MLP with biases, no fusion on CPU)
+    args.bias_gelu_fusion = False
+    global_vars.set_args(args)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(T)
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(1234)  # what pretrain_gpt.py's initialize_megatron does
+    return TransformerConfig(num_layers=1, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=1,
+                             add_bias_linear=True)
+
+
+@pytest.mark.skipif(not CLIENT.is_dir(), reason=f"Megatron-DeepSpeed client not found at {CLIENT}")
+@pytest.mark.parametrize("etp", [True, False], ids=["expert-tensor-parallel", "experts-whole"])
+def test_megatron_parallel_mlp_experts_at_tp2(world, etp):
+    """Megatron-DeepSpeed's experts (``ParallelMLP(config, moe=True, enable_expert_tensor_parallelism=...)``)
+    at TP 2, EP 2 in both of its modes against the independent reference, uneven tokens; the old
+    code refused both ('the expert must be nn.Sequential(...)' / 'enable_expert_tensor_parallelism=False')."""
+    for n in world.run(_run, 2, 2, etp, ("top1-drop-rts-rsample", "top2-drop-sampling-jitter"), True, timeout=240):
+        assert n >= 2 * 2 * (1 + 4 * E // 2)

@@ -24,6 +24,13 @@ slots. Their gradients, one slot chunk per tensor rank, are then reduced over th
 ``expert_replicas`` group (G_tensor x G_data^exp), which TED registers as DeepSpeed's expert
 data-parallel group.
 
+Experts the client built tensor-parallel (Megatron-DeepSpeed's ``ParallelMLP(config, moe=True,
+enable_expert_tensor_parallelism=True)``: their layers hold their shards, marked
+``tensor_model_parallel``) are not sliced again and run their own f / g (❻) over Megatron's
+tensor group, which must be TED's (T consecutive ranks, as both order them); those collectives
+bypass the ds_ext ledger and CAC. Experts kept whole lose any such marks, so gradient norms
+count them once per tensor group.
+
 Built whole (serial semantics, ``ep_size`` local copies of ``expert`` as DeepSpeed does);
 ``ds_ext.initialize`` with ``"ted"`` enabled binds it to the TED layout (``ted_bind``), which
 slices the experts for the tensor group. Unbound with ``ep_size > 1`` it refuses to run.
@@ -75,8 +82,9 @@ class TEDMoE(ds_moe.MoEBase):
     Arguments are DeepSpeed's (``deepspeed.moe.layer.MoE``), any ``k`` (DeepSpeed's
     ``topkgating`` for k >= 3, with its ``drop_policy``). Not supported, each refused
     with one line: ``use_tutel=True``; with tensor parallelism and
-    ``enable_expert_tensor_parallelism=True``, an expert that is not
-    ``nn.Sequential(Linear, elementwise activation, Linear)``; with tensor parallelism and
+    ``enable_expert_tensor_parallelism=True``, an expert that is neither
+    ``nn.Sequential(Linear, elementwise activation, Linear)`` nor built tensor-parallel by the
+    client (module docstring); with tensor parallelism and
     ``enable_expert_tensor_parallelism=False``, ``duplicate_token_dropping`` off.
     """
 
@@ -101,12 +109,16 @@ class TEDMoE(ds_moe.MoEBase):
         self.use_residual = use_residual
         gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                         noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling, drop_policy)
+        # Megatron's tensor-parallel marks of a client-built expert (a deep copy loses them)
+        self._client_marks = [(getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1),
+                               getattr(p, "partition_stride", 1)) for p in expert.parameters()]
         self.deepspeed_moe = MoEBody(gate, Experts(expert, self.num_local_experts, self.expert_group_name))
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
         self.ted: TEDContext | None = None
         self.ted_tape = Tape("TEDMoE")
+        self.expert_partitioning = "whole"
 
     @property
     def gate(self) -> TopKGate:
@@ -125,7 +137,7 @@ class TEDMoE(ds_moe.MoEBase):
         if self.ep_size != layout.expert:
             raise ValueError(f"ds_ext.ted: {name} has ep_size {self.ep_size} but ds_ext.ted.expert_parallel is "
                              f"{layout.expert}; allowed: ep_size == expert_parallel")
-        if layout.tensor == 1 or not self.enable_expert_tensor_parallelism:
+        if layout.tensor == 1 or not self.enable_expert_tensor_parallelism or self._client_partitioned():
             return
         for i, mlp in enumerate(self._mlps()):
             check_tensor_parallel_mlp(mlp, f"{name} expert {i}")
@@ -145,7 +157,15 @@ class TEDMoE(ds_moe.MoEBase):
         """Slice the experts for this tensor rank and attach the TED groups."""
         T = ted.layout.tensor
         self.check_token_dropping(T, ted.dtd, f"TEDMoE[{index}]")
-        if self.sliced(T):
+        self.expert_partitioning = ("whole" if T == 1 or not self.enable_expert_tensor_parallelism else
+                                    "client" if self._client_partitioned() else "ted")
+        if self.expert_partitioning == "whole":
+            _mark_whole(self._mlps())
+        if self.expert_partitioning == "client":
+            for mlp in self._mlps():
+                for p, (mark, dim, stride) in zip(mlp.parameters(), self._client_marks, strict=True):
+                    p.tensor_model_parallel, p.partition_dim, p.partition_stride = mark, dim, stride
+        if self.expert_partitioning == "ted":
             for mlp in self._mlps():
                 shard_column_(mlp[0], ted.tensor_rank, T)
                 shard_row_(mlp[2], ted.tensor_rank, T)
@@ -157,9 +177,15 @@ class TEDMoE(ds_moe.MoEBase):
         self.ted = ted
         self.ted_tape = Tape(f"TEDMoE[{index}]")
 
+    def _client_partitioned(self) -> bool:
+        """Experts the client built tensor-parallel (Megatron-DeepSpeed's ``ParallelMLP(moe=True,
+        enable_expert_tensor_parallelism=True)``: its layers hold their shards, marked
+        ``tensor_model_parallel``, and run their own collectives over Megatron's tensor group)."""
+        return any(mark for mark, _, _ in self._client_marks)
+
     def sliced(self, tensor: int) -> bool:
         """Whether the experts are split over a tensor group of ``tensor`` ranks."""
-        return tensor > 1 and self.enable_expert_tensor_parallelism
+        return tensor > 1 and self.expert_partitioning != "whole"
 
     @property
     def expert_data_group_kind(self) -> str:
@@ -214,7 +240,7 @@ class TEDMoE(ds_moe.MoEBase):
     def _mlp(self, mlp: nn.Module, x: torch.Tensor, frame: Frame) -> torch.Tensor:
         """One expert (or the residual MLP) on replicated tokens; replicated output."""
         ted = self.ted
-        if ted is None or not self.sliced(ted.layout.tensor):
+        if ted is None or self.expert_partitioning != "ted":
             out = mlp(x)
             return out[0] if isinstance(out, tuple) else out
         group = ted.groups["tensor"]
@@ -229,8 +255,9 @@ class TEDMoE(ds_moe.MoEBase):
         """
         ted = self.ted
         experts = self.local_experts
-        if ted is None or not self.sliced(ted.layout.tensor):
-            return torch.stack([self._mlp(e, x[:, i], frame) for i, e in enumerate(experts)], dim=1)
+        if ted is None or self.expert_partitioning != "ted":
+            # [P, C, H] contiguous: Megatron's linear layers view their input as [s, b, h]
+            return torch.stack([self._mlp(e, x[:, i].contiguous(), frame) for i, e in enumerate(experts)], dim=1)
         group = ted.groups["tensor"]
         x = copy_to_tensor_region(x, ted.comm, group)
         partial = torch.stack([mlp_partial(e, x[:, i]) for i, e in enumerate(experts)], dim=1)
@@ -238,6 +265,16 @@ class TEDMoE(ds_moe.MoEBase):
         if experts[0][2].bias is None:
             return y
         return y + torch.stack([e[2].bias for e in experts])[None, :, None, :]
+
+
+def _mark_whole(mlps: list[nn.Module]) -> None:
+    """Experts kept whole are not tensor-parallel, whatever marks their layers carry (Megatron's
+    ``ParallelMLP(moe=True)`` marks its unsliced layers ``tensor_model_parallel`` too): DeepSpeed's
+    and ds_ext's gradient norms must count them once per tensor group."""
+    for mlp in mlps:
+        for p in mlp.parameters():
+            if getattr(p, "tensor_model_parallel", False):
+                p.tensor_model_parallel = False
 
 
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
