@@ -312,10 +312,13 @@ class TEDLayout:
     def partition(self, kind: str) -> Partition:
         """The world split into TED groups of ``kind`` (one of :data:`TED_GROUP_KINDS`).
 
-        ``data`` is the non-expert data-parallel group (expert x expert-data axes).
+        ``data`` is the non-expert data-parallel group (expert x expert-data axes);
+        ``expert_replicas`` (tensor x expert-data axes) holds the ranks of one expert rank, which
+        reduce the gradients of experts kept whole on every tensor rank (DeepSpeed's
+        ``enable_expert_tensor_parallelism=False``).
         """
         names = {"tensor": ["tensor"], "expert": ["expert"], "expert_data": ["expert_data"],
-                 "data": ["expert", "expert_data"]}
+                 "data": ["expert", "expert_data"], "expert_replicas": ["tensor", "expert_data"]}
         if kind not in names:
             raise GroupError(f"unknown TED group {kind!r}; allowed: {', '.join(TED_GROUP_KINDS)}")
         return self.axes.groups(names[kind])

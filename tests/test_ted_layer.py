@@ -61,8 +61,10 @@ def test_parity_with_serial_reference_top1_top2(world, layout):
 
 
 # ---- DTD / CAC: bit-identity, call counts, ledger == analytic model --------------------------
-def _variants(T, P, modes, dropless=False):
-    """Gradients and ledger traffic of one MoE block for every (checkpoint mode, DTD, CAC)."""
+def _variants(T, P, modes, dropless=False, capacity_factor=1.0, capacity=None):
+    """Gradients and ledger traffic of one MoE block for every (checkpoint mode, DTD, CAC);
+    ``capacity``: the buffer slots per expert the caller computed by hand (else C = S / E,
+    or the dropless C from the serial model's counts)."""
     import torch
     import torch.distributed as dist
 
@@ -73,7 +75,8 @@ def _variants(T, P, modes, dropless=False):
     rank = dist.get_rank()
     runtime, ted = ts.context(T, P)
     layout = ted.layout
-    cfg = ts.config(n_layers=1, moe_every=1, **(dict(drop_tokens=False) if dropless else {}))  # one MoE block
+    cfg = ts.config(n_layers=1, moe_every=1, capacity_factor=capacity_factor,
+                    **(dict(drop_tokens=False) if dropless else {}))  # one MoE block
     batches = ts.shards(layout)
     serial, _, _ = ts.serial(cfg, batches)
     counts = []  # exp_counts of each shard, from the serial model
@@ -82,7 +85,9 @@ def _variants(T, P, modes, dropless=False):
         serial(b)
     hook.remove()
     d, c = ted.data_rank, layout.coords(rank)
-    if dropless:  # agreed over the expert group, padded to G_tensor
+    if capacity is not None:
+        C = capacity
+    elif dropless:  # agreed over the expert group, padded to G_tensor
         C = -(-max(int(counts[e + P * c["expert_data"]].max()) for e in range(P)) // T) * T
     else:
         C = MICRO * SEQ // cfg.num_experts
@@ -102,7 +107,7 @@ def _variants(T, P, modes, dropless=False):
                     loss.backward()
                 assert all(len(m.ted_tape) == 0 for m in model.modules() if isinstance(m, TEDMoE))
                 want = moe_block_traffic(layout, runtime.topology, rank, shape, dtd=dtd, cac=cac,
-                                         checkpointing=mode != "none", dropless=dropless)
+                                         checkpointing=mode != "none")
                 got = ledger.current
                 assert dict(got.bytes) == dict(want.bytes), (mode, dtd, cac, dict(got.bytes), dict(want.bytes))
                 assert dict(got.calls) == dict(want.calls), (mode, dtd, cac)
@@ -120,12 +125,13 @@ def _variants(T, P, modes, dropless=False):
 def test_dtd_cac_bit_identical_and_ledger_equals_model(world):
     modes = ["none", "torch", "torch-reentrant", "deepspeed"]
     calls = world.run(_variants, 2, 4, modes)[0]
-    assert calls[("none", False, False)] == {"all_reduce": 4, "all_to_all": 4}
+    agree = 1  # the 8-byte capacity agreement over the expert group (never recomputed)
+    assert calls[("none", False, False)] == {"all_reduce": 4 + agree, "all_to_all": 4}
     for mode in modes[1:]:
-        assert calls[(mode, False, False)] == {"all_reduce": 6, "all_to_all": 6}  # 001 §7.3: six and six
-        assert calls[(mode, False, True)] == {"all_reduce": 4, "all_to_all": 4}  # CAC: four and four
-        assert calls[(mode, True, True)] == {"all_reduce": 4, "all_to_all": 4, "all_gather": 4}
-        assert calls[(mode, True, False)] == {"all_reduce": 6, "all_to_all": 6, "all_gather": 6}
+        assert calls[(mode, False, False)] == {"all_reduce": 6 + agree, "all_to_all": 6}  # 001 §7.3: six and six
+        assert calls[(mode, False, True)] == {"all_reduce": 4 + agree, "all_to_all": 4}  # CAC: four and four
+        assert calls[(mode, True, True)] == {"all_reduce": 4 + agree, "all_to_all": 4, "all_gather": 4}
+        assert calls[(mode, True, False)] == {"all_reduce": 6 + agree, "all_to_all": 6, "all_gather": 6}
 
 
 def test_dropless_capacity_agreed_over_expert_group(world):
@@ -157,28 +163,11 @@ def test_noisy_gate_is_replayed_in_the_recompute(world):
     world.run(_noisy_replay)
 
 
-def _capacity_error():
-    import torch.distributed as dist
-
-    import ted_support as ts
-
-    runtime, ted = ts.context(2, 4)
-    cfg = ts.config(n_layers=1, moe_every=1, capacity_factor=1.125)  # C = ceil(32 / 4 x 1.125) = 9
-    model = ts.bind(ts.ted_model(cfg, ts.serial_model(cfg).state_dict(), ted.layout, dist.get_rank()), ted)
-    try:
-        model(ts.shards(ted.layout)[ted.data_rank])
-    except ValueError as err:
-        return str(err), runtime.ledger.current.by_level(op="all_to_all")
-    return None
-
-
-def test_capacity_not_divisible_by_tensor_parallel(world):
-    for msg, a2a in world.run(_capacity_error):
-        assert msg == ("ds_ext.ted: expert capacity 9 = max(ceil(32 tokens / 4 experts x capacity_factor 1.125 x k 1), "
-                       "min_capacity 0) is not divisible by tensor_parallel 2, which duplicate_token_dropping splits it "
-                       "over; choose capacity_factor, min_capacity or the tokens per micro-batch so that it is, or "
-                       "drop_tokens=False (dropless capacity is padded)")
-        assert a2a == {}  # refused before the all-to-all
+def test_capacity_padded_to_tensor_parallel(world):
+    """C = ceil(32 tokens / 4 experts x 1.125) = 9 is not divisible by G_tensor 2: the buffer is
+    padded to 10 slots (the tenth stays empty), DTD splits it, DTD on / off stay bit-identical and
+    the ledger carries 10 slots per expert (the old code refused this capacity)."""
+    world.run(_variants, 2, 4, ["none", "torch"], False, 1.125, 10)
 
 
 # ---- megatron-core's tensor-parallel attention next to TEDMoE -------------------------------

@@ -84,10 +84,11 @@ def _zero_vs_serial(stage, clip, steps=5):
     return out, n, differ, sum("gate.wg" in name for name in replicated)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_zero_with_clipping_matches_serial(world, stage):
     """One global norm over expert and non-expert parameters, each counted once; the gate and
-    every replicated parameter stay bit-identical over the tensor group."""
+    every replicated parameter stay bit-identical over the tensor group. Stage 0 (Megatron-
+    DeepSpeed's MoE example config) clips by ds_ext.moe.grad_norm; the old code refused it."""
     for out, n, differ, gates in world.run(_zero_vs_serial, stage, 0.05):
         assert n >= 25 and gates == 1 and differ == []
         for loss, sloss, norm, snorm in out:
@@ -124,9 +125,12 @@ def test_tiled_optimizer_is_bit_identical(world):
 
 
 def _checkpoint(path):
+    """Random token selection and jittered gates on, capacity factor 0.5 (tokens are dropped):
+    the resumed run draws what the uninterrupted run drew (the gates' draw counters travel in
+    the checkpoint; without them the resumed run replays the first step's draws)."""
     import ted_support as ts
 
-    cfg = ts.config(drop_tokens=False)
+    cfg = ts.config(use_rts=True, noisy_gate_policy="Jitter", capacity_factor=0.5)
     state = ts.serial_model(cfg).state_dict()
     engine, ted = _engine(cfg, state, 2, 4, 1)
     for s in range(3):
@@ -252,8 +256,8 @@ def _bad(case):
             ds_kw = dict(stage=3)
         elif case == "zero_topo":
             ds_kw = dict(plugins={"zero_topo": {"enabled": True}})
-        elif case == "clip_stage0":
-            ds_kw = dict(gradient_clipping=1.0)
+        elif case == "clip_stage0_bf16":
+            ds_kw = dict(gradient_clipping=1.0, bf16={"enabled": True})
         elif case == "heads":
             model = ts.ted_model(ts.config(n_heads=2), ts.serial_model(ts.config(n_heads=2)).state_dict(),
                                  *_layout(4, 2))
@@ -264,8 +268,9 @@ def _bad(case):
         elif case == "expert_hidden":
             T, P = 4, 2
             model = moe(ep_size=2, expert=nn.Sequential(nn.Linear(32, 30), nn.GELU(), nn.Linear(30, 32)))
-        elif case == "expert_tp_off":
+        elif case == "whole_experts_without_dtd":
             model = moe(enable_expert_tensor_parallelism=False)
+            ds_kw = dict(ted={"duplicate_token_dropping": False})
         elif case == "ep_size":
             model = moe(ep_size=2)
         elif case == "config_experts":
@@ -273,7 +278,9 @@ def _bad(case):
         elif case == "num_experts":
             model = moe(num_experts=6)
         elif case == "top_k":
-            model = moe(k=3)
+            model = moe(k=5)
+        elif case == "capacity_factor":
+            model = moe(capacity_factor=-1.0)
         model = model if model is not None else moe()
         opt = torch.optim.AdamW(model.parameters())
         groups = c10d._world.group_count
@@ -299,18 +306,22 @@ BAD = {
     "zero_topo": "model: not supported with ds_ext.zero_topo (DeepSpeed-MoE expert parameters (allreduce=False) such as "
                  "'moe.deepspeed_moe.experts.deepspeed_experts.0.0.weight': it shards every parameter over the whole "
                  "world); allowed: dense models (MoE: ds_ext.ted with ZeRO-1/2) (got '4 expert parameters')",
-    "clip_stage0": "ds_ext.ted: gradient_clipping 1.0 with zero_optimization.stage 0: DeepSpeed's stage-0 clipping "
-                   "averages per-rank norms, not the global norm over experts (DeepSpeed clips at 1.0 when the key is absent); "
-                   "allowed: stage 1 or 2, or gradient_clipping 0",
+    "clip_stage0_bf16": "ds_ext.ted: gradient_clipping 1.0 with zero_optimization.stage 0 and bf16: DeepSpeed's bf16 "
+                        "optimizer clips with its own norm, which does not count expert parameters once (DeepSpeed "
+                        "clips at 1.0 when the key is absent); allowed: stage 0 in fp32, stage 1 or 2, or "
+                        "gradient_clipping 0",
     "heads": "ds_ext.ted: blocks.0.attn n_heads 2 is not divisible by tensor_parallel 4",
     "hidden": "ds_ext.ted: fc.out_features 30 is not divisible by tensor_parallel 4",
     "expert_hidden": "ds_ext.ted: moe expert hidden size 30 is not divisible by tensor_parallel 4",
-    "expert_tp_off": "ds_ext.ted: moe has enable_expert_tensor_parallelism=False but tensor_parallel is 2; TED splits "
-                     "every expert over the tensor group (001 §7.1): allowed: True",
+    "whole_experts_without_dtd": "ds_ext.ted: moe keeps its experts whole on every tensor rank "
+                                 "(enable_expert_tensor_parallelism=False) at tensor_parallel 2, so each tensor rank "
+                                 "must run only its share of the tokens: duplicate_token_dropping must be true "
+                                 "(DeepSpeed drops them too); allowed: true",
     "ep_size": "ds_ext.ted: moe has ep_size 2 but ds_ext.ted.expert_parallel is 4; allowed: ep_size == expert_parallel",
     "config_experts": "ds_ext.ted: num_experts is 8 but layer moe has 4",
     "num_experts": "ds_ext.ted: num_experts 6 must be a multiple of the expert-parallel size ep_size 4",
-    "top_k": "ds_ext.ted: top_k (k) must be 1 or 2, got 3",
+    "top_k": "ds_ext.ted: top_k (k) must be an integer in 1..num_experts (4), got 5",
+    "capacity_factor": "ds_ext.ted: capacity_factor must be a finite number > 0, got -1.0",
 }
 
 

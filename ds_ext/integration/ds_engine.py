@@ -9,6 +9,7 @@ import functools
 import os
 import sys
 from datetime import timedelta
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -97,6 +98,20 @@ def gradient_clipping(ds_config: dict) -> float:
     from deepspeed.runtime.config import get_gradient_clipping
 
     return float(get_gradient_clipping(ds_config))
+
+
+def replace_fp32_clipping(engine, clip: Callable[[], float]) -> None:
+    """Make DeepSpeed's stage-0 fp32 clipping call ``clip`` (which returns the global norm).
+
+    ``engine._take_model_step`` calls ``self.clip_fp32_gradients()`` when gradient_clipping > 0
+    with ZeRO 0 and neither fp16 nor bf16 (runtime/engine.py:3505-3511, 0.19.8); its norm is
+    read back by ``get_global_grad_norm`` from ``engine._global_grad_norm``.
+    """
+
+    def clip_fp32_gradients() -> None:
+        engine._global_grad_norm = clip()
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
 
 
 LOSS_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")

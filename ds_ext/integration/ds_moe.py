@@ -26,7 +26,7 @@ check_version()
 from deepspeed.moe.layer import MoE as MoEBase  # noqa: E402  (after the version gate)
 
 __all__ = ["MoEBase", "expert_group_name", "mark_expert_params", "register_expert_groups",
-           "release_groups", "checkpoint_function_codes"]
+           "release_groups", "checkpoint_function_codes", "is_megatron_checkpoint"]
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -78,6 +78,18 @@ def release_groups(group_names: Iterable[str], expert_group: object, mpu: object
         groups.expert_tensor_parallel_world_size = 1
     if groups.mpu is mpu:
         groups.mpu = None
+
+
+MEGATRON_CHECKPOINT = ("CheckpointFunction.forward", "megatron/core/tensor_parallel/random.py")
+
+
+def is_megatron_checkpoint(code: CodeType) -> bool:
+    """Whether ``code`` is the forward of Megatron's ``CheckpointFunction`` (Megatron-DeepSpeed's
+    ``megatron/core/tensor_parallel/random.py`` and megatron-core's module of the same path),
+    the recompute ``--checkpoint-activations`` / ``--recompute-granularity full`` run through.
+    Recognised by qualified name and file, so neither Megatron has to be importable here."""
+    qualname, path = MEGATRON_CHECKPOINT
+    return code.co_qualname == qualname and code.co_filename.replace("\\", "/").endswith(path)
 
 
 def checkpoint_function_codes() -> frozenset[CodeType]:

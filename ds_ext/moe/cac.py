@@ -19,7 +19,7 @@ Mechanics, per layer, a :class:`Tape` of :class:`Frame` s (one per first forward
   ``torch.utils.checkpoint``, reentrant or not, or ``deepspeed.checkpointing``): it pops
   the oldest frame and reads values back in the order they were recorded;
 * it runs in *record* mode when called from inside one of those checkpoint functions
-  (the first forward of a checkpointed layer);
+  (the first forward of a checkpointed layer), Megatron's ``CheckpointFunction`` included;
 * otherwise (no checkpointing, evaluation) it records nothing.
 
 A replayed value must have the kind and shape that was recorded, else the replay raises.
@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ds_ext.integration.ds_moe import checkpoint_function_codes
+from ds_ext.integration.ds_moe import checkpoint_function_codes, is_megatron_checkpoint
 
 _CHECKPOINT_CODES = checkpoint_function_codes()
 
@@ -50,7 +50,7 @@ def inside_checkpoint() -> bool:
     """True when called (at any depth) from an activation-checkpoint function."""
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code in _CHECKPOINT_CODES:
+        if frame.f_code in _CHECKPOINT_CODES or is_megatron_checkpoint(frame.f_code):
             return True
         frame = frame.f_back
     return False

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Literal
 
 from pydantic import Field, StrictBool, StrictInt, model_validator
 
@@ -21,7 +20,7 @@ class TEDConfig(PluginConfig):
                                                    "from the world size (Eq 7.1).")
     num_experts: StrictInt | None = Field(None, ge=1, description="Experts per MoE layer; every TEDMoE must "
                                           "have it (omit to take the layers' own).")
-    top_k: Literal[1, 2] | None = Field(None, description="Routes per token; every TEDMoE must have it.")
+    top_k: StrictInt | None = Field(None, ge=1, description="Routes per token; every TEDMoE must have it.")
     capacity_factor: float | None = Field(None, gt=0, description="Training capacity factor; every TEDMoE "
                                           "must have it.")
     duplicate_token_dropping: StrictBool = Field(True, description="DTD (001 §7.3.1): drop the tensor "

@@ -21,8 +21,9 @@ from ds_ext.mpu import MegatronMPU, ParallelGroup
 class TEDContext:
     """One rank's view of a TED layout.
 
-    ``groups``: ``tensor`` (G_tensor), ``expert`` (G_expert), ``expert_data`` (G_data^exp)
-    and ``data`` (G_data^nonexp) process groups of this rank. ``dtd`` / ``cac`` switch
+    ``groups``: ``tensor`` (G_tensor), ``expert`` (G_expert), ``expert_data`` (G_data^exp),
+    ``data`` (G_data^nonexp) and ``expert_replicas`` (G_tensor x G_data^exp: the ranks of one
+    expert rank, for experts kept whole on every tensor rank) process groups of this rank. ``dtd`` / ``cac`` switch
     duplicate token dropping (001 §7.3.1) and communication-aware checkpointing (§7.3.2).
     ``seed`` seeds the gates' noise (identical on the ranks of a tensor group).
     """
@@ -39,7 +40,10 @@ class TEDContext:
     def create(cls, layout: TEDLayout, comm: Communicator, dtd: bool = True, cac: bool = True,
                seed: int = 0) -> "TEDContext":
         """Create the TED process groups (collective over the world) and the context."""
-        return cls(layout, comm, ted_process_groups(comm.registry, layout), dist.get_rank(), dtd, cac, seed)
+        groups = dict(ted_process_groups(comm.registry, layout))
+        groups["expert_replicas"] = (comm.registry.group(layout.partition("expert_replicas")) if layout.tensor > 1
+                                     else groups["expert_data"])
+        return cls(layout, comm, groups, dist.get_rank(), dtd, cac, seed)
 
     @property
     def coords(self) -> dict[str, int]:

@@ -16,6 +16,9 @@ E / P experts; C capacity slots in dim 1; H hidden; T = G_tensor, t = tensor ran
 ``[t C/T, (t+1) C/T)`` -> all-to-all -> ``[E, C/T, H]`` -> all-gather, slots in tensor-rank
 order -> ``[E, C, H]`` replicated over the tensor group, the same tensor a plain all-to-all
 of the undropped input delivers (so DTD on and off are bit-identical).
+
+With G_expert = 1 there is no all-to-all to shrink: DTD would only add the all-gathers, so
+:func:`exchange` is then the identity whatever ``ted.dtd`` says.
 """
 
 from __future__ import annotations
@@ -73,13 +76,22 @@ class _GatherTokens(torch.autograd.Function):
         return _narrow(grad, ctx.rank, ctx.size), None, None, None, None, None
 
 
+def drop_duplicates(x: torch.Tensor, ted: TEDContext) -> torch.Tensor:
+    """``[E, C, H]`` replicated over the tensor group -> this tensor rank's ``[E, C/T, H]``."""
+    T = ted.layout.tensor
+    return x if T == 1 else _DropTokens.apply(x, ted.comm, ted.groups["tensor"], ted.tensor_rank, T)
+
+
+def gather_duplicates(x: torch.Tensor, ted: TEDContext, frame: Frame | None) -> torch.Tensor:
+    """The tensor group's ``[E, C/T, H]`` chunks -> ``[E, C, H]`` replicated over it."""
+    T = ted.layout.tensor
+    return x if T == 1 else _GatherTokens.apply(x, ted.comm, ted.groups["tensor"], ted.tensor_rank, T, frame)
+
+
 def exchange(x: torch.Tensor, ted: TEDContext, frame: Frame | None) -> torch.Tensor:
     """All-to-all ``[E, C, H]`` over the expert group, with DTD when ``ted.dtd`` (see module)."""
-    comm, T = ted.comm, ted.layout.tensor
     expert_group = ted.groups["expert"]
-    if not ted.dtd or T == 1:
-        return all_to_all(x, comm, expert_group, frame)
-    tensor_group, t = ted.groups["tensor"], ted.tensor_rank
-    x = _DropTokens.apply(x, comm, tensor_group, t, T)
-    x = all_to_all(x, comm, expert_group, frame)
-    return _GatherTokens.apply(x, comm, tensor_group, t, T, frame)
+    if not ted.dtd or ted.layout.tensor == 1 or ted.layout.expert == 1:
+        return all_to_all(x, ted.comm, expert_group, frame)
+    x = all_to_all(drop_duplicates(x, ted), ted.comm, expert_group, frame)
+    return gather_duplicates(x, ted, frame)

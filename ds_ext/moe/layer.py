@@ -15,6 +15,22 @@ Forward of one rank (001 Fig 7.3; T = G_tensor, P = G_expert, E = k P experts, S
   ❻ all-reduce over the tensor group -> expert outputs replicated over the tensor group
   ❼ all-to-all back (DTD as in ❹) -> ``[E, C, H]`` ; decode -> ``[S, H]``
 
+With ``enable_expert_tensor_parallelism=False`` (DeepSpeed's and Megatron-DeepSpeed's default)
+and G_tensor > 1 the experts stay whole on every tensor rank, as DeepSpeed runs them: each
+tensor rank keeps its ``C/T`` slots of the dispatched buffer (duplicate token dropping, now a
+correctness requirement: no rank may run a token twice), all-to-all over the expert group, runs
+the whole experts on its slots (no ❻), all-to-all back, and the tensor group all-gathers the
+slots. Their gradients, one slot chunk per tensor rank, are then reduced over the
+``expert_replicas`` group (G_tensor x G_data^exp), which TED registers as DeepSpeed's expert
+data-parallel group.
+
+Experts the client built tensor-parallel (Megatron-DeepSpeed's ``ParallelMLP(config, moe=True,
+enable_expert_tensor_parallelism=True)``: their layers hold their shards, marked
+``tensor_model_parallel``) are not sliced again and run their own f / g (❻) over Megatron's
+tensor group, which must be TED's (T consecutive ranks, as both order them); those collectives
+bypass the ds_ext ledger and CAC. Experts kept whole lose any such marks, so gradient norms
+count them once per tensor group.
+
 Built whole (serial semantics, ``ep_size`` local copies of ``expert`` as DeepSpeed does);
 ``ds_ext.initialize`` with ``"ted"`` enabled binds it to the TED layout (``ted_bind``), which
 slices the experts for the tensor group. Unbound with ``ep_size > 1`` it refuses to run.
@@ -31,10 +47,10 @@ from torch import nn
 from ds_ext.groups import TEDLayout
 from ds_ext.integration import ds_moe
 from ds_ext.moe.cac import Frame, Tape
-from ds_ext.moe.collectives import copy_to_tensor_region, reduce_from_tensor_region
+from ds_ext.moe.collectives import all_to_all, copy_to_tensor_region, reduce_from_tensor_region
 from ds_ext.moe.context import TEDContext
 from ds_ext.moe.dispatch import decode, encode, slots
-from ds_ext.moe.dtd import exchange
+from ds_ext.moe.dtd import drop_duplicates, exchange, gather_duplicates
 from ds_ext.moe.gate import TopKGate, all_reduce_max
 from ds_ext.moe.tensor_parallel import check_tensor_parallel_mlp, mlp_partial, shard_column_, shard_row_
 
@@ -63,17 +79,21 @@ class MoEBody(nn.Module):
 class TEDMoE(ds_moe.MoEBase):
     """Tensor x expert x data parallel MoE layer (see module docstring).
 
-    Arguments are DeepSpeed's (``deepspeed.moe.layer.MoE``). Not supported, each refused
-    with one line: ``use_tutel=True``; with tensor parallelism, an expert that is not
-    ``nn.Sequential(Linear, elementwise activation, Linear)`` and
-    ``enable_expert_tensor_parallelism=False`` (TED splits experts over the tensor group).
+    Arguments are DeepSpeed's (``deepspeed.moe.layer.MoE``), any ``k`` (DeepSpeed's
+    ``topkgating`` for k >= 3, with its ``drop_policy``). Not supported, each refused
+    with one line: ``use_tutel=True``; with tensor parallelism and
+    ``enable_expert_tensor_parallelism=True``, an expert that is neither
+    ``nn.Sequential(Linear, elementwise activation, Linear)`` nor built tensor-parallel by the
+    client (module docstring); with tensor parallelism and
+    ``enable_expert_tensor_parallelism=False``, ``duplicate_token_dropping`` off.
     """
 
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1,
                  k: int = 1, capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0,
                  min_capacity: int = 4, use_residual: bool = False, noisy_gate_policy: str | None = None,
                  drop_tokens: bool = True, use_rts: bool = True, use_tutel: bool = False,
-                 enable_expert_tensor_parallelism: bool = False, top2_2nd_expert_sampling: bool = True) -> None:
+                 enable_expert_tensor_parallelism: bool = False, top2_2nd_expert_sampling: bool = True,
+                 drop_policy: str = "probs") -> None:
         nn.Module.__init__(self)
         if ep_size < 1 or num_experts % ep_size:
             raise ValueError(f"ds_ext.ted: num_experts {num_experts} must be a multiple of the expert-parallel "
@@ -88,13 +108,17 @@ class TEDMoE(ds_moe.MoEBase):
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.use_residual = use_residual
         gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
-                        noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling)
+                        noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling, drop_policy)
+        # Megatron's tensor-parallel marks of a client-built expert (a deep copy loses them)
+        self._client_marks = [(getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1),
+                               getattr(p, "partition_stride", 1)) for p in expert.parameters()]
         self.deepspeed_moe = MoEBody(gate, Experts(expert, self.num_local_experts, self.expert_group_name))
         if use_residual:
             self.mlp = expert
             self.coefficient = nn.Linear(hidden_size, 2)
         self.ted: TEDContext | None = None
         self.ted_tape = Tape("TEDMoE")
+        self.expert_partitioning = "whole"
 
     @property
     def gate(self) -> TopKGate:
@@ -113,21 +137,35 @@ class TEDMoE(ds_moe.MoEBase):
         if self.ep_size != layout.expert:
             raise ValueError(f"ds_ext.ted: {name} has ep_size {self.ep_size} but ds_ext.ted.expert_parallel is "
                              f"{layout.expert}; allowed: ep_size == expert_parallel")
-        if layout.tensor == 1:
+        if layout.tensor == 1 or not self.enable_expert_tensor_parallelism or self._client_partitioned():
             return
-        if not self.enable_expert_tensor_parallelism:
-            raise ValueError(f"ds_ext.ted: {name} has enable_expert_tensor_parallelism=False but tensor_parallel is "
-                             f"{layout.tensor}; TED splits every expert over the tensor group (001 §7.1): allowed: True")
         for i, mlp in enumerate(self._mlps()):
             check_tensor_parallel_mlp(mlp, f"{name} expert {i}")
             if mlp[0].out_features % layout.tensor:
                 raise ValueError(f"ds_ext.ted: {name} expert hidden size {mlp[0].out_features} is not divisible by "
                                  f"tensor_parallel {layout.tensor}")
 
+    def check_token_dropping(self, tensor: int, dtd: bool, name: str) -> None:
+        """Whole experts beside tensor parallelism need DTD (module docstring)."""
+        if tensor > 1 and not dtd and not self.enable_expert_tensor_parallelism:
+            raise ValueError(f"ds_ext.ted: {name} keeps its experts whole on every tensor rank "
+                             f"(enable_expert_tensor_parallelism=False) at tensor_parallel {tensor}, so each tensor rank "
+                             "must run only its share of the tokens: duplicate_token_dropping must be true (DeepSpeed "
+                             "drops them too); allowed: true")
+
     def ted_bind(self, ted: TEDContext, index: int) -> None:
         """Slice the experts for this tensor rank and attach the TED groups."""
         T = ted.layout.tensor
-        if T > 1:
+        self.check_token_dropping(T, ted.dtd, f"TEDMoE[{index}]")
+        self.expert_partitioning = ("whole" if T == 1 or not self.enable_expert_tensor_parallelism else
+                                    "client" if self._client_partitioned() else "ted")
+        if self.expert_partitioning == "whole":
+            _mark_whole(self._mlps())
+        if self.expert_partitioning == "client":
+            for mlp in self._mlps():
+                for p, (mark, dim, stride) in zip(mlp.parameters(), self._client_marks, strict=True):
+                    p.tensor_model_parallel, p.partition_dim, p.partition_stride = mark, dim, stride
+        if self.expert_partitioning == "ted":
             for mlp in self._mlps():
                 shard_column_(mlp[0], ted.tensor_rank, T)
                 shard_row_(mlp[2], ted.tensor_rank, T)
@@ -139,6 +177,23 @@ class TEDMoE(ds_moe.MoEBase):
         self.ted = ted
         self.ted_tape = Tape(f"TEDMoE[{index}]")
 
+    def _client_partitioned(self) -> bool:
+        """Experts the client built tensor-parallel (Megatron-DeepSpeed's ``ParallelMLP(moe=True,
+        enable_expert_tensor_parallelism=True)``: its layers hold their shards, marked
+        ``tensor_model_parallel``, and run their own collectives over Megatron's tensor group)."""
+        return any(mark for mark, _, _ in self._client_marks)
+
+    def sliced(self, tensor: int) -> bool:
+        """Whether the experts are split over a tensor group of ``tensor`` ranks."""
+        return tensor > 1 and self.expert_partitioning != "whole"
+
+    @property
+    def expert_data_group_kind(self) -> str:
+        """The TED group that reduces the expert gradients: ``expert_data``, or ``expert_replicas``
+        for whole experts beside tensor parallelism (module docstring)."""
+        T = self.ted.layout.tensor
+        return "expert_replicas" if T > 1 and not self.sliced(T) else "expert_data"
+
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Called by DeepSpeed's engine: register TED's expert groups under DeepSpeed's name."""
         if self.ted is None:
@@ -147,9 +202,10 @@ class TEDMoE(ds_moe.MoEBase):
         if use_data_before_expert_parallel_:
             raise ValueError("ds_ext.ted: use_data_before_expert_parallel_ is not supported; TED places expert "
                              "groups inside the non-expert data groups (001 §7.1); allowed: false")
-        ted = self.ted
+        ted, kind = self.ted, self.expert_data_group_kind
         ds_moe.register_expert_groups(self.expert_group_name, ted.groups["expert"], ted.ranks("expert"),
-                                      ted.groups["expert_data"], ted.ranks("expert_data"), ted.layout.tensor)
+                                      ted.groups[kind], ted.ranks(kind),
+                                      ted.layout.tensor if self.sliced(ted.layout.tensor) else 1)
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
@@ -162,15 +218,18 @@ class TEDMoE(ds_moe.MoEBase):
         frame = self.ted_tape.frame(ted.cac if ted is not None else False)
         routing = self.gate(x, used_token, frame)
         E, C = self.num_experts, routing.decision.capacity
-        if ted is not None and ted.dtd and C % ted.layout.tensor:
-            self._refuse_capacity(x.shape[0], C, ted.layout.tensor)
         route_slots = slots(routing.decision, E)
         dispatched = encode(x, route_slots, E, C)
-        if ted is not None:
+        whole = ted is not None and ted.layout.tensor > 1 and not self.sliced(ted.layout.tensor)
+        if whole:  # experts whole on every tensor rank: each runs its C / T slots
+            dispatched = all_to_all(drop_duplicates(dispatched, ted), ted.comm, ted.groups["expert"], frame)
+        elif ted is not None:
             dispatched = exchange(dispatched, ted, frame)
-        y = self._experts(dispatched.view(self.ep_size, self.num_local_experts, C, -1), frame)
-        y = y.reshape(E, C, -1)
-        if ted is not None:
+        y = self._experts(dispatched.view(self.ep_size, self.num_local_experts, dispatched.shape[1], -1), frame)
+        y = y.reshape(E, dispatched.shape[1], -1)
+        if whole:
+            y = gather_duplicates(all_to_all(y, ted.comm, ted.groups["expert"], frame), ted, frame)
+        elif ted is not None:
             y = exchange(y, ted, frame)
         out = decode(y, route_slots, routing.gates)
         if self.use_residual:
@@ -178,20 +237,10 @@ class TEDMoE(ds_moe.MoEBase):
             out = out * coef[..., 0:1] + self._mlp(self.mlp, x, frame) * coef[..., 1:]
         return out.reshape(hidden_states.shape), routing.l_aux, routing.decision.exp_counts
 
-    def _refuse_capacity(self, tokens: int, C: int, T: int) -> None:
-        g = self.gate
-        factor = g.capacity_factor if self.training else g.eval_capacity_factor
-        raise ValueError(
-            f"ds_ext.ted: expert capacity {C} = max(ceil({tokens} tokens / {self.num_experts} experts x "
-            f"capacity_factor {factor} x k {g.k}), min_capacity {g.min_capacity}) is not divisible by tensor_parallel "
-            f"{T}, which duplicate_token_dropping splits it over; choose capacity_factor, min_capacity or the tokens "
-            "per micro-batch so that it is, or drop_tokens=False (dropless capacity is padded)"
-        )
-
     def _mlp(self, mlp: nn.Module, x: torch.Tensor, frame: Frame) -> torch.Tensor:
         """One expert (or the residual MLP) on replicated tokens; replicated output."""
         ted = self.ted
-        if ted is None or ted.layout.tensor == 1:
+        if ted is None or self.expert_partitioning != "ted":
             out = mlp(x)
             return out[0] if isinstance(out, tuple) else out
         group = ted.groups["tensor"]
@@ -206,8 +255,9 @@ class TEDMoE(ds_moe.MoEBase):
         """
         ted = self.ted
         experts = self.local_experts
-        if ted is None or ted.layout.tensor == 1:
-            return torch.stack([self._mlp(e, x[:, i], frame) for i, e in enumerate(experts)], dim=1)
+        if ted is None or self.expert_partitioning != "ted":
+            # [P, C, H] contiguous: Megatron's linear layers view their input as [s, b, h]
+            return torch.stack([self._mlp(e, x[:, i].contiguous(), frame) for i, e in enumerate(experts)], dim=1)
         group = ted.groups["tensor"]
         x = copy_to_tensor_region(x, ted.comm, group)
         partial = torch.stack([mlp_partial(e, x[:, i]) for i, e in enumerate(experts)], dim=1)
@@ -215,6 +265,16 @@ class TEDMoE(ds_moe.MoEBase):
         if experts[0][2].bias is None:
             return y
         return y + torch.stack([e[2].bias for e in experts])[None, :, None, :]
+
+
+def _mark_whole(mlps: list[nn.Module]) -> None:
+    """Experts kept whole are not tensor-parallel, whatever marks their layers carry (Megatron's
+    ``ParallelMLP(moe=True)`` marks its unsliced layers ``tensor_model_parallel`` too): DeepSpeed's
+    and ds_ext's gradient norms must count them once per tensor group."""
+    for mlp in mlps:
+        for p in mlp.parameters():
+            if getattr(p, "tensor_model_parallel", False):
+                p.tensor_model_parallel = False
 
 
 def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

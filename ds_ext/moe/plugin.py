@@ -1,17 +1,22 @@
 """``"ds_ext": {"ted": {...}}``: TED MoE (001 ch. 7) through ``ds_ext.initialize``.
 
 * ``prepare``: checks the block against the world (Eq 7.1), the topology (tensor groups
-  inside a node), the ds_config (ZeRO stage 0 / 1 / 2; DeepSpeed's stage-0 clipping
-  averages per-rank norms, which is not the global norm once experts differ per rank, so
-  clipping needs ZeRO-1/2) and every TED layer of the model, all before any collective; then
-  creates the TED process groups and binds the layers (slicing their weights for this
-  tensor rank);
+  inside a node), the ds_config (ZeRO stage 0 / 1 / 2; stage-0 clipping in fp16 / bf16 is
+  refused: DeepSpeed's half-precision optimizers clip by a norm that does not count expert
+  parameters once) and every TED layer of the model, all before any collective; then creates
+  the TED process groups and binds the layers (slicing their weights for this tensor rank);
+* ``attach``, ZeRO stage 0 with clipping (Megatron-DeepSpeed's MoE example, fp32): DeepSpeed's
+  stage-0 clipping averages per-rank norms, not the global norm once experts differ per rank,
+  so the engine clips by the true global norm of :mod:`ds_ext.moe.grad_norm` instead;
 * ``mpu``: the tensor group as DeepSpeed's model-parallel group, the non-expert data group as
   its data group; ``TEDMoE.set_deepspeed_parallelism`` registers the expert / expert-data
   groups, so DeepSpeed reduces non-expert gradients over G_data^nonexp and expert gradients
   over G_data^exp;
 * ``attach``: clears the layers' CAC tapes at every ``engine.forward``; ``engine.destroy()``
-  also removes TED's groups and mpu from DeepSpeed's process-wide group registry.
+  also removes TED's groups and mpu from DeepSpeed's process-wide group registry;
+  ``engine.save_checkpoint`` / ``load_checkpoint`` carry the gates' draw counters (equal on
+  every rank) in DeepSpeed's ``client_state`` under ``ds_ext_ted_gate_draws``, so a resumed run
+  draws the noise and random token selections the uninterrupted run would have drawn.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from ds_ext.mpu import MegatronMPU
 from ds_ext.plugin import Plugin, register_plugin
 
 KEY = "ds_ext.ted"
+DRAWS_KEY = "ds_ext_ted_gate_draws"
 
 
 def _refuse(msg: str) -> None:
@@ -43,10 +49,11 @@ def _check_ds_config(ds_config: dict) -> None:
     from ds_ext.integration.ds_engine import gradient_clipping
 
     clip = gradient_clipping(ds_config)  # DeepSpeed's default is 1.0, not 0
-    if stage == 0 and clip > 0:
-        _refuse(f"gradient_clipping {clip} with zero_optimization.stage 0: DeepSpeed's stage-0 clipping averages "
-                "per-rank norms, not the global norm over experts (DeepSpeed clips at 1.0 when the key is absent); allowed: stage 1 or 2, "
-                "or gradient_clipping 0")
+    half = [k for k in ("fp16", "bf16") if (ds_config.get(k) or {}).get("enabled")]
+    if stage == 0 and clip > 0 and half:
+        _refuse(f"gradient_clipping {clip} with zero_optimization.stage 0 and {half[0]}: DeepSpeed's {half[0]} optimizer "
+                "clips with its own norm, which does not count expert parameters once (DeepSpeed clips at 1.0 when the "
+                "key is absent); allowed: stage 0 in fp32, stage 1 or 2, or gradient_clipping 0")
 
 
 def _check_param_groups(optimizer: Any, ds_config: dict) -> None:
@@ -110,6 +117,10 @@ class TEDPlugin(Plugin):
                     raise DsExtConfigError(str(err)) from None
             if not isinstance(module, TEDMoE):
                 continue
+            try:
+                module.check_token_dropping(layout.tensor, cfg.duplicate_token_dropping, name)
+            except ValueError as err:
+                raise DsExtConfigError(str(err)) from None
             gate = module.gate
             for key, want, got in (("num_experts", cfg.num_experts, module.num_experts),
                                    ("top_k", cfg.top_k, gate.k),
@@ -120,6 +131,14 @@ class TEDPlugin(Plugin):
 
     def mpu(self) -> MegatronMPU:
         return self.ted.mpu()
+
+    def _clip_with_global_norm(self, engine: Any) -> None:
+        from ds_ext.integration.ds_engine import replace_fp32_clipping
+        from ds_ext.moe.grad_norm import clip_
+
+        max_norm = engine.gradient_clipping()
+        if engine.zero_optimization_stage() == 0 and max_norm > 0:
+            replace_fp32_clipping(engine, lambda: clip_(engine.module.parameters(), max_norm, self.ted))
 
     def attach(self, engine: Any) -> None:
         from ds_ext.integration import ds_moe
@@ -145,3 +164,24 @@ class TEDPlugin(Plugin):
             return out
 
         engine.destroy = destroy_and_unregister
+        self._clip_with_global_norm(engine)
+        gates = [m.gate for m in layers if isinstance(m, TEDMoE)]
+        save, load = engine.save_checkpoint, engine.load_checkpoint
+
+        @functools.wraps(save)
+        def save_with_gate_draws(save_dir, tag=None, client_state=None, *args, **kwargs):
+            state = {**(client_state or {}), DRAWS_KEY: [g.draws for g in gates]}
+            return save(save_dir, tag, state, *args, **kwargs)
+
+        @functools.wraps(load)
+        def load_with_gate_draws(*args, **kwargs):
+            path, client_state = load(*args, **kwargs)
+            draws = (client_state or {}).pop(DRAWS_KEY, None)
+            if draws is not None:
+                if len(draws) != len(gates):
+                    _refuse(f"the checkpoint has {len(draws)} TED gates, the model {len(gates)}")
+                for g, n in zip(gates, draws):
+                    g.draws = n
+            return path, client_state
+
+        engine.save_checkpoint, engine.load_checkpoint = save_with_gate_draws, load_with_gate_draws

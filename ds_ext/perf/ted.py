@@ -9,10 +9,12 @@ A = S H b one activation, V = E C H b the dispatched buffer, V' = V / T with DTD
   all_reduce    tensor   ❷ A, ❻ V       f: A, V       ❷ A, ❻ V
   all_to_all    expert   ❹, ❼           ❹, ❼          ❹, ❼        each V' (P-1)/P
   all_gather    tensor   2 (DTD)        2 (DTD drop)  2 (DTD)     each V' (T-1)
-  all_reduce    expert   capacity (dropless: 8 bytes, MAX), never recomputed
+  all_reduce    expert   capacity agreement (8 bytes, MAX), never recomputed
+
+(DTD only where G_expert > 1: with one expert rank there is no all-to-all to shrink.)
 
 so per layer: 4 + 4 all-to-all / all-reduce calls, 6 + 6 with checkpointing, 4 + 4 again with
-CAC (001 §7.3.2); DTD divides the all-to-all bytes by T (001 §7.3.1). Recompute traffic is
+CAC (001 §7.3.2), plus the capacity agreement where G_expert > 1; DTD divides the all-to-all bytes by T (001 §7.3.1). Recompute traffic is
 tagged ``backward`` (it runs inside the backward pass).
 
 Memory (mixed precision with Adam and ZeRO-1, bytes per rank): Eq 7.4
@@ -30,7 +32,7 @@ from ds_ext.comm.ledger import Traffic, all_gather_bytes, all_reduce_bytes
 from ds_ext.groups import TEDLayout
 from ds_ext.topology import Topology
 
-CAPACITY_BYTES = 8  # the int64 capacity of a dropless gate
+CAPACITY_BYTES = 8  # the int64 capacity a gate agrees over the expert group
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,13 @@ class MoEBlockShape:
 
 
 def moe_block_traffic(layout: TEDLayout, topology: Topology, rank: int, shape: MoEBlockShape, *,
-                      dtd: bool, cac: bool, checkpointing: bool, dropless: bool = False) -> Traffic:
+                      dtd: bool, cac: bool, checkpointing: bool) -> Traffic:
     """Bytes and calls ``rank`` sends in forward + backward of one MoE block (module docstring)."""
     T, P = layout.tensor, layout.expert
     levels = layout.levels(topology, rank)
     A = shape.tokens * shape.hidden * shape.element_bytes
     V = shape.num_experts * shape.capacity * shape.hidden * shape.element_bytes
-    dtd = dtd and T > 1
+    dtd = dtd and T > 1 and P > 1
     V_a2a = V // T if dtd else V
     recompute = checkpointing and not cac
     out = Traffic()
@@ -70,8 +72,7 @@ def moe_block_traffic(layout: TEDLayout, topology: Topology, rank: int, shape: M
     if P > 1:
         for phase, n in passes:
             add(phase, "all_to_all", "expert", V_a2a - V_a2a // P, 2 * n)
-        if dropless:
-            add("forward", "all_reduce", "expert", all_reduce_bytes(CAPACITY_BYTES, P), 1)
+        add("forward", "all_reduce", "expert", all_reduce_bytes(CAPACITY_BYTES, P), 1)
     return out
 
 
