@@ -1,0 +1,188 @@
+"""The emulated cluster (``ds_ext.cluster``): network namespaces with ``tc tbf`` links.
+
+Pure-logic tests need nothing. The others build real clusters and skip, with the command's
+own one-line reason, where the host cannot (not root, no CAP_NET_ADMIN, no tbf):
+
+* the network measured by gloo ranks in 2 namespaces (2 ranks each): the all-gather is
+  correct, point-to-point and all-gather bandwidth across the node link are within 15 % of
+  the shaped rate, and the unshaped loopback inside a node is far faster;
+* after a run that ends, fails, or whose runner gets SIGINT / SIGTERM / SIGKILL, no
+  namespace, veth, bridge or rank process of that run is left (SIGKILL: the next run
+  removes the leftover).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ds_ext.cluster import netns
+from ds_ext.cluster.measure import cross_group, level_partners, span_group
+from ds_ext.cluster.spec import ClusterError, ClusterSpec, LinkShape, parse_rate, spec_from_topology
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+       "PYTHONWARNINGS": "ignore"}
+NODE_RATE_MBIT = 40
+TOLERANCE = 0.15
+
+
+# ---- pure logic ------------------------------------------------------------------------------
+
+def test_parse_rate():
+    assert parse_rate("40mbit") == 40e6 and parse_rate("1.5Gbit") == 1.5e9 and parse_rate("800") == 800
+    for bad in ("40 MB/s", "", "mbit", "0mbit"):
+        with pytest.raises(ClusterError):
+            parse_rate(bad)
+
+
+def test_spec_levels_and_groups():
+    spec = ClusterSpec(2, 4, LinkShape.of(40e6), 2, LinkShape.of(100e6))
+    assert (spec.world_size, spec.leaves, spec.ranks_per_leaf) == (8, 4, 2)
+    assert [spec.level_of_pair(0, b) for b in (1, 2, 4, 7)] == ["local", "gpu", "node", "node"]
+    assert level_partners(spec) == {"local": 1, "gpu": 2, "node": 4}
+    assert spec.path_rate_bps("node") == 40e6 and spec.path_rate_bps("gpu") == 100e6
+    assert span_group(spec, "gpu") == [0, 1, 2, 3] and cross_group(spec, "gpu") == [0, 2]
+    assert span_group(spec, "node") == list(range(8)) and cross_group(spec, "node") == [0, 4]
+    with pytest.raises(ClusterError, match="GPU link"):
+        ClusterSpec(2, 4, LinkShape.of(40e6), 2)
+    with pytest.raises(ClusterError, match="do not split"):
+        ClusterSpec(2, 3, LinkShape.of(40e6), 2, LinkShape.of(1e8))
+
+
+def test_spec_from_topology_block():
+    """A level's bandwidth is per rank: a node link carries ranks_per_node times it."""
+    block = {"levels": [{"name": "gcd", "size": 2, "bandwidth_GBps": 1.0},
+                        {"name": "gpu", "size": 2, "bandwidth_GBps": 0.1},
+                        {"name": "node", "bandwidth_GBps": 0.01}]}
+    spec = spec_from_topology(block, nodes=3, rate_scale=10, gpu_level=True)
+    assert (spec.nodes, spec.ranks_per_node, spec.gpus_per_node) == (3, 4, 2)
+    assert spec.node_link.rate_bps == pytest.approx(0.01e9 * 8 * 4 / 10)
+    assert spec.gpu_link.rate_bps == pytest.approx(0.1e9 * 8 * 2 / 10)
+    assert spec_from_topology({"preset": "frontier"}, nodes=2).ranks_per_node == 8
+
+
+def test_refuses_in_one_line_without_capability(monkeypatch):
+    monkeypatch.setattr(netns, "_effective_caps", lambda: 0)
+    problem = netns.capability_problem()
+    assert problem is not None and "\n" not in problem and "CAP_NET_ADMIN" in problem
+
+
+# ---- real clusters ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def capable():
+    problem = netns.capability_problem()
+    if problem is not None:
+        pytest.skip(problem)
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ds_ext.cli", *args]
+
+
+def _stale_runs() -> list[str]:
+    """Runs with namespaces but no live runner."""
+    stale = []
+    for rid in netns.list_namespaces():
+        lock = netns.RunLock(rid)
+        if lock.try_acquire():
+            lock.release()
+            stale.append(rid)
+    return stale
+
+
+def test_measured_network(capable, tmp_path):
+    out = tmp_path / "net.json"
+    res = subprocess.run(_cli("tune", "--measure", "--network", "netns", "--world", "4", "--nodes", "2",
+                              "--node-rate", f"{NODE_RATE_MBIT}mbit", "--message-MB", "1", "--out", str(out)),
+                         env=ENV, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    db = json.loads(out.read_text())
+    assert db["allgather_correct"]
+    node, local = db["levels"]["node"], db["levels"]["local"]
+    rate = NODE_RATE_MBIT * 1e6 / 8
+    assert node["shaped_bytes_per_s"] == rate
+    assert node["p2p_bytes_per_s"] == pytest.approx(rate, rel=TOLERANCE), res.stdout
+    assert node["allgather_span_bytes_per_s"] == pytest.approx(rate, rel=TOLERANCE), res.stdout
+    assert local["p2p_bytes_per_s"] > 3 * rate, res.stdout  # the shape is the node link's, not the host's
+    assert _stale_runs() == []
+
+
+def _start_sleeping_job() -> tuple[subprocess.Popen, str]:
+    """A runner whose 4 ranks sleep; returns it and its run id once its ranks are up."""
+    before = set(netns.list_namespaces())
+    runner = subprocess.Popen(_cli("cluster", "--nodes", "2", "--ranks-per-node", "2", "--node-rate", "10mbit",
+                                   "--", "sleep", "300"), env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        new = set(netns.list_namespaces()) - before
+        if new:
+            rid = new.pop()
+            names = netns.list_namespaces().get(rid, [])
+            if sum(len(netns.namespace_pids(n)) for n in names) == 4:
+                return runner, rid
+        assert runner.poll() is None, runner.stderr.read()
+        time.sleep(0.2)
+    runner.kill()
+    raise AssertionError("the cluster's ranks did not start within 60 s")
+
+
+def _netns_inodes(rid: str) -> set[int]:
+    return {os.stat(f"/var/run/netns/{n}").st_ino for n in netns.list_namespaces()[rid]}
+
+
+def _holders(inodes: set[int]) -> list[int]:
+    """Processes still inside one of these network namespaces (what keeps an unnamed one alive)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.stat(d / "ns" / "net").st_ino in inodes:
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _assert_gone(rid: str, inodes: set[int]) -> None:
+    assert rid not in netns.list_namespaces()
+    assert netns.host_interfaces() == []
+    deadline = time.monotonic() + 10  # SIGKILLed ranks may take a moment to be reaped
+    while _holders(inodes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _holders(inodes) == [], "processes still inside the run's namespaces"
+    assert not (netns.LOCK_DIR / f"{rid}.lock").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_nothing_left_after_runner_killed(capable, sig):
+    runner, rid = _start_sleeping_job()
+    inodes = _netns_inodes(rid)
+    runner.send_signal(sig)
+    runner.wait(timeout=30)
+    if sig == signal.SIGKILL:
+        assert rid in _stale_runs()  # left over: the next run finds and removes it
+        res = subprocess.run(_cli("cluster", "--nodes", "2", "--ranks-per-node", "1", "--node-rate", "10mbit",
+                                  "--", "true"), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+    _assert_gone(rid, inodes)
+
+
+def test_failing_rank_stops_the_job(capable):
+    """Rank 1 exits 3: the runner stops the other ranks, exits 3 and removes everything."""
+    before = set(netns.list_namespaces())
+    t0 = time.monotonic()
+    res = subprocess.run(_cli("cluster", "--nodes", "2", "--ranks-per-node", "2", "--node-rate", "10mbit", "--",
+                              "sh", "-c", 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 300'),
+                         env=ENV, cwd=REPO, capture_output=True, text=True, timeout=90)
+    assert res.returncode == 3, res.stderr
+    assert time.monotonic() - t0 < 60
+    assert set(netns.list_namespaces()) <= before and netns.host_interfaces() == []
