@@ -169,6 +169,10 @@ def test_nothing_left_after_runner_killed(capable, sig):
     runner.send_signal(sig)
     runner.wait(timeout=30)
     if sig == signal.SIGKILL:
+        deadline = time.monotonic() + 10  # the ranks die with their runner (parent-death signal)
+        while _holders(inodes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _holders(inodes) == [], "ranks outlived their SIGKILLed runner"
         assert rid in _stale_runs()  # left over: the next run finds and removes it
         res = subprocess.run(_cli("cluster", "--nodes", "2", "--ranks-per-node", "1", "--node-rate", "10mbit",
                                   "--", "true"), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=60)
