@@ -5,7 +5,8 @@ own one-line reason, where the host cannot (not root, no CAP_NET_ADMIN, no tbf):
 
 * the network measured by gloo ranks in 2 namespaces (2 ranks each): the all-gather is
   correct, point-to-point and all-gather bandwidth across the node link are within 15 % of
-  the shaped rate, and the unshaped loopback inside a node is far faster;
+  the shaped rate, and the unshaped loopback inside a node is far faster; with a GPU level
+  (nested links), each level's point-to-point bandwidth is its own link's rate;
 * after a run that ends, fails, or whose runner gets SIGINT / SIGTERM / SIGKILL, no
   namespace, veth, bridge or rank process of that run is left (SIGKILL: the next run
   removes the leftover).
@@ -99,21 +100,35 @@ def _stale_runs() -> list[str]:
     return stale
 
 
-def test_measured_network(capable, tmp_path):
+def _measure(tmp_path: Path, *cluster_args: str) -> tuple[dict, str]:
+    """``ds-ext tune --measure --network netns`` with 1 MB messages; its JSON and its table."""
     out = tmp_path / "net.json"
-    res = subprocess.run(_cli("tune", "--measure", "--network", "netns", "--world", "4", "--nodes", "2",
-                              "--node-rate", f"{NODE_RATE_MBIT}mbit", "--message-MB", "1", "--out", str(out)),
-                         env=ENV, cwd=REPO, capture_output=True, text=True, timeout=240)
+    res = subprocess.run(_cli("tune", "--measure", "--network", "netns", "--message-MB", "1", "--out", str(out),
+                              *cluster_args), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
-    db = json.loads(out.read_text())
+    assert _stale_runs() == []
+    return json.loads(out.read_text()), res.stdout
+
+
+def test_measured_network(capable, tmp_path):
+    """The acceptance test: 2 nodes x 2 ranks, the node link shaped to 40 Mbit/s."""
+    db, table = _measure(tmp_path, "--world", "4", "--nodes", "2", "--node-rate", f"{NODE_RATE_MBIT}mbit")
     assert db["allgather_correct"]
     node, local = db["levels"]["node"], db["levels"]["local"]
     rate = NODE_RATE_MBIT * 1e6 / 8
     assert node["shaped_bytes_per_s"] == rate
-    assert node["p2p_bytes_per_s"] == pytest.approx(rate, rel=TOLERANCE), res.stdout
-    assert node["allgather_span_bytes_per_s"] == pytest.approx(rate, rel=TOLERANCE), res.stdout
-    assert local["p2p_bytes_per_s"] > 3 * rate, res.stdout  # the shape is the node link's, not the host's
-    assert _stale_runs() == []
+    assert node["p2p_bytes_per_s"] == pytest.approx(rate, rel=TOLERANCE), table
+    assert node["allgather_span_bytes_per_s"] == pytest.approx(rate, rel=TOLERANCE), table
+    assert local["p2p_bytes_per_s"] > 3 * rate, table  # the shape is the node link's, not the host's
+
+
+def test_measured_network_two_levels(capable, tmp_path):
+    """Nested links: 2 nodes x 2 GPUs x 1 rank, GPU links 80 Mbit/s inside a node's 40 Mbit/s."""
+    db, table = _measure(tmp_path, "--world", "4", "--nodes", "2", "--node-rate", f"{NODE_RATE_MBIT}mbit",
+                         "--gpus-per-node", "2", "--gpu-rate", f"{2 * NODE_RATE_MBIT}mbit")
+    assert db["allgather_correct"] and set(db["levels"]) == {"gpu", "node"}
+    for level, mbit in (("gpu", 2 * NODE_RATE_MBIT), ("node", NODE_RATE_MBIT)):
+        assert db["levels"][level]["p2p_bytes_per_s"] == pytest.approx(mbit * 1e6 / 8, rel=TOLERANCE), table
 
 
 def _start_sleeping_job() -> tuple[subprocess.Popen, str]:
