@@ -9,7 +9,8 @@ own one-line reason, where the host cannot (not root, no CAP_NET_ADMIN, no tbf):
   (nested links), each level's point-to-point bandwidth is its own link's rate;
 * after a run that ends, fails, or whose runner gets SIGINT / SIGTERM / SIGKILL, no
   namespace, veth, bridge or rank process of that run is left (SIGKILL: the next run
-  removes the leftover).
+  removes the leftover);
+* the benchmarks' worker pool (``cluster_world``) placed on a cluster talks over its links.
 """
 
 from __future__ import annotations
@@ -204,4 +205,36 @@ def test_failing_rank_stops_the_job(capable):
                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=90)
     assert res.returncode == 3, res.stderr
     assert time.monotonic() - t0 < 60
+    assert set(netns.list_namespaces()) <= before and netns.host_interfaces() == []
+
+
+def _cross_node_send(nbytes: int) -> float:
+    """Rank 0 sends ``nbytes`` to the last rank (another node) and waits for a reply; seconds."""
+    import torch
+    import torch.distributed as dist
+
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    payload, reply = torch.zeros(nbytes // 4), torch.zeros(1)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if rank == 0:
+        dist.send(payload, last)
+        dist.recv(reply, last)
+    elif rank == last:
+        dist.recv(payload, 0)
+        dist.send(reply, 0)
+    return time.perf_counter() - t0
+
+
+def test_cluster_world(capable):
+    """The benchmarks' worker pool on a cluster: each spawned rank entered its namespace."""
+    from ds_ext.cluster.world import cluster_world
+
+    spec = ClusterSpec(2, 1, LinkShape.of(NODE_RATE_MBIT * 1e6))
+    before = set(netns.list_namespaces())
+    with cluster_world(spec) as world:
+        world.run(_cross_node_send, 2**20)  # warm-up
+        seconds = world.run(_cross_node_send, 2**20)[0]
+        assert len(set(netns.list_namespaces()) - before) == 1
+    assert 2**20 / seconds == pytest.approx(NODE_RATE_MBIT * 1e6 / 8, rel=TOLERANCE)
     assert set(netns.list_namespaces()) <= before and netns.host_interfaces() == []

@@ -16,19 +16,16 @@ rank that fails stops the others (SIGTERM, then SIGKILL), as torchrun does.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
 import subprocess
 import time
 from typing import Sequence
 
-from ds_ext.cluster.netns import NetnsCluster
+from ds_ext.cluster.netns import NetnsCluster, die_with_parent
 from ds_ext.cluster.spec import ClusterError
 
 MASTER_PORT = 29500  # the namespaces are private: no other job can hold it
-_PR_SET_PDEATHSIG = 1
 _TERM_GRACE_S = 5.0
 _POLL_S = 0.05
 
@@ -50,10 +47,6 @@ def rank_env(cluster: NetnsCluster, rank: int, base: dict[str, str]) -> dict[str
     return env
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
 def start_ranks(cluster: NetnsCluster, command: Sequence[str], local_rank_arg: bool = False,
                 env: dict[str, str] | None = None) -> list[subprocess.Popen]:
     """Start every rank of ``command``; the processes in rank order."""
@@ -66,7 +59,7 @@ def start_ranks(cluster: NetnsCluster, command: Sequence[str], local_rank_arg: b
                 argv.append(f"--local_rank={rank % cluster.spec.ranks_per_node}")
             ns = cluster.leaves[cluster.spec.leaf_of(rank)].namespace
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=rank_env(cluster, rank, base),
-                                          preexec_fn=_die_with_parent, start_new_session=True))
+                                          preexec_fn=die_with_parent, start_new_session=True))
     except BaseException:
         stop(procs)
         raise

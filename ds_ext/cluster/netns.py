@@ -16,6 +16,7 @@ still inside them; a live run's lock keeps its namespaces safe from a concurrent
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 import re
@@ -35,6 +36,8 @@ TBF_LATENCY = "30ms"  # tbf queue bound, not an added delay
 LOCK_DIR = Path("/run/ds_ext_cluster")
 _NS_RE = re.compile(rf"^{re.escape(NS_PREFIX)}([0-9a-f]{{6}})-\S+")
 _CMD_TIMEOUT_S = 30
+_CLONE_NEWNET = 0x40000000
+_PR_SET_PDEATHSIG = 1
 
 
 def run_cmd(*argv: str) -> str:
@@ -239,6 +242,23 @@ class NetnsCluster:
         self.lock.release()
         if errors:
             raise ClusterError("cleanup: " + "; ".join(errors))
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL the calling process when its parent dies (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def enter_namespace(name: str) -> None:
+    """Move the calling process (single-threaded: threads started later follow) into network
+    namespace ``name`` and make it die with its parent, as the ranks ``ip netns exec`` starts do."""
+    die_with_parent()
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            raise ClusterError(f"setns into {name}: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
 
 
 def capability_problem() -> str | None:
