@@ -238,3 +238,23 @@ def test_cluster_world(capable):
         assert len(set(netns.list_namespaces()) - before) == 1
     assert 2**20 / seconds == pytest.approx(NODE_RATE_MBIT * 1e6 / 8, rel=TOLERANCE)
     assert set(netns.list_namespaces()) <= before and netns.host_interfaces() == []
+
+
+def test_measured_topology_shares_links_among_their_ranks():
+    """A measured network as a Topology: a GPU link's bandwidth divided by the ranks of a GPU,
+    a node link's by the ranks of a node (Eq 5.7's β_inter is then the node link)."""
+    from ds_ext.cluster.measure import measured_topology
+    from ds_ext.perf.pmm import Bandwidths
+
+    spec = ClusterSpec(2, 4, LinkShape.of(40e6), 2, LinkShape.of(80e6))
+    db = {"cluster": spec.to_json(), "levels": {
+        "local": {"p2p_bytes_per_s": 2e8, "latency_s": 1e-4},
+        "gpu": {"p2p_bytes_per_s": 1e7, "latency_s": 2e-4},
+        "node": {"p2p_bytes_per_s": 5e6, "latency_s": 3e-4}}}
+    topo = measured_topology(db, ("gcd", "gpu", "node"))
+    assert [(lv.name, lv.size) for lv in topo.levels] == [("gcd", 2), ("gpu", 2), ("node", 2)]
+    assert [lv.bandwidth for lv in topo.levels] == [2e8, 1e7 / 2, 5e6 / 4]
+    assert [lv.latency for lv in topo.levels] == [1e-4, 2e-4, 3e-4]
+    assert Bandwidths.from_topology(topo).beta_inter == 5e6
+    with pytest.raises(ValueError, match="cannot name"):
+        measured_topology(db, ("gpu", "node"))

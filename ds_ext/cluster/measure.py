@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_ext.cluster.spec import ClusterSpec, LinkShape
+from ds_ext.topology import Level, Topology
 
 PING_REPEATS = 20
 REPEATS = 3
@@ -45,7 +46,11 @@ PG_TIMEOUT_S = 120
 
 def spec_from_env() -> ClusterSpec:
     """The cluster this rank runs in, from ``DS_EXT_CLUSTER``."""
-    d = json.loads(os.environ["DS_EXT_CLUSTER"])
+    return spec_from_json(json.loads(os.environ["DS_EXT_CLUSTER"]))
+
+
+def spec_from_json(d: dict[str, Any]) -> ClusterSpec:
+    """The inverse of :meth:`ClusterSpec.to_json`."""
     gpu = LinkShape(d["gpu_rate_bps"], d["gpu_burst_bytes"]) if "gpu_rate_bps" in d else None
     return ClusterSpec(d["nodes"], d["ranks_per_node"], LinkShape(d["node_rate_bps"], d["node_burst_bytes"]),
                        d["gpus_per_node"], gpu)
@@ -162,6 +167,29 @@ def allgather_correct() -> bool:
     ok = torch.tensor([int(torch.equal(out, want))])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
+
+
+LEVEL_ORDER = ("local", "gpu", "node")
+
+
+def measured_topology(db: dict[str, Any], names: tuple[str, ...]) -> Topology:
+    """A :class:`~ds_ext.topology.Topology` whose levels are the measured network of ``db``
+    (what :func:`measure` returns), named ``names`` innermost first (e.g. gcd, gpu, node for
+    local, gpu, node), so that ``ds_ext.perf`` models can be fed measured links.
+
+    ``Level.bandwidth`` is per rank while all ranks use the level: a shaped link is shared by
+    the ranks behind it, so a GPU link's measured point-to-point bandwidth is divided by the
+    ranks of a GPU and a node link's by the ranks of a node (Eq 5.7's β_inter is then the node
+    link itself); loopback is per rank as measured. Latency: half the measured round trip."""
+    spec = spec_from_json(db["cluster"])
+    present = [lv for lv in LEVEL_ORDER if lv in db["levels"]]
+    if len(present) != len(names):
+        raise ValueError(f"the cluster measured levels {present}; cannot name them {list(names)}")
+    sharing = {"local": 1, "gpu": spec.ranks_per_leaf, "node": spec.ranks_per_node}
+    sizes = {"local": spec.ranks_per_leaf, "gpu": spec.gpus_per_node, "node": spec.nodes}
+    levels = [Level(name, sizes[lv], db["levels"][lv]["p2p_bytes_per_s"] / sharing[lv], db["levels"][lv]["latency_s"])
+              for name, lv in zip(names, present)]
+    return Topology(tuple(levels), "measured-netns")
 
 
 def main(argv: list[str] | None = None) -> int:
