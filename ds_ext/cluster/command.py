@@ -137,6 +137,9 @@ def cmd_cluster(ns: argparse.Namespace) -> int:
     except ClusterError as err:
         print(f"ds-ext cluster: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("ds-ext cluster: interrupted; ranks stopped, cluster removed", file=sys.stderr)
+        return 130
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
