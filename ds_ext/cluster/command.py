@@ -5,6 +5,9 @@ and the measured-network run that ``ds-ext tune --measure --network netns`` uses
     ds-ext cluster --config ds_config.json --nodes 2 --rate-scale 2000 -- python train.py ...
     ds-ext cluster --check      # can this host build one? (exit 0, or 2 with the reason)
     ds-ext cluster --clean      # remove the leftovers of killed runs
+
+``python -m ds_ext.cluster ...`` is the same command without the rest of ``ds-ext`` (the
+runner then does not import torch: seconds saved per launch on a loaded host).
 """
 
 from __future__ import annotations
@@ -151,3 +154,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-rank-arg", action="store_true",
                    help="append --local_rank=N to the command, as the deepspeed launcher does")
     p.add_argument("job", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...] run on every rank")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ds_ext.cluster``: ``ds-ext cluster`` alone."""
+    p = argparse.ArgumentParser(prog="python -m ds_ext.cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return cmd_cluster(p.parse_args(argv))
