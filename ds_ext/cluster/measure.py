@@ -19,7 +19,7 @@ For each level, with rank 0 and the first rank ``b`` across that level:
   carries one ring connection per direction and the figure should match the link's rate;
 * the same over the cross group (one rank per domain: rank 0 of every node / GPU). With two
   domains that is a 2-rank all-gather, whose two directions share one gloo connection
-  (measured here at 65-97 % of the rate where the span all-gather reaches 97 %): reported,
+  (measured here at 60-97 % of the rate, mostly about 66 %, where the span all-gather reaches 97 %): reported,
   not checked against the rate.
 
 Rank 0 writes the JSON.
