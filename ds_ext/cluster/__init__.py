@@ -9,5 +9,7 @@ from ds_ext's own alpha-beta model (``ds_ext.comm`` emulation), so it can test t
   and the sweep of a killed run's leftovers;
 * :mod:`~ds_ext.cluster.launch`: ranks started in their namespaces;
 * :mod:`~ds_ext.cluster.measure`: per-level bandwidth and latency measured by the ranks;
-* :mod:`~ds_ext.cluster.command`: the ``ds-ext cluster`` command and its shared flags.
+* :mod:`~ds_ext.cluster.world`: the benchmarks' worker pool placed on a cluster (``--network netns``);
+* :mod:`~ds_ext.cluster.command`: the ``ds-ext cluster`` command (also ``python -m ds_ext.cluster``)
+  and its shared flags.
 """

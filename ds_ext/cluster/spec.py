@@ -156,6 +156,8 @@ def spec_from_topology(block: Mapping[str, Any], nodes: int, rate_scale: float =
         per_node = math.prod(cfg.sizes.get(lv.name, lv.size) or 1 for lv in levels[:-1])
         topo = Topology.build(levels, per_node * nodes, cfg.preset or "custom", cfg.sizes)
         node = topo.level("node")
+        if gpu_level and (len(levels) < 2 or levels[-2].name != "gpu"):
+            raise TopologyError("--gpu-level needs a 'gpu' level right inside 'node'")
         gpu = topo.level("gpu") if gpu_level else None
     except TopologyError as err:
         raise ClusterError(f"topology block: {err}") from None
