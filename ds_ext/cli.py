@@ -136,7 +136,7 @@ def _tune_measure_netns(ns: argparse.Namespace) -> int:
         spec = cluster_command.spec_from_args(ns, ns.world // ns.nodes)
         db = cluster_command.measure_network(spec, int((ns.message_MB or NETNS_MESSAGE_MB) * 2**20))
     except ClusterError as err:
-        print(f"ds-ext tune: {err}", file=sys.stderr)
+        print(f"ds-ext tune --network netns: {err}", file=sys.stderr)
         return 2
     print(f"{spec.describe()} (measured, netns)")
     print(cluster_command.format_measurement(db))

@@ -84,7 +84,7 @@ def test_refuses_in_one_line_without_capability(monkeypatch):
 def capable():
     problem = netns.capability_problem()
     if problem is not None:
-        pytest.skip(problem)
+        pytest.skip(f"ds-ext cluster: {problem}")
 
 
 def _cli(*args: str) -> list[str]:

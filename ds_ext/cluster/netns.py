@@ -262,7 +262,8 @@ def enter_namespace(name: str) -> None:
 
 
 def capability_problem() -> str | None:
-    """None when this host can build a cluster, else one line saying what is missing.
+    """None when this host can build a cluster, else one line saying what is missing
+    (to follow "ds-ext cluster: ").
 
     Checks the capabilities (CAP_NET_ADMIN for links and qdiscs, CAP_SYS_ADMIN for the
     namespace mounts), the ``ip`` and ``tc`` tools, then builds a probe namespace with a
@@ -273,14 +274,14 @@ def capability_problem() -> str | None:
     caps = _effective_caps()
     missing = [name for bit, name in ((12, "CAP_NET_ADMIN"), (21, "CAP_SYS_ADMIN")) if not caps >> bit & 1]
     if missing:
-        return f"ds-ext cluster needs root ({' and '.join(missing)} missing)"
+        return f"needs root ({' and '.join(missing)} missing)"
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            return f"ds-ext cluster needs the '{tool}' command (iproute2), not found on PATH"
+            return f"needs the '{tool}' command (iproute2), not found on PATH"
     rid = new_run_id()
     lock = RunLock(rid)
     if not lock.try_acquire():
-        return f"ds-ext cluster: cannot lock {lock.path}"
+        return f"cannot lock {lock.path}"
     ns = f"{NS_PREFIX}{rid}-probe"
     try:
         run_cmd("ip", "netns", "add", ns)
@@ -294,9 +295,9 @@ def capability_problem() -> str | None:
             try:
                 run_cmd(*argv)
             except ClusterError as err:
-                return f"ds-ext cluster cannot create {what}: {err}"
+                return f"cannot create {what}: {err}"
     except ClusterError as err:
-        return f"ds-ext cluster cannot create a network namespace: {err}"
+        return f"cannot create a network namespace: {err}"
     finally:
         if ns in list_namespaces().get(rid, []):
             delete_namespaces([ns])
