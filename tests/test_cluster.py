@@ -240,7 +240,7 @@ def test_cluster_world(capable):
     before = set(netns.list_namespaces())
     with cluster_world(spec) as world:
         world.run(_cross_node_send, 2**20)  # warm-up
-        seconds = world.run(_cross_node_send, 2**20)[0]
+        seconds = min(world.run(_cross_node_send, 2**20)[0] for _ in range(3))  # contention only adds time
         assert len(set(netns.list_namespaces()) - before) == 1
     assert 2**20 / seconds == pytest.approx(NODE_RATE_MBIT * 1e6 / 8, rel=TOLERANCE)
     assert set(netns.list_namespaces()) <= before and netns.host_interfaces() == []
