@@ -24,6 +24,11 @@ from pathlib import Path
 from ds_ext.planner import PlannerError
 from ds_ext.planner import command as planner_command
 from ds_ext.topology import PRESET_NAMES, Topology, TopologyError, detect_environment, preset_levels
+from ds_ext.cluster import command as cluster_command
+from ds_ext.cluster.spec import ClusterError
+
+EMULATE_MESSAGE_MB = 16.0
+NETNS_MESSAGE_MB = 2.0  # 0.4 s per message on a 40 Mbit/s link
 
 
 def _rank_lines(topo: Topology, rank: int) -> list[str]:
@@ -91,6 +96,8 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     if given:
         raise planner_command.ArgumentError(f"--measure: takes no {' '.join(given)} (they rank grids; --measure "
                                             "writes the bandwidth database)")
+    if ns.network == "netns":
+        return _tune_measure_netns(ns)
     from ds_ext.local_world import World
     from ds_ext.planner import machine as machines
     from ds_ext.pmm import tune
@@ -99,8 +106,27 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     block = {"preset": preset, "sizes": planner_command.parse_sizes(ns.size), "emulate": True}
     Topology.build(preset_levels(preset), ns.world, preset, block["sizes"])  # refuse a bad world before starting
     with World(ns.world) as world:
-        db = world.run(tune.measure_on_rank, block, int(ns.message_MB * 2**20), True, ns.time_scale)[0]
+        db = world.run(tune.measure_on_rank, block, int((ns.message_MB or EMULATE_MESSAGE_MB) * 2**20), True,
+                       ns.time_scale)[0]
     print(json.dumps(db, indent=2))
+    if ns.out:
+        Path(ns.out).write_text(json.dumps(db, indent=2) + "\n")
+    return 0
+
+
+def _tune_measure_netns(ns: argparse.Namespace) -> int:
+    """``ds-ext tune --measure --network netns``: the per-level network of an emulated cluster
+    of ``--nodes`` nodes and ``--world`` ranks, measured by its ranks."""
+    if ns.world % ns.nodes:
+        raise SystemExit(f"ds-ext: error: --world {ns.world} does not split over --nodes {ns.nodes}")
+    try:
+        spec = cluster_command.spec_from_args(ns, ns.world // ns.nodes)
+        db = cluster_command.measure_network(spec, int((ns.message_MB or NETNS_MESSAGE_MB) * 2**20))
+    except ClusterError as err:
+        print(f"ds-ext tune --network netns: {err}", file=sys.stderr)
+        return 2
+    print(f"{spec.describe()} (measured, netns)")
+    print(cluster_command.format_measurement(db))
     if ns.out:
         Path(ns.out).write_text(json.dumps(db, indent=2) + "\n")
     return 0
@@ -249,9 +275,14 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     planner_command.add_tune_arguments(t)
     t.add_argument("--measure", action="store_true",
                    help="measure the database on --world local ranks with alpha-beta emulation of --machine's levels")
-    t.add_argument("--message-MB", type=float, default=16.0, help="all-reduce size for --measure")
+    t.add_argument("--message-MB", type=float, default=None,
+                   help=f"--measure: message size (default {EMULATE_MESSAGE_MB:g} emulated, {NETNS_MESSAGE_MB:g} netns)")
     t.add_argument("--time-scale", type=float, default=3000.0,
                    help="--measure: stretch emulated link times so they dominate gloo's own (results are scaled back)")
+    t.add_argument("--network", choices=("emulate", "netns"), default="emulate",
+                   help="--measure on: emulate (alpha-beta sleeps of --machine's levels, local ranks) or netns (an emulated "
+                        "cluster of --nodes network namespaces with shaped links: measured, not modelled)")
+    cluster_command.add_cluster_arguments(t, ranks_per_node=False)
     t.set_defaults(func=cmd_tune)
     pl = sub.add_parser("plan", help="memory, bytes per level and step time of every plan of a model; the best two")
     planner_command.add_plan_arguments(pl)
@@ -280,6 +311,11 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     for sp in (cc, ci):
         sp.add_argument("--tag", default=None, help="tag to use instead of 'latest'")
         sp.set_defaults(func=cmd_checkpoint)
+    cl = sub.add_parser("cluster", help="run a command on the ranks of an emulated cluster: nodes as network "
+                                        "namespaces with tc-shaped links", description=cluster_command.__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    cluster_command.add_arguments(cl)
+    cl.set_defaults(func=cluster_command.cmd_cluster)
     b = sub.add_parser("bench", help="run a benchmark (writes JSON and a PNG)")
     bsub = b.add_subparsers(dest="benchmark", required=True)
     from ds_ext.bench import BENCHMARKS

@@ -8,6 +8,10 @@ order. A rank that raises makes ``run`` raise :class:`RankError` with that rank'
 traceback; a rank that does not answer in time makes it raise ``TimeoutError``. In
 both cases unanswered ranks are killed and the next ``run`` starts a fresh world, so a
 failing test never hangs the suite.
+
+``rank_env`` (one dict per rank, applied last) and ``rank_netns`` (one network namespace
+name per rank, entered before anything else) place the ranks on an emulated cluster
+(:func:`ds_ext.cluster.world.cluster_world`).
 """
 
 from __future__ import annotations
@@ -38,9 +42,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, env: dict[str, str], store: str, tasks, results) -> None:
-    os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
+def _worker(rank: int, world_size: int, env: dict[str, str], store: str, tasks, results,
+            netns: str | None = None) -> None:
+    if netns is not None:
+        from ds_ext.cluster.netns import enter_namespace
+
+        enter_namespace(netns)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), **env})
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -74,9 +82,12 @@ def _worker(rank: int, world_size: int, env: dict[str, str], store: str, tasks, 
 class World:
     """Persistent pool of ``world_size`` gloo ranks (see module docstring)."""
 
-    def __init__(self, world_size: int, env: dict[str, str] | None = None, timeout: float = 300) -> None:
+    def __init__(self, world_size: int, env: dict[str, str] | None = None, timeout: float = 300,
+                 rank_env: list[dict[str, str]] | None = None, rank_netns: list[str] | None = None) -> None:
         self.world_size = world_size
         self.timeout = timeout
+        self.rank_env = rank_env or [{} for _ in range(world_size)]
+        self.rank_netns = rank_netns or [None] * world_size
         self.env = {
             "WORLD_SIZE": str(world_size),
             "LOCAL_SIZE": str(world_size),
@@ -96,7 +107,8 @@ class World:
         self._procs = [
             _CTX.Process(
                 target=_worker,
-                args=(r, self.world_size, env, store, self._tasks[r], self._results),
+                args=(r, self.world_size, {**env, **self.rank_env[r]}, store, self._tasks[r], self._results,
+                      self.rank_netns[r]),
                 daemon=True,
             )
             for r in range(self.world_size)

@@ -18,6 +18,14 @@ per topology level and held for its alpha-beta time (Frontier latencies and band
 ``--time-scale``). Reported per variant: bytes per level per step (and, for pmm3d, the
 exact ``ds_ext.perf.pmm`` prediction), the predicted communication time (Eqs 5.1-5.7),
 the median step time with and without emulation, model-state bytes per rank, the loss.
+
+``--network netns`` runs the same variants with no emulation on an emulated cluster
+(``ds_ext.cluster``: 2 nodes x 2 GPUs as network namespaces, tbf-shaped GPU and node links,
+2 ranks per GPU on loopback). The network is measured first (per level bandwidth and
+latency, ``ds-ext tune --measure --network netns``) and ``predicted_measured_network_comm_s``
+is Eqs 5.1-5.7 with α fed those measurements (nothing fitted to step times); the ranking is
+checked against the measured step time on the shaped network. ``--quick``: the tiny model,
+four grids, no anchors or overlap twins, two steps (a plumbing check, not a result).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import time
 from typing import Any
 
 from ds_ext.bench import median, write_json
+from ds_ext.cluster.world import add_network_arguments
 
 WORLD = 8
 LEVELS = ("gcd", "gpu", "node")
@@ -44,6 +53,9 @@ ANCHORS = ("deepspeed_zero3", "megatron_tp8")
 PREDICTORS = ("predicted_paper_comm_s", "predicted_comm_s", "predicted_per_rank_links_comm_s",
               "predicted_alpha_beta_comm_s")
 RANKING_MODEL = "predicted_alpha_beta_comm_s"
+NETNS_PREDICTOR = "predicted_measured_network_comm_s"
+QUICK_GRIDS = ["2,2,2,1", "8,1,1,1", "1,1,1,8", "2,1,1,4"]
+NETNS_MESSAGE_BYTES = 2**20  # network measurement message: 0.1 s on a 100 Mbit/s link
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only these grids (default: every factorization of 8 that divides the model)")
     p.add_argument("--anchors", nargs="*", default=list(ANCHORS), choices=ANCHORS)
     p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--quick", action="store_true", help="tiny model, 4 grids, no anchors / overlap, 2 steps")
+    add_network_arguments(p)
 
 
 # ---- one rank ---------------------------------------------------------------------------
@@ -73,24 +87,31 @@ def _gpt(model: str):
     return GPT(GPTConfig(seq_len=seq, d_model=d, n_layers=layers, n_heads=heads))
 
 
-def _config(micro: int, time_scale: float, block: dict) -> dict[str, Any]:
+def _config(micro: int, time_scale: float | None, block: dict) -> dict[str, Any]:
+    """ds_config of one variant; ``time_scale`` None: no alpha-beta emulation (a real network)."""
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "ds_ext": {"topology": TOPOLOGY,
-                   "comm": {"ledger": True, "emulate_time": True, "time_scale": time_scale}, **block},
+                   "comm": _comm_block(time_scale), **block},
         **({"zero_optimization": {"stage": 0}} if "pmm3d" in block else {}),
     }
 
 
-def _timed_steps(step_fn, comm, warmup: int, steps: int) -> tuple[dict[str, float], list[float], dict[str, int]]:
-    """Warm-up, then ``steps`` emulated and ``steps // 2`` plain steps; medians and losses."""
+def _comm_block(time_scale: float | None) -> dict[str, Any]:
+    return {"ledger": True, "emulate_time": time_scale is not None, "time_scale": time_scale or 1.0}
+
+
+def _timed_steps(step_fn, comm, warmup: int, steps: int) -> tuple[dict[str, float | None], list[float], dict[str, int]]:
+    """Warm-up, then ``steps`` emulated and ``steps // 2`` plain steps; medians and losses.
+    Without an emulator (a real network) all ``steps`` are plain and the emulated median is None."""
     import torch.distributed as dist
 
     emulator, times, losses = comm.emulator, {"emulated": [], "plain": []}, []
     state: dict[str, int] = {}
-    plain = max(1, steps // 2)
+    plain = max(1, steps // 2) if emulator is not None else steps
+    steps = steps if emulator is not None else 0
     for i in range(warmup + steps + plain):
         mode = "emulated" if i < warmup + steps else "plain"
         comm.emulator = emulator if mode == "emulated" else None
@@ -101,7 +122,7 @@ def _timed_steps(step_fn, comm, warmup: int, steps: int) -> tuple[dict[str, floa
         if i >= warmup:
             times[mode].append(time.perf_counter() - t0)
     comm.emulator = emulator
-    return {k: median(v) for k, v in times.items()}, losses, state
+    return {k: median(v) if v else None for k, v in times.items()}, losses, state
 
 
 def _nbytes(ts) -> int:
@@ -109,7 +130,7 @@ def _nbytes(ts) -> int:
 
 
 def _measure_pmm(grid: tuple[int, int, int, int], overlap: bool, model: str, global_batch: int, warmup: int,
-                 steps: int, time_scale: float) -> dict[str, Any]:
+                 steps: int, time_scale: float | None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -191,7 +212,8 @@ def _by_level(d: dict[str, float]) -> dict[str, float]:
     return {lv: float(d.get(lv, 0.0)) for lv in LEVELS}
 
 
-def _measure_zero3(model: str, global_batch: int, warmup: int, steps: int, time_scale: float) -> dict[str, Any]:
+def _measure_zero3(model: str, global_batch: int, warmup: int, steps: int,
+                   time_scale: float | None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -231,7 +253,8 @@ def _mean_over_world(losses: list[float]) -> list[float]:
     return (t / dist.get_world_size()).tolist()
 
 
-def _measure_megatron(model: str, global_batch: int, warmup: int, steps: int, time_scale: float) -> dict[str, Any]:
+def _measure_megatron(model: str, global_batch: int, warmup: int, steps: int,
+                      time_scale: float | None) -> dict[str, Any]:
     """megatron-core tensor parallelism over 8 ranks, counted by a ds_ext ledger."""
     import torch
     import warnings
@@ -245,8 +268,7 @@ def _measure_megatron(model: str, global_batch: int, warmup: int, steps: int, ti
     from ds_ext.data import ByteCorpus
     from ds_ext.runtime import Runtime
 
-    rt = Runtime.create(cfgmod.parse({"topology": TOPOLOGY, "comm": {"emulate_time": True,
-                                                                     "time_scale": time_scale}}))
+    rt = Runtime.create(cfgmod.parse({"topology": TOPOLOGY, "comm": _comm_block(time_scale)}))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=WORLD)
     try:
         net = _megatron_gpt(model)
@@ -313,30 +335,33 @@ def _rank_of(values: list[float]) -> list[float]:
     return list(rankdata(values))
 
 
-def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The acceptance numbers of issue 10, computed from the records."""
+def checks(records: list[dict[str, Any]], time_key: str = "step_time_emulated_s",
+           ranking_model: str = RANKING_MODEL) -> dict[str, Any]:
+    """The acceptance numbers of issue 10 (issue 21 with ``--network netns``: ``time_key``
+    "step_time_s", ``ranking_model`` the model fed the measured network), from the records."""
     from scipy.stats import spearmanr
 
     grids = [r for r in records if r["variant"] == "pmm3d"]
-    measured = [r["step_time_emulated_s"] for r in grids]
+    measured = [r[time_key] for r in grids]
     out: dict[str, Any] = {"ledger_equals_model_all_grids": all(r["ledger_equals_model"] for r in grids),
-                           "ranking_model": RANKING_MODEL}
-    for key in PREDICTORS:
+                           "ranking_model": ranking_model, "ranked_time": time_key}
+    for key in [k for k in (*PREDICTORS, NETNS_PREDICTOR) if k in grids[0]]:
         predicted = [r[key] for r in grids]
         first = min(range(len(grids)), key=lambda i: predicted[i])
         out[f"spearman[{key}]"] = float(spearmanr(predicted, measured).statistic)
         out[f"model_first_choice[{key}]"] = grids[first]["grid"]
         out[f"model_first_choice_measured_rank[{key}]"] = float(_rank_of(measured)[first])
-    rho, rank = out[f"spearman[{RANKING_MODEL}]"], out[f"model_first_choice_measured_rank[{RANKING_MODEL}]"]
+    rho, rank = out[f"spearman[{ranking_model}]"], out[f"model_first_choice_measured_rank[{ranking_model}]"]
     out["ranking_holds"] = rho >= 0.6 and rank <= 3  # issue 10: Spearman >= 0.6, first choice in the 3 fastest
     by_grid = {tuple(r["grid"]): r for r in grids}
-    out["overlap_step_time_ratio_emulated"] = {
-        "x{}y{}z{}d{}".format(*r["grid"]): r["step_time_emulated_s"] / by_grid[tuple(r["grid"])]["step_time_emulated_s"]
+    suffix = "emulated" if time_key == "step_time_emulated_s" else "network"
+    out[f"overlap_step_time_ratio_{suffix}"] = {
+        "x{}y{}z{}d{}".format(*r["grid"]): r[time_key] / by_grid[tuple(r["grid"])][time_key]
         for r in records if r["variant"] == "pmm3d+overlap"}
-    best = min(grids, key=lambda r: r["step_time_emulated_s"])
+    best = min(grids, key=lambda r: r[time_key])
     for r in records:
         if r["variant"] in ANCHORS:
-            out[f"{r['variant']}_over_best_pmm3d_emulated"] = r["step_time_emulated_s"] / best["step_time_emulated_s"]
+            out[f"{r['variant']}_over_best_pmm3d_{suffix}"] = r[time_key] / best[time_key]
     out["fastest_measured_grid"] = best["grid"]
     return out
 
@@ -345,19 +370,22 @@ def table(records: list[dict[str, Any]]) -> str:
     head = (f"{'variant':<18}{'grid':>10}{'gcd MB':>9}{'gpu MB':>9}{'node MB':>9}{'=model':>7}{'pred ms':>9}"
             f"{'emul s':>8}{'step s':>8}{'state MB':>9}{'loss':>7}")
     lines = [head, "-" * len(head)]
+    predictor = NETNS_PREDICTOR if any(NETNS_PREDICTOR in r for r in records) else RANKING_MODEL
     for r in records:
         b = r["bytes_per_step"]
         lines.append(
             f"{r['variant']:<18}{'x'.join(map(str, r['grid'])):>10}{b['gcd'] / 1e6:>9.2f}{b['gpu'] / 1e6:>9.2f}"
             f"{b['node'] / 1e6:>9.2f}{str(r.get('ledger_equals_model', '-')):>7}"
-            f"{1e3 * r.get(RANKING_MODEL, float('nan')):>9.3f}{r['step_time_emulated_s']:>8.3f}"
+            f"{1e3 * r.get(predictor, float('nan')):>9.3f}{r['step_time_emulated_s'] or float('nan'):>8.3f}"
             f"{r['step_time_s']:>8.3f}{r['model_state_bytes'] / 1e6:>9.2f}{r['losses'][-1]:>7.3f}")
     lines.append("bytes sent per rank per step; grid = x*y*z*data; 'pred ms' = Eqs 5.1-5.6 + ds_ext terms + alpha, "
-                 "per-rank links (the emulated machine, unscaled); 'emul s' = step with alpha-beta emulation")
+                 + ("Eq 5.7 with the measured network's bandwidths and latencies; 'step s' = step on the shaped "
+                    "network" if predictor == NETNS_PREDICTOR else
+                    "per-rank links (the emulated machine, unscaled); 'emul s' = step with alpha-beta emulation"))
     return "\n".join(lines)
 
 
-def plot(records: list[dict[str, Any]], path) -> None:
+def plot(records: list[dict[str, Any]], path, time_key: str = "step_time_emulated_s") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -365,17 +393,18 @@ def plot(records: list[dict[str, Any]], path) -> None:
 
     grids = [r for r in records if r["variant"] == "pmm3d"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
-    for key, label in ((RANKING_MODEL, "α-β, per-rank links (the emulated machine)"),
-                       ("predicted_comm_s", "Eq 5.7 bandwidths, no α")):
-        ax1.scatter([1e3 * r[key] for r in grids], [r["step_time_emulated_s"] for r in grids], label=label)
+    series = ((NETNS_PREDICTOR, "Eq 5.7 + α, the measured network"),) if NETNS_PREDICTOR in grids[0] else (
+        (RANKING_MODEL, "α-β, per-rank links (the emulated machine)"), ("predicted_comm_s", "Eq 5.7 bandwidths, no α"))
+    for key, label in series:
+        ax1.scatter([1e3 * r[key] for r in grids], [r[time_key] for r in grids], label=label)
     for r in grids:
-        ax1.annotate("".join(map(str, r["grid"])), (1e3 * r[RANKING_MODEL], r["step_time_emulated_s"]),
-                     fontsize=7)
+        ax1.annotate("".join(map(str, r["grid"])), (1e3 * r[series[0][0]], r[time_key]), fontsize=7)
     ax1.legend(fontsize=8)
     ax1.set_xlabel("predicted communication per step, ms (ds_ext.perf.pmm, unscaled)")
-    ax1.set_ylabel("measured step time with alpha-beta emulation, s")
+    ax1.set_ylabel("measured step time, s" + (" (alpha-beta emulation)" if time_key == "step_time_emulated_s"
+                                              else " (shaped network)"))
     ax1.set_title("grids (x y z data) of 8 ranks")
-    rows = sorted(records, key=lambda r: r["step_time_emulated_s"])
+    rows = sorted(records, key=lambda r: r[time_key])
     bottom = [0.0] * len(rows)
     for lv in LEVELS:
         vals = [r["bytes_per_step"][lv] / 1e6 for r in rows]
@@ -390,14 +419,36 @@ def plot(records: list[dict[str, Any]], path) -> None:
     plt.close(fig)
 
 
+def _predict_on_network(records: list[dict[str, Any]], network: dict[str, Any], spec, model: str,
+                        global_batch: int) -> None:
+    """Add Eqs 5.1-5.7 + α fed the measured network (:func:`ds_ext.cluster.measure.measured_topology`)
+    to every pmm3d record."""
+    from ds_ext.cluster.measure import measured_topology
+    from ds_ext.perf import pmm as perf
+    from ds_ext.pmm.grid import Grid
+
+    topo = measured_topology(network, LEVELS)
+    bw = perf.Bandwidths.from_topology(topo)
+    for r in records:
+        if r["variant"].startswith("pmm3d"):
+            g = Grid(*r["grid"])
+            r[NETNS_PREDICTOR] = perf.comm_time(spec, g, topo, global_batch // g.data, MODELS[model][3], 4,
+                                                bw=bw, latency=True)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from ds_ext.local_world import World
+    from ds_ext.cluster.measure import measure
+    from ds_ext.cluster.world import bench_world
     from ds_ext.perf.pmm import factorizations, unfit_reason
     from ds_ext.pmm.plans import plan_for
     from ds_ext.pmm.spec import model_spec
 
+    if args.quick:
+        args.model, args.warmup, args.steps = "tiny", 1, 2
+        args.grids, args.overlap_grids, args.anchors = QUICK_GRIDS, [], []
+    netns = args.network == "netns"
     serial = _gpt(args.model)
     spec = model_spec(serial, plan_for(serial))
     grids = [g.dims for g in factorizations(WORLD) if unfit_reason(spec, g, args.global_batch // g.data) is None]
@@ -409,9 +460,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for g in grids:
         jobs += [("pmm", g, False)] + ([("pmm", g, True)] if g in overlap else [])
     jobs += [(a, None, None) for a in args.anchors]
-    common = (args.model, args.global_batch, args.warmup, args.steps, args.time_scale)
+    common = (args.model, args.global_batch, args.warmup, args.steps, None if netns else args.time_scale)
     records: list[dict[str, Any]] = []
-    with World(WORLD, {"LOCAL_SIZE": str(WORLD)}, timeout=args.timeout) as world:
+    with bench_world(args, WORLD, {"LOCAL_SIZE": str(WORLD)}) as world:
+        network = world.run(measure, NETNS_MESSAGE_BYTES)[0] if netns else None
         for kind, grid, on in tqdm(jobs, desc="bench pmm", unit="variant"):
             if kind == "pmm":
                 records.append(world.run(_measure_pmm, grid, on, *common)[0])
@@ -419,11 +471,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 records.append(world.run(_measure_zero3, *common)[0])
             else:
                 records.append(world.run(_measure_megatron, *common)[0])
+    time_key, ranking = ("step_time_s", NETNS_PREDICTOR) if netns else ("step_time_emulated_s", RANKING_MODEL)
+    if netns:
+        _predict_on_network(records, network, spec, args.model, args.global_batch)
     payload = {"benchmark": "pmm", "world_size": WORLD, "model": args.model, "model_dims": MODELS[args.model],
-               "global_batch": args.global_batch, "time_scale": args.time_scale, "records": records,
-               "checks": checks(records)}
+               "global_batch": args.global_batch, "network": args.network, "measured_network": network,
+               "time_scale": None if netns else args.time_scale, "quick": args.quick, "records": records,
+               "checks": checks(records, time_key, ranking)}
     out = write_json(args.out, payload)
-    plot(records, out.with_suffix(".png"))
+    plot(records, out.with_suffix(".png"), time_key)
     print(table(records))
     print({k: v for k, v in payload["checks"].items()})
     print(f"wrote {out} and {out.with_suffix('.png')}")

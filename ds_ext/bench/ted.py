@@ -21,6 +21,11 @@ variants; the alpha-beta link time of a step's collectives at Frontier's latenci
 bandwidths (summed by the time emulator from bytes, calls and levels: no CPU noise), and the
 wall time per step with and without that time (x ``--time-scale``) held (measured steps
 alternate); this rank's parameter, gradient and optimizer bytes and Eq 7.4's value.
+
+``--network netns``: no emulation; the ranks run on an emulated cluster (``ds_ext.cluster``:
+2 nodes x 2 GPUs as network namespaces with tbf-shaped links), every measured step is plain
+wall time over those links, the emulated and link times are None. ``--quick``: the tiny
+model, ted_base / ted_dtd_cac / deepspeed_ep, one step each (a plumbing check).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_ext.bench import median, write_json
+from ds_ext.cluster.world import add_network_arguments
 
 WORLD, RANKS_PER_NODE = 8, 4
 LEVELS = ("gcd", "gpu", "node")
@@ -60,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=300.0,
                    help="multiply emulated link times by this factor (a CPU core computes ~1000x slower than a GCD)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per variant before giving up")
+    p.add_argument("--quick", action="store_true", help="tiny model, ted_base / ted_dtd_cac / deepspeed_ep, 1 step")
+    add_network_arguments(p)
 
 
 # ---- one rank ---------------------------------------------------------------------------
@@ -71,10 +79,10 @@ def _model_config(model: str):
                         capacity_factor=1.25, min_capacity=0, checkpoint="torch")
 
 
-def _ds_config(variant: str, micro: int, time_scale: float) -> dict[str, Any]:
+def _ds_config(variant: str, micro: int, time_scale: float | None) -> dict[str, Any]:
     impl, T, dtd, cac = VARIANTS[variant]
-    block: dict[str, Any] = {"topology": TOPOLOGY, "comm": {"ledger": True, "emulate_time": True,
-                                                          "time_scale": time_scale}}
+    block: dict[str, Any] = {"topology": TOPOLOGY, "comm": {"ledger": True, "emulate_time": time_scale is not None,
+                                                          "time_scale": time_scale or 1.0}}
     if impl == "ted":
         block["ted"] = {"enabled": True, "tensor_parallel": T, "expert_parallel": EXPERT_PARALLEL,
                         "duplicate_token_dropping": dtd, "comm_aware_checkpointing": cac}
@@ -113,7 +121,7 @@ def _deepspeed_tp_model(cfg, state, layout):
     return model, ted.mpu()
 
 
-def _build(variant: str, cfg, micro: int, time_scale: float):
+def _build(variant: str, cfg, micro: int, time_scale: float | None):
     """(engine, data rank, G_data^nonexp) of one variant; the same initialization for all."""
     import torch
     import torch.distributed as dist
@@ -212,8 +220,9 @@ class _LinkClock:
         return c
 
 
-def _measure(variant: str, model: str, warmup: int, steps: int, time_scale: float) -> dict[str, Any]:
-    """Runs on every rank: build, train ``warmup + 2 steps`` steps, measure."""
+def _measure(variant: str, model: str, warmup: int, steps: int, time_scale: float | None) -> dict[str, Any]:
+    """Runs on every rank: build, train ``warmup + 2 steps`` steps, measure. ``time_scale`` None
+    (a real network, ``--network netns``): every step plain, no emulated or link time."""
     import torch.distributed as dist
 
     from ds_ext.data import ByteCorpus
@@ -222,15 +231,16 @@ def _measure(variant: str, model: str, warmup: int, steps: int, time_scale: floa
     corpus = ByteCorpus()
     engine, layout, data_rank = _build(variant, cfg, micro, time_scale)
     rt = engine.ds_ext
-    clock = _LinkClock(rt.comm.emulator)
+    clock = _LinkClock(rt.comm.emulator) if rt.comm.emulator is not None else None
     times: dict[bool, list[float]] = {False: [], True: []}
     link: list[float] = []
     losses = []
     try:
         for step in range(warmup + 2 * steps):
-            emulate = step >= warmup and (step - warmup) % 2 == 1
+            emulate = clock is not None and step >= warmup and (step - warmup) % 2 == 1
             rt.comm.emulator = clock if emulate else None
-            clock.total = 0.0
+            if clock is not None:
+                clock.total = 0.0
             dist.barrier()
             t0 = time.perf_counter()
             loss = engine(corpus.micro_batch(step, 0, data_rank, layout.nonexp_data, micro, 1, cfg.seq_len))
@@ -254,8 +264,8 @@ def _measure(variant: str, model: str, warmup: int, steps: int, time_scale: floa
         "bytes_per_step": {lv: rt.ledger.mean_by_level(warmup).get(lv, 0.0) for lv in LEVELS},
         "calls_per_step": {lv: rt.ledger.mean_calls_by_level(warmup).get(lv, 0.0) for lv in LEVELS},
         "step_time_s": median(times[False]),
-        "step_time_emulated_s": median(times[True]),
-        "link_time_per_step_s": median(link),
+        "step_time_emulated_s": median(times[True]) if times[True] else None,
+        "link_time_per_step_s": median(link) if link else None,
         "time_scale": time_scale,
         "losses": losses,
         "state_bytes": _state_bytes(engine, layout),
@@ -276,7 +286,8 @@ def _merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     if rec["error"] is None:
         rec["losses"] = [sum(r["losses"][k] for r in per_rank) / len(per_rank) for k in range(len(rec["losses"]))]
         for key in ("step_time_s", "step_time_emulated_s", "link_time_per_step_s"):
-            rec[key] = max(r[key] for r in per_rank)
+            if rec[key] is not None:
+                rec[key] = max(r[key] for r in per_rank)
     return rec
 
 
@@ -303,10 +314,11 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
                                           / _per_op(by["ted_base"]["moe_block"], "bytes")["all_to_all"])
     for v in by:
         if v != "ted_base" and "ted_base" in by:
-            out["link_time_ratio"][f"ted_base/{v}"] = (by["ted_base"]["link_time_per_step_s"]
-                                                       / by[v]["link_time_per_step_s"])
-            out["step_time_emulated_ratio"][f"ted_base/{v}"] = (by["ted_base"]["step_time_emulated_s"]
-                                                                / by[v]["step_time_emulated_s"])
+            if by[v]["link_time_per_step_s"] is not None:
+                out["link_time_ratio"][f"ted_base/{v}"] = (by["ted_base"]["link_time_per_step_s"]
+                                                           / by[v]["link_time_per_step_s"])
+                out["step_time_emulated_ratio"][f"ted_base/{v}"] = (by["ted_base"]["step_time_emulated_s"]
+                                                                    / by[v]["step_time_emulated_s"])
             out["step_time_ratio"][f"ted_base/{v}"] = by["ted_base"]["step_time_s"] / by[v]["step_time_s"]
     return out
 
@@ -325,8 +337,8 @@ def table(records: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['variant']:<17}{b['gcd'] / 1e6:>8.2f}{b['gpu'] / 1e6:>8.2f}{b['node'] / 1e6:>8.2f}"
             f"{calls.get('all_to_all', 0):>5.0f}{calls.get('all_reduce', 0):>5.0f}{calls.get('all_gather', 0):>5.0f}"
-            f"{nbytes.get('all_to_all', 0) / 1e6:>8.3f}{r['link_time_per_step_s'] * 1e3:>9.2f}"
-            f"{r['step_time_s']:>8.2f}{r['step_time_emulated_s']:>8.2f}"
+            f"{nbytes.get('all_to_all', 0) / 1e6:>8.3f}{(r['link_time_per_step_s'] or float('nan')) * 1e3:>9.2f}"
+            f"{r['step_time_s']:>8.2f}{r['step_time_emulated_s'] or float('nan'):>8.2f}"
             f"{(state['params'] + state['grads'] + state['optimizer']) / 1e6:>10.2f}{r['losses'][-1]:>7.3f}"
         )
     lines.append("MB per rank per optimizer step by level; a2a / AR / AG calls and a2a MB of one checkpointed MoE "
@@ -352,9 +364,12 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     ax1.set_xticks(range(len(rows)), names, rotation=30, ha="right")
     ax1.set_ylabel("MB per rank per optimizer step")
     ax1.legend(title="level")
-    ax2.bar(range(len(rows)), [r["link_time_per_step_s"] * 1e3 for r in rows])
+    network = rows and rows[0]["link_time_per_step_s"] is None
+    key = "step_time_s" if network else "link_time_per_step_s"
+    ax2.bar(range(len(rows)), [r[key] * 1e3 for r in rows])
     ax2.set_xticks(range(len(rows)), names, rotation=30, ha="right")
-    ax2.set_ylabel("alpha-beta link time per step on Frontier (ms)")
+    ax2.set_ylabel("step time on the shaped network (ms)" if network
+                   else "alpha-beta link time per step on Frontier (ms)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -363,16 +378,21 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from ds_ext.local_world import World
+    from ds_ext.cluster.world import bench_world
 
+    if args.quick:
+        args.model, args.warmup, args.steps = "tiny", 1, 1
+        args.variants = ["ted_base", "ted_dtd_cac", "deepspeed_ep"]
+    time_scale = None if args.network == "netns" else args.time_scale
     records: list[dict[str, Any]] = []
     for variant in tqdm(args.variants, desc="bench ted", unit="variant"):
-        with World(WORLD, {"LOCAL_SIZE": str(RANKS_PER_NODE)}, timeout=args.timeout) as world:
+        with bench_world(args, WORLD, {"LOCAL_SIZE": str(RANKS_PER_NODE)}) as world:
             records.append(_merge_ranks(world.run(_measure, variant, args.model, args.warmup, args.steps,
-                                                  args.time_scale)))
+                                                  time_scale)))
     from ds_ext.perf.ted import base_model_table
 
-    payload = {"benchmark": "ted", "world_size": WORLD, "model": args.model, "records": records,
+    payload = {"benchmark": "ted", "world_size": WORLD, "model": args.model, "network": args.network,
+               "quick": args.quick, "records": records,
                "checks": checks(records), "eq_7_5_base_model_params_64GB": base_model_table()}
     out = write_json(args.out, payload)
     plot(records, out.with_suffix(".png"))

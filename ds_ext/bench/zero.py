@@ -18,6 +18,11 @@ DeepSpeed's and PyTorch's collectives are counted by the same ledger as ds_ext's
 (torch.distributed is wrapped), so bytes per level compare like for like. Measured steps alternate between
 plain wall time and alpha-beta time emulation (Frontier latencies and bandwidths x
 ``--time-scale``), so both step times come from the same warm process.
+
+``--network netns``: no emulation; the ranks run on an emulated cluster (``ds_ext.cluster``:
+2 nodes x 2 GPUs as network namespaces with tbf-shaped links), every measured step is a plain
+step over those links and ``step_time_emulated_s`` is None. ``--quick``: the tiny model,
+GA 1, one step each of ds_ext_zero_topo, ds_ext_zero3 and deepspeed_zero3 (a plumbing check).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_ext.bench import median, write_json
+from ds_ext.cluster.world import add_network_arguments
 
 LEVELS = ("gcd", "gpu", "node")
 DEEPSPEED_VARIANTS = ("deepspeed_zero3", "deepspeed_zeropp")
@@ -57,10 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "core computes ~1000x slower than a GCD, so unscaled link times vanish in the noise",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per variant before giving up")
+    p.add_argument("--quick", action="store_true", help="tiny model, GA 1, 3 variants, 1 step")
+    add_network_arguments(p)
 
 
 # ---- one rank ---------------------------------------------------------------------------
-def _ds_config(variant: str, grad_accum: int, time_scale: float) -> dict[str, Any]:
+def _ds_config(variant: str, grad_accum: int, time_scale: float | None) -> dict[str, Any]:
+    """The variant's ds_config; ``time_scale`` None: no alpha-beta emulation (a real network)."""
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": grad_accum,
@@ -69,7 +78,7 @@ def _ds_config(variant: str, grad_accum: int, time_scale: float) -> dict[str, An
         "steps_per_print": 1_000_000,
         "ds_ext": {
             "topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True},
-            "comm": {"ledger": True, "emulate_time": True, "time_scale": time_scale},
+            "comm": {"ledger": True, "emulate_time": time_scale is not None, "time_scale": time_scale or 1.0},
         },
     }
     if variant in TORCH_VARIANTS:
@@ -154,7 +163,7 @@ class _TorchEngine:
 
 
 def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, steps: int,
-             time_scale: float) -> list[dict[str, Any]]:
+             time_scale: float | None) -> list[dict[str, Any]]:
     """Runs on every rank: train ``warmup + 2 * steps`` steps per grad_accum and measure."""
     import torch
     import torch.distributed as dist
@@ -184,7 +193,7 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
         times: dict[bool, list[float]] = {False: [], True: []}
         losses, state = [], {}
         for step in range(warmup + 2 * steps):
-            emulate = step >= warmup and (step - warmup) % 2 == 1
+            emulate = emulator is not None and step >= warmup and (step - warmup) % 2 == 1
             rt.comm.emulator = emulator if emulate else None
             dist.barrier()
             t0 = time.perf_counter()
@@ -216,7 +225,7 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
             "analytic_bytes_per_step": None,
             "analytic_calls_per_step": None,
             "step_time_s": median(times[False]),
-            "step_time_emulated_s": median(times[True]),
+            "step_time_emulated_s": median(times[True]) if times[True] else None,
             "time_scale": time_scale,
             "losses": losses,
             "loss": losses[-1],
@@ -271,12 +280,15 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
             out["zero_topo_vs_floor"][f"{v}@GA{ga}"] = r["bytes_per_step"]["node"] / floor
         if v == "ds_ext_zero3" and ("torch_fsdp2", ga) in by:
             for key, field in (("step_time_ratio", "step_time_s"), ("step_time_ratio_emulated", "step_time_emulated_s")):
-                out[key][f"ds_ext_zero3/torch_fsdp2@GA{ga}"] = r[field] / by["torch_fsdp2", ga][field]
+                if r[field] is not None:
+                    out[key][f"ds_ext_zero3/torch_fsdp2@GA{ga}"] = r[field] / by["torch_fsdp2", ga][field]
         for ours in ("ds_ext_zero_topo", "ds_ext_zero_topo_paper"):
             for theirs in DEEPSPEED_VARIANTS:
                 if v == ours and (theirs, ga) in by:
                     key = f"{theirs}/{ours}@GA{ga}"
-                    out["step_time_ratio_emulated"][key] = by[theirs, ga]["step_time_emulated_s"] / r["step_time_emulated_s"]
+                    if r["step_time_emulated_s"] is not None:
+                        out["step_time_ratio_emulated"][key] = (by[theirs, ga]["step_time_emulated_s"]
+                                                                / r["step_time_emulated_s"])
                     out["step_time_ratio"][key] = by[theirs, ga]["step_time_s"] / r["step_time_s"]
     return out
 
@@ -292,7 +304,7 @@ def table(records: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['variant']:<24}{r['grad_accum']:>3}{b['gcd'] / m:>9.3f}{b['gpu'] / m:>9.3f}{b['node'] / m:>9.3f}"
             f"{(model['node'] / m if model else float('nan')):>11.3f}{sum(r['calls_per_step'].values()):>7.0f}"
-            f"{r['step_time_s']:>8.2f}{r['step_time_emulated_s']:>8.2f}{r['loss']:>8.3f}"
+            f"{r['step_time_s']:>8.2f}{r['step_time_emulated_s'] or float('nan'):>8.2f}{r['loss']:>8.3f}"
         )
     lines.append("bytes sent per rank per optimizer step in units of M = model bytes (bf16); "
                  "'emul s' with alpha-beta time emulation")
@@ -327,16 +339,21 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from ds_ext.local_world import World
+    from ds_ext.cluster.world import bench_world
 
+    if args.quick:
+        args.model, args.grad_accum, args.warmup, args.steps = "tiny", [1], 1, 1
+        args.variants = ["ds_ext_zero_topo", "ds_ext_zero3", "deepspeed_zero3"]
+    time_scale = None if args.network == "netns" else args.time_scale
     records: list[dict[str, Any]] = []
     for variant in tqdm(args.variants, desc="bench zero", unit="variant"):
-        with World(WORLD, {"LOCAL_SIZE": str(RANKS_PER_NODE)}, timeout=args.timeout) as world:
+        with bench_world(args, WORLD, {"LOCAL_SIZE": str(RANKS_PER_NODE)}) as world:
             per_rank = world.run(_measure, variant, args.grad_accum, args.model, args.warmup,
-                                 args.steps, args.time_scale)
+                                 args.steps, time_scale)
         records.extend(_merge_ranks(per_rank))
     records.sort(key=lambda r: (r["grad_accum"], ALL_VARIANTS.index(r["variant"])))
-    payload = {"benchmark": "zero", "world_size": WORLD, "model": args.model, "records": records,
+    payload = {"benchmark": "zero", "world_size": WORLD, "model": args.model, "network": args.network,
+               "quick": args.quick, "records": records,
                "checks": checks(records)}
     out = write_json(args.out, payload)
     plot(records, out.with_suffix(".png"))

@@ -1,0 +1,217 @@
+"""Measure the network of an emulated cluster from its ranks: per level, point-to-point
+bandwidth, latency and all-gather bandwidth, with gloo over the shaped links.
+
+Run on every rank by ``ds-ext cluster`` / ``ds-ext tune --measure --network netns``
+(``python -m ds_ext.cluster.measure --out FILE``); reads the cluster's shape from
+``DS_EXT_CLUSTER`` (set by :mod:`ds_ext.cluster.launch`). Levels are the link classes a pair
+of ranks talks over (:meth:`ClusterSpec.level_of_pair`): ``local`` (one namespace, loopback),
+``gpu`` (two GPUs of one node, when the cluster has a GPU level) and ``node``.
+
+For each level, with rank 0 and the first rank ``b`` across that level:
+
+* latency: half the fastest round trip of a 4-byte message, 0 -> b -> 0;
+* point-to-point bandwidth: ``message`` bytes 0 -> b, then a 4-byte reply, bytes over the
+  fastest time (the reply's latency is left in: it makes the figure a lower bound);
+* all-gather bandwidth over the ranks that span the level (``span``: all ranks for ``node``,
+  the ranks of node 0 for ``gpu``, of namespace 0 for ``local``), ``message`` bytes from
+  each; ring bus bandwidth ``(g - 1) * message / t``, the bytes each rank receives per second.
+  gloo's ring runs in rank order, so with two or more ranks per namespace each shaped link
+  carries one ring connection per direction and the figure should match the link's rate;
+* the same over the cross group (one rank per domain: rank 0 of every node / GPU). With two
+  domains that is a 2-rank all-gather, whose two directions share one gloo connection
+  (measured here at 60-97 % of the rate, mostly about 66 %, where the span all-gather reaches 97 %): reported,
+  not checked against the rate.
+
+Rank 0 writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from ds_ext.cluster.spec import ClusterSpec, LinkShape
+from ds_ext.topology import Level, Topology
+
+PING_REPEATS = 20
+REPEATS = 5
+PG_TIMEOUT_S = 120
+
+
+def spec_from_env() -> ClusterSpec:
+    """The cluster this rank runs in, from ``DS_EXT_CLUSTER``."""
+    return spec_from_json(json.loads(os.environ["DS_EXT_CLUSTER"]))
+
+
+def spec_from_json(d: dict[str, Any]) -> ClusterSpec:
+    """The inverse of :meth:`ClusterSpec.to_json`."""
+    gpu = LinkShape(d["gpu_rate_bps"], d["gpu_burst_bytes"]) if "gpu_rate_bps" in d else None
+    return ClusterSpec(d["nodes"], d["ranks_per_node"], LinkShape(d["node_rate_bps"], d["node_burst_bytes"]),
+                       d["gpus_per_node"], gpu)
+
+
+def level_partners(spec: ClusterSpec) -> dict[str, int]:
+    """For each level present, the lowest rank that talks to rank 0 over it."""
+    out: dict[str, int] = {}
+    for b in range(1, spec.world_size):
+        out.setdefault(spec.level_of_pair(0, b), b)
+    return out
+
+
+def span_group(spec: ClusterSpec, level: str) -> list[int]:
+    """The ranks of the first domain that ``level`` joins: namespace 0, node 0, or the world."""
+    size = {"local": spec.ranks_per_leaf, "gpu": spec.ranks_per_node, "node": spec.world_size}[level]
+    return list(range(size))
+
+
+def cross_group(spec: ClusterSpec, level: str) -> list[int]:
+    """One rank per domain of ``level`` inside the first domain of the level above: the ranks of
+    namespace 0 (``local``), rank 0 of every GPU of node 0 (``gpu``), of every node (``node``)."""
+    if level == "local":
+        return list(range(spec.ranks_per_leaf))
+    if level == "gpu":
+        return list(range(0, spec.ranks_per_node, spec.ranks_per_leaf))
+    return list(range(0, spec.world_size, spec.ranks_per_node))
+
+
+def _timed(fn, repeats: int) -> float:
+    """Fastest wall time of ``fn`` over ``repeats`` runs, each started after a barrier: on a
+    shaped link CPU contention only adds time, so the fastest run is the link's (the bucket's
+    burst, 32 KiB against 1-2 MB messages, is the only way to beat the rate)."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _pair(rank: int, a: int, b: int, payload, reply) -> None:
+    """``payload`` a -> b, then ``reply`` b -> a; other ranks do nothing."""
+    import torch.distributed as dist
+
+    if rank == a:
+        dist.send(payload, b)
+        dist.recv(reply, b)
+    elif rank == b:
+        dist.recv(payload, a)
+        dist.send(reply, a)
+
+
+def _gather(member: bool, out, inp, group) -> None:
+    """All-gather ``inp`` into ``out`` over ``group`` when this rank is a member."""
+    import torch.distributed as dist
+
+    if member:
+        dist.all_gather_into_tensor(out, inp, group=group)
+
+
+def measure(message_bytes: int) -> dict[str, Any]:
+    """Every measurement of the module docstring; called on every rank, the result on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    spec = spec_from_env()
+    rank = dist.get_rank()
+    small = torch.zeros(1, dtype=torch.float32)
+    big = torch.zeros(message_bytes // 4, dtype=torch.float32)
+    levels: dict[str, Any] = {}
+    for level, b in level_partners(spec).items():
+        _pair(rank, 0, b, small, small)  # warm-up: connection and buffers
+        rtt = _timed(lambda: _pair(rank, 0, b, small, small), PING_REPEATS)
+        t_p2p = _timed(lambda: _pair(rank, 0, b, big, small), REPEATS)
+        rate = spec.path_rate_bps(level)
+        levels[level] = {
+            "pair": [0, b], "latency_s": rtt / 2, "p2p_bytes_per_s": message_bytes / t_p2p,
+            "shaped_bytes_per_s": None if rate is None else rate / 8,
+        }
+        span, cross = span_group(spec, level), cross_group(spec, level)
+        span_bw = _allgather_bandwidth(rank, span, big)
+        levels[level].update(allgather_span_group=span, allgather_span_bytes_per_s=span_bw,
+                             allgather_cross_group=cross, allgather_cross_bytes_per_s=(
+                                 span_bw if cross == span else _allgather_bandwidth(rank, cross, big)))
+    return {"network": "netns", "cluster": spec.to_json(), "message_bytes": message_bytes, "levels": levels}
+
+
+def _allgather_bandwidth(rank: int, members: list[int], inp) -> float:
+    """Ring bus bandwidth of an all-gather of ``inp`` over ``members`` (every rank calls this)."""
+    import torch
+    import torch.distributed as dist
+
+    group = dist.new_group(members)
+    out = torch.empty(len(members) * inp.numel(), dtype=inp.dtype)
+    member = rank in members
+    _gather(member, out, inp, group)  # warm-up: the group's connections
+    t = _timed(lambda: _gather(member, out, inp, group), REPEATS)
+    return (len(members) - 1) * inp.numel() * inp.element_size() / t
+
+
+def allgather_correct() -> bool:
+    """Rank r contributes the 1000 values ``1000 r ... 1000 r + 999``; True when every rank
+    received every rank's values in rank order."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = torch.arange(1000, dtype=torch.float32) + 1000 * rank
+    out = torch.empty(world * 1000, dtype=torch.float32)
+    dist.all_gather_into_tensor(out, mine)
+    want = torch.arange(world * 1000, dtype=torch.float32)
+    ok = torch.tensor([int(torch.equal(out, want))])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+LEVEL_ORDER = ("local", "gpu", "node")
+
+
+def measured_topology(db: dict[str, Any], names: tuple[str, ...]) -> Topology:
+    """A :class:`~ds_ext.topology.Topology` whose levels are the measured network of ``db``
+    (what :func:`measure` returns), named ``names`` innermost first (e.g. gcd, gpu, node for
+    local, gpu, node), so that ``ds_ext.perf`` models can be fed measured links.
+
+    ``Level.bandwidth`` is per rank while all ranks use the level: a shaped link is shared by
+    the ranks behind it, so a GPU link's measured point-to-point bandwidth is divided by the
+    ranks of a GPU and a node link's by the ranks of a node (Eq 5.7's β_inter is then the node
+    link itself); loopback is per rank as measured. Latency: half the measured round trip."""
+    spec = spec_from_json(db["cluster"])
+    present = [lv for lv in LEVEL_ORDER if lv in db["levels"]]
+    if len(present) != len(names):
+        raise ValueError(f"the cluster measured levels {present}; cannot name them {list(names)}")
+    sharing = {"local": 1, "gpu": spec.ranks_per_leaf, "node": spec.ranks_per_node}
+    sizes = {"local": spec.ranks_per_leaf, "gpu": spec.gpus_per_node, "node": spec.nodes}
+    levels = [Level(name, sizes[lv], db["levels"][lv]["p2p_bytes_per_s"] / sharing[lv], db["levels"][lv]["latency_s"])
+              for name, lv in zip(names, present)]
+    return Topology(tuple(levels), "measured-netns")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON written by rank 0")
+    p.add_argument("--message-bytes", type=int, default=2 * 2**20)
+    ns = p.parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
+    try:
+        result = {"allgather_correct": allgather_correct(), **measure(ns.message_bytes)}
+        if dist.get_rank() == 0:
+            Path(ns.out).write_text(json.dumps(result, indent=2) + "\n")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""What an emulated cluster looks like: nodes, ranks per node, and the shaped links.
+
+A cluster has ``nodes`` emulated nodes of ``ranks_per_node`` ranks each. Every node hangs off
+one switch by a link shaped to ``node_link`` in both directions. With ``gpus_per_node`` > 1 a
+node is itself a switch with one link per GPU shaped to ``gpu_link`` (nested links), and the
+ranks of one GPU share its namespace. Ranks inside one namespace talk over its loopback,
+which is not shaped.
+
+Rates are bits per second on the wire, as ``tc tbf`` counts them (Ethernet frames, so about
+0.7 % above the TCP payload rate at the 9000-byte MTU the cluster uses).
+
+The topology block of a ds_config (``"ds_ext": {"topology": ...}``) can give the rates: a
+level's ``bandwidth_GBps`` is per rank (``ds_ext.topology.Level``), so the link of one node
+carries ``ranks_per_node`` times the ``node`` level's bandwidth and the link of one GPU the
+ranks of that GPU times the ``gpu`` level's; ``rate_scale`` divides both so that a real
+machine's figures fit what one host's CPU can push.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ds_ext import config as cfgmod
+from ds_ext.topology import Topology, TopologyError, preset_levels
+
+MAX_LEAVES = 250  # one /24 of addresses, leaves numbered from .1
+MIN_BURST_BYTES = 32 * 1024
+BURST_SECONDS = 0.002  # default bucket: 2 ms of traffic, never less than MIN_BURST_BYTES
+
+_UNITS = {"": 1, "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot be built, run or removed; the message says why in one line."""
+
+
+def parse_rate(text: str) -> float:
+    """``"40mbit"`` -> 4e7 bits/s (units bit, kbit, mbit, gbit; a bare number is bits/s)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ClusterError(f"rate {text!r}: expected a number with unit bit, kbit, mbit or gbit, e.g. 40mbit")
+    rate = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if rate <= 0:
+        raise ClusterError(f"rate {text!r} must be > 0")
+    return rate
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """A ``tc tbf`` shape: ``rate_bps`` bits/s and a bucket of ``burst_bytes``."""
+
+    rate_bps: float
+    burst_bytes: int
+
+    @classmethod
+    def of(cls, rate_bps: float, burst_bytes: int | None = None) -> "LinkShape":
+        """A shape with the default bucket (2 ms of traffic, at least 32 KiB) unless given."""
+        if burst_bytes is None:
+            burst_bytes = max(MIN_BURST_BYTES, int(rate_bps / 8 * BURST_SECONDS))
+        if rate_bps <= 0 or burst_bytes <= 0:
+            raise ClusterError(f"a link needs rate > 0 and burst > 0, got {rate_bps} bit/s, {burst_bytes} B")
+        return cls(rate_bps, burst_bytes)
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.rate_bps / 8
+
+    def describe(self) -> str:
+        return f"{self.rate_bps / 1e6:g} Mbit/s (burst {self.burst_bytes} B)"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The emulated machine (see module docstring)."""
+
+    nodes: int
+    ranks_per_node: int
+    node_link: LinkShape
+    gpus_per_node: int = 1
+    gpu_link: LinkShape | None = None
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.ranks_per_node < 1 or self.gpus_per_node < 1:
+            raise ClusterError(f"nodes, ranks per node and GPUs per node must be >= 1, got "
+                               f"{self.nodes}, {self.ranks_per_node}, {self.gpus_per_node}")
+        if self.ranks_per_node % self.gpus_per_node:
+            raise ClusterError(f"{self.ranks_per_node} ranks per node do not split over "
+                               f"{self.gpus_per_node} GPUs per node")
+        if (self.gpus_per_node > 1) != (self.gpu_link is not None):
+            raise ClusterError("a GPU link rate is needed exactly when there is more than one GPU per node")
+        if self.leaves > MAX_LEAVES:
+            raise ClusterError(f"{self.leaves} namespaces with ranks exceed the {MAX_LEAVES} a /24 holds")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def leaves(self) -> int:
+        """Namespaces that hold ranks: one per GPU, or one per node without a GPU level."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def ranks_per_leaf(self) -> int:
+        return self.ranks_per_node // self.gpus_per_node
+
+    def leaf_of(self, rank: int) -> int:
+        return rank // self.ranks_per_leaf
+
+    def level_of_pair(self, a: int, b: int) -> str:
+        """The link class two ranks talk over: ``local`` (one namespace), ``gpu`` or ``node``."""
+        if a // self.ranks_per_node != b // self.ranks_per_node:
+            return "node"
+        return "gpu" if self.leaf_of(a) != self.leaf_of(b) else "local"
+
+    def path_rate_bps(self, level: str) -> float | None:
+        """Slowest shaped link on a path over ``level``; None for loopback."""
+        if level == "local":
+            return None
+        rates = [self.gpu_link.rate_bps] if self.gpu_link is not None else []
+        if level == "node":
+            rates.append(self.node_link.rate_bps)
+        return min(rates)
+
+    def describe(self) -> str:
+        text = f"{self.nodes} nodes x {self.ranks_per_node} ranks, node links {self.node_link.describe()}"
+        if self.gpu_link is not None:
+            text += f", {self.gpus_per_node} GPUs per node on links {self.gpu_link.describe()}"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+                               "node_rate_bps": self.node_link.rate_bps,
+                               "node_burst_bytes": self.node_link.burst_bytes,
+                               "gpus_per_node": self.gpus_per_node}
+        if self.gpu_link is not None:
+            out.update(gpu_rate_bps=self.gpu_link.rate_bps, gpu_burst_bytes=self.gpu_link.burst_bytes)
+        return out
+
+
+def spec_from_topology(block: Mapping[str, Any], nodes: int, rate_scale: float = 1.0,
+                       gpu_level: bool = False) -> ClusterSpec:
+    """A cluster of ``nodes`` nodes from a ``ds_ext.topology`` block: ranks per node from its
+    inner levels, the node link from the ``node`` level (and, with ``gpu_level``, the GPU links
+    from the ``gpu`` level), rates divided by ``rate_scale``."""
+    if rate_scale <= 0:
+        raise ClusterError(f"rate scale must be > 0, got {rate_scale}")
+    cfg = cfgmod.parse({"topology": {**block, "emulate": True}}).topology
+    try:
+        levels = [lv.to_level() for lv in cfg.levels] if cfg.levels is not None else list(preset_levels(cfg.preset))
+        if not levels or levels[-1].name != "node":
+            raise TopologyError("the outermost level must be named 'node'")
+        per_node = math.prod(cfg.sizes.get(lv.name, lv.size) or 1 for lv in levels[:-1])
+        topo = Topology.build(levels, per_node * nodes, cfg.preset or "custom", cfg.sizes)
+        node = topo.level("node")
+        if gpu_level and (len(levels) < 2 or levels[-2].name != "gpu"):
+            raise TopologyError("--gpu-level needs a 'gpu' level right inside 'node'")
+        gpu = topo.level("gpu") if gpu_level else None
+    except TopologyError as err:
+        raise ClusterError(f"topology block: {err}") from None
+    node_link = LinkShape.of(node.bandwidth * 8 * per_node / rate_scale)
+    if gpu is None:
+        return ClusterSpec(nodes, per_node, node_link)
+    per_gpu = topo.domain_size("gpu") // (gpu.size or 1)
+    return ClusterSpec(nodes, per_node, node_link, per_node // per_gpu,
+                       LinkShape.of(gpu.bandwidth * 8 * per_gpu / rate_scale))

@@ -1,0 +1,279 @@
+"""The emulated cluster (``ds_ext.cluster``): network namespaces with ``tc tbf`` links.
+
+Pure-logic tests need nothing. The others build real clusters and skip, with the command's
+own one-line reason, where the host cannot (not root, no CAP_NET_ADMIN, no tbf):
+
+* the network measured by gloo ranks in 2 namespaces (2 ranks each): the all-gather is
+  correct, point-to-point and all-gather bandwidth across the node link are within 15 % of
+  the shaped rate, and the unshaped loopback inside a node is far faster; with a GPU level
+  (nested links), each level's point-to-point bandwidth is its own link's rate;
+* after a run that ends, fails, or whose runner gets SIGINT / SIGTERM / SIGKILL, no
+  namespace, veth, bridge or rank process of that run is left (SIGKILL: the next run
+  removes the leftover);
+* the benchmarks' worker pool (``cluster_world``) placed on a cluster talks over its links.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ds_ext.cluster import netns
+from ds_ext.cluster.measure import cross_group, level_partners, span_group
+from ds_ext.cluster.spec import ClusterError, ClusterSpec, LinkShape, parse_rate, spec_from_topology
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+       "PYTHONWARNINGS": "ignore"}
+NODE_RATE_MBIT = 40
+TOLERANCE = 0.15
+START_TIMEOUT_S = 240  # a runner's start on a host loaded far beyond its cores (load 60 on 2 seen)
+
+
+# ---- pure logic ------------------------------------------------------------------------------
+
+def test_parse_rate():
+    assert parse_rate("40mbit") == 40e6 and parse_rate("1.5Gbit") == 1.5e9 and parse_rate("800") == 800
+    for bad in ("40 MB/s", "", "mbit", "0mbit"):
+        with pytest.raises(ClusterError):
+            parse_rate(bad)
+
+
+def test_spec_levels_and_groups():
+    spec = ClusterSpec(2, 4, LinkShape.of(40e6), 2, LinkShape.of(100e6))
+    assert (spec.world_size, spec.leaves, spec.ranks_per_leaf) == (8, 4, 2)
+    assert [spec.level_of_pair(0, b) for b in (1, 2, 4, 7)] == ["local", "gpu", "node", "node"]
+    assert level_partners(spec) == {"local": 1, "gpu": 2, "node": 4}
+    assert spec.path_rate_bps("node") == 40e6 and spec.path_rate_bps("gpu") == 100e6
+    assert span_group(spec, "gpu") == [0, 1, 2, 3] and cross_group(spec, "gpu") == [0, 2]
+    assert span_group(spec, "node") == list(range(8)) and cross_group(spec, "node") == [0, 4]
+    with pytest.raises(ClusterError, match="GPU link"):
+        ClusterSpec(2, 4, LinkShape.of(40e6), 2)
+    with pytest.raises(ClusterError, match="do not split"):
+        ClusterSpec(2, 3, LinkShape.of(40e6), 2, LinkShape.of(1e8))
+
+
+def test_spec_from_topology_block():
+    """A level's bandwidth is per rank: a node link carries ranks_per_node times it."""
+    block = {"levels": [{"name": "gcd", "size": 2, "bandwidth_GBps": 1.0},
+                        {"name": "gpu", "size": 2, "bandwidth_GBps": 0.1},
+                        {"name": "node", "bandwidth_GBps": 0.01}]}
+    spec = spec_from_topology(block, nodes=3, rate_scale=10, gpu_level=True)
+    assert (spec.nodes, spec.ranks_per_node, spec.gpus_per_node) == (3, 4, 2)
+    assert spec.node_link.rate_bps == pytest.approx(0.01e9 * 8 * 4 / 10)
+    assert spec.gpu_link.rate_bps == pytest.approx(0.1e9 * 8 * 2 / 10)
+    assert spec_from_topology({"preset": "frontier"}, nodes=2).ranks_per_node == 8
+
+
+def test_refuses_in_one_line_without_capability(monkeypatch):
+    monkeypatch.setattr(netns, "_effective_caps", lambda: 0)
+    problem = netns.capability_problem()
+    assert problem is not None and "\n" not in problem and "CAP_NET_ADMIN" in problem
+
+
+# ---- real clusters ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def capable():
+    problem = netns.capability_problem()
+    if problem is not None:
+        pytest.skip(f"ds-ext cluster: {problem}")
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ds_ext.cli", *args]
+
+
+def _cluster(*args: str) -> list[str]:
+    """``ds-ext cluster`` as ``python -m ds_ext.cluster``: the same command, no torch import."""
+    return [sys.executable, "-m", "ds_ext.cluster", *args]
+
+
+def _stale_runs() -> list[str]:
+    """Runs with namespaces but no live runner."""
+    stale = []
+    for rid in netns.list_namespaces():
+        lock = netns.RunLock(rid)
+        if lock.try_acquire():
+            lock.release()
+            stale.append(rid)
+    return stale
+
+
+def _measure(tmp_path: Path, *cluster_args: str) -> tuple[dict, str]:
+    """``ds-ext tune --measure --network netns`` with 1 MB messages; its JSON and its table."""
+    out = tmp_path / "net.json"
+    res = subprocess.run(_cli("tune", "--measure", "--network", "netns", "--message-MB", "1", "--out", str(out),
+                              *cluster_args), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert _stale_runs() == []
+    return json.loads(out.read_text()), res.stdout
+
+
+def test_measured_network(capable, tmp_path):
+    """The acceptance test: 2 nodes x 2 ranks, the node link shaped to 40 Mbit/s."""
+    db, table = _measure(tmp_path, "--world", "4", "--nodes", "2", "--node-rate", f"{NODE_RATE_MBIT}mbit")
+    assert db["allgather_correct"]
+    node, local = db["levels"]["node"], db["levels"]["local"]
+    rate = NODE_RATE_MBIT * 1e6 / 8
+    assert node["shaped_bytes_per_s"] == rate
+    assert node["p2p_bytes_per_s"] == pytest.approx(rate, rel=TOLERANCE), table
+    assert node["allgather_span_bytes_per_s"] == pytest.approx(rate, rel=TOLERANCE), table
+    assert local["p2p_bytes_per_s"] > 3 * rate, table  # the shape is the node link's, not the host's
+
+
+def test_measured_network_two_levels(capable, tmp_path):
+    """Nested links: 2 nodes x 2 GPUs x 1 rank, GPU links 80 Mbit/s inside a node's 40 Mbit/s."""
+    db, table = _measure(tmp_path, "--world", "4", "--nodes", "2", "--node-rate", f"{NODE_RATE_MBIT}mbit",
+                         "--gpus-per-node", "2", "--gpu-rate", f"{2 * NODE_RATE_MBIT}mbit")
+    assert db["allgather_correct"] and set(db["levels"]) == {"gpu", "node"}
+    for level, mbit in (("gpu", 2 * NODE_RATE_MBIT), ("node", NODE_RATE_MBIT)):
+        assert db["levels"][level]["p2p_bytes_per_s"] == pytest.approx(mbit * 1e6 / 8, rel=TOLERANCE), table
+
+
+def _start_sleeping_job() -> tuple[subprocess.Popen, str]:
+    """A runner whose 4 ranks sleep; returns it and its run id once its ranks are up."""
+    before = set(netns.list_namespaces())
+    runner = subprocess.Popen(_cluster("--nodes", "2", "--ranks-per-node", "2", "--node-rate", "10mbit",
+                                   "--", "sleep", "300"), env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        new = set(netns.list_namespaces()) - before
+        if new:
+            rid = new.pop()
+            names = netns.list_namespaces().get(rid, [])
+            if sum(len(netns.namespace_pids(n)) for n in names) == 4:
+                return runner, rid
+        assert runner.poll() is None, runner.stderr.read()
+        time.sleep(0.2)
+    runner.kill()
+    raise AssertionError(f"the cluster's ranks did not start within {START_TIMEOUT_S} s")
+
+
+def _netns_inodes(rid: str) -> set[int]:
+    return {os.stat(f"/var/run/netns/{n}").st_ino for n in netns.list_namespaces()[rid]}
+
+
+def _holders(inodes: set[int]) -> list[int]:
+    """Processes still inside one of these network namespaces (what keeps an unnamed one alive)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.stat(d / "ns" / "net").st_ino in inodes:
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _assert_gone(rid: str, inodes: set[int]) -> None:
+    assert rid not in netns.list_namespaces()
+    assert netns.host_interfaces() == []
+    deadline = time.monotonic() + 10  # SIGKILLed ranks may take a moment to be reaped
+    while _holders(inodes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _holders(inodes) == [], "processes still inside the run's namespaces"
+    assert not (netns.LOCK_DIR / f"{rid}.lock").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_nothing_left_after_runner_killed(capable, sig):
+    runner, rid = _start_sleeping_job()
+    inodes = _netns_inodes(rid)
+    runner.send_signal(sig)
+    runner.wait(timeout=START_TIMEOUT_S)
+    if sig == signal.SIGKILL:
+        deadline = time.monotonic() + 10  # the ranks die with their runner (parent-death signal)
+        while _holders(inodes) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _holders(inodes) == [], "ranks outlived their SIGKILLed runner"
+        assert rid in _stale_runs()  # left over: the next run finds and removes it
+        res = subprocess.run(_cluster("--nodes", "2", "--ranks-per-node", "1", "--node-rate", "10mbit", "--", "true"),
+                             env=ENV, cwd=REPO, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+        assert res.returncode == 0, res.stderr
+    _assert_gone(rid, inodes)
+
+
+def test_failing_rank_stops_the_job(capable):
+    """Rank 1 exits 3: the runner stops the other ranks, exits 3 and removes everything."""
+    before = set(netns.list_namespaces())
+    t0 = time.monotonic()
+    res = subprocess.run(_cluster("--nodes", "2", "--ranks-per-node", "2", "--node-rate", "10mbit", "--",
+                                  "sh", "-c", 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 300'),
+                         env=ENV, cwd=REPO, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    assert res.returncode == 3, res.stderr
+    assert time.monotonic() - t0 < START_TIMEOUT_S  # well before the other ranks' sleep would end
+    assert set(netns.list_namespaces()) <= before and netns.host_interfaces() == []
+
+
+def _cross_node_send(nbytes: int) -> float:
+    """Rank 0 sends ``nbytes`` to the last rank (another node) and waits for a reply; seconds."""
+    import torch
+    import torch.distributed as dist
+
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    payload, reply = torch.zeros(nbytes // 4), torch.zeros(1)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if rank == 0:
+        dist.send(payload, last)
+        dist.recv(reply, last)
+    elif rank == last:
+        dist.recv(payload, 0)
+        dist.send(reply, 0)
+    return time.perf_counter() - t0
+
+
+def test_cluster_world(capable):
+    """The benchmarks' worker pool on a cluster: each spawned rank entered its namespace."""
+    from ds_ext.cluster.world import cluster_world
+
+    spec = ClusterSpec(2, 1, LinkShape.of(NODE_RATE_MBIT * 1e6))
+    before = set(netns.list_namespaces())
+    with cluster_world(spec) as world:
+        world.run(_cross_node_send, 2**20)  # warm-up
+        seconds = min(world.run(_cross_node_send, 2**20)[0] for _ in range(3))  # contention only adds time
+        assert len(set(netns.list_namespaces()) - before) == 1
+    assert 2**20 / seconds == pytest.approx(NODE_RATE_MBIT * 1e6 / 8, rel=TOLERANCE)
+    assert set(netns.list_namespaces()) <= before and netns.host_interfaces() == []
+
+
+def test_measured_topology_shares_links_among_their_ranks():
+    """A measured network as a Topology: a GPU link's bandwidth divided by the ranks of a GPU,
+    a node link's by the ranks of a node (Eq 5.7's β_inter is then the node link)."""
+    from ds_ext.cluster.measure import measured_topology
+    from ds_ext.perf.pmm import Bandwidths
+
+    spec = ClusterSpec(2, 4, LinkShape.of(40e6), 2, LinkShape.of(80e6))
+    db = {"cluster": spec.to_json(), "levels": {
+        "local": {"p2p_bytes_per_s": 2e8, "latency_s": 1e-4},
+        "gpu": {"p2p_bytes_per_s": 1e7, "latency_s": 2e-4},
+        "node": {"p2p_bytes_per_s": 5e6, "latency_s": 3e-4}}}
+    topo = measured_topology(db, ("gcd", "gpu", "node"))
+    assert [(lv.name, lv.size) for lv in topo.levels] == [("gcd", 2), ("gpu", 2), ("node", 2)]
+    assert [lv.bandwidth for lv in topo.levels] == [2e8, 1e7 / 2, 5e6 / 4]
+    assert [lv.latency for lv in topo.levels] == [1e-4, 2e-4, 3e-4]
+    assert Bandwidths.from_topology(topo).beta_inter == 5e6
+    with pytest.raises(ValueError, match="cannot name"):
+        measured_topology(db, ("gpu", "node"))
+
+
+def test_cli_wiring():
+    """``ds-ext cluster`` and ``tune --network netns`` parse; a job without a command refuses."""
+    from ds_ext.cli import build_parser
+    from ds_ext.cluster.command import cmd_cluster
+
+    ns = build_parser().parse_args(["cluster", "--nodes", "3", "--node-rate", "1mbit", "--", "python", "x.py"])
+    assert (ns.nodes, ns.node_rate, ns.job) == (3, "1mbit", ["--", "python", "x.py"])
+    ns = build_parser().parse_args(["tune", "--measure", "--network", "netns", "--world", "4", "--gpus-per-node", "2"])
+    assert (ns.network, ns.gpus_per_node) == ("netns", 2)
+    bare = build_parser().parse_args(["cluster", "--node-rate", "1mbit"])
+    assert cmd_cluster(bare) == 2
