@@ -76,15 +76,16 @@ def test_flops_formula_and_activations():
 
 
 # ---- ZeRO-topo: the planner's units and numbers are perf.zero's on the ledger-test runs ----------
-def _engine_units(cfg, world, block):
-    """Units as ZeroTopoEngine builds them: the root (parameters outside the ModuleList) first."""
+def _engine_units(cfg, plan_):
+    """Units as ZeroTopoEngine builds them from the model's own parameters: the root (those
+    outside the ModuleList) first, then each block, laid out by ``perf.zero.unit_spec``."""
     from ds_ext.models import GPT
 
     model = GPT(cfg)
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
-    return [perf_zero.UnitSpec(padded_numel(root, world, block), root, True)] + [
-        perf_zero.UnitSpec(padded_numel(n, world, block), n) for n in blocks]
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+    root = [(p.numel(), p.dim()) for p in model.parameters() if id(p) not in in_blocks]
+    return [perf_zero.unit_spec(plan_, root, True)] + [
+        perf_zero.unit_spec(plan_, [(p.numel(), p.dim()) for p in b.parameters()]) for b in model.blocks]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -94,8 +95,8 @@ def test_zero_planner_equals_perf_zero_on_the_ledger_test_runs(preset, accum, qu
     """tests/test_zero_topo.py::test_ledger_equals_analytic_model's configurations (bf16)."""
     cfg = _zero_test_gpt()
     plan_ = resolve_plan(ZeroTopoConfig(enabled=True, preset=preset, **({} if quantized else UNQUANTIZED)), EMULATED)
-    units = _engine_units(cfg, 8, plan_.block_size)
-    assert zero_plans.units(_arch(cfg), 8, plan_.block_size) == units
+    units = _engine_units(cfg, plan_)
+    assert zero_plans.units(_arch(cfg), plan_) == units
     t = perf_zero.traffic(plan_, units, accum, 2)
     assert zero_plans.traffic(plan_, _arch(cfg), accum, 2) == Traffic(t.by_level(), t.steps_by_level())
     m = perf_zero.memory(plan_, units, 0, 2)
@@ -106,12 +107,12 @@ def test_zero_planner_equals_perf_zero_on_the_ledger_test_runs(preset, accum, qu
 def test_perf_zero_message_counts():
     """Traffic.steps: ring / pairwise messages, what the α term charges (zero3, 4 units, world 8)."""
     plan_ = resolve_plan(ZeroTopoConfig(enabled=True, preset="zero3"), EMULATED)
-    t = perf_zero.traffic(plan_, _engine_units(_zero_test_gpt(), 8, 512), 1, 2)
+    t = perf_zero.traffic(plan_, _engine_units(_zero_test_gpt(), plan_), 1, 2)
     # forward 4 gathers + backward 3 (the root unit stays) + 4 reduce-scatters, 7 messages each;
     # the grad-norm all-reduce 2 x 7
     assert t.steps_by_level() == {"node": (4 + 3 + 4) * 7 + 14}
-    zpp = perf_zero.traffic(resolve_plan(ZeroTopoConfig(enabled=True, preset="zeropp"), EMULATED),
-                            _engine_units(_zero_test_gpt(), 8, 512), 2, 2)
+    zpp_plan = resolve_plan(ZeroTopoConfig(enabled=True, preset="zeropp"), EMULATED)
+    zpp = perf_zero.traffic(zpp_plan, _engine_units(_zero_test_gpt(), zpp_plan), 2, 2)
     for level, calls in zpp.calls_by_level().items():
         assert zpp.steps_by_level()[level] >= calls  # every call is at least one message
 
@@ -120,7 +121,7 @@ def test_hpz_as_deepspeed_0_13_1_gathers_the_primary_every_micro_batch():
     """``secondary_serves_forward=False`` (003's DeepSpeed 0.13.1): every micro-batch's forward crosses
     nodes; today's rule crosses once per step and gathers inside the node after that."""
     plan_ = resolve_plan(ZeroTopoConfig(enabled=True, preset="zeropp"), EMULATED)
-    units = _engine_units(_zero_test_gpt(), 8, plan_.block_size)
+    units = _engine_units(_zero_test_gpt(), plan_)
     one = perf_zero.traffic(plan_, units, 1, 2)
     two = perf_zero.traffic(plan_, units, 2, 2).bytes["forward"]["gpu"]  # one secondary gather per unit
     for accum in (2, 5):
@@ -585,8 +586,8 @@ def test_deepspeed_gathers_per_submodule_two_collectives_when_quantized():
     topo = FRONTIER.build_topology(48)
     for preset, per_gather in (("zero3", 1), ("zeropp", 2)):
         plan_ = resolve_plan(ZeroTopoConfig(enabled=True, preset=preset), topo)
-        ours = perf_zero.traffic(plan_, zero_plans.units(arch, topo.world_size, plan_.block_size), 1, 2)
-        ds = perf_zero.traffic(plan_, zero_plans.units(arch, topo.world_size, plan_.block_size, True), 1, 2)
+        ours = perf_zero.traffic(plan_, zero_plans.units(arch, plan_), 1, 2)
+        ds = perf_zero.traffic(plan_, zero_plans.units(arch, plan_, True), 1, 2)
         assert ds.bytes == ours.bytes
         fwd = ds.steps["forward"]["node"]
         assert fwd == per_gather * (2 + 4 * arch.layers) * (topo.world_size - 1)
@@ -664,7 +665,7 @@ def test_pccl_costing_of_zero3_world_collectives():
     topo = FRONTIER.build_topology(64)
     arch = models.lookup("gpt3-6.7b")
     plan_ = resolve_plan(ZeroTopoConfig(enabled=True, preset="zero3"), topo)
-    t = perf_zero.traffic(plan_, zero_plans.units(arch, topo.world_size, plan_.block_size, True), 1, 2, False)
+    t = perf_zero.traffic(plan_, zero_plans.units(arch, plan_, True), 1, 2, False)
     p = zero_plans.pccl(t, plan_)
     calls = sum(t.calls[ph]["node"] for ph in ("forward", "backward"))
     full = sum(t.bytes[ph]["node"] for ph in ("forward", "backward")) * 512 / 511

@@ -113,11 +113,12 @@ def all_to_all_reduce(
     n_raw, n_q = raw.sum(1).tolist(), (~raw).sum(1).tolist()
     q = quantizer.quantize(blocks[~raw.view(-1)], nonfinite="flag")
     code_bytes = B * quantizer.bits // 8
+    codes = q.payload.view(torch.uint8)  # int8 codes ride as bytes beside the raw values' bytes
     values = blocks[raw.view(-1)].to(raw_dtype).contiguous().view(torch.uint8).view(-1)
     value_bytes = B * torch.finfo(raw_dtype).bits // 8
     parts, qi, ri = [], 0, 0
     for j in range(d):
-        parts.append(q.payload[qi * code_bytes : (qi + n_q[j]) * code_bytes])
+        parts.append(codes[qi * code_bytes : (qi + n_q[j]) * code_bytes])
         parts.append(values[ri * value_bytes : (ri + n_raw[j]) * value_bytes])
         qi, ri = qi + n_q[j], ri + n_raw[j]
     sizes = [n_q[j] * code_bytes + n_raw[j] * value_bytes for j in range(d)]
@@ -128,8 +129,8 @@ def all_to_all_reduce(
     if sum(n_q):  # a unit made of raw blocks only sends no scales
         scales = torch.empty(d * n_q[me], dtype=torch.float32, device=chunks.device)
         comm.all_to_all(scales, q.scales, [n_q[me]] * d, n_q, group=group)
-        codes = recv[:, : n_q[me] * code_bytes].reshape(-1)
-        decoded = quantizer.dequantize(QuantizedTensor(codes, scales, q.bits, d * n_q[me] * B, B))
+        got = recv[:, : n_q[me] * code_bytes].reshape(-1).view(q.payload.dtype)
+        decoded = quantizer.dequantize(QuantizedTensor(got, scales, q.bits, d * n_q[me] * B, B))
         out[:, ~raw[me]] = decoded.view(d, n_q[me], B)
     sent = recv[:, n_q[me] * code_bytes :].reshape(-1).view(raw_dtype)
     out[:, raw[me]] = sent.view(d, n_raw[me], B).float()

@@ -68,6 +68,22 @@ def _group_ranks(topology: Topology, levels: list[int]) -> tuple[int, ...]:
     return tuple(r for r in range(topology.world_size) if all(topology.coords(r)[i] == 0 for i in others))
 
 
+def unit_spec(plan: ShardingPlan, params: list[tuple[int, int]], root: bool = False, gathers: int = 1) -> UnitSpec:
+    """The unit of trainable parameters ``params`` ((numel, ndim) each, in order) as the engine
+    lays it out under ``plan`` (``ds_ext.zero_topo.layout``: block-aligned offsets where the plan
+    quantizes, 1-D parameters' blocks unquantized in the gradient reduction)."""
+    from ds_ext.zero_topo.layout import padded_numel, param_offsets, raw_block_mask, shard_count
+
+    B = plan.block_size
+    offsets, end = param_offsets([n for n, _ in params], B, plan.quantizes)
+    U = padded_numel(end, plan.topology.world_size, B)
+    raw = raw_block_mask(params, offsets, U, B) if plan.gradient_bits < 16 else [False] * (U // B)
+    n_g = shard_count(plan.topology, plan.gradients)
+    per = len(raw) // n_g
+    return UnitSpec(U, sum(n for n, _ in params), root, gathers, tuple((o, o + n) for (n, _), o in zip(params, offsets)),
+                    tuple(sum(raw[k * per : (k + 1) * per]) for k in range(n_g)))
+
+
 class _Tally:
     def __init__(self, topology: Topology, algorithm: str = "native") -> None:
         if algorithm not in ("native", "ring", "pccl"):

@@ -3,8 +3,9 @@
 Every preset of ``ds_ext.zero_topo.plan`` (zero3, zeropp, mics, zero_topo_paper, zero_topo,
 zero_topo_int8) is pure data parallelism over the W ranks: each rank runs its own micro-batch.
 The units are the ones ZeRO-topo's engine builds for a GPT (``units="auto"``: the root unit
-of tables, head and final norm first, then one unit per transformer block), padded by
-``ds_ext.zero_topo.layout.padded_numel``; bytes, messages and memory are
+of tables, head and final norm first, then one unit per transformer block), laid out as the
+engine lays them out (``ds_ext.perf.zero.unit_spec``: block-aligned parameters and unquantized
+1-D gradient blocks where the plan quantizes); bytes, messages and memory are
 ``ds_ext.perf.zero.traffic`` / ``memory`` of those units, the functions the ledger tests hold
 the engine to. Memory is rank 0's, the rank whose optimizer shard holds no padding.
 
@@ -29,7 +30,6 @@ from ds_ext.perf import zero as perf
 from ds_ext.perf.compute import activation_bytes
 from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic
 from ds_ext.planner.models import Arch
-from ds_ext.zero_topo.layout import padded_numel
 from ds_ext.zero_topo.plan import PRESETS, ShardingPlan, ZeroTopoConfig, resolve_plan
 
 
@@ -54,13 +54,25 @@ def deepspeed_fetches(arch: Arch) -> tuple[int, int]:
     return _fetches(tables), _fetches(block)
 
 
-def units(arch: Arch, world: int, block: int, deepspeed: bool = False) -> list[perf.UnitSpec]:
-    """The engine's gather/release units of ``arch`` on ``world`` ranks; ``deepspeed``: each
-    gathered in DeepSpeed's per-submodule fetches."""
+def _params(arch: Arch) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(root, block) parameters as (numel, ndim), in ``ds_ext.models.GPT``'s order: tables, final
+    LayerNorm; LayerNorm, QKV, attention out, LayerNorm, FC1, FC2 (weights then biases)."""
+    h, f = arch.hidden, arch.ffn_mult * arch.hidden
+    tables = [(arch.vocab * h, 2)] * (1 if arch.tied_embeddings else 2) + ([(arch.seq * h, 2)] if arch.learned_positions else [])
+    root = tables + [(h, 1), (h, 1)]
+    block = [(h, 1), (h, 1), (3 * h * h, 2), (3 * h, 1), (h * h, 2), (h, 1), (h, 1), (h, 1), (f * h, 2), (f, 1),
+             (f * h, 2), (h, 1)]
+    return root, block
+
+
+def units(arch: Arch, plan: ShardingPlan, deepspeed: bool = False) -> list[perf.UnitSpec]:
+    """The engine's gather/release units of ``arch`` under ``plan`` (laid out as the engine lays
+    them out); ``deepspeed``: each gathered in DeepSpeed's per-submodule fetches."""
     root_g, block_g = deepspeed_fetches(arch) if deepspeed else (1, 1)
-    root = perf.UnitSpec(padded_numel(arch.root_params, world, block), arch.root_params, True, root_g)
-    block_unit = perf.UnitSpec(padded_numel(arch.block_params, world, block), arch.block_params, gathers=block_g)
-    return [root] + [block_unit] * arch.layers
+    root, block = _params(arch)
+    root_unit = perf.unit_spec(plan, root, True, root_g)
+    block_unit = perf.unit_spec(plan, block, gathers=block_g)
+    return [root_unit] + [block_unit] * arch.layers
 
 
 COLLECTIVES = ("rccl", "pccl")
@@ -90,16 +102,16 @@ def pccl(t: perf.Traffic, plan: ShardingPlan) -> Traffic:
 
 
 def traffic(plan: ShardingPlan, arch: Arch, grad_accum: int, elem_bytes: int, deepspeed: str | None = None,
-            collectives: str = "rccl") -> Traffic:
-    """Bytes and ring messages per level; ``deepspeed``: as that DeepSpeed version gathers (module
-    docstring); ``collectives="pccl"``: ZeRO-3's world collectives by PCCL (:func:`pccl`)."""
-    t = perf.traffic(plan, units(arch, plan.topology.world_size, plan.block_size, deepspeed is not None),
-                     grad_accum, elem_bytes, secondary_serves_forward=deepspeed != "0.13.1")
+            collectives: str = "rccl", rank: int = 0) -> Traffic:
+    """Bytes and ring messages per level of rank ``rank``; ``deepspeed``: as that DeepSpeed version
+    gathers (module docstring); ``collectives="pccl"``: ZeRO-3's world collectives by PCCL (:func:`pccl`)."""
+    t = perf.traffic(plan, units(arch, plan, deepspeed is not None),
+                     grad_accum, elem_bytes, secondary_serves_forward=deepspeed != "0.13.1", rank=rank)
     return pccl(t, plan) if collectives == "pccl" else Traffic(t.by_level(), t.steps_by_level())
 
 
 def states(plan: ShardingPlan, arch: Arch, elem_bytes: int) -> dict[str, float]:
-    m = perf.memory(plan, units(arch, plan.topology.world_size, plan.block_size), 0, elem_bytes)
+    m = perf.memory(plan, units(arch, plan), 0, elem_bytes)
     return {"weights": m["primary"], "secondary": m["secondary"], "gradients": m["gradients"],
             "optimizer": m["optimizer"]}
 

@@ -98,6 +98,28 @@ def from_shard_order(chunks: torch.Tensor, topo: Topology, levels: Sequence[int]
     return rearrange(chunks, pattern, **sizes)
 
 
+def param_offsets(numels: Sequence[int], block: int, aligned: bool) -> tuple[list[int], int]:
+    """Offsets of a unit's parameters (``numels``, in order) in its flat buffer and where the
+    last one ends: packed, or with ``aligned`` (plans that quantize) each on a block boundary,
+    so no quantization block holds two parameters."""
+    offsets, end = [], 0
+    for n in numels:
+        start = -(-end // block) * block if aligned else end
+        offsets.append(start)
+        end = start + n
+    return offsets, end
+
+
+def raw_block_mask(params: Sequence[tuple[int, int]], offsets: Sequence[int], numel: int, block: int) -> list[bool]:
+    """Per block of a unit of ``numel`` elements: whether it holds a 1-D parameter (``params``:
+    (numel, ndim) each), whose gradient the quantized reduction sends unquantized."""
+    mask = [False] * (numel // block)
+    for (n, dim), o in zip(params, offsets):
+        if dim <= 1:
+            mask[o // block : -(-(o + n) // block)] = [True] * (-(-(o + n) // block) - o // block)
+    return mask
+
+
 def padded_numel(numel: int, world_size: int, block: int) -> int:
     """Round ``numel`` up so every shard at every level is a whole number of blocks."""
     q = world_size * block

@@ -40,6 +40,8 @@ from ds_ext.zero_topo.layout import (
     from_shard_order,
     level_partition,
     padded_numel,
+    param_offsets,
+    raw_block_mask,
     shard_count,
     sub_chunk,
     to_shard_order,
@@ -86,20 +88,12 @@ class FlatUnit:
         self.params = params
         self.param_names = names  # qualified names of each parameter (several if tied)
         B = ctx.plan.block_size
-        self.offsets: list[int] = []
-        end = 0
-        for p in params:
-            start = -(-end // B) * B if ctx.plan.quantizes else end
-            self.offsets.append(start)
-            end = start + p.numel()
+        self.offsets, end = param_offsets([p.numel() for p in params], B, ctx.plan.quantizes)
         self.numel = sum(p.numel() for p in params)  # parameter elements (padding excluded)
         self.U = padded_numel(end, ctx.topo.world_size, B)
         # blocks sent unquantized by the quantized gradient reduction: those of 1-D parameters
-        self.raw_blocks = torch.zeros(self.U // B, dtype=torch.bool, device=ctx.device)
-        if ctx.plan.gradient_bits < 16:
-            for p, o in zip(params, self.offsets):
-                if p.dim() <= 1:
-                    self.raw_blocks[o // B : -(-(o + p.numel()) // B)] = True
+        raw = raw_block_mask([(p.numel(), p.dim()) for p in params], self.offsets, self.U, B)
+        self.raw_blocks = torch.tensor(raw, dtype=torch.bool, device=ctx.device) & (ctx.plan.gradient_bits < 16)
         self.shapes = [p.shape for p in params]
         for p in params:  # DeepSpeed ZeRO-3's convention for the full size of a sharded parameter
             p.ds_numel, p.ds_shape = p.numel(), p.shape
