@@ -189,7 +189,16 @@ def _measured_vs_analytic(preset, accum, overrides):
 @pytest.mark.parametrize("accum", [1, 3])
 @pytest.mark.parametrize("quantized", [True, False])
 def test_ledger_equals_analytic_model(world, preset, accum, quantized):
-    results = world.run(_measured_vs_analytic, preset, accum, {} if quantized else UNQUANTIZED)
+    _ledger_equals_model(world.run(_measured_vs_analytic, preset, accum, {} if quantized else UNQUANTIZED))
+
+
+@pytest.mark.parametrize("preset", ["zero_topo", "zeropp"])
+def test_ledger_equals_analytic_model_with_per_parameter_groups(world, preset):
+    """Block-aligned parameters and raw 1-D gradient blocks (1 and 2 hops): each rank's bytes."""
+    _ledger_equals_model(world.run(_measured_vs_analytic, preset, 1, {"quantization_groups": "per_parameter"}))
+
+
+def _ledger_equals_model(results):
     for r in results:
         measured, analytic = r["measured"], r["analytic"]
         assert set(measured) == set(analytic), (measured, analytic)

@@ -70,14 +70,14 @@ def _group_ranks(topology: Topology, levels: list[int]) -> tuple[int, ...]:
 
 def unit_spec(plan: ShardingPlan, params: list[tuple[int, int]], root: bool = False, gathers: int = 1) -> UnitSpec:
     """The unit of trainable parameters ``params`` ((numel, ndim) each, in order) as the engine
-    lays it out under ``plan`` (``ds_ext.zero_topo.layout``: block-aligned offsets where the plan
-    quantizes, 1-D parameters' blocks unquantized in the gradient reduction)."""
+    lays it out under ``plan`` (``ds_ext.zero_topo.layout``; with per-parameter quantization groups:
+    block-aligned offsets, 1-D parameters' blocks unquantized in the gradient reduction)."""
     from ds_ext.zero_topo.layout import padded_numel, param_offsets, raw_block_mask, shard_count
 
     B = plan.block_size
-    offsets, end = param_offsets([n for n, _ in params], B, plan.quantizes)
+    offsets, end = param_offsets([n for n, _ in params], B, plan.aligned)
     U = padded_numel(end, plan.topology.world_size, B)
-    raw = raw_block_mask(params, offsets, U, B) if plan.gradient_bits < 16 else [False] * (U // B)
+    raw = raw_block_mask(params, offsets, U, B) if plan.raw_1d_gradients else [False] * (U // B)
     n_g = shard_count(plan.topology, plan.gradients)
     per = len(raw) // n_g
     return UnitSpec(U, sum(n for n, _ in params), root, gathers, tuple((o, o + n) for (n, _), o in zip(params, offsets)),

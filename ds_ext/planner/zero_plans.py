@@ -4,8 +4,8 @@ Every preset of ``ds_ext.zero_topo.plan`` (zero3, zeropp, mics, zero_topo_paper,
 zero_topo_int8) is pure data parallelism over the W ranks: each rank runs its own micro-batch.
 The units are the ones ZeRO-topo's engine builds for a GPT (``units="auto"``: the root unit
 of tables, head and final norm first, then one unit per transformer block), laid out as the
-engine lays them out (``ds_ext.perf.zero.unit_spec``: block-aligned parameters and unquantized
-1-D gradient blocks where the plan quantizes); bytes, messages and memory are
+engine lays them out (``ds_ext.perf.zero.unit_spec``, per-parameter quantization groups
+included); bytes, messages and memory are
 ``ds_ext.perf.zero.traffic`` / ``memory`` of those units, the functions the ledger tests hold
 the engine to. Memory is rank 0's, the rank whose optimizer shard holds no padding.
 

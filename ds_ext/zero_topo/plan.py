@@ -110,6 +110,13 @@ class ZeroTopoConfig(PluginConfig):
         "nn.ModuleList (transformer blocks).",
     )
     prefetch: bool = Field(True, description="Start the next unit's all-gather while the current one computes.")
+    quantization_groups: Literal["packed", "per_parameter"] = Field(
+        "packed",
+        description="'packed': quantization blocks run over a unit's packed parameters (a block may hold two "
+        "parameters, so a LayerNorm sharing a block with a bias of ~100x larger gradients can round to zero); "
+        "'per_parameter': every parameter starts on a block boundary and 1-D parameters' gradients travel in the "
+        "training dtype, as DeepSpeed's qgZ (not yet the default: see the README).",
+    )
 
 
 _PRESET_FIELDS: dict[str, dict] = {
@@ -138,6 +145,7 @@ class ShardingPlan:
     step: str
     block_size: int
     step_bits: int = 16  # wire format of the step boundary's cross-node collectives
+    per_parameter_groups: bool = False  # quantization_groups == "per_parameter"
 
     def name(self, index: int | None) -> str:
         return "none" if index is None else self.topology.levels[index].name
@@ -162,10 +170,16 @@ class ShardingPlan:
         )
 
     @property
-    def quantizes(self) -> bool:
-        """Whether any wire or stored format is block-quantized (then every parameter starts
-        on a block boundary of its unit: no quantization block crosses two parameters)."""
-        return self.gather_bits < 16 or self.secondary_bits < 16 or self.gradient_bits < 16 or self.step_bits < 16
+    def aligned(self) -> bool:
+        """Every parameter starts on a block boundary of its unit (no quantization block crosses
+        two parameters): per-parameter groups where any wire or stored format is quantized."""
+        quantizes = self.gather_bits < 16 or self.secondary_bits < 16 or self.gradient_bits < 16 or self.step_bits < 16
+        return self.per_parameter_groups and quantizes
+
+    @property
+    def raw_1d_gradients(self) -> bool:
+        """1-D parameters' gradient blocks travel unquantized in the quantized reduction."""
+        return self.per_parameter_groups and self.gradient_bits < 16
 
     def step_level_bits(self, level: int) -> int:
         """Wire bits of a step-boundary collective over ``level``: quantized only across nodes."""
@@ -226,4 +240,5 @@ def resolve_plan(cfg: ZeroTopoConfig, topo: Topology) -> ShardingPlan:
         topology=topo, weights=w, gather_bits=p["wb"], secondary=s, secondary_bits=p["sb"],
         gradients=g, gradient_bits=p["gb"], gradient_hops=p["hops"], optimizer=o, step=p["step"],
         block_size=cfg.quant_block_size, step_bits=p["stb"],
+        per_parameter_groups=cfg.quantization_groups == "per_parameter",
     )

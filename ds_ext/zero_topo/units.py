@@ -2,11 +2,12 @@
 
 A unit is a set of parameters (a transformer block, or the remaining "root"
 parameters) flattened into one buffer of U elements (padded so every shard at every
-level is whole quantization blocks). Where the plan quantizes anything, every parameter
-starts on a block boundary, so a quantization block never mixes two parameters (a
-LayerNorm's small gradients never share a scale with a bias's large ones), and the blocks
-of 1-D parameters (biases, norms) travel in the training dtype in the quantized gradient
-reduction, as DeepSpeed's qgZ leaves 1-D tensors unquantized. Per rank it holds:
+level is whole quantization blocks). With ``quantization_groups: per_parameter`` and a
+quantizing plan, every parameter starts on a block boundary, so a quantization block never
+mixes two parameters (a LayerNorm's small gradients never share a scale with a bias's large
+ones), and the blocks of 1-D parameters (biases, norms) travel in the training dtype in the
+quantized gradient reduction, as DeepSpeed's qgZ leaves 1-D tensors unquantized. Per rank it
+holds:
 
 * the **primary** shard: U / shards(w) elements of the model dtype at the weight level w;
 * optionally the **secondary** shard at level s: int8 block-quantized (003) or model
@@ -88,12 +89,12 @@ class FlatUnit:
         self.params = params
         self.param_names = names  # qualified names of each parameter (several if tied)
         B = ctx.plan.block_size
-        self.offsets, end = param_offsets([p.numel() for p in params], B, ctx.plan.quantizes)
+        self.offsets, end = param_offsets([p.numel() for p in params], B, ctx.plan.aligned)
         self.numel = sum(p.numel() for p in params)  # parameter elements (padding excluded)
         self.U = padded_numel(end, ctx.topo.world_size, B)
         # blocks sent unquantized by the quantized gradient reduction: those of 1-D parameters
         raw = raw_block_mask([(p.numel(), p.dim()) for p in params], self.offsets, self.U, B)
-        self.raw_blocks = torch.tensor(raw, dtype=torch.bool, device=ctx.device) & (ctx.plan.gradient_bits < 16)
+        self.raw_blocks = torch.tensor(raw, dtype=torch.bool, device=ctx.device) & ctx.plan.raw_1d_gradients
         self.shapes = [p.shape for p in params]
         for p in params:  # DeepSpeed ZeRO-3's convention for the full size of a sharded parameter
             p.ds_numel, p.ds_shape = p.numel(), p.shape
