@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("config", ["configs/pmm3d.json", "configs/pmm3d_cpu8.json"])
+@pytest.mark.parametrize("config", ["configs/pmm3d_cpu8.json"])  # pmm3d.json: same launcher path, 40 s more
 def test_pmm3d_config_trains_through_the_launcher(config):
     cmd = ["launch/local_cpu.sh", "8", config, "--steps", "2", "--d-model", "64", "--layers", "2", "--seq-len", "32",
            "--log-losses"]

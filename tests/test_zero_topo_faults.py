@@ -76,9 +76,11 @@ def _job(rank, port, tmp, name, kill, resume_from):
                 engine.save_checkpoint(os.path.join(tmp, f"ckpt_{name}"))
         with open(out, "w") as f:
             json.dump(losses, f)
-        # a clean exit, as torch asks of every job: without it gloo's worker threads can abort the
-        # interpreter's teardown ("terminate called without an active exception", pytorch#190489)
+        # a clean exit, as torch asks of every job; gloo's worker threads can still abort the
+        # interpreter's teardown afterwards ("terminate called without an active exception",
+        # pytorch#190489, seen in a full suite run), so the rank leaves without that teardown
         torch.distributed.destroy_process_group()
+        os._exit(0)
     except BaseException:
         with open(out + ".error", "w") as f:
             f.write(traceback.format_exc())
