@@ -117,25 +117,42 @@ def _measure(tmp_path: Path, *cluster_args: str) -> tuple[dict, str]:
     return json.loads(out.read_text()), res.stdout
 
 
+def _measure_shaped(tmp_path: Path, checks: dict[tuple[str, str], float], *cluster_args: str) -> tuple[dict, str]:
+    """``_measure`` whose ``checks`` ((level, field) -> shaped bytes/s) hold within ``TOLERANCE``.
+
+    A value above its band fails at once (the shape leaks). A value below it is measured once
+    more: CPU contention on a loaded 2-core host only adds time (seen in CI: one p2p at 76 % of
+    the rate while the all-gather on the same path reached 100 %); a shape that is really too
+    slow misses twice and fails with both tables."""
+    tables = []
+    for _ in range(2):
+        db, table = _measure(tmp_path, *cluster_args)
+        tables.append(table)
+        ratios = {key: db["levels"][key[0]][key[1]] / rate for key, rate in checks.items()}
+        assert all(r <= 1 + TOLERANCE for r in ratios.values()), (ratios, table)
+        if all(r >= 1 - TOLERANCE for r in ratios.values()):
+            return db, table
+    raise AssertionError(f"measured below the shaped rates twice: {ratios}\n" + "\n".join(tables))
+
+
 def test_measured_network(capable, tmp_path):
     """The acceptance test: 2 nodes x 2 ranks, the node link shaped to 40 Mbit/s."""
-    db, table = _measure(tmp_path, "--world", "4", "--nodes", "2", "--node-rate", f"{NODE_RATE_MBIT}mbit")
-    assert db["allgather_correct"]
-    node, local = db["levels"]["node"], db["levels"]["local"]
     rate = NODE_RATE_MBIT * 1e6 / 8
-    assert node["shaped_bytes_per_s"] == rate
-    assert node["p2p_bytes_per_s"] == pytest.approx(rate, rel=TOLERANCE), table
-    assert node["allgather_span_bytes_per_s"] == pytest.approx(rate, rel=TOLERANCE), table
-    assert local["p2p_bytes_per_s"] > 3 * rate, table  # the shape is the node link's, not the host's
+    db, table = _measure_shaped(tmp_path, {("node", "p2p_bytes_per_s"): rate,
+                                           ("node", "allgather_span_bytes_per_s"): rate},
+                                "--world", "4", "--nodes", "2", "--node-rate", f"{NODE_RATE_MBIT}mbit")
+    assert db["allgather_correct"]
+    assert db["levels"]["node"]["shaped_bytes_per_s"] == rate
+    assert db["levels"]["local"]["p2p_bytes_per_s"] > 3 * rate, table  # the shape is the node link's, not the host's
 
 
 def test_measured_network_two_levels(capable, tmp_path):
     """Nested links: 2 nodes x 2 GPUs x 1 rank, GPU links 80 Mbit/s inside a node's 40 Mbit/s."""
-    db, table = _measure(tmp_path, "--world", "4", "--nodes", "2", "--node-rate", f"{NODE_RATE_MBIT}mbit",
-                         "--gpus-per-node", "2", "--gpu-rate", f"{2 * NODE_RATE_MBIT}mbit")
+    db, _ = _measure_shaped(tmp_path, {(level, "p2p_bytes_per_s"): mbit * 1e6 / 8
+                                       for level, mbit in (("gpu", 2 * NODE_RATE_MBIT), ("node", NODE_RATE_MBIT))},
+                            "--world", "4", "--nodes", "2", "--node-rate", f"{NODE_RATE_MBIT}mbit",
+                            "--gpus-per-node", "2", "--gpu-rate", f"{2 * NODE_RATE_MBIT}mbit")
     assert db["allgather_correct"] and set(db["levels"]) == {"gpu", "node"}
-    for level, mbit in (("gpu", 2 * NODE_RATE_MBIT), ("node", NODE_RATE_MBIT)):
-        assert db["levels"][level]["p2p_bytes_per_s"] == pytest.approx(mbit * 1e6 / 8, rel=TOLERANCE), table
 
 
 def _start_sleeping_job() -> tuple[subprocess.Popen, str]:
