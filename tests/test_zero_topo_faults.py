@@ -11,6 +11,7 @@ MASTER_ADDR/PORT), not the shared test world: the point is what happens to proce
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import time
@@ -18,6 +19,7 @@ import traceback
 
 
 RANKS = 4  # 2 nodes x 1 GPU x 2 GCDs
+AGREEMENT_S = 2  # zero_topo.agreement_check_s of the branch test
 TIMEOUT_S = 30  # generous: group creation under load must not hit it; a dead peer is seen in seconds
 STEPS = 4
 KILL = (2, 3)  # (step, rank): rank 3 dies in the forward of step 2, after the checkpoint at 2 steps
@@ -37,7 +39,7 @@ CONFIG = {
 }
 
 
-def _job(rank, port, tmp, name, kill, resume_from):
+def _job(rank, port, tmp, name, kill, resume_from, branch=None):
     """One rank of a training job; writes its losses (or its error) to ``tmp``."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(RANKS),
                        "LOCAL_SIZE": str(RANKS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -57,14 +59,24 @@ def _job(rank, port, tmp, name, kill, resume_from):
         torch.manual_seed(1234)
         model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=4))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=CONFIG)
+        config = CONFIG
+        if branch is not None:  # (step, rank): that rank skips block 1 in that step's first forward
+            config = {**CONFIG, "ds_ext": {**CONFIG["ds_ext"], "zero_topo": {**CONFIG["ds_ext"]["zero_topo"],
+                                                                              "agreement_check_s": AGREEMENT_S}}}
+        engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=config)
         if resume_from:
             engine.load_checkpoint(os.path.join(tmp, resume_from))
         corpus = ByteCorpus(max_bytes=200_000)
         losses = {}
         for step in range(engine.global_steps, STEPS):
             for micro in range(2):
+                blocks = model.blocks
+                if branch == (step, rank) and micro == 0:
+                    model.blocks = torch.nn.ModuleList([blocks[0]])  # the hooks stay on the blocks
+                    with open(out + ".branched", "w") as f:
+                        f.write(repr(time.time()))
                 loss = engine(corpus.micro_batch(step, micro, rank, RANKS, 2, 2, 32))
+                model.blocks = blocks
                 if kill == (step, rank):
                     with open(out + ".killed", "w") as f:
                         f.write(repr(time.time()))
@@ -87,13 +99,13 @@ def _job(rank, port, tmp, name, kill, resume_from):
         raise SystemExit(1)
 
 
-def _launch(tmp, name, kill=None, resume_from=None, timeout=240):
+def _launch(tmp, name, kill=None, resume_from=None, timeout=240, branch=None):
     """Start RANKS processes; wait for all to exit. Returns (exit codes, exit times)."""
     ctx = mp.get_context("spawn")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_job, args=(r, port, tmp, name, kill, resume_from)) for r in range(RANKS)]
+    procs = [ctx.Process(target=_job, args=(r, port, tmp, name, kill, resume_from, branch)) for r in range(RANKS)]
     for p in procs:
         p.start()
     ended = {}
@@ -146,3 +158,19 @@ def test_kill_9_ends_every_rank_with_a_timeout_error_and_restart_reproduces_the_
         resumed = json.loads(_read(tmp, "resumed", r))
         assert sorted(resumed) == ["2.0", "2.1", "3.0", "3.1"]
         assert resumed == {k: whole[r][k] for k in resumed}  # bit for bit
+
+
+def test_ranks_that_run_different_units_fail_in_one_line_naming_them(tmp_path):
+    """Issue 18 defect 6: rank 0 skips block 1 in one forward (a branch the others do not take).
+    Without the check every rank waits ``comm.timeout_s`` and reports a dead peer; with it, the
+    ranks fail well before that, naming the units they disagree on."""
+    tmp = str(tmp_path)
+    codes, ended = _launch(tmp, "branch", branch=(1, 0))
+    assert all(c == 1 for c in codes), _failures(tmp, "branch", codes)
+    branched_at = float(_read(tmp, "branch", 0, ".branched"))
+    lines = {r: _read(tmp, "branch", r, ".error").strip().splitlines()[-1] for r in range(RANKS)}
+    for r, line in lines.items():
+        found = re.search(r"rank \d+ (\w+) unit '([^']+)' while rank \d+ (\w+) unit '([^']+)'", line)
+        assert "ranks run different units in one step" in line and found, (r, lines)
+        assert found.group(1, 2) != found.group(3, 4), line
+        assert ended[r] - branched_at < TIMEOUT_S - 10, (r, {q: ended[q] - branched_at for q in ended}, lines)

@@ -16,14 +16,19 @@ contiguous 1-D views (gloo rejects an N-d input with a flat output, which NCCL a
 Faults: process groups are created with ``ds_ext.comm.timeout_s``; a collective that
 fails (a peer died, or did not answer within the timeout) raises :class:`CommError`,
 one line naming the op, the group's level and size, and the timeout, on every rank that
-was waiting for it, so a lost rank ends the job instead of hanging it.
+was waiting for it, so a lost rank ends the job instead of hanging it. A plugin may set
+:attr:`Communicator.watch` (a :class:`Watch`): on gloo, whose works keep running through a
+timed wait, every collective then waits in slices of ``watch.check_s`` and asks the watch
+after each (ZeRO-topo's unit agreement, ``ds_ext.zero_topo.agreement``); the watch is also
+asked before a failed collective is reported.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,6 +82,20 @@ class CommError(RuntimeError):
     """A collective that failed: a peer rank died or did not answer within the timeout."""
 
 
+class Watch(Protocol):
+    """Asked while a collective waits longer than ``check_s`` and when one fails; raises to
+    end the wait with its own error."""
+
+    check_s: float
+
+    def stalled(self, op: str, waited_s: float) -> None: ...
+
+    def failed(self, op: str) -> None: ...
+
+
+_WAIT_TIMED_OUT = "Operation timed out!"  # c10d Work.wait(timeout)'s message; the work goes on
+
+
 class Handle:
     """Result of an async collective; :meth:`wait` completes it (and its emulated time)."""
 
@@ -86,11 +105,13 @@ class Handle:
         deadline: float,
         after: Callable[[], None] | None = None,
         guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        watch: tuple[str, Watch] | None = None,
     ):
         self._work = work
         self._deadline = deadline
         self._after = after
         self._guard = guard
+        self._watch = watch
         self._done = False
 
     def wait(self) -> None:
@@ -98,11 +119,25 @@ class Handle:
             return
         if self._work is not None:
             with self._guard():
-                self._work.wait()
+                if self._watch is None:
+                    self._work.wait()
+                else:
+                    self._wait_watched(*self._watch)
         TimeEmulator.hold_until(self._deadline)
         if self._after is not None:
             self._after()
         self._done = True
+
+    def _wait_watched(self, op: str, watch: Watch) -> None:
+        start = time.monotonic()
+        while True:
+            try:
+                self._work.wait(timedelta(seconds=watch.check_s))
+                return
+            except RuntimeError as err:
+                if str(err).strip() != _WAIT_TIMED_OUT:
+                    raise
+            watch.stalled(op, time.monotonic() - start)
 
     def is_completed(self) -> bool:
         return self._done
@@ -135,6 +170,8 @@ class Communicator:
         self.emulator = emulator
         self.timeout_s = timeout_s
         self.algorithm = self._checked(algorithm)
+        self.watch: Watch | None = None
+        self._timed_waits: dict[object, bool] = {}
 
     def failed(self, op: str, group: object | None, err: BaseException) -> BaseException:
         """The one-line :class:`CommError` for a failed collective (``err`` if it is one)."""
@@ -155,7 +192,22 @@ class Communicator:
         try:
             yield
         except RuntimeError as err:
+            if self.watch is not None and not isinstance(err, CommError):
+                self.watch.failed(op)
             raise self.failed(op, group, err) from err
+
+    def _watched(self, group: object | None) -> bool:
+        """Whether collectives over ``group`` wait in slices for :attr:`watch` (gloo only:
+        a timed wait there leaves the work running; NCCL's would block the CPU stream-wise)."""
+        if self.watch is None:
+            return False
+        if group not in self._timed_waits:
+            self._timed_waits[group] = dist.get_backend(group) == "gloo"
+        return self._timed_waits[group]
+
+    def _async(self, async_op: bool, group: object | None) -> bool:
+        """Issue torch's collective asynchronously: when asked, or to wait on it watched."""
+        return async_op or self._watched(group)
 
     # ---- bookkeeping shared with ds_ext.comm.instrument -------------------------------
     def account(self, op: str, group: object | None, nbytes: float) -> float:
@@ -214,7 +266,8 @@ class Communicator:
         return self._finish(op, group, None, deadline, async_op)
 
     def _finish(self, op: str, group, work, deadline: float, async_op: bool, after=None) -> Handle | None:
-        handle = Handle(work, deadline, after, lambda: self.guard(op, group))
+        watch = (op, self.watch) if work is not None and self._watched(group) else None
+        handle = Handle(work, deadline, after, lambda: self.guard(op, group), watch)
         if async_op:
             return handle
         handle.wait()
@@ -240,7 +293,7 @@ class Communicator:
             return self._p2p("all_gather", algorithm, output, input, group, async_op)
         deadline = self.account("all_gather", group, all_gather_bytes(_nbytes(input), d))
         with self.guard("all_gather", group):
-            work = torch_op("all_gather_into_tensor")(_flat(output), _flat(input), group=group, async_op=async_op)
+            work = torch_op("all_gather_into_tensor")(_flat(output), _flat(input), group=group, async_op=self._async(async_op, group))
         return self._finish("all_gather", group, work, deadline, async_op)
 
     def reduce_scatter(
@@ -265,7 +318,7 @@ class Communicator:
         deadline = self.account("reduce_scatter", group, reduce_scatter_bytes(_nbytes(input), d))
         with self.guard("reduce_scatter", group):
             work = torch_op("reduce_scatter_tensor")(
-                _flat(output), _flat(input), op=op, group=group, async_op=async_op
+                _flat(output), _flat(input), op=op, group=group, async_op=self._async(async_op, group)
             )
         return self._finish("reduce_scatter", group, work, deadline, async_op)
 
@@ -275,7 +328,7 @@ class Communicator:
         d = self.size(group)
         deadline = self.account("all_reduce", group, all_reduce_bytes(_nbytes(tensor), d))
         with self.guard("all_reduce", group):
-            work = torch_op("all_reduce")(tensor, op=op, group=group, async_op=async_op)
+            work = torch_op("all_reduce")(tensor, op=op, group=group, async_op=self._async(async_op, group))
         return self._finish("all_reduce", group, work, deadline, async_op)
 
     def all_to_all(
@@ -309,7 +362,7 @@ class Communicator:
                 output_split_sizes=list(output_split_sizes) if output_split_sizes is not None else None,
                 input_split_sizes=list(input_split_sizes) if input_split_sizes is not None else None,
                 group=group,
-                async_op=async_op,
+                async_op=self._async(async_op, group),
             )
         return self._finish("all_to_all", group, work, deadline, async_op)
 
@@ -320,7 +373,7 @@ class Communicator:
         d = self.size(group)
         deadline = self.account("broadcast", group, broadcast_bytes(_nbytes(tensor), d))
         with self.guard("broadcast", group):
-            work = torch_op("broadcast")(tensor, src=src, group=group, async_op=async_op)
+            work = torch_op("broadcast")(tensor, src=src, group=group, async_op=self._async(async_op, group))
         return self._finish("broadcast", group, work, deadline, async_op)
 
 

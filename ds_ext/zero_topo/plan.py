@@ -110,6 +110,14 @@ class ZeroTopoConfig(PluginConfig):
         "nn.ModuleList (transformer blocks).",
     )
     prefetch: bool = Field(True, description="Start the next unit's all-gather while the current one computes.")
+    agreement_check_s: float = Field(
+        60.0,
+        ge=0,
+        description="Seconds a ZeRO-topo collective waits before the ranks compare the units they ran "
+        "(ds_ext.zero_topo.agreement): ranks that ran different units fail in one line naming them instead of "
+        "waiting for ds_ext.comm.timeout_s; equal units keep waiting. On gloo (timed waits keep the collective "
+        "running); 0 = off. On NCCL torch's TORCH_NCCL_DESYNC_DEBUG=1 reports such mismatches.",
+    )
     quantization_groups: Literal["packed", "per_parameter"] = Field(
         "packed",
         description="'packed': quantization blocks run over a unit's packed parameters (a block may hold two "

@@ -33,6 +33,7 @@ from ds_ext.zero_topo import support
 from ds_ext.zero_topo.engine import ShardedModel, ZeroTopoOptimizer
 from ds_ext.zero_topo.plan import ZeroTopoConfig, resolve_plan
 from ds_ext.zero_topo.layout import shard_count, shard_index
+from ds_ext.zero_topo.agreement import UnitTrace
 from ds_ext.zero_topo.units import ShardContext
 
 
@@ -72,9 +73,13 @@ class ZeroTopoPlugin(Plugin):
         if not isinstance(engine.optimizer, torch.optim.Optimizer):
             raise DsExtConfigError(f"optimizer: not supported with {support.KEY} (DeepSpeed built a "
                                    f"{type(engine.optimizer).__name__}); allowed: a torch.optim.Optimizer")
+        trace = None
+        if self.config.agreement_check_s > 0:
+            trace = UnitTrace(rt.rank, rt.topology.world_size, self.config.agreement_check_s)
+            rt.comm.watch = trace
         ctx = ShardContext(self.plan, rt.comm, rank=rt.rank, dtype=self.dtype,
                            compile_quantizer=self.config.compile_quantizer,
-                           device=next(engine.module.parameters()).device)
+                           device=next(engine.module.parameters()).device, trace=trace)
         self.sharded = ShardedModel(engine.module, ctx, self.config.units, self.config.prefetch)
         self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler)
         ds_engine.replace_optimizer(engine, self.optimizer)

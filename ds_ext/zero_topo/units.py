@@ -47,6 +47,7 @@ from ds_ext.zero_topo.layout import (
     sub_chunk,
     to_shard_order,
 )
+from ds_ext.zero_topo.agreement import UnitTrace
 from ds_ext.zero_topo.plan import ShardingPlan
 
 
@@ -60,6 +61,7 @@ class ShardContext:
     dtype: torch.dtype
     compile_quantizer: bool = False
     device: torch.device = torch.device("cpu")  # where the engine put the module
+    trace: UnitTrace | None = None  # the units of this rank's collectives (agreement check)
 
     def __post_init__(self) -> None:
         b, c = self.plan.block_size, self.compile_quantizer
@@ -182,6 +184,8 @@ class FlatUnit:
         group = ctx.span(level)
         reorder = len(levels) > 1
         out = torch.empty_like(self.full) if reorder else self.full
+        if ctx.trace is not None:
+            ctx.trace.record("gather", self.name)
         if isinstance(data, QuantizedTensor):
             pending = all_gather_quantized(ctx.comm, data, ctx.weight_quantizer, out, group, async_op=True)
         elif ctx.plan.gather_bits == 8 and not exact:
@@ -231,6 +235,8 @@ class FlatUnit:
                 flat[o : o + p.grad.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
         flat.div_(ctx.topo.world_size)
+        if ctx.trace is not None:
+            ctx.trace.record("reduce", self.name)
         g = plan.gradients
         if plan.gradient_hops == 1:
             ordered = from_shard_order(flat, ctx.topo, range(g + 1))
