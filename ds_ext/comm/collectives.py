@@ -17,17 +17,16 @@ Faults: process groups are created with ``ds_ext.comm.timeout_s``; a collective 
 fails (a peer died, or did not answer within the timeout) raises :class:`CommError`,
 one line naming the op, the group's level and size, and the timeout, on every rank that
 was waiting for it, so a lost rank ends the job instead of hanging it. A plugin may set
-:attr:`Communicator.watch` (a :class:`Watch`): on gloo, whose works keep running through a
-timed wait, every collective then waits in slices of ``watch.check_s`` and asks the watch
-after each (ZeRO-topo's unit agreement, ``ds_ext.zero_topo.agreement``); the watch is also
+:attr:`Communicator.watch` (a :class:`Watch`): on gloo every collective then waits on a
+thread of its own while the caller asks the watch every ``watch.check_s`` (ZeRO-topo's unit agreement, ``ds_ext.zero_topo.agreement``); the watch is also
 asked before a failed collective is reported.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from datetime import timedelta
 from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
@@ -93,9 +92,6 @@ class Watch(Protocol):
     def failed(self, op: str) -> None: ...
 
 
-_WAIT_TIMED_OUT = "Operation timed out!"  # c10d Work.wait(timeout)'s message; the work goes on
-
-
 class Handle:
     """Result of an async collective; :meth:`wait` completes it (and its emulated time)."""
 
@@ -129,15 +125,23 @@ class Handle:
         self._done = True
 
     def _wait_watched(self, op: str, watch: Watch) -> None:
-        start = time.monotonic()
-        while True:
+        """Wait on a thread of its own (gloo's reduce-scatter work ignores a timed wait and
+        never reports completion), asking ``watch`` every ``check_s`` meanwhile."""
+        errors: list[BaseException] = []
+
+        def wait() -> None:
             try:
-                self._work.wait(timedelta(seconds=watch.check_s))
-                return
-            except RuntimeError as err:
-                if str(err).strip() != _WAIT_TIMED_OUT:
-                    raise
+                self._work.wait()
+            except BaseException as err:  # re-raised on the calling thread
+                errors.append(err)
+
+        waiter = threading.Thread(target=wait, name="ds_ext-collective-wait", daemon=True)
+        waiter.start()
+        start = time.monotonic()
+        while waiter.join(watch.check_s) or waiter.is_alive():
             watch.stalled(op, time.monotonic() - start)
+        if errors:
+            raise errors[0]
 
     def is_completed(self) -> bool:
         return self._done
@@ -197,8 +201,8 @@ class Communicator:
             raise self.failed(op, group, err) from err
 
     def _watched(self, group: object | None) -> bool:
-        """Whether collectives over ``group`` wait in slices for :attr:`watch` (gloo only:
-        a timed wait there leaves the work running; NCCL's would block the CPU stream-wise)."""
+        """Whether collectives over ``group`` wait watched by :attr:`watch` (gloo only: an NCCL
+        work's wait returns at once, its hangs are NCCL's watchdog's to report)."""
         if self.watch is None:
             return False
         if group not in self._timed_waits:

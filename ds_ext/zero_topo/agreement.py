@@ -7,8 +7,8 @@ wrong shards silently, and the first mismatch in count or size hangs until
 ``ds_ext.comm.timeout_s`` with a misleading "peer died".
 
 Every rank records the units of its collectives, in order, in a :class:`UnitTrace`. When a
-collective has waited ``zero_topo.agreement_check_s`` (a timed wait, which keeps the
-collective alive on backends whose works support it: gloo), or fails, the rank publishes
+collective has waited ``zero_topo.agreement_check_s`` (watched by ``ds_ext.comm``'s
+collectives on gloo), or fails, the rank publishes
 its recent trace through the job's rendezvous store and compares it with the traces its
 peers published (they publish when they stall too). The first position where two traces
 name different units ends the wait on that rank in one line naming both units; equal
