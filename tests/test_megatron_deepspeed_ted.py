@@ -37,7 +37,8 @@ SERIAL_ARGS = [
     "--vocab-size", "512", "--split", "98,2,0", "--deepspeed", "--no-pipeline-parallel",
     "--distributed-backend", "gloo", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
     "--seed", "1234", "--use-cpu-initialization",
-    "--make-vocab-size-divisible-by", "256",  # the vocabulary TP 2 pads to (128 x 2), so the same embedding "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+    # the vocabulary TP 2 pads to (128 x 2), so the serial run has the same embedding
+    "--make-vocab-size-divisible-by", "256", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
     "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--attention-dropout", "0",
     "--hidden-dropout", "0",
 ]
