@@ -7,6 +7,8 @@
 # its tree), DS0196 = deepspeed 0.19.6 (DS_BUILD_OPS=0 pip install --no-build-isolation --target DIR),
 # EXTRA = nltk + pybind11 + an import-only torchvision stand-in, DATA = a NullTokenizer dataset from
 # its tools/preprocess_data.py (--tokenizer-type NullTokenizer --vocab-size 512 --append-eod).
+# --use-cpu-initialization: Megatron initializes every weight whole and slices it, so each tensor-parallel
+# degree starts from the serial model's weights (tests/test_megatron_deepspeed_ted.py compares with it).
 set -euo pipefail
 etp=$1; rec=$2; mode=$3
 : "${MDS:?copy of megatron-deepspeed}" "${DS0196:?deepspeed 0.19.6 target dir}" "${EXTRA:?extra site dirs}" "${DATA:?data prefix}"
@@ -33,6 +35,6 @@ torchrun --standalone --nproc_per_node 4 -m ds_ext.run pretrain_gpt.py \
   --micro-batch-size 1 --global-batch-size 2 --train-iters 10 --lr 1e-3 --min-lr 1e-4 --lr-decay-style constant \
   --data-path "$DATA" --tokenizer-type NullTokenizer --vocab-size 512 --split 98,2,0 \
   --deepspeed --deepspeed_config "$cfg" --no-pipeline-parallel --distributed-backend gloo \
-  --log-interval 1 --eval-interval 1000 --eval-iters 0 --seed 1234 \
+  --log-interval 1 --eval-interval 1000 --eval-iters 0 --seed 1234 --use-cpu-initialization \
   --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-gradient-accumulation-fusion \
   --attention-dropout 0 --hidden-dropout 0 "${extra[@]}"

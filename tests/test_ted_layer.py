@@ -93,38 +93,46 @@ def _variants(T, P, modes, dropless=False, capacity_factor=1.0, capacity=None):
         C = MICRO * SEQ // cfg.num_experts
     shape = MoEBlockShape(tokens=MICRO * SEQ, hidden=cfg.d_model, num_experts=cfg.num_experts, capacity=C,
                           element_bytes=4)
-    results = {}
+    results, stash = {}, {}
     for mode in modes:
-        for dtd in (False, True):
-            for cac in (False, True):
-                model = ts.ted_model(dataclasses.replace(cfg, checkpoint=mode), serial.state_dict(), layout, rank)
-                ts.bind(model, dataclasses.replace(ted, dtd=dtd, cac=cac))
-                ledger = runtime.ledger
-                ledger.reset()
-                with ledger.phase("forward"):
-                    loss = model(batches[d])
-                with ledger.phase("backward"):
-                    loss.backward()
-                assert all(len(m.ted_tape) == 0 for m in model.modules() if isinstance(m, TEDMoE))
-                want = moe_block_traffic(layout, runtime.topology, rank, shape, dtd=dtd, cac=cac,
-                                         checkpointing=mode != "none")
-                got = ledger.current
-                assert dict(got.bytes) == dict(want.bytes), (mode, dtd, cac, dict(got.bytes), dict(want.bytes))
-                assert dict(got.calls) == dict(want.calls), (mode, dtd, cac)
-                calls = {}
-                for (_, op, _), n in got.calls.items():
-                    calls[op] = calls.get(op, 0) + n
-                results[(mode, dtd, cac)] = ({n: p.grad.clone() for n, p in model.named_parameters()}, calls)
+        for dtd, cac, lean in ((False, False, False), (False, True, False), (True, False, False), (True, True, False),
+                               (True, True, True)):
+            if lean and mode == "none":
+                continue
+            model = ts.ted_model(dataclasses.replace(cfg, checkpoint=mode), serial.state_dict(), layout, rank)
+            ts.bind(model, dataclasses.replace(ted, dtd=dtd, cac=cac, cac_lean=lean))
+            ledger = runtime.ledger
+            ledger.reset()
+            with ledger.phase("forward"):
+                loss = model(batches[d])
+            stash[(mode, dtd, "lean" if lean else cac)] = sum(m.ted_tape.stash_bytes() for m in model.modules()
+                                                              if hasattr(m, "ted_tape"))
+            with ledger.phase("backward"):
+                loss.backward()
+            assert all(len(m.ted_tape) == 0 for m in model.modules() if isinstance(m, TEDMoE))
+            want = moe_block_traffic(layout, runtime.topology, rank, shape, dtd=dtd, cac=cac,
+                                     checkpointing=mode != "none")
+            got = ledger.current
+            assert dict(got.bytes) == dict(want.bytes), (mode, dtd, cac, dict(got.bytes), dict(want.bytes))
+            assert dict(got.calls) == dict(want.calls), (mode, dtd, cac)
+            calls = {}
+            for (_, op, _), n in got.calls.items():
+                calls[op] = calls.get(op, 0) + n
+            results[(mode, dtd, "lean" if lean else cac)] = (
+                {n: p.grad.clone() for n, p in model.named_parameters()}, calls)
     base = results[(modes[0], False, False)][0]
     for key, (grads, _) in results.items():
         for n, g in grads.items():
             assert torch.equal(g, base[n]), (key, n)
-    return {key: calls for key, (_, calls) in results.items()}
+    return {key: calls for key, (_, calls) in results.items()}, stash, (cfg.num_experts, C, cfg.d_model)
 
 
 def test_dtd_cac_bit_identical_and_ledger_equals_model(world):
+    """Also CAC's stash (what it keeps between the first forward and the recompute) and the lean
+    stash: the same calls and bits, without the two all-to-all outputs that only feed DTD's
+    all-gathers (2 x [E, C/T, H] fp32 per MoE block)."""
     modes = ["none", "torch", "torch-reentrant", "deepspeed"]
-    calls = world.run(_variants, 2, 4, modes)[0]
+    calls, stash, (E, C, H) = world.run(_variants, 2, 4, modes)[0]
     agree = 1  # the 8-byte capacity agreement over the expert group (never recomputed)
     assert calls[("none", False, False)] == {"all_reduce": 4 + agree, "all_to_all": 4}
     for mode in modes[1:]:
@@ -132,6 +140,9 @@ def test_dtd_cac_bit_identical_and_ledger_equals_model(world):
         assert calls[(mode, False, True)] == {"all_reduce": 4 + agree, "all_to_all": 4}  # CAC: four and four
         assert calls[(mode, True, True)] == {"all_reduce": 4 + agree, "all_to_all": 4, "all_gather": 4}
         assert calls[(mode, True, False)] == {"all_reduce": 6 + agree, "all_to_all": 6, "all_gather": 6}
+        assert calls[(mode, True, "lean")] == calls[(mode, True, True)]
+        assert stash[(mode, True, False)] == stash[(mode, False, False)] == 0 < stash[(mode, False, True)]
+        assert stash[(mode, True, True)] - stash[(mode, True, "lean")] == 2 * E * (C // 2) * H * 4
 
 
 def test_dropless_capacity_agreed_over_expert_group(world):

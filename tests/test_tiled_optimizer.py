@@ -137,17 +137,22 @@ def test_tiled_step_runs_the_optimizers_step_hooks():
 
 
 def test_forked_steps_refuse_a_deepspeed_whose_step_source_differs():
+    """The installed 0.19.8 is recognized by its step sources; a source of no tested release is
+    refused with the list of tested releases (0.19.6: tests/test_tiled_optimizer_releases.py)."""
+    import deepspeed
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     from ds_ext.integration import ds_zero12_step
-    from ds_ext.integration.ds_version import DeepSpeedVersionError, require_source
+    from ds_ext.integration.ds_version import DeepSpeedVersionError, forked_release
 
-    require_source(DeepSpeedZeroOptimizer.step, ds_zero12_step.ZERO12_STEP_SHA256, "x")  # the installed 0.19.8
-    require_source(FP16_UnfusedOptimizer.step, ds_zero12_step.UNFUSED_STEP_SHA256, "x")
+    assert deepspeed.__version__ == "0.19.8"
+    assert forked_release(DeepSpeedZeroOptimizer.step, ds_zero12_step.ZERO12_STEP_SHA256, "x") == "0.19.8"
+    assert forked_release(FP16_UnfusedOptimizer.step, ds_zero12_step.UNFUSED_STEP_SHA256, "x") == "0.19.8"
     with pytest.raises(DeepSpeedVersionError, match=r"^ds_ext.tiled_optimizer: deepspeed .*'s "
-                       r"ZeROOptimizer.backward differs from the DeepSpeed 0.19.8 source .*deepspeed==0.19.8"):
-        require_source(DeepSpeedZeroOptimizer.backward, ds_zero12_step.ZERO12_STEP_SHA256, "ds_ext.tiled_optimizer")
+                       r"ZeROOptimizer.backward matches none of .*tested releases: deepspeed==0.19.8, "
+                       r"deepspeed==0.19.6; "):
+        forked_release(DeepSpeedZeroOptimizer.backward, ds_zero12_step.ZERO12_STEP_SHA256, "ds_ext.tiled_optimizer")
 
 
 def test_piecewise_loader_pads_with_zeros():

@@ -8,16 +8,20 @@ one gloo world per variant, side by side in one invocation:
 * ``deepspeed_ep``: DeepSpeed's ``deepspeed.moe.layer.MoE``, expert parallel only
   (G_expert = 4, G_data^exp = 2, no tensor parallelism);
 * ``deepspeed_ep_tp``: DeepSpeed's MoE with expert tensor parallelism (G_tensor = 2 through a
-  Megatron mpu, experts column/row-parallel): recorded with the error it stops with on gloo
-  (``moe/mappings.py:_gather_tokens``), or measured if it runs;
+  Megatron mpu, experts column/row-parallel), which drops duplicate tokens around both
+  all-to-alls itself; on gloo its ``moe/mappings.py:_gather_tokens`` fails on an input-shape
+  quirk (N-d input, flat output), so this variant runs inside
+  :func:`ds_ext.integration.ds_moe.flat_gather_tokens`, which hands that all-gather the same
+  input flattened (the bench's only change to DeepSpeed);
 * ``ted_base``, ``ted_dtd``, ``ted_dtd_cac``: TEDMoE, G_tensor = 2, G_expert = 4, with
   duplicate token dropping (001 §7.3.1) and communication-aware checkpointing (§7.3.2)
-  switched on one after the other.
+  switched on one after the other; ``ted_dtd_cac_lean``: CAC with ``cac_stash: lean`` (the
+  all-to-all outputs that only feed DTD's all-gathers are not stashed).
 
 Per variant: bytes and calls per topology level per optimizer step (the ledger counts
 DeepSpeed's collectives too), bytes and calls of one MoE block's forward + backward
 (+ recompute) by op and level, which must equal ``ds_ext.perf.ted`` exactly for the TED
-variants; the alpha-beta link time of a step's collectives at Frontier's latencies and
+variants, and the bytes CAC stashes for that block's recompute (0 without CAC); the alpha-beta link time of a step's collectives at Frontier's latencies and
 bandwidths (summed by the time emulator from bytes, calls and levels: no CPU noise), and the
 wall time per step with and without that time (x ``--time-scale``) held (measured steps
 alternate); this rank's parameter, gradient and optimizer bytes and Eq 7.4's value.
@@ -25,7 +29,7 @@ alternate); this rank's parameter, gradient and optimizer bytes and Eq 7.4's val
 ``--network netns``: no emulation; the ranks run on an emulated cluster (``ds_ext.cluster``:
 2 nodes x 2 GPUs as network namespaces with tbf-shaped links), every measured step is plain
 wall time over those links, the emulated and link times are None. ``--quick``: the tiny
-model, ted_base / ted_dtd_cac / deepspeed_ep, one step each (a plumbing check).
+model, ted_base / ted_dtd_cac / deepspeed_ep / deepspeed_ep_tp, one step each (a plumbing check).
 """
 
 from __future__ import annotations
@@ -43,12 +47,13 @@ from ds_ext.cluster.world import add_network_arguments
 WORLD, RANKS_PER_NODE = 8, 4
 LEVELS = ("gcd", "gpu", "node")
 TOPOLOGY = {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}
-VARIANTS = {  # name -> (moe implementation, G_tensor, DTD, CAC)
-    "deepspeed_ep": ("deepspeed", 1, False, False),
-    "deepspeed_ep_tp": ("deepspeed", 2, False, False),
-    "ted_base": ("ted", 2, False, False),
-    "ted_dtd": ("ted", 2, True, False),
-    "ted_dtd_cac": ("ted", 2, True, True),
+VARIANTS = {  # name -> (moe implementation, G_tensor, DTD, CAC, lean CAC stash)
+    "deepspeed_ep": ("deepspeed", 1, False, False, False),
+    "deepspeed_ep_tp": ("deepspeed", 2, False, False, False),
+    "ted_base": ("ted", 2, False, False, False),
+    "ted_dtd": ("ted", 2, True, False, False),
+    "ted_dtd_cac": ("ted", 2, True, True, False),
+    "ted_dtd_cac_lean": ("ted", 2, True, True, True),
 }
 EXPERTS, EXPERT_PARALLEL = 4, 4
 MODELS = {  # name -> (d_model, n_layers, n_heads, seq_len, micro-batch)
@@ -66,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=300.0,
                    help="multiply emulated link times by this factor (a CPU core computes ~1000x slower than a GCD)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per variant before giving up")
-    p.add_argument("--quick", action="store_true", help="tiny model, ted_base / ted_dtd_cac / deepspeed_ep, 1 step")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, ted_base / ted_dtd_cac / deepspeed_ep / deepspeed_ep_tp, 1 step")
     add_network_arguments(p)
 
 
@@ -80,12 +86,13 @@ def _model_config(model: str):
 
 
 def _ds_config(variant: str, micro: int, time_scale: float | None) -> dict[str, Any]:
-    impl, T, dtd, cac = VARIANTS[variant]
+    impl, T, dtd, cac, lean = VARIANTS[variant]
     block: dict[str, Any] = {"topology": TOPOLOGY, "comm": {"ledger": True, "emulate_time": time_scale is not None,
                                                           "time_scale": time_scale or 1.0}}
     if impl == "ted":
         block["ted"] = {"enabled": True, "tensor_parallel": T, "expert_parallel": EXPERT_PARALLEL,
-                        "duplicate_token_dropping": dtd, "comm_aware_checkpointing": cac}
+                        "duplicate_token_dropping": dtd, "comm_aware_checkpointing": cac,
+                        "cac_stash": "lean" if lean else "full"}
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
             "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
             "ds_ext": block}
@@ -132,7 +139,7 @@ def _build(variant: str, cfg, micro: int, time_scale: float | None):
     from ds_ext.models.gpt_moe import GPTMoE
     from ds_ext.moe.reference import local_expert_state
 
-    impl, T, _, _ = VARIANTS[variant]
+    impl, T = VARIANTS[variant][:2]
     torch.manual_seed(1234)
     state = GPTMoE(cfg).state_dict()
     layout = TEDLayout.build(dist.get_world_size(), T, EXPERT_PARALLEL)
@@ -170,8 +177,9 @@ def _state_bytes(engine, layout) -> dict[str, Any]:
             "eq_7_4": {"params": model.params, "grads": model.grads, "optimizer": model.optimizer}}
 
 
-def _moe_block(engine, cfg, tokens) -> dict[str, Any]:
-    """Ledger of one checkpointed MoE block's forward + backward on this micro-batch."""
+def _moe_block(engine, cfg, tokens) -> tuple[dict[str, Any], int]:
+    """Ledger of one checkpointed MoE block's forward + backward on this micro-batch, and the
+    bytes CAC stashed between its forward and its recompute (its layers' tapes)."""
     import torch
 
     from ds_ext.models.gpt_moe import _checkpointed
@@ -185,19 +193,20 @@ def _moe_block(engine, cfg, tokens) -> dict[str, Any]:
     ledger.reset()
     with ledger.phase("forward"):
         y, l_aux = _checkpointed(block, x, cfg.checkpoint)
+    stash = sum(m.ted_tape.stash_bytes() for m in block.modules() if hasattr(m, "ted_tape"))
     with ledger.phase("backward"):
         (y.float().sum() + l_aux).backward()
     engine.zero_grad()
     traffic = ledger.current
     ledger.reset()
-    return {"bytes": {f"{ph}/{op}/{lv}": b for (ph, op, lv), b in traffic.bytes.items()},
-            "calls": {f"{ph}/{op}/{lv}": c for (ph, op, lv), c in traffic.calls.items()}}
+    return ({"bytes": {f"{ph}/{op}/{lv}": b for (ph, op, lv), b in traffic.bytes.items()},
+             "calls": {f"{ph}/{op}/{lv}": c for (ph, op, lv), c in traffic.calls.items()}}, stash)
 
 
 def _moe_block_model(variant: str, cfg, micro: int, layout, topology) -> dict[str, Any]:
     from ds_ext.perf.ted import MoEBlockShape, moe_block_traffic
 
-    _, _, dtd, cac = VARIANTS[variant]
+    _, _, dtd, cac, _ = VARIANTS[variant]
     tokens = micro * cfg.seq_len
     capacity = -(-tokens * cfg.top_k * cfg.capacity_factor // cfg.num_experts)
     shape = MoEBlockShape(tokens, cfg.d_model, cfg.num_experts, int(capacity), element_bytes=2)
@@ -221,8 +230,21 @@ class _LinkClock:
 
 
 def _measure(variant: str, model: str, warmup: int, steps: int, time_scale: float | None) -> dict[str, Any]:
-    """Runs on every rank: build, train ``warmup + 2 steps`` steps, measure. ``time_scale`` None
-    (a real network, ``--network netns``): every step plain, no emulated or link time."""
+    """Runs on every rank: build, train ``warmup + 2 steps`` steps, measure (DeepSpeed's expert
+    tensor parallelism inside its gloo shim, module docstring)."""
+    import contextlib
+
+    from ds_ext.integration.ds_moe import flat_gather_tokens
+
+    impl, T = VARIANTS[variant][:2]
+    with flat_gather_tokens() if impl == "deepspeed" and T > 1 else contextlib.nullcontext():
+        return _train_and_measure(variant, model, warmup, steps, time_scale)
+
+
+def _train_and_measure(variant: str, model: str, warmup: int, steps: int,
+                       time_scale: float | None) -> dict[str, Any]:
+    """Build, train ``warmup + 2 steps`` steps, measure. ``time_scale`` None (a real network,
+    ``--network netns``): every step plain, no emulated or link time."""
     import torch.distributed as dist
 
     from ds_ext.data import ByteCorpus
@@ -256,6 +278,8 @@ def _measure(variant: str, model: str, warmup: int, steps: int, time_scale: floa
         engine.destroy()
         return {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
     rt.comm.emulator = None
+    block, stash = _moe_block(engine, cfg, corpus.micro_batch(10**6, 0, data_rank, layout.nonexp_data, micro, 1,
+                                                              cfg.seq_len))
     record = {
         "variant": variant,
         "error": None,
@@ -269,8 +293,8 @@ def _measure(variant: str, model: str, warmup: int, steps: int, time_scale: floa
         "time_scale": time_scale,
         "losses": losses,
         "state_bytes": _state_bytes(engine, layout),
-        "moe_block": _moe_block(engine, cfg, corpus.micro_batch(10**6, 0, data_rank, layout.nonexp_data, micro, 1,
-                                                                cfg.seq_len)),
+        "moe_block": block,
+        "cac_stash_bytes_per_block": stash,
         "moe_block_model": (_moe_block_model(variant, cfg, micro, layout, rt.topology)
                             if VARIANTS[variant][0] == "ted" else None),
     }
@@ -303,15 +327,23 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Ledger == model per MoE block; DTD / CAC ratios; TED vs DeepSpeed step times."""
     by = {r["variant"]: r for r in records if r["error"] is None}
     out: dict[str, Any] = {"moe_block_ledger_equals_model": {}, "moe_block_calls": {},
-                           "a2a_bytes_dtd_over_base": None, "link_time_ratio": {}, "step_time_emulated_ratio": {},
-                           "step_time_ratio": {}}
+                           "a2a_bytes_dtd_over_base": None, "a2a_bytes_over_ted_base": {},
+                           "cac_stash_bytes_per_block": {}, "cac_stash_lean_over_full": None,
+                           "link_time_ratio": {}, "step_time_emulated_ratio": {}, "step_time_ratio": {}}
     for v, r in by.items():
         out["moe_block_calls"][v] = _per_op(r["moe_block"], "calls")
+        out["cac_stash_bytes_per_block"][v] = r["cac_stash_bytes_per_block"]
+        if "ted_base" in by:
+            out["a2a_bytes_over_ted_base"][v] = (_per_op(r["moe_block"], "bytes")["all_to_all"]
+                                                 / _per_op(by["ted_base"]["moe_block"], "bytes")["all_to_all"])
         if r["moe_block_model"] is not None:
             out["moe_block_ledger_equals_model"][v] = r["moe_block"] == r["moe_block_model"]
     if "ted_base" in by and "ted_dtd" in by:
         out["a2a_bytes_dtd_over_base"] = (_per_op(by["ted_dtd"]["moe_block"], "bytes")["all_to_all"]
                                           / _per_op(by["ted_base"]["moe_block"], "bytes")["all_to_all"])
+    if "ted_dtd_cac" in by and "ted_dtd_cac_lean" in by:
+        out["cac_stash_lean_over_full"] = (by["ted_dtd_cac_lean"]["cac_stash_bytes_per_block"]
+                                           / by["ted_dtd_cac"]["cac_stash_bytes_per_block"])
     for v in by:
         if v != "ted_base" and "ted_base" in by:
             if by[v]["link_time_per_step_s"] is not None:
@@ -325,7 +357,7 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(records: list[dict[str, Any]]) -> str:
     head = (f"{'variant':<17}{'gcd MB':>8}{'gpu MB':>8}{'node MB':>8}{'a2a':>5}{'AR':>5}{'AG':>5}{'a2a MB':>8}"
-            f"{'link ms':>9}{'step s':>8}{'emul s':>8}{'state MB':>10}{'loss':>7}")
+            f"{'stash MB':>9}{'link ms':>9}{'step s':>8}{'emul s':>8}{'state MB':>10}{'loss':>7}")
     lines = [head, "-" * len(head)]
     for r in records:
         if r["error"] is not None:
@@ -337,12 +369,13 @@ def table(records: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['variant']:<17}{b['gcd'] / 1e6:>8.2f}{b['gpu'] / 1e6:>8.2f}{b['node'] / 1e6:>8.2f}"
             f"{calls.get('all_to_all', 0):>5.0f}{calls.get('all_reduce', 0):>5.0f}{calls.get('all_gather', 0):>5.0f}"
-            f"{nbytes.get('all_to_all', 0) / 1e6:>8.3f}{(r['link_time_per_step_s'] or float('nan')) * 1e3:>9.2f}"
+            f"{nbytes.get('all_to_all', 0) / 1e6:>8.3f}{r['cac_stash_bytes_per_block'] / 1e6:>9.3f}"
+            f"{(r['link_time_per_step_s'] or float('nan')) * 1e3:>9.2f}"
             f"{r['step_time_s']:>8.2f}{r['step_time_emulated_s'] or float('nan'):>8.2f}"
             f"{(state['params'] + state['grads'] + state['optimizer']) / 1e6:>10.2f}{r['losses'][-1]:>7.3f}"
         )
     lines.append("MB per rank per optimizer step by level; a2a / AR / AG calls and a2a MB of one checkpointed MoE "
-                 "block (forward + backward + recompute); 'link ms': alpha-beta link time of a step's collectives "
+                 "block (forward + backward + recompute); 'stash MB': what CAC keeps of that block's forward collectives for its recompute; 'link ms': alpha-beta link time of a step's collectives "
                  "at Frontier's latencies and bandwidths; 'emul s': wall time with that link time x time_scale held")
     return "\n".join(lines)
 
@@ -382,7 +415,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.quick:
         args.model, args.warmup, args.steps = "tiny", 1, 1
-        args.variants = ["ted_base", "ted_dtd_cac", "deepspeed_ep"]
+        args.variants = ["ted_base", "ted_dtd_cac", "deepspeed_ep", "deepspeed_ep_tp"]
     time_scale = None if args.network == "netns" else args.time_scale
     records: list[dict[str, Any]] = []
     for variant in tqdm(args.variants, desc="bench ted", unit="variant"):

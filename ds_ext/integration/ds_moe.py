@@ -12,10 +12,11 @@ Behind the version gate of :mod:`ds_ext.integration.ds_version`.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from types import CodeType
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
@@ -26,7 +27,7 @@ check_version()
 from deepspeed.moe.layer import MoE as MoEBase  # noqa: E402  (after the version gate)
 
 __all__ = ["MoEBase", "expert_group_name", "mark_expert_params", "register_expert_groups",
-           "release_groups", "checkpoint_function_codes", "is_megatron_checkpoint"]
+           "release_groups", "checkpoint_function_codes", "is_megatron_checkpoint", "flat_gather_tokens"]
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -102,3 +103,39 @@ def checkpoint_function_codes() -> frozenset[CodeType]:
     fns = (torch_ckpt.checkpoint, torch_ckpt.CheckpointFunction.forward, ds_ckpt.checkpoint,
            ds_ckpt.CheckpointFunction.forward)
     return frozenset(inspect.unwrap(f).__code__ for f in fns)
+
+
+@contextlib.contextmanager
+def flat_gather_tokens() -> Iterator[None]:
+    """Let DeepSpeed-MoE's expert tensor parallelism run on gloo (benchmarks only).
+
+    DeepSpeed's ``moe/mappings.py:_gather_tokens`` (0.19.8 l.30-52), the all-gather after the
+    all-to-all of its duplicate token dropping, hands ``all_gather_into_tensor`` an N-d input
+    and a flat output; NCCL accepts that, gloo rejects it ("invalid tensor size at index 0").
+    Inside this context it gets the same input flattened (``view(-1)``, same bytes, same
+    result); everything else of DeepSpeed's MoE is unchanged. Restored on exit.
+    """
+    import deepspeed
+    from deepspeed.moe import mappings
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_model_parallel_world_size
+
+    original = mappings._gather_tokens
+
+    def gather_tokens(input_: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        mpu = deepspeed.utils.groups.mpu
+        input_ = input_.contiguous()
+        world_size = bwc_tensor_model_parallel_world_size(mpu)
+        if world_size == 1:
+            return input_
+        buffer = torch.empty(world_size * input_.numel(), dtype=input_.dtype, device=input_.device)
+        deepspeed.comm.all_gather_into_tensor(buffer, input_.view(-1), group=bwc_tensor_model_parallel_group(mpu))
+        if dim == 0:
+            return buffer.view(world_size * input_.shape[0], *input_.shape[1:])
+        chunks = [buffer.narrow(0, input_.numel() * i, input_.numel()).view_as(input_) for i in range(world_size)]
+        return torch.cat(chunks, dim=dim).contiguous()
+
+    mappings._gather_tokens = gather_tokens
+    try:
+        yield
+    finally:
+        mappings._gather_tokens = original

@@ -5,7 +5,8 @@ private names, each in the module of the DeepSpeed surface it touches:
 
 * :mod:`ds_ext.integration.ds_engine`: engine, launcher and checkpoint hooks;
 * :mod:`ds_ext.integration.ds_zero12_step`: the forked ZeRO-1/2 and unfused fp16 steps
-  (tiled optimizer), refused unless DeepSpeed's source is the one they were forked from;
+  (tiled optimizer), one mirror per tested release (0.19.6, 0.19.8), refused unless
+  DeepSpeed's source is one of those they were forked from;
 * :mod:`ds_ext.integration.ds_zero3_state`: ZeRO-3 state accounting (benchmarks);
 * :mod:`ds_ext.integration.ds_zeropp_quantizer`: ZeRO++'s quantizer on CPU (benchmarks);
 * :mod:`ds_ext.integration.ds_pccl`: the backend's all-gather / reduce-scatter functions (PCCL routing).
@@ -46,15 +47,22 @@ def source_digest(obj: object) -> str:
     return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()  # type: ignore[arg-type]
 
 
-def require_source(obj: object, digest: str, what: str) -> None:
-    """Refuse to patch ``obj`` unless its source is exactly the one ds_ext forked (``digest``)."""
+def forked_release(obj: object, digests: dict[str, str], what: str) -> str:
+    """The DeepSpeed release whose source of ``obj`` ds_ext forked and tested, found by digest.
+
+    ``digests`` maps each tested release to the sha256 of ``obj``'s source in it; a source
+    that matches none of them is refused, since a silently stale fork would train wrongly.
+    """
     import deepspeed
 
     found = source_digest(obj)
-    if found != digest:
-        name = getattr(obj, "__qualname__", repr(obj))
-        raise DeepSpeedVersionError(
-            f"{what}: deepspeed {deepspeed.__version__}'s {name} differs from the DeepSpeed 0.19.8 source "
-            f"ds_ext's forked step mirrors (sha256 {found[:12]} != {digest[:12]}); use deepspeed==0.19.8 "
-            "or switch the feature off"
-        )
+    for release, digest in digests.items():
+        if found == digest:
+            return release
+    name = getattr(obj, "__qualname__", repr(obj))
+    tested = ", ".join(f"deepspeed=={r}" for r in digests)
+    raise DeepSpeedVersionError(
+        f"{what}: deepspeed {deepspeed.__version__}'s {name} matches none of the DeepSpeed sources "
+        f"ds_ext's forked steps mirror (sha256 {found[:12]}); tested releases: {tested}; use one of them "
+        "or switch the feature off"
+    )

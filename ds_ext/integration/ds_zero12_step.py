@@ -1,23 +1,34 @@
 """The forked ZeRO-1/2 and unfused fp16 optimizer steps of the tiled optimizer (001 §7.2).
 
-``DeepSpeedZeroOptimizer.step`` and ``FP16_UnfusedOptimizer.step`` are mirrored from
-DeepSpeed 0.19.8 with only the per-group update replaced by the tiled one; a DeepSpeed
-whose ``step`` source differs is refused (:func:`ds_version.require_source`), since a
-silently stale fork would train wrongly. Behind the version gate of
-:mod:`ds_ext.integration.ds_version`.
+``DeepSpeedZeroOptimizer.step`` and ``FP16_UnfusedOptimizer.step`` are mirrored from each
+tested DeepSpeed release with only the per-group update replaced by the tiled one. The
+releases differ before the update: 0.19.8 computes the global norm before the loss-scale
+update, treats an invalid norm as an overflow and may skip the norm (``compute_grad_norm``);
+0.19.6 (the last release Megatron-DeepSpeed imports) updates the loss scale first and then
+always computes the norm. The release is recognized by the digest of its ``step`` source
+(:func:`ds_version.forked_release`); any other source is refused, since a silently stale
+fork would train wrongly. Each release is verified by a test (0.19.8:
+tests/test_tiled_optimizer.py; 0.19.6: tests/test_tiled_optimizer_releases.py). Behind the
+version gate of :mod:`ds_ext.integration.ds_version`.
 """
 
 from __future__ import annotations
 
 import sys
 
-from ds_ext.integration.ds_version import check_version, require_source
+from ds_ext.integration.ds_version import check_version, forked_release
 
 check_version()
 
-# sha256 of the DeepSpeed 0.19.8 sources the forked steps mirror.
-ZERO12_STEP_SHA256 = "9520884fd916d178728985781674b3c26241dde23e71043dc0beabe507b63b5c"
-UNFUSED_STEP_SHA256 = "626bd9aa8af843e9dbc3d2d98ca05e0f31951af9f63c46bd1104e1afe513e16d"
+# sha256 of the ``step`` sources the forked steps mirror, per tested DeepSpeed release.
+ZERO12_STEP_SHA256 = {
+    "0.19.8": "9520884fd916d178728985781674b3c26241dde23e71043dc0beabe507b63b5c",
+    "0.19.6": "db8ff3856f37a5bb2bcae3fe82deefeecd1debd6a2ae77ebd0b72d79d10b7d4d",
+}
+UNFUSED_STEP_SHA256 = {
+    "0.19.8": "626bd9aa8af843e9dbc3d2d98ca05e0f31951af9f63c46bd1104e1afe513e16d",
+    "0.19.6": "391f9b64766de806c08d03fd0ad8ac356dfc0cfe23fa2eb1a2eb2ab1012c508c",
+}
 
 
 def optimizer_kind(optimizer) -> str:
@@ -55,11 +66,12 @@ def _refuse(what: str) -> None:
 def install_tiled_zero_step(zero_opt, tiled) -> None:
     """Replace ``DeepSpeedZeroOptimizer.step`` by the tiled step (001 §7.2).
 
-    Mirrors ``stage_1_and_2.py:step`` (0.19.8, l.3013-3191, non-offload branch) and reuses
-    its overflow check, global norm (incl. MoE expert-norm averaging), loss-scale update and
-    ``unscale_and_clip_grads``; only the per-group "flatten, ``.to(fp32)``, optimizer step,
-    copy to 16-bit" is replaced by :meth:`ds_ext.optim.tiled.TiledAdam.update` reading the
-    partition's 16-bit gradient pieces (``averaged_gradients[i]``) tile by tile.
+    Mirrors ``stage_1_and_2.py:step`` (non-offload branch; 0.19.8 l.3013-3191, 0.19.6
+    l.2080-2206) and reuses its overflow check, global norm (incl. MoE expert-norm averaging),
+    loss-scale update and ``unscale_and_clip_grads``; only the per-group "flatten,
+    ``.to(fp32)``, optimizer step, copy to 16-bit" is replaced by
+    :meth:`ds_ext.optim.tiled.TiledAdam.update` reading the partition's 16-bit gradient
+    pieces (``averaged_gradients[i]``) tile by tile.
     """
     import torch
     from deepspeed import comm as ds_dist
@@ -67,7 +79,7 @@ def install_tiled_zero_step(zero_opt, tiled) -> None:
     z = sys.modules["deepspeed.runtime.zero.stage_1_and_2"]
     from ds_ext.optim.tiled import piecewise_loader
 
-    require_source(z.DeepSpeedZeroOptimizer.step, ZERO12_STEP_SHA256, "ds_ext.tiled_optimizer")
+    release = forked_release(z.DeepSpeedZeroOptimizer.step, ZERO12_STEP_SHA256, "ds_ext.tiled_optimizer")
 
     if zero_opt.cpu_offload:
         _refuse("zero_optimization.offload_optimizer")
@@ -82,7 +94,7 @@ def install_tiled_zero_step(zero_opt, tiled) -> None:
         self.free_grad_in_param_list(self.params_not_in_partition[i])
         pre = self._get_preflattened_grad_partition(i)
         pieces = [pre] if pre is not None else list(self.averaged_gradients[i])
-        if self._muon_update_lacks_loss_scale(i):
+        if release != "0.19.6" and self._muon_update_lacks_loss_scale(i):  # Muon's path from 0.19.7 on
             _refuse("Muon")
         fp32 = self.single_partition_of_fp32_groups[i]
         bit16 = self.parallel_partitioned_bit16_groups[i][partition_id]
@@ -99,14 +111,10 @@ def install_tiled_zero_step(zero_opt, tiled) -> None:
         self.averaged_gradients[i] = None
         self.all_grad_tensors[i] = None
 
-    @torch.no_grad()
-    def step(closure=None):
-        if closure is not None:
-            raise ValueError("ds_ext.tiled_optimizer: step(closure) is not supported")
-        self.micro_step_id = z.INITIAL_MICRO_STEP_ID
+    def overflow_and_norm_0_19_8():
+        """0.19.8: overflow, then the norm (an invalid one is an overflow), then the loss scale."""
         if not self.compute_grad_norm:
             self._global_grad_norm = None
-        # 1. overflow and global norm, before any tile is touched
         self.overflow = False
         if self.check_grad_overflow:
             self.check_overflow(partition_gradients=self.partition_gradients)
@@ -120,6 +128,33 @@ def install_tiled_zero_step(zero_opt, tiled) -> None:
         if self.overflow:
             if self.compute_grad_norm:
                 self._global_grad_norm = float("inf")
+            return None
+        if norm is not None:
+            self._global_grad_norm = norm / prev_scale
+        return norm
+
+    def overflow_and_norm_0_19_6():
+        """0.19.6: overflow, then the loss scale, then the norm (always computed)."""
+        if self.check_grad_overflow:
+            self.check_overflow(partition_gradients=self.partition_gradients)
+        prev_scale = self.loss_scale
+        self._update_scale(self.overflow)
+        if self.overflow:
+            return None
+        norm = self.scaled_global_norm()
+        self._global_grad_norm = norm / prev_scale
+        return norm
+
+    overflow_and_norm = overflow_and_norm_0_19_6 if release == "0.19.6" else overflow_and_norm_0_19_8
+
+    @torch.no_grad()
+    def step(closure=None):
+        if closure is not None:
+            raise ValueError("ds_ext.tiled_optimizer: step(closure) is not supported")
+        self.micro_step_id = z.INITIAL_MICRO_STEP_ID
+        # 1. overflow, global norm and loss scale, before any tile is touched
+        norm = overflow_and_norm()
+        if self.overflow:
             self.zero_grad(set_to_none=True)
             self._release_preflattened_grad_buffers()
             for k in self.averaged_gradients.keys():
@@ -129,8 +164,6 @@ def install_tiled_zero_step(zero_opt, tiled) -> None:
                 self.timers(timer).start()
                 self.timers(timer).stop()
             return
-        if norm is not None:
-            self._global_grad_norm = norm / prev_scale
         # 2. tiled up-cast, unscale/clip, update, copy back
         self.timers(z.OPTIMIZER_STEP_TIMER).start()
         for i in range(len(self.bit16_groups)):
@@ -157,15 +190,17 @@ def install_tiled_zero_step(zero_opt, tiled) -> None:
 def install_tiled_unfused_step(fp16_opt, tiled) -> None:
     """Replace ``FP16_UnfusedOptimizer.step`` (stage 0 with fp16 or bf16) by the tiled step.
 
-    Mirrors ``fp16/unfused_optimizer.py:step`` (0.19.8, l.197-241): overflow check and
-    norm on the 16-bit grads first, then, per parameter and tile, up-cast the 16-bit grad
+    Mirrors ``fp16/unfused_optimizer.py:step`` (0.19.8 l.197-241, 0.19.6 l.190-239): overflow
+    check and norm on the 16-bit grads first (0.19.8: an invalid norm skips the step and the
+    loss scale is updated after the norm; 0.19.6: the loss scale is updated right after the
+    overflow check), then, per parameter and tile, up-cast the 16-bit grad
     (a missing grad is zeros, as there), multiply by ``1 / combined_scale`` from
     ``unscale_and_clip_grads(norm, apply_scale=False)``, update, copy back to 16 bits.
     """
     import torch
 
     u = sys.modules["deepspeed.runtime.fp16.unfused_optimizer"]
-    require_source(u.FP16_UnfusedOptimizer.step, UNFUSED_STEP_SHA256, "ds_ext.tiled_optimizer")
+    release = forked_release(u.FP16_UnfusedOptimizer.step, UNFUSED_STEP_SHA256, "ds_ext.tiled_optimizer")
     self = fp16_opt
     if self.fused_lamb_legacy:
         _refuse("the legacy fused LAMB path")
@@ -175,16 +210,21 @@ def install_tiled_unfused_step(fp16_opt, tiled) -> None:
         if closure is not None:
             raise ValueError("ds_ext.tiled_optimizer: step(closure) is not supported")
         self.overflow = self.overflow_checker.check()
-        if self.overflow:
+        if release == "0.19.6":
+            self._update_scale(self.overflow)
+            if self.overflow:
+                return self.overflow
+        elif self.overflow:
             return self._skip_invalid_grad_norm()
         norm_groups = []
         for group in self.fp16_groups:
             grads_for_norm, _ = u.split_params_grads_into_shared_and_expert_params(group)
             norm_groups.append(u.get_weight_norm(grads_for_norm, mpu=self.mpu) if grads_for_norm else 0.0)
         self._global_grad_norm = u.get_global_norm(norm_list=norm_groups)
-        if u.is_invalid_grad_norm(self._global_grad_norm):
-            return self._skip_invalid_grad_norm()
-        self._update_scale(False)
+        if release != "0.19.6":
+            if u.is_invalid_grad_norm(self._global_grad_norm):
+                return self._skip_invalid_grad_norm()
+            self._update_scale(False)
         inv_scale = 1.0 / self.unscale_and_clip_grads(self._global_grad_norm, apply_scale=False)
         group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         for fp32_group, fp16_group in zip(self.fp32_groups, self.fp16_groups):

@@ -23,6 +23,11 @@ Mechanics, per layer, a :class:`Tape` of :class:`Frame` s (one per first forward
 * otherwise (no checkpointing, evaluation) it records nothing.
 
 A replayed value must have the kind and shape that was recorded, else the replay raises.
+
+Stash (what CAC keeps between the first forward and the recompute, per layer, ``Tape.stash_bytes``):
+every forward collective's output (``cac_stash: full``), or, ``lean``, all but the all-to-all
+outputs that only feed DTD's tensor all-gather: the recompute replays the gathered tensor, so
+such an all-to-all replays a zero-stride placeholder of its shape and the calls are the same.
 A checkpointed forward whose backward never runs leaves a stale frame: ``ds_ext.initialize``
 clears every tape at each ``engine.forward``; code that drives TED layers by hand calls
 :func:`clear_tapes` between such a forward and the next training step.
@@ -58,7 +63,7 @@ def inside_checkpoint() -> bool:
 
 def _signature(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype)
+        return (tuple(value.shape), value.dtype, value.device)
     return type(value)
 
 
@@ -69,9 +74,10 @@ class Frame:
         self.owner = owner
         self.mode = mode  # "plain" | "record" | "replay"
         self.cac = cac
+        self.stash_bytes = 0  # bytes of the collective outputs this frame holds for the recompute
         self._items: deque[tuple[str, Any, Any]] = deque()
 
-    def _value(self, kind: str, compute: Callable[[], Any]) -> Any:
+    def _value(self, kind: str, compute: Callable[[], Any], keep: bool = True) -> Any:
         if self.mode == "replay":
             if not self._items:
                 raise RuntimeError(f"{self.owner}: the recompute asks for {kind!r} but its first forward "
@@ -83,7 +89,7 @@ class Frame:
             return value, sig
         value = compute()
         if self.mode == "record":
-            stored = value.detach() if isinstance(value, torch.Tensor) else value
+            stored = (value.detach() if keep else None) if isinstance(value, torch.Tensor) else value
             self._items.append((kind, _signature(value), stored))
         return value, None
 
@@ -91,18 +97,25 @@ class Frame:
         """A routing decision: computed in the first forward, replayed in the recompute."""
         return self._value(kind, compute)[0]
 
-    def collective(self, kind: str, run: Callable[[], torch.Tensor], like: torch.Size) -> torch.Tensor:
+    def collective(self, kind: str, run: Callable[[], torch.Tensor], like: torch.Size,
+                   stash: bool = True) -> torch.Tensor:
         """A forward collective's output; with CAC the recompute returns the recorded one.
 
         ``like``: the output shape the caller expects (checked against the record).
+        ``stash=False``: the output only feeds a collective whose output is stashed (lean
+        stash, module docstring); the recompute gets a zero-stride placeholder of its shape.
         """
         if not self.cac:
             return run()
-        value, sig = self._value(kind, run)
-        if sig is not None and sig[0] != tuple(like):
+        value, sig = self._value(kind, run, keep=stash)
+        if sig is None:  # first forward
+            if self.mode == "record" and stash:
+                self.stash_bytes += value.numel() * value.element_size()
+            return value
+        if sig[0] != tuple(like):
             raise RuntimeError(f"{self.owner}: recompute of {kind} expects shape {tuple(like)}, the first "
                                f"forward recorded {sig[0]}")
-        return value
+        return torch.zeros((), dtype=sig[1], device=sig[2]).expand(like) if value is None else value
 
 
 class Tape:
@@ -131,6 +144,10 @@ class Tape:
 
     def clear(self) -> None:
         self._frames.clear()
+
+    def stash_bytes(self) -> int:
+        """Bytes of collective outputs held now for recomputes (CAC's memory cost, 001 §7.3.2)."""
+        return sum(f.stash_bytes for f in self._frames)
 
     def __len__(self) -> int:
         return len(self._frames)

@@ -26,8 +26,8 @@ from ds_ext.comm import Communicator
 from ds_ext.moe.cac import Frame
 
 
-def _run(frame: Frame | None, kind: str, fn, like: torch.Size) -> torch.Tensor:
-    return fn() if frame is None else frame.collective(kind, fn, like)
+def _run(frame: Frame | None, kind: str, fn, like: torch.Size, stash: bool = True) -> torch.Tensor:
+    return fn() if frame is None else frame.collective(kind, fn, like, stash)
 
 
 def _all_reduce(comm: Communicator, x: torch.Tensor, group) -> torch.Tensor:
@@ -66,13 +66,14 @@ class _ReduceFromTensorRegion(torch.autograd.Function):
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group, frame: Frame | None) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group, frame: Frame | None,
+                stash: bool) -> torch.Tensor:
         ctx.comm, ctx.group = comm, group
-        return _run(frame, "all_to_all", lambda: _exchange(comm, x, group), x.shape)
+        return _run(frame, "all_to_all", lambda: _exchange(comm, x, group), x.shape, stash)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
-        return _exchange(ctx.comm, grad, ctx.group), None, None, None
+        return _exchange(ctx.comm, grad, ctx.group), None, None, None, None
 
 
 def copy_to_tensor_region(x: torch.Tensor, comm: Communicator, group) -> torch.Tensor:
@@ -87,7 +88,8 @@ def reduce_from_tensor_region(x: torch.Tensor, comm: Communicator, group, frame:
     return _ReduceFromTensorRegion.apply(x, comm, group, frame)
 
 
-def all_to_all(x: torch.Tensor, comm: Communicator, group, frame: Frame | None) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, comm: Communicator, group, frame: Frame | None, stash: bool = True) -> torch.Tensor:
+    """``stash=False``: CAC need not keep the output (it only feeds DTD's gather, lean stash)."""
     if comm.size(group) == 1:
         return x
-    return _AllToAll.apply(x, comm, group, frame)
+    return _AllToAll.apply(x, comm, group, frame, stash)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 
+from typing import Literal
+
 from pydantic import Field, StrictBool, StrictInt, model_validator
 
 from ds_ext.plugin import PluginConfig
@@ -27,6 +29,10 @@ class TEDConfig(PluginConfig):
                                                  "group's duplicate tokens around each all-to-all.")
     comm_aware_checkpointing: StrictBool = Field(True, description="CAC (001 §7.3.2): activation-checkpoint "
                                                  "recomputes reuse the first forward's collective outputs.")
+    cac_stash: Literal["full", "lean"] = Field("full", description="What CAC keeps for the recompute: "
+                                               "full = every forward collective's output; lean = not the "
+                                               "all-to-all outputs that only feed DTD's all-gather (same "
+                                               "calls, same bits, less memory).")
     seed: StrictInt = Field(1234, description="Seed of the gates' noise and random token selection.")
 
     @model_validator(mode="after")

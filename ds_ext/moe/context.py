@@ -24,7 +24,8 @@ class TEDContext:
     ``groups``: ``tensor`` (G_tensor), ``expert`` (G_expert), ``expert_data`` (G_data^exp),
     ``data`` (G_data^nonexp) and ``expert_replicas`` (G_tensor x G_data^exp: the ranks of one
     expert rank, for experts kept whole on every tensor rank) process groups of this rank. ``dtd`` / ``cac`` switch
-    duplicate token dropping (001 §7.3.1) and communication-aware checkpointing (§7.3.2).
+    duplicate token dropping (001 §7.3.1) and communication-aware checkpointing (§7.3.2);
+    ``cac_lean``: CAC does not stash the all-to-all outputs that only feed DTD's all-gather.
     ``seed`` seeds the gates' noise (identical on the ranks of a tensor group).
     """
 
@@ -35,15 +36,16 @@ class TEDContext:
     dtd: bool = True
     cac: bool = True
     seed: int = 0
+    cac_lean: bool = False
 
     @classmethod
     def create(cls, layout: TEDLayout, comm: Communicator, dtd: bool = True, cac: bool = True,
-               seed: int = 0) -> "TEDContext":
+               seed: int = 0, cac_lean: bool = False) -> "TEDContext":
         """Create the TED process groups (collective over the world) and the context."""
         groups = dict(ted_process_groups(comm.registry, layout))
         groups["expert_replicas"] = (comm.registry.group(layout.partition("expert_replicas")) if layout.tensor > 1
                                      else groups["expert_data"])
-        return cls(layout, comm, groups, dist.get_rank(), dtd, cac, seed)
+        return cls(layout, comm, groups, dist.get_rank(), dtd, cac, seed, cac_lean)
 
     @property
     def coords(self) -> dict[str, int]:

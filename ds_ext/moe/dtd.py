@@ -93,5 +93,5 @@ def exchange(x: torch.Tensor, ted: TEDContext, frame: Frame | None) -> torch.Ten
     expert_group = ted.groups["expert"]
     if not ted.dtd or ted.layout.tensor == 1 or ted.layout.expert == 1:
         return all_to_all(x, ted.comm, expert_group, frame)
-    x = all_to_all(drop_duplicates(x, ted), ted.comm, expert_group, frame)
+    x = all_to_all(drop_duplicates(x, ted), ted.comm, expert_group, frame, stash=not ted.cac_lean)
     return gather_duplicates(x, ted, frame)

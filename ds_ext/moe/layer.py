@@ -228,7 +228,8 @@ class TEDMoE(ds_moe.MoEBase):
         y = self._experts(dispatched.view(self.ep_size, self.num_local_experts, dispatched.shape[1], -1), frame)
         y = y.reshape(E, dispatched.shape[1], -1)
         if whole:
-            y = gather_duplicates(all_to_all(y, ted.comm, ted.groups["expert"], frame), ted, frame)
+            y = gather_duplicates(all_to_all(y, ted.comm, ted.groups["expert"], frame, stash=not ted.cac_lean), ted,
+                                  frame)
         elif ted is not None:
             y = exchange(y, ted, frame)
         out = decode(y, route_slots, routing.gates)

@@ -91,7 +91,7 @@ class TEDPlugin(Plugin):
         layers = self._layers(model, layout)
         _check_param_groups(optimizer, ds_config)
         self.ted = TEDContext.create(layout, rt.comm, cfg.duplicate_token_dropping, cfg.comm_aware_checkpointing,
-                                     cfg.seed)
+                                     cfg.seed, cfg.cac_stash == "lean")
         for index, (_, module) in enumerate(layers):
             module.ted_bind(self.ted, index)
         self.layers = [m for _, m in layers]

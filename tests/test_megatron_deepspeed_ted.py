@@ -1,0 +1,84 @@
+"""Issue 19's acceptance run: the real Megatron-DeepSpeed ``pretrain_gpt.py`` with TED.
+
+4 ranks, tensor-parallel 2, expert-parallel 2, both expert modes (``--enable-expert-tensor-parallelism``
+and its default, experts whole), with and without Megatron's recompute, under
+``python -m ds_ext.run`` (examples/megatron_deepspeed_ted.sh), 10 iterations, ZeRO 0 +
+gradient_clipping 1.0: the printed lm losses equal the same run with DTD / CAC off, and the
+serial reference within fp32 tolerance: the same script on one rank, tensor- and
+expert-parallel 1, its MoE layers computed by tests/moe_reference.py
+(tests/megatron_serial_reference.py), the two data shards as two micro-batches.
+
+Needs what the example script needs (its header): ``MDS`` (a copy of the client with its data
+helpers built), ``DS0196`` (deepspeed 0.19.6, which the client imports), ``EXTRA`` (nltk,
+pybind11, an import-only torchvision) and ``DATA`` (a NullTokenizer dataset); skipped
+otherwise. About 5 minutes on 2 cores: not part of the quick suite's budget.
+"""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {k: os.environ.get(k, "") for k in ("MDS", "DS0196", "EXTRA", "DATA")}
+pytestmark = pytest.mark.skipif(
+    not all(ENV.values()) or not (Path(ENV["MDS"]) / "pretrain_gpt.py").is_file(),
+    reason="Megatron-DeepSpeed acceptance run: set MDS, DS0196, EXTRA and DATA as in examples/megatron_deepspeed_ted.sh",
+)
+LOSS = re.compile(r"iteration\s+(\d+)/\s*10 \|.*?\| lm loss: ([0-9.E+-]+) \|")
+SERIAL_ARGS = [
+    "--tensor-model-parallel-size", "1", "--moe-expert-parallel-size", "1", "--num-experts", "2", "--topk", "1",
+    "--moe-train-capacity-factor", "1.0", "--moe-min-capacity", "0",
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+    "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "10",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "constant", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "512", "--split", "98,2,0", "--deepspeed", "--no-pipeline-parallel",
+    "--distributed-backend", "gloo", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
+    "--seed", "1234", "--use-cpu-initialization",
+    # the vocabulary TP 2 pads to (128 x 2), so the serial run has the same embedding
+    "--make-vocab-size-divisible-by", "256", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--attention-dropout", "0",
+    "--hidden-dropout", "0",
+]
+
+
+def _losses(out: str) -> list[float]:
+    got = [(int(i), float(v)) for i, v in LOSS.findall(out)]
+    assert [i for i, _ in got] == list(range(1, 11)), out[-3000:]
+    return [v for _, v in got]
+
+
+def _ted(etp: int, recompute: int, mode: str) -> list[float]:
+    run = subprocess.run(["bash", str(REPO / "examples" / "megatron_deepspeed_ted.sh"), str(etp), str(recompute), mode],
+                         env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return _losses(run.stdout)
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory):
+    """lm losses of the serial reference run (one rank, plain DeepSpeed 0.19.6, no ds_ext)."""
+    cfg = tmp_path_factory.mktemp("serial") / "ds.json"
+    cfg.write_text('{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1, '
+                   '"zero_optimization": {"stage": 0}, "gradient_clipping": 1.0}')
+    env = {**os.environ, "PYTHONPATH": f"{ENV['DS0196']}:{ENV['EXTRA']}:{ENV['MDS']}", "OMP_NUM_THREADS": "1",
+           "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+           "REFERENCE_DATA_SHARDS": "2"}
+    run = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "1",
+                          str(REPO / "tests" / "megatron_serial_reference.py"), "pretrain_gpt.py", *SERIAL_ARGS,
+                          "--data-path", ENV["DATA"], "--deepspeed_config", str(cfg)],
+                         cwd=ENV["MDS"], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return _losses(run.stdout)
+
+
+@pytest.mark.parametrize("recompute", [0, 1], ids=["no-recompute", "megatron-recompute"])
+@pytest.mark.parametrize("etp", [1, 0], ids=["experts-split", "experts-whole"])
+def test_pretrain_gpt_tp2_ep2_equals_off_and_serial_reference(serial, etp, recompute):
+    on = _ted(etp, recompute, "on")
+    off = _ted(etp, recompute, "off" if etp else "cac-off")  # whole experts need DTD (refused without)
+    assert on == off  # as printed: 7 significant digits
+    assert on == pytest.approx(serial, rel=2e-5, abs=0)
+    assert on[-1] < on[0]
