@@ -59,11 +59,12 @@ class PMMEngine:
             yield
 
     # ---- collectives (no call for an axis of size one) -------------------------------------
-    def all_reduce(self, t: torch.Tensor, axis: Axis, layer: str | None = None, async_op: bool = False) -> Handle:
+    def all_reduce(self, t: torch.Tensor, axis: Axis, layer: str | None = None, async_op: bool = False,
+                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
         if axis.size == 1:
             return _DONE
         with self.tag(layer):
-            h = self.comm.all_reduce(t, group=axis.group, async_op=async_op)
+            h = self.comm.all_reduce(t, op=op, group=axis.group, async_op=async_op)
         return h or _DONE
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis, layer: str | None = None,

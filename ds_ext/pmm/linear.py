@@ -86,7 +86,7 @@ class Linear(nn.Module):
         """A layer initialized like ``nn.Linear(in_features, out_features)`` under the current seed."""
         super().__init__()
         serial = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._setup(serial, engine, transposed, out_chunks, name)
+        self._setup(serial.weight, serial.bias, engine, transposed, out_chunks, name)
 
     @classmethod
     def from_serial(cls, serial: nn.Linear, engine: PMMEngine, *, transposed: bool = False,
@@ -94,22 +94,24 @@ class Linear(nn.Module):
         """The shard of ``serial``'s parameters this rank owns (001 §5.1.1)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._setup(serial, engine, transposed, out_chunks, name)
+        layer._setup(serial.weight, serial.bias, engine, transposed, out_chunks, name)
         return layer
 
-    def _setup(self, serial: nn.Linear, engine: PMMEngine, transposed: bool, out_chunks: int, name: str) -> None:
+    def _setup(self, weight: torch.Tensor, bias: torch.Tensor | None, engine: PMMEngine, transposed: bool,
+               out_chunks: int, name: str) -> None:
+        """Keep this rank's shard of the serial ``[n, k]`` ``weight`` (and ``[n]`` ``bias``)."""
         self.engine, self.transposed, self.name = engine, transposed, name
-        self.in_features, self.out_features = serial.in_features, serial.out_features
+        self.out_features, self.in_features = weight.shape
         self.out_axis, self.in_axis = (engine.y, engine.x) if transposed else (engine.x, engine.y)
         self.layout = LinearLayout(
-            n=serial.out_features, k=serial.in_features,
+            n=self.out_features, k=self.in_features,
             out_parts=self.out_axis.size, out_coord=self.out_axis.rank,
             in_parts=self.in_axis.size, in_coord=self.in_axis.rank,
             z_parts=engine.z.size, z_coord=engine.z.rank, out_chunks=out_chunks,
         )
         with torch.no_grad():
-            self.weight = nn.Parameter(self.layout.shard(serial.weight))
-            self.bias = nn.Parameter(self.layout.bias(serial.bias)) if serial.bias is not None else None
+            self.weight = nn.Parameter(self.layout.shard(weight))
+            self.bias = nn.Parameter(self.layout.bias(bias)) if bias is not None else None
         self.weight.pmm_sharded = True  # distinct on every tensor rank (ds_ext.pmm.norm)
         if self.bias is not None:
             self.bias.pmm_replicated_over = (self.in_axis.name, "z")

@@ -2,8 +2,6 @@
 
 Each says what is replicated and what is split before and after it:
 
-* :func:`reduce_forward` (the LM head): partial products over an axis -> their sum,
-  replicated; backward passes the replicated gradient through unchanged.
 * :func:`reduce_both` (norm statistics): partial sums over an axis -> their sum, used by
   every rank for its own slice; backward sums the slices' gradients over the axis.
 * :func:`reduce_grad` (parameters replicated over Z): identity forward; backward sums the
@@ -22,18 +20,6 @@ from ds_ext.pmm.grid import Axis
 
 if TYPE_CHECKING:
     from ds_ext.pmm.engine import PMMEngine
-
-
-class _ReduceForward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
-        out = t.contiguous().clone()
-        engine.all_reduce(out, axis)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None, None
 
 
 class _ReduceBoth(torch.autograd.Function):
@@ -75,10 +61,6 @@ class _MeanOver(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad / ctx.size, None, None
-
-
-def reduce_forward(t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
-    return t if axis.size == 1 else _ReduceForward.apply(t, engine, axis)
 
 
 def reduce_both(t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
