@@ -1,6 +1,8 @@
 """3D-PMM pure logic, no processes: grid layout, shard indices, config and conversion errors,
 the performance model (Eqs 5.1-5.7, Fig 5.3, degenerate grids), matmul modes."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -87,14 +89,15 @@ def test_heads_not_divisible_one_line():
 
 
 def test_hidden_not_divisible_one_line():
-    with pytest.raises(ConversionError, match=r"ds_ext.pmm3d.grid.y=5 does not divide embed's 48 hidden "
-                                              r"features") as err:
+    with pytest.raises(ConversionError, match=r"ds_ext.pmm3d.grid \(x=1, y=5, z=1\) does not fit the "
+                                              r"vocabulary-parallel table embed .* \[256, 48\] weight does not split "
+                                              r"into 1 x 5 blocks") as err:
         parallelize(_gpt(), _engine(y=5))
     assert "\n" not in str(err.value)
 
 
 def test_z_must_divide_weight_blocks():
-    with pytest.raises(ConversionError, match=r"does not fit layer blocks.0.qkv: .* 7 Z chunks"):
+    with pytest.raises(ConversionError, match=r"does not fit the vocabulary-parallel table embed .* 7 Z chunks"):
         parallelize(_gpt(), _engine(z=7))
 
 
@@ -176,6 +179,7 @@ def test_transposed_layer_swaps_x_and_y():
 
 def test_degenerate_grids_reduce_to_megatron_fsdp_ddp():
     spec, e, rows = _block_spec(), 2, 8 * 16
+    spec = dataclasses.replace(spec, tables=(), head=None)  # the blocks' layers: what the baselines have
     layers = list(spec.layers)
     assert _layer_bytes(spec, Grid(8, 1, 1, 1)) == perf.megatron_bytes(layers, rows, 8, e)
     assert _layer_bytes(spec, Grid(1, 1, 8, 1)) == perf.fsdp_bytes(layers, 8, e)
@@ -241,8 +245,9 @@ def test_prefetch_order_records_only_grad_enabled_passes():
     with torch.no_grad():
         model(tokens)  # an evaluation pass before training is not a training step's order
     model(tokens).backward()
-    assert [layer.name for layer in prefetcher.order] == ["blocks.0.qkv", "blocks.0.proj", "blocks.0.fc1",
-                                                          "blocks.0.fc2"]
+    # the vocabulary-parallel tables gather their blocks too; the tied head gathers embed again
+    assert [layer.name for layer in prefetcher.order] == ["embed", "pos", "blocks.0.qkv", "blocks.0.proj",
+                                                          "blocks.0.fc1", "blocks.0.fc2", "embed"]
 
 
 def test_prefetch_of_a_weight_changed_since_is_not_used():
