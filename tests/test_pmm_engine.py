@@ -254,8 +254,9 @@ def _memory(stage):
     measured["optimizer"] = optimizer_state_bytes(engine)
     engine.destroy()
     serial = gpt()
-    serial_linear = sum(m.weight.numel() * 2 for m in serial.modules() if isinstance(m, torch.nn.Linear))
-    return measured, memory(model_spec(serial, plan_for(serial)), _grid(grid), 2, stage), serial_linear
+    tables = (torch.nn.Linear, torch.nn.Embedding)  # vocabulary-parallel tables are sharded like weights
+    serial_sharded = sum(m.weight.numel() * 2 for m in serial.modules() if isinstance(m, tables))
+    return measured, memory(model_spec(serial, plan_for(serial)), _grid(grid), 2, stage), serial_sharded
 
 
 def _grid(dims):
@@ -266,13 +267,13 @@ def _grid(dims):
 
 def test_memory_per_rank(world):
     tensor = 2 * 1 * 2
-    for (m0, model0, serial_linear), (m1, model1, _) in zip(world.run(_memory, 0), world.run(_memory, 1)):
-        assert m0["layer_params"] == m0["layer_grads"] == serial_linear // tensor == model0["layer_params"]
+    for (m0, model0, serial_sharded), (m1, model1, _) in zip(world.run(_memory, 0), world.run(_memory, 1)):
+        # layer weights and the (vocabulary-parallel) embedding tables: serial / (G_x G_y G_z)
+        assert m0["layer_params"] == m0["layer_grads"] == serial_sharded // tensor == model0["layer_params"]
         assert m1["layer_params"] == model1["layer_params"]
-        # replicated: norms and embeddings (split over Y only) and layer biases, listed and counted
+        # replicated: norms (split over Y only) and layer biases, listed and counted
         assert m0["replicated_params"] == model0["replicated_params"]
-        assert all(n.endswith("bias") or ".ln" in n or n in ("embed.weight", "pos.weight", "ln_f.weight")
-                   for n in m0["replicated_names"])
+        assert all(n.endswith("bias") or ".ln" in n or n == "ln_f.weight" for n in m0["replicated_names"])
         assert m0["optimizer"] == model0["optimizer"]  # fp32 master + Adam m, v: 12 bytes per local parameter
         assert m1["optimizer"] == model1["optimizer"] == model0["optimizer"] / 2  # ZeRO-1: further / data
 
@@ -401,3 +402,80 @@ def _auto_grid():
 def test_auto_grid_is_the_models_first_choice(world):
     for chosen, expected in world.run(_auto_grid):
         assert chosen == expected
+
+
+# ---- vocabulary-parallel tables (issue 20 point 6) against a serial reference written apart -----
+VOCAB_GRIDS = [(2, 2, 2, 1), (8, 1, 1, 1), (1, 2, 4, 1), (2, 1, 4, 1), (1, 8, 1, 1), (2, 1, 1, 4)]
+
+
+def _vocab_vs_serial(grids):
+    """Per grid and tied / untied head: embedding lookup -> LM head -> summed cross-entropy
+    (ignore_index -100) of a plain-torch model (nn.Embedding, nn.Linear, F.cross_entropy) and
+    of ds_ext.pmm.vocab's tables on this rank's Z rows; returns the largest differences of
+    loss, logits and table-gradient shards (cut here by hand from the serial tensors) and the
+    bytes of this rank's tables."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from ds_ext.comm.collectives import Communicator
+    from ds_ext.groups import GroupRegistry
+    from ds_ext.pmm import Grid, Linear, PMMEngine, build_axes
+    from ds_ext.pmm.vocab import Embedding, tied_head, vocab_cross_entropy
+    from ds_ext.topology import Topology
+
+    V, d, B, S = 64, 16, 8, 6
+    comm = Communicator(GroupRegistry(Topology.from_preset("frontier", 8, {"gpu": 2})))
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, V, (B, S), generator=gen)
+    targets = torch.randint(0, V, (B, S), generator=gen)
+    targets[torch.rand(B, S, generator=gen) < 0.2] = -100
+    out = []
+    for dims in grids:
+        axes = build_axes(Grid(*dims), comm.registry, dist.get_rank())
+        eng = PMMEngine(axes, comm)
+        gx, gy, gz = dims[:3]
+        cx, cy, cz = axes["x"].rank, axes["y"].rank, axes["z"].rank
+        for tied in (False, True):
+            torch.manual_seed(11)
+            table, head = torch.nn.Embedding(V, d), torch.nn.Linear(d, V, bias=False)
+            if tied:
+                head.weight = table.weight
+            # serial reference: plain torch, the whole batch
+            logits = head(table(ids))
+            loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100, reduction="sum")
+            loss.backward()
+            # 3D-PMM: this rank's Z share of the rows, its tables' shards
+            emb = Embedding.from_embedding(table, eng, name="embed")
+            par_head = tied_head(emb, "head") if tied else Linear.from_serial(head, eng, name="head")
+            rows = slice(cz * B // gz, (cz + 1) * B // gz)
+            par_logits = par_head(emb(ids[rows]))
+            par_loss = vocab_cross_entropy(par_logits, targets[rows], eng).sum()
+            par_loss.backward()
+            total = par_loss.detach().clone()
+            dist.all_reduce(total, group=axes["z"].group)
+
+            def shard(full):  # block (vocab x, features y) of a [V, d] tensor, flattened, Z chunk z
+                block = full[cx * V // gx:(cx + 1) * V // gx, cy * d // gy:(cy + 1) * d // gy].reshape(-1)
+                n = block.numel() // gz
+                return block[cz * n:(cz + 1) * n]
+
+            vocab = slice(cx * V // gx, (cx + 1) * V // gx)
+            diffs = {"loss": abs(total.item() - loss.item()) / loss.item(),
+                     "logits": float((par_logits - logits[rows][..., vocab]).abs().max()),
+                     "embed_grad": float((emb.weight.grad - shard(table.weight.grad)).abs().max())}
+            if not tied:
+                diffs["head_grad"] = float((par_head.weight.grad - shard(head.weight.grad)).abs().max())
+            params = {id(p): p for p in (*emb.parameters(), *par_head.parameters())}.values()
+            out.append((dims, tied, diffs, sum(p.numel() * p.element_size() for p in params)))
+    return out
+
+
+def test_vocab_parallel_tables_equal_a_serial_reference_and_hold_a_tensor_share(world):
+    V, d = 64, 16
+    for result in world.run(_vocab_vs_serial, VOCAB_GRIDS):
+        for dims, tied, diffs, nbytes in result:
+            assert diffs["loss"] < 1e-6 and max(diffs.values()) < 1e-5, (dims, tied, diffs)
+            tables = 1 if tied else 2
+            # a rank holds 1 / (G_x G_y G_z) of every table (not 1 / G_y: replicated over X and Z)
+            assert nbytes == tables * V * d * 4 // (dims[0] * dims[1] * dims[2]), (dims, tied, nbytes)

@@ -78,6 +78,7 @@ class TableSpec:
     rows: int
     features: int
     lookup: bool = True  # an embedding (False: the untied head's weight, used by ``ModelSpec.head``)
+    per_position: bool = False  # looked up by position ids ``[s]``, once for all sequences (GPT's ``pos``)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,8 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
             block = T.rows * T.features // (grid.x * grid.y) * e
             fwd, bwd = (f"forward/{T.name}", f"backward/{T.name}") if by_layer else ("forward", "backward")
             add(fwd, "all_gather", "z", block / grid.z, grad_accum, "5.1 (table)")
-            add(fwd, "all_reduce", "x", rows * T.features // grid.y * e, grad_accum, "lookup")
+            looked_up = seq_len if T.per_position else rows
+            add(fwd, "all_reduce", "x", looked_up * T.features // grid.y * e, grad_accum, "lookup")
             add(bwd, "reduce_scatter", "z", block, grad_accum, "5.2 (table)")
     for L in (*spec.layers, *([spec.head] if spec.head else [])):
         key = (L.k, L.n, L.transposed, L.bias, L.out_chunks, L.recomputed)
@@ -192,7 +194,7 @@ def gpt_spec(d_model: int, n_layers: int, n_heads: int, vocab: int, seq_len: int
                    LayerSpec(p + "fc1", d, f, False, True), LayerSpec(p + "fc2", f, d, True, True)]
         norms += [NormSpec(p + "ln1", d, 2, 2), NormSpec(p + "ln2", d, 2, 2)]
     norms.append(NormSpec("ln_f", d, 2, 2))
-    tables = (TableSpec("embed", vocab, d), TableSpec("pos", seq_len, d))
+    tables = (TableSpec("embed", vocab, d), TableSpec("pos", seq_len, d, per_position=True))
     return ModelSpec(tuple(layers), tuple(norms), tables, LayerSpec("embed", d, vocab),
                      {"GPTConfig.n_heads": n_heads})
 

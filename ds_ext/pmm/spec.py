@@ -30,7 +30,7 @@ def model_spec(model: nn.Module, plan: Plan) -> ModelSpec:
             layers.append(LayerSpec(name, m.in_features, m.out_features, style.transposed, m.bias is not None,
                                     style.out_chunks, _recomputed(model, name)))
         elif isinstance(m, nn.Embedding):
-            tables.append(TableSpec(name, m.num_embeddings, m.embedding_dim))
+            tables.append(TableSpec(name, m.num_embeddings, m.embedding_dim, per_position=name in plan.positions))
             if name == plan.tied_head:
                 head = LayerSpec(name, m.embedding_dim, m.num_embeddings)
         elif isinstance(m, nn.LayerNorm):
