@@ -453,7 +453,8 @@ def _vocab_vs_serial(grids):
             par_loss = vocab_cross_entropy(par_logits, targets[rows], eng).sum()
             par_loss.backward()
             total = par_loss.detach().clone()
-            dist.all_reduce(total, group=axes["z"].group)
+            if gz > 1:  # the serial sum over all rows: the Z shares' sums added
+                dist.all_reduce(total, group=axes["z"].group)
 
             def shard(full):  # block (vocab x, features y) of a [V, d] tensor, flattened, Z chunk z
                 block = full[cx * V // gx:(cx + 1) * V // gx, cy * d // gy:(cy + 1) * d // gy].reshape(-1)
@@ -462,7 +463,7 @@ def _vocab_vs_serial(grids):
 
             vocab = slice(cx * V // gx, (cx + 1) * V // gx)
             diffs = {"loss": abs(total.item() - loss.item()) / loss.item(),
-                     "logits": float((par_logits - logits[rows][..., vocab]).abs().max()),
+                     "logits": float((par_logits - logits[rows][..., vocab]).detach().abs().max()),
                      "embed_grad": float((emb.weight.grad - shard(table.weight.grad)).abs().max())}
             if not tied:
                 diffs["head_grad"] = float((par_head.weight.grad - shard(head.weight.grad)).abs().max())

@@ -19,12 +19,13 @@ with n = V rows, so a table costs Eqs 5.1 / 5.2 (its block gathered over Z in fo
 its gradient reduce-scattered over Z) plus the lookup's all-reduce over X of
 m d / (G_z G_y) e, and the head is a normal layer k = d, n = V without bias (Eqs 5.1-5.4;
 gathered again when tied). Other terms that ds_ext issues beyond Eqs 5.1-5.5, modelled
-exactly as the engine issues them: the bias gradient all-reduce over Z (2 (G_z-1)/G_z
-n/G_out e, per layer), norm statistics all-reduced over Y (forward and backward, fp32),
-the vocabulary-parallel cross-entropy over X (row maximum, then target logit and sum of
-exponentials: m / G_z and 2 m / G_z fp32 values), gradients of the norm vectors
-(replicated over Z) all-reduced over Z, the loss averaged over Z, and DeepSpeed's
-data-parallel all-reduce of every local gradient (Eq 5.5 for the layers).
+exactly as the engine issues them: norm statistics all-reduced over Y (forward and
+backward, fp32), the vocabulary-parallel cross-entropy over X (row maximum, then target
+logit and sum of exponentials: m / G_z and 2 m / G_z fp32 values), the gradients of the
+parameters replicated over Z (layer biases, n/G_out each, and norm vectors, d/G_y each)
+summed over Z in ONE bucketed all-reduce per micro-step (issue 20 point 8), the loss
+averaged over Z, and DeepSpeed's data-parallel all-reduce of every local gradient (Eq 5.5
+for the layers).
 
 Bandwidth of axis i (Eq 5.7): inside a node (Π_{j<=i} G_j <= G_node) the profiled value
 for (G_0 = Π_{j<i} G_j, G_1 = G_i) from a database (``ds-ext tune --measure``) or, without
@@ -155,8 +156,6 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
                 add(bwd, op, axis, per_call, grad_accum, eq + " (recompute)")
         add(bwd, "all_reduce", o, rows * L.k // gi * e, grad_accum, "5.4")
         add(bwd, "reduce_scatter", "z", block, grad_accum, "5.2")
-        if L.bias:
-            add(bwd, "all_reduce", "z", L.n // go * e, grad_accum, "bias")
         same[key] = out[first:]
     for N in spec.norms:
         per_call = rows * N.stats * STATS_BYTES
@@ -166,8 +165,8 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
         add("forward", "all_reduce", "x", rows * STATS_BYTES, grad_accum, "vocab CE max")
         add("forward", "all_reduce", "x", 2 * rows * STATS_BYTES, grad_accum, "vocab CE sums")
     add("forward", "all_reduce", "z", STATS_BYTES, grad_accum, "loss mean")
-    for size in replicated_numels(spec, grid):
-        add("backward", "all_reduce", "z", size * e, grad_accum, "replicated grad")
+    add("backward", "all_reduce", "z", sum(replicated_numels(spec, grid)) * e, grad_accum,
+        "replicated grads (one bucket)")
     layers = sharded_numel(spec, grid)
     add("backward", "all_reduce", "data", layers * e, 1, "5.5 (DeepSpeed, one bucket with the rest)")
     add("backward", "all_reduce", "data", (local_numel(spec, grid) - layers) * e, 1, "data (DeepSpeed)")
@@ -200,8 +199,9 @@ def gpt_spec(d_model: int, n_layers: int, n_heads: int, vocab: int, seq_len: int
 
 
 def replicated_numels(spec: ModelSpec, grid: Grid) -> list[int]:
-    """Local sizes of the parameters replicated over Z (norm vectors), one each."""
-    return [N.features // grid.y for N in spec.norms for _ in range(N.params)]
+    """Local sizes of the parameters replicated over Z (layer biases, norm vectors), one each."""
+    biases = [L.n // _size(grid, _axes(L)[0]) for L in spec.layers if L.bias]
+    return biases + [N.features // grid.y for N in spec.norms for _ in range(N.params)]
 
 
 def sharded_numel(spec: ModelSpec, grid: Grid) -> int:
@@ -213,8 +213,7 @@ def sharded_numel(spec: ModelSpec, grid: Grid) -> int:
 
 def local_numel(spec: ModelSpec, grid: Grid) -> int:
     """Parameters one rank holds: layer and table shards, biases, norm vectors."""
-    biases = sum(L.n // _size(grid, _axes(L)[0]) for L in spec.layers if L.bias)
-    return sharded_numel(spec, grid) + biases + sum(replicated_numels(spec, grid))
+    return sharded_numel(spec, grid) + sum(replicated_numels(spec, grid))
 
 
 def ledger_bytes(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, seq_len: int,

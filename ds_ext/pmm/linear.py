@@ -15,7 +15,8 @@ line 3  matmul              Ô_{k,i} = I_{k,j} W_{j,i}ᵀ: partial sums over in-
 line 4  ALL-REDUCE_y        O_{k,i} ``[..., n/G_x]``: out block i over X, replicated over Y
 line 11-12 ALL-REDUCE_x     dL/dI_{k,j} = Σ_x dL/dO W: ``[..., k/G_y]``, replicated over X
 line 13-14 REDUCE-SCATTER_z dL/dŴ: the Z shares of (dL/dO)ᵀ I summed, chunk k kept
-bias gradient ALL-REDUCE_z  Σ over the Z shares of the rows (not in Eqs 5.1-5.5)
+bias gradient ALL-REDUCE_z  Σ over the Z shares of the rows (not in Eqs 5.1-5.5), in the
+                            forward's bucket of Z-replicated gradients (PMMEngine.replicated)
 ==========================  ============================================================
 
 So the output of a normal layer is laid out as a transposed layer's input and back:
@@ -63,7 +64,8 @@ class _Algorithm3(torch.autograd.Function):
         pending = eng.all_reduce(grad_in, layer.out_axis, layer.name, async_op=eng.overlap.all_reduce)  # line 12
         grad_block = eng.matmul(f"{layer.name}/wgrad", g2.t(), x2)  # line 13
         pending.wait()  # OAR: the all-reduce ran during line 13
-        grad_w, grad_b = layer.reduce_gradients(grad_block, g2 if ctx.has_bias else None, ctx.deferred)  # line 14
+        grad_w = layer.reduce_gradients(grad_block, ctx.deferred)  # line 14
+        grad_b = g2.sum(0) if ctx.has_bias else None  # summed over Z by the bucket
         return grad_in.view(ctx.in_shape), grad_w, grad_b, None, None
 
 
@@ -142,21 +144,15 @@ class Linear(nn.Module):
             return self.engine.prefetcher.weight(self, shard, grad_pass)
         return self.gather(shard)
 
-    # ---- line 14 (+ bias) ------------------------------------------------------------------
-    def reduce_gradients(
-        self, grad_block: torch.Tensor, grad_out: torch.Tensor | None, deferred: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # ---- line 14 ---------------------------------------------------------------------------
+    def reduce_gradients(self, grad_block: torch.Tensor, deferred: bool) -> torch.Tensor:
+        """dL/dŴ: the block gradient reduce-scattered over Z (ORS: waited by the gate)."""
         eng = self.engine
         grad_w = grad_block.new_empty(self.layout.shard_numel)
-        handles = [eng.reduce_scatter(grad_w, grad_block.reshape(-1), eng.z, self.name, async_op=deferred)]
-        grad_b = None
-        if grad_out is not None:
-            grad_b = grad_out.sum(0)
-            handles.append(eng.all_reduce(grad_b, eng.z, self.name, async_op=deferred))
-        for h in handles:
-            if deferred:
-                eng.deferred.defer(h)
-        return grad_w, grad_b
+        handle = eng.reduce_scatter(grad_w, grad_block.reshape(-1), eng.z, self.name, async_op=deferred)
+        if deferred:
+            eng.deferred.defer(handle)
+        return grad_w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.layout.k_local:
@@ -166,7 +162,7 @@ class Linear(nn.Module):
             )
         eng = self.engine
         weight = eng.weight_input(self.weight)
-        bias = eng.weight_input(self.bias) if self.bias is not None else None
+        bias = eng.replicated(self.bias) if self.bias is not None else None
         if eng.deferred is not None and torch.is_grad_enabled() and not eng.deferred.gated(weight):
             raise RuntimeError(
                 "ds_ext.pmm3d.overlap.reduce_scatter needs the model converted by ds_ext.pmm.parallelize "

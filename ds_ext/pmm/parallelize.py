@@ -113,10 +113,11 @@ def _convert(name: str, m: nn.Module, plan: Plan, engine: PMMEngine, tables: dic
 
 
 class _BatchHooks:
-    """Root forward hooks: keep the Z share of the batch; the loss becomes the Z mean."""
+    """Root forward hooks: keep the Z share of the batch; the loss becomes the Z mean; the
+    engine's per-pass state (ORS gate over the weights, the bucket of Z-replicated parameters)."""
 
-    def __init__(self, engine: PMMEngine, weights: list[nn.Parameter]) -> None:
-        self.engine, self.weights = engine, weights
+    def __init__(self, engine: PMMEngine, weights: list[nn.Parameter], replicated: list[nn.Parameter]) -> None:
+        self.engine, self.weights, self.replicated = engine, weights, replicated
 
     def _slice(self, t: Any, batch: int) -> Any:
         if not (torch.is_tensor(t) and t.dim() >= 1 and t.shape[0] == batch):
@@ -138,7 +139,7 @@ class _BatchHooks:
                 # Hugging Face divides the loss sum by the step's item count; this rank sums
                 # over its Z share only and post() takes the Z mean, so each share counts 1 / G_z
                 kwargs["num_items_in_batch"] = kwargs["num_items_in_batch"] / self.engine.z.size
-        self.engine.begin_forward(self.weights)
+        self.engine.begin_forward(self.weights, self.replicated)
         return args, kwargs
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
@@ -168,9 +169,9 @@ def parallelize(model: nn.Module, engine: PMMEngine, plan: Plan | None = None) -
         plan.adapt(model, engine)
     if plan.head is not None:
         model._loss_function = causal_lm_loss(engine)  # Hugging Face's loss_function reads it
-    weights = list({id(p): p for m in model.modules() if isinstance(m, Linear)
-                    for p in (m.weight, m.bias) if p is not None}.values())
-    hooks = _BatchHooks(engine, weights)
+    weights = list({id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}.values())
+    replicated = [p for p in model.parameters() if "z" in getattr(p, "pmm_replicated_over", ())]
+    hooks = _BatchHooks(engine, weights, replicated)
     model.register_forward_pre_hook(hooks.pre, with_kwargs=True)
     model.register_forward_hook(hooks.post, with_kwargs=True)
     model.pmm_engine = engine

@@ -71,7 +71,7 @@ class _Lookup(torch.autograd.Function):
         grad = grad_out.reshape(-1, lay.k_local)[inside.reshape(-1)]
         grad_block = grad.new_zeros(lay.n_local, lay.k_local)
         grad_block.index_add_(0, local.reshape(-1)[inside.reshape(-1)], grad)
-        grad_w, _ = layer.reduce_gradients(grad_block, None, ctx.deferred)
+        grad_w = layer.reduce_gradients(grad_block, ctx.deferred)
         return None, grad_w, None, None
 
 
