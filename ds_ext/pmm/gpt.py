@@ -21,7 +21,9 @@ class PMMGPT(GPT):
 
 
 def adapt_gpt(model: GPT, engine) -> None:
-    """Each block keeps n_heads / G_x heads (its QKV out-features are split over X)."""
+    """Each block keeps n_heads / G_x heads (its QKV out-features are split over X); the token
+    table is also the head."""
     for block in model.blocks:
         block.n_heads = model.cfg.n_heads // engine.x.size
+    model.embed.shared_weight = True  # looked up and attended to (the tied head)
     model.__class__ = PMMGPT

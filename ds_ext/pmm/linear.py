@@ -49,7 +49,7 @@ class _Algorithm3(torch.autograd.Function):
             out += bias
         ctx.save_for_backward(x2, w)  # line 5
         ctx.layer, ctx.in_shape, ctx.has_bias = layer, x.shape, bias is not None
-        ctx.deferred = eng.deferred is not None and eng.deferred.gated(weight)
+        ctx.deferred = layer.deferrable(weight)
         return out.view(*x.shape[:-1], layer.layout.n_local)
 
     @staticmethod
@@ -71,6 +71,10 @@ class _Algorithm3(torch.autograd.Function):
 
 class Linear(nn.Module):
     """A 3D-PMM fully connected layer (see the module docstring for its sharding contract)."""
+
+    # the weight is used more than once per pass (a tied embedding and LM head): autograd adds
+    # its gradients as they arrive, so ORS cannot hand it buffers still being reduce-scattered
+    shared_weight: bool = False
 
     def __init__(
         self,
@@ -143,6 +147,11 @@ class Linear(nn.Module):
         if self.engine.prefetcher is not None:
             return self.engine.prefetcher.weight(self, shard, grad_pass)
         return self.gather(shard)
+
+    def deferrable(self, weight: torch.Tensor) -> bool:
+        """ORS may defer this call's weight-gradient reduce-scatter to the gate."""
+        eng = self.engine
+        return eng.deferred is not None and eng.deferred.gated(weight) and not self.shared_weight
 
     # ---- line 14 ---------------------------------------------------------------------------
     def reduce_gradients(self, grad_block: torch.Tensor, deferred: bool) -> torch.Tensor:

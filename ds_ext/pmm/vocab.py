@@ -60,7 +60,7 @@ class _Lookup(torch.autograd.Function):
         eng.all_reduce(out, layer.out_axis, layer.name)
         ctx.save_for_backward(local, inside)
         ctx.layer, ctx.dtype = layer, w.dtype
-        ctx.deferred = eng.deferred is not None and eng.deferred.gated(weight)
+        ctx.deferred = layer.deferrable(weight)
         return out
 
     @staticmethod
@@ -94,7 +94,8 @@ class Embedding(Linear):
         return eng.input_with_gate(out)
 
     def attend(self, x: torch.Tensor) -> torch.Tensor:
-        """The tied LM head: logits ``[..., V/G_x]`` (vocab block over X, replicated over Y)."""
+        """The tied LM head: logits ``[..., V/G_x]`` (vocab block over X, replicated over Y);
+        a model that calls it marks the table ``shared_weight``."""
         return Linear.forward(self, x)
 
 
@@ -106,6 +107,7 @@ def tied_head(table: Embedding, name: str) -> Linear:
     head.in_features, head.out_features = table.in_features, table.out_features
     head.out_axis, head.in_axis, head.layout = table.out_axis, table.in_axis, table.layout
     head.weight, head.bias = table.weight, None
+    head.shared_weight = table.shared_weight = True
     return head
 
 
