@@ -58,7 +58,7 @@ def test_zero2_fp32(world):
 def test_matmul_tuning_same_results(world):
     results = world.run(train_and_compare, "gpt", (2, 2, 2, 1), tune=True)
     tel = results[0]["telemetry"]
-    layers = [f"blocks.{b}.{n}" for b in range(2) for n in ("qkv", "proj", "fc1", "fc2")]
+    layers = [f"blocks.{b}.{n}" for b in range(2) for n in ("qkv", "proj", "fc1", "fc2")] + ["embed"]  # + tied head
     assert tel["tuned_sites"] == sorted(f"{lay}/{s}" for lay in layers for s in ("fwd", "dgrad", "wgrad"))
     assert all(r["telemetry"]["tuned_modes"] == tel["tuned_modes"] for r in results)  # agreed by all ranks
 
@@ -90,7 +90,7 @@ def test_matmul_tuning_with_uneven_sequence_lengths(world):
     tuned, plain = world.run(_uneven_lengths, True), world.run(_uneven_lengths, False)
     for (losses, modes), (want, _) in zip(tuned, plain):
         assert losses == pytest.approx(want, rel=1e-5)
-        assert modes == tuned[0][1] and len(modes) == 2 * 24  # both lengths, agreed by every rank
+        assert modes == tuned[0][1] and len(modes) == 2 * 27  # both lengths (8 layers + the head, 3 sites each), agreed by every rank
 
 
 def _train_steps(engine, family, steps):
