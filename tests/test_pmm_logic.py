@@ -420,3 +420,30 @@ def test_example_model_and_optimizer_follow_the_config():
     no_section = {k: v for k, v in config["pmm3d_cpu8.json"].items() if k != "optimizer"}
     build = train.optimizer_for(no_section, params, 1e-3)
     assert callable(build) and isinstance(build(params), torch.optim.AdamW)  # built on the converted params
+
+
+@pytest.mark.parametrize("family", ["llama3-8b", "neox-20b"])
+def test_real_size_tables_shard_over_the_tensor_grid(family):
+    """Issue 20 point 6: per-rank parameters of Llama-3-8B and NeoX-20B on (8,1,8,1), read by
+    ds_ext.perf.pmm from meta-device models, within 1.1x of serial / (G_x G_y G_z) + the
+    Z-replicated vectors (biases, norms); the serial count is the built model's own."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        if family == "llama3-8b":
+            model = LlamaForCausalLM(LlamaConfig(
+                vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False))
+        else:
+            model = GPTNeoXForCausalLM(GPTNeoXConfig(
+                vocab_size=50432, hidden_size=6144, intermediate_size=24576, num_hidden_layers=44,
+                num_attention_heads=64, tie_word_embeddings=False))
+    grid = Grid(8, 1, 8, 1)
+    spec = model_spec(model, plan_for(model))
+    serial = sum(p.numel() for p in model.parameters())
+    vectors = sum(perf.replicated_numels(spec, grid))
+    assert perf.local_numel(spec, grid) <= 1.1 * (serial / grid.tensor + vectors)
+    # every matrix (tables and head included) is split over the whole tensor grid; the 1-D
+    # parameters (biases, norm weights) are the rest
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert perf.sharded_numel(spec, grid) * grid.tensor == matrices
