@@ -25,17 +25,20 @@ def test_overlap_bit_identical_to_blocking(world):
     for identical, same_losses, tel in world.run(_overlap_pair, (2, 2, 2, 1)):
         assert identical and same_losses
         order = tel["recorded_order"]
-        assert len(order) == 2 * 8  # 8 layers in forward, again in the recompute
-        assert order[8:] == order[4:8] + order[:4]  # the recompute runs the last block first
+        # forward: embed, pos, 8 layers, embed (the tied head); the recompute: the 8 layers again
+        assert len(order) == 11 + 8 and order[:2] == ["embed", "pos"] and order[10] == "embed"
+        assert order[11:] == order[6:10] + order[2:6]  # the recompute runs the last block first
         assert tel["prefetch_hits"] >= (5 - 1) * (len(order) - 1)  # every later call after the first step
-        assert tel["deferred_waited"] == 5 * 8 * 2  # each layer: weight reduce-scatter + bias all-reduce
+        # deferred per step: the 8 layers' and pos's weight reduce-scatters (biases: the Z bucket;
+        # the tied embed table: reduced at once, autograd adds its two gradients)
+        assert tel["deferred_waited"] == 5 * (8 + 1)
 
 
 def test_prefetch_after_a_no_grad_forward_equals_serial(world):
     # issue 20 defect 1: an evaluation pass before training recorded the order twice, and each
     # step then used blocks.0.qkv gathered from the weights before the previous optimizer step
     for out in world.run(train_and_compare, "gpt", (2, 2, 2, 1), overlap=ALL_ON, no_grad_first=True):
-        assert len(out["telemetry"]["recorded_order"]) == 8
+        assert len(out["telemetry"]["recorded_order"]) == 11  # embed, pos, 8 layers, embed
 
 
 def test_zero1_fp32_tiled_optimizer_with_clipping(world):
@@ -55,7 +58,7 @@ def test_zero2_fp32(world):
 def test_matmul_tuning_same_results(world):
     results = world.run(train_and_compare, "gpt", (2, 2, 2, 1), tune=True)
     tel = results[0]["telemetry"]
-    layers = [f"blocks.{b}.{n}" for b in range(2) for n in ("qkv", "proj", "fc1", "fc2")]
+    layers = [f"blocks.{b}.{n}" for b in range(2) for n in ("qkv", "proj", "fc1", "fc2")] + ["embed"]  # + tied head
     assert tel["tuned_sites"] == sorted(f"{lay}/{s}" for lay in layers for s in ("fwd", "dgrad", "wgrad"))
     assert all(r["telemetry"]["tuned_modes"] == tel["tuned_modes"] for r in results)  # agreed by all ranks
 
@@ -87,7 +90,7 @@ def test_matmul_tuning_with_uneven_sequence_lengths(world):
     tuned, plain = world.run(_uneven_lengths, True), world.run(_uneven_lengths, False)
     for (losses, modes), (want, _) in zip(tuned, plain):
         assert losses == pytest.approx(want, rel=1e-5)
-        assert modes == tuned[0][1] and len(modes) == 2 * 24  # both lengths, agreed by every rank
+        assert modes == tuned[0][1] and len(modes) == 2 * 27  # both lengths (8 layers + the head, 3 sites each), agreed by every rank
 
 
 def _train_steps(engine, family, steps):
@@ -191,7 +194,8 @@ def test_hf_checkpoint_consolidates_and_loads_shard_by_shard(world, tmp_path):
 
 
 def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None):
-    from ds_ext.perf.pmm import ledger_bytes
+    from ds_ext.groups import axis_levels
+    from ds_ext.perf.pmm import items, ledger_bytes
     from ds_ext.pmm.plans import plan_for
     from ds_ext.pmm.spec import model_spec
     from pmm_helpers import gpt
@@ -206,10 +210,15 @@ def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None):
             engine.step()
     measured = {ph: lv for ph, lv in engine.ds_ext.ledger.steps[-1].by_phase().items() if ph != "step"}
     serial = gpt()
-    model = ledger_bytes(model_spec(serial, plan_for(serial)), engine.ds_ext.plugins[-1].grid,
-                         engine.ds_ext.topology, micro, SEQ, 2 if bf16 else 4, accum)
+    spec, pmm_grid, topology = model_spec(serial, plan_for(serial)), engine.ds_ext.plugins[-1].grid, engine.ds_ext.topology
+    model = ledger_bytes(spec, pmm_grid, topology, micro, SEQ, 2 if bf16 else 4, accum)
+    # all-reduces in backward at Z's level (the gradients of Z-replicated parameters): ledger and model
+    z_level = axis_levels(pmm_grid.axes(), topology)["z"]
+    calls = engine.ds_ext.ledger.steps[-1].calls.get(("backward", "all_reduce", z_level), 0)
+    model_calls = sum(i.calls for i in items(spec, pmm_grid, micro, SEQ, 2 if bf16 else 4, accum)
+                      if (i.phase, i.op, i.axis) == ("backward", "all_reduce", "z"))
     engine.destroy()
-    return measured, model
+    return measured, model, (calls, model_calls)
 
 
 LEDGER_GRIDS = [(2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 2, 2), (4, 2, 1, 1), (2, 2, 1, 2), (8, 1, 1, 1), (1, 1, 8, 1),
@@ -221,8 +230,11 @@ LEDGER_GRIDS = [(2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 2, 2), (4, 2, 1, 1), (2, 2, 1
     ((2, 2, 2, 1), 2, False, None), ((1, 2, 2, 2), 2, True, ALL_ON),
 ], ids=str)
 def test_ledger_equals_model_per_layer_and_level(world, grid, accum, bf16, overlap):
-    for measured, model in world.run(_ledger_vs_model, grid, accum, bf16, overlap):
+    for measured, model, (calls, model_calls) in world.run(_ledger_vs_model, grid, accum, bf16, overlap):
         assert measured == model  # exact: {"forward/<layer>": {level: bytes}, ..., "backward": {...}}
+        if grid[2] > 1 and grid[3] == 1:  # Z's level carries no other backward all-reduce
+            # issue 20 point 8: 8 biases + 10 norm vectors in ONE all-reduce per micro-step (was 18)
+            assert calls == model_calls == accum, (calls, model_calls)
 
 
 def _memory(stage):
@@ -254,8 +266,9 @@ def _memory(stage):
     measured["optimizer"] = optimizer_state_bytes(engine)
     engine.destroy()
     serial = gpt()
-    serial_linear = sum(m.weight.numel() * 2 for m in serial.modules() if isinstance(m, torch.nn.Linear))
-    return measured, memory(model_spec(serial, plan_for(serial)), _grid(grid), 2, stage), serial_linear
+    tables = (torch.nn.Linear, torch.nn.Embedding)  # vocabulary-parallel tables are sharded like weights
+    serial_sharded = sum(m.weight.numel() * 2 for m in serial.modules() if isinstance(m, tables))
+    return measured, memory(model_spec(serial, plan_for(serial)), _grid(grid), 2, stage), serial_sharded
 
 
 def _grid(dims):
@@ -266,13 +279,13 @@ def _grid(dims):
 
 def test_memory_per_rank(world):
     tensor = 2 * 1 * 2
-    for (m0, model0, serial_linear), (m1, model1, _) in zip(world.run(_memory, 0), world.run(_memory, 1)):
-        assert m0["layer_params"] == m0["layer_grads"] == serial_linear // tensor == model0["layer_params"]
+    for (m0, model0, serial_sharded), (m1, model1, _) in zip(world.run(_memory, 0), world.run(_memory, 1)):
+        # layer weights and the (vocabulary-parallel) embedding tables: serial / (G_x G_y G_z)
+        assert m0["layer_params"] == m0["layer_grads"] == serial_sharded // tensor == model0["layer_params"]
         assert m1["layer_params"] == model1["layer_params"]
-        # replicated: norms and embeddings (split over Y only) and layer biases, listed and counted
+        # replicated: norms (split over Y only) and layer biases, listed and counted
         assert m0["replicated_params"] == model0["replicated_params"]
-        assert all(n.endswith("bias") or ".ln" in n or n in ("embed.weight", "pos.weight", "ln_f.weight")
-                   for n in m0["replicated_names"])
+        assert all(n.endswith("bias") or ".ln" in n or n == "ln_f.weight" for n in m0["replicated_names"])
         assert m0["optimizer"] == model0["optimizer"]  # fp32 master + Adam m, v: 12 bytes per local parameter
         assert m1["optimizer"] == model1["optimizer"] == model0["optimizer"] / 2  # ZeRO-1: further / data
 
@@ -401,3 +414,81 @@ def _auto_grid():
 def test_auto_grid_is_the_models_first_choice(world):
     for chosen, expected in world.run(_auto_grid):
         assert chosen == expected
+
+
+# ---- vocabulary-parallel tables (issue 20 point 6) against a serial reference written apart -----
+VOCAB_GRIDS = [(2, 2, 2, 1), (8, 1, 1, 1), (1, 2, 4, 1), (2, 1, 4, 1), (1, 8, 1, 1), (2, 1, 1, 4)]
+
+
+def _vocab_vs_serial(grids):
+    """Per grid and tied / untied head: embedding lookup -> LM head -> summed cross-entropy
+    (ignore_index -100) of a plain-torch model (nn.Embedding, nn.Linear, F.cross_entropy) and
+    of ds_ext.pmm.vocab's tables on this rank's Z rows; returns the largest differences of
+    loss, logits and table-gradient shards (cut here by hand from the serial tensors) and the
+    bytes of this rank's tables."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from ds_ext.comm.collectives import Communicator
+    from ds_ext.groups import GroupRegistry
+    from ds_ext.pmm import Grid, Linear, PMMEngine, build_axes
+    from ds_ext.pmm.vocab import Embedding, tied_head, vocab_cross_entropy
+    from ds_ext.topology import Topology
+
+    V, d, B, S = 64, 16, 8, 6
+    comm = Communicator(GroupRegistry(Topology.from_preset("frontier", 8, {"gpu": 2})))
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, V, (B, S), generator=gen)
+    targets = torch.randint(0, V, (B, S), generator=gen)
+    targets[torch.rand(B, S, generator=gen) < 0.2] = -100
+    out = []
+    for dims in grids:
+        axes = build_axes(Grid(*dims), comm.registry, dist.get_rank())
+        eng = PMMEngine(axes, comm)
+        gx, gy, gz = dims[:3]
+        cx, cy, cz = axes["x"].rank, axes["y"].rank, axes["z"].rank
+        for tied in (False, True):
+            torch.manual_seed(11)
+            table, head = torch.nn.Embedding(V, d), torch.nn.Linear(d, V, bias=False)
+            if tied:
+                head.weight = table.weight
+            # serial reference: plain torch, the whole batch
+            logits = head(table(ids))
+            loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100, reduction="sum")
+            loss.backward()
+            # 3D-PMM: this rank's Z share of the rows, its tables' shards
+            emb = Embedding.from_embedding(table, eng, name="embed")
+            par_head = tied_head(emb, "head") if tied else Linear.from_serial(head, eng, name="head")
+            rows = slice(cz * B // gz, (cz + 1) * B // gz)
+            par_logits = par_head(emb(ids[rows]))
+            par_loss = vocab_cross_entropy(par_logits, targets[rows], eng).sum()
+            par_loss.backward()
+            total = par_loss.detach().clone()
+            if gz > 1:  # the serial sum over all rows: the Z shares' sums added
+                dist.all_reduce(total, group=axes["z"].group)
+
+            def shard(full):  # block (vocab x, features y) of a [V, d] tensor, flattened, Z chunk z
+                block = full[cx * V // gx:(cx + 1) * V // gx, cy * d // gy:(cy + 1) * d // gy].reshape(-1)
+                n = block.numel() // gz
+                return block[cz * n:(cz + 1) * n]
+
+            vocab = slice(cx * V // gx, (cx + 1) * V // gx)
+            diffs = {"loss": abs(total.item() - loss.item()) / loss.item(),
+                     "logits": float((par_logits - logits[rows][..., vocab]).detach().abs().max()),
+                     "embed_grad": float((emb.weight.grad - shard(table.weight.grad)).abs().max())}
+            if not tied:
+                diffs["head_grad"] = float((par_head.weight.grad - shard(head.weight.grad)).abs().max())
+            params = {id(p): p for p in (*emb.parameters(), *par_head.parameters())}.values()
+            out.append((dims, tied, diffs, sum(p.numel() * p.element_size() for p in params)))
+    return out
+
+
+def test_vocab_parallel_tables_equal_a_serial_reference_and_hold_a_tensor_share(world):
+    V, d = 64, 16
+    for result in world.run(_vocab_vs_serial, VOCAB_GRIDS):
+        for dims, tied, diffs, nbytes in result:
+            assert diffs["loss"] < 1e-6 and max(diffs.values()) < 1e-5, (dims, tied, diffs)
+            tables = 1 if tied else 2
+            # a rank holds 1 / (G_x G_y G_z) of every table (not 1 / G_y: replicated over X and Z)
+            assert nbytes == tables * V * d * 4 // (dims[0] * dims[1] * dims[2]), (dims, tied, nbytes)

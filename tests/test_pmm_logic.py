@@ -1,6 +1,8 @@
 """3D-PMM pure logic, no processes: grid layout, shard indices, config and conversion errors,
 the performance model (Eqs 5.1-5.7, Fig 5.3, degenerate grids), matmul modes."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -87,14 +89,15 @@ def test_heads_not_divisible_one_line():
 
 
 def test_hidden_not_divisible_one_line():
-    with pytest.raises(ConversionError, match=r"ds_ext.pmm3d.grid.y=5 does not divide embed's 48 hidden "
-                                              r"features") as err:
+    with pytest.raises(ConversionError, match=r"ds_ext.pmm3d.grid \(x=1, y=5, z=1\) does not fit the "
+                                              r"vocabulary-parallel table embed .* \[256, 48\] weight does not split "
+                                              r"into 1 x 5 blocks") as err:
         parallelize(_gpt(), _engine(y=5))
     assert "\n" not in str(err.value)
 
 
 def test_z_must_divide_weight_blocks():
-    with pytest.raises(ConversionError, match=r"does not fit layer blocks.0.qkv: .* 7 Z chunks"):
+    with pytest.raises(ConversionError, match=r"does not fit the vocabulary-parallel table embed .* 7 Z chunks"):
         parallelize(_gpt(), _engine(z=7))
 
 
@@ -176,6 +179,7 @@ def test_transposed_layer_swaps_x_and_y():
 
 def test_degenerate_grids_reduce_to_megatron_fsdp_ddp():
     spec, e, rows = _block_spec(), 2, 8 * 16
+    spec = dataclasses.replace(spec, tables=(), head=None)  # the blocks' layers: what the baselines have
     layers = list(spec.layers)
     assert _layer_bytes(spec, Grid(8, 1, 1, 1)) == perf.megatron_bytes(layers, rows, 8, e)
     assert _layer_bytes(spec, Grid(1, 1, 8, 1)) == perf.fsdp_bytes(layers, 8, e)
@@ -241,8 +245,9 @@ def test_prefetch_order_records_only_grad_enabled_passes():
     with torch.no_grad():
         model(tokens)  # an evaluation pass before training is not a training step's order
     model(tokens).backward()
-    assert [layer.name for layer in prefetcher.order] == ["blocks.0.qkv", "blocks.0.proj", "blocks.0.fc1",
-                                                          "blocks.0.fc2"]
+    # the vocabulary-parallel tables gather their blocks too; the tied head gathers embed again
+    assert [layer.name for layer in prefetcher.order] == ["embed", "pos", "blocks.0.qkv", "blocks.0.proj",
+                                                          "blocks.0.fc1", "blocks.0.fc2", "embed"]
 
 
 def test_prefetch_of_a_weight_changed_since_is_not_used():
@@ -415,3 +420,30 @@ def test_example_model_and_optimizer_follow_the_config():
     no_section = {k: v for k, v in config["pmm3d_cpu8.json"].items() if k != "optimizer"}
     build = train.optimizer_for(no_section, params, 1e-3)
     assert callable(build) and isinstance(build(params), torch.optim.AdamW)  # built on the converted params
+
+
+@pytest.mark.parametrize("family", ["llama3-8b", "neox-20b"])
+def test_real_size_tables_shard_over_the_tensor_grid(family):
+    """Issue 20 point 6: per-rank parameters of Llama-3-8B and NeoX-20B on (8,1,8,1), read by
+    ds_ext.perf.pmm from meta-device models, within 1.1x of serial / (G_x G_y G_z) + the
+    Z-replicated vectors (biases, norms); the serial count is the built model's own."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        if family == "llama3-8b":
+            model = LlamaForCausalLM(LlamaConfig(
+                vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False))
+        else:
+            model = GPTNeoXForCausalLM(GPTNeoXConfig(
+                vocab_size=50432, hidden_size=6144, intermediate_size=24576, num_hidden_layers=44,
+                num_attention_heads=64, tie_word_embeddings=False))
+    grid = Grid(8, 1, 8, 1)
+    spec = model_spec(model, plan_for(model))
+    serial = sum(p.numel() for p in model.parameters())
+    vectors = sum(perf.replicated_numels(spec, grid))
+    assert perf.local_numel(spec, grid) <= 1.1 * (serial / grid.tensor + vectors)
+    # every matrix (tables and head included) is split over the whole tensor grid; the 1-D
+    # parameters (biases, norm weights) are the rest
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert perf.sharded_numel(spec, grid) * grid.tensor == matrices

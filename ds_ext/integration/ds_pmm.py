@@ -5,8 +5,8 @@ Behind the version gate of :mod:`ds_ext.integration.ds_version`.
 DeepSpeed sums squared gradient norms over the mpu's model-parallel group, counting a
 parameter on every rank if ``deepspeed.runtime.utils.is_model_parallel_parameter`` holds
 (attribute ``model_parallel``) and otherwise only on model-parallel rank 0. 3D-PMM has
-three kinds of parameters: Linear shards (distinct on every tensor rank), Y-split ones
-(norms, embeddings, head: distinct over Y, replicated over X and Z) and, with G_y = 1,
+three kinds of parameters: Linear shards (distinct on every tensor rank; the vocabulary-parallel
+tables too), Y-split ones (norms: distinct over Y, replicated over X and Z) and, with G_y = 1,
 replicas. :func:`mark_parameters` flags each distinct shard on exactly one rank, so the
 norm DeepSpeed computes (and clips with) is the serial model's (the rule of
 :func:`ds_ext.pmm.norm.owns`).

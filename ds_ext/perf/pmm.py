@@ -13,12 +13,19 @@ paper's time times β:
     AR_data 2 (G_data - 1)/G_data  k n / (G_x G_y G_z) e          (5.5)  once per step
     t_comm = Σ_layers Σ_terms bytes / β_axis                       (5.6)
 
-A transposed layer swaps G_x and G_y (and their bandwidths). Terms that ds_ext issues
-beyond Eqs 5.1-5.5, modelled exactly as the engine issues them: the bias gradient
-all-reduce over Z (2 (G_z-1)/G_z n/G_out e, per layer), norm statistics all-reduced over Y
-(forward and backward, fp32), the LM head's partial logits all-reduced over Y, gradients
-of parameters replicated over Z all-reduced over Z, the loss averaged over Z, and
-DeepSpeed's data-parallel all-reduce of every local gradient (Eq 5.5 for the layers).
+A transposed layer swaps G_x and G_y (and their bandwidths). Embedding tables and the LM
+head are vocabulary-parallel (``ds_ext.pmm.vocab``): stored as the weight of a normal layer
+with n = V rows, so a table costs Eqs 5.1 / 5.2 (its block gathered over Z in forward,
+its gradient reduce-scattered over Z) plus the lookup's all-reduce over X of
+m d / (G_z G_y) e, and the head is a normal layer k = d, n = V without bias (Eqs 5.1-5.4;
+gathered again when tied). Other terms that ds_ext issues beyond Eqs 5.1-5.5, modelled
+exactly as the engine issues them: norm statistics all-reduced over Y (forward and
+backward, fp32), the vocabulary-parallel cross-entropy over X (row maximum, then target
+logit and sum of exponentials: m / G_z and 2 m / G_z fp32 values), the gradients of the
+parameters replicated over Z (layer biases, n/G_out each, and norm vectors, d/G_y each)
+summed over Z in ONE bucketed all-reduce per micro-step (issue 20 point 8), the loss
+averaged over Z, and DeepSpeed's data-parallel all-reduce of every local gradient (Eq 5.5
+for the layers).
 
 Bandwidth of axis i (Eq 5.7): inside a node (Π_{j<=i} G_j <= G_node) the profiled value
 for (G_0 = Π_{j<i} G_j, G_1 = G_i) from a database (``ds-ext tune --measure``) or, without
@@ -65,11 +72,14 @@ class NormSpec:
 
 @dataclass(frozen=True)
 class TableSpec:
-    """An embedding table or untied LM head weight ``[rows, features]``, features split over Y."""
+    """An embedding table or untied LM head weight ``[rows, features]``, vocabulary-parallel:
+    rows over X, features over Y, the block in G_z chunks (``ds_ext.pmm.vocab``)."""
 
     name: str
     rows: int
     features: int
+    lookup: bool = True  # an embedding (False: the untied head's weight, used by ``ModelSpec.head``)
+    per_position: bool = False  # looked up by position ids ``[s]``, once for all sequences (GPT's ``pos``)
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,7 @@ class ModelSpec:
     layers: tuple[LayerSpec, ...]
     norms: tuple[NormSpec, ...] = ()
     tables: tuple[TableSpec, ...] = ()
-    vocab: int = 0  # logits width of the LM head (0: no head)
+    head: LayerSpec | None = None  # the LM head d -> V (normal, no bias; its weight is one of the tables)
     heads: dict[str, int] = field(default_factory=dict)  # attention head counts X must divide
 
 
@@ -120,7 +130,15 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
             out.append(Item(phase, op, axis, nbytes, calls, eq))
 
     same: dict[tuple, list[Item]] = {}  # by_layer=False: identical layers give identical items
-    for L in spec.layers:
+    for T in spec.tables:
+        if T.lookup:
+            block = T.rows * T.features // (grid.x * grid.y) * e
+            fwd, bwd = (f"forward/{T.name}", f"backward/{T.name}") if by_layer else ("forward", "backward")
+            add(fwd, "all_gather", "z", block / grid.z, grad_accum, "5.1 (table)")
+            looked_up = seq_len if T.per_position else rows
+            add(fwd, "all_reduce", "x", looked_up * T.features // grid.y * e, grad_accum, "lookup")
+            add(bwd, "reduce_scatter", "z", block, grad_accum, "5.2 (table)")
+    for L in (*spec.layers, *([spec.head] if spec.head else [])):
         key = (L.k, L.n, L.transposed, L.bias, L.out_chunks, L.recomputed)
         if not by_layer and key in same:
             out.extend(same[key])
@@ -138,19 +156,18 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
                 add(bwd, op, axis, per_call, grad_accum, eq + " (recompute)")
         add(bwd, "all_reduce", o, rows * L.k // gi * e, grad_accum, "5.4")
         add(bwd, "reduce_scatter", "z", block, grad_accum, "5.2")
-        if L.bias:
-            add(bwd, "all_reduce", "z", L.n // go * e, grad_accum, "bias")
         same[key] = out[first:]
     for N in spec.norms:
         per_call = rows * N.stats * STATS_BYTES
         add("forward", "all_reduce", "y", per_call, grad_accum, "norm stats")
         add("backward", "all_reduce", "y", per_call, grad_accum * (2 if N.recomputed else 1), "norm stats")
-    if spec.vocab:
-        add("forward", "all_reduce", "y", rows * spec.vocab * e, grad_accum, "head logits")
+    if spec.head:
+        add("forward", "all_reduce", "x", rows * STATS_BYTES, grad_accum, "vocab CE max")
+        add("forward", "all_reduce", "x", 2 * rows * STATS_BYTES, grad_accum, "vocab CE sums")
     add("forward", "all_reduce", "z", STATS_BYTES, grad_accum, "loss mean")
-    for size in replicated_numels(spec, grid):
-        add("backward", "all_reduce", "z", size * e, grad_accum, "replicated grad")
-    layers = sum(_layer_numel(L, grid) for L in spec.layers)
+    add("backward", "all_reduce", "z", sum(replicated_numels(spec, grid)) * e, grad_accum,
+        "replicated grads (one bucket)")
+    layers = sharded_numel(spec, grid)
     add("backward", "all_reduce", "data", layers * e, 1, "5.5 (DeepSpeed, one bucket with the rest)")
     add("backward", "all_reduce", "data", (local_numel(spec, grid) - layers) * e, 1, "data (DeepSpeed)")
     return out
@@ -176,24 +193,27 @@ def gpt_spec(d_model: int, n_layers: int, n_heads: int, vocab: int, seq_len: int
                    LayerSpec(p + "fc1", d, f, False, True), LayerSpec(p + "fc2", f, d, True, True)]
         norms += [NormSpec(p + "ln1", d, 2, 2), NormSpec(p + "ln2", d, 2, 2)]
     norms.append(NormSpec("ln_f", d, 2, 2))
-    tables = (TableSpec("embed", vocab, d), TableSpec("pos", seq_len, d))
-    return ModelSpec(tuple(layers), tuple(norms), tables, vocab, {"GPTConfig.n_heads": n_heads})
+    tables = (TableSpec("embed", vocab, d), TableSpec("pos", seq_len, d, per_position=True))
+    return ModelSpec(tuple(layers), tuple(norms), tables, LayerSpec("embed", d, vocab),
+                     {"GPTConfig.n_heads": n_heads})
 
 
 def replicated_numels(spec: ModelSpec, grid: Grid) -> list[int]:
-    """Local sizes of the parameters replicated over Z (norm vectors, tables), one each."""
-    norms = [N.features // grid.y for N in spec.norms for _ in range(N.params)]
-    return norms + [T.rows * T.features // grid.y for T in spec.tables]
+    """Local sizes of the parameters replicated over Z (layer biases, norm vectors), one each."""
+    biases = [L.n // _size(grid, _axes(L)[0]) for L in spec.layers if L.bias]
+    return biases + [N.features // grid.y for N in spec.norms for _ in range(N.params)]
+
+
+def sharded_numel(spec: ModelSpec, grid: Grid) -> int:
+    """Elements of the Z-chunked weights one rank holds: layer shards and table shards,
+    serial / (G_x G_y G_z) each."""
+    tables = sum(T.rows * T.features // (grid.x * grid.y * grid.z) for T in spec.tables)
+    return tables + sum(_layer_numel(L, grid) for L in spec.layers)
 
 
 def local_numel(spec: ModelSpec, grid: Grid) -> int:
-    """Parameters one rank holds: layer shards and biases plus replicated parameters."""
-    total = sum(replicated_numels(spec, grid))
-    for L in spec.layers:
-        o, i = _axes(L)
-        total += L.n * L.k // (_size(grid, o) * _size(grid, i) * grid.z)
-        total += L.n // _size(grid, o) if L.bias else 0
-    return total
+    """Parameters one rank holds: layer and table shards, biases, norm vectors."""
+    return sharded_numel(spec, grid) + sum(replicated_numels(spec, grid))
 
 
 def ledger_bytes(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, seq_len: int,
@@ -312,13 +332,15 @@ def _layer_numel(L: LayerSpec, grid: Grid) -> int:
 def memory(spec: ModelSpec, grid: Grid, elem_bytes: int, zero_stage: int = 0) -> dict[str, float]:
     """Bytes of model state per rank.
 
-    ``layer_params`` / ``layer_grads``: the converted layers' weight shards, serial / (G_x G_y G_z);
-    ``replicated_params`` / ``replicated_grads``: biases (split over the out axis only), norm
-    vectors and tables (split over Y only); ``optimizer``: Adam m and v, plus an fp32 master
-    copy when training in 16 bit, divided by G_data under ZeRO-1/2; ``gathered_weights``:
-    the all-gathered blocks Algorithm 3 caches from forward to backward (transient).
+    ``layer_params`` / ``layer_grads``: the converted layers' and tables' weight shards,
+    serial / (G_x G_y G_z); ``replicated_params`` / ``replicated_grads``: biases (split over
+    the out axis only) and norm vectors (split over Y only); ``optimizer``: Adam m and v, plus
+    an fp32 master copy when training in 16 bit, divided by G_data under ZeRO-1/2;
+    ``gathered_weights``: the all-gathered blocks Algorithm 3 caches from forward to backward
+    (layers and the head; transient).
     """
-    layer = sum(_layer_numel(L, grid) for L in spec.layers)
+    layer = sharded_numel(spec, grid)
+    cached = (*spec.layers, *([spec.head] if spec.head else []))
     total = local_numel(spec, grid)
     per_param = 8 + (4 if elem_bytes < 4 else 0)
     return {
@@ -327,7 +349,7 @@ def memory(spec: ModelSpec, grid: Grid, elem_bytes: int, zero_stage: int = 0) ->
         "replicated_params": (total - layer) * elem_bytes,
         "replicated_grads": (total - layer) * elem_bytes,
         "optimizer": total * per_param / (grid.data if zero_stage >= 1 else 1),
-        "gathered_weights": sum(_layer_numel(L, grid) * grid.z for L in spec.layers) * elem_bytes,
+        "gathered_weights": sum(_layer_numel(L, grid) * grid.z for L in cached) * elem_bytes,
     }
 
 
@@ -357,9 +379,14 @@ def unfit_reason(spec: ModelSpec, grid: Grid, micro_batch: int) -> str | None:
             LinearLayout(L.n, L.k, _size(grid, o), 0, _size(grid, i), 0, grid.z, 0, L.out_chunks)
         except ValueError as err:
             return f"{L.name}: {err}"
-    for f in [N.features for N in spec.norms] + [T.features for T in spec.tables]:
+    for f in [N.features for N in spec.norms]:
         if f % grid.y:
             return f"y={grid.y} does not divide {f} hidden features"
+    for T in spec.tables:
+        try:
+            LinearLayout(T.rows, T.features, grid.x, 0, grid.y, 0, grid.z, 0)
+        except ValueError as err:
+            return f"table {T.name}: {err}"
     return None
 
 
@@ -415,5 +442,6 @@ def ddp_bytes(layers: list[LayerSpec], g: int, e: int) -> float:
 __all__ = [
     "Bandwidths", "Candidate", "Item", "LayerSpec", "ModelSpec", "NormSpec", "TableSpec", "axis_bandwidths",
     "comm_time", "ddp_bytes", "factorizations", "fsdp_bytes", "items", "ledger_bytes", "ledger_messages", "local_numel",
-    "megatron_bytes", "memory", "model_state_bytes", "rank_grids", "replicated_numels", "unfit_reason",
+    "megatron_bytes", "memory", "model_state_bytes", "rank_grids", "replicated_numels", "sharded_numel",
+    "unfit_reason",
 ]

@@ -5,8 +5,8 @@ Every factorization (G_x, G_y, G_z, G_data) of the world that divides the model
 A data-parallel replica of G_x G_y G_z ranks runs micro-batches of ``b`` sequences, each rank
 ``b s / G_z`` rows of them. Bytes per step are ``perf.pmm.items`` (Eqs 5.1-5.5 and the terms
 ds_ext adds), memory ``perf.pmm.memory``; activations split rows over Z, the residual stream
-over Y and matmul activations over X Y (001 §5.1.2's layout; the head's logits are
-all-reduced over Y, so each rank keeps its rows' full logits).
+over Y and matmul activations over X Y (001 §5.1.2's layout; the head is vocabulary-parallel,
+so each rank keeps its rows' logits of its X block of the vocabulary).
 
 Time is the planner's α-β per level, or, when the job asks for it (``ds-ext tune --links shared``
 or ``--database``), 001 Eq 5.7's per-axis bandwidths (``perf.pmm.axis_bandwidths``) on the same
@@ -33,10 +33,12 @@ def model_spec(arch: Arch, checkpointing: bool = True) -> perf.ModelSpec:
     backward (as ``ds_ext.pmm.spec.model_spec`` reads a checkpointed GPT)."""
     spec = perf.gpt_spec(arch.hidden, arch.layers, arch.heads, arch.vocab, arch.seq, arch.ffn_mult)
     tables = [t for t in spec.tables if arch.learned_positions or t.name != "pos"]
+    head = spec.head
     if not arch.tied_embeddings:
-        tables.append(perf.TableSpec("head", arch.vocab, arch.hidden))
+        tables.append(perf.TableSpec("head", arch.vocab, arch.hidden, lookup=False))
+        head = replace(head, name="head")
     block = lambda x: checkpointing and x.name.startswith("blocks.")  # noqa: E731
-    return replace(spec, tables=tuple(tables), layers=tuple(replace(L, recomputed=block(L)) for L in spec.layers),
+    return replace(spec, tables=tuple(tables), head=head, layers=tuple(replace(L, recomputed=block(L)) for L in spec.layers),
                    norms=tuple(replace(N, recomputed=block(N)) for N in spec.norms))
 
 
@@ -99,7 +101,7 @@ def states(spec: perf.ModelSpec, grid: Grid, elem_bytes: int) -> dict[str, float
 def candidate(job: Job, grid: Grid, spec: perf.ModelSpec | None = None) -> Candidate:
     a, e = job.arch, job.elem_bytes
     spec = spec or model_spec(a, job.checkpointing)
-    split = ActivationSplit(rows=grid.z, residual=grid.y, tensor=grid.x * grid.y)
+    split = ActivationSplit(rows=grid.z, residual=grid.y, tensor=grid.x * grid.y, vocab=grid.x)
     return Candidate(
         family="pmm3d", name=f"pmm3d {grid.x}x{grid.y}x{grid.z}x{grid.data}",
         config={"zero_optimization": {"stage": 1}, "ds_ext": {"pmm3d": {

@@ -12,10 +12,9 @@ from typing import Any
 _EXPORTS = {
     "Axis": "ds_ext.pmm.grid",
     "ConversionError": "ds_ext.pmm.parallelize",
-    "Embedding": "ds_ext.pmm.layers",
+    "Embedding": "ds_ext.pmm.vocab",
     "Grid": "ds_ext.pmm.grid",
     "GridError": "ds_ext.pmm.grid",
-    "Head": "ds_ext.pmm.layers",
     "LayerNorm": "ds_ext.pmm.layers",
     "Linear": "ds_ext.pmm.linear",
     "LinearStyle": "ds_ext.pmm.plans",
@@ -26,6 +25,7 @@ _EXPORTS = {
     "local_shards": "ds_ext.pmm.parallelize",
     "parallelize": "ds_ext.pmm.parallelize",
     "plan_for": "ds_ext.pmm.plans",
+    "vocab_cross_entropy": "ds_ext.pmm.vocab",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,8 +6,8 @@ Next to DeepSpeed's own files, a save writes ``<tag>/pmm3d/``:
   Face class and config of an HF model, and per parameter (serial name) how it is laid out
   (the sharding contracts of :mod:`ds_ext.pmm.linear` and :mod:`ds_ext.pmm.layers`):
   ``linear_weight`` (n, k, transposed, out_chunks: Ŵ, chunk z of the flattened block
-  ``W[out block, in block]``), ``linear_bias`` (out block), ``features`` (last dimension
-  split over Y);
+  ``W[out block, in block]``; also the vocabulary-parallel tables of :mod:`ds_ext.pmm.vocab`),
+  ``linear_bias`` (out block), ``features`` (norms: last dimension split over Y);
 * ``tensor_<x>_<y>_<z>.pt`` (the ranks with data coordinate 0): their shards and, with a
   torch optimizer, its per-parameter state under the same names.
 

@@ -59,11 +59,12 @@ class PMMEngine:
             yield
 
     # ---- collectives (no call for an axis of size one) -------------------------------------
-    def all_reduce(self, t: torch.Tensor, axis: Axis, layer: str | None = None, async_op: bool = False) -> Handle:
+    def all_reduce(self, t: torch.Tensor, axis: Axis, layer: str | None = None, async_op: bool = False,
+                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
         if axis.size == 1:
             return _DONE
         with self.tag(layer):
-            h = self.comm.all_reduce(t, group=axis.group, async_op=async_op)
+            h = self.comm.all_reduce(t, op=op, group=axis.group, async_op=async_op)
         return h or _DONE
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis, layer: str | None = None,
@@ -98,11 +99,20 @@ class PMMEngine:
         return self.tuner.matmul(site, a, b)
 
     # ---- per forward pass ------------------------------------------------------------------
-    def begin_forward(self, weights: list[torch.nn.Parameter]) -> None:
-        """Called at the model's forward start: fresh replicated views, ORS gate; no prefetch
-        issued before (an optimizer step may have run since) survives into the pass; matmul
-        tuning's window opens or its agreed point is reached (every rank in step)."""
+    def begin_forward(self, weights: list[torch.nn.Parameter],
+                      replicated: list[torch.nn.Parameter] | None = None) -> None:
+        """Called at the model's forward start: ``replicated`` (the parameters held replicated
+        over Z: biases, norm vectors) pass through one gradient bucket, summed over Z in one
+        all-reduce per backward; ORS gate over ``weights``; no prefetch issued before (an
+        optimizer step may have run since) survives into the pass; matmul tuning's window
+        opens or its agreed point is reached (every rank in step)."""
+        from ds_ext.pmm.ops import reduce_grad_bucket
+
         self._replicated_views.clear()
+        params = [p for p in replicated or () if p.requires_grad]
+        if self.z.size > 1 and torch.is_grad_enabled() and params:
+            views = reduce_grad_bucket(params, self, self.z)
+            self._replicated_views = {id(p): v for p, v in zip(params, views)}
         if self.prefetcher is not None:
             self.prefetcher.drop()
         if self.tuner is not None:
@@ -119,8 +129,10 @@ class PMMEngine:
         """``param`` for a module that holds it replicated over Z (and X or Y).
 
         Z splits the batch rows, so the gradients of such a parameter are partial sums
-        over Z: the returned view all-reduces its gradient over Z in backward, once per
-        forward pass however often the parameter is used (a tied embedding).
+        over Z: the returned view sums its gradient over Z in backward, once per forward pass
+        however often the parameter is used: in the forward's bucket (:meth:`begin_forward`),
+        or, for a parameter outside it (a layer called on its own, an activation-checkpoint
+        recompute after the forward), in an all-reduce of its own.
         """
         from ds_ext.pmm.ops import reduce_grad
 

@@ -1,21 +1,29 @@
-"""ds_ext's GPT after conversion: local attention heads and the tied head on the Y-split stream."""
+"""ds_ext's GPT after conversion: local attention heads, the tied head and the loss vocabulary-parallel."""
 
 from __future__ import annotations
 
 import torch
 
 from ds_ext.models.gpt import GPT
+from ds_ext.pmm.vocab import vocab_cross_entropy
 
 
 class PMMGPT(GPT):
-    """:class:`~ds_ext.models.gpt.GPT` whose tied LM head is :meth:`ds_ext.pmm.layers.Embedding.attend`."""
+    """:class:`~ds_ext.models.gpt.GPT` whose tied LM head is :meth:`ds_ext.pmm.vocab.Embedding.attend`
+    (logits ``[..., V/G_x]``) and whose loss is :func:`ds_ext.pmm.vocab.vocab_cross_entropy`."""
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.embed.attend(x)
 
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens``: [batch, seq_len + 1] int64; mean loss over positions 1..seq_len."""
+        return vocab_cross_entropy(self.logits(tokens[:, :-1]), tokens[:, 1:], self.pmm_engine).mean()
+
 
 def adapt_gpt(model: GPT, engine) -> None:
-    """Each block keeps n_heads / G_x heads (its QKV out-features are split over X)."""
+    """Each block keeps n_heads / G_x heads (its QKV out-features are split over X); the token
+    table is also the head."""
     for block in model.blocks:
         block.n_heads = model.cfg.n_heads // engine.x.size
+    model.embed.shared_weight = True  # looked up and attended to (the tied head)
     model.__class__ = PMMGPT

@@ -1,16 +1,13 @@
-"""The non-matmul layers of a 3D-PMM transformer, laid out for the residual stream.
+"""The norms of a 3D-PMM transformer, laid out for the residual stream.
 
 Residual-stream layout between layers (what every normal layer takes and every
 transposed layer returns): ``[rows of this rank's Z share, ..., d/G_y]``, hidden features
-block y over Y, replicated over X. The modules here keep that layout:
+block y over Y, replicated over X. The modules here keep that layout (embeddings and the
+LM head are vocabulary-parallel, :mod:`ds_ext.pmm.vocab`):
 
-* :class:`Embedding`: table ``[V, d/G_y]`` (feature block y), replicated over X and Z;
-  lookup is local. :meth:`Embedding.attend` is the (tied) LM head: partial logits over
-  the feature blocks, all-reduced over Y -> full logits replicated over X and Y.
 * :class:`LayerNorm` / :class:`RMSNorm`: affine parameters ``[d/G_y]``; the row statistics
   are partial sums over Y, all-reduced over Y (forward and backward). With G_y = 1 they are
   torch's own kernels, bit for bit.
-* :class:`Head`: an untied LM head with the same layout as :meth:`Embedding.attend`.
 
 Their parameters are replicated over Z, whose ranks see different rows, so their
 gradients are all-reduced over Z (:meth:`PMMEngine.replicated`).
@@ -24,7 +21,7 @@ from torch import nn
 
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.layout import feature_slice
-from ds_ext.pmm.ops import reduce_both, reduce_forward
+from ds_ext.pmm.ops import reduce_both
 
 
 class _FeatureSharded(nn.Module):
@@ -42,48 +39,6 @@ class _FeatureSharded(nn.Module):
     def _mark(self) -> None:
         for p in self.parameters(recurse=False):
             p.pmm_replicated_over = ("x", "z")  # distinct over Y only (ds_ext.pmm.norm)
-
-
-class Embedding(_FeatureSharded):
-    """Token (or position) embedding with its feature dimension split over Y."""
-
-    def __init__(self, serial: nn.Embedding, engine: PMMEngine, name: str = "embedding") -> None:
-        super().__init__()
-        if serial.padding_idx is not None or serial.max_norm is not None:
-            raise ValueError(f"ds_ext.pmm.parallelize: {name}: padding_idx / max_norm embeddings are not supported")
-        self.engine, self.name = engine, name
-        self.num_embeddings, self.features = serial.weight.shape
-        with torch.no_grad():
-            self.weight = nn.Parameter(serial.weight[:, self._slice()].clone())
-        self._mark()
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.engine.replicated(self.weight))
-
-    def attend(self, x: torch.Tensor) -> torch.Tensor:
-        """Tied LM head: logits ``[..., V]`` replicated over X and Y."""
-        return reduce_forward(x @ self.engine.replicated(self.weight).t(), self.engine, self.engine.y)
-
-
-class Head(_FeatureSharded):
-    """Untied LM head ``d -> V`` (no bias), weight ``[V, d/G_y]``; or a tied one sharing an Embedding."""
-
-    def __init__(self, serial: nn.Linear, engine: PMMEngine, tied: Embedding | None = None,
-                 name: str = "lm_head") -> None:
-        super().__init__()
-        if serial.bias is not None:
-            raise ValueError(f"ds_ext.pmm.parallelize: {name}: an LM head with a bias is not supported")
-        self.engine, self.name = engine, name
-        self.features = serial.in_features
-        if tied is not None:
-            self.weight = tied.weight
-        else:
-            with torch.no_grad():
-                self.weight = nn.Parameter(serial.weight[:, self._slice()].clone())
-            self._mark()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_forward(x @ self.engine.replicated(self.weight).t(), self.engine, self.engine.y)
 
 
 class LayerNorm(_FeatureSharded):

@@ -15,7 +15,8 @@ line 3  matmul              Ô_{k,i} = I_{k,j} W_{j,i}ᵀ: partial sums over in-
 line 4  ALL-REDUCE_y        O_{k,i} ``[..., n/G_x]``: out block i over X, replicated over Y
 line 11-12 ALL-REDUCE_x     dL/dI_{k,j} = Σ_x dL/dO W: ``[..., k/G_y]``, replicated over X
 line 13-14 REDUCE-SCATTER_z dL/dŴ: the Z shares of (dL/dO)ᵀ I summed, chunk k kept
-bias gradient ALL-REDUCE_z  Σ over the Z shares of the rows (not in Eqs 5.1-5.5)
+bias gradient ALL-REDUCE_z  Σ over the Z shares of the rows (not in Eqs 5.1-5.5), in the
+                            forward's bucket of Z-replicated gradients (PMMEngine.replicated)
 ==========================  ============================================================
 
 So the output of a normal layer is laid out as a transposed layer's input and back:
@@ -48,7 +49,7 @@ class _Algorithm3(torch.autograd.Function):
             out += bias
         ctx.save_for_backward(x2, w)  # line 5
         ctx.layer, ctx.in_shape, ctx.has_bias = layer, x.shape, bias is not None
-        ctx.deferred = eng.deferred is not None and eng.deferred.gated(weight)
+        ctx.deferred = layer.deferrable(weight)
         return out.view(*x.shape[:-1], layer.layout.n_local)
 
     @staticmethod
@@ -63,12 +64,17 @@ class _Algorithm3(torch.autograd.Function):
         pending = eng.all_reduce(grad_in, layer.out_axis, layer.name, async_op=eng.overlap.all_reduce)  # line 12
         grad_block = eng.matmul(f"{layer.name}/wgrad", g2.t(), x2)  # line 13
         pending.wait()  # OAR: the all-reduce ran during line 13
-        grad_w, grad_b = layer.reduce_gradients(grad_block, g2 if ctx.has_bias else None, ctx.deferred)  # line 14
+        grad_w = layer.reduce_gradients(grad_block, ctx.deferred)  # line 14
+        grad_b = g2.sum(0) if ctx.has_bias else None  # summed over Z by the bucket
         return grad_in.view(ctx.in_shape), grad_w, grad_b, None, None
 
 
 class Linear(nn.Module):
     """A 3D-PMM fully connected layer (see the module docstring for its sharding contract)."""
+
+    # the weight is used more than once per pass (a tied embedding and LM head): autograd adds
+    # its gradients as they arrive, so ORS cannot hand it buffers still being reduce-scattered
+    shared_weight: bool = False
 
     def __init__(
         self,
@@ -86,7 +92,7 @@ class Linear(nn.Module):
         """A layer initialized like ``nn.Linear(in_features, out_features)`` under the current seed."""
         super().__init__()
         serial = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._setup(serial, engine, transposed, out_chunks, name)
+        self._setup(serial.weight, serial.bias, engine, transposed, out_chunks, name)
 
     @classmethod
     def from_serial(cls, serial: nn.Linear, engine: PMMEngine, *, transposed: bool = False,
@@ -94,22 +100,24 @@ class Linear(nn.Module):
         """The shard of ``serial``'s parameters this rank owns (001 §5.1.1)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._setup(serial, engine, transposed, out_chunks, name)
+        layer._setup(serial.weight, serial.bias, engine, transposed, out_chunks, name)
         return layer
 
-    def _setup(self, serial: nn.Linear, engine: PMMEngine, transposed: bool, out_chunks: int, name: str) -> None:
+    def _setup(self, weight: torch.Tensor, bias: torch.Tensor | None, engine: PMMEngine, transposed: bool,
+               out_chunks: int, name: str) -> None:
+        """Keep this rank's shard of the serial ``[n, k]`` ``weight`` (and ``[n]`` ``bias``)."""
         self.engine, self.transposed, self.name = engine, transposed, name
-        self.in_features, self.out_features = serial.in_features, serial.out_features
+        self.out_features, self.in_features = weight.shape
         self.out_axis, self.in_axis = (engine.y, engine.x) if transposed else (engine.x, engine.y)
         self.layout = LinearLayout(
-            n=serial.out_features, k=serial.in_features,
+            n=self.out_features, k=self.in_features,
             out_parts=self.out_axis.size, out_coord=self.out_axis.rank,
             in_parts=self.in_axis.size, in_coord=self.in_axis.rank,
             z_parts=engine.z.size, z_coord=engine.z.rank, out_chunks=out_chunks,
         )
         with torch.no_grad():
-            self.weight = nn.Parameter(self.layout.shard(serial.weight))
-            self.bias = nn.Parameter(self.layout.bias(serial.bias)) if serial.bias is not None else None
+            self.weight = nn.Parameter(self.layout.shard(weight))
+            self.bias = nn.Parameter(self.layout.bias(bias)) if bias is not None else None
         self.weight.pmm_sharded = True  # distinct on every tensor rank (ds_ext.pmm.norm)
         if self.bias is not None:
             self.bias.pmm_replicated_over = (self.in_axis.name, "z")
@@ -140,21 +148,20 @@ class Linear(nn.Module):
             return self.engine.prefetcher.weight(self, shard, grad_pass)
         return self.gather(shard)
 
-    # ---- line 14 (+ bias) ------------------------------------------------------------------
-    def reduce_gradients(
-        self, grad_block: torch.Tensor, grad_out: torch.Tensor | None, deferred: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def deferrable(self, weight: torch.Tensor) -> bool:
+        """ORS may defer this call's weight-gradient reduce-scatter to the gate."""
+        eng = self.engine
+        return eng.deferred is not None and eng.deferred.gated(weight) and not self.shared_weight
+
+    # ---- line 14 ---------------------------------------------------------------------------
+    def reduce_gradients(self, grad_block: torch.Tensor, deferred: bool) -> torch.Tensor:
+        """dL/dŴ: the block gradient reduce-scattered over Z (ORS: waited by the gate)."""
         eng = self.engine
         grad_w = grad_block.new_empty(self.layout.shard_numel)
-        handles = [eng.reduce_scatter(grad_w, grad_block.reshape(-1), eng.z, self.name, async_op=deferred)]
-        grad_b = None
-        if grad_out is not None:
-            grad_b = grad_out.sum(0)
-            handles.append(eng.all_reduce(grad_b, eng.z, self.name, async_op=deferred))
-        for h in handles:
-            if deferred:
-                eng.deferred.defer(h)
-        return grad_w, grad_b
+        handle = eng.reduce_scatter(grad_w, grad_block.reshape(-1), eng.z, self.name, async_op=deferred)
+        if deferred:
+            eng.deferred.defer(handle)
+        return grad_w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.layout.k_local:
@@ -164,7 +171,7 @@ class Linear(nn.Module):
             )
         eng = self.engine
         weight = eng.weight_input(self.weight)
-        bias = eng.weight_input(self.bias) if self.bias is not None else None
+        bias = eng.replicated(self.bias) if self.bias is not None else None
         if eng.deferred is not None and torch.is_grad_enabled() and not eng.deferred.gated(weight):
             raise RuntimeError(
                 "ds_ext.pmm3d.overlap.reduce_scatter needs the model converted by ds_ext.pmm.parallelize "

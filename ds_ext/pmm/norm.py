@@ -1,7 +1,8 @@
 """Global gradient norm of a converted model (each distinct shard counted once).
 
-Linear shards are distinct on every tensor rank; Y-split parameters (norms, embeddings,
-head) are replicated over X and Z and count on the ranks with x = z = 0; biases of a
+Linear shards (and the vocabulary-parallel tables, laid out as linear weights) are distinct
+on every tensor rank; Y-split parameters (norms) are replicated over X and Z and count on
+the ranks with x = z = 0; biases of a
 normal (transposed) layer are replicated over Y (X) and Z. After the data-parallel
 reduction gradients agree across ``data``, so the norm needs the tensor group only.
 """

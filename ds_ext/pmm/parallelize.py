@@ -1,17 +1,20 @@
 """``ds_ext.pmm.parallelize(model, engine)``: convert a model to 3D-PMM in place (001 §5.1.1).
 
 * every ``nn.Linear`` named in the plan becomes a :class:`~ds_ext.pmm.linear.Linear`
-  (normal or transposed), the LM head a :class:`~ds_ext.pmm.layers.Head`, embeddings and
-  norms their Y-split forms (:mod:`ds_ext.pmm.layers`); all initialized by slicing the
-  serial parameters;
+  (normal or transposed), every ``nn.Embedding`` a vocabulary-parallel
+  :class:`~ds_ext.pmm.vocab.Embedding`, the LM head a normal ``Linear`` ``d -> V`` (sharing
+  the table's parameter when tied) whose logits are split over X, norms their Y-split forms
+  (:mod:`ds_ext.pmm.layers`); all initialized by slicing the serial parameters;
+* a Hugging Face model's loss becomes :func:`ds_ext.pmm.vocab.causal_lm_loss` (the
+  cross-entropy of vocab-split logits; ds_ext's GPT: :class:`ds_ext.pmm.gpt.PMMGPT`);
 * attention keeps n_heads / G_x heads per rank (the plan's head counts must divide by G_x);
 * the model's forward takes the *data-parallel group's* micro-batch on every tensor rank
   (like Megatron's tensor parallelism) and keeps this rank's Z share of the rows (dim 0 of
   every batch tensor); a returned loss (a scalar, or ``output.loss``) is the mean over the
   Z shares, i.e. the loss of the whole micro-batch on every rank (a Hugging Face
   ``num_items_in_batch``, the item count of the whole step, is divided by G_z for the
-  share, so the loss stays the sum over the step's items / that count). Other outputs
-  (logits) hold this rank's Z share of the rows.
+  share, so the loss stays the sum over the step's items / that count). Logits hold this
+  rank's Z share of the rows and its X block of the vocabulary.
 
 Everything is checked before anything is converted: a module with parameters that no rule
 converts, a grid that does not divide a layer, a head count, or nonzero dropout raise one
@@ -27,13 +30,14 @@ from torch import nn
 
 from ds_ext.pmm.config import KEY
 from ds_ext.pmm.engine import PMMEngine
-from ds_ext.pmm.layers import Embedding, Head, LayerNorm, RMSNorm
+from ds_ext.pmm.layers import LayerNorm, RMSNorm
 from ds_ext.pmm.layout import LinearLayout
 from ds_ext.pmm.linear import Linear
 from ds_ext.pmm.ops import mean_over
 from ds_ext.pmm.plans import Plan, plan_for
+from ds_ext.pmm.vocab import Embedding, causal_lm_loss, tied_head
 
-CONVERTED = (Linear, Embedding, Head, LayerNorm, RMSNorm)
+CONVERTED = (Linear, LayerNorm, RMSNorm)
 
 
 class ConversionError(ValueError):
@@ -61,9 +65,13 @@ def _check(model: nn.Module, plan: Plan, engine: PMMEngine) -> None:
                                   f"({plan.family} {key}); allowed x: {allowed}")
     for name, m in model.named_modules():
         last = name.rsplit(".", 1)[-1]
-        if isinstance(m, nn.Linear) and name == plan.head:
-            if m.in_features % gy:
-                raise ConversionError(f"{KEY}.grid.y={gy} does not divide {name}'s {m.in_features} in-features")
+        if isinstance(m, nn.Embedding) or (isinstance(m, nn.Linear) and name == plan.head):
+            rows, features = m.weight.shape
+            try:
+                LinearLayout(rows, features, gx, 0, gy, 0, engine.z.size, 0)
+            except ValueError as err:
+                raise ConversionError(f"{KEY}.grid ({_grid(engine)}) does not fit the vocabulary-parallel table {name} "
+                                      f"(rows over x, features over y, z chunks): {err}") from None
         elif isinstance(m, nn.Linear) and last in plan.linears:
             style = plan.linears[last]
             out_ax, in_ax = (engine.y, engine.x) if style.transposed else (engine.x, engine.y)
@@ -72,7 +80,7 @@ def _check(model: nn.Module, plan: Plan, engine: PMMEngine) -> None:
                              style.out_chunks)
             except ValueError as err:
                 raise ConversionError(f"{KEY}.grid ({_grid(engine)}) does not fit layer {name}: {err}") from None
-        elif isinstance(m, (nn.Embedding, nn.LayerNorm)) or _is_rmsnorm(m):
+        elif isinstance(m, nn.LayerNorm) or _is_rmsnorm(m):
             features = m.weight.shape[-1] if m.weight is not None else m.normalized_shape[0]
             if features % gy:
                 raise ConversionError(f"{KEY}.grid.y={gy} does not divide {name}'s {features} hidden features")
@@ -86,12 +94,16 @@ def _check(model: nn.Module, plan: Plan, engine: PMMEngine) -> None:
 
 def _convert(name: str, m: nn.Module, plan: Plan, engine: PMMEngine, tables: dict[int, Embedding]) -> nn.Module | None:
     if isinstance(m, nn.Linear) and name == plan.head:
-        return Head(m, engine, tied=tables.get(id(m.weight)), name=name)
+        if m.bias is not None:
+            raise ConversionError(f"ds_ext.pmm.parallelize: {name}: an LM head with a bias is not supported")
+        if id(m.weight) in tables:
+            return tied_head(tables[id(m.weight)], name)
+        return Linear.from_serial(m, engine, name=name)
     if isinstance(m, nn.Linear):
         style = plan.linears[name.rsplit(".", 1)[-1]]
         return Linear.from_serial(m, engine, transposed=style.transposed, out_chunks=style.out_chunks, name=name)
     if isinstance(m, nn.Embedding):
-        tables[id(m.weight)] = Embedding(m, engine, name=name)
+        tables[id(m.weight)] = Embedding.from_embedding(m, engine, name=name)
         return tables[id(m.weight)]
     if isinstance(m, nn.LayerNorm):
         return LayerNorm(m, engine, name=name)
@@ -101,10 +113,11 @@ def _convert(name: str, m: nn.Module, plan: Plan, engine: PMMEngine, tables: dic
 
 
 class _BatchHooks:
-    """Root forward hooks: keep the Z share of the batch; the loss becomes the Z mean."""
+    """Root forward hooks: keep the Z share of the batch; the loss becomes the Z mean; the
+    engine's per-pass state (ORS gate over the weights, the bucket of Z-replicated parameters)."""
 
-    def __init__(self, engine: PMMEngine, weights: list[nn.Parameter]) -> None:
-        self.engine, self.weights = engine, weights
+    def __init__(self, engine: PMMEngine, weights: list[nn.Parameter], replicated: list[nn.Parameter]) -> None:
+        self.engine, self.weights, self.replicated = engine, weights, replicated
 
     def _slice(self, t: Any, batch: int) -> Any:
         if not (torch.is_tensor(t) and t.dim() >= 1 and t.shape[0] == batch):
@@ -126,7 +139,7 @@ class _BatchHooks:
                 # Hugging Face divides the loss sum by the step's item count; this rank sums
                 # over its Z share only and post() takes the Z mean, so each share counts 1 / G_z
                 kwargs["num_items_in_batch"] = kwargs["num_items_in_batch"] / self.engine.z.size
-        self.engine.begin_forward(self.weights)
+        self.engine.begin_forward(self.weights, self.replicated)
         return args, kwargs
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
@@ -154,8 +167,11 @@ def parallelize(model: nn.Module, engine: PMMEngine, plan: Plan | None = None) -
             setattr(parent, child_name, new)
     if plan.adapt is not None:
         plan.adapt(model, engine)
-    weights = [p for m in model.modules() if isinstance(m, Linear) for p in (m.weight, m.bias) if p is not None]
-    hooks = _BatchHooks(engine, weights)
+    if plan.head is not None:
+        model._loss_function = causal_lm_loss(engine)  # Hugging Face's loss_function reads it
+    weights = list({id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}.values())
+    replicated = [p for p in model.parameters() if "z" in getattr(p, "pmm_replicated_over", ())]
+    hooks = _BatchHooks(engine, weights, replicated)
     model.register_forward_pre_hook(hooks.pre, with_kwargs=True)
     model.register_forward_hook(hooks.post, with_kwargs=True)
     model.pmm_engine = engine

@@ -33,6 +33,7 @@ class Plan:
     linears: dict[str, LinearStyle]
     head: str | None = None  # qualified name of the LM head nn.Linear
     tied_head: str | None = None  # or: the embedding whose table is the head (ds_ext GPT)
+    positions: tuple[str, ...] = ()  # embeddings looked up by position ids [s], not per token (ds_ext GPT's pos)
     heads: dict[str, int] = field(default_factory=dict)  # what X must divide, e.g. {"n_heads": 8}
     dropout: dict[str, float] = field(default_factory=dict)  # must all be 0 (replicas share no RNG)
     adapt: Callable[[nn.Module, Any], None] | None = None  # family-specific finish (after conversion)
@@ -46,6 +47,7 @@ def _gpt_plan(model: nn.Module) -> Plan:
         family="ds_ext GPT",
         linears={"qkv": LinearStyle(out_chunks=3), "proj": TRANSPOSED, "fc1": NORMAL, "fc2": TRANSPOSED},
         tied_head="embed",
+        positions=("pos",),
         heads={"GPTConfig.n_heads": cfg.n_heads},
         dropout={"GPTConfig.dropout": cfg.dropout},
         adapt=adapt_gpt,
