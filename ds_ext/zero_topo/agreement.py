@@ -29,6 +29,7 @@ from collections import deque
 from ds_ext.comm.collectives import CommError
 
 KEEP = 256  # collectives kept per trace: the disagreement is looked for among the latest
+FAILED_GRACE_S = 5.0  # how long a failed collective waits for its peers' traces
 VERDICT_WAIT_S = 30.0  # how long rank 0 (hosting the store) waits for every rank to read the verdict
 _instances = itertools.count()
 
@@ -58,8 +59,9 @@ class UnitTrace:
 
     def failed(self, op: str) -> None:
         """A collective failed: raise the disagreement that caused it, if the peers that
-        publish within ``check_s`` show one (a store already gone: nothing to add)."""
-        deadline = time.monotonic() + self.check_s
+        publish within :data:`FAILED_GRACE_S` show one (a dead peer never publishes; a store
+        already gone: nothing to add)."""
+        deadline = time.monotonic() + min(self.check_s, FAILED_GRACE_S)
         try:
             while True:
                 peers = self._published_peers()
