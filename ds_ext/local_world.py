@@ -27,12 +27,14 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+from ds_ext.errors import DsExtError
+
 _CTX = mp.get_context("spawn")
 PG_TIMEOUT_S = 90
 GRACE_AFTER_ERROR_S = 10
 
 
-class RankError(RuntimeError):
+class RankError(DsExtError, RuntimeError):
     """One or more ranks raised; the message holds their tracebacks."""
 
 

@@ -21,16 +21,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from ds_ext.config_base import ConfigSection
 
 if TYPE_CHECKING:
     from ds_ext.runtime import Runtime
 
 
-class PluginConfig(BaseModel):
-    """Base of every plugin section: unknown keys are errors."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+class PluginConfig(ConfigSection):
+    """Base of every plugin section (strict, as every section: :class:`ConfigSection`)."""
 
     enabled: bool = Field(False, description="Switch the plugin on.")
 

@@ -20,8 +20,7 @@ from ds_ext.comm import Communicator, Ledger, TimeEmulator
 from ds_ext.groups import GroupRegistry
 from ds_ext.plugin import Plugin, registered_plugins
 from ds_ext.topology import (
-    GB,
-    US,
+    DETECTED_LEVELS,
     JobEnvironment,
     Level,
     Topology,
@@ -29,10 +28,6 @@ from ds_ext.topology import (
     detect_environment,
     preset_levels,
 )
-
-# Used when neither a preset nor levels are given: one level inside the node and one
-# across nodes, sized from the launcher (LOCAL_SIZE / SLURM_NTASKS_PER_NODE).
-_DETECTED_LEVELS = (Level("local", None, 50 * GB, 8 * US), Level("node", None, 12.5 * GB, 15 * US))
 
 
 def resolve_topology(
@@ -45,7 +40,7 @@ def resolve_topology(
         topo = Topology.build(preset_levels(cfg.preset), world_size, cfg.preset, cfg.sizes)
     else:
         local = job.local_size or world_size
-        inner, outer = _DETECTED_LEVELS
+        inner, outer = DETECTED_LEVELS
         topo = Topology.build(
             [Level(inner.name, local, inner.bandwidth, inner.latency), outer],
             world_size, "detected", cfg.sizes,

@@ -23,11 +23,13 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
+from ds_ext.errors import DsExtError
+
 GB = 1e9
 US = 1e-6
 
 
-class TopologyError(ValueError):
+class TopologyError(DsExtError, ValueError):
     """A topology that cannot be built or does not fit the job."""
 
 
@@ -65,6 +67,10 @@ _PRESETS: dict[str, tuple[Level, ...]] = {
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+# Without a preset or levels: one level inside the node and one across nodes, sized from the
+# launcher (LOCAL_SIZE / SLURM_NTASKS_PER_NODE).
+DETECTED_LEVELS = (Level("local", None, 50 * GB, 8 * US), Level("node", None, 12.5 * GB, 15 * US))
 
 
 def preset_levels(name: str) -> tuple[Level, ...]:

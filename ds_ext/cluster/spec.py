@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ds_ext import config as cfgmod
+from ds_ext.errors import DsExtError
 from ds_ext.topology import Topology, TopologyError, preset_levels
 
 MAX_LEAVES = 250  # one /24 of addresses, leaves numbered from .1
@@ -33,7 +34,7 @@ BURST_SECONDS = 0.002  # default bucket: 2 ms of traffic, never less than MIN_BU
 _UNITS = {"": 1, "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
-class ClusterError(RuntimeError):
+class ClusterError(DsExtError, RuntimeError):
     """The cluster cannot be built, run or removed; the message says why in one line."""
 
 

@@ -51,9 +51,12 @@ def _has_ds_ext_block(arguments: dict) -> bool:
 
     try:
         resolved = _resolve_config(arguments.get("args"), arguments.get("config"), arguments.get("config_params"))
+    except ValueError:
+        return False  # no config: DeepSpeed reports it itself
+    try:
         return cfgmod.BLOCK in cfgmod.load_ds_config(resolved)
-    except (ValueError, cfgmod.DsExtConfigError):
-        return False  # DeepSpeed reports a missing or broken config itself
+    except cfgmod.ConfigNotFoundError:
+        return False  # DeepSpeed reports a missing config itself
 
 
 def _dispatcher(original: Callable) -> Callable:

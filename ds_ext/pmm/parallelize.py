@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds_ext.errors import DsExtError
 from ds_ext.pmm.config import KEY
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.layers import Embedding, Head, LayerNorm, RMSNorm
@@ -36,7 +37,7 @@ from ds_ext.pmm.plans import Plan, plan_for
 CONVERTED = (Linear, Embedding, Head, LayerNorm, RMSNorm)
 
 
-class ConversionError(ValueError):
+class ConversionError(DsExtError, ValueError):
     """A model or grid that :func:`parallelize` cannot convert."""
 
 

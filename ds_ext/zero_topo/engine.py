@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ds_ext.comm.quantized import all_gather_int, all_to_all_reduce
+from ds_ext.errors import DsExtError
 from ds_ext.zero_topo.layout import chunk, shard_count, shard_index, sub_chunk, to_shard_order
 from ds_ext.zero_topo.units import FlatUnit, ShardContext
 
@@ -53,7 +54,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class UnitError(ValueError):
+class UnitError(DsExtError, ValueError):
     """A model ZeRO-topo cannot cut into gather/release units."""
 
 
