@@ -40,7 +40,7 @@ class ConfigNotFoundError(DsExtConfigError):
     """A ds_config string that is neither an existing file nor base64 JSON."""
 
 
-class KeyPathError(ValueError):
+class KeyPathError(DsExtError, ValueError):
     """Raised by a validator about one key below the field it validates (``key``), so the
     message names the full key path (e.g. ``ds_ext.topology.sizes.gpux``)."""
 

@@ -19,35 +19,7 @@ from ds_ext import config as cfgmod
 from ds_ext.comm import Communicator, Ledger, TimeEmulator
 from ds_ext.groups import GroupRegistry
 from ds_ext.plugin import Plugin, registered_plugins
-from ds_ext.topology import (
-    DETECTED_LEVELS,
-    JobEnvironment,
-    Level,
-    Topology,
-    check_fits_job,
-    detect_environment,
-    preset_levels,
-)
-
-
-def resolve_topology(
-    cfg: cfgmod.TopologyConfig, world_size: int, job: JobEnvironment
-) -> Topology:
-    """Build the topology the config asks for and check it against the job."""
-    if cfg.levels is not None:
-        topo = Topology.build([lv.to_level() for lv in cfg.levels], world_size, "custom", cfg.sizes)
-    elif cfg.preset is not None:
-        topo = Topology.build(preset_levels(cfg.preset), world_size, cfg.preset, cfg.sizes)
-    else:
-        local = job.local_size or world_size
-        inner, outer = DETECTED_LEVELS
-        topo = Topology.build(
-            [Level(inner.name, local, inner.bandwidth, inner.latency), outer],
-            world_size, "detected", cfg.sizes,
-        )
-    if not cfg.emulate:
-        check_fits_job(topo, job)
-    return topo
+from ds_ext.topology import JobEnvironment, Topology, detect_environment, resolve_topology
 
 
 @dataclass

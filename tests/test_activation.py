@@ -174,6 +174,8 @@ def _ignored_block():
 
     from ds_ext.integration import activation
 
+    activation.patch_deepspeed()  # importing ds_ext wraps nothing: activation does
+    activation.unpatch_deepspeed()
     model, opt = _model_and_optimizer()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -185,7 +187,7 @@ def _ignored_block():
 
 
 def test_an_ignored_ds_ext_block_is_reported(world):
-    """ds_ext imported, not activated: DeepSpeed would silently keep the block."""
+    """ds_ext activated, then switched off: DeepSpeed would silently keep the block."""
     from ds_ext.integration.activation import IGNORED
 
     for messages, has_ds_ext, active in world.run(_ignored_block):

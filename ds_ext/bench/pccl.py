@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ds_ext import config as cfgmod
     from ds_ext.local_world import World
     from ds_ext.perf import collectives as model
-    from ds_ext.runtime import resolve_topology
+    from ds_ext.topology import resolve_topology
     from ds_ext.topology import detect_environment
 
     sizes = _sizes(args.min_size, args.max_size)

@@ -11,9 +11,9 @@ block without a word. Two ways in:
   ``--deepspeed_config`` enables TED, ``deepspeed.moe.layer.MoE`` becomes TEDMoE
   (:mod:`ds_ext.integration.moe_substitution`). ``python -m
   ds_ext.run script.py ...`` patches and then runs the script (``ds_ext/run.py``).
-* :func:`watch` (passive, installed when ``ds_ext`` is imported): if DeepSpeed is
-  initialized directly with a ``"ds_ext"`` block while ds_ext is not active, a warning
-  says the block is ignored and how to activate it.
+* :func:`unpatch_deepspeed` switches routing off again: from then on a direct
+  ``deepspeed.initialize`` with a ``"ds_ext"`` block warns that the block is ignored and
+  how to activate it. Importing ds_ext alone wraps nothing and installs no import hook.
 
 Behind the version gate of :mod:`ds_ext.integration.ds_version`.
 """
@@ -155,8 +155,8 @@ class _WatchDeepSpeedImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def watch() -> None:
-    """Report an ignored ``"ds_ext"`` block: wrap ``deepspeed.initialize`` now if DeepSpeed
-    is imported, else as soon as it is (no DeepSpeed import here)."""
+    """Wrap ``deepspeed.initialize`` now if DeepSpeed is imported, else as soon as it is (no
+    DeepSpeed import here; called on activation only)."""
     if "deepspeed" in sys.modules and hasattr(sys.modules["deepspeed"], "initialize"):
         _wrap(sys.modules["deepspeed"])
     elif not any(isinstance(f, _WatchDeepSpeedImport) for f in sys.meta_path):
