@@ -62,6 +62,12 @@ class Plugin:
     def attach(self, engine: Any) -> None:
         """Called with the DeepSpeed engine after ``deepspeed.initialize``."""
 
+    def describe(self) -> str:
+        """One line for the start-up banner: what this plugin does in this job (after
+        ``prepare``); by default the settings that differ from the defaults."""
+        changed = self.config.model_dump(exclude_defaults=True, exclude={"enabled"})
+        return ", ".join(f"{k}={v}" for k, v in changed.items()) or "defaults"
+
 
 _REGISTRY: dict[str, type[Plugin]] = {}
 

@@ -25,8 +25,9 @@ import importlib.abc
 import inspect
 import importlib.util
 import sys
-import warnings
 from typing import Any, Callable
+
+from ds_ext import log
 
 _ORIGINAL: Callable | None = None  # DeepSpeed's own initialize, once wrapped
 _ACTIVE = False
@@ -71,7 +72,7 @@ def _dispatcher(original: Callable) -> Callable:
             import ds_ext
 
             return ds_ext.initialize(**arguments)
-        warnings.warn(IGNORED, stacklevel=2)
+        log.warn(IGNORED)
         return original(*args, **kwargs)
 
     initialize.__ds_ext_dispatcher__ = True  # type: ignore[attr-defined]
