@@ -157,11 +157,6 @@ class GroupRegistry:
         self._by_partition[partition] = mine
         return mine
 
-    def describe(self) -> str:
-        """This rank's groups created so far: their ranks and the level each spans."""
-        groups = dict.fromkeys(self._by_partition.values())
-        return "; ".join(f"{list(self._ranks[g])} ({self.level(g) or 'within one rank'})" for g in groups) or "none"
-
     def span(self, level: str) -> object:
         """Ranks sharing one domain of ``level`` (gcd: the GCD pair, gpu: the node)."""
         return self.group(topology_partition(self.topology, "span", level))

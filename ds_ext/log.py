@@ -1,8 +1,10 @@
 """ds_ext's messages, through DeepSpeed's logger conventions (``deepspeed.utils.logging``).
 
 Information goes to DeepSpeed's logger on rank 0 only (``log_dist(..., ranks=[0])``: one
-``[Rank 0] ...`` line per message, where DeepSpeed's own lines go); warnings are Python
-warnings issued on rank 0 only, so Python's filter shows each once instead of once per rank.
+``[Rank 0] ...`` line per message, where DeepSpeed's own lines go, at its log level); the
+start-up banner is printed on rank 0 whatever the level (``print_dist``, DeepSpeed's way for
+lines that must show); warnings are Python warnings issued on rank 0 only, so Python's filter
+shows each once instead of once per rank.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ def info(message: str) -> None:
     from deepspeed.utils.logging import log_dist
 
     log_dist(message, ranks=[0])
+
+
+def banner(message: str) -> None:
+    """``message`` printed on rank 0 as ``[Rank 0] ...``, whatever DeepSpeed's log level."""
+    from deepspeed.utils.logging import print_dist
+
+    print_dist(message, ranks=[0])
 
 
 def warn(message: str, stacklevel: int = 2) -> None:

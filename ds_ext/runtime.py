@@ -85,17 +85,20 @@ class Runtime:
 
     def banner(self) -> str:
         """What ds_ext set up, for rank 0's start-up log: topology, plugins with their plan, the
-        communicator, and the process groups of this rank with the level each spans."""
+        communicator, and this rank's group on each topology level (``ds-ext detect``'s spans)."""
         from ds_ext import __version__
+        from ds_ext.groups import member_group, topology_partition
 
         cfg = self.config.comm
         plugins = [f"  {p.name}: {p.describe()}" for p in self.plugins] or ["  none enabled"]
+        spans = "; ".join(f"{name} {list(member_group(topology_partition(self.topology, 'span', name), self.rank))}"
+                          for name in self.topology.level_names)
         comm = (f"ledger {'on' if cfg.ledger else 'off'}"
                 + (" (torch.distributed collectives counted too)" if cfg.ledger and cfg.count_torch_collectives else "")
                 + f", algorithm {cfg.algorithm}, timeout {cfg.timeout_s:g} s"
                 + (f", alpha-beta time emulation x{cfg.time_scale:g}" if cfg.emulate_time else ""))
         return "\n".join([f"ds_ext {__version__}: {self.topology.describe()}", "plugins:", *plugins,
-                          f"comm: {comm}", f"groups of rank {self.rank}: {self.groups.describe()}"])
+                          f"comm: {comm}", f"groups of rank {self.rank}: {spans}"])
 
     def report(self, skip: int = 1) -> str:
         """The topology and the per-level traffic table (bytes per optimizer step)."""

@@ -205,5 +205,5 @@ def initialize(
     engine.ds_ext = runtime
     _tag_engine(engine, runtime)
     runtime.ledger.reset()
-    log.info(runtime.banner())
+    log.banner(runtime.banner())
     return engine, opt, loader, sched
