@@ -30,7 +30,7 @@ USAGE = "usage: python -m ds_ext.run SCRIPT [ARGS...]  |  python -m ds_ext.run -
 
 
 class ScriptError(DsExtError, ValueError):
-    """The script or module to run does not exist."""
+    """No script or module to run, or one that does not exist."""
 
 
 def _split(argv: list[str]) -> tuple[list[str], str, bool, list[str]]:
@@ -44,13 +44,13 @@ def _split(argv: list[str]) -> tuple[list[str], str, bool, list[str]]:
         if lead[-1] == "--local_rank" and args:
             lead.append(args.pop(0))
     if not args:
-        raise SystemExit(USAGE)
+        raise ScriptError(f"no script given; {USAGE}")
     if args[0] in ("-h", "--help"):
         print(f"{USAGE}\n\n" + __doc__.replace("``", ""))
         raise SystemExit(0)
     if args[0] == "-m":
         if len(args) < 2:
-            raise SystemExit("ds_ext.run: -m needs a module name")
+            raise ScriptError(f"-m needs a module name; {USAGE}")
         return lead, args[1], True, args[2:]
     return lead, args[0], False, args[1:]
 

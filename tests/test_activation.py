@@ -38,12 +38,12 @@ CONFIG = {
 
 
 def test_run_hands_launcher_options_to_the_script():
-    from ds_ext.run import _split
+    from ds_ext.run import ScriptError, _split
 
     assert _split(["--local_rank=3", "train.py", "--x", "1"]) == (["--local_rank=3"], "train.py", False, ["--x", "1"])
     assert _split(["--", "train.py"]) == ([], "train.py", False, [])
     assert _split(["-m", "pkg.train", "--y"]) == ([], "pkg.train", True, ["--y"])
-    with pytest.raises(SystemExit, match="usage"):
+    with pytest.raises(ScriptError, match="no script given; usage"):
         _split(["--local_rank=0"])
 
 

@@ -57,6 +57,7 @@ assert not hooks, hooks
     (["detect", "--ted", "2"], "ds-ext: error: --ted expects TENSOR,EXPERT[,EXPERT_DATA], got '2'"),
     (["detect", "--preset", "frontier", "--world-size", "8", "--grid", "2,2,2,2"], "ds-ext: error: ds_ext.pmm3d.grid"),
     (["run", "missing_script.py"], "ds-ext: error: script 'missing_script.py' does not exist"),
+    (["run"], "ds-ext: error: no script given; usage: python -m ds_ext.run SCRIPT"),
     (["run", "-m", "no_such_package.train"], "ds-ext: error: module 'no_such_package.train' not found"),
     (["tune", "--world", "8", "--database", "missing_db.json"], "ds-ext: error: No such file or directory: missing_db.json"),
     (["plan", "--model", "gpt-5b", "--nodes", "2", "--ds-config", "missing.json"], "ds_config file 'missing.json' does not exist"),
