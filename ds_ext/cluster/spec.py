@@ -23,7 +23,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ds_ext import config as cfgmod
 from ds_ext.errors import DsExtError
 from ds_ext.topology import Topology, TopologyError, preset_levels
 
@@ -147,6 +146,8 @@ def spec_from_topology(block: Mapping[str, Any], nodes: int, rate_scale: float =
     """A cluster of ``nodes`` nodes from a ``ds_ext.topology`` block: ranks per node from its
     inner levels, the node link from the ``node`` level (and, with ``gpu_level``, the GPU links
     from the ``gpu`` level), rates divided by ``rate_scale``."""
+    from ds_ext import config as cfgmod  # pydantic: not for every ds-ext --help
+
     if rate_scale <= 0:
         raise ClusterError(f"rate scale must be > 0, got {rate_scale}")
     cfg = cfgmod.parse({"topology": {**block, "emulate": True}}).topology
