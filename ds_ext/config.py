@@ -169,11 +169,9 @@ def _key_path(model: type[BaseModel], loc: tuple) -> tuple[list[str], type[BaseM
     annotation: Any = model
     for part in loc:
         members = _members(annotation)
-        if len(members) > 1:  # ``part`` is the tag of the union member that failed
-            chosen = [m for m in members if (m.__name__ if _is_model(m) else repr(m)) == part]
-            chosen = chosen or [m for m in members if get_origin(m) is not None and str(part).startswith(
-                get_origin(m).__name__ + "[")]
-            annotation = chosen[0] if chosen else None
+        if len(members) > 1:  # ``part`` tags the member that failed: a section's name, 'list[str]', ...
+            annotation = next((m for m in members if (_is_model(m) and m.__name__ == part) or (
+                get_origin(m) in (list, dict) and str(part).startswith(f"{get_origin(m).__name__}["))), None)
             continue
         annotation = members[0]
         path.append(str(part))
