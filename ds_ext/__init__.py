@@ -39,7 +39,7 @@ def initialize(
     distributed happens the block is validated (one-line :class:`ds_ext.config.DsExtConfigError`
     naming the key); then torch.distributed is started without DeepSpeed's JIT builds, the
     topology is detected, the process groups are built, and every enabled plugin wraps the
-    model, optimizer and ds_config. Rank 0 logs one banner of what was enabled.
+    model, optimizer and ds_config. Rank 0 prints one banner of what was enabled.
 
     Args:
         args: an object with ``local_rank`` and ``deepspeed_config``; optional if ``config`` is given.
