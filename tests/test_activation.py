@@ -212,7 +212,7 @@ def _launch(script, config, *extra):
 
 def _losses_and_table(stdout):
     losses = re.findall(r"step \d+: loss [0-9.]+", stdout)
-    start = stdout.index("frontier: world 4")
+    start = stdout.rindex("frontier: world 4")  # the traffic table at the end (the banner names it first)
     table = stdout[start:].splitlines()[:6]
     return losses, table
 
