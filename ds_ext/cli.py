@@ -8,9 +8,11 @@ with ``--all``; with ``--grid X,Y,Z,D`` also which level each 3D-PMM grid axis s
 path of ``ds-ext plan --families pmm3d``, optionally from a bandwidth database that
 ``ds-ext tune --measure`` writes.
 
-``plan``, ``simulate``, ``tune`` (without ``--measure``) and ``schema`` are arithmetic and import
-no torch: the modules that need torch (runtime, benchmarks, local worlds, checkpoints) are
-imported inside the commands that use them (``tests/test_plan.py`` holds this).
+``detect``, ``plan``, ``simulate``, ``tune`` (without ``--measure``), ``schema`` and every ``--help``
+are arithmetic and import no torch: the modules that need torch (runtime, benchmarks, local
+worlds, checkpoints) are imported inside the commands that use them (``tests/test_cli.py``).
+Every ds_ext error (:class:`ds_ext.errors.DsExtError`) and every unreadable file is one line on
+stderr and exit status 2, as argparse's own errors are.
 """
 
 from __future__ import annotations
@@ -21,11 +23,17 @@ import json
 import sys
 from pathlib import Path
 
-from ds_ext.planner import PlannerError
-from ds_ext.planner import command as planner_command
-from ds_ext.topology import PRESET_NAMES, Topology, TopologyError, detect_environment, preset_levels
+from ds_ext import __version__
 from ds_ext.cluster import command as cluster_command
 from ds_ext.cluster.spec import ClusterError
+from ds_ext.errors import DsExtError
+from ds_ext.planner import command as planner_command
+from ds_ext.planner.command import ArgumentError
+from ds_ext.topology import PRESET_NAMES, Topology, detect_environment, preset_levels
+
+DESCRIPTION = ("Topology-aware extensions for DeepSpeed: show the topology and process groups, plan and simulate "
+               "parallel layouts, run a DeepSpeed script with ds_ext active, consolidate checkpoints, benchmark.")
+EPILOG = "Run 'ds-ext COMMAND --help' for a command's options. Errors: one line on stderr, exit status 2."
 
 EMULATE_MESSAGE_MB = 16.0
 NETNS_MESSAGE_MB = 2.0  # 0.4 s per message on a 40 Mbit/s link
@@ -45,7 +53,7 @@ def _rank_lines(topo: Topology, rank: int) -> list[str]:
 
 def cmd_detect(ns: argparse.Namespace) -> int:
     from ds_ext import config as cfgmod
-    from ds_ext.runtime import resolve_topology
+    from ds_ext.topology import resolve_topology
 
     job = detect_environment()
     block = {"preset": ns.preset, "sizes": planner_command.parse_sizes(ns.size), "emulate": ns.emulate or ns.world_size is not None}
@@ -69,19 +77,28 @@ def cmd_detect(ns: argparse.Namespace) -> int:
 def _parse_grid(text: str) -> tuple[int, int, int, int]:
     parts = text.split(",")
     if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise SystemExit(f"--grid expects X,Y,Z,DATA (positive integers), got {text!r}")
+        raise argparse.ArgumentTypeError(f"expects X,Y,Z,DATA (positive integers), got {text!r}")
     return tuple(int(p) for p in parts)  # type: ignore[return-value]
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expects a positive integer, got {text!r}")
+    return int(text)
+
+
+def _rank(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expects a rank (an integer >= 0), got {text!r}")
+    return int(text)
 
 
 def _grid_lines(topo: Topology, dims: tuple[int, int, int, int]) -> str:
     from ds_ext.groups import axis_levels
-    from ds_ext.pmm.grid import Grid, GridError
+    from ds_ext.pmm.grid import Grid
 
     grid = Grid(*dims)
-    try:
-        grid.check_world(topo.world_size)
-    except GridError as err:
-        raise SystemExit(f"ds-ext: error: {err}") from None
+    grid.check_world(topo.world_size)
     spans = axis_levels(grid.axes(), topo)
     axes = ", ".join(f"{a}={getattr(grid, a)} spans {spans[a] or '-'}" for a in ("x", "y", "z", "data"))
     return f"pmm3d grid {grid}: {axes}"
@@ -118,7 +135,7 @@ def _tune_measure_netns(ns: argparse.Namespace) -> int:
     """``ds-ext tune --measure --network netns``: the per-level network of an emulated cluster
     of ``--nodes`` nodes and ``--world`` ranks, measured by its ranks."""
     if ns.world % ns.nodes:
-        raise SystemExit(f"ds-ext: error: --world {ns.world} does not split over --nodes {ns.nodes}")
+        raise ArgumentError(f"--world {ns.world} does not split over --nodes {ns.nodes}")
     try:
         spec = cluster_command.spec_from_args(ns, ns.world // ns.nodes)
         db = cluster_command.measure_network(spec, int((ns.message_MB or NETNS_MESSAGE_MB) * 2**20))
@@ -218,26 +235,24 @@ def cmd_autoload_path(_: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(ns: argparse.Namespace) -> int:
+def cmd_run(argv: list[str]) -> int:
+    """``ds-ext run ...``: ``python -m ds_ext.run ...`` (its own arguments: argparse would take a
+    script's options for ds-ext's)."""
     from ds_ext.run import main as run_main
 
-    run_main(ns.script_and_args)
+    run_main(argv)
     return 0
 
 
 def _ted_lines(topo: Topology, spec: str, rank: int) -> list[str]:
     """The TED groups (001 §7.1) of ``rank`` for ``--ted T,P[,D]`` and the level each spans."""
-    from ds_ext.config import DsExtConfigError
-    from ds_ext.groups import GroupError, TEDLayout, member_group
+    from ds_ext.groups import TEDLayout, member_group
 
     degrees = spec.split(",")
     if not 2 <= len(degrees) <= 3 or not all(d.isdigit() for d in degrees):
-        raise SystemExit(f"--ted expects TENSOR,EXPERT[,EXPERT_DATA], got {spec!r}")
-    try:
-        layout = TEDLayout.build(topo.world_size, *map(int, degrees))
-        layout.check_placement(topo)
-    except GroupError as err:
-        raise DsExtConfigError(str(err)) from None
+        raise ArgumentError(f"--ted expects TENSOR,EXPERT[,EXPERT_DATA], got {spec!r}")
+    layout = TEDLayout.build(topo.world_size, *map(int, degrees))
+    layout.check_placement(topo)
     lines = [f"TED G_tensor={layout.tensor} x G_expert={layout.expert} x G_data^exp={layout.expert_data} "
              f"(G_data^nonexp={layout.nonexp_data})"]
     for kind, level in layout.levels(topo, rank).items():
@@ -256,14 +271,15 @@ def cmd_schema(_: argparse.Namespace) -> int:
 def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     """The parser; ``benchmarks=False`` leaves the benchmark modules (torch) unimported and
     their sub-commands without arguments (for a command line that is not ``bench``)."""
-    p = argparse.ArgumentParser(prog="ds-ext", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="ds-ext", description=DESCRIPTION, epilog=EPILOG)
+    p.add_argument("--version", action="version", version=f"ds-ext {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("detect", help="print the topology and process groups")
     d.add_argument("--preset", choices=PRESET_NAMES, default=None)
-    d.add_argument("--world-size", type=int, default=None, help="emulate this many ranks")
+    d.add_argument("--world-size", type=_positive_int, default=None, help="emulate this many ranks")
     d.add_argument("--size", action="append", default=[], metavar="LEVEL=N", help="override a level size")
     d.add_argument("--emulate", action="store_true", help="ignore the launcher's ranks per node")
-    d.add_argument("--rank", type=int, default=None, help="show this rank instead of the caller")
+    d.add_argument("--rank", type=_rank, default=None, help="show this rank instead of the caller")
     d.add_argument("--all", action="store_true", help="show every rank")
     d.add_argument("--grid", type=_parse_grid, default=None, metavar="X,Y,Z,DATA",
                    help="also show the topology level each 3D-PMM grid axis spans")
@@ -292,10 +308,8 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     sm.set_defaults(func=planner_command.run_simulate)
     s = sub.add_parser("schema", help="print the JSON schema of the \"ds_ext\" block")
     s.set_defaults(func=cmd_schema)
-    r = sub.add_parser("run", help="run an unmodified DeepSpeed script with ds_ext active (python -m ds_ext.run)",
-                       add_help=False)
-    r.add_argument("script_and_args", nargs=argparse.REMAINDER)
-    r.set_defaults(func=cmd_run)
+    sub.add_parser("run", help="run an unmodified DeepSpeed script with ds_ext active (python -m ds_ext.run); "
+                               "'ds-ext run --help' for its usage", add_help=False)
     a = sub.add_parser("autoload-path", help="print the directory to put on PYTHONPATH to activate ds_ext in "
                                             "every process (launchers that build the rank command themselves)")
     a.set_defaults(func=cmd_autoload_path)
@@ -332,23 +346,23 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     return p
 
 
-def _user_errors() -> tuple[type[Exception], ...]:
-    """Errors reported in one line: the config's only if ``ds_ext.config`` was imported (it
-    cannot have raised otherwise; importing it costs pydantic at every ``--help``)."""
-    config = sys.modules.get("ds_ext.config")
-    return (TopologyError, PlannerError) + ((config.DsExtConfigError,) if config else ())
-
-
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a ds_ext error, or a file that cannot be read, is one line on stderr and
+    exit status 2 (argparse's status for bad arguments)."""
     argv = sys.argv[1:] if argv is None else argv
-    ns = build_parser(benchmarks=argv[:1] == ["bench"]).parse_args(argv)
     try:
+        if argv[:1] == ["run"]:
+            return cmd_run(argv[1:])
+        ns = build_parser(benchmarks=argv[:1] == ["bench"]).parse_args(argv)
         result = ns.func(ns)
         return result if isinstance(result, int) else 0
-    except Exception as err:
-        if not isinstance(err, _user_errors()):
-            raise
+    except DsExtError as err:
         print(f"ds-ext: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.filename is None:
+            raise
+        print(f"ds-ext: error: {err.strerror}: {err.filename}", file=sys.stderr)
         return 2
 
 

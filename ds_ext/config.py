@@ -18,26 +18,38 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from types import UnionType
+from typing import Any, Literal, Mapping, Union, get_args, get_origin
 
 import hjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
 
+from ds_ext.config_base import ConfigSection
+from ds_ext.errors import DsExtError
 from ds_ext.plugin import PluginConfig, registered_configs
-from ds_ext.topology import PRESET_NAMES, US, GB, Level
+from ds_ext.topology import DETECTED_LEVELS, GB, PRESET_NAMES, US, Level, preset_levels
 
 BLOCK = "ds_ext"
 
 
-class DsExtConfigError(ValueError):
-    """An invalid ``"ds_ext"`` block; the message names the key path."""
+class DsExtConfigError(DsExtError, ValueError):
+    """An invalid ``"ds_ext"`` block or ds_config; the message names the key path."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+class ConfigNotFoundError(DsExtConfigError):
+    """A ds_config string that is neither an existing file nor base64 JSON."""
 
 
-class LevelConfig(_Section):
+class KeyPathError(DsExtError, ValueError):
+    """Raised by a validator about one key below the field it validates (``key``), so the
+    message names the full key path (e.g. ``ds_ext.topology.sizes.gpux``)."""
+
+    def __init__(self, key: str | int, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class LevelConfig(ConfigSection):
     """One level of a generic topology (innermost first)."""
 
     name: str = Field(description="Link class name, e.g. 'gcd', 'gpu', 'node'.")
@@ -54,7 +66,7 @@ class LevelConfig(_Section):
 PresetName = Literal[PRESET_NAMES]  # type: ignore[valid-type]
 
 
-class TopologyConfig(_Section):
+class TopologyConfig(ConfigSection):
     """The machine hierarchy (003 §IV)."""
 
     preset: PresetName | None = Field(  # type: ignore[valid-type]
@@ -72,17 +84,33 @@ class TopologyConfig(_Section):
         "instead of checking it against the launcher's ranks per node.",
     )
 
+    @field_validator("sizes")
+    @classmethod
+    def _known_levels(cls, sizes: dict[str, int], info: ValidationInfo) -> dict[str, int]:
+        if "preset" not in info.data or "levels" not in info.data:
+            return sizes  # their own error is reported; the level names are unknown
+        preset, levels = info.data["preset"], info.data["levels"]
+        if levels is not None:
+            names, source = [lv.name for lv in levels], "the given levels"
+        elif preset is not None:
+            names, source = [lv.name for lv in preset_levels(preset)], f"preset {preset!r}"
+        else:
+            names, source = [lv.name for lv in DETECTED_LEVELS], "the detected topology"
+        for name, size in sizes.items():
+            if name not in names:
+                raise KeyPathError(name, f"unknown level; levels of {source}: {', '.join(names)}")
+            if size < 1:
+                raise KeyPathError(name, f"must be >= 1 (got {size})")
+        return sizes
+
     @model_validator(mode="after")
     def _one_source(self) -> "TopologyConfig":
         if self.preset is not None and self.levels is not None:
             raise ValueError("give either 'preset' or 'levels', not both")
-        for name, size in self.sizes.items():
-            if size < 1:
-                raise ValueError(f"sizes.{name} must be >= 1, got {size}")
         return self
 
 
-class CommConfig(_Section):
+class CommConfig(ConfigSection):
     """Ledger and time emulation (``ds_ext.comm``)."""
 
     ledger: bool = Field(True, description="Record bytes and calls per topology level.")
@@ -118,41 +146,89 @@ def _schema_model() -> type[BaseModel]:
     }
     for name, section in registered_configs().items():
         fields[name] = (section, Field(default_factory=section))
-    return create_model(
-        "DsExtConfig", __config__=ConfigDict(extra="forbid"), **fields
-    )
+    return create_model("DsExtConfig", __base__=ConfigSection, **fields)
 
 
-def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
-    """Field names of the sub-model at ``loc`` (for 'unknown key' messages)."""
-    for part in loc[:-1]:
-        if isinstance(part, int):
+def _members(annotation: Any) -> list[Any]:
+    """The non-None members of a union annotation, else ``[annotation]``."""
+    if get_origin(annotation) in (Union, UnionType):
+        return [a for a in get_args(annotation) if a is not type(None)]
+    return [annotation]
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _key_path(model: type[BaseModel], loc: tuple) -> tuple[list[str], type[BaseModel] | None, Any]:
+    """The user's key path of a pydantic error location, without the tags pydantic puts in for
+    union members (``GridConfig``, ``list[str]``, ``literal['auto']``); the section that holds
+    the path's last key (None if it is not a section); the annotation the location ends in."""
+    path: list[str] = []
+    owner: type[BaseModel] | None = None
+    annotation: Any = model
+    for part in loc:
+        members = _members(annotation)
+        if len(members) > 1:  # ``part`` tags the member that failed: a section's name, 'list[str]', ...
+            annotation = next((m for m in members if (_is_model(m) and m.__name__ == part) or (
+                get_origin(m) in (list, dict) and str(part).startswith(f"{get_origin(m).__name__}["))), None)
             continue
-        field = model.model_fields.get(part)
-        ann = getattr(field, "annotation", None)
-        sub = None
-        for cand in (ann, *getattr(ann, "__args__", ())):
-            for c in (cand, *getattr(cand, "__args__", ())):
-                if isinstance(c, type) and issubclass(c, BaseModel):
-                    sub = c
-        if sub is None:
-            return []
-        model = sub
-    return sorted(model.model_fields)
+        annotation = members[0]
+        path.append(str(part))
+        if _is_model(annotation):
+            owner = annotation
+            field = annotation.model_fields.get(part)
+            annotation = field.annotation if field is not None else None
+        else:
+            owner = None
+            args = get_args(annotation) if get_origin(annotation) in (list, dict) else ()
+            annotation = args[-1] if args else None
+    return path, owner, annotation
+
+
+def _message(e: Mapping[str, Any]) -> tuple[str, str]:
+    """(extra key, message) of one pydantic error, without pydantic's 'Value error, ' prefix."""
+    error = (e.get("ctx") or {}).get("error")
+    if isinstance(error, KeyPathError):
+        return str(error.key), str(error)
+    if isinstance(error, Exception):
+        return "", str(error)
+    got = e.get("input")
+    shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+    return "", f"{e['msg']}{shown}"
 
 
 def _format_error(model: type[BaseModel], err: ValidationError) -> str:
-    lines = []
+    """One line per problem, joined by '; ': the key path and what is allowed. A value that
+    fits no member of a union gives one line with every member's requirement."""
+    found: dict[str, list[str]] = {}
     for e in err.errors():
-        path = ".".join([BLOCK, *(str(p) for p in e["loc"])])
+        path, owner, annotation = _key_path(model, e["loc"])
         if e["type"] == "extra_forbidden":
-            allowed = ", ".join(_allowed_keys(model, e["loc"]))
-            lines.append(f"{path}: unknown key; allowed keys: {allowed}")
-        else:
+            allowed = ", ".join(sorted(owner.model_fields)) if owner is not None else ""
+            key, text = "", f"unknown key; allowed keys: {allowed}"
+        elif e["type"] == "model_type" and _is_model(annotation):
             got = e.get("input")
-            shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
-            lines.append(f"{path}: {e['msg']}{shown}")
-    return "; ".join(lines)
+            key, text = "", f"Input should be an object with keys {', '.join(sorted(annotation.model_fields))} (got {got!r})"
+        else:
+            key, text = _message(e)
+        found.setdefault(".".join([BLOCK, *path, *([key] if key else [])]), []).append(text)
+    deepest = {p: m for p, m in found.items() if not any(q.startswith(p + ".") for q in found)}
+    return "; ".join(f"{p}: {_either(m)}" for p, m in deepest.items())
+
+
+def _either(messages: list[str]) -> str:
+    """'Input should be a valid list (got 'x')' and "Input should be 'auto' (got 'x')" ->
+    "Input should be a valid list or 'auto' (got 'x')"."""
+    if len(messages) == 1:
+        return messages[0]
+    prefix, got = "Input should be ", None
+    wants = []
+    for m in messages:
+        body, _, tail = m.partition(" (got ")
+        got = got or tail
+        wants.append(body.removeprefix(prefix))
+    return prefix + " or ".join(dict.fromkeys(wants)) + (f" (got {got}" if got else "")
 
 
 def parse(block: Mapping[str, Any] | None) -> BaseModel:
@@ -170,34 +246,75 @@ def parse(block: Mapping[str, Any] | None) -> BaseModel:
 
 def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     """A ds_config as a dict, from what ``deepspeed.initialize`` accepts: a dict, a path to a
-    JSON (or hjson, as DeepSpeed reads it) file, or a urlsafe-base64 JSON string (GPT-NeoX
-    passes ``--deepspeed_config`` that way)."""
+    JSON (or hjson, as DeepSpeed reads it) file, or a base64 JSON string (GPT-NeoX passes
+    ``--deepspeed_config`` that way; DeepSpeed's decoder takes both alphabets). Duplicate keys
+    are refused (DeepSpeed refuses them in a file), so are NaN / Infinity and an empty file."""
     if isinstance(config, Mapping):
         return dict(config)
     path = Path(config)
     try:
-        is_file = path.is_file()
+        exists, is_dir = path.exists(), path.is_dir()
     except OSError:  # a base64 config longer than a file name may be
-        is_file = False
-    if is_file:
+        exists = is_dir = False
+    if is_dir:
+        raise DsExtConfigError(f"ds_config {str(path)!r} is a directory; allowed: a JSON file, a dict or a base64 JSON string")
+    if exists:
         source, text = f"ds_config file {str(path)!r}", path.read_text()
-    elif "/" in str(config) or "." in str(config):  # not urlsafe base64: a path
-        raise DsExtConfigError(f"ds_config file {str(path)!r} does not exist")
+        if not text.strip():
+            raise DsExtConfigError(f"{source} is empty; allowed: a JSON object")
     else:
-        try:
-            text = base64.urlsafe_b64decode(str(config)).decode("utf-8")
-        except (ValueError, UnicodeDecodeError):
-            raise DsExtConfigError(
-                f"ds_config {str(config)[:60]!r} is neither an existing file nor a base64 JSON string"
-            ) from None
-        source = "ds_config (base64 string)"
+        source, text = "ds_config (base64 string)", _base64_text(str(config))
+    data = _parse_json(text, source)
+    if not isinstance(data, Mapping):
+        raise DsExtConfigError(f"{source} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _base64_text(config: str) -> str:
+    """The JSON text of a base64 ds_config (either alphabet), as DeepSpeed decodes it."""
     try:
-        data = hjson.loads(text)
+        text = base64.urlsafe_b64decode(config).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        text = ""
+    if text.lstrip().startswith("{"):
+        return text
+    if "/" in config or config.endswith((".json", ".hjson", ".yml", ".yaml")):
+        raise ConfigNotFoundError(f"ds_config file {config!r} does not exist")
+    raise ConfigNotFoundError(f"ds_config {config[:60]!r} is neither an existing file nor a base64 JSON object")
+
+
+class _NotJson(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _NotJson(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> float:
+    raise _NotJson(f"{name} is not a JSON number; allowed: a finite number")
+
+
+def _parse_json(text: str, source: str) -> Any:
+    """JSON, else hjson (as DeepSpeed reads a file): plain dicts, duplicate keys and NaN /
+    Infinity refused with one line."""
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+    except _NotJson as err:
+        raise DsExtConfigError(f"{source}: {err}") from None
+    except json.JSONDecodeError:
+        pass
+    try:
+        return json.loads(json.dumps(hjson.loads(text, object_pairs_hook=_unique_keys)))
+    except _NotJson as err:
+        raise DsExtConfigError(f"{source}: {err}") from None
     except hjson.HjsonDecodeError as err:
         raise DsExtConfigError(f"{source} is not valid JSON: {err}") from None
-    if not isinstance(data, Mapping):
-        raise DsExtConfigError(f"{source} must hold a JSON object")
-    return json.loads(json.dumps(data))  # plain dicts, as DeepSpeed's own loader gives
 
 
 def json_schema() -> dict[str, Any]:

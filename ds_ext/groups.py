@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
 
+from ds_ext.errors import DsExtError
 from ds_ext.topology import Topology, TopologyError
 
 Partition = tuple[tuple[int, ...], ...]
 
 
-class GroupError(ValueError):
+class GroupError(DsExtError, ValueError):
     """Parallel degrees that do not fit the world, or an unknown axis."""
 
 

@@ -4,8 +4,9 @@
 (file-store rendezvous, ``OMP_NUM_THREADS=1``, the DeepSpeed launcher's variables with
 ``DS_ACCELERATOR=cpu``) and then serve tasks: ``world.run(fn, *args)`` calls the
 module-level function ``fn`` on every rank and returns the per-rank results in rank
-order. A rank that raises makes ``run`` raise :class:`RankError` with that rank's
-traceback; a rank that does not answer in time makes it raise ``TimeoutError``. In
+order. A rank that raises, or whose process exits without answering (polled every
+``POLL_S``, start-up included), makes ``run`` raise :class:`RankError` with that rank's
+traceback or exit code; a rank that does not answer in time makes it raise ``TimeoutError``. In
 both cases unanswered ranks are killed and the next ``run`` starts a fresh world, so a
 failing test never hangs the suite.
 
@@ -27,12 +28,16 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+from ds_ext.errors import DsExtError
+
 _CTX = mp.get_context("spawn")
 PG_TIMEOUT_S = 90
 GRACE_AFTER_ERROR_S = 10
+GRACE_AFTER_DEATH_S = 2  # the others wait for the dead rank: no more answers will come
+POLL_S = 0.5  # how often a wait looks for ranks that died without answering
 
 
-class RankError(RuntimeError):
+class RankError(DsExtError, RuntimeError):
     """One or more ranks raised; the message holds their tracebacks."""
 
 
@@ -121,18 +126,23 @@ class World:
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout
-        while len(out) + len(errors) < self.world_size:
+        while len(out) + len(errors) < self.world_size and time.monotonic() < deadline:
             try:
-                rank, status, value = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, status, value = self._results.get(timeout=max(0.01, min(POLL_S, deadline - time.monotonic())))
             except queue.Empty:
-                break
+                if self._dead(set(out) | set(errors)):  # reported below, unless its answer still comes
+                    deadline = min(deadline, time.monotonic() + GRACE_AFTER_DEATH_S)
+                continue
             if status == expect:
                 out[rank] = value
             else:
                 errors[rank] = value
                 deadline = min(deadline, time.monotonic() + GRACE_AFTER_ERROR_S)
+        errors.update(self._dead(set(out) | set(errors)))
         missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
         if errors or missing:
+            for r in missing:  # stuck waiting for the others: nothing to wait for
+                self._procs[r].kill()
             self.close()
             if errors:
                 detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
@@ -140,6 +150,11 @@ class World:
                                 f"{f'; ranks {missing} did not answer' if missing else ''}\n{detail}")
             raise TimeoutError(f"{what}: ranks {missing} did not finish within {timeout:.0f} s")
         return [out[r] for r in range(self.world_size)]
+
+    def _dead(self, answered: set[int]) -> dict[int, str]:
+        """Ranks that have not answered and whose process has exited, with its exit code."""
+        return {r: f"process exited with code {p.exitcode} without answering (its stderr above)"
+                for r, p in enumerate(self._procs) if r not in answered and p.exitcode is not None}
 
     def run(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank; per-rank results in rank order."""

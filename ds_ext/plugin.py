@@ -21,16 +21,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from ds_ext.config_base import ConfigSection
 
 if TYPE_CHECKING:
     from ds_ext.runtime import Runtime
 
 
-class PluginConfig(BaseModel):
-    """Base of every plugin section: unknown keys are errors."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+class PluginConfig(ConfigSection):
+    """Base of every plugin section (strict, as every section: :class:`ConfigSection`)."""
 
     enabled: bool = Field(False, description="Switch the plugin on.")
 
@@ -61,6 +61,12 @@ class Plugin:
 
     def attach(self, engine: Any) -> None:
         """Called with the DeepSpeed engine after ``deepspeed.initialize``."""
+
+    def describe(self) -> str:
+        """One line for the start-up banner: what this plugin does in this job (after
+        ``prepare``); by default the settings that differ from the defaults."""
+        changed = self.config.model_dump(exclude_defaults=True, exclude={"enabled"})
+        return ", ".join(f"{k}={v}" for k, v in changed.items()) or "defaults"
 
 
 _REGISTRY: dict[str, type[Plugin]] = {}

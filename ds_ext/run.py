@@ -19,9 +19,18 @@ would have put them.
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import runpy
 import sys
+
+from ds_ext.errors import DsExtError
+
+USAGE = "usage: python -m ds_ext.run SCRIPT [ARGS...]  |  python -m ds_ext.run -m MODULE [ARGS...]"
+
+
+class ScriptError(DsExtError, ValueError):
+    """No script or module to run, or one that does not exist."""
 
 
 def _split(argv: list[str]) -> tuple[list[str], str, bool, list[str]]:
@@ -35,12 +44,28 @@ def _split(argv: list[str]) -> tuple[list[str], str, bool, list[str]]:
         if lead[-1] == "--local_rank" and args:
             lead.append(args.pop(0))
     if not args:
-        raise SystemExit("usage: python -m ds_ext.run SCRIPT [ARGS...]  |  python -m ds_ext.run -m MODULE [ARGS...]")
+        raise ScriptError(f"no script given; {USAGE}")
+    if args[0] in ("-h", "--help"):
+        print(f"{USAGE}\n\n" + __doc__.replace("``", ""))
+        raise SystemExit(0)
     if args[0] == "-m":
         if len(args) < 2:
-            raise SystemExit("ds_ext.run: -m needs a module name")
+            raise ScriptError(f"-m needs a module name; {USAGE}")
         return lead, args[1], True, args[2:]
     return lead, args[0], False, args[1:]
+
+
+def _check_target(target: str, is_module: bool) -> None:
+    """Refuse a script file or module that does not exist (before anything is activated)."""
+    if not is_module and not os.path.isfile(target):
+        raise ScriptError(f"script {target!r} does not exist")
+    if is_module:
+        try:
+            found = importlib.util.find_spec(target) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ScriptError(f"module {target!r} not found")
 
 
 def _exit_report() -> None:
@@ -55,6 +80,7 @@ def _exit_report() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     lead, target, is_module, rest = _split(sys.argv[1:] if argv is None else argv)
+    _check_target(target, is_module)
     import ds_ext
 
     sys.argv = [target, *lead, *rest]
@@ -68,4 +94,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DsExtError as err:
+        print(f"ds_ext.run: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -19,40 +19,7 @@ from ds_ext import config as cfgmod
 from ds_ext.comm import Communicator, Ledger, TimeEmulator
 from ds_ext.groups import GroupRegistry
 from ds_ext.plugin import Plugin, registered_plugins
-from ds_ext.topology import (
-    GB,
-    US,
-    JobEnvironment,
-    Level,
-    Topology,
-    check_fits_job,
-    detect_environment,
-    preset_levels,
-)
-
-# Used when neither a preset nor levels are given: one level inside the node and one
-# across nodes, sized from the launcher (LOCAL_SIZE / SLURM_NTASKS_PER_NODE).
-_DETECTED_LEVELS = (Level("local", None, 50 * GB, 8 * US), Level("node", None, 12.5 * GB, 15 * US))
-
-
-def resolve_topology(
-    cfg: cfgmod.TopologyConfig, world_size: int, job: JobEnvironment
-) -> Topology:
-    """Build the topology the config asks for and check it against the job."""
-    if cfg.levels is not None:
-        topo = Topology.build([lv.to_level() for lv in cfg.levels], world_size, "custom", cfg.sizes)
-    elif cfg.preset is not None:
-        topo = Topology.build(preset_levels(cfg.preset), world_size, cfg.preset, cfg.sizes)
-    else:
-        local = job.local_size or world_size
-        inner, outer = _DETECTED_LEVELS
-        topo = Topology.build(
-            [Level(inner.name, local, inner.bandwidth, inner.latency), outer],
-            world_size, "detected", cfg.sizes,
-        )
-    if not cfg.emulate:
-        check_fits_job(topo, job)
-    return topo
+from ds_ext.topology import JobEnvironment, Topology, detect_environment, resolve_topology
 
 
 @dataclass
@@ -115,6 +82,23 @@ class Runtime:
                 runtime.plugins.append(plugin_classes[name](pcfg, runtime))
         _CREATED.append(runtime)
         return runtime
+
+    def banner(self) -> str:
+        """What ds_ext set up, for rank 0's start-up log: topology, plugins with their plan, the
+        communicator, and this rank's group on each topology level (``ds-ext detect``'s spans)."""
+        from ds_ext import __version__
+        from ds_ext.groups import member_group, topology_partition
+
+        cfg = self.config.comm
+        plugins = [f"  {p.name}: {p.describe()}" for p in self.plugins] or ["  none enabled"]
+        spans = "; ".join(f"{name} {list(member_group(topology_partition(self.topology, 'span', name), self.rank))}"
+                          for name in self.topology.level_names)
+        comm = (f"ledger {'on' if cfg.ledger else 'off'}"
+                + (" (torch.distributed collectives counted too)" if cfg.ledger and cfg.count_torch_collectives else "")
+                + f", algorithm {cfg.algorithm}, timeout {cfg.timeout_s:g} s"
+                + (f", alpha-beta time emulation x{cfg.time_scale:g}" if cfg.emulate_time else ""))
+        return "\n".join([f"ds_ext {__version__}: {self.topology.describe()}", "plugins:", *plugins,
+                          f"comm: {comm}", f"groups of rank {self.rank}: {spans}"])
 
     def report(self, skip: int = 1) -> str:
         """The topology and the per-level traffic table (bytes per optimizer step)."""

@@ -21,13 +21,18 @@ import math
 import os
 import re
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from ds_ext.errors import DsExtError
+
+if TYPE_CHECKING:
+    from ds_ext.config import TopologyConfig
 
 GB = 1e9
 US = 1e-6
 
 
-class TopologyError(ValueError):
+class TopologyError(DsExtError, ValueError):
     """A topology that cannot be built or does not fit the job."""
 
 
@@ -65,6 +70,10 @@ _PRESETS: dict[str, tuple[Level, ...]] = {
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+# Without a preset or levels: one level inside the node and one across nodes, sized from the
+# launcher (LOCAL_SIZE / SLURM_NTASKS_PER_NODE).
+DETECTED_LEVELS = (Level("local", None, 50 * GB, 8 * US), Level("node", None, 12.5 * GB, 15 * US))
 
 
 def preset_levels(name: str) -> tuple[Level, ...]:
@@ -333,3 +342,23 @@ def check_fits_job(topo: Topology, job: JobEnvironment) -> None:
             f"{topo.name!r} needs {topo.ranks_per_node}; fix the launch, or set "
             f"ds_ext.topology.emulate=true to impose the hierarchy by rank order"
         )
+
+
+def resolve_topology(
+    cfg: "TopologyConfig", world_size: int, job: JobEnvironment
+) -> Topology:
+    """Build the topology the config asks for and check it against the job."""
+    if cfg.levels is not None:
+        topo = Topology.build([lv.to_level() for lv in cfg.levels], world_size, "custom", cfg.sizes)
+    elif cfg.preset is not None:
+        topo = Topology.build(preset_levels(cfg.preset), world_size, cfg.preset, cfg.sizes)
+    else:
+        local = job.local_size or world_size
+        inner, outer = DETECTED_LEVELS
+        topo = Topology.build(
+            [Level(inner.name, local, inner.bandwidth, inner.latency), outer],
+            world_size, "detected", cfg.sizes,
+        )
+    if not cfg.emulate:
+        check_fits_job(topo, job)
+    return topo

@@ -112,3 +112,36 @@ def test_bad_input_fails_before_training(world, block, kind, message):
         assert res is not None
         got_kind, got_message = res
         assert got_kind == kind and message in got_message and "\n" not in got_message
+
+
+def _start_up_messages():
+    """ds_ext.initialize with ZeRO-topo on a model without nn.ModuleList: the printed lines and
+    the Python warnings that mention ds_ext, on this rank."""
+    import contextlib
+    import io
+    import warnings
+
+    import torch
+
+    import ds_ext
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    cfg = {**_ds_config(0, True), "ds_ext": {"topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True},
+                                             "zero_topo": {"enabled": True}}}
+    out = io.StringIO()
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out):
+        warnings.simplefilter("default")
+        engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
+    engine.destroy()
+    printed = out.getvalue()
+    return printed[printed.find("[Rank 0] ds_ext"):] if "ds_ext" in printed else "", \
+        [str(w.message) for w in caught if "ds_ext" in str(w.message)]
+
+
+def test_start_up_banner_and_warnings_once_on_rank_0(world):
+    (banner, warned), *others = world.run(_start_up_messages)
+    assert all(text == "" and warnings == [] for text, warnings in others)
+    assert len(warned) == 1 and "no nn.ModuleList" in warned[0]
+    assert banner.startswith("[Rank 0] ds_ext 0.1.0: frontier: world 4") and banner.count("ds_ext 0.1.0") == 1
+    assert "\n  zero_topo: weights gcd" in banner and "\ncomm: ledger on" in banner
+    assert "\ngroups of rank 0: gcd [0, 1]; gpu [0, 1]; node [0, 1, 2, 3]" in banner

@@ -119,22 +119,22 @@ def _crossover(records: list[dict[str, Any]]) -> float | None:
 
 
 def plot(payload: dict[str, Any], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    from ds_ext import plotting
 
     layouts, sizes = payload["layouts"], payload["sizes"]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 6))
+    fig = plotting.figure(figsize=(9, 6))
+    axes = fig.subplots(1, 2)
     for ax, op in zip(axes, OPS):
         grid = np.full((len(sizes), len(layouts)), np.nan)
         for r in payload["records"]:
             if r["op"] == op:
                 grid[sizes.index(r["size"]), layouts.index(r["layout"])] = r["speedup_pccl_over_ring"]
         im = ax.imshow(grid, origin="lower", cmap="RdYlGn", aspect="auto",
-                       norm=matplotlib.colors.TwoSlopeNorm(vcenter=1.0, vmin=min(0.5, np.nanmin(grid)),
-                                                           vmax=max(2.0, np.nanmax(grid))))
+                       norm=TwoSlopeNorm(vcenter=1.0, vmin=min(0.5, np.nanmin(grid)),
+                                          vmax=max(2.0, np.nanmax(grid))))
         for (i, j), v in np.ndenumerate(grid):
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
         for j, lay in enumerate(layouts):
@@ -149,7 +149,6 @@ def plot(payload: dict[str, Any], path) -> None:
     fig.suptitle("ALPHA-BETA EMULATION on one host (not a network); dashed: the model's crossover", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _human(n: float) -> str:
@@ -164,7 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ds_ext import config as cfgmod
     from ds_ext.local_world import World
     from ds_ext.perf import collectives as model
-    from ds_ext.runtime import resolve_topology
+    from ds_ext.topology import resolve_topology
     from ds_ext.topology import detect_environment
 
     sizes = _sizes(args.min_size, args.max_size)

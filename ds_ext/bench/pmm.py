@@ -385,21 +385,19 @@ def table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(records: list[dict[str, Any]], path, time_key: str = "step_time_emulated_s") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def figure(records: list[dict[str, Any]], time_key: str = "step_time_emulated_s"):
+    """Measured step time against the models' predictions per grid (left; labels ``4x1x1x2``,
+    none overlapping) and bytes per level per variant (right)."""
+    from ds_ext import plotting
 
     grids = [r for r in records if r["variant"] == "pmm3d"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
+    fig = plotting.figure(figsize=(14, 5))
+    ax1, ax2 = fig.subplots(1, 2)
     series = ((NETNS_PREDICTOR, "Eq 5.7 + α, the measured network"),) if NETNS_PREDICTOR in grids[0] else (
         (RANKING_MODEL, "α-β, per-rank links (the emulated machine)"), ("predicted_comm_s", "Eq 5.7 bandwidths, no α"))
     for key, label in series:
         ax1.scatter([1e3 * r[key] for r in grids], [r[time_key] for r in grids], label=label)
-    for r in grids:
-        ax1.annotate("".join(map(str, r["grid"])), (1e3 * r[series[0][0]], r[time_key]), fontsize=7)
-    ax1.legend(fontsize=8)
+    ax1.legend(fontsize=8, loc="lower right")
     ax1.set_xlabel("predicted communication per step, ms (ds_ext.perf.pmm, unscaled)")
     ax1.set_ylabel("measured step time, s" + (" (alpha-beta emulation)" if time_key == "step_time_emulated_s"
                                               else " (shaped network)"))
@@ -410,13 +408,19 @@ def plot(records: list[dict[str, Any]], path, time_key: str = "step_time_emulate
         vals = [r["bytes_per_step"][lv] / 1e6 for r in rows]
         ax2.bar(range(len(rows)), vals, bottom=bottom, label=lv)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    labels = [f"{r['variant'].replace('pmm3d', '')} {''.join(map(str, r['grid']))}".strip() for r in rows]
+    labels = [f"{r['variant'].replace('pmm3d', '')} {plotting.grid_label(r['grid'])}".strip() for r in rows]
     ax2.set_xticks(range(len(rows)), labels, rotation=70, ha="right", fontsize=7)
     ax2.set_ylabel("MB sent per rank per step (fastest first)")
     ax2.legend(title="level")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plotting.annotate_apart(ax1, [(plotting.grid_label(r["grid"]), (1e3 * r[series[0][0]], r[time_key]))
+                                  for r in sorted(grids, key=lambda r: r[time_key])])
+    return fig
+
+
+def plot(records: list[dict[str, Any]], path, time_key: str = "step_time_emulated_s") -> None:
+    """:func:`figure` written to ``path`` (PNG)."""
+    figure(records, time_key).savefig(path, dpi=120)
 
 
 def _predict_on_network(records: list[dict[str, Any]], network: dict[str, Any], spec, model: str,

@@ -381,13 +381,11 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ds_ext import plotting
 
     rows = [r for r in records if r["error"] is None]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = plotting.figure(figsize=(12, 4.5))
+    ax1, ax2 = fig.subplots(1, 2)
     bottom = [0.0] * len(rows)
     for lv in LEVELS:
         vals = [r["bytes_per_step"][lv] / 1e6 for r in rows]
@@ -405,7 +403,6 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
                    else "alpha-beta link time per step on Frontier (ms)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

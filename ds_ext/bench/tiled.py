@@ -313,14 +313,12 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def plot(records: list[dict[str, Any]], tile_size: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ds_ext import plotting
 
     main = sorted((r for r in records if r["tile_size"] == tile_size), key=lambda r: r["experts"])
     es = [r["experts"] for r in main]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = plotting.figure(figsize=(6, 4))
+    ax = fig.subplots()
     for key, label in (("untiled", "DeepSpeed untiled"), ("ds_group_split", "DeepSpeed max_group_size"),
                        ("tiled", "ds_ext tiled")):
         ax.plot(es, [r[f"step_peak_bytes_{key}"] / 1e6 for r in main], marker="o", label=label)
@@ -332,7 +330,6 @@ def plot(records: list[dict[str, Any]], tile_size: int, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _zero_topo_part(world, args: argparse.Namespace) -> dict[str, Any]:

@@ -312,13 +312,11 @@ def table(records: list[dict[str, Any]]) -> str:
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ds_ext import plotting
 
     gas = sorted({r["grad_accum"] for r in records})
-    fig, axes = plt.subplots(1, len(gas), figsize=(6 * len(gas), 4.5), squeeze=False)
+    fig = plotting.figure(figsize=(6 * len(gas), 4.5))
+    axes = fig.subplots(1, len(gas), squeeze=False)
     for ax, ga in zip(axes[0], gas):
         rows = [r for r in records if r["grad_accum"] == ga]
         bottom = [0.0] * len(rows)
@@ -333,7 +331,6 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         ax.legend(title="level")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

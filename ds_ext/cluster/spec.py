@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ds_ext import config as cfgmod
+from ds_ext.errors import DsExtError
 from ds_ext.topology import Topology, TopologyError, preset_levels
 
 MAX_LEAVES = 250  # one /24 of addresses, leaves numbered from .1
@@ -33,7 +33,7 @@ BURST_SECONDS = 0.002  # default bucket: 2 ms of traffic, never less than MIN_BU
 _UNITS = {"": 1, "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
-class ClusterError(RuntimeError):
+class ClusterError(DsExtError, RuntimeError):
     """The cluster cannot be built, run or removed; the message says why in one line."""
 
 
@@ -146,6 +146,8 @@ def spec_from_topology(block: Mapping[str, Any], nodes: int, rate_scale: float =
     """A cluster of ``nodes`` nodes from a ``ds_ext.topology`` block: ranks per node from its
     inner levels, the node link from the ``node`` level (and, with ``gpu_level``, the GPU links
     from the ``gpu`` level), rates divided by ``rate_scale``."""
+    from ds_ext import config as cfgmod  # pydantic: not for every ds-ext --help
+
     if rate_scale <= 0:
         raise ClusterError(f"rate scale must be > 0, got {rate_scale}")
     cfg = cfgmod.parse({"topology": {**block, "emulate": True}}).topology

@@ -47,13 +47,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ds_ext.errors import DsExtError
 from ds_ext.topology import Topology
 
 ALGORITHMS: tuple[str, ...] = ("auto", "ring", "pccl", "native")
 P2P_ALGORITHMS: tuple[str, ...] = ("ring", "pccl")
 
 
-class AlgorithmError(ValueError):
+class AlgorithmError(DsExtError, ValueError):
     """An algorithm that cannot run on the given group or operation."""
 
 

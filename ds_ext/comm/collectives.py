@@ -41,6 +41,7 @@ from ds_ext.comm.ledger import (
     broadcast_bytes,
     reduce_scatter_bytes,
 )
+from ds_ext.errors import DsExtError
 from ds_ext.groups import GroupRegistry
 
 # The torch.distributed tensor collectives ds_ext calls and ``ds_ext.comm.instrument`` wraps.
@@ -77,7 +78,7 @@ def torch_op(name: str) -> Callable:
     return fn if fn is not None else getattr(dist, name)
 
 
-class CommError(RuntimeError):
+class CommError(DsExtError, RuntimeError):
     """A collective that failed: a peer rank died or did not answer within the timeout."""
 
 

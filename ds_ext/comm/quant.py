@@ -37,12 +37,14 @@ from typing import Callable
 
 import torch
 
+from ds_ext.errors import DsExtError
+
 ALLOWED_BITS = (4, 8)
 NONFINITE = -1.0  # scale of a block that held a non-finite value (not encoded; decodes to NaN)
 COMPILE_MIN_NUMEL = 1 << 16  # compile=True: tensors of fewer elements use the eager kernels (same bits)
 
 
-class QuantizationError(ValueError):
+class QuantizationError(DsExtError, ValueError):
     """Bad quantizer settings or input that cannot be quantized."""
 
 

@@ -11,9 +11,9 @@ block without a word. Two ways in:
   ``--deepspeed_config`` enables TED, ``deepspeed.moe.layer.MoE`` becomes TEDMoE
   (:mod:`ds_ext.integration.moe_substitution`). ``python -m
   ds_ext.run script.py ...`` patches and then runs the script (``ds_ext/run.py``).
-* :func:`watch` (passive, installed when ``ds_ext`` is imported): if DeepSpeed is
-  initialized directly with a ``"ds_ext"`` block while ds_ext is not active, a warning
-  says the block is ignored and how to activate it.
+* :func:`unpatch_deepspeed` switches routing off again: from then on a direct
+  ``deepspeed.initialize`` with a ``"ds_ext"`` block warns that the block is ignored and
+  how to activate it. Importing ds_ext alone wraps nothing and installs no import hook.
 
 Behind the version gate of :mod:`ds_ext.integration.ds_version`.
 """
@@ -25,8 +25,9 @@ import importlib.abc
 import inspect
 import importlib.util
 import sys
-import warnings
 from typing import Any, Callable
+
+from ds_ext import log
 
 _ORIGINAL: Callable | None = None  # DeepSpeed's own initialize, once wrapped
 _ACTIVE = False
@@ -51,9 +52,12 @@ def _has_ds_ext_block(arguments: dict) -> bool:
 
     try:
         resolved = _resolve_config(arguments.get("args"), arguments.get("config"), arguments.get("config_params"))
+    except ValueError:
+        return False  # no config: DeepSpeed reports it itself
+    try:
         return cfgmod.BLOCK in cfgmod.load_ds_config(resolved)
-    except (ValueError, cfgmod.DsExtConfigError):
-        return False  # DeepSpeed reports a missing or broken config itself
+    except cfgmod.ConfigNotFoundError:
+        return False  # DeepSpeed reports a missing config itself
 
 
 def _dispatcher(original: Callable) -> Callable:
@@ -68,7 +72,7 @@ def _dispatcher(original: Callable) -> Callable:
             import ds_ext
 
             return ds_ext.initialize(**arguments)
-        warnings.warn(IGNORED, stacklevel=2)
+        log.warn(IGNORED)
         return original(*args, **kwargs)
 
     initialize.__ds_ext_dispatcher__ = True  # type: ignore[attr-defined]
@@ -152,8 +156,8 @@ class _WatchDeepSpeedImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def watch() -> None:
-    """Report an ignored ``"ds_ext"`` block: wrap ``deepspeed.initialize`` now if DeepSpeed
-    is imported, else as soon as it is (no DeepSpeed import here)."""
+    """Wrap ``deepspeed.initialize`` now if DeepSpeed is imported, else as soon as it is (no
+    DeepSpeed import here; called on activation only)."""
     if "deepspeed" in sys.modules and hasattr(sys.modules["deepspeed"], "initialize"):
         _wrap(sys.modules["deepspeed"])
     elif not any(isinstance(f, _WatchDeepSpeedImport) for f in sys.meta_path):

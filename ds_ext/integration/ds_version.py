@@ -22,10 +22,12 @@ import inspect
 
 from packaging.version import Version
 
+from ds_ext.errors import DsExtError
+
 SUPPORTED = (Version("0.19.0"), Version("0.20.0"))  # [min, max)
 
 
-class DeepSpeedVersionError(RuntimeError):
+class DeepSpeedVersionError(DsExtError, RuntimeError):
     """The installed DeepSpeed is not one ds_ext's private touch points were written for."""
 
 

@@ -16,6 +16,7 @@ import functools
 from typing import Any
 
 from ds_ext import config as cfgmod
+from ds_ext import log
 from ds_ext.comm import instrument
 from ds_ext.integration import activation, ds_engine
 from ds_ext.integration.ds_version import check_version
@@ -204,4 +205,5 @@ def initialize(
     engine.ds_ext = runtime
     _tag_engine(engine, runtime)
     runtime.ledger.reset()
+    log.banner(runtime.banner())
     return engine, opt, loader, sched

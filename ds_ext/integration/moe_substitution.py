@@ -15,11 +15,10 @@ by name. DeepSpeed-private touch point: the module attribute it replaces.
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any, Sequence
 
-log = logging.getLogger("ds_ext.moe")
+from ds_ext import log
 
 CONFIG_FLAGS: tuple[str, ...] = ("--deepspeed_config", "--deepspeed-config")
 

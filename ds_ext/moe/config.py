@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-
 from typing import Literal
 
-from pydantic import Field, StrictBool, StrictInt, model_validator
+from pydantic import Field, model_validator
 
 from ds_ext.plugin import PluginConfig
 
@@ -14,26 +13,26 @@ from ds_ext.plugin import PluginConfig
 class TEDConfig(PluginConfig):
     """``ds_ext.ted`` (001 §7.1, §7.3)."""
 
-    tensor_parallel: StrictInt = Field(1, ge=1, description="G_tensor: tensor-parallel degree of expert and "
-                                       "non-expert blocks (at most the ranks of a node).")
-    expert_parallel: StrictInt = Field(1, ge=1, description="G_expert: ranks an MoE layer's experts are spread "
-                                       "over (TED: = num_experts; any divisor of num_experts works).")
-    expert_data_parallel: StrictInt | None = Field(None, ge=1, description="G_data^exp; omit to infer it "
-                                                   "from the world size (Eq 7.1).")
-    num_experts: StrictInt | None = Field(None, ge=1, description="Experts per MoE layer; every TEDMoE must "
-                                          "have it (omit to take the layers' own).")
-    top_k: StrictInt | None = Field(None, ge=1, description="Routes per token; every TEDMoE must have it.")
+    tensor_parallel: int = Field(1, ge=1, description="G_tensor: tensor-parallel degree of expert and "
+                                 "non-expert blocks (at most the ranks of a node).")
+    expert_parallel: int = Field(1, ge=1, description="G_expert: ranks an MoE layer's experts are spread "
+                                 "over (TED: = num_experts; any divisor of num_experts works).")
+    expert_data_parallel: int | None = Field(None, ge=1, description="G_data^exp; omit to infer it "
+                                             "from the world size (Eq 7.1).")
+    num_experts: int | None = Field(None, ge=1, description="Experts per MoE layer; every TEDMoE must "
+                                    "have it (omit to take the layers' own).")
+    top_k: int | None = Field(None, ge=1, description="Routes per token; every TEDMoE must have it.")
     capacity_factor: float | None = Field(None, gt=0, description="Training capacity factor; every TEDMoE "
                                           "must have it.")
-    duplicate_token_dropping: StrictBool = Field(True, description="DTD (001 §7.3.1): drop the tensor "
-                                                 "group's duplicate tokens around each all-to-all.")
-    comm_aware_checkpointing: StrictBool = Field(True, description="CAC (001 §7.3.2): activation-checkpoint "
-                                                 "recomputes reuse the first forward's collective outputs.")
+    duplicate_token_dropping: bool = Field(True, description="DTD (001 §7.3.1): drop the tensor "
+                                           "group's duplicate tokens around each all-to-all.")
+    comm_aware_checkpointing: bool = Field(True, description="CAC (001 §7.3.2): activation-checkpoint "
+                                           "recomputes reuse the first forward's collective outputs.")
     cac_stash: Literal["full", "lean"] = Field("full", description="What CAC keeps for the recompute: "
                                                "full = every forward collective's output; lean = not the "
                                                "all-to-all outputs that only feed DTD's all-gather (same "
                                                "calls, same bits, less memory).")
-    seed: StrictInt = Field(1234, description="Seed of the gates' noise and random token selection.")
+    seed: int = Field(1234, description="Seed of the gates' noise and random token selection.")
 
     @model_validator(mode="after")
     def _experts_divisible(self) -> "TEDConfig":

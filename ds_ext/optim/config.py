@@ -3,7 +3,7 @@ schema (``ds-ext schema``) imports no torch."""
 
 from __future__ import annotations
 
-from pydantic import Field, StrictInt
+from pydantic import Field
 
 from ds_ext.plugin import PluginConfig
 
@@ -13,7 +13,7 @@ DEFAULT_TILE_SIZE = 1_800_000  # 001 §7.2: "we fix the tile size to 1.8 million
 class TiledOptimizerConfig(PluginConfig):
     """``ds_ext.tiled_optimizer`` (001 §7.2)."""
 
-    tile_size: StrictInt = Field(
+    tile_size: int = Field(
         DEFAULT_TILE_SIZE,
         gt=0,
         description="Parameters per tile; the step's fp32 gradient buffer is 4 x tile_size bytes.",

@@ -9,5 +9,8 @@ papers), ``report`` and ``command`` (CLI: plan, simulate, tune). Nothing here im
 """
 
 
-class PlannerError(ValueError):
+from ds_ext.errors import DsExtError
+
+
+class PlannerError(DsExtError, ValueError):
     """Input the planner cannot use; the message names the argument and what is allowed."""

@@ -182,6 +182,8 @@ def run_simulate(ns: argparse.Namespace) -> int:
     for n in nodes:
         machine.build_topology(n)
     families = ns.families or tuple(plan.FAMILIES)
+    for arch in archs:
+        plan.check_families_apply(arch, list(families))
     t0 = time.perf_counter()
     records = simulate.sweep(archs, nodes, machine, families, ns.global_batch, ns.grad_accum, progress=True)
     seconds = time.perf_counter() - t0

@@ -30,8 +30,21 @@ FAMILIES: dict[str, Callable[[Job], tuple[list[Candidate], list[Dropped]]]] = {
 }
 
 
+MOE_FAMILIES = ("ted",)  # the families that plan an MoE; the others plan a dense model
+
+
 class PlanInputError(PlannerError):
     """Planner input that cannot be planned; the message names the argument."""
+
+
+def check_families_apply(arch: Arch, families: list[str]) -> None:
+    """Refuse ``--families`` none of which plans this kind of model (dense or MoE): an empty
+    table is not an answer."""
+    moe = arch.experts > 1
+    if not any((f in MOE_FAMILIES) == moe for f in families):
+        allowed = [f for f in FAMILIES if (f in MOE_FAMILIES) == moe]
+        raise PlanInputError(f"--families {' '.join(families)}: none plans {arch.name} "
+                             f"({'an MoE' if moe else 'a dense model'}); allowed: {', '.join(allowed)}")
 
 
 def make_job(arch: Arch, machine: Machine, nodes: int, global_batch: int | None = None, grad_accum: int | None = None,
@@ -77,6 +90,8 @@ def plan(job: Job, families: Iterable[str] = tuple(FAMILIES), extra: Iterable[Ca
     if twice:
         raise PlanInputError(f"--families: {', '.join(twice)} given twice")
     cands, dropped = list(extra), []
+    if not cands:
+        check_families_apply(job.arch, families)
     for f in families:
         built, skipped = FAMILIES[f](job)
         cands += built

@@ -124,17 +124,17 @@ def to_json(result: PlanResult) -> dict[str, Any]:
     }
 
 
-def plot(result: PlanResult, path, top_k: int = 5) -> None:
-    """Memory per state (left) and step time per component (right) of the shown plans."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def figure(result: PlanResult, top_k: int = 5):
+    """Memory per state (left) and step time per component (right) of the shown plans; one
+    colour per state and per component across both panels (:func:`ds_ext.plotting.colours`)."""
+    from ds_ext import plotting
 
     plans = shown(result, top_k)
     names = [e.name for e in plans]
     levels = result.job.topology.level_names
-    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(14, 0.45 * len(plans) + 2.5), sharey=True)
+    colour = plotting.colours((*STATES, "compute", *levels))
+    fig = plotting.figure(figsize=(14, 0.45 * len(plans) + 2.5))
+    ax_m, ax_t = fig.subplots(1, 2, sharey=True)
     for ax, parts, unit in ((ax_m, STATES, 1e9), (ax_t, ("compute",) + levels, 1.0)):
         left = [0.0] * len(plans)
         for part in parts:
@@ -142,7 +142,7 @@ def plot(result: PlanResult, path, top_k: int = 5) -> None:
                 vals = [e.memory[part] / unit for e in plans]
             else:
                 vals = [e.compute_s if part == "compute" else e.comm_s.get(part, 0.0) for e in plans]
-            ax.barh(names, vals, left=left, label=part)
+            ax.barh(names, vals, left=left, label=part, color=colour[part])
             left = [a + b for a, b in zip(left, vals)]
         ax.legend(fontsize=8)
     ax_m.axvline(result.job.machine.device_memory / 1e9, color="k", ls="--", lw=1)
@@ -151,5 +151,9 @@ def plot(result: PlanResult, path, top_k: int = 5) -> None:
     ax_m.invert_yaxis()
     fig.suptitle(f"{result.job.arch.name} on {result.job.world} ranks of {result.job.machine.name}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
+
+
+def plot(result: PlanResult, path, top_k: int = 5) -> None:
+    """:func:`figure` written to ``path`` (PNG)."""
+    figure(result, top_k).savefig(path, dpi=110)

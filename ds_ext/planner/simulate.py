@@ -83,13 +83,11 @@ def table(records: list[dict[str, Any]]) -> str:
 
 def plot(records: list[dict[str, Any]], path) -> None:
     """TFLOPS per GCD and scaling efficiency against GCDs, one row of panels per model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ds_ext import plotting
 
     models = list(dict.fromkeys(r["model"] for r in records))
-    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4 * len(models)), squeeze=False)
+    fig = plotting.figure(figsize=(12, 4 * len(models)))
+    axes = fig.subplots(len(models), 2, squeeze=False)
     for (ax_t, ax_e), model in zip(axes, models):
         series: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for r in records:
@@ -108,4 +106,3 @@ def plot(records: list[dict[str, Any]], path) -> None:
         ax_t.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)

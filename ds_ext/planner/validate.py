@@ -242,13 +242,11 @@ def markdown(rows: list[Row]) -> str:
 
 def plot(rows: list[Row], path) -> None:
     """Predicted / published per comparison, with the tolerance band where one is stated."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ds_ext import plotting
 
     rows = [r for r in rows if r.published is not None]
-    fig, ax = plt.subplots(figsize=(10, 0.38 * len(rows) + 1.5))
+    fig = plotting.figure(figsize=(10, 0.38 * len(rows) + 1.5))
+    ax = fig.subplots()
     ratios = [r.predicted / r.published for r in rows]  # type: ignore[operator]
     colors = ["tab:green" if r.holds else "tab:red" if r.holds is False else "tab:gray" for r in rows]
     ax.barh([r.claim.strip() for r in rows], ratios, color=colors)
@@ -261,4 +259,3 @@ def plot(rows: list[Row], path) -> None:
     ax.set_xlabel("predicted / published (green: within tolerance, red: outside, gray: none stated)")
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)

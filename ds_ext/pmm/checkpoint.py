@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds_ext.errors import DsExtError
 from ds_ext.pmm.config import KEY
 from ds_ext.pmm.layers import _FeatureSharded
 from ds_ext.pmm.layout import LinearLayout, feature_slice
@@ -35,7 +36,7 @@ DIR = "pmm3d"
 LAYOUT = "layout.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(DsExtError, ValueError):
     """A checkpoint that cannot be loaded here; one line naming what to change."""
 
 

@@ -4,36 +4,33 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import Field
 
+from ds_ext.config_base import ConfigSection
 from ds_ext.plugin import PluginConfig
 
 KEY = "ds_ext.pmm3d"
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
-
-
-class GridConfig(_Section):
+class GridConfig(ConfigSection):
     """Degrees of the 4D grid; their product is the world size (001 §5.1.1)."""
 
-    x: StrictInt = Field(1, ge=1, description="G_x: innermost tensor axis (splits out-features of normal layers).")
-    y: StrictInt = Field(1, ge=1, description="G_y: tensor axis splitting in-features of normal layers.")
-    z: StrictInt = Field(1, ge=1, description="G_z: shards weights (all-gather) and splits the batch rows.")
-    data: StrictInt = Field(1, ge=1, description="G_data: data parallelism, outermost, through DeepSpeed.")
+    x: int = Field(1, ge=1, description="G_x: innermost tensor axis (splits out-features of normal layers).")
+    y: int = Field(1, ge=1, description="G_y: tensor axis splitting in-features of normal layers.")
+    z: int = Field(1, ge=1, description="G_z: shards weights (all-gather) and splits the batch rows.")
+    data: int = Field(1, ge=1, description="G_data: data parallelism, outermost, through DeepSpeed.")
 
 
-class OverlapConfig(_Section):
+class OverlapConfig(ConfigSection):
     """Non-blocking collectives overlapped with computation (001 §5.1.4)."""
 
-    all_reduce: StrictBool = Field(
+    all_reduce: bool = Field(
         False, description="OAR: the backward all-reduce of dL/dI overlaps the weight-gradient matmul."
     )
-    reduce_scatter: StrictBool = Field(
+    reduce_scatter: bool = Field(
         False, description="ORS: weight-gradient reduce-scatters are waited once, after every layer's backward."
     )
-    all_gather: StrictBool = Field(
+    all_gather: bool = Field(
         False, description="OAG: each layer prefetches the next layer's weight all-gather, in the order "
         "recorded during the first step (activation-checkpoint recomputes included).",
     )
@@ -48,14 +45,14 @@ class Pmm3dConfig(PluginConfig):
         "(Eqs 5.1-5.7) among those that divide the model and fit memory_per_rank_GB.",
     )
     overlap: OverlapConfig = Field(default_factory=OverlapConfig)
-    tune_matmul: StrictBool = Field(
+    tune_matmul: bool = Field(
         False, description="Time every matmul call site in NN/NT/TN/transposed-product form during the first "
         "step and keep the fastest (001 §5.1.3).",
     )
     memory_per_rank_GB: float | None = Field(
         None, gt=0, description="With grid 'auto': drop factorizations whose model states exceed this per rank.",
     )
-    ledger_by_layer: StrictBool = Field(
+    ledger_by_layer: bool = Field(
         False, description="Record each converted layer's collectives under the ledger phase "
         "'<phase>/<layer name>' (compared per layer with ds_ext.perf.pmm).",
     )

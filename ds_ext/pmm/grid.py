@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ds_ext.errors import DsExtError
 from ds_ext.groups import GroupRegistry, ParallelAxes, pmm_axes, pmm_groups
 from ds_ext.pmm.config import KEY
 
 
-class GridError(ValueError):
+class GridError(DsExtError, ValueError):
     """A grid that does not fit the world or the model; the message names the key."""
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds_ext.errors import DsExtError
 from ds_ext.pmm.config import KEY
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.layers import LayerNorm, RMSNorm
@@ -40,7 +41,7 @@ from ds_ext.pmm.vocab import Embedding, causal_lm_loss, tied_head
 CONVERTED = (Linear, LayerNorm, RMSNorm)
 
 
-class ConversionError(ValueError):
+class ConversionError(DsExtError, ValueError):
     """A model or grid that :func:`parallelize` cannot convert."""
 
 

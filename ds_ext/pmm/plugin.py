@@ -103,6 +103,9 @@ class Pmm3dPlugin(Plugin):
                                    "fits memory_per_rank_GB; give the grid explicitly or raise the limit")
         return ranked[0].grid
 
+    def describe(self) -> str:
+        return f"grid {self.grid} (x, y, z, data)"
+
     def mpu(self) -> MegatronMPU:
         """Model parallel = the tensor grid X x Y x Z (DeepSpeed sums gradient norms over it,
         parameters counted per ``ds_ext.integration.ds_pmm.mark_parameters``); data parallel =

@@ -25,7 +25,6 @@ each rank):
 from __future__ import annotations
 
 import json
-import logging
 import math
 import statistics
 import time
@@ -33,7 +32,7 @@ from typing import Callable
 
 import torch
 
-log = logging.getLogger("ds_ext.pmm")
+from ds_ext import log
 
 LAYOUTS: tuple[str, ...] = ("as_is", "nn", "nt", "tn")
 FORMS: tuple[str, ...] = ("ab", "(btat)t")
@@ -142,8 +141,7 @@ class MatmulTuner:
             if size > largest.get(site, (-1, ""))[0]:
                 largest[site] = (size, sig)
                 self.site_choice[site] = best
-            log.info("matmul tuning: %s %s @ %s -> %s (%.1f us)", site, shape_a, shape_b, mode_name(best),
-                     1e6 * min(times))
+            log.info(f"matmul tuning: {site} {shape_a} @ {shape_b} -> {mode_name(best)} ({1e6 * min(times):.1f} us)")
 
     def _gather_all(self, timings: dict[str, list[float]]) -> list[dict[str, list[float]]]:
         data = torch.frombuffer(bytearray(json.dumps(timings).encode()), dtype=torch.uint8)

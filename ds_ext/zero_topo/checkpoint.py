@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 
+from ds_ext.errors import DsExtError
 from ds_ext.zero_topo.layout import shard_count, shard_index
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ LATEST = "latest"
 DEEPSPEED_MODULE_FILE = "mp_rank_00_model_states.pt"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(DsExtError, RuntimeError):
     """A checkpoint that cannot be written or loaded here; the message names the file."""
 
 

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from torch import nn
 
+from ds_ext import log
 from ds_ext.comm.quantized import all_gather_int, all_to_all_reduce
+from ds_ext.errors import DsExtError
 from ds_ext.zero_topo.layout import chunk, shard_count, shard_index, sub_chunk, to_shard_order
 from ds_ext.zero_topo.units import FlatUnit, ShardContext
 
@@ -53,7 +54,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class UnitError(ValueError):
+class UnitError(DsExtError, ValueError):
     """A model ZeRO-topo cannot cut into gather/release units."""
 
 
@@ -83,13 +84,13 @@ def find_units(model: nn.Module, names: list[str] | str) -> list[tuple[str, nn.M
                 f"allowed: 'auto' or class names present, e.g. {', '.join(sorted(present)[:12])}"
             )
         if missing:
-            warnings.warn(f"ds_ext.zero_topo.units: no module of class {', '.join(map(repr, missing))} in this "
-                          "model (the other class names match)", stacklevel=2)
+            log.warn(f"ds_ext.zero_topo.units: no module of class {', '.join(map(repr, missing))} in this "
+                     "model (the other class names match)")
     if not found and names == "auto":
-        warnings.warn(
+        log.warn(
             "ds_ext.zero_topo: the model has no nn.ModuleList, so units='auto' found no unit: the whole model "
             "becomes one unit, gathered whole for every forward; set ds_ext.zero_topo.units to the class names "
-            "of its blocks to shard layer by layer", stacklevel=2,
+            "of its blocks to shard layer by layer",
         )
     # drop units nested inside another unit
     return [(q, m) for q, m in found if not any(q.startswith(o + ".") for o, _ in found if o != q)]

@@ -22,8 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
+from ds_ext.config_base import ConfigSection
+from ds_ext.errors import DsExtError
 from ds_ext.plugin import PluginConfig
 from ds_ext.topology import Topology
 
@@ -36,35 +38,31 @@ PRESETS: tuple[str, ...] = PresetName.__args__  # type: ignore[attr-defined]
 INNER, NODE, WORLD = "@inner", "@node", "@world"
 
 
-class PlanError(ValueError):
+class PlanError(DsExtError, ValueError):
     """A plan that breaks the dependency rule or does not fit the topology."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class WeightsConfig(_Section):
+class WeightsConfig(ConfigSection):
     level: str | None = Field(None, description="Level the 16-bit primary weights are sharded over.")
     gather_bits: Bits | None = Field(None, description="Wire format of weight all-gathers: 8 = int8 (qwZ), 16 = unquantized.")
 
 
-class SecondaryConfig(_Section):
+class SecondaryConfig(ConfigSection):
     level: str | None = Field(None, description="Level of the secondary weight partition (hpZ / Sec-Degree); 'none' for no secondary.")
     bits: Bits | None = Field(None, description="Stored format: 8 = block-quantized int8 (003), 16 = model dtype (DeepSpeed hpZ).")
 
 
-class GradientsConfig(_Section):
+class GradientsConfig(ConfigSection):
     level: str | None = Field(None, description="Level the gradient shard is sharded over.")
     bits: Bits | None = Field(None, description="Wire format of the gradient reduce-scatter: 4 = int4 all-to-all (qgZ), 16 = unquantized.")
     hops: Literal[1, 2] | None = Field(None, description="1 = one all-to-all over the gradient group; 2 = intra-node then inter-node (ZeRO++ qgZ).")
 
 
-class OptimizerConfig(_Section):
+class OptimizerConfig(ConfigSection):
     level: str | None = Field(None, description="Level the fp32 master weights and optimizer moments are sharded over.")
 
 
-class StepConfig(_Section):
+class StepConfig(ConfigSection):
     kind: StepKind | None = Field(
         None,
         description="'allreduce' = 003: cross-node all-reduce of the gradient shard and a world all-gather "

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from ds_ext import log
 from ds_ext.config import DsExtConfigError
 from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.zero_topo import checkpoint as ckpt
@@ -53,10 +54,8 @@ class ZeroTopoPlugin(Plugin):
         support.check_ds_config(ds_config, self.dtype)
         support.check_model(model)
         note = support.check_optimizer(optimizer, ds_config)
-        if note is not None and self.runtime.rank == 0:
-            from deepspeed.utils import logger  # DeepSpeed's log, as its own line about this
-
-            logger.info(note)
+        if note is not None:
+            log.info(note)
         self.scaler = ds_engine.loss_scaler(ds_config)
         self.clip = ds_engine.gradient_clipping(ds_config)
         cfg = copy.deepcopy(ds_config)
@@ -65,6 +64,9 @@ class ZeroTopoPlugin(Plugin):
         cfg["gradient_clipping"] = 0.0
         (cfg.get("data_types") or {}).pop("grad_accum_dtype", None)
         return model.to(self.dtype), optimizer, cfg
+
+    def describe(self) -> str:
+        return self.plan.describe()
 
     def attach(self, engine: Any) -> None:
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use

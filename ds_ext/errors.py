@@ -1,0 +1,10 @@
+"""The base of every error ds_ext reports to a user.
+
+Each ds_ext error class derives from :class:`DsExtError` (and keeps its ``ValueError`` /
+``RuntimeError`` base), so a caller catches all of them with one ``except`` and the
+``ds-ext`` command line prints any of them in one line with exit status 2.
+"""
+
+
+class DsExtError(Exception):
+    """An error ds_ext reports in one line: bad configuration, arguments, topology, files."""

@@ -1,0 +1,122 @@
+"""The command line and the package surface a new user meets first (issue 24, items 4 and 6):
+pure commands and every ``--help`` import no torch and install nothing; every ds_ext error is one
+line with exit status 2; ``ds_ext.initialize`` has DeepSpeed's signature and a real docstring."""
+
+import ast
+import importlib.util
+import inspect
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_ext.cli import DESCRIPTION, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PURE_COMMANDS = (
+    ["detect", "--preset", "frontier", "--world-size", "16", "--rank", "3", "--grid", "2,4,1,2", "--ted", "2,4"],
+    ["schema"],
+    ["autoload-path"],
+    ["plan", "--model", "gpt-5b", "--nodes", "2", "--families", "zero"],
+)
+HELP_COMMANDS = (["--help"], ["--version"], ["run", "--help"], ["detect", "--help"], ["bench", "--help"])
+
+
+def test_pure_commands_and_help_import_no_torch_and_install_no_hook():
+    script = f"""
+import contextlib, io, sys
+import ds_ext, ds_ext.config, ds_ext.integration.activation
+from ds_ext.cli import main
+for argv in {list(PURE_COMMANDS)!r}:
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv) == 0, argv
+for argv in {list(HELP_COMMANDS)!r}:
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit as done:
+            assert done.code == 0, argv
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "deepspeed", "matplotlib"))
+assert not heavy, heavy[:5]
+hooks = [f for f in sys.meta_path if type(f).__module__.startswith("ds_ext")]
+assert not hooks, hooks
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["detect", "--world-size", "0"], "argument --world-size: expects a positive integer, got '0'"),
+    (["detect", "--rank", "-1"], "argument --rank: expects a rank (an integer >= 0), got '-1'"),
+    (["detect", "--grid", "2,2"], "argument --grid: expects X,Y,Z,DATA (positive integers), got '2,2'"),
+    (["detect", "--ted", "2"], "ds-ext: error: --ted expects TENSOR,EXPERT[,EXPERT_DATA], got '2'"),
+    (["detect", "--preset", "frontier", "--world-size", "8", "--grid", "2,2,2,2"], "ds-ext: error: ds_ext.pmm3d.grid"),
+    (["run", "missing_script.py"], "ds-ext: error: script 'missing_script.py' does not exist"),
+    (["run"], "ds-ext: error: no script given; usage: python -m ds_ext.run SCRIPT"),
+    (["run", "-m", "no_such_package.train"], "ds-ext: error: module 'no_such_package.train' not found"),
+    (["tune", "--world", "8", "--database", "missing_db.json"], "ds-ext: error: No such file or directory: missing_db.json"),
+    (["plan", "--model", "gpt-5b", "--nodes", "2", "--ds-config", "missing.json"], "ds_config file 'missing.json' does not exist"),
+    (["plan", "--model", "gpt-5b", "--nodes", "2", "--families", "ted"],
+     "ds-ext: error: --families ted: none plans gpt-5b (a dense model); allowed: zero, pmm3d, megatron"),
+    (["simulate", "--nodes", "2", "--families", "ted"], "ds-ext: error: --families ted: none plans gpt-neox-20b"),
+])
+def test_errors_are_one_line_with_status_2(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    try:
+        status = main(argv)
+    except SystemExit as done:  # argparse's own errors
+        status = done.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert message in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_top_level_help_is_whole_plain_text_and_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert done.value.code == 0 and DESCRIPTION in out and "``" not in out
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == "ds-ext 0.1.0"
+    with pytest.raises(SystemExit) as done:
+        main(["run", "--help"])
+    assert done.value.code == 0 and "usage: python -m ds_ext.run SCRIPT" in capsys.readouterr().out
+
+
+def _error_classes() -> dict[str, tuple[str, list[str]]]:
+    """Every class ds_ext defines whose name ends in 'Error': 'file:name' -> (name, base names)."""
+    found = {}
+    for path in (ROOT / "ds_ext").rglob("*.py"):
+        for name, bases in re.findall(r"^class (\w+Error)\(([^)]*)\):", path.read_text(), flags=re.M):
+            found[f"{path.relative_to(ROOT)}:{name}"] = (name, [b.strip().split(".")[-1] for b in bases.split(",")])
+    return found
+
+
+def test_every_ds_ext_error_derives_from_one_base():
+    classes = _error_classes()
+    by_name = {name: bases for name, bases in classes.values()}
+
+    def derives(name: str, seen=()) -> bool:
+        return name == "DsExtError" or any(derives(b, seen + (name,)) for b in by_name.get(name, ()) if b not in seen)
+
+    assert len(classes) >= 17
+    assert [where for where, (name, _) in classes.items() if not derives(name)] == []
+
+
+def test_initialize_has_deepspeeds_signature_and_a_docstring():
+    """Compared with DeepSpeed's source (no DeepSpeed import)."""
+    import ds_ext
+
+    source = Path(importlib.util.find_spec("deepspeed").origin).read_text()
+    theirs = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "initialize")
+    ours = inspect.signature(ds_ext.initialize).parameters
+    assert list(ours) == [a.arg for a in theirs.args.args]
+    assert all(p.kind is p.POSITIONAL_OR_KEYWORD and p.annotation is not p.empty for p in ours.values())
+    doc = inspect.getdoc(ds_ext.initialize)
+    assert len(doc.splitlines()) > 20 and all(f"{name}:" in doc for name in ours)
