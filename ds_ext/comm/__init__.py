@@ -4,8 +4,7 @@ The names below load on first use (PEP 562), so that the torch-free modules of t
 (``ledger``, ``emulation``) import without torch: the planner uses them for arithmetic.
 """
 
-from importlib import import_module
-from typing import Any
+from ds_ext.lazy import lazy_exports
 
 _EXPORTS = {
     "Communicator": "ds_ext.comm.collectives",
@@ -17,9 +16,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ds_ext.comm' has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -176,7 +176,7 @@ class Communicator:
         self.timeout_s = timeout_s
         self.algorithm = self._checked(algorithm)
         self.watch: Watch | None = None
-        self._timed_waits: dict[object, bool] = {}
+        self._gloo_groups: dict[object, bool] = {}
 
     def failed(self, op: str, group: object | None, err: BaseException) -> BaseException:
         """The one-line :class:`CommError` for a failed collective (``err`` if it is one)."""
@@ -206,9 +206,9 @@ class Communicator:
         work's wait returns at once, its hangs are NCCL's watchdog's to report)."""
         if self.watch is None:
             return False
-        if group not in self._timed_waits:
-            self._timed_waits[group] = dist.get_backend(group) == "gloo"
-        return self._timed_waits[group]
+        if group not in self._gloo_groups:
+            self._gloo_groups[group] = dist.get_backend(group) == "gloo"
+        return self._gloo_groups[group]
 
     def _async(self, async_op: bool, group: object | None) -> bool:
         """Issue torch's collective asynchronously: when asked, or to wait on it watched."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 Key = tuple[str, str, str]  # (phase, op, level)
 
@@ -149,16 +149,18 @@ class Ledger:
         self.steps.clear()
         self.current = Traffic()
 
-    def mean_by_level(self, skip: int = 0) -> dict[str, float]:
-        """Mean bytes per closed step per level, ignoring the first ``skip`` steps."""
+    def _mean_by_level(self, skip: int, per_step: Callable[[Traffic], dict[str, float]]) -> dict[str, float]:
+        """Mean of ``per_step`` (a step's {level: value}) over the closed steps after ``skip``."""
         steps = self.steps[skip:]
-        if not steps:
-            return {lv: 0.0 for lv in self.levels}
         out = {lv: 0.0 for lv in self.levels}
         for s in steps:
-            for lv, b in s.by_level().items():
-                out[lv] += b / len(steps)
+            for lv, v in per_step(s).items():
+                out[lv] += v / len(steps)
         return out
+
+    def mean_by_level(self, skip: int = 0) -> dict[str, float]:
+        """Mean bytes per closed step per level, ignoring the first ``skip`` steps."""
+        return self._mean_by_level(skip, Traffic.by_level)
 
     def mean_by_phase(self, skip: int = 0) -> dict[str, dict[str, float]]:
         """Mean bytes per closed step as {phase: {level: bytes}}, ignoring ``skip`` steps."""
@@ -172,17 +174,8 @@ class Ledger:
 
     def mean_messages_by_level(self, skip: int = 0) -> dict[str, float]:
         """Mean messages per closed step per level, ignoring the first ``skip`` steps."""
-        steps = self.steps[skip:]
-        out = {lv: 0.0 for lv in self.levels}
-        for s in steps:
-            for lv, m in s.messages_by_level().items():
-                out[lv] += m / len(steps)
-        return out
+        return self._mean_by_level(skip, Traffic.messages_by_level)
 
     def mean_calls_by_level(self, skip: int = 0) -> dict[str, float]:
-        steps = self.steps[skip:]
-        out = {lv: 0.0 for lv in self.levels}
-        for s in steps:
-            for lv, c in s.calls_by_level().items():
-                out[lv] += c / len(steps)
-        return out
+        """Mean calls per closed step per level, ignoring the first ``skip`` steps."""
+        return self._mean_by_level(skip, Traffic.calls_by_level)

@@ -3,20 +3,14 @@
 ``TEDMoE`` is a drop-in for ``deepspeed.moe.layer.MoE``; ``ColumnParallelLinear`` /
 ``RowParallelLinear`` are the Megatron tensor-parallel layers of the non-expert blocks;
 ``"ds_ext": {"ted": {...}}`` (:mod:`ds_ext.moe.plugin`) binds them to the TED groups.
+
+Its names load on first use: ``TEDMoE`` subclasses DeepSpeed's ``MoE``, and importing DeepSpeed
+(which logs to stdout) must not happen when only the config schema is needed.
 """
 
+from ds_ext.lazy import lazy_exports
 
-from importlib import import_module
-from typing import Any
-
-_EXPORTS = {"ColumnParallelLinear": "tensor_parallel", "RowParallelLinear": "tensor_parallel",
-            "TEDContext": "context", "TEDMoE": "layer", "clear_tapes": "cac"}
+_EXPORTS = {"ColumnParallelLinear": "ds_ext.moe.tensor_parallel", "RowParallelLinear": "ds_ext.moe.tensor_parallel",
+            "TEDContext": "ds_ext.moe.context", "TEDMoE": "ds_ext.moe.layer", "clear_tapes": "ds_ext.moe.cac"}
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    """Imported on first use: ``TEDMoE`` subclasses DeepSpeed's ``MoE``, and importing DeepSpeed
-    (which logs to stdout) must not happen when only the config schema is needed."""
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ds_ext.moe' has no attribute {name!r}")
-    return getattr(import_module(f"ds_ext.moe.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

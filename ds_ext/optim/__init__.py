@@ -2,14 +2,8 @@
 arithmetic, :mod:`ds_ext.optim.plugin` the ``"tiled_optimizer"`` plugin, :mod:`ds_ext.optim.config`
 its section. The names below load on first use (PEP 562): the config schema imports no torch."""
 
-from importlib import import_module
-from typing import Any
+from ds_ext.lazy import lazy_exports
 
-_EXPORTS = ("TiledAdam", "TileBuffer", "check_tileable", "piecewise_loader")
+_EXPORTS = dict.fromkeys(("TiledAdam", "TileBuffer", "check_tileable", "piecewise_loader"), "ds_ext.optim.tiled")
 __all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ds_ext.optim' has no attribute {name!r}")
-    return getattr(import_module("ds_ext.optim.tiled"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

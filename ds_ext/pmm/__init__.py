@@ -6,8 +6,9 @@ The names below load on first use (PEP 562), so that the torch-free modules of t
 
 import sys
 import types
-from importlib import import_module
 from typing import Any
+
+from ds_ext.lazy import lazy_exports
 
 _EXPORTS = {
     "Axis": "ds_ext.pmm.grid",
@@ -29,12 +30,7 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ds_ext.pmm' has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 class _Package(types.ModuleType):
