@@ -10,6 +10,9 @@ traceback or exit code; a rank that does not answer in time makes it raise ``Tim
 both cases unanswered ranks are killed and the next ``run`` starts a fresh world, so a
 failing test never hangs the suite.
 
+``backend`` / ``accelerator`` give the ranks another process-group backend and DeepSpeed
+accelerator (``"nccl"`` / ``"cuda"`` on a GPU machine: rank r on device r mod the device count).
+
 ``rank_env`` (one dict per rank, applied last) and ``rank_netns`` (one network namespace
 name per rank, entered before anything else) place the ranks on an emulated cluster
 (:func:`ds_ext.cluster.world.cluster_world`).
@@ -48,7 +51,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, env: dict[str, str], store: str, tasks, results,
-            netns: str | None = None) -> None:
+            netns: str | None = None, backend: str = "gloo") -> None:
     if netns is not None:
         from ds_ext.cluster.netns import enter_namespace
 
@@ -62,8 +65,10 @@ def _worker(rank: int, world_size: int, env: dict[str, str], store: str, tasks, 
 
     torch.set_num_threads(1)
     try:
+        if env.get("DS_ACCELERATOR") == "cuda":  # every rank on one device when there are fewer devices than ranks
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+            backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=PG_TIMEOUT_S),
         )
         results.put((rank, "ready", None))
@@ -88,8 +93,10 @@ class World:
     """Persistent pool of ``world_size`` gloo ranks (see module docstring)."""
 
     def __init__(self, world_size: int, env: dict[str, str] | None = None, timeout: float = 300,
-                 rank_env: list[dict[str, str]] | None = None, rank_netns: list[str] | None = None) -> None:
+                 rank_env: list[dict[str, str]] | None = None, rank_netns: list[str] | None = None,
+                 backend: str = "gloo", accelerator: str = "cpu") -> None:
         self.world_size = world_size
+        self.backend = backend
         self.timeout = timeout
         self.rank_env = rank_env or [{} for _ in range(world_size)]
         self.rank_netns = rank_netns or [None] * world_size
@@ -97,7 +104,7 @@ class World:
             "WORLD_SIZE": str(world_size),
             "LOCAL_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
-            "DS_ACCELERATOR": "cpu",
+            "DS_ACCELERATOR": accelerator,
             "OMP_NUM_THREADS": "1",
             **(env or {}),
         }
@@ -113,7 +120,7 @@ class World:
             _CTX.Process(
                 target=_worker,
                 args=(r, self.world_size, {**env, **self.rank_env[r]}, store, self._tasks[r], self._results,
-                      self.rank_netns[r]),
+                      self.rank_netns[r], self.backend),
                 daemon=True,
             )
             for r in range(self.world_size)

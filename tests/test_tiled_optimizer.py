@@ -49,21 +49,25 @@ def test_fused_tiles_match_torch_fused_step_bit_for_bit(cls, kw, tile):
 @pytest.mark.parametrize("adam_w_mode,bias_correction", [(True, True), (False, False)])
 @pytest.mark.parametrize("tile", [16, 4096, 10**6])
 def test_deepspeed_fused_adam_tiles_match_its_step_bit_for_bit(adam_w_mode, bias_correction, tile):
-    """DeepSpeed's FusedAdam (its CPU kernel here, the CUDA one on GPUs) tile by tile: same
-    bits as ``FusedAdam.step``, including its group step rule (the counter of the group's last
-    parameter with a gradient; in step 3 the last parameter has none)."""
+    fused_adam_tiles_match(adam_w_mode, bias_correction, tile, device="cpu")
+
+
+def fused_adam_tiles_match(adam_w_mode, bias_correction, tile, device):
+    """DeepSpeed's FusedAdam (its CPU kernel here, the CUDA one in tests/test_gpu.py) tile by
+    tile: same bits as ``FusedAdam.step``, including its group step rule (the counter of the
+    group's last parameter with a gradient; in step 3 the last parameter has none)."""
     from deepspeed.ops.adam import FusedAdam
 
     from ds_ext.optim.tiled import TiledAdam
 
     torch.manual_seed(0)
-    ref = [torch.nn.Parameter(torch.randn(n)) for n in (3000, 1, 5003, 40)]
+    ref = [torch.nn.Parameter(torch.randn(n).to(device)) for n in (3000, 1, 5003, 40)]
     ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
     kw = dict(lr=1e-2, weight_decay=0.1, adam_w_mode=adam_w_mode, bias_correction=bias_correction)
     ref_opt = FusedAdam([{"params": ref[:2]}, {"params": ref[2:]}], **kw)
     our_opt = FusedAdam([{"params": ours[:2]}, {"params": ours[2:]}], **kw)
     tiled = TiledAdam(our_opt, tile)
-    grads = [[None if (step == 2 and i == 3) else torch.randn(p.numel()) for i, p in enumerate(ref)]
+    grads = [[None if (step == 2 and i == 3) else torch.randn(p.numel()).to(device) for i, p in enumerate(ref)]
              for step in range(5)]
     # one run after the other: the CPU kernel keeps beta^t of its last call in a process-wide
     # static (cpu_adam.h IncrementStep), so interleaving two optimizers changes their bits

@@ -11,6 +11,7 @@ _EXPORTS = {
     "Handle": "ds_ext.comm.collectives",
     "Ledger": "ds_ext.comm.ledger",
     "TimeEmulator": "ds_ext.comm.emulation",
+    "backend_device": "ds_ext.comm.collectives",
     "Traffic": "ds_ext.comm.ledger",
     "instrument_torch_distributed": "ds_ext.comm.instrument",
 }

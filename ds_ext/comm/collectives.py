@@ -78,6 +78,17 @@ def torch_op(name: str) -> Callable:
     return fn if fn is not None else getattr(dist, name)
 
 
+def backend_device(group: object | None = None) -> torch.device:
+    """The device a collective of ``group``'s backend takes its tensors on: the host for gloo,
+    DeepSpeed's accelerator's current device for every other backend (NCCL / RCCL refuse host
+    tensors). For the small tensors ds_ext creates itself (flags, counts, timings)."""
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
+
+
 class CommError(DsExtError, RuntimeError):
     """A collective that failed: a peer rank died or did not answer within the timeout."""
 

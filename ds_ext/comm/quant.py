@@ -2,7 +2,9 @@
 
 Notation: b bits, B block size, per block absmax a, qmax = 2^(b-1) - 1,
 scale s = a / qmax (fp32), code q = clamp(round(x / s), -qmax, qmax), x̂ = q s.
-``torch.round`` rounds half to even like the CUDA kernels' ``__float2int_rn`` (DeepSpeed's
+``s`` and ``1 / s`` are the correctly rounded fp32 quotients on every device, eager or
+compiled (so CUDA and CPU give the same bits: tests/test_gpu.py). ``torch.round`` rounds half
+to even like the CUDA kernels' ``__float2int_rn`` (DeepSpeed's
 pure-torch NPU quantizer truncates instead, which doubles the error; spec note). So
 ``|x - x̂| <= s / 2 = a / qmax / 2`` for every element. An all-zero block has s = 0 and
 decodes to exact zeros.
@@ -65,8 +67,11 @@ def _encode(blocks: torch.Tensor, qmax: int, pack4: bool) -> tuple[torch.Tensor,
     """``[blocks, B]`` of any float dtype -> (payload, fp32 scales); non-finite input gives
     non-finite scales. The cast to fp32 happens here, inside the fused region."""
     x = blocks.float()
-    scales = x.abs().amax(dim=1, keepdim=True) / qmax
-    inv = torch.where(scales > 0, 1.0 / scales, 0.0)
+    # both divisions in fp64, rounded once to fp32: the correctly rounded quotient on every
+    # device and compiler (ATen's CUDA kernel multiplies by the divisor's reciprocal when it
+    # is a host scalar, and a compiler may do the same: one ulp off, other codes downstream)
+    scales = (x.abs().amax(dim=1, keepdim=True).double() / qmax).float()
+    inv = torch.where(scales > 0, (1.0 / scales.double()).float(), 0.0)
     codes = torch.round(x * inv).clamp(-qmax, qmax)
     if pack4:  # element j in the low nibble, element j + B/2 in the high one
         half = codes.shape[1] // 2
@@ -75,14 +80,16 @@ def _encode(blocks: torch.Tensor, qmax: int, pack4: bool) -> tuple[torch.Tensor,
     return codes.to(torch.int8).reshape(-1), scales.reshape(-1)
 
 
-def _decode(payload: torch.Tensor, scales: torch.Tensor, block_size: int, pack4: bool) -> torch.Tensor:
-    """(payload, scales) -> fp32 values of the padded blocks."""
+def _decode(payload: torch.Tensor, scales: torch.Tensor, block_size: int, pack4: bool,
+            dtype: torch.dtype) -> torch.Tensor:
+    """(payload, scales) -> values of the padded blocks, computed in fp32 and cast to ``dtype``
+    inside the fused region (one pass writes the result)."""
     if pack4:
         p = payload.view(-1, block_size // 2).to(torch.int16)
         codes = torch.cat([(p & 15) - 8, (p >> 4) - 8], dim=1)
     else:
         codes = payload.view(-1, block_size)
-    return (codes.float() * scales[:, None]).reshape(-1)
+    return (codes.float() * scales[:, None]).reshape(-1).to(dtype)
 
 
 _COMPILED: dict[str, Callable] = {}
@@ -101,10 +108,11 @@ def _kernels(compile: bool) -> tuple[Callable, Callable]:
             torch._dynamo.maybe_mark_dynamic(blocks, 0)
             return encode(blocks, qmax, pack4)
 
-        def compiled_decode(payload: torch.Tensor, scales: torch.Tensor, block_size: int, pack4: bool):
+        def compiled_decode(payload: torch.Tensor, scales: torch.Tensor, block_size: int, pack4: bool,
+                            dtype: torch.dtype):
             torch._dynamo.maybe_mark_dynamic(payload, 0)
             torch._dynamo.maybe_mark_dynamic(scales, 0)
-            return decode(payload, scales, block_size, pack4)
+            return decode(payload, scales, block_size, pack4, dtype)
 
         _COMPILED.update(encode=compiled_encode, decode=compiled_decode)
     return _COMPILED["encode"], _COMPILED["decode"]
@@ -177,9 +185,10 @@ class BlockQuantizer:
             )
         scales = q.scales.masked_fill(q.scales < 0, float("nan"))  # NONFINITE blocks decode to NaN
         decode = self._kernels_for(q.scales.numel() * self.block_size)[1]
-        values = decode(q.payload, scales, self.block_size, self.bits == 4)[: q.numel]
+        values = decode(q.payload, scales, self.block_size, self.bits == 4, dtype if out is None else out.dtype)
+        values = values[: q.numel]
         if out is None:
-            return values.to(dtype)
+            return values
         if out.numel() != q.numel:
             raise QuantizationError(f"dequantize out has {out.numel()} elements, needs {q.numel}")
         out.view(-1).copy_(values)

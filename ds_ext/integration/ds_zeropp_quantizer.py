@@ -46,11 +46,17 @@ def enable_cpu_zeropp_quantizer() -> None:
     op_builder.QuantizerBuilder = CpuQuantizerBuilder
 
 
-
-
 def deepspeed_cpu_quantizer():
     """DeepSpeed's pure-torch ZeRO++ quantizer (``NPUQuantizer``: ``quantize``,
     ``swizzle_quant``, ``dequantize``), the baseline of ``ds-ext bench quant``."""
     from deepspeed.ops.op_builder.npu.quantizer import NPUQuantizer
 
     return NPUQuantizer
+
+
+def deepspeed_cuda_quantizer():
+    """DeepSpeed's CUDA quantizer module, the kernels ZeRO++ runs (``QuantizerBuilder().load()``,
+    JIT-built on first use: partition_parameters.py:865, coalesced_collectives.py:34)."""
+    from deepspeed.ops.op_builder import QuantizerBuilder
+
+    return QuantizerBuilder().load()

@@ -172,7 +172,8 @@ class TopKGate(nn.Module):
         """(C routes kept per expert, buffer slots = C padded to a multiple of G_tensor)."""
         if self.drop_tokens:
             factor = self.capacity_factor if self.training else self.eval_capacity_factor
-            local = torch.tensor([drop_capacity(S, self.num_experts, factor, self.k, self.min_capacity)])
+            local = torch.tensor([drop_capacity(S, self.num_experts, factor, self.k, self.min_capacity)],
+                                 device=exp_counts.device)
         else:
             local = exp_counts.max().reshape(1)
         C = int(self.agree_capacity(local.to(torch.int64)).item())

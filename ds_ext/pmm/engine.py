@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ds_ext.comm import Communicator, Handle
+from ds_ext.comm import Communicator, Handle, backend_device
 from ds_ext.pmm.config import OverlapConfig
 from ds_ext.pmm.grid import Axis
 from ds_ext.pmm.overlap import AllGatherPrefetcher, DeferredGradients
@@ -86,10 +86,12 @@ class PMMEngine:
         return h or _DONE
 
     def all_gather_world(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``t`` (equal sizes) concatenated in rank order (matmul tuning's agreed point)."""
-        out = t.new_empty(dist.get_world_size() * t.numel())
-        self.comm.all_gather(out, t)
-        return out
+        """Every rank's host tensor ``t`` (equal sizes) concatenated in rank order, on the host
+        (matmul tuning's agreed point); it travels on the device the backend takes."""
+        dev = backend_device()
+        out = torch.empty(dist.get_world_size() * t.numel(), dtype=t.dtype, device=dev)
+        self.comm.all_gather(out, t.to(dev))
+        return out.cpu()
 
     # ---- matmuls ---------------------------------------------------------------------------
     def matmul(self, site: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

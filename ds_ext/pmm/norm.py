@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ds_ext.comm.collectives import backend_device
 from ds_ext.pmm.grid import Axis
 
 
@@ -30,9 +31,9 @@ def owns(param: nn.Parameter, axes: dict[str, Axis]) -> bool:
 def global_grad_norm(model: nn.Module, axes: dict[str, Axis], comm) -> float:
     """L2 norm of all gradients of the (serial-equivalent) model."""
     params = [p for p in model.parameters() if p.grad is not None and owns(p, axes)]
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=backend_device(axes["tensor"].group))
     for p in params:
-        sq += p.grad.detach().double().pow(2).sum().cpu()
+        sq += p.grad.detach().double().pow(2).sum().to(sq.device)
     if axes["tensor"].size > 1:
         comm.all_reduce(sq, group=axes["tensor"].group)
     return float(sq.sqrt())

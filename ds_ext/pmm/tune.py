@@ -28,7 +28,9 @@ def measure_database(comm, topology: Topology, message_bytes: int) -> dict[str, 
     import torch.distributed as dist
 
     world, g_node = topology.world_size, topology.ranks_per_node
-    buf = torch.zeros(message_bytes // 4, dtype=torch.float32)
+    from ds_ext.comm import backend_device
+
+    buf = torch.zeros(message_bytes // 4, dtype=torch.float32, device=backend_device())
     intra = {}
     pairs = [(g0, g1) for g0 in range(1, g_node + 1) for g1 in range(2, g_node + 1)
              if g0 * g1 <= g_node and g_node % (g0 * g1) == 0]
@@ -45,18 +47,25 @@ def measure_database(comm, topology: Topology, message_bytes: int) -> dict[str, 
 
 
 def _bandwidth(comm, group, buf, d: int) -> float:
-    """Bytes one rank sends per second in a ring all-reduce, the slowest rank's view."""
+    """Bytes one rank sends per second in a ring all-reduce, the slowest rank's view (on an
+    accelerator the host waits for the device: NCCL's collectives return once enqueued)."""
     import torch
     import torch.distributed as dist
+
+    def sync() -> None:
+        if buf.device.type != "cpu":
+            torch.accelerator.synchronize(buf.device)
 
     comm.all_reduce(buf, group=group)  # warm-up
     times = []
     for _ in range(REPEATS):
         dist.barrier()
+        sync()
         t0 = time.perf_counter()
         comm.all_reduce(buf, group=group)
+        sync()
         times.append(time.perf_counter() - t0)
-    slowest = torch.tensor([min(times)], dtype=torch.float64)
+    slowest = torch.tensor([min(times)], dtype=torch.float64, device=buf.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return 2 * buf.numel() * buf.element_size() * (d - 1) / d / float(slowest)
 

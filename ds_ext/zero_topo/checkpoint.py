@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 
+from ds_ext.comm.collectives import backend_device
 from ds_ext.errors import DsExtError
 from ds_ext.zero_topo.layout import shard_count, shard_index
 
@@ -135,7 +136,7 @@ def shard_paths(tag_dir: Path, world_size: int) -> list[Path]:
 def agree(error: str | None, what: str) -> None:
     """Collective: raise the same one-line :class:`CheckpointError` on every rank if any
     rank failed (naming the first failing rank and its reason)."""
-    flag = torch.tensor([0.0 if error is None else 1.0])
+    flag = torch.tensor([0.0 if error is None else 1.0], device=backend_device())
     dist.all_reduce(flag)
     if flag.item() == 0:
         return
@@ -148,7 +149,7 @@ def agree(error: str | None, what: str) -> None:
 def agree_present(path: Path, what: str) -> bool:
     """Collective: whether ``path`` is a file on every rank (False on every rank when it
     is on none; a :class:`CheckpointError` on every rank when only some see it)."""
-    flag = torch.tensor([1.0 if path.is_file() else 0.0])
+    flag = torch.tensor([1.0 if path.is_file() else 0.0], device=backend_device())
     dist.all_reduce(flag)
     if flag.item() in (0, dist.get_world_size()):
         return bool(flag.item())

@@ -38,6 +38,20 @@ from ds_ext.zero_topo.agreement import UnitTrace
 from ds_ext.zero_topo.units import ShardContext
 
 
+def _state_value(master: torch.Tensor, key: str, value: Any, defaults: dict) -> Any:
+    """A loaded optimizer state value placed as ``torch.optim.Optimizer.load_state_dict`` places
+    it: floating tensors on the master's device and dtype, Adam's ``step`` counter left on the
+    host unless the optimizer is fused or capturable (then on the master's device)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step":
+        on_device = defaults.get("fused") or defaults.get("capturable")
+        return value.to(dtype=torch.float32, device=master.device) if on_device else value.clone()
+    if value.is_floating_point():
+        return value.to(dtype=master.dtype, device=master.device, copy=True)
+    return value.to(device=master.device, copy=True)
+
+
 @register_plugin
 class ZeroTopoPlugin(Plugin):
     """3-level hierarchical partitioning (003) as a ds_ext plugin."""
@@ -255,7 +269,7 @@ class ZeroTopoPlugin(Plugin):
             return
         for (unit, lo, hi, master), (values, state) in zip(opt.segments, loaded["segments"]):
             master.copy_(values)
-            opt.inner.state[master] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            opt.inner.state[master] = {k: _state_value(master, k, v, opt.inner.defaults) for k, v in state.items()}
         for group, saved in zip(opt.inner.param_groups, loaded["groups"]):
             group.update(saved)
         ds_engine.load_loss_scaler_state(self.scaler, loaded["scaler"])
