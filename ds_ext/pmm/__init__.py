@@ -14,7 +14,7 @@ _EXPORTS = {
     "Axis": "ds_ext.pmm.grid",
     "ConversionError": "ds_ext.pmm.parallelize",
     "Embedding": "ds_ext.pmm.vocab",
-    "FullCheckpoint": "ds_ext.pmm.meta",
+    "FullCheckpoint": "ds_ext.pmm.full_checkpoint",
     "Grid": "ds_ext.pmm.grid",
     "GridError": "ds_ext.pmm.grid",
     "LayerNorm": "ds_ext.pmm.layers",

@@ -9,15 +9,16 @@ model). While a model is built under :class:`InitRecorder` (:func:`ds_ext.pmm.me
   :class:`InitLog` (the op, its scalar arguments and the geometry of the written view);
 * an op that draws random numbers (ATen tag ``nondeterministic_seeded``) records its
   generator's state before it and, where it acts on meta tensors, runs once on a CPU
-  stand-in of the same geometry (then freed), so the generator advances exactly as in the
-  serial CPU build and every later draw sees the serial stream.
+  stand-in of the same geometry (a scratch buffer), so the generator advances exactly as in
+  the serial CPU build and every later draw sees the serial stream.
 
 A log is cut at each op that overwrites the whole storage without reading it (``normal_``,
 ``uniform_``, ``fill_``, ``zero_``, ...): only the ops that decide the final value are kept.
 :meth:`InitLog.full` replays them on a fresh CPU tensor with the recorded generator states:
-the serial value bit for bit, one parameter's worth of memory. A parameter whose value
-depends on another tensor (``copy_`` from a computed tensor, a data-dependent loop such as
-torch's rejection-sampling ``trunc_normal_``) cannot be replayed; that is reported in one line.
+the serial value bit for bit, one parameter's worth of memory. What cannot be replayed is
+reported in one line: a value that depends on another tensor (``copy_`` from a computed
+tensor), an op that reads a meta tensor's values, and the ``torch.nn.init`` functions that
+return meta tensors untouched (:class:`NoInitSkips`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ need the whole model in every rank's memory first (a 70B fine-tune could not sta
 * :func:`build_on_meta` runs the model's constructor with every parameter on the meta device
   and each parameter's initialisation recorded (:mod:`ds_ext.pmm.init_replay`), or, given
   ``checkpoint=``, each parameter bound to its tensor in a full serial state dict on disk
-  (:class:`FullCheckpoint`: safetensors files or a ``torch.save``'d dict). Buffers stay real.
+  (:class:`~ds_ext.pmm.full_checkpoint.FullCheckpoint`: safetensors files or a ``torch.save``'d
+  dict). Buffers stay real.
 * :func:`ds_ext.pmm.parallelize` (or ``ds_ext.initialize`` with ``pmm3d``) then converts one
   module at a time: its full serial parameters are materialised (:func:`serial_values`: the
   recorded init replayed under the recorded generator states, or read from the file), this
@@ -23,15 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import sys
-from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
-from ds_ext.errors import DsExtError
+from ds_ext.pmm.full_checkpoint import FullCheckpoint, bind
 from ds_ext.pmm.init_replay import InitRecorder, MetaBuildError, NoInitSkips
 
 try:
@@ -39,135 +38,23 @@ try:
 except OSError:  # not glibc: its allocator keeps what it keeps
     _LIBC = None
 
-__all__ = ["FullCheckpoint", "MetaBuildError", "build_on_meta", "materialize", "serial_values"]
-
-
-class FullCheckpoint:
-    """A full serial state dict on disk, read one tensor at a time.
-
-    ``path``: a ``.safetensors`` file, a directory of them (Hugging Face ``save_pretrained``,
-    sharded or not), or a ``torch.save``'d dict of tensors (a file, or the one ``*.bin`` /
-    ``*.pt`` / ``*.pth`` of a directory), opened with ``torch.load(weights_only=True, mmap=True)``.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self._files: dict[str, Path] = {}  # safetensors: key -> file
-        self._loaded: dict[str, torch.Tensor] | None = None  # torch.save'd dict (memory-mapped)
-        if self.path.is_dir():
-            files = sorted(self.path.glob("*.safetensors"))
-            if not files:
-                pickled = [p for ext in ("bin", "pt", "pth") for p in sorted(self.path.glob(f"*.{ext}"))]
-                if len(pickled) != 1:
-                    raise DsExtError(f"checkpoint {self.path}: expected *.safetensors files or one *.bin / *.pt / "
-                                     f"*.pth file, found {[p.name for p in pickled] or 'none'}")
-                self._load(pickled[0])
-        elif self.path.suffix == ".safetensors":
-            files = [self.path]
-        elif self.path.is_file():
-            files = []
-            self._load(self.path)
-        else:
-            raise DsExtError(f"checkpoint {self.path} does not exist")
-        if files:
-            from safetensors import safe_open
-
-            for f in files:
-                with safe_open(str(f), framework="pt") as fh:
-                    self._files.update(dict.fromkeys(fh.keys(), f))
-
-    def _load(self, path: Path) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        if not (isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())):
-            raise DsExtError(f"checkpoint {path}: not a flat dict of tensors (a state_dict())")
-        self._loaded = state
-
-    def keys(self) -> set[str]:
-        return set(self._loaded) if self._loaded is not None else set(self._files)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        if self._loaded is not None:
-            return tuple(self._loaded[key].shape)
-        from safetensors import safe_open
-
-        with safe_open(str(self._files[key]), framework="pt") as fh:
-            return tuple(fh.get_slice(key).get_shape())
-
-    def read(self, key: str) -> torch.Tensor:
-        if self._loaded is not None:
-            return self._loaded[key]
-        from safetensors import safe_open
-
-        with safe_open(str(self._files[key]), framework="pt") as fh:
-            return fh.get_tensor(key)
-
-
-class StoredTensor:
-    """A meta parameter's value: tensor ``key`` of a :class:`FullCheckpoint`."""
-
-    def __init__(self, checkpoint: FullCheckpoint, key: str) -> None:
-        self.checkpoint, self.key = checkpoint, key
-
-    def full(self, name: str) -> torch.Tensor:
-        return self.checkpoint.read(self.key)
+__all__ = ["build_on_meta", "materialize", "serial_values"]
 
 
 def build_on_meta(factory: Callable[[], nn.Module], *, checkpoint: str | Path | None = None) -> nn.Module:
     """``factory()`` (e.g. ``lambda: GPT(cfg)``, ``lambda: LlamaForCausalLM(config)``) with its
     parameters on the meta device, each carrying how to materialise its serial value: the
     recorded initialisation (seed the global generator as for the serial build), or with
-    ``checkpoint`` its tensor in that full serial state dict (see :class:`FullCheckpoint`).
+    ``checkpoint`` its tensor in that full serial state dict (see
+    :class:`~ds_ext.pmm.full_checkpoint.FullCheckpoint`).
     Hand the result to :func:`ds_ext.pmm.parallelize` / ``ds_ext.initialize`` (001 ch. 5)."""
     recorder = InitRecorder(record=checkpoint is None)
     guard = NoInitSkips() if checkpoint is None else contextlib.nullcontext()
     with recorder, recorder.parameters_on_meta(), guard:
         model = factory()
     if checkpoint is not None:
-        _bind(model, FullCheckpoint(checkpoint))
+        bind(model, FullCheckpoint(checkpoint))
     return model
-
-
-def _is_hf(model: nn.Module) -> bool:
-    transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
-
-
-def _bind(model: nn.Module, ckpt: FullCheckpoint) -> None:
-    """Each parameter (under any of its tied names) and persistent buffer to its checkpoint
-    tensor; a Hugging Face model's keys renamed as ``from_pretrained`` does."""
-    if _is_hf(model):
-        from ds_ext.integration.hf_keys import model_names
-
-        keys = model_names(model, ckpt.keys(), str(ckpt.path))
-    else:
-        keys = {k: k for k in ckpt.keys()}
-    names: dict[int, list[str]] = defaultdict(list)
-    params: dict[int, nn.Parameter] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names[id(p)].append(name)
-        params[id(p)] = p
-    used, missing = set(), []
-    for pid, p in params.items():
-        found = [n for n in names[pid] if n in keys]
-        used.update(found)
-        if not found:
-            missing.append(names[pid][0])
-            continue
-        key = keys[found[0]]
-        if ckpt.shape(key) != tuple(p.shape):
-            raise DsExtError(f"checkpoint {ckpt.path}: {key} has shape {list(ckpt.shape(key))}, the model's "
-                             f"{names[pid][0]} {list(p.shape)}")
-        p.pmm_init = StoredTensor(ckpt, key)
-    if missing:
-        raise DsExtError(f"checkpoint {ckpt.path} lacks {len(missing)} parameter(s) of the model: {missing[:4]}")
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name in keys:
-                buf.copy_(ckpt.read(keys[name]))
-                used.add(name)
-    if set(keys) - used:
-        raise DsExtError(f"checkpoint {ckpt.path} holds {len(set(keys) - used)} tensor(s) the model lacks: "
-                         f"{sorted(keys[n] for n in set(keys) - used)[:4]}")
 
 
 def full_value(p: nn.Parameter, name: str) -> torch.Tensor:
