@@ -12,7 +12,8 @@ r takes the coordinates of grid ranks r, r + 2, r + 4, r + 6):
   ``save_pretrained`` safetensors of Llama and GPT-NeoX) the shards equal slicing the full
   model loaded independently (``torch.load`` / ``from_pretrained``);
 * peak resident memory per rank (VmHWM, reset before the build) stays near the rank's shards
-  for a 201 MB GPT, where building the serial model first (the old path) exceeds the bound.
+  for a 201 MB GPT, from the recorded init and from a safetensors checkpoint, where building
+  the serial model first (the old path) exceeds the bound.
 
 Without processes: what cannot be built on meta or replayed fails in one line naming it.
 """
@@ -173,15 +174,24 @@ def _peak_growth(build):
     return peak, sum(p.numel() * p.element_size() for p in model.parameters()), max(sizes), sum(sizes)
 
 
-def _memory():
+def _memory(tmp):
+    """Peaks (see _peak_growth) built from the recorded init and from a safetensors checkpoint, and on
+    rank 0 the old path (the serial model built first)."""
     import torch.distributed as dist
+    from safetensors.torch import save_file
 
+    from ds_ext.models import GPT, GPTConfig
     from ds_ext.pmm import build_on_meta, parallelize
 
     parallelize(build_on_meta(MODELS["gpt"]), _engine((2, 2, 2, 1), 0))  # one-time lazy set-up (~75 MiB)
     meta = _peak_growth(build_on_meta)
-    serial_first = _peak_growth(lambda factory: factory()) if dist.get_rank() == 0 else None  # the old path
-    return meta, serial_first
+    serial_first = None
+    if dist.get_rank() == 0:
+        serial_first = _peak_growth(lambda factory: factory())
+        save_file(GPT(GPTConfig(**BIG)).state_dict(), f"{tmp}/big.safetensors")
+    dist.barrier()
+    stored = _peak_growth(lambda factory: build_on_meta(factory, checkpoint=f"{tmp}/big.safetensors"))
+    return meta, stored, serial_first
 
 
 def _bound(shard, largest):
@@ -189,13 +199,14 @@ def _bound(shard, largest):
     return shard + 2 * largest + SLACK
 
 
-def test_peak_memory_per_rank_stays_near_its_shard(world):
-    results = world.run(_memory)
-    for rank, ((peak, shard, largest, serial), _) in enumerate(results):
-        assert serial > 200e6 and shard < serial / 7, (shard, serial)  # (2,2,2,1): layers / 8, norms / 2
-        assert peak <= _bound(shard, largest), \
-            f"rank {rank}: peak {peak / MiB:.1f} MiB > {_bound(shard, largest) / MiB:.1f} MiB (shard {shard / MiB:.1f})"
-    (_, shard, largest, serial), (old_peak, *_) = results[0]
+def test_peak_memory_per_rank_stays_near_its_shard(world, tmp_path):
+    results = world.run(_memory, str(tmp_path))
+    for rank, result in enumerate(results):
+        for how, (peak, shard, largest, serial) in zip(("init", "safetensors"), result):
+            assert serial > 200e6 and shard < serial / 7, (shard, serial)  # (2,2,2,1): layers / 8, norms / 2
+            assert peak <= _bound(shard, largest), (f"rank {rank}, {how}: peak {peak / MiB:.1f} MiB > "
+                                                    f"{_bound(shard, largest) / MiB:.1f} MiB (shard {shard / MiB:.1f})")
+    (_, shard, largest, serial), _, (old_peak, *_) = results[0]
     assert old_peak > serial > _bound(shard, largest), (old_peak, serial)  # the bound catches a full build
 
 
