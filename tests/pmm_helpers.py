@@ -53,8 +53,16 @@ def _llama(tied=False):
     return LlamaForCausalLM(cfg)
 
 
+def _on_meta(family):
+    """``family`` built by ds_ext.pmm.build_on_meta: parameters on the meta device, init recorded."""
+    from ds_ext.pmm import build_on_meta
+
+    return build_on_meta(MODELS[family])
+
+
 MODELS = {"gpt": gpt, "gpt_ckpt": lambda: gpt(checkpoint=True), "gpt_4heads": lambda: gpt(heads=4), "neox": _neox, "llama": _llama,
           "neox_tied": lambda: _neox(tied=True), "llama_tied": lambda: _llama(tied=True)}
+MODELS.update({f"{f}_meta": (lambda f=f: _on_meta(f)) for f in ("gpt", "llama_tied")})  # serial run: the family itself
 
 
 def tokens(step):
@@ -78,6 +86,7 @@ _SERIAL = {}
 
 def serial_run(family, clip=0.0):
     """Per step: loss, full gradients, gradient norm, logits; then final parameters (cached)."""
+    family = family.removesuffix("_meta")  # built on meta or not, the serial reference is the same
     key = (family, clip)
     if key not in _SERIAL:
         import torch

@@ -16,9 +16,17 @@
   share, so the loss stays the sum over the step's items / that count). Logits hold this
   rank's Z share of the rows and its X block of the vocabulary.
 
+No full model per rank (issue 20 point 7): ``model`` may come from
+:func:`ds_ext.pmm.build_on_meta` (parameters on the meta device, each with its recorded
+initialisation or checkpoint tensor); then each module's full serial parameters are
+materialised while it is converted and dropped once its shards are cut, so a rank holds its
+shards plus about one parameter (:mod:`ds_ext.pmm.meta`), with the values of slicing the
+serial model.
+
 Everything is checked before anything is converted: a module with parameters that no rule
-converts, a grid that does not divide a layer, a head count, or nonzero dropout raise one
-line naming the layer or the config key.
+converts, a grid that does not divide a layer, a head count, nonzero dropout, or a meta
+parameter / buffer with nothing to materialise it from raise one line naming the layer or
+the config key.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.layers import LayerNorm, RMSNorm
 from ds_ext.pmm.layout import LinearLayout
 from ds_ext.pmm.linear import Linear
+from ds_ext.pmm.meta import serial_values
 from ds_ext.pmm.ops import mean_over
 from ds_ext.pmm.plans import Plan, plan_for
 from ds_ext.pmm.vocab import Embedding, causal_lm_loss, tied_head
@@ -53,7 +62,21 @@ def _grid(engine: PMMEngine) -> str:
     return f"x={engine.x.size}, y={engine.y.size}, z={engine.z.size}"
 
 
+def _check_meta(model: nn.Module) -> None:
+    """A meta-device model must come from :func:`ds_ext.pmm.build_on_meta` (values to materialise, real buffers)."""
+    hint = "build it with ds_ext.pmm.build_on_meta(lambda: Model(...)[, checkpoint=PATH])"
+    for name, b in model.named_buffers():
+        if b.is_meta:
+            raise ConversionError(f"ds_ext.pmm.parallelize: buffer {name} is on the meta device; {hint} "
+                                  "(buffers stay real)")
+    for name, p in model.named_parameters():
+        if p.is_meta and getattr(p, "pmm_init", None) is None:
+            raise ConversionError(f"ds_ext.pmm.parallelize: parameter {name} is on the meta device with no recorded "
+                                  f"initialisation or checkpoint tensor; {hint}")
+
+
 def _check(model: nn.Module, plan: Plan, engine: PMMEngine) -> None:
+    _check_meta(model)
     gx, gy = engine.x.size, engine.y.size
     for key, value in plan.dropout.items():
         if value:
@@ -94,22 +117,27 @@ def _check(model: nn.Module, plan: Plan, engine: PMMEngine) -> None:
 
 
 def _convert(name: str, m: nn.Module, plan: Plan, engine: PMMEngine, tables: dict[int, Embedding]) -> nn.Module | None:
+    """``m``'s converted form, its shards sliced from its full serial parameters; a module built
+    on the meta device gets them one module at a time (:func:`ds_ext.pmm.meta.serial_values`)."""
+    weight_id = id(m._parameters.get("weight"))  # the table's key, before serial_values swaps it
     if isinstance(m, nn.Linear) and name == plan.head:
         if m.bias is not None:
             raise ConversionError(f"ds_ext.pmm.parallelize: {name}: an LM head with a bias is not supported")
-        if id(m.weight) in tables:
-            return tied_head(tables[id(m.weight)], name)
-        return Linear.from_serial(m, engine, name=name)
-    if isinstance(m, nn.Linear):
-        style = plan.linears[name.rsplit(".", 1)[-1]]
-        return Linear.from_serial(m, engine, transposed=style.transposed, out_chunks=style.out_chunks, name=name)
-    if isinstance(m, nn.Embedding):
-        tables[id(m.weight)] = Embedding.from_embedding(m, engine, name=name)
-        return tables[id(m.weight)]
-    if isinstance(m, nn.LayerNorm):
-        return LayerNorm(m, engine, name=name)
-    if _is_rmsnorm(m):
-        return RMSNorm(m, engine, name=name)
+        if weight_id in tables:
+            return tied_head(tables[weight_id], name)
+    with serial_values(m, name):
+        if isinstance(m, nn.Linear) and name == plan.head:
+            return Linear.from_serial(m, engine, name=name)
+        if isinstance(m, nn.Linear):
+            style = plan.linears[name.rsplit(".", 1)[-1]]
+            return Linear.from_serial(m, engine, transposed=style.transposed, out_chunks=style.out_chunks, name=name)
+        if isinstance(m, nn.Embedding):
+            tables[weight_id] = Embedding.from_embedding(m, engine, name=name)
+            return tables[weight_id]
+        if isinstance(m, nn.LayerNorm):
+            return LayerNorm(m, engine, name=name)
+        if _is_rmsnorm(m):
+            return RMSNorm(m, engine, name=name)
     return None
 
 
@@ -153,7 +181,8 @@ class _BatchHooks:
 
 
 def parallelize(model: nn.Module, engine: PMMEngine, plan: Plan | None = None) -> nn.Module:
-    """Convert ``model`` in place to the 3D-PMM layout of ``engine``'s grid; returns it."""
+    """Convert ``model`` (serial, or built by :func:`ds_ext.pmm.build_on_meta`) in place to the
+    3D-PMM layout of ``engine``'s grid (001 §5.1.1, 000 §V); returns it."""
     plan = plan or plan_for(model)
     _check(model, plan, engine)
     tables: dict[int, Embedding] = {}
