@@ -23,6 +23,7 @@ HOST_SIDE = {  # (file, factory): (calls, why they stay on the host)
     ("ds_ext/data.py", "arange"): (1, "the token corpus is host data; callers move batches"),
     ("ds_ext/moe/gate.py", "tensor"): (1, "the fp32 product of DeepSpeed's capacity formula, read by .item()"),
     ("ds_ext/optim/tiled.py", "tensor"): (1, "torch Adam's own host step counter (Adam._init_group)"),
+    ("ds_ext/pmm/init_replay.py", "empty"): (3, "replays the serial CPU initialisation; DeepSpeed moves the shards"),
     ("ds_ext/pmm/layout.py", "arange"): (1, "slice indices; LinearLayout moves them to the weight's device"),
     ("ds_ext/pmm/tuning.py", "frombuffer"): (1, "host JSON of timings; PMMEngine.all_gather_world moves it"),
     ("ds_ext/pmm/tuning.py", "tensor"): (1, "host JSON of timings; PMMEngine.all_gather_world moves it"),
