@@ -63,16 +63,23 @@ class QuantizedTensor:
         return self.payload.numel() * self.payload.element_size() + self.scales.numel() * 4
 
 
-def _encode(blocks: torch.Tensor, qmax: int, pack4: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[blocks, B]`` of any float dtype -> (payload, fp32 scales); non-finite input gives
-    non-finite scales. The cast to fp32 happens here, inside the fused region."""
+def _encode(blocks: torch.Tensor, qmax: int, pack4: bool, flag: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[blocks, B]`` of any float dtype -> (payload, fp32 scales). Non-finite input gives
+    non-finite scales, or with ``flag`` zero codes and the scale :data:`NONFINITE` (decided on
+    the device: no host wait). The cast to fp32 happens here, inside the fused region."""
     x = blocks.float()
+    amax = x.abs().amax(dim=1, keepdim=True)  # NaN / inf propagate
+    if flag:
+        finite = torch.isfinite(amax)
+        x, amax = torch.where(finite, x, 0.0), torch.where(finite, amax, 0.0)
     # both divisions in fp64, rounded once to fp32: the correctly rounded quotient on every
     # device and compiler (ATen's CUDA kernel multiplies by the divisor's reciprocal when it
     # is a host scalar, and a compiler may do the same: one ulp off, other codes downstream)
-    scales = (x.abs().amax(dim=1, keepdim=True).double() / qmax).float()
+    scales = (amax.double() / qmax).float()
     inv = torch.where(scales > 0, (1.0 / scales.double()).float(), 0.0)
     codes = torch.round(x * inv).clamp(-qmax, qmax)
+    if flag:
+        scales = torch.where(finite, scales, NONFINITE)
     if pack4:  # element j in the low nibble, element j + B/2 in the high one
         half = codes.shape[1] // 2
         codes = codes + 8
@@ -104,9 +111,9 @@ def _kernels(compile: bool) -> tuple[Callable, Callable]:
     if not _COMPILED:
         encode, decode = torch.compile(_encode, dynamic=False), torch.compile(_decode, dynamic=False)
 
-        def compiled_encode(blocks: torch.Tensor, qmax: int, pack4: bool):
+        def compiled_encode(blocks: torch.Tensor, qmax: int, pack4: bool, flag: bool):
             torch._dynamo.maybe_mark_dynamic(blocks, 0)
-            return encode(blocks, qmax, pack4)
+            return encode(blocks, qmax, pack4, flag)
 
         def compiled_decode(payload: torch.Tensor, scales: torch.Tensor, block_size: int, pack4: bool,
                             dtype: torch.dtype):
@@ -152,7 +159,8 @@ class BlockQuantizer:
 
     def quantize(self, x: torch.Tensor, nonfinite: str = "raise") -> QuantizedTensor:
         """Encode ``x``; a non-finite element raises, or with ``nonfinite="flag"`` marks its
-        block :data:`NONFINITE` instead of encoding it (module docstring)."""
+        block :data:`NONFINITE` instead of encoding it (module docstring). Raising needs the
+        host to read the device (one wait per call on an accelerator); flagging does not."""
         if nonfinite not in ("raise", "flag"):
             raise QuantizationError(f"nonfinite must be 'raise' or 'flag', got {nonfinite!r}")
         flat = x.reshape(-1)
@@ -165,14 +173,10 @@ class BlockQuantizer:
             blocks[:n] = flat
         blocks = blocks.view(-1, self.block_size)
         encode = self._kernels_for(padded)[0]
-        q, scales = encode(blocks, self.qmax, self.bits == 4)
-        finite = torch.isfinite(scales)  # NaN / inf propagate into the block's scale
-        if not finite.all():
-            if nonfinite == "raise":
-                bad = (~torch.isfinite(flat)).sum().item()
-                raise QuantizationError(f"cannot quantize a tensor with {bad} non-finite elements of {n}")
-            q, scales = encode(blocks.masked_fill(~finite[:, None], 0.0), self.qmax, self.bits == 4)
-            scales.masked_fill_(~finite, NONFINITE)
+        q, scales = encode(blocks, self.qmax, self.bits == 4, nonfinite == "flag")
+        if nonfinite == "raise" and not torch.isfinite(scales).all():  # NaN / inf reach the block's scale
+            bad = (~torch.isfinite(flat)).sum().item()
+            raise QuantizationError(f"cannot quantize a tensor with {bad} non-finite elements of {n}")
         return QuantizedTensor(q, scales, self.bits, n, self.block_size)
 
     def dequantize(
