@@ -55,3 +55,20 @@ def test_every_tensor_the_library_creates_names_its_device():
         "torch factory calls without device= (a collective on NCCL refuses host tensors): "
         + ", ".join(f"{f}: torch.{fn} x{n}" for (f, fn), n in sorted(unexpected.items())))
     assert found == allowed, f"stale HOST_SIDE entries: {dict(allowed - found)}"
+
+
+def test_loaded_optimizer_state_is_placed_as_torch_places_it():
+    """A ZeRO-topo checkpoint's optimizer state lands on its master's device (it stayed on the
+    host, and the first CUDA step after ``load_checkpoint`` failed); Adam's ``step`` stays on
+    the host unless the optimizer is fused or capturable. The meta device stands in for a GPU."""
+    import torch
+
+    from ds_ext.zero_topo.plugin import _state_value
+
+    master = torch.empty(4, device="meta")
+    state = {"exp_avg": torch.zeros(4, dtype=torch.float64), "step": torch.tensor(3.0)}
+    placed = {k: _state_value(master, k, v, {"fused": None}) for k, v in state.items()}
+    assert placed["exp_avg"].device.type == "meta" and placed["exp_avg"].dtype == torch.float32
+    assert placed["step"].device.type == "cpu"
+    assert _state_value(master, "step", state["step"], {"fused": True}).device.type == "meta"
+    assert _state_value(master, "step", 5, {}) == 5
