@@ -1,16 +1,22 @@
 """``ds-ext simulate --validate``: the planner's predictions beside the papers' published numbers.
 
-No constant is fitted to these results: the machine preset holds hardware facts only
-(``ds_ext.planner.machine``) and one compute efficiency from a single-GCD GEMM (000 §VI-C); the
-batches are the models' published recipes (``ds_ext.planner.models``). A comparison holds when
-the relative error is within the issue's tolerance (5 % for model sizes, 15 % for ratios); the
-others have no stated tolerance and are reported as they come out.
+No constant is fitted to these results. The machine preset holds hardware facts
+(``ds_ext.planner.machine``), RCCL's α derived from 001 §6.3.1 (``ds_ext.planner.rccl``) and the
+compute rate of 000's GPT-320B run (``ds_ext.planner.compute_rate``); none of them is a row here.
+The batches are the models' published recipes (``ds_ext.planner.models``), or the row's note says
+where its batch comes from. A comparison holds when the relative error is within the issue's
+tolerance (5 % for model sizes, 15 % for ratios and Fig 6.12, 20 % for 004's TFLOPS). The other
+rows have no stated tolerance and are reported as they come out; rows marked "sensitivity" are not
+predictions.
 
 * 003 (GPT-NeoX-20B, ZeRO-3 / ZeRO++ / ZeRO-topo, §II-A, §VI-VII): largest models, TFLOPS
   ratios at 384 GCDs, ZeRO-topo's scaling efficiency 16 -> 384 GCDs. 003's ZeRO-topo is the
   ``zero_topo_paper`` preset (secondary int8 on the GCD pair, 003's step boundary).
 * 000 Table III (3D-PMM weak scaling on Frontier, GPT-5B ... 80B on 512 ... 8,192 GCDs, batch
   16.8M tokens): TFLOPS per GCD of the best grid and the efficiency against 512 GCDs.
+* 004 Table V (Megatron-DeepSpeed TP x PP x DP): TFLOPS per GCD of the 175B and 1T recipes and of
+  the planner's 22B layout, against 69.2 / 61.2 / 73.5 (§V-B).
+* 001 Fig 6.12 (DeepSpeed ZeRO-3, RCCL vs PCCL, 7B / 13B on 512 and 1,024 GCDs): less batch time.
 * 001 Fig 7.9 (Summit, 32-512 V100 of 16 GB): the largest MoE TED fits over DeepSpeed-MoE's
   (G_tensor = 1), from Eq 7.4 model states of every Table 4.1 base with 4-128 experts.
 """
