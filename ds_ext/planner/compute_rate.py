@@ -7,10 +7,11 @@ square GEMM (000 §VI-C: 125 Tflop/s for bf16 32768², 65 % of the 191.5 peak) i
 bound for it.
 
 000 publishes one such time. §V-C (BLAS kernel tuning) says that for GPT-320B, tuning "reduc[ed]
-the total time spent in computation from 30.1 seconds to 13.19s". The batch time excludes the
-non-overlapped communication (000 §VII-A: "breakdowns of the time per batch into computation and
-non-overlapped communication"). The run is the only GPT-320B run 000 reports on Frontier: Table
-III's 32,768 GCDs, batch 16.8M tokens = 8,192 sequences of 2,048 (Table I). Its shape is Table II
+the total time spent in computation from 30.1 seconds to 13.19s". 000 times computation apart from
+communication (§VII-A: "breakdowns of the time per batch into computation and non-overlapped
+communication"). 000 reports one GPT-320B run on Frontier, Table III's 32,768
+GCDs, and the time is read as that run's (000 does not name the GCD count beside it). Its batch is
+16.8M tokens = 8,192 sequences of 2,048 (Table I), its shape Table II
 (96 layers, hidden 16,384). Activation checkpointing is on (§VI-A), and FLOPs are counted with
 Narayanan et al.'s formula (§VI-C), ``ds_ext.perf.compute.step_flops`` with c = 4::
 
@@ -22,7 +23,7 @@ Tflop/s. That is a sensitivity reading for frameworks without matmul tuning (Meg
 004). 000 says tuning gained only 2-4 % for its models up to hidden 12,288 (§VII-A, Fig 7).
 
 None of the planner's validation rows is this run (``ds_ext.planner.validate``). 000 Table III's
-rows there stop at GPT-80B on 8,192 GCDs, and 004 and 001 Fig 6.12 are other papers' runs.
+rows there stop at GPT-80B on 8,192 GCDs, and 004 Table V and 001 Fig 6.12 are other runs.
 """
 
 from __future__ import annotations
@@ -53,4 +54,5 @@ def markdown() -> str:
     """The derivation's one line for the README."""
     return (f"rate = F(GPT-320B, {RUN_BATCH:,} sequences) / {RUN_GCDS:,} GCDs / {TUNED_S} s = "
             f"{rate() / 1e12:.1f} Tflop/s per GCD = {STEP_EFFICIENCY:.3f} of the peak "
-            f"({rate() / GEMM_FLOPS:.3f} of the single GEMM); untuned ({UNTUNED_S} s): {rate(UNTUNED_S) / 1e12:.1f} Tflop/s")
+            f"({rate() / GEMM_FLOPS:.3f} of the single GEMM); untuned ({UNTUNED_S} s): "
+            f"{rate(UNTUNED_S) / 1e12:.1f} Tflop/s")

@@ -194,7 +194,7 @@ def megatron_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
 # 001 Fig 6.12 (§6.3.2, DeepSpeed ZeRO-3 on Frontier, RCCL vs PCCL): (model, GCDs, published less batch time)
 FIG_6_12 = (("gpt3-6.7b", 512, 0.30), ("gpt3-13b", 512, 0.16), ("gpt3-6.7b", 1024, 0.60), ("gpt3-13b", 1024, 0.39))
 FIG_6_12_2048 = "70-80 % for the two models"  # 001 §6.3.2 at 2,048 GCDs, no value per model
-FIG_6_12_BATCH = 8192  # 000 Table I: the authors' Frontier batch, 16.8M tokens = 8,192 x 2,048 (the figure's is not given)
+FIG_6_12_BATCH = 8192  # 000 Table I: the authors' Frontier batch, 16.8M tokens (the figure's is not given)
 FIG_6_12_NOTE = ("batch 8,192: 000 Table I's Frontier batch (the figure's is not stated; Table 4.1's 1,024 cannot "
                  "run 6.7B on the figure's 2,048 GCDs); DeepSpeed's per-submodule gathers; RCCL α from 001 §6.3.1")
 
