@@ -4,7 +4,8 @@ Communication is an α-β model per topology level (``ds_ext.topology``): a coll
 spans level L costs ``messages x α_L + bytes / β_L`` for the bytes one rank sends (the
 ledger's convention), β_L being one rank's share of the level's links when every rank uses
 them at once (the machine ``ds_ext.comm.emulation`` emulates). Compute runs at
-``peak x efficiency``, the efficiency taken from one stated single-device measurement.
+``peak x efficiency``, the efficiency of a training step's computation as one paper measured it
+(``ds_ext.planner.compute_rate``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
-from ds_ext.planner import PlannerError, rccl
+from ds_ext.planner import PlannerError, compute_rate, rccl
 from ds_ext.topology import GB, US, Topology, preset_levels
 
 GiB = 2**30
@@ -88,7 +89,8 @@ class Machine(BaseModel):
 MACHINES: dict[str, Machine] = {
     "frontier": Machine(
         latency_us={"node": rccl.RING_STEP_ALPHA_S * 1e6},
-        name="frontier", topology="frontier", device_memory=64 * GiB, peak_flops=191.5e12, efficiency=125 / 191.5,
+        name="frontier", topology="frontier", device_memory=64 * GiB, peak_flops=compute_rate.PEAK_FLOPS,
+        efficiency=compute_rate.STEP_EFFICIENCY,
         max_nodes=9408,
         sources={
             "levels": "ds_ext.topology 'frontier': GCD pair 200 GB/s (003 §IV), Infinity Fabric 50 GB/s between "
@@ -99,7 +101,10 @@ MACHINES: dict[str, Machine] = {
             "device_memory": "64 GB HBM2e per GCD (003 §IV, 000 §VI-A) in binary units, as 003 §II-A's 68B ZeRO-3 "
                              "figure counts it (64 GiB / 16 B per parameter x 16 GCDs)",
             "peak_flops": "191.5 Tflop/s 16-bit per GCD (000 §VI-C, 004 §V-B)",
-            "efficiency": "125 / 191.5: the best bf16 GEMM on one GCD, 32768^2 (000 §VI-C)",
+            "efficiency": f"a training step's computation: GPT-320B's {compute_rate.TUNED_S} s per batch on "
+                          f"{compute_rate.RUN_GCDS:,} GCDs (000 §V-C, Table III, Table I) = "
+                          f"{compute_rate.rate() / 1e12:.1f} Tflop/s per GCD (ds_ext.planner.compute_rate); the best "
+                          "single GEMM, 125 Tflop/s (000 §VI-C), is an upper bound",
             "max_nodes": "9,408 nodes = 75,264 GCDs (004 abstract)",
         },
     ),

@@ -8,15 +8,19 @@ s sequence, h hidden, L layers, e bytes per element.
 
 Time per step (1F1B, 004 §II-C and §V-A: DeepSpeed's pipeline engine, PipeDream's schedule): a
 stage runs m forward-backward micro-batches and waits the (p - 1)-slot fill and drain, so every
-per-micro-batch cost is stretched by the bubble, ``(m + p - 1) / m``::
+per-micro-batch cost is stretched by the bubble, ``(m + p - 1) / m``. The stages run in
+lockstep, so a slot is the slowest stage's: the last stage also runs the head, the V / (16 L h)
+share of F (Narayanan et al.'s formula, ``perf.compute.step_flops``) that the mean stage holds
+1 / p of (``stage_imbalance``)::
 
-    t = (m + p - 1) / m x (F / (W peak eff) + t_TP + t_PP) + t_DP
+    t = (m + p - 1) / m x (F / (W peak eff) x imbalance + t_TP + t_PP) + t_DP
 
 * t_TP: Megatron's all-reduces of b s h e over the TP group, per layer and micro-batch two in
   forward (attention out, FC2), two in backward (the f of QKV and FC1), two more in the
   checkpoint recompute; L / p layers per stage;
 * t_PP: the stage boundary's point-to-point send, b s h e forward and b s h e backward per
-  micro-batch, over the level between consecutive stages (one message each);
+  micro-batch (one message each; every TP rank sends its full copy, as DeepSpeed's pipeline
+  engine does), over the slowest boundary's level (a node's when the pipeline spans nodes);
 * t_DP: ZeRO-1 once per step, as DeepSpeed's ZeRO-1 does it (``ted_layouts``): an all-reduce of
   the 16-bit gradients and an all-gather of the updated weights of the rank's parameters.
 
@@ -63,10 +67,11 @@ def stage_params(arch: Arch, tp: int, pp: int) -> int:
 
 
 def _levels(topology: Topology, tp: int, pp: int, dp: int) -> dict[str, str | None]:
-    """The level each group of rank 0 spans (TP innermost, then DP, then PP)."""
+    """The level each group of rank 0 spans (TP innermost, then DP, then PP); the pipeline's is
+    its slowest boundary's (the whole group's level)."""
     return {"tensor": topology.level_of(range(tp)) if tp > 1 else None,
             "data": topology.level_of(range(0, tp * dp, tp)) if dp > 1 else None,
-            "pipeline": topology.level_of([0, tp * dp]) if pp > 1 else None}
+            "pipeline": topology.level_of(range(0, tp * dp * pp, tp * dp)) if pp > 1 else None}
 
 
 def micro_traffic(arch: Arch, job: Job, tp: int, pp: int, dp: int, micro: int, m: int) -> Traffic:
@@ -95,6 +100,14 @@ def step_traffic(arch: Arch, job: Job, tp: int, pp: int, dp: int) -> Traffic:
         nbytes[lv["data"]] += 3 * n * e * (dp - 1) / dp  # type: ignore[index]
         messages[lv["data"]] += message_steps("all_reduce", dp) + message_steps("all_gather", dp)  # type: ignore[index]
     return Traffic(dict(nbytes), dict(messages))
+
+
+def stage_imbalance(arch: Arch, pp: int) -> float:
+    """The last stage's FLOPs over the mean stage's: L / p layers plus the head, whose share of
+    ``perf.compute.step_flops`` is V / (16 L h) against the layers' 1 + s / (6 h)."""
+    layers = 1 + arch.seq / (6 * arch.hidden)
+    head = arch.vocab / (16 * arch.layers * arch.hidden)
+    return (layers + pp * head) / (layers + head)
 
 
 def activations(arch: Arch, tp: int, pp: int, micro: int, m: int, checkpointing: bool) -> float:
@@ -133,8 +146,8 @@ def candidate(job: Job, tp: int, pp: int, dp: int) -> Candidate:
         traffic=lambda b, g: _sum(micro_traffic(a, job, tp, pp, dp, b, g), step_traffic(a, job, tp, pp, dp)),
         unfit=lambda b: None if b == MICRO_BATCH else f"micro-batch {b}: Megatron plans run micro-batch {MICRO_BATCH}",
         seconds=lambda b, g: seconds(job, tp, pp, dp, b, g),
-        stretch=lambda b, g: (g + pp - 1) / g,  # m = g micro-batches per replica
-        notes=(f"1F1B bubble (p - 1) / m with p = {pp}",),
+        stretch=lambda b, g: (g + pp - 1) / g * stage_imbalance(a, pp),  # m = g micro-batches per replica
+        notes=(f"1F1B bubble (p - 1) / m with p = {pp}; last stage (+ head) {stage_imbalance(a, pp):.3f} x the mean",),
     )
 
 

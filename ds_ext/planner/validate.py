@@ -1,16 +1,22 @@
 """``ds-ext simulate --validate``: the planner's predictions beside the papers' published numbers.
 
-No constant is fitted to these results: the machine preset holds hardware facts only
-(``ds_ext.planner.machine``) and one compute efficiency from a single-GCD GEMM (000 §VI-C); the
-batches are the models' published recipes (``ds_ext.planner.models``). A comparison holds when
-the relative error is within the issue's tolerance (5 % for model sizes, 15 % for ratios); the
-others have no stated tolerance and are reported as they come out.
+No constant is fitted to these results. The machine preset holds hardware facts
+(``ds_ext.planner.machine``), RCCL's α derived from 001 §6.3.1 (``ds_ext.planner.rccl``) and the
+compute rate of 000's GPT-320B run (``ds_ext.planner.compute_rate``); none of them is a row here.
+The batches are the models' published recipes (``ds_ext.planner.models``), or the row's note says
+where its batch comes from. A comparison holds when the relative error is within the issue's
+tolerance (5 % for model sizes, 15 % for ratios and Fig 6.12, 20 % for 004's TFLOPS). The other
+rows have no stated tolerance and are reported as they come out; rows marked "sensitivity" are not
+predictions.
 
 * 003 (GPT-NeoX-20B, ZeRO-3 / ZeRO++ / ZeRO-topo, §II-A, §VI-VII): largest models, TFLOPS
   ratios at 384 GCDs, ZeRO-topo's scaling efficiency 16 -> 384 GCDs. 003's ZeRO-topo is the
   ``zero_topo_paper`` preset (secondary int8 on the GCD pair, 003's step boundary).
 * 000 Table III (3D-PMM weak scaling on Frontier, GPT-5B ... 80B on 512 ... 8,192 GCDs, batch
   16.8M tokens): TFLOPS per GCD of the best grid and the efficiency against 512 GCDs.
+* 004 Table V (Megatron-DeepSpeed TP x PP x DP): TFLOPS per GCD of the 175B and 1T recipes and of
+  the planner's 22B layout, against 69.2 / 61.2 / 73.5 (§V-B).
+* 001 Fig 6.12 (DeepSpeed ZeRO-3, RCCL vs PCCL, 7B / 13B on 512 and 1,024 GCDs): less batch time.
 * 001 Fig 7.9 (Summit, 32-512 V100 of 16 GB): the largest MoE TED fits over DeepSpeed-MoE's
   (G_tensor = 1), from Eq 7.4 model states of every Table 4.1 base with 4-128 experts.
 """
@@ -21,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ds_ext.groups import TEDLayout
-from ds_ext.planner import rccl, ted_layouts, zero_plans
+from ds_ext.planner import compute_rate, rccl, ted_layouts, zero_plans
 from ds_ext.planner.estimate import Estimate, evaluate
 from ds_ext.planner.machine import GiB, Machine
 from ds_ext.planner.models import Arch, lookup, with_experts
@@ -139,50 +145,98 @@ def pmm_rows(machine: Machine, table=TABLE_III) -> list[Row]:
 # 004 §V-B measured TFLOPS per GCD; Table V's recipes (TP, PP, MBS 1, GBS) for 175B and 1T, one replica each
 TABLE_V = (("gpt-175b", 8, 69.2), ("gpt-1t", 64, 61.2))  # (model, nodes: TP x PP / 8 GCDs, published)
 MEGATRON_22B = (8, 640, 73.5)  # 22B: nodes, GBS (004 gives no 22B recipe: 175B's replica size and GBS), published
+TABLE_V_NOTE = ("one replica; compute at 000's measured step rate (ds_ext.planner.compute_rate), 1F1B bubble and "
+                "the last stage's head (004 §II-C, §V-A)")
 
 
-def megatron_rows(machine: Machine) -> list[Row]:
-    """004 Table V: predicted TFLOPS per GCD of the published recipes (one data-parallel replica:
-    004 states no GCD count for them) and of 22B's best Megatron layout (no recipe published)."""
+def _megatron(machine: Machine, model: str, nodes: int, batch: int | None = None):
     from ds_ext.planner import report
 
+    result = plan(make_job(lookup(model), machine, nodes, batch), ["megatron"])
+    recipe = next((e for e in result.estimates if report.published(result, e)), None)
+    return result, recipe
+
+
+def megatron_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
+    """004 Table V: predicted TFLOPS per GCD of the published recipes (one data-parallel replica:
+    004 states no GCD count for them) and of 22B's best Megatron layout (no recipe published);
+    ``sensitivity``: the same at the single-GEMM and the untuned compute rates (not predictions)."""
     rows = []
     for model, nodes, measured in TABLE_V:
-        result = plan(make_job(lookup(model), machine, nodes), ["megatron"])
-        recipe = next(e for e in result.estimates if report.published(result, e))
+        result, recipe = _megatron(machine, model, nodes)
+        assert recipe is not None, model
         rows.append(Row(f"{model} Table V recipe ({recipe.name}, {recipe.micro_batch} x {recipe.grad_accum}), "
-                        "TFLOPS per GCD", "004 §V-B, Table V", measured, recipe.tflops / 1e12, 0.20,
-                        "one replica; compute at the single-GCD GEMM efficiency (000 §VI-C)"))
+                        "TFLOPS per GCD", "004 §V-B, Table V", measured, recipe.tflops / 1e12, 0.20, TABLE_V_NOTE))
         if result.best is not None and result.best is not recipe:
             rows.append(Row(f"  {model}: planner's first choice {result.best.name}, TFLOPS per GCD", "004 §V-B",
                             measured, result.best.tflops / 1e12, None, "shown beside the recipe, not the prediction"))
     nodes, batch, measured = MEGATRON_22B
-    best = plan(make_job(lookup("gpt-22b"), machine, nodes, batch), ["megatron"]).best
+    result, _ = _megatron(machine, "gpt-22b", nodes, batch)
+    best = result.best
     assert best is not None
-    rows.append(Row(f"gpt-22b best Megatron layout ({best.name}, GBS {batch}), TFLOPS per GCD", "004 §V-B", measured,
-                    best.tflops / 1e12, None, "004 gives no 22B recipe: 175B's replica size and GBS assumed"))
+    rows.append(Row(f"gpt-22b planner's Megatron layout ({best.name}, GBS {batch}), TFLOPS per GCD", "004 §V-B",
+                    measured, best.tflops / 1e12, 0.20,
+                    "004 gives no 22B recipe: the planner's first choice at 175B's replica size and GBS"))
+    if sensitivity:
+        for label, eff in ((f"compute at the single-GEMM rate ({compute_rate.GEMM_FLOPS / 1e12:.0f} Tflop/s, "
+                            "000 §VI-C, the earlier constant)", compute_rate.GEMM_EFFICIENCY),
+                           (f"compute at 000's untuned rate ({compute_rate.rate(compute_rate.UNTUNED_S) / 1e12:.0f} "
+                            "Tflop/s, no matmul tuning, 000 §V-C)", compute_rate.UNTUNED_EFFICIENCY)):
+            other = machine.model_copy(update={"efficiency": eff})
+            for model, nodes, measured in TABLE_V:
+                recipe = _megatron(other, model, nodes)[1]
+                assert recipe is not None, model
+                rows.append(Row(f"  sensitivity, {label}: {model} recipe", "004 §V-B", measured,
+                                recipe.tflops / 1e12, None, "not the prediction"))
     return rows
 
 
-# 001 Fig 6.12 (§6.3.2, DeepSpeed ZeRO-3 on Frontier, RCCL vs PCCL): (model, GCDs, published, what)
-FIG_6_12 = (("gpt3-6.7b", 512, 0.30, "less batch time"), ("gpt3-13b", 512, 0.16, "less batch time"),
-            ("gpt3-6.7b", 1024, 0.60, "speedup"), ("gpt3-13b", 1024, 0.39, "speedup"))
+# 001 Fig 6.12 (§6.3.2, DeepSpeed ZeRO-3 on Frontier, RCCL vs PCCL): (model, GCDs, published less batch time)
+FIG_6_12 = (("gpt3-6.7b", 512, 0.30), ("gpt3-13b", 512, 0.16), ("gpt3-6.7b", 1024, 0.60), ("gpt3-13b", 1024, 0.39))
+FIG_6_12_2048 = "70-80 % for the two models"  # 001 §6.3.2 at 2,048 GCDs, no value per model
+FIG_6_12_BATCH = 8192  # 000 Table I: the authors' Frontier batch, 16.8M tokens (the figure's is not given)
+FIG_6_12_NOTE = ("batch 8,192: 000 Table I's Frontier batch (the figure's is not stated; Table 4.1's 1,024 cannot "
+                 "run 6.7B on the figure's 2,048 GCDs); DeepSpeed's per-submodule gathers; RCCL α from 001 §6.3.1")
 
 
-def pccl_rows(machine: Machine) -> list[Row]:
-    """001 Fig 6.12: ZeRO-3 (DeepSpeed 0.19.8's gathers) with RCCL's ring vs PCCL (``zero_plans.pccl``).
-    The text gives "reduces batch time by" at 512 GCDs and "speedup" at 1,024; the figure's batch is
-    not in the text: the rows use 001 Table 4.1's."""
-    rows = []
-    for model, gcds, published, what in FIG_6_12:
-        job = make_job(lookup(model), machine, gcds // 8)
-        rccl_e, pccl_e = (evaluate(job, zero_plans.candidate(job, {"preset": "zero3"}, deepspeed="0.19.8",
-                                                             collectives=c)) for c in ("rccl", "pccl"))
-        assert rccl_e is not None and pccl_e is not None, model
-        value = 1 - pccl_e.step_s / rccl_e.step_s if what == "less batch time" else rccl_e.step_s / pccl_e.step_s - 1
-        rows.append(Row(f"{model} ZeRO-3 on {gcds} GCDs, PCCL over RCCL: {what} (batch {job.global_batch})",
-                        "001 §6.3.2, Fig 6.12", published, value, 0.15,
-                        "batch of 001 Table 4.1 (the figure's is not given); RCCL α from 001 §6.3.1"))
+def less_batch_time(machine: Machine, model: str, gcds: int, batch: int | None = FIG_6_12_BATCH) -> float:
+    """1 - t_PCCL / t_RCCL of DeepSpeed ZeRO-3 (0.19.8's gathers) on ``gcds`` GCDs (``zero_plans.pccl``);
+    ``batch`` None: the model's recipe (001 Table 4.1)."""
+    job = make_job(lookup(model), machine, gcds // 8, batch)
+    rccl_e, pccl_e = (evaluate(job, zero_plans.candidate(job, {"preset": "zero3"}, deepspeed="0.19.8",
+                                                         collectives=c)) for c in ("rccl", "pccl"))
+    assert rccl_e is not None and pccl_e is not None, model
+    return 1 - pccl_e.step_s / rccl_e.step_s
+
+
+def pccl_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
+    """001 Fig 6.12: ZeRO-3 with RCCL's ring vs PCCL. 001's text says "reduces batch time by" at
+    512 GCDs and "speedup" at 1,024; both are read as less batch time (README: the only reading
+    under which PCCL "continues to scale efficiently" while RCCL's time grows). ``sensitivity``:
+    the rows at other batches, RCCL's ring at the derived bandwidth and the single-GEMM compute."""
+    rows = [Row(f"{model} ZeRO-3 on {gcds} GCDs, PCCL over RCCL: less batch time", "001 §6.3.2, Fig 6.12",
+                published, less_batch_time(machine, model, gcds), 0.15, FIG_6_12_NOTE)
+            for model, gcds, published in FIG_6_12]
+    rows += [Row(f"  {model} ZeRO-3 on 2048 GCDs, PCCL over RCCL: less batch time", "001 §6.3.2", None,
+                 less_batch_time(machine, model, 2048), None, f"published {FIG_6_12_2048}")
+             for model in ("gpt3-6.7b", "gpt3-13b")]
+    if not sensitivity:
+        return rows
+    ring_b = sum(p.ring_bandwidth for p in rccl.DERIVED) / len(rccl.DERIVED) / 1e9
+    recipe = {"gpt3-6.7b": None, "gpt3-13b": None}  # None: the model's recipe (001 Table 4.1)
+    cases = [("001 Table 4.1's batch (1,024 / 2,048)", machine, recipe),
+             ("2,048 sequences (the least the figure's 2,048 GCDs admit)", machine,
+              {"gpt3-6.7b": 2048, "gpt3-13b": 2048}),
+             ("13B at twice 6.7B's batch (16,384: Table 4.1's ratio)", machine, {"gpt3-13b": 16384}),
+             (f"RCCL's ring bytes at the derived B = {ring_b:.0f} GB/s per rank",
+              machine.with_links({"node": ring_b}, {}), {m: FIG_6_12_BATCH for m in recipe}),
+             (f"compute at the single-GEMM rate ({compute_rate.GEMM_FLOPS / 1e12:.0f} Tflop/s)",
+              machine.model_copy(update={"efficiency": compute_rate.GEMM_EFFICIENCY}),
+              {m: FIG_6_12_BATCH for m in recipe})]
+    for label, m, batches in cases:
+        rows += [Row(f"  sensitivity, {label}: {model}, {gcds} GCDs", "001 Fig 6.12", published,
+                     less_batch_time(m, model, gcds, batches[model]), None, "not the prediction")
+                 for model, gcds, published in FIG_6_12 if model in batches]
     return rows
 
 
