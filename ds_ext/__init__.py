@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from ds_ext.version import __version__
+
 if TYPE_CHECKING:
     import torch
-
-__version__ = "0.1.0"
 
 
 def initialize(

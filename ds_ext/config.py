@@ -25,15 +25,11 @@ import hjson
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, create_model, field_validator, model_validator
 
 from ds_ext.config_base import ConfigSection
-from ds_ext.errors import DsExtError
+from ds_ext.errors import DsExtConfigError, DsExtError
 from ds_ext.plugin import PluginConfig, registered_configs
 from ds_ext.topology import DETECTED_LEVELS, GB, PRESET_NAMES, US, Level, preset_levels
 
 BLOCK = "ds_ext"
-
-
-class DsExtConfigError(DsExtError, ValueError):
-    """An invalid ``"ds_ext"`` block or ds_config; the message names the key path."""
 
 
 class ConfigNotFoundError(DsExtConfigError):

@@ -8,3 +8,8 @@ Each ds_ext error class derives from :class:`DsExtError` (and keeps its ``ValueE
 
 class DsExtError(Exception):
     """An error ds_ext reports in one line: bad configuration, arguments, topology, files."""
+
+
+class DsExtConfigError(DsExtError, ValueError):
+    """An invalid ``"ds_ext"`` block or ds_config; the message names the key path (raised by
+    the schema, ``ds_ext.config``, and by the plugins below it)."""

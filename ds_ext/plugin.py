@@ -19,14 +19,11 @@ registration order and calls its hooks around ``deepspeed.initialize``:
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from pydantic import Field
 
 from ds_ext.config_base import ConfigSection
-
-if TYPE_CHECKING:
-    from ds_ext.runtime import Runtime
 
 
 class PluginConfig(ConfigSection):
@@ -43,7 +40,9 @@ class Plugin:
     # False: the plugin shards over the whole world and cannot run beside model parallelism
     accepts_mpu: ClassVar[bool] = True
 
-    def __init__(self, config: PluginConfig, runtime: "Runtime") -> None:
+    def __init__(self, config: PluginConfig, runtime: Any) -> None:
+        """``runtime``: this rank's :class:`ds_ext.runtime.Runtime` (topology, groups, communicator),
+        which builds the plugins and so sits above this module."""
         self.config = config
         self.runtime = runtime
 

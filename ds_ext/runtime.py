@@ -20,6 +20,7 @@ from ds_ext.comm import Communicator, Ledger, TimeEmulator
 from ds_ext.groups import GroupRegistry
 from ds_ext.plugin import Plugin, registered_plugins
 from ds_ext.topology import JobEnvironment, Topology, detect_environment, resolve_topology
+from ds_ext.version import __version__
 
 
 @dataclass
@@ -86,7 +87,6 @@ class Runtime:
     def banner(self) -> str:
         """What ds_ext set up, for rank 0's start-up log: topology, plugins with their plan, the
         communicator, and this rank's group on each topology level (``ds-ext detect``'s spans)."""
-        from ds_ext import __version__
         from ds_ext.groups import member_group, topology_partition
 
         cfg = self.config.comm

@@ -21,12 +21,9 @@ import math
 import os
 import re
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from ds_ext.errors import DsExtError
-
-if TYPE_CHECKING:
-    from ds_ext.config import TopologyConfig
 
 GB = 1e9
 US = 1e-6
@@ -344,8 +341,18 @@ def check_fits_job(topo: Topology, job: JobEnvironment) -> None:
         )
 
 
+class TopologyRequest(Protocol):
+    """What :func:`resolve_topology` reads of the ``topology`` section (``ds_ext.config.TopologyConfig``,
+    a schema above this layer)."""
+
+    preset: str | None
+    levels: Sequence[Any] | None  # each with ``to_level() -> Level``
+    sizes: Mapping[str, int]
+    emulate: bool
+
+
 def resolve_topology(
-    cfg: "TopologyConfig", world_size: int, job: JobEnvironment
+    cfg: TopologyRequest, world_size: int, job: JobEnvironment
 ) -> Topology:
     """Build the topology the config asks for and check it against the job."""
     if cfg.levels is not None:

@@ -28,8 +28,8 @@ import sys
 from typing import Any, Callable
 
 from ds_ext import log
+from ds_ext.integration import ds_initialize
 
-_ORIGINAL: Callable | None = None  # DeepSpeed's own initialize, once wrapped
 _ACTIVE = False
 
 IGNORED = (
@@ -37,13 +37,6 @@ IGNORED = (
     "under `python -m ds_ext.run` (`deepspeed --module ds_ext.run script.py ...`), call ds_ext.patch_deepspeed() "
     "first, or call ds_ext.initialize"
 )
-
-
-def deepspeed_initialize() -> Callable:
-    """DeepSpeed's own ``initialize`` (what ds_ext calls after its plugins)."""
-    import deepspeed
-
-    return _ORIGINAL if _ORIGINAL is not None else deepspeed.initialize
 
 
 def _has_ds_ext_block(arguments: dict) -> bool:
@@ -69,9 +62,9 @@ def _dispatcher(original: Callable) -> Callable:
         if not _has_ds_ext_block(arguments):
             return original(*args, **kwargs)
         if _ACTIVE:
-            import ds_ext
+            from ds_ext.integration.initialize import initialize as ds_ext_initialize
 
-            return ds_ext.initialize(**arguments)
+            return ds_ext_initialize(**arguments)
         log.warn(IGNORED)
         return original(*args, **kwargs)
 
@@ -80,10 +73,7 @@ def _dispatcher(original: Callable) -> Callable:
 
 
 def _wrap(deepspeed_module: Any) -> None:
-    global _ORIGINAL
-    if _ORIGINAL is None:
-        _ORIGINAL = deepspeed_module.initialize
-        deepspeed_module.initialize = _dispatcher(_ORIGINAL)
+    ds_initialize.wrap(deepspeed_module, _dispatcher)
 
 
 def patch_deepspeed() -> None:

@@ -55,7 +55,7 @@ def optimizer_kind(optimizer) -> str:
 
 
 def _refuse(what: str) -> None:
-    from ds_ext.config import DsExtConfigError
+    from ds_ext.errors import DsExtConfigError
 
     raise DsExtConfigError(
         f"ds_ext.tiled_optimizer: not supported together with {what}; supported: ZeRO stage 0, 1 or 2 "

@@ -18,7 +18,8 @@ from typing import Any
 from ds_ext import config as cfgmod
 from ds_ext import log
 from ds_ext.comm import instrument
-from ds_ext.integration import activation, ds_engine
+from ds_ext.integration import ds_engine
+from ds_ext.integration.ds_initialize import deepspeed_initialize
 from ds_ext.integration.ds_version import check_version
 from ds_ext.runtime import Runtime
 
@@ -167,17 +168,21 @@ def initialize(
     model_parameters: Any = None,
     training_data: Any = None,
     lr_scheduler: Any = None,
-    *,
-    config: Any = None,
-    config_params: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
     dist_init_required: bool | None = None,
-    **kwargs: Any,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
 ) -> tuple[Any, Any, Any, Any]:
-    """Validate the ``"ds_ext"`` block, set ds_ext up, and call ``deepspeed.initialize``.
+    """Validate the ``"ds_ext"`` block, set ds_ext up, and call ``deepspeed.initialize``
+    (:func:`ds_ext.initialize`: DeepSpeed's arguments, order and defaults).
 
-    Extra keyword arguments (``mpu``, ``collate_fn``, ``mesh_param``,
-    ``distributed_port``) pass through to DeepSpeed unchanged.
+    ``mpu``, ``collate_fn``, ``mesh_param`` and ``distributed_port`` pass through to
+    DeepSpeed unchanged.
     """
+    kwargs = {"distributed_port": distributed_port, "mpu": mpu, "collate_fn": collate_fn, "mesh_param": mesh_param}
     check_version()
     ds_config = cfgmod.load_ds_config(_resolve_config(args, config, config_params))
     parsed = cfgmod.parse(ds_config.get(cfgmod.BLOCK))
@@ -190,7 +195,7 @@ def initialize(
         model, optimizer, ds_config = plugin.prepare(model, optimizer, ds_config)
     kwargs = _with_plugin_mpu(runtime, kwargs)
     runtime.model_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    engine, opt, loader, sched = activation.deepspeed_initialize()(
+    engine, opt, loader, sched = deepspeed_initialize()(
         args=_without_config_path(args),
         model=model,
         optimizer=optimizer,

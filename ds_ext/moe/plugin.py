@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ds_ext.config import DsExtConfigError
+from ds_ext.errors import DsExtConfigError
 from ds_ext.groups import GroupError, TEDLayout
 from ds_ext.moe.config import TEDConfig
 from ds_ext.moe.context import TEDContext

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ds_ext.config import DsExtConfigError
+from ds_ext.errors import DsExtConfigError
 from ds_ext.integration import ds_fused_adam
 from ds_ext.optim.config import DEFAULT_TILE_SIZE, TiledOptimizerConfig
 from ds_ext.optim.tiled import ALLOWED_TYPES, FUSED_TILE_MULTIPLE, KEY, TiledAdam, check_tileable

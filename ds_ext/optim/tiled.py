@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import torch
 
-from ds_ext.config import DsExtConfigError
+from ds_ext.errors import DsExtConfigError
 from ds_ext.integration import ds_fused_adam
 
 KEY = "ds_ext.tiled_optimizer"

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ds_ext.comm import Communicator, Handle, backend_device
 from ds_ext.pmm.config import OverlapConfig
 from ds_ext.pmm.grid import Axis
+from ds_ext.pmm.ops import reduce_grad, reduce_grad_bucket
 from ds_ext.pmm.overlap import AllGatherPrefetcher, DeferredGradients
 from ds_ext.pmm.tuning import MatmulTuner
 
@@ -39,8 +40,8 @@ class PMMEngine:
         self.overlap = overlap or OverlapConfig()
         self.ledger_by_layer = ledger_by_layer
         self.tuner = MatmulTuner(self._world_gather()) if tune_matmul else None
-        self.prefetcher = AllGatherPrefetcher(self) if self.overlap.all_gather else None
-        self.deferred = DeferredGradients(self) if self.overlap.reduce_scatter else None
+        self.prefetcher = AllGatherPrefetcher() if self.overlap.all_gather else None
+        self.deferred = DeferredGradients() if self.overlap.reduce_scatter else None
         # per forward pass: one gradient-reducing view per replicated parameter
         self._replicated_views: dict[int, torch.Tensor] = {}
 
@@ -108,8 +109,6 @@ class PMMEngine:
         all-reduce per backward; ORS gate over ``weights``; no prefetch issued before (an
         optimizer step may have run since) survives into the pass; matmul tuning's window
         opens or its agreed point is reached (every rank in step)."""
-        from ds_ext.pmm.ops import reduce_grad_bucket
-
         self._replicated_views.clear()
         params = [p for p in replicated or () if p.requires_grad]
         if self.z.size > 1 and torch.is_grad_enabled() and params:
@@ -136,8 +135,6 @@ class PMMEngine:
         or, for a parameter outside it (a layer called on its own, an activation-checkpoint
         recompute after the forward), in an all-reduce of its own.
         """
-        from ds_ext.pmm.ops import reduce_grad
-
         if self.z.size == 1 or not torch.is_grad_enabled() or not param.requires_grad:
             return param
         view = self._replicated_views.get(id(param))

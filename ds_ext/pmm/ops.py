@@ -15,19 +15,22 @@ Each says what is replicated and what is split before and after it:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from ds_ext.pmm.grid import Axis
 
-if TYPE_CHECKING:
-    from ds_ext.pmm.engine import PMMEngine
+
+class AxisReducer(Protocol):
+    """What these operators use of the :class:`~ds_ext.pmm.engine.PMMEngine` that calls them."""
+
+    def all_reduce(self, t: torch.Tensor, axis: Axis) -> Any: ...
 
 
 class _ReduceBoth(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+    def forward(ctx, t: torch.Tensor, engine: AxisReducer, axis: Axis) -> torch.Tensor:
         ctx.engine, ctx.axis = engine, axis
         out = t.contiguous().clone()
         engine.all_reduce(out, axis)
@@ -42,7 +45,7 @@ class _ReduceBoth(torch.autograd.Function):
 
 class _ReduceGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+    def forward(ctx, t: torch.Tensor, engine: AxisReducer, axis: Axis) -> torch.Tensor:
         ctx.engine, ctx.axis = engine, axis
         return t.view_as(t)
 
@@ -55,7 +58,7 @@ class _ReduceGrad(torch.autograd.Function):
 
 class _ReduceGradBucket(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, engine: "PMMEngine", axis: Axis, *params: torch.Tensor):
+    def forward(ctx, engine: AxisReducer, axis: Axis, *params: torch.Tensor):
         ctx.engine, ctx.axis = engine, axis
         return tuple(p.view_as(p) for p in params)
 
@@ -75,7 +78,7 @@ class _ReduceGradBucket(torch.autograd.Function):
 
 class _MeanOver(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+    def forward(ctx, t: torch.Tensor, engine: AxisReducer, axis: Axis) -> torch.Tensor:
         ctx.size = axis.size
         out = t.detach().clone().contiguous()
         engine.all_reduce(out, axis)
@@ -86,17 +89,17 @@ class _MeanOver(torch.autograd.Function):
         return grad / ctx.size, None, None
 
 
-def reduce_both(t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+def reduce_both(t: torch.Tensor, engine: AxisReducer, axis: Axis) -> torch.Tensor:
     return t if axis.size == 1 else _ReduceBoth.apply(t, engine, axis)
 
 
-def reduce_grad(t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+def reduce_grad(t: torch.Tensor, engine: AxisReducer, axis: Axis) -> torch.Tensor:
     return t if axis.size == 1 else _ReduceGrad.apply(t, engine, axis)
 
 
-def reduce_grad_bucket(params: list[torch.Tensor], engine: "PMMEngine", axis: Axis) -> tuple[torch.Tensor, ...]:
+def reduce_grad_bucket(params: list[torch.Tensor], engine: AxisReducer, axis: Axis) -> tuple[torch.Tensor, ...]:
     return _ReduceGradBucket.apply(engine, axis, *params)
 
 
-def mean_over(t: torch.Tensor, engine: "PMMEngine", axis: Axis) -> torch.Tensor:
+def mean_over(t: torch.Tensor, engine: AxisReducer, axis: Axis) -> torch.Tensor:
     return t if axis.size == 1 else _MeanOver.apply(t, engine, axis)

@@ -20,14 +20,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ds_ext.comm import Handle
-
-if TYPE_CHECKING:
-    from ds_ext.pmm.engine import PMMEngine
 
 
 class _Gate(torch.autograd.Function):
@@ -47,8 +44,7 @@ class _Gate(torch.autograd.Function):
 class DeferredGradients:
     """ORS: asynchronous weight-gradient reductions, waited once per backward pass."""
 
-    def __init__(self, engine: "PMMEngine") -> None:
-        self.engine = engine
+    def __init__(self) -> None:
         self._views: dict[int, torch.Tensor] = {}
         self._token: torch.Tensor | None = None
         self._pending: list[Handle] = []
@@ -100,8 +96,7 @@ class _Ticket:
 class AllGatherPrefetcher:
     """OAG: one-ahead prefetch of weight all-gathers in the recorded execution order."""
 
-    def __init__(self, engine: "PMMEngine") -> None:
-        self.engine = engine
+    def __init__(self) -> None:
         self.order: list[Any] = []
         self.recording = True
         self._stop_queued = False

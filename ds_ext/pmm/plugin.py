@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ds_ext.config import DsExtConfigError
+from ds_ext.errors import DsExtConfigError
 from ds_ext.mpu import MegatronMPU, ParallelGroup
 from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.pmm.config import KEY, Pmm3dConfig

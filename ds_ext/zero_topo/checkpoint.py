@@ -33,7 +33,7 @@ import shutil
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,6 @@ import torch.distributed as dist
 from ds_ext.comm.collectives import backend_device
 from ds_ext.errors import DsExtError
 from ds_ext.zero_topo.layout import shard_count, shard_index
-
-if TYPE_CHECKING:
-    from ds_ext.zero_topo.plugin import ZeroTopoPlugin
 
 FORMAT = "ds_ext.zero_topo/1"
 SHARD_FILE = "ds_ext_zero_topo_rank{rank:05d}.pt"
@@ -158,10 +155,10 @@ def agree_present(path: Path, what: str) -> bool:
 
 
 # ---- what a rank holds ---------------------------------------------------------------
-def unit_table(plugin: "ZeroTopoPlugin") -> list[dict]:
+def unit_table(units: Iterable[Any]) -> list[dict]:
     """Units as a checkpoint records them (world-independent)."""
     out = []
-    for unit in plugin.sharded.all_units:
+    for unit in units:
         params = [
             {"names": list(names), "shape": list(shape), "offset": off}
             for names, shape, off in zip(unit.param_names, unit.shapes, unit.offsets)
@@ -179,22 +176,11 @@ def new_save_id() -> str:
     return box[0]
 
 
-def shard_state(plugin: "ZeroTopoPlugin", step: int, save_id: str) -> dict:
-    """This rank's shard: metadata, optimizer slices, segments (module docstring)."""
-    opt, ctx = plugin.optimizer, plugin.sharded.ctx
+def shard_state(ctx: Any, step: int, save_id: str, state: dict) -> dict:
+    """This rank's shard (module docstring): the metadata of the save, of ``ctx`` (the rank's
+    :class:`~ds_ext.zero_topo.units.ShardContext`: topology, plan, dtype) and ``state`` (the
+    plugin's ``state_dict()``: units, optimizer slices, segments, optimizer, loss scaler)."""
     topo, plan = ctx.topo, ctx.plan
-    index = {id(m): i for i, g in enumerate(opt.inner.param_groups) for m in g["params"]}
-    slices, segments = [], []
-    for unit in plugin.sharded.all_units:
-        start, stop = opt.own_range(unit)
-        slices.append({"unit": unit.name, "start": start, "stop": stop,
-                       "weights": opt._own_slice(unit).clone()})
-    for unit, lo, hi, master in opt.segments:
-        start, _ = opt.own_range(unit)
-        state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.inner.state.get(master, {}).items()}
-        segments.append({"unit": unit.name, "start": start + lo, "stop": start + hi,
-                         "group": index[id(master)], "master": master.clone(), "state": state})
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.inner.param_groups]
     n_opt = shard_count(topo, plan.optimizer)
     return {
         "format": FORMAT,
@@ -205,13 +191,13 @@ def shard_state(plugin: "ZeroTopoPlugin", step: int, save_id: str) -> dict:
         "plan": plan.describe(),
         "dtype": str(ctx.dtype).removeprefix("torch."),
         "step": step,
-        "units": unit_table(plugin),
+        "units": state["units"],
         "optimizer_shards": n_opt,
         "optimizer_shard_of_rank": [shard_index(topo, r, plan.optimizer) for r in range(topo.world_size)],
-        "slices": slices,
-        "segments": segments,
-        "optimizer": {"class": type(opt.inner).__name__, "param_groups": groups},
-        "loss_scaler": plugin.scaler_state(),
+        "slices": state["slices"],
+        "segments": state["segments"],
+        "optimizer": state["optimizer"],
+        "loss_scaler": state["loss_scaler"],
     }
 
 

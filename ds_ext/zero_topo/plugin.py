@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ds_ext import log
-from ds_ext.config import DsExtConfigError
+from ds_ext.errors import DsExtConfigError
 from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.zero_topo import checkpoint as ckpt
 from ds_ext.zero_topo import support
@@ -179,7 +179,7 @@ class ZeroTopoPlugin(Plugin):
             save_id = ckpt.new_save_id()
             try:
                 staged.mkdir(parents=True, exist_ok=True)
-                ckpt.atomic_save(ckpt.shard_state(self, engine.global_steps, save_id), path)
+                ckpt.atomic_save(ckpt.shard_state(self.sharded.ctx, engine.global_steps, save_id, self.state_dict()), path)
             except OSError as err:
                 error = f"cannot write {path}: {err}"
             ckpt.agree(error, f"saving checkpoint {save_dir / tag}")
@@ -216,7 +216,7 @@ class ZeroTopoPlugin(Plugin):
                     load_module_only=load_module_only, custom_load_fn=custom_load_fn,
                 )
                 with torch.no_grad():
-                    self._apply(loaded, optimizer_states)
+                    self.load_state_dict(loaded, optimizer_states)
         return path, client_state
 
     def _read_shards(self, tag_dir: Path, optimizer_states: bool) -> dict:
@@ -225,7 +225,7 @@ class ZeroTopoPlugin(Plugin):
         saved = ckpt.SavedCheckpoint.open(tag_dir)
         # every saved shard is checked by some rank (then ckpt.agree refuses on all of them)
         saved.verify(range(self.runtime.rank, saved.meta["world_size"], self.sharded.ctx.topo.world_size))
-        why = ckpt.compare_units(saved.meta["units"], ckpt.unit_table(self), tag_dir)
+        why = ckpt.compare_units(saved.meta["units"], ckpt.unit_table(self.sharded.all_units), tag_dir)
         if why:
             raise ckpt.CheckpointError(why)
         opt, plan, topo, rank = self.optimizer, self.plan, self.sharded.ctx.topo, self.runtime.rank
@@ -256,8 +256,31 @@ class ZeroTopoPlugin(Plugin):
         return {"primaries": primaries, "segments": segments, "groups": saved_opt["param_groups"],
                 "scaler": saved.meta["loss_scaler"]}
 
-    def _apply(self, loaded: dict, optimizer_states: bool) -> None:
-        """Install what :meth:`_read_shards` read (units are held: ``full`` is valid)."""
+    def state_dict(self) -> dict:
+        """This rank's part of a checkpoint, which :func:`ds_ext.zero_topo.checkpoint.shard_state`
+        writes with the save's metadata: the units' parameter table, the rank's optimizer slice of
+        each unit's 16-bit weights, one segment per trainable piece of it (fp32 master and
+        optimizer state), the optimizer's param groups and the loss scaler."""
+        opt = self.optimizer
+        index = {id(m): i for i, g in enumerate(opt.inner.param_groups) for m in g["params"]}
+        slices, segments = [], []
+        for unit in self.sharded.all_units:
+            start, stop = opt.own_range(unit)
+            slices.append({"unit": unit.name, "start": start, "stop": stop,
+                           "weights": opt._own_slice(unit).clone()})
+        for unit, lo, hi, master in opt.segments:
+            start, _ = opt.own_range(unit)
+            state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.inner.state.get(master, {}).items()}
+            segments.append({"unit": unit.name, "start": start + lo, "stop": start + hi,
+                             "group": index[id(master)], "master": master.clone(), "state": state})
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.inner.param_groups]
+        return {"units": ckpt.unit_table(self.sharded.all_units), "slices": slices, "segments": segments,
+                "optimizer": {"class": type(opt.inner).__name__, "param_groups": groups},
+                "loss_scaler": self.scaler_state()}
+
+    def load_state_dict(self, loaded: dict, optimizer_states: bool) -> None:
+        """Install what :meth:`_read_shards` read for this rank (the checkpoint resharded onto this
+        world; units are held: ``full`` is valid)."""
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
 
         opt = self.optimizer

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ds_ext.config import DsExtConfigError
+from ds_ext.errors import DsExtConfigError
 
 KEY = "ds_ext.zero_topo"
 _DTYPE_NAMES = {torch.float32: ("fp32", "float32"), torch.float16: ("fp16", "float16"),
