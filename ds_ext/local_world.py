@@ -38,6 +38,12 @@ from ds_ext.errors import DsExtError
 
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["ds_ext._world_preload"])
+
+
+def mp_context():
+    """The ``multiprocessing`` context World starts its ranks with: a forkserver that has
+    imported torch (processes started by it skip that import)."""
+    return _CTX
 PG_TIMEOUT_S = 90
 GRACE_AFTER_ERROR_S = 10
 GRACE_AFTER_DEATH_S = 2  # the others wait for the dead rank: no more answers will come
