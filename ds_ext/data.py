@@ -9,12 +9,32 @@ global batch of a serial run.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 DEFAULT_BYTES = 4_000_000
+_SKIPPED_DIRS = ("site-packages", "test")
+
+
+def _sources(root: Path) -> Iterator[Path]:
+    """The ``*.py`` files under ``root`` outside any ``site-packages`` or ``test`` directory,
+    in ``sorted(root.rglob("*.py"))`` order (by path parts), found lazily: each directory's
+    entries are visited in name order, so the caller stops reading after its first few
+    megabytes without walking the whole tree (site-packages alone holds torch's)."""
+    if any(part in _SKIPPED_DIRS for part in root.parts):
+        return
+    with os.scandir(root) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():  # rglob's recursion: not into linked directories
+            if entry.name not in _SKIPPED_DIRS:
+                yield from _sources(root / entry.name)
+        elif entry.name.endswith(".py") and entry.is_file():
+            yield root / entry.name
 
 
 class ByteCorpus:
@@ -23,9 +43,7 @@ class ByteCorpus:
     def __init__(self, max_bytes: int = DEFAULT_BYTES, root: str | Path | None = None) -> None:
         root = Path(root or sysconfig.get_paths()["stdlib"])
         chunks, total = [], 0
-        for path in sorted(root.rglob("*.py")):
-            if "site-packages" in path.parts or "test" in path.parts:
-                continue
+        for path in _sources(root):
             data = path.read_bytes()
             chunks.append(data)
             total += len(data)

@@ -22,3 +22,17 @@ def test_a_rank_that_dies_during_start_up_fails_the_start_at_once():
         world.run(_nothing)
     assert time.monotonic() - start < 60  # the full timeout is 300 s
     assert world._procs == []
+
+
+def _imported(names):
+    import sys
+
+    return {n: n in sys.modules for n in names}
+
+
+def test_a_rank_starts_with_torch_and_without_deepspeed():
+    """The forkserver that World forks ranks from has imported torch (ds_ext._world_preload),
+    never DeepSpeed: a rank may choose which DeepSpeed it imports."""
+    with World(2) as world:
+        for found in world.run(_imported, ["torch", "torch._dynamo", "ds_ext.zero_topo.plugin", "deepspeed"]):
+            assert found == {"torch": True, "torch._dynamo": True, "ds_ext.zero_topo.plugin": True, "deepspeed": False}

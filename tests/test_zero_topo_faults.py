@@ -5,11 +5,12 @@ bit for bit (deterministic CPU run, ZeRO-topo's default quantized preset with th
 optimizer).
 
 These ranks are real processes started like a launcher starts them (RANK, WORLD_SIZE,
-MASTER_ADDR/PORT), not the shared test world: the point is what happens to processes.
+MASTER_ADDR/PORT), not the shared test world: the point is what happens to processes. They
+are forked from the World's forkserver, which has imported torch, so a launch does not pay
+torch's import per rank.
 """
 
 import json
-import multiprocessing as mp
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import socket
 import time
 import traceback
 
+from ds_ext.local_world import mp_context
 
 RANKS = 4  # 2 nodes x 1 GPU x 2 GCDs
 AGREEMENT_S = 2  # zero_topo.agreement_check_s of the branch test
@@ -101,7 +103,7 @@ def _job(rank, port, tmp, name, kill, resume_from, branch=None):
 
 def _launch(tmp, name, kill=None, resume_from=None, timeout=240, branch=None):
     """Start RANKS processes; wait for all to exit. Returns (exit codes, exit times)."""
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()  # World's forkserver: each rank starts with torch imported
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

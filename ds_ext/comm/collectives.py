@@ -17,16 +17,20 @@ Faults: process groups are created with ``ds_ext.comm.timeout_s``; a collective 
 fails (a peer died, or did not answer within the timeout) raises :class:`CommError`,
 one line naming the op, the group's level and size, and the timeout, on every rank that
 was waiting for it, so a lost rank ends the job instead of hanging it. A plugin may set
-:attr:`Communicator.watch` (a :class:`Watch`): on gloo every collective then waits on a
-thread of its own while the caller asks the watch every ``watch.check_s`` (ZeRO-topo's unit agreement, ``ds_ext.zero_topo.agreement``); the watch is also
+:attr:`Communicator.watch` (a :class:`Watch`): on gloo every collective then waits in slices
+of ``watch.check_s`` (torch's timed wait; a reused waiter thread for the reduce-scatter, whose
+gloo work ignores a timed wait), asking the watch after each slice (ZeRO-topo's unit agreement, ``ds_ext.zero_topo.agreement``); the watch is also
 asked before a failed collective is reported.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
 import threading
 import time
+from datetime import timedelta
 from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
@@ -137,26 +141,72 @@ class Handle:
         self._done = True
 
     def _wait_watched(self, op: str, watch: Watch) -> None:
-        """Wait on a thread of its own (gloo's reduce-scatter work ignores a timed wait and
-        never reports completion), asking ``watch`` every ``check_s`` meanwhile."""
-        errors: list[BaseException] = []
-
-        def wait() -> None:
-            try:
-                self._work.wait()
-            except BaseException as err:  # re-raised on the calling thread
-                errors.append(err)
-
-        waiter = threading.Thread(target=wait, name="ds_ext-collective-wait", daemon=True)
-        waiter.start()
+        """Wait, asking ``watch`` every ``check_s`` meanwhile: by torch's timed wait where the
+        work honours it, else (gloo's reduce-scatter work ignores a timed wait and never
+        reports completion) on a waiter thread."""
         start = time.monotonic()
-        while waiter.join(watch.check_s) or waiter.is_alive():
-            watch.stalled(op, time.monotonic() - start)
+        if op not in _UNTIMED_OPS and isinstance(self._work, dist.Work):
+            while True:
+                try:
+                    self._work.wait(timedelta(seconds=watch.check_s))
+                    return
+                except RuntimeError as err:  # a failure completes the work; a timed-out wait does not
+                    if self._work.is_completed() or _TIMED_OUT not in str(err):
+                        raise
+                watch.stalled(op, time.monotonic() - start)
+        errors: list[BaseException] = []
+        done = threading.Event()
+        waiter = _Waiter.take()
+        waiter.submit(self._work, done, errors)
+        while not done.wait(watch.check_s):
+            watch.stalled(op, time.monotonic() - start)  # a raise leaves the waiter to its wait
+        waiter.give_back()
         if errors:
             raise errors[0]
 
     def is_completed(self) -> bool:
         return self._done
+
+
+_UNTIMED_OPS = ("reduce_scatter",)  # gloo's work for these ignores a timed wait
+_TIMED_OUT = "Operation timed out"  # torch's Work.wait(timeout) when the work is not done yet
+
+
+class _Waiter:
+    """A daemon thread that waits on collectives for :meth:`Handle._wait_watched`, reused
+    from one wait to the next. A waiter whose wait was abandoned (the watch raised) stays
+    with it and is never reused; waiters do not survive a fork."""
+
+    _idle: list["_Waiter"] = []
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="ds_ext-collective-wait", daemon=True).start()
+
+    @classmethod
+    def take(cls) -> "_Waiter":
+        try:
+            return cls._idle.pop()
+        except IndexError:
+            return cls()
+
+    def give_back(self) -> None:
+        self._idle.append(self)
+
+    def submit(self, work: object, done: threading.Event, errors: list[BaseException]) -> None:
+        self._jobs.put((work, done, errors))
+
+    def _serve(self) -> None:
+        while True:
+            work, done, errors = self._jobs.get()
+            try:
+                work.wait()
+            except BaseException as err:  # re-raised on the calling thread
+                errors.append(err)
+            done.set()
+
+
+os.register_at_fork(after_in_child=_Waiter._idle.clear)
 
 
 def _same_dtype(op: str, output: torch.Tensor, input: torch.Tensor) -> None:

@@ -113,7 +113,7 @@ class ZeroTopoConfig(PluginConfig):
         ge=0,
         description="Seconds a ZeRO-topo collective waits before the ranks compare the units they ran "
         "(ds_ext.zero_topo.agreement): ranks that ran different units fail in one line naming them instead of "
-        "waiting for ds_ext.comm.timeout_s; equal units keep waiting. On gloo (a CPU thread watches each wait); "
+        "waiting for ds_ext.comm.timeout_s; equal units keep waiting. On gloo (timed waits); "
         "0 = off. On NCCL torch's TORCH_NCCL_DESYNC_DEBUG=1 reports such mismatches.",
     )
     quantization_groups: Literal["packed", "per_parameter"] = Field(
