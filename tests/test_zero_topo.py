@@ -180,6 +180,7 @@ def _measured_vs_analytic(preset, accum, overrides):
         "analytic_calls": model.calls_by_level(),
         "state": plugin.state_bytes(),
         "analytic_state": plugin.analytic_memory(),
+        "compiled": (plugin.sharded.ctx.weight_quantizer.compile, plugin.sharded.ctx.compile_quantizer),
     }
     engine.destroy()
     return out
@@ -210,6 +211,7 @@ def _ledger_equals_model(results):
             assert r["calls"][level] == c, level
         for state, b in r["analytic_state"].items():
             assert r["state"][state] == b, state
+        assert r["compiled"] == (True, True)  # the default: fused quantizer kernels (tests/test_quant.py)
 
 
 def _int8_boundary(accum):
