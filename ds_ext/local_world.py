@@ -37,7 +37,17 @@ from typing import Any, Callable
 from ds_ext.errors import DsExtError
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["ds_ext._world_preload"])
+_PRELOAD = ["ds_ext._world_preload"]
+_CTX.set_forkserver_preload(list(_PRELOAD))
+
+
+def preload(*modules: str) -> None:
+    """Have the forkserver import ``modules`` too (after :mod:`ds_ext._world_preload`), so
+    that ranks start with them: for modules most ranks of a process's worlds import. Takes
+    effect only before the forkserver starts (the first World start of the process); a module
+    that fails to import is left to the ranks. Modules that start threads must not be named."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+    _CTX.set_forkserver_preload(list(_PRELOAD))
 
 
 def mp_context():

@@ -8,9 +8,13 @@ import warnings
 
 import pytest
 
-from ds_ext.local_world import World
+from ds_ext.local_world import World, preload
 
 warnings.filterwarnings("ignore", category=FutureWarning)
+# Hugging Face's classes, imported by the ranks of several modules (about 3 s of CPU per rank),
+# once in the forkserver the worlds' ranks are forked from
+preload("transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama",
+        "transformers.models.gpt_neox.modeling_gpt_neox", "transformers.trainer")
 
 
 @pytest.fixture(scope="module")
