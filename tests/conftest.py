@@ -4,6 +4,7 @@ A module sets ``WORLD_SIZE`` (default 2) and optionally ``WORLD_ENV`` (extra
 environment for the ranks) at module level.
 """
 
+import os
 import warnings
 
 import pytest
@@ -15,6 +16,8 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 # once in the forkserver the worlds' ranks are forked from
 preload("transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama",
         "transformers.models.gpt_neox.modeling_gpt_neox", "transformers.trainer")
+if not os.environ.get("DS0196"):  # else test_tiled_optimizer_releases.py's ranks import DeepSpeed 0.19.6
+    preload("ds_ext._world_preload_deepspeed")
 
 
 @pytest.fixture(scope="module")
