@@ -14,3 +14,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402,F401
 
 import ds_ext.integration.initialize  # noqa: E402,F401
+
+try:  # DeepSpeed imports it in ZeRO's optimizer check (stage >= 1); it builds a torch.compile wrapper (~1 s)
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+except ImportError:
+    pass

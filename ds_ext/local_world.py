@@ -23,6 +23,7 @@ name per rank, entered before anything else) place the ranks on an emulated clus
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -76,6 +77,9 @@ def _worker(rank: int, world_size: int, env: dict[str, str], store: str, tasks, 
         from ds_ext.cluster.netns import enter_namespace
 
         enter_namespace(netns)
+    # the objects inherited from the forkserver (modules: half a million objects once DeepSpeed
+    # and transformers are in) are alive for good; a full collection need not walk them
+    gc.freeze()
     if parent_env is not None:  # the forkserver's environment is the parent's at its own start
         os.environ.clear()
         os.environ.update(parent_env)
