@@ -1,4 +1,4 @@
-"""A gloo world of spawned local processes, started once and reused by many tasks (tests, benchmarks).
+"""A gloo world of local processes, started once and reused by many tasks (tests, benchmarks).
 
 ``World(n)`` starts ``n`` worker processes that join one gloo process group
 (file-store rendezvous, ``OMP_NUM_THREADS=1``, the DeepSpeed launcher's variables with

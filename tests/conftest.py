@@ -1,4 +1,4 @@
-"""Shared fixtures: ``world`` is a gloo world spawned once per test module.
+"""Shared fixtures: ``world`` is a gloo world started once per test module.
 
 A module sets ``WORLD_SIZE`` (default 2) and optionally ``WORLD_ENV`` (extra
 environment for the ranks) at module level.
