@@ -11,10 +11,11 @@ both cases unanswered ranks are killed and the next ``run`` starts a fresh world
 failing test never hangs the suite.
 
 Start-up: the workers are forked from a ``multiprocessing`` forkserver that has imported
-torch once (:mod:`ds_ext._world_preload`), so a rank starts in a fraction of a second instead
-of importing torch itself (about 2 s of CPU each, most of a world's start on a small
-machine). Each worker then takes the parent's environment as it is at ``World`` start (as a
-spawned process would inherit it), plus the variables above.
+torch and ds_ext's DeepSpeed-free modules once (:mod:`ds_ext._world_preload`; more with
+:func:`preload`), so a rank starts in a fraction of a second instead of importing them itself
+(about 3 s of CPU each, most of a world's start on a small machine); what it inherits is
+``gc.freeze()``-d. Each worker then takes the parent's environment as it is at ``World`` start
+(as a spawned process would inherit it), plus the variables above.
 
 ``rank_env`` (one dict per rank, applied last) and ``rank_netns`` (one network namespace
 name per rank, entered before anything else) place the ranks on an emulated cluster
