@@ -1,10 +1,9 @@
 """Imported once by the forkserver that :class:`ds_ext.local_world.World` forks its ranks
 from, so that every rank starts with what nearly every rank imports: torch, torch.distributed
 and torch._dynamo (which torch imports on the first optimizer's construction), about 3 s of
-CPU per process; ds_ext's own modules that import neither DeepSpeed nor anything else heavy
-(their pydantic config models take a few hundred ms to build); and, where installed, the
-parts of Hugging Face transformers that ds_ext's tests and examples use (about 3 s of CPU per
-process; transformers imports no DeepSpeed until its DeepSpeed integration is used). DeepSpeed is not
+CPU per process; and ds_ext's own modules that import neither DeepSpeed nor anything else
+heavy (their pydantic config models take a few hundred ms to build). More modules:
+:func:`ds_ext.local_world.preload`. DeepSpeed is not
 imported here: a rank may choose which DeepSpeed it imports
 (tests/test_tiled_optimizer_releases.py; tests/test_local_world.py checks that a rank starts
 without it).
@@ -45,13 +44,3 @@ for _name in DS_EXT_MODULES:
         importlib.import_module(_name)
     except Exception:  # a rank that needs it raises the error itself
         pass
-try:
-    from transformers import (  # noqa: F401
-        AutoModelForCausalLM,
-        GPTNeoXForCausalLM,
-        LlamaForCausalLM,
-        Trainer,
-        TrainingArguments,
-    )
-except Exception:  # not installed (a dev dependency), or broken: a rank that needs it raises
-    pass

@@ -1,4 +1,4 @@
-"""A gloo world of spawned local processes, started once and reused by many tasks (tests, benchmarks).
+"""A gloo world of local processes, started once and reused by many tasks (tests, benchmarks).
 
 ``World(n)`` starts ``n`` worker processes that join one gloo process group
 (file-store rendezvous, ``OMP_NUM_THREADS=1``, the DeepSpeed launcher's variables with
@@ -14,10 +14,11 @@ failing test never hangs the suite.
 accelerator (``"nccl"`` / ``"cuda"`` on a GPU machine: rank r on device r mod the device count).
 
 Start-up: the workers are forked from a ``multiprocessing`` forkserver that has imported
-torch once (:mod:`ds_ext._world_preload`), so a rank starts in a fraction of a second instead
-of importing torch itself (about 2 s of CPU each, most of a world's start on a small
-machine). Each worker then takes the parent's environment as it is at ``World`` start (as a
-spawned process would inherit it), plus the variables above.
+torch and ds_ext's DeepSpeed-free modules once (:mod:`ds_ext._world_preload`; more with
+:func:`preload`), so a rank starts in a fraction of a second instead of importing them itself
+(about 3 s of CPU each, most of a world's start on a small machine); what it inherits is
+``gc.freeze()``-d. Each worker then takes the parent's environment as it is at ``World`` start
+(as a spawned process would inherit it), plus the variables above.
 
 ``rank_env`` (one dict per rank, applied last) and ``rank_netns`` (one network namespace
 name per rank, entered before anything else) place the ranks on an emulated cluster
@@ -26,6 +27,7 @@ name per rank, entered before anything else) place the ranks on an emulated clus
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -40,7 +42,17 @@ from typing import Any, Callable
 from ds_ext.errors import DsExtError
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["ds_ext._world_preload"])
+_PRELOAD = ["ds_ext._world_preload"]
+_CTX.set_forkserver_preload(list(_PRELOAD))
+
+
+def preload(*modules: str) -> None:
+    """Have the forkserver import ``modules`` too (after :mod:`ds_ext._world_preload`), so
+    that ranks start with them: for modules most ranks of a process's worlds import. Takes
+    effect only before the forkserver starts (the first World start of the process); a module
+    that fails to import is left to the ranks. Modules that start threads must not be named."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+    _CTX.set_forkserver_preload(list(_PRELOAD))
 
 
 def mp_context():
@@ -69,6 +81,9 @@ def _worker(rank: int, world_size: int, env: dict[str, str], store: str, tasks, 
         from ds_ext.cluster.netns import enter_namespace
 
         enter_namespace(netns)
+    # the objects inherited from the forkserver (modules: half a million objects once DeepSpeed
+    # and transformers are in) are alive for good; a full collection need not walk them
+    gc.freeze()
     if parent_env is not None:  # the forkserver's environment is the parent's at its own start
         os.environ.clear()
         os.environ.update(parent_env)

@@ -203,6 +203,7 @@ def test_an_ignored_ds_ext_block_is_reported(world):
 
 # ---- the documented launch of an unmodified script --------------------------------------------
 def _launch(script, config, *extra):
+    """Start the launcher on ``script``; returns a function that waits for it and returns its stdout."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -210,9 +211,20 @@ def _launch(script, config, *extra):
     cmd = ["deepspeed", "--num_gpus", str(WORLD_SIZE), "--master_port", str(port), *extra, script,
            "--deepspeed_config", str(config), "--steps", "3", "--d-model", "64", "--layers", "2",
            "--seq-len", "32", "--log-losses"]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return run.stdout
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result():
+        try:
+            stdout, stderr = proc.communicate(timeout=600)
+        finally:
+            if proc.poll() is None:  # timed out, or the caller gave up on it
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        return stdout
+
+    result.stop = proc.kill  # type: ignore[attr-defined]
+    return result
 
 
 def _losses_and_table(stdout):
@@ -225,8 +237,15 @@ def _losses_and_table(stdout):
 def test_unmodified_script_under_ds_ext_run_matches_the_ds_ext_example(tmp_path):
     config = tmp_path / "cfg.json"
     config.write_text(json.dumps(CONFIG))
-    ours = _launch("examples/train.py", config)
-    unmodified = _launch("examples/train_deepspeed.py", config, "--module", "ds_ext.run")
+    # the two jobs are independent: run side by side (each waits on its launcher's 1 s polls and rendezvous)
+    ours, unmodified = _launch("examples/train.py", config), _launch("examples/train_deepspeed.py", config,
+                                                                     "--module", "ds_ext.run")
+    try:
+        ours = ours()
+    finally:
+        if not isinstance(ours, str):  # its launch failed: do not leave the other running
+            unmodified.stop()
+    unmodified = unmodified()
     assert "ds_ext: per-level traffic" in unmodified
     losses, table = _losses_and_table(ours)
     losses_u, table_u = _losses_and_table(unmodified)

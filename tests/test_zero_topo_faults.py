@@ -101,27 +101,49 @@ def _job(rank, port, tmp, name, kill, resume_from, branch=None):
         os._exit(1)  # as above: no interpreter teardown (a collective's waiter thread may still be in gloo)
 
 
-def _launch(tmp, name, kill=None, resume_from=None, timeout=240, branch=None):
-    """Start RANKS processes; wait for all to exit. Returns (exit codes, exit times)."""
+def _free_ports(n):
+    """``n`` distinct free ports (held open together while chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _start(tmp, name, kill=None, resume_from=None, branch=None, port=None):
+    """Start RANKS processes of one job."""
     ctx = mp_context()  # World's forkserver: each rank starts with torch imported
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = port or _free_ports(1)[0]
     procs = [ctx.Process(target=_job, args=(r, port, tmp, name, kill, resume_from, branch)) for r in range(RANKS)]
     for p in procs:
         p.start()
-    ended = {}
+    return procs
+
+
+def _wait(*jobs, timeout=240):
+    """Wait for every process of ``jobs`` to exit. Returns (exit codes, exit times) per job."""
+    ended = [{} for _ in jobs]
     deadline = time.time() + timeout
-    while len(ended) < RANKS and time.time() < deadline:
-        for r, p in enumerate(procs):
-            if r not in ended and not p.is_alive():
-                ended[r] = time.time()
+    while sum(map(len, ended)) < RANKS * len(jobs) and time.time() < deadline:
+        for procs, done in zip(jobs, ended):
+            for r, p in enumerate(procs):
+                if r not in done and not p.is_alive():
+                    done[r] = time.time()
         time.sleep(0.05)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
-    return [p.exitcode for p in procs], ended
+    for procs in jobs:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    return [([p.exitcode for p in procs], done) for procs, done in zip(jobs, ended)]
+
+
+def _launch(tmp, name, kill=None, resume_from=None, timeout=240, branch=None):
+    """Start RANKS processes; wait for all to exit. Returns (exit codes, exit times)."""
+    return _wait(_start(tmp, name, kill, resume_from, branch), timeout=timeout)[0]
 
 
 def _read(tmp, name, rank, suffix=""):
@@ -138,11 +160,14 @@ def _failures(tmp, name, codes):
 
 def test_kill_9_ends_every_rank_with_a_timeout_error_and_restart_reproduces_the_run(tmp_path):
     tmp = str(tmp_path)
-    codes, _ = _launch(tmp, "whole")
+    # the uninterrupted run and the one that loses a rank are independent jobs: side by side
+    whole_port, killed_port = _free_ports(2)
+    (codes, _), (killed_codes, ended) = _wait(_start(tmp, "whole", port=whole_port),
+                                              _start(tmp, "killed", kill=KILL, port=killed_port))
     assert codes == [0] * RANKS, _failures(tmp, "whole", codes)
     whole = [json.loads(_read(tmp, "whole", r)) for r in range(RANKS)]
 
-    codes, ended = _launch(tmp, "killed", kill=KILL)
+    codes = killed_codes
     victim = KILL[1]
     assert codes[victim] == -signal.SIGKILL
     killed_at = float(_read(tmp, "killed", victim, ".killed"))

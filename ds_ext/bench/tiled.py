@@ -1,6 +1,6 @@
 """``ds-ext bench tiled``: the tiled optimizer step (001 §7.2) against DeepSpeed's own.
 
-4 CPU ranks (spawned gloo world, ``DS_ACCELERATOR=cpu``, one thread each) train a
+4 CPU ranks (local gloo world, ``DS_ACCELERATOR=cpu``, one thread each) train a
 DeepSpeed-MoE model -- Linear -> ``deepspeed.moe.layer.MoE`` (E experts of
 hidden -> ffn -> hidden, ep_size 4, top-1) -> Linear -- with ZeRO stage 1 in bf16. With
 ep_size = world size every rank holds E/4 whole experts and their optimizer state

@@ -32,6 +32,7 @@ as ``native`` (the ledger's convention is the ring).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -77,11 +78,15 @@ def unit_spec(plan: ShardingPlan, params: list[tuple[int, int]], root: bool = Fa
     B = plan.block_size
     offsets, end = param_offsets([n for n, _ in params], B, plan.aligned)
     U = padded_numel(end, plan.topology.world_size, B)
-    raw = raw_block_mask(params, offsets, U, B) if plan.raw_1d_gradients else [False] * (U // B)
     n_g = shard_count(plan.topology, plan.gradients)
-    per = len(raw) // n_g
+    per = U // B // n_g
+    if plan.raw_1d_gradients:  # raw blocks per gradient shard, by prefix sums (millions of blocks, 8k shards)
+        before = list(itertools.accumulate(raw_block_mask(params, offsets, U, B), initial=0))
+        raw_per_shard = tuple(before[(k + 1) * per] - before[k * per] for k in range(n_g))
+    else:
+        raw_per_shard = (0,) * n_g
     return UnitSpec(U, sum(n for n, _ in params), root, gathers, tuple((o, o + n) for (n, _), o in zip(params, offsets)),
-                    tuple(sum(raw[k * per : (k + 1) * per]) for k in range(n_g)))
+                    raw_per_shard)
 
 
 class _Tally:

@@ -67,14 +67,20 @@ class ShardContext:
         b, c = self.plan.block_size, self.compile_quantizer
         self.weight_quantizer = BlockQuantizer(8, b, c)  # also the int8 step boundary's
         self.grad_quantizer = BlockQuantizer(self.plan.gradient_bits, b, c) if self.plan.gradient_bits < 16 else None
+        self._groups: dict[tuple[int, ...], object] = {}  # by levels: collectives ask every time
 
     @property
     def topo(self):
         return self.plan.topology
 
     def group(self, levels: Sequence[int]):
-        """Process group of the ranks that differ only on ``levels``."""
-        return self.comm.registry.group(level_partition(self.topo, list(levels)))
+        """Process group of the ranks that differ only on ``levels`` (looked up once per
+        levels: building the partition costs more than many small collectives' bookkeeping)."""
+        key = tuple(levels)
+        pg = self._groups.get(key)
+        if pg is None:
+            pg = self._groups[key] = self.comm.registry.group(level_partition(self.topo, list(key)))
+        return pg
 
     def span(self, level: int):
         return self.group(range(level + 1))
