@@ -2,6 +2,7 @@
 the run of ``tests/test_zero_topo_convergence.py`` (8 gloo ranks, bf16, 200 steps) repeated per
 seed and quantization-group layout, one JSON line per run.
 
+    python examples/convergence_seeds.py --seeds 1234,1,2 --variants unq zero3 zero_topo zeropp zero_topo_int8
     python examples/convergence_seeds.py --seeds 1234,1,2 --variants unq zero_topo:packed zero_topo:per_parameter
 """
 
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="1234", help="comma-separated model seeds")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--variants", nargs="+", default=["unq", "zero_topo:packed", "zero_topo:per_parameter"],
-                        help="'unq' or PRESET[:packed|per_parameter]; the first is the reference")
+                        help="'unq' or PRESET[:per_parameter|packed] (default per_parameter); the first is the reference")
     args = parser.parse_args()
     world = World(8)
     try:

@@ -158,8 +158,7 @@ def zero_topo_run(tmp, topology=TOPOLOGY):
     resumed.load_checkpoint(tmp, tag="gpu")
     ours += _train(resumed, 2, start=STEPS)
     initial = {n: p.detach().float().cpu() for n, p in _gpt().named_parameters()}
-    zero_topo = {"enabled": True, "quantization_groups": "per_parameter"}
-    default = _ds_ext(_gpt(), _base("bf16", ds_ext={"topology": topology, "zero_topo": zero_topo}))
+    default = _ds_ext(_gpt(), _base("bf16", ds_ext={"topology": topology, "zero_topo": {"enabled": True}}))
     trained = _train(default, 10)
     after = {n: p.detach().float().cpu() for n, p in default.module.state_dict().items() if n in initial}
     unmoved = sorted(n for n in initial if n not in after or torch.equal(after[n], initial[n]))

@@ -194,9 +194,10 @@ def test_ledger_equals_analytic_model(world, preset, accum, quantized):
 
 
 @pytest.mark.parametrize("preset", ["zero_topo", "zeropp"])
-def test_ledger_equals_analytic_model_with_per_parameter_groups(world, preset):
-    """Block-aligned parameters and raw 1-D gradient blocks (1 and 2 hops): each rank's bytes."""
-    _ledger_equals_model(world.run(_measured_vs_analytic, preset, 1, {"quantization_groups": "per_parameter"}))
+def test_ledger_equals_analytic_model_with_packed_groups(world, preset):
+    """The opt-in packed layout (blocks over a unit's packed parameters, 1 and 2 hops): each rank's
+    bytes (the default, per-parameter groups, is test_ledger_equals_analytic_model's)."""
+    _ledger_equals_model(world.run(_measured_vs_analytic, preset, 1, {"quantization_groups": "packed"}))
 
 
 def _ledger_equals_model(results):

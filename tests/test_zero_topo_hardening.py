@@ -516,7 +516,6 @@ def test_gradient_clipping_default_is_deepspeeds():
 
 # ---- issue 18, defect 2: quantization never leaves a parameter untrained ----------------------
 QUANTIZED_PRESETS = ["zero_topo", "zero_topo_paper", "zeropp", "zero_topo_int8"]
-PER_PARAMETER = {"quantization_groups": "per_parameter"}  # not the default yet (README, issue 18 note)
 # The demo GPT's units reach COMPILE_MIN_NUMEL, where the default quantizer would compile its
 # kernels (~5 s of CPU per rank, a fresh world's first use): the eager kernels give the same
 # bits (tests/test_quant.py); the default's wiring is checked in tests/test_zero_topo.py.
@@ -538,7 +537,7 @@ def _moved_parameters(preset, steps=1):
     model = _demo_gpt()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
-                                   config=_cfg({"preset": preset, **PER_PARAMETER, **EAGER}, accum=1, clip=1.0))
+                                   config=_cfg({"preset": preset, **EAGER}, accum=1, clip=1.0))
     for step in range(steps):
         engine.backward(engine(_tokens(step, 0, 1)))
         engine.step()
@@ -567,7 +566,7 @@ def _gradient_errors(preset):
     from ds_ext.zero_topo.layout import to_shard_order
     from ds_ext.zero_topo.units import FlatUnit
 
-    engine = _engine(_cfg({"preset": preset, **PER_PARAMETER, **EAGER}, accum=1), model=_demo_gpt())
+    engine = _engine(_cfg({"preset": preset, **EAGER}, accum=1), model=_demo_gpt())
     plugin = engine.ds_ext.plugins[0]
     ctx, g = plugin.sharded.ctx, plugin.plan.gradients
     group = ctx.span(g)  # the backward reduces over the gradient group (the step reduces the rest)

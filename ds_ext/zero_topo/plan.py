@@ -116,12 +116,12 @@ class ZeroTopoConfig(PluginConfig):
         "waiting for ds_ext.comm.timeout_s; equal units keep waiting. On gloo (timed waits); "
         "0 = off. On NCCL torch's TORCH_NCCL_DESYNC_DEBUG=1 reports such mismatches.",
     )
-    quantization_groups: Literal["packed", "per_parameter"] = Field(
-        "packed",
-        description="'packed': quantization blocks run over a unit's packed parameters (a block may hold two "
-        "parameters, so a LayerNorm sharing a block with a bias of ~100x larger gradients can round to zero); "
-        "'per_parameter': every parameter starts on a block boundary and 1-D parameters' gradients travel in the "
-        "training dtype, as DeepSpeed's qgZ (not yet the default: see the README).",
+    quantization_groups: Literal["per_parameter", "packed"] = Field(
+        "per_parameter",
+        description="'per_parameter': every parameter starts on a block boundary of its unit and 1-D parameters' "
+        "gradients travel in the training dtype, as DeepSpeed's qgZ; 'packed': quantization blocks run over a "
+        "unit's packed parameters (fewer bytes, but a block may hold two parameters, so a LayerNorm sharing a "
+        "block with a bias of ~100x larger gradients can round to zero and not train).",
     )
 
 

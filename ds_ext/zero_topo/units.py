@@ -2,8 +2,8 @@
 
 A unit is a set of parameters (a transformer block, or the remaining "root"
 parameters) flattened into one buffer of U elements (padded so every shard at every
-level is whole quantization blocks). With ``quantization_groups: per_parameter`` and a
-quantizing plan, every parameter starts on a block boundary, so a quantization block never
+level is whole quantization blocks). With ``quantization_groups: per_parameter`` (the
+default) and a quantizing plan, every parameter starts on a block boundary, so a quantization block never
 mixes two parameters (a LayerNorm's small gradients never share a scale with a bias's large
 ones), and the blocks of 1-D parameters (biases, norms) travel in the training dtype in the
 quantized gradient reduction, as DeepSpeed's qgZ leaves 1-D tensors unquantized. Per rank it
