@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_ext.groups import TEDLayout
 from ds_ext.integration import ds_moe
 from ds_ext.moe.cac import Tape
 from ds_ext.moe.context import TEDContext
@@ -53,6 +52,7 @@ from ds_ext.moe.dispatcher import TokenDispatcher, token_dispatcher
 from ds_ext.moe.experts import Experts, run_mlp
 from ds_ext.moe.gate import TopKGate, all_reduce_max
 from ds_ext.moe.tensor_parallel import check_tensor_parallel_mlp, shard_column_, shard_row_
+from ds_ext.parallel import TEDLayout
 
 # Gate noise seeds: distinct per layer and per batch shard, equal on a tensor group.
 _LAYER_STRIDE, _SHARD_STRIDE = 1_000_003, 7_919

@@ -30,8 +30,8 @@ from ds_ext.comm.mappings import copy_to_region, reduce_from_region
 from ds_ext.moe.cac import Tape
 
 if TYPE_CHECKING:
-    from ds_ext.groups import TEDLayout
     from ds_ext.moe.context import TEDContext
+    from ds_ext.parallel import TEDLayout
 
 # Parameter-free elementwise activations: applying them to a column shard is exact.
 ELEMENTWISE_ACTIVATIONS = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU,

@@ -25,10 +25,11 @@ import torch
 
 from ds_ext.errors import DsExtConfigError
 from ds_ext.mpu import MegatronMPU, ParallelGroup
+from ds_ext.parallel import Grid, GridError, member_group
 from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.pmm.config import KEY, Pmm3dConfig
 from ds_ext.pmm.engine import PMMEngine
-from ds_ext.pmm.grid import Grid, GridError, build_axes
+from ds_ext.pmm.grid import build_axes
 from ds_ext.pmm.parallelize import ConversionError, parallelize
 from ds_ext.pmm.plans import plan_for
 
@@ -113,11 +114,11 @@ class Pmm3dPlugin(Plugin):
         if self._mpu is None:
             me = self.runtime.rank
 
-            def side(axis: str, kinds: list[str]) -> ParallelGroup:
+            def side(axis: str) -> ParallelGroup:
                 a = self.axes[axis]
-                return ParallelGroup(a.group, a.size, a.rank, next(g for g in self.grid.axes().groups(kinds) if me in g))
+                return ParallelGroup(a.group, a.size, a.rank, member_group(self.grid.partition(axis), me))
 
-            self._mpu = MegatronMPU(side("tensor", ["x", "y", "z"]), side("data", ["data"]))
+            self._mpu = MegatronMPU(side("tensor"), side("data"))
         return self._mpu
 
     def attach(self, engine: Any) -> None:
