@@ -45,7 +45,7 @@ def test_group_rank_and_size_follow_from_the_dims(layout):
     for name, axes in layout.GROUPS.items():
         for rank in range(dims.world_size):
             members = member_group(layout.partition(name), rank)
-            assert dims.group_rank(axes, rank) == members.index(rank)
+            assert dims.group_rank(axes, rank) == dims.group_rank(axes[::-1], rank) == members.index(rank)
             assert dims.size(*axes) == len(members)
 
 
