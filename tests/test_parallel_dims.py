@@ -2,7 +2,8 @@
 
 TED's layout and 3D-PMM's grid are views of a :class:`ParallelDims` (their named groups are sets
 of its axes); :func:`ds_ext.groups.build_process_groups` creates the named groups of any view in
-one order and hands back one bundle whose sizes, ranks and members follow from the dims alone;
+one order and hands back one bundle whose sizes, ranks and members follow from the dims alone
+(and from which both plugins' mpu is built);
 ``spans`` says which topology level each axis crosses; the dims, the planner and the CLI's pure
 commands import no torch.
 """
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from ds_ext.groups import ProcessGroups, build_process_groups
+from ds_ext.mpu import MegatronMPU
 from ds_ext.parallel import Grid, GroupError, Layout, ParallelDims, TEDLayout, member_group
 from ds_ext.topology import Topology
 
@@ -79,6 +81,11 @@ def test_builder_creates_named_groups_in_order_and_hands_one_bundle():
     # rank 5 = x 1, y 0, z 0, data 1 (X innermost)
     assert [(bundle.size(n), bundle.rank(n)) for n in bundle] == [(2, 1), (1, 0), (2, 0), (2, 1), (4, 1)]
     assert bundle.ranks("tensor") == (4, 5, 6, 7) and bundle.ranks("data") == (1, 5)
+    mpu = MegatronMPU.over(bundle)  # what the plugin hands DeepSpeed
+    assert (mpu.get_model_parallel_group(), mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank(),
+            mpu.get_tensor_model_parallel_src_rank()) == ("pg3", 4, 1, 4)
+    assert (mpu.get_data_parallel_group(), mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank(),
+            mpu.get_data_parallel_group_ranks()) == ("pg2", 2, 1, [1, 5])
 
     registry, ted = FakeRegistry(8), TEDLayout.build(8, 2, 2)
     bundle = build_process_groups(registry, ted, rank=3)

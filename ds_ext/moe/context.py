@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ds_ext.comm import Communicator
 from ds_ext.groups import ProcessGroups, build_process_groups
-from ds_ext.mpu import MegatronMPU, ParallelGroup
+from ds_ext.mpu import MegatronMPU
 from ds_ext.parallel import TEDLayout
 
 
@@ -67,6 +67,4 @@ class TEDContext:
         """The mpu TED hands DeepSpeed: model parallel = the tensor group (G_tensor), data parallel =
         the non-expert data group (G_data^nonexp), which DeepSpeed uses for non-expert gradient
         reduction, ZeRO partitioning and the parameter broadcast."""
-        return MegatronMPU(
-            ParallelGroup(self.groups["tensor"], self.layout.tensor, self.tensor_rank, self.ranks("tensor")),
-            ParallelGroup(self.groups["data"], self.layout.nonexp_data, self.data_rank, self.ranks("data")))
+        return MegatronMPU.over(self.groups)

@@ -2,7 +2,7 @@
 
 The grid itself is :class:`ds_ext.parallel.Grid` (a view of the job's parallel dimensions);
 :func:`build_axes` creates its process groups (:func:`ds_ext.groups.build_process_groups`) and
-turns the bundle into the axes the layers use: a process group with its size and this rank's
+turns the bundle into the axes the layers use (:func:`grid_axes`): a process group with its size and this rank's
 coordinate.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_ext.groups import GroupRegistry, build_process_groups
+from ds_ext.groups import GroupRegistry, ProcessGroups, build_process_groups
 from ds_ext.parallel import Grid
 
 
@@ -24,8 +24,12 @@ class Axis:
     rank: int
 
 
-def build_axes(grid: Grid, registry: GroupRegistry, rank: int) -> dict[str, Axis]:
-    """Create the grid's process groups (collective); this rank's axes x, y, z, data and tensor."""
-    grid.check_world(registry.topology.world_size)
-    groups = build_process_groups(registry, grid, rank)
+def grid_axes(groups: ProcessGroups) -> dict[str, Axis]:
+    """This rank's axes x, y, z, data and tensor from the grid's group bundle."""
     return {n: Axis(n, groups[n], groups.size(n), groups.rank(n)) for n in groups}
+
+
+def build_axes(grid: Grid, registry: GroupRegistry, rank: int) -> dict[str, Axis]:
+    """Create the grid's process groups (collective); this rank's axes."""
+    grid.check_world(registry.topology.world_size)
+    return grid_axes(build_process_groups(registry, grid, rank))
