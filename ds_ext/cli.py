@@ -40,7 +40,8 @@ NETNS_MESSAGE_MB = 2.0  # 0.4 s per message on a 40 Mbit/s link
 
 
 def _rank_lines(topo: Topology, rank: int) -> list[str]:
-    from ds_ext.groups import member_group, topology_partition
+    from ds_ext.groups import topology_partition
+    from ds_ext.parallel import member_group
 
     coords = ", ".join(f"{n}={c}" for n, c in zip(topo.level_names, topo.coords(rank)))
     lines = [f"rank {rank}: {coords}"]
@@ -94,12 +95,11 @@ def _rank(text: str) -> int:
 
 
 def _grid_lines(topo: Topology, dims: tuple[int, int, int, int]) -> str:
-    from ds_ext.groups import axis_levels
-    from ds_ext.pmm.grid import Grid
+    from ds_ext.parallel import Grid
 
     grid = Grid(*dims)
     grid.check_world(topo.world_size)
-    spans = axis_levels(grid.axes(), topo)
+    spans = grid.parallel_dims.spans(topo)
     axes = ", ".join(f"{a}={getattr(grid, a)} spans {spans[a] or '-'}" for a in ("x", "y", "z", "data"))
     return f"pmm3d grid {grid}: {axes}"
 
@@ -246,7 +246,7 @@ def cmd_run(argv: list[str]) -> int:
 
 def _ted_lines(topo: Topology, spec: str, rank: int) -> list[str]:
     """The TED groups (001 §7.1) of ``rank`` for ``--ted T,P[,D]`` and the level each spans."""
-    from ds_ext.groups import TEDLayout, member_group
+    from ds_ext.parallel import TEDLayout, member_group
 
     degrees = spec.split(",")
     if not 2 <= len(degrees) <= 3 or not all(d.isdigit() for d in degrees):

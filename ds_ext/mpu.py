@@ -11,6 +11,10 @@ plugin names its two groups: 3D-PMM the tensor grid X x Y x Z and the ``data`` a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ds_ext.groups import ProcessGroups
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,14 @@ class MegatronMPU:
 
     def __init__(self, tensor: ParallelGroup, data: ParallelGroup) -> None:
         self._tensor, self._data = tensor, data
+
+    @classmethod
+    def over(cls, groups: "ProcessGroups", tensor: str = "tensor", data: str = "data") -> "MegatronMPU":
+        """The mpu over two named groups of a plugin's bundle (:func:`ds_ext.groups.build_process_groups`)."""
+        def side(name: str) -> ParallelGroup:
+            return ParallelGroup(groups[name], groups.size(name), groups.rank(name), groups.ranks(name))
+
+        return cls(side(tensor), side(data))
 
     def get_model_parallel_group(self):
         return self._tensor.group

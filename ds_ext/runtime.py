@@ -87,7 +87,8 @@ class Runtime:
     def banner(self) -> str:
         """What ds_ext set up, for rank 0's start-up log: topology, plugins with their plan, the
         communicator, and this rank's group on each topology level (``ds-ext detect``'s spans)."""
-        from ds_ext.groups import member_group, topology_partition
+        from ds_ext.groups import topology_partition
+        from ds_ext.parallel import member_group
 
         cfg = self.config.comm
         plugins = [f"  {p.name}: {p.describe()}" for p in self.plugins] or ["  none enabled"]

@@ -78,7 +78,7 @@ def context(T, P, **kw):
     import torch.distributed as dist
 
     from ds_ext import config as cfgmod
-    from ds_ext.groups import TEDLayout
+    from ds_ext.parallel import TEDLayout
     from ds_ext.moe import TEDContext
     from ds_ext.runtime import Runtime
 

@@ -7,16 +7,15 @@ import math
 
 import pytest
 
+from ds_ext.parallel import Grid, TEDLayout
 from ds_ext.perf import pmm as perf_pmm
 from ds_ext.perf import zero as perf_zero
 from ds_ext.perf.compute import ActivationSplit, activation_bytes, step_flops
-from ds_ext.groups import TEDLayout
 from ds_ext.perf.ted import eq_7_5, moe_block_traffic
 from ds_ext.planner import compute_rate, models, pmm_grids, ted_layouts, zero_plans
 from ds_ext.planner.estimate import Candidate, Traffic, batch_options, comm_seconds, divisors, evaluate
 from ds_ext.planner.machine import MACHINES, GiB
 from ds_ext.planner.plan import make_job, plan
-from ds_ext.pmm.grid import Grid
 from ds_ext.topology import Topology
 from ds_ext.zero_topo.layout import padded_numel
 from ds_ext.zero_topo.plan import PRESETS, ZeroTopoConfig, resolve_plan
@@ -142,11 +141,15 @@ def _factorizations_of(topology):
 
 @pytest.mark.parametrize("topology", [EMULATED, Topology.from_preset("frontier", 16), Topology.from_preset("frontier", 48),
                                       Topology.from_preset("frontier", 96, {"gpu": 3})], ids=lambda t: str(t.world_size))
-def test_fast_axis_levels_equal_groups_axis_levels(topology):
-    from ds_ext.groups import axis_levels
-
+def test_fast_axis_spans_equal_the_groups_levels(topology):
+    """ParallelDims.spans (O(levels) per axis) == the outermost level of any of the axis's groups."""
     for grid in _factorizations_of(topology):
-        assert pmm_grids.axis_levels(grid, topology) == axis_levels(grid.axes(), topology), grid
+        dims = grid.parallel_dims
+        by_groups = {}
+        for axis in dims.names:
+            levels = {topology.level_of(g) for g in dims.groups([axis])} - {None}
+            by_groups[axis] = max(levels, key=topology.index) if levels else None
+        assert dims.spans(topology) == by_groups, grid
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])

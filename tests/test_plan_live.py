@@ -86,7 +86,7 @@ def test_pmm3d_ledger_equals_the_planner(world):
     from ds_ext.perf.pmm import memory
     from ds_ext.planner import pmm_grids
     from ds_ext.planner.models import Arch
-    from ds_ext.pmm.grid import Grid
+    from ds_ext.parallel import Grid
     from ds_ext.topology import Topology
 
     topo = Topology.from_preset("frontier", 8, {"gpu": 2})
@@ -111,7 +111,7 @@ def _ted_run(T, P, checkpoint):
 
     import ds_ext
     import ted_support as ts
-    from ds_ext.groups import TEDLayout
+    from ds_ext.parallel import TEDLayout
 
     cfg = dataclasses.replace(ts.config(), checkpoint=checkpoint)
     layout = TEDLayout.build(dist.get_world_size(), T, P)
@@ -142,7 +142,7 @@ def test_ted_ledger_and_memory_equal_the_planner(world):
     per level equal ``planner.ted_layouts.traffic`` to within DeepSpeed's gradient-norm and
     overflow scalars (a few bytes, not modelled), the weight, gradient and optimizer bytes per
     rank equal its Eq 7.4 states exactly."""
-    from ds_ext.groups import TEDLayout
+    from ds_ext.parallel import TEDLayout
     from ds_ext.planner import ted_layouts
     from ds_ext.planner.models import Arch
     from ds_ext.topology import Topology

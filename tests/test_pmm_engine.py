@@ -194,7 +194,6 @@ def test_hf_checkpoint_consolidates_and_loads_shard_by_shard(world, tmp_path):
 
 
 def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None):
-    from ds_ext.groups import axis_levels
     from ds_ext.perf.pmm import items, ledger_bytes
     from ds_ext.pmm.plans import plan_for
     from ds_ext.pmm.spec import model_spec
@@ -213,7 +212,7 @@ def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None):
     spec, pmm_grid, topology = model_spec(serial, plan_for(serial)), engine.ds_ext.plugins[-1].grid, engine.ds_ext.topology
     model = ledger_bytes(spec, pmm_grid, topology, micro, SEQ, 2 if bf16 else 4, accum)
     # all-reduces in backward at Z's level (the gradients of Z-replicated parameters): ledger and model
-    z_level = axis_levels(pmm_grid.axes(), topology)["z"]
+    z_level = pmm_grid.parallel_dims.spans(topology)["z"]
     calls = engine.ds_ext.ledger.steps[-1].calls.get(("backward", "all_reduce", z_level), 0)
     model_calls = sum(i.calls for i in items(spec, pmm_grid, micro, SEQ, 2 if bf16 else 4, accum)
                       if (i.phase, i.op, i.axis) == ("backward", "all_reduce", "z"))

@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from ds_ext.groups import axis_levels, pmm_axes
 from ds_ext.models import GPT, GPTConfig
 from ds_ext.perf import pmm as perf
 from ds_ext.pmm import ConversionError, Grid, GridError, PMMEngine, parallelize
@@ -21,17 +20,17 @@ from ds_ext.topology import GB, US, Level, Topology
 
 # ---- grid -----------------------------------------------------------------------------
 def test_grid_layout_x_innermost_as_in_001_5_1_2():
-    axes = pmm_axes(2, 2, 2, 1, 8)
+    axes = Grid(2, 2, 2, 1).parallel_dims
     assert axes.groups(["x"]) == ((0, 1), (2, 3), (4, 5), (6, 7))
     assert axes.groups(["y"]) == ((0, 2), (1, 3), (4, 6), (5, 7))
     assert axes.groups(["z"]) == ((0, 4), (1, 5), (2, 6), (3, 7))
-    assert pmm_axes(1, 1, 1, 8, 8).groups(["data"]) == (tuple(range(8)),)
+    assert Grid(1, 1, 1, 8).partition("data") == (tuple(range(8)),)
 
 
 def test_axis_levels_on_frontier_fastest_links_carry_x():
     topo = Topology.from_preset("frontier", 16)  # 2 GCD x 4 GPU x 2 nodes
-    assert axis_levels(pmm_axes(2, 4, 1, 2, 16), topo) == {"x": "gcd", "y": "gpu", "z": None, "data": "node"}
-    assert axis_levels(pmm_axes(1, 1, 16, 1, 16), topo) == {"x": None, "y": None, "z": "node", "data": None}
+    assert Grid(2, 4, 1, 2).parallel_dims.spans(topo) == {"x": "gcd", "y": "gpu", "z": None, "data": "node"}
+    assert Grid(1, 1, 16, 1).parallel_dims.spans(topo) == {"x": None, "y": None, "z": "node", "data": None}
 
 
 def test_grid_product_must_equal_world_one_line():
@@ -134,7 +133,7 @@ def test_eq_5_7_fig_5_3_examples():
     # left: one ring over 8 GPUs on 2 nodes gets all of beta_inter
     assert perf.axis_bandwidths(Grid(1, 1, 1, 8), TWO_NODES_OF_4) == {"data": beta_inter}
     # right: rings (0,4,6,2) and (1,5,7,3) (Z of 4 behind X of 2) share it: beta_inter / 2
-    assert Grid(2, 1, 4, 1).axes().groups(["z"]) == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert Grid(2, 1, 4, 1).partition("z") == ((0, 2, 4, 6), (1, 3, 5, 7))
     assert perf.axis_bandwidths(Grid(2, 1, 4, 1), TWO_NODES_OF_4)["z"] == beta_inter / 2
     # the sharing is capped by G_node; inside a node Case 1 (the level's bandwidth or a database)
     assert perf.axis_bandwidths(Grid(4, 1, 1, 2), TWO_NODES_OF_4) == {"x": 100 * GB, "data": beta_inter / 4}

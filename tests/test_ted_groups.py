@@ -5,7 +5,7 @@ import math
 import pytest
 
 from ds_ext.config import DsExtConfigError
-from ds_ext.groups import GroupError, TEDLayout, member_group
+from ds_ext.parallel import GroupError, TEDLayout, member_group
 from ds_ext.topology import Topology
 
 

@@ -27,7 +27,7 @@ def _parity(T, P):
 
     import ds_ext
     import ted_support as ts
-    from ds_ext.groups import TEDLayout
+    from ds_ext.parallel import TEDLayout
 
     rank = dist.get_rank()
     layout = TEDLayout.build(dist.get_world_size(), T, P)

@@ -27,7 +27,7 @@ def _engine(cfg, serial_state, T, P, stage, plugins=None, **ds_extra):
 
     import ds_ext
     import ted_support as ts
-    from ds_ext.groups import TEDLayout
+    from ds_ext.parallel import TEDLayout
 
     layout = TEDLayout.build(dist.get_world_size(), T, P)
     model = ts.ted_model(cfg, serial_state, layout, dist.get_rank())
@@ -160,7 +160,7 @@ def _vs_deepspeed(k, steps=20):
 
     import ds_ext
     import ted_support as ts
-    from ds_ext.groups import TEDLayout
+    from ds_ext.parallel import TEDLayout
     from ds_ext.moe.reference import local_expert_state
 
     # top-1 dropless; top-2 with capacity factor 1: tokens are dropped (DeepSpeed's top-2 drops
@@ -293,7 +293,7 @@ def _bad(case):
 def _layout(T, P):
     import torch.distributed as dist
 
-    from ds_ext.groups import TEDLayout
+    from ds_ext.parallel import TEDLayout
 
     return TEDLayout.build(dist.get_world_size(), T, P), dist.get_rank()
 

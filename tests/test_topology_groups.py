@@ -3,7 +3,8 @@
 import pytest
 
 from ds_ext.config import TopologyConfig
-from ds_ext.groups import GroupError, ParallelAxes, member_group, topology_partition
+from ds_ext.groups import topology_partition
+from ds_ext.parallel import GroupError, ParallelDims, member_group
 from ds_ext.runtime import resolve_topology
 from ds_ext.topology import GB, Topology, TopologyError, check_fits_job, detect_environment
 
@@ -82,7 +83,7 @@ def test_world_size_that_does_not_fit():
 
 
 def test_parallel_axes_products_innermost_first():
-    ax = ParallelAxes.build([("tensor", 2), ("expert", 2), ("data", None)], 16)
+    ax = ParallelDims.build([("tensor", 2), ("expert", 2), ("data", None)], 16)
     assert ax.axes == (("tensor", 2), ("expert", 2), ("data", 4))
     assert ax.coords(13) == {"tensor": 1, "expert": 0, "data": 3}
     assert ax.groups(["tensor"])[0] == (0, 1)
@@ -92,9 +93,9 @@ def test_parallel_axes_products_innermost_first():
     assert te == ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15))
     assert ax.groups(["expert", "data"])[0] == (0, 2, 4, 6, 8, 10, 12, 14)
     with pytest.raises(GroupError, match="not divisible"):
-        ParallelAxes.build([("tensor", 3), ("data", None)], 16)
+        ParallelDims.build([("tensor", 3), ("data", None)], 16)
     with pytest.raises(GroupError, match="!= world size"):
-        ParallelAxes.build([("tensor", 2), ("data", 2)], 8)
+        ParallelDims.build([("tensor", 2), ("data", 2)], 8)
     with pytest.raises(GroupError, match="unknown parallel axis 'pipe'"):
         ax.groups(["pipe"])
 

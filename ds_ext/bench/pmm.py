@@ -428,8 +428,8 @@ def _predict_on_network(records: list[dict[str, Any]], network: dict[str, Any], 
     """Add Eqs 5.1-5.7 + α fed the measured network (:func:`ds_ext.cluster.measure.measured_topology`)
     to every pmm3d record."""
     from ds_ext.cluster.measure import measured_topology
+    from ds_ext.parallel import Grid
     from ds_ext.perf import pmm as perf
-    from ds_ext.pmm.grid import Grid
 
     topo = measured_topology(network, LEVELS)
     bw = perf.Bandwidths.from_topology(topo)

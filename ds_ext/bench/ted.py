@@ -135,9 +135,9 @@ def _build(variant: str, cfg, micro: int, time_scale: float | None):
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     import ds_ext
-    from ds_ext.groups import TEDLayout
     from ds_ext.models.gpt_moe import GPTMoE
     from ds_ext.moe.reference import local_expert_state
+    from ds_ext.parallel import TEDLayout
 
     impl, T = VARIANTS[variant][:2]
     torch.manual_seed(1234)

@@ -2,19 +2,20 @@
 
 Built once by the ``ted`` plugin (or by hand, from a :class:`~ds_ext.comm.Communicator`)
 and handed to every TED layer in ``ted_bind``; layers never look groups up globally
-(DESIGN.md §4). Groups follow ``ds_ext.groups.TEDLayout`` (001 §7.1, Eq 7.1 / 7.7).
+(DESIGN.md §4). Groups are the bundle :func:`ds_ext.groups.build_process_groups` makes of a
+:class:`ds_ext.parallel.TEDLayout` (001 §7.1, Eq 7.1 / 7.7).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch.distributed as dist
 
 from ds_ext.comm import Communicator
-from ds_ext.groups import TEDLayout, ted_process_groups
-from ds_ext.mpu import MegatronMPU, ParallelGroup
+from ds_ext.groups import ProcessGroups, build_process_groups
+from ds_ext.mpu import MegatronMPU
+from ds_ext.parallel import TEDLayout
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class TEDContext:
 
     layout: TEDLayout
     comm: Communicator
-    groups: Mapping[str, object]
+    groups: ProcessGroups
     rank: int
     dtd: bool = True
     cac: bool = True
@@ -42,36 +43,28 @@ class TEDContext:
     def create(cls, layout: TEDLayout, comm: Communicator, dtd: bool = True, cac: bool = True,
                seed: int = 0, cac_lean: bool = False) -> "TEDContext":
         """Create the TED process groups (collective over the world) and the context."""
-        groups = dict(ted_process_groups(comm.registry, layout))
-        groups["expert_replicas"] = (comm.registry.group(layout.partition("expert_replicas")) if layout.tensor > 1
-                                     else groups["expert_data"])
-        return cls(layout, comm, groups, dist.get_rank(), dtd, cac, seed, cac_lean)
-
-    @property
-    def coords(self) -> dict[str, int]:
-        return self.layout.coords(self.rank)
+        layout.check_placement(comm.registry.topology)
+        rank = dist.get_rank()
+        return cls(layout, comm, build_process_groups(comm.registry, layout, rank), rank, dtd, cac, seed, cac_lean)
 
     @property
     def tensor_rank(self) -> int:
-        return self.coords["tensor"]
+        return self.groups.rank("tensor")
 
     @property
     def expert_rank(self) -> int:
-        return self.coords["expert"]
+        return self.groups.rank("expert")
 
     @property
     def data_rank(self) -> int:
         """This rank's index in its non-expert data-parallel group (its batch shard)."""
-        c = self.coords
-        return c["expert"] + self.layout.expert * c["expert_data"]
+        return self.groups.rank("data")
 
     def ranks(self, kind: str) -> tuple[int, ...]:
-        return self.comm.registry.ranks(self.groups[kind])
+        return self.groups.ranks(kind)
 
     def mpu(self) -> MegatronMPU:
         """The mpu TED hands DeepSpeed: model parallel = the tensor group (G_tensor), data parallel =
         the non-expert data group (G_data^nonexp), which DeepSpeed uses for non-expert gradient
         reduction, ZeRO partitioning and the parameter broadcast."""
-        return MegatronMPU(
-            ParallelGroup(self.groups["tensor"], self.layout.tensor, self.tensor_rank, self.ranks("tensor")),
-            ParallelGroup(self.groups["data"], self.layout.nonexp_data, self.data_rank, self.ranks("data")))
+        return MegatronMPU.over(self.groups)

@@ -5,15 +5,18 @@ keys (``deepspeed_moe.gate.wg.weight``, ``deepspeed_moe.experts.deepspeed_expert
 and a subclass of DeepSpeed's ``MoE``, so DeepSpeed's engine treats it as one (expert
 parameter groups, expert-data gradient reduction, MoE checkpoints).
 
-Forward of one rank (001 Fig 7.3; T = G_tensor, P = G_expert, E = k P experts, S tokens):
+Forward of one rank in three stages, as megatron-core's MoE layer (001 Fig 7.3; T = G_tensor,
+P = G_expert, E = k P experts, S tokens):
 
   x ``[S, H]`` replicated over the tensor group
-  ❸ gate -> routing (identical on the tensor group) ; encode -> ``[E, C, H]``
-  ❹ all-to-all over the expert group (DTD: drop / all-to-all / all-gather) -> ``[P, k, C, H]``:
-     the slots of my k experts from each expert rank
-  ❺ column-parallel fc1, activation, row-parallel fc2 of each local expert (its T-th shard)
-  ❻ all-reduce over the tensor group -> expert outputs replicated over the tensor group
-  ❼ all-to-all back (DTD as in ❹) -> ``[E, C, H]`` ; decode -> ``[S, H]``
+  router (:class:`~ds_ext.moe.gate.TopKGate`) ❸ gate -> routing (identical on the tensor group)
+  dispatcher (:mod:`ds_ext.moe.dispatcher`) encode -> ``[E, C, H]`` ; ❹ all-to-all over the
+     expert group (DTD: drop / all-to-all / all-gather) -> ``[P, k, C, H]``: the slots of my k
+     experts from each expert rank
+  experts (:mod:`ds_ext.moe.experts`) ❺ column-parallel fc1, activation, row-parallel fc2 of each
+     local expert (its T-th shard) ; ❻ all-reduce over the tensor group -> expert outputs
+     replicated over the tensor group
+  dispatcher ❼ all-to-all back (DTD as in ❹) -> ``[E, C, H]`` ; decode -> ``[S, H]``
 
 With ``enable_expert_tensor_parallelism=False`` (DeepSpeed's and Megatron-DeepSpeed's default)
 and G_tensor > 1 the experts stay whole on every tensor rank, as DeepSpeed runs them: each
@@ -38,33 +41,21 @@ slices the experts for the tensor group. Unbound with ``ep_size > 1`` it refuses
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ds_ext.groups import TEDLayout
 from ds_ext.integration import ds_moe
-from ds_ext.moe.cac import Frame, Tape
-from ds_ext.moe.collectives import all_to_all, copy_to_tensor_region, reduce_from_tensor_region
+from ds_ext.moe.cac import Tape
 from ds_ext.moe.context import TEDContext
-from ds_ext.moe.dispatch import decode, encode, slots
-from ds_ext.moe.dtd import drop_duplicates, exchange, gather_duplicates
+from ds_ext.moe.dispatcher import TokenDispatcher, token_dispatcher
+from ds_ext.moe.experts import Experts, run_mlp
 from ds_ext.moe.gate import TopKGate, all_reduce_max
-from ds_ext.moe.tensor_parallel import check_tensor_parallel_mlp, mlp_partial, shard_column_, shard_row_
+from ds_ext.moe.tensor_parallel import check_tensor_parallel_mlp, shard_column_, shard_row_
+from ds_ext.parallel import TEDLayout
 
 # Gate noise seeds: distinct per layer and per batch shard, equal on a tensor group.
 _LAYER_STRIDE, _SHARD_STRIDE = 1_000_003, 7_919
-
-
-class Experts(nn.Module):
-    """This rank's experts, under DeepSpeed's attribute name and parameter marks."""
-
-    def __init__(self, expert: nn.Module, num_local_experts: int, group_name: str) -> None:
-        super().__init__()
-        self.deepspeed_experts = nn.ModuleList(copy.deepcopy(expert) for _ in range(num_local_experts))
-        ds_moe.mark_expert_params(self.deepspeed_experts.parameters(), group_name)
 
 
 class MoEBody(nn.Module):
@@ -119,6 +110,7 @@ class TEDMoE(ds_moe.MoEBase):
         self.ted: TEDContext | None = None
         self.ted_tape = Tape("TEDMoE")
         self.expert_partitioning = "whole"
+        self.dispatcher = TokenDispatcher(None, num_experts)
 
     @property
     def gate(self) -> TopKGate:
@@ -169,6 +161,8 @@ class TEDMoE(ds_moe.MoEBase):
             for mlp in self._mlps():
                 shard_column_(mlp[0], ted.tensor_rank, T)
                 shard_row_(mlp[2], ted.tensor_rank, T)
+            self.deepspeed_moe.experts.tensor_parallel = ted
+        self.dispatcher = token_dispatcher(ted, self.num_experts, self.sliced(T))
         gate = self.gate
         gate.seed = ted.seed + _LAYER_STRIDE * index + _SHARD_STRIDE * ted.data_rank
         gate.tensor_parallel = T
@@ -216,56 +210,16 @@ class TEDMoE(ds_moe.MoEBase):
                                "with \"ted\" enabled")
         x = hidden_states.reshape(-1, self.hidden_size)
         frame = self.ted_tape.frame(ted.cac if ted is not None else False)
-        routing = self.gate(x, used_token, frame)
-        E, C = self.num_experts, routing.decision.capacity
-        route_slots = slots(routing.decision, E)
-        dispatched = encode(x, route_slots, E, C)
-        whole = ted is not None and ted.layout.tensor > 1 and not self.sliced(ted.layout.tensor)
-        if whole:  # experts whole on every tensor rank: each runs its C / T slots
-            dispatched = all_to_all(drop_duplicates(dispatched, ted), ted.comm, ted.groups["expert"], frame)
-        elif ted is not None:
-            dispatched = exchange(dispatched, ted, frame)
-        y = self._experts(dispatched.view(self.ep_size, self.num_local_experts, dispatched.shape[1], -1), frame)
-        y = y.reshape(E, dispatched.shape[1], -1)
-        if whole:
-            y = gather_duplicates(all_to_all(y, ted.comm, ted.groups["expert"], frame, stash=not ted.cac_lean), ted,
-                                  frame)
-        elif ted is not None:
-            y = exchange(y, ted, frame)
-        out = decode(y, route_slots, routing.gates)
+        routing = self.gate(x, used_token, frame)  # router
+        tokens, route_slots = self.dispatcher.dispatch(x, routing, frame)
+        C = tokens.shape[1]
+        y = self.deepspeed_moe.experts(tokens.view(self.ep_size, self.num_local_experts, C, -1), frame)
+        out = self.dispatcher.combine(y.reshape(self.num_experts, C, -1), route_slots, routing, frame)
         if self.use_residual:
             coef = F.softmax(self.coefficient(x), dim=-1)
-            out = out * coef[..., 0:1] + self._mlp(self.mlp, x, frame) * coef[..., 1:]
+            residual = run_mlp(self.mlp, x, self.deepspeed_moe.experts.tensor_parallel, frame)
+            out = out * coef[..., 0:1] + residual * coef[..., 1:]
         return out.reshape(hidden_states.shape), routing.l_aux, routing.decision.exp_counts
-
-    def _mlp(self, mlp: nn.Module, x: torch.Tensor, frame: Frame) -> torch.Tensor:
-        """One expert (or the residual MLP) on replicated tokens; replicated output."""
-        ted = self.ted
-        if ted is None or self.expert_partitioning != "ted":
-            out = mlp(x)
-            return out[0] if isinstance(out, tuple) else out
-        group = ted.groups["tensor"]
-        partial = mlp_partial(mlp, copy_to_tensor_region(x, ted.comm, group))
-        return _add_bias(reduce_from_tensor_region(partial, ted.comm, group, frame), mlp[2].bias)
-
-    def _experts(self, x: torch.Tensor, frame: Frame) -> torch.Tensor:
-        """``[P, k, C, H]`` slots of the k local experts -> their outputs, same shape (❺, ❻).
-
-        With tensor parallelism the k experts share one f and one g (001 Fig 7.3 ❻ is one
-        all-reduce per layer).
-        """
-        ted = self.ted
-        experts = self.local_experts
-        if ted is None or self.expert_partitioning != "ted":
-            # [P, C, H] contiguous: Megatron's linear layers view their input as [s, b, h]
-            return torch.stack([self._mlp(e, x[:, i].contiguous(), frame) for i, e in enumerate(experts)], dim=1)
-        group = ted.groups["tensor"]
-        x = copy_to_tensor_region(x, ted.comm, group)
-        partial = torch.stack([mlp_partial(e, x[:, i]) for i, e in enumerate(experts)], dim=1)
-        y = reduce_from_tensor_region(partial, ted.comm, group, frame)
-        if experts[0][2].bias is None:
-            return y
-        return y + torch.stack([e[2].bias for e in experts])[None, :, None, :]
 
 
 def _mark_whole(mlps: list[nn.Module]) -> None:
@@ -276,8 +230,3 @@ def _mark_whole(mlps: list[nn.Module]) -> None:
         for p in mlp.parameters():
             if getattr(p, "tensor_model_parallel", False):
                 p.tensor_model_parallel = False
-
-
-def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return y if bias is None else y + bias
-

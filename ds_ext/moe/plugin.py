@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from ds_ext.errors import DsExtConfigError
-from ds_ext.groups import GroupError, TEDLayout
 from ds_ext.moe.config import TEDConfig
 from ds_ext.moe.context import TEDContext
 from ds_ext.mpu import MegatronMPU
+from ds_ext.parallel import GroupError, TEDLayout
 from ds_ext.plugin import Plugin, register_plugin
 
 KEY = "ds_ext.ted"

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_ext.comm.mappings import copy_to_region, reduce_from_region
 from ds_ext.moe.cac import Tape
-from ds_ext.moe.collectives import copy_to_tensor_region, reduce_from_tensor_region
 
 if TYPE_CHECKING:
-    from ds_ext.groups import TEDLayout
     from ds_ext.moe.context import TEDContext
+    from ds_ext.parallel import TEDLayout
 
 # Parameter-free elementwise activations: applying them to a column shard is exact.
 ELEMENTWISE_ACTIVATIONS = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU,
@@ -78,7 +78,7 @@ class ColumnParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ted is not None:
-            x = copy_to_tensor_region(x, self.ted.comm, self.ted.groups["tensor"])
+            x = copy_to_region(x, self.ted.comm, self.ted.groups["tensor"])
         return F.linear(x, self.weight, self.bias)
 
 
@@ -100,7 +100,7 @@ class RowParallelLinear(nn.Linear):
         if self.ted is None:
             return F.linear(x, self.weight, self.bias)
         frame = self.ted_tape.frame(self.ted.cac)
-        out = reduce_from_tensor_region(F.linear(x, self.weight), self.ted.comm, self.ted.groups["tensor"], frame)
+        out = reduce_from_region(F.linear(x, self.weight), self.ted.comm, self.ted.groups["tensor"], frame)
         return out if self.bias is None else out + self.bias
 
 

@@ -39,8 +39,7 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from ds_ext.groups import axis_levels
-from ds_ext.pmm.grid import Grid
+from ds_ext.parallel import Grid
 from ds_ext.pmm.layout import LinearLayout
 from ds_ext.topology import Topology
 
@@ -239,8 +238,8 @@ def _ledger(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, s
     from ds_ext.comm.emulation import message_steps
     from ds_ext.perf import collectives
 
-    levels = axis_levels(grid.axes(), topology)
-    groups = {a: grid.axes().groups([a])[0] for a in AXES}  # rank 0's group; the others are congruent
+    levels = grid.parallel_dims.spans(topology)
+    groups = {a: grid.partition(a)[0] for a in AXES}  # rank 0's group; the others are congruent
     nbytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     messages: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for it in items(spec, grid, micro_batch, seq_len, elem_bytes, grad_accum, by_layer):
@@ -285,7 +284,7 @@ def axis_bandwidths(grid: Grid, topology: Topology, bw: Bandwidths | None = None
     """β of each axis of size > 1 (Eq 5.7, Case 1 inside a node, Case 2 across nodes)."""
     bw = bw or Bandwidths.from_topology(topology)
     g_node = topology.ranks_per_node
-    levels = axis_levels(grid.axes(), topology)
+    levels = grid.parallel_dims.spans(topology)
     out, before = {}, 1
     for axis, g in zip(AXES, grid.dims):
         if g > 1:
@@ -311,7 +310,7 @@ def comm_time(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int,
     from ds_ext.comm.emulation import message_steps
 
     beta = axis_bandwidths(grid, topology, bw)
-    levels = axis_levels(grid.axes(), topology)
+    levels = grid.parallel_dims.spans(topology)
     total = 0.0
     for it in items(spec, grid, micro_batch, seq_len, elem_bytes, grad_accum):
         if paper_terms_only and not it.equation.startswith("5."):

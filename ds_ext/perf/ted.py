@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ds_ext.comm.ledger import Traffic, all_gather_bytes, all_reduce_bytes
-from ds_ext.groups import TEDLayout
+from ds_ext.parallel import TEDLayout
 from ds_ext.topology import Topology
 
 CAPACITY_BYTES = 8  # the int64 capacity a gate agrees over the expert group

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ds_ext import config as cfgmod
+from ds_ext.parallel import Grid
 from ds_ext.planner import PlannerError, pmm_grids, zero_plans
 from ds_ext.planner.estimate import Candidate, Job
-from ds_ext.pmm.grid import Grid
 
 CONFIGURED = "configured"
 

@@ -19,11 +19,11 @@ from collections import defaultdict
 from dataclasses import replace
 
 from ds_ext.comm.emulation import message_steps
+from ds_ext.parallel import Grid
 from ds_ext.perf import pmm as perf
 from ds_ext.perf.compute import ActivationSplit, activation_bytes
 from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic
 from ds_ext.planner.models import Arch
-from ds_ext.pmm.grid import Grid
 from ds_ext.topology import Topology
 
 
@@ -42,30 +42,9 @@ def model_spec(arch: Arch, checkpointing: bool = True) -> perf.ModelSpec:
                    norms=tuple(replace(N, recomputed=block(N)) for N in spec.norms))
 
 
-def axis_levels(grid: Grid, topology: Topology) -> dict[str, str | None]:
-    """``ds_ext.groups.axis_levels`` of the grid in O(levels) per axis: the groups of an axis
-    with stride S (product of the inner degrees) and degree g tile blocks of S g consecutive
-    ranks, so some group crosses a domain of D ranks exactly when D is not a multiple of S g;
-    the axis spans the outermost level whose inner domain size is not."""
-    out: dict[str, str | None] = {}
-    stride = 1
-    for axis, g in zip(perf.AXES, grid.dims):
-        block = stride * g
-        level = None
-        if g > 1:
-            domain = 1
-            for lv in topology.levels:
-                if domain % block:
-                    level = lv.name
-                domain *= lv.size  # type: ignore[operator]
-        out[axis] = level
-        stride = block
-    return out
-
-
 def traffic(spec: perf.ModelSpec, grid: Grid, topology: Topology, micro: int, seq: int, elem_bytes: int,
             grad_accum: int) -> Traffic:
-    levels = axis_levels(grid, topology)
+    levels = grid.parallel_dims.spans(topology)
     nbytes: dict[str, float] = defaultdict(float)
     calls: dict[tuple[str, str], int] = defaultdict(int)
     for it in perf.items(spec, grid, micro, seq, elem_bytes, grad_accum, by_layer=False):
@@ -81,7 +60,7 @@ def eq_5_7_seconds(spec: perf.ModelSpec, grid: Grid, topology: Topology, micro: 
                    grad_accum: int, bw: perf.Bandwidths, latency: bool) -> dict[str, float]:
     """Seconds per level with every axis at its Eq 5.7 bandwidth (and α per ring step with ``latency``):
     ``perf.pmm.comm_time``'s sum, kept per level."""
-    levels = axis_levels(grid, topology)
+    levels = grid.parallel_dims.spans(topology)
     beta = perf.axis_bandwidths(grid, topology, bw)
     out: dict[str, float] = defaultdict(float)
     for it in perf.items(spec, grid, micro, seq, elem_bytes, grad_accum, by_layer=False):

@@ -32,7 +32,7 @@ from collections import defaultdict
 
 from ds_ext.comm.emulation import message_steps
 from ds_ext.comm.ledger import all_reduce_bytes
-from ds_ext.groups import TEDLayout
+from ds_ext.parallel import TEDLayout
 from ds_ext.perf.compute import ActivationSplit, activation_bytes
 from ds_ext.perf.ted import MoEBlockShape, eq_7_4, moe_block_traffic
 from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic, divisors

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ds_ext.groups import TEDLayout
+from ds_ext.parallel import TEDLayout
 from ds_ext.planner import compute_rate, rccl, ted_layouts, zero_plans
 from ds_ext.planner.estimate import Estimate, evaluate
 from ds_ext.planner.machine import GiB, Machine

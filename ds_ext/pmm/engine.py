@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ds_ext.comm import Communicator, Handle, backend_device
+from ds_ext.comm.mappings import copy_to_region, copy_to_region_bucketed
 from ds_ext.pmm.config import OverlapConfig
 from ds_ext.pmm.grid import Axis
-from ds_ext.pmm.ops import reduce_grad, reduce_grad_bucket
 from ds_ext.pmm.overlap import AllGatherPrefetcher, DeferredGradients
 from ds_ext.pmm.tuning import MatmulTuner
 
@@ -112,7 +112,7 @@ class PMMEngine:
         self._replicated_views.clear()
         params = [p for p in replicated or () if p.requires_grad]
         if self.z.size > 1 and torch.is_grad_enabled() and params:
-            views = reduce_grad_bucket(params, self, self.z)
+            views = copy_to_region_bucketed(params, self.comm, self.z.group)
             self._replicated_views = {id(p): v for p, v in zip(params, views)}
         if self.prefetcher is not None:
             self.prefetcher.drop()
@@ -139,7 +139,7 @@ class PMMEngine:
             return param
         view = self._replicated_views.get(id(param))
         if view is None:
-            view = reduce_grad(param, self, self.z)
+            view = copy_to_region(param, self.comm, self.z.group)
             self._replicated_views[id(param)] = view
         return view
 

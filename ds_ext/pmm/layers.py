@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_ext.comm.mappings import reduce_both
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.layout import feature_slice
-from ds_ext.pmm.ops import reduce_both
 
 
 class _FeatureSharded(nn.Module):
@@ -62,7 +62,7 @@ class LayerNorm(_FeatureSharded):
         if eng.y.size == 1:
             return F.layer_norm(x, (self.features,), w, b, self.eps)
         xf = x.float()
-        sums = reduce_both(torch.stack([xf.sum(-1), (xf * xf).sum(-1)], dim=-1), eng, eng.y)
+        sums = reduce_both(torch.stack([xf.sum(-1), (xf * xf).sum(-1)], dim=-1), eng.comm, eng.y.group)
         mean = sums[..., :1] / self.features
         var = sums[..., 1:] / self.features - mean * mean
         y = ((xf - mean) * torch.rsqrt(var + self.eps)).to(x.dtype)
@@ -88,6 +88,6 @@ class RMSNorm(_FeatureSharded):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eng = self.engine
         xf = x.to(torch.float32)
-        sq = reduce_both(xf.pow(2).sum(-1, keepdim=True), eng, eng.y)
+        sq = reduce_both(xf.pow(2).sum(-1, keepdim=True), eng.comm, eng.y.group)
         xf = xf * torch.rsqrt(sq / self.features + self.eps)
         return eng.replicated(self.weight) * xf.to(x.dtype)

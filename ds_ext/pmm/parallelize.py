@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ds_ext.comm.mappings import mean_over
 from ds_ext.errors import DsExtError
 from ds_ext.pmm.config import KEY
 from ds_ext.pmm.engine import PMMEngine
@@ -43,7 +44,6 @@ from ds_ext.pmm.layers import LayerNorm, RMSNorm
 from ds_ext.pmm.layout import LinearLayout
 from ds_ext.pmm.linear import Linear
 from ds_ext.pmm.meta import serial_values
-from ds_ext.pmm.ops import mean_over
 from ds_ext.pmm.plans import Plan, plan_for
 from ds_ext.pmm.vocab import Embedding, causal_lm_loss, tied_head
 
@@ -174,9 +174,9 @@ class _BatchHooks:
     def post(self, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
         self.engine.end_forward()
         if torch.is_tensor(out) and out.dim() == 0:
-            return mean_over(out, self.engine, self.engine.z)
+            return mean_over(out, self.engine.comm, self.engine.z.group)
         if getattr(out, "loss", None) is not None:
-            out.loss = mean_over(out.loss, self.engine, self.engine.z)
+            out.loss = mean_over(out.loss, self.engine.comm, self.engine.z.group)
         return out
 
 

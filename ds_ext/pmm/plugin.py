@@ -24,11 +24,13 @@ from typing import Any
 import torch
 
 from ds_ext.errors import DsExtConfigError
-from ds_ext.mpu import MegatronMPU, ParallelGroup
+from ds_ext.groups import build_process_groups
+from ds_ext.mpu import MegatronMPU
+from ds_ext.parallel import Grid, GridError
 from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.pmm.config import KEY, Pmm3dConfig
 from ds_ext.pmm.engine import PMMEngine
-from ds_ext.pmm.grid import Grid, GridError, build_axes
+from ds_ext.pmm.grid import grid_axes
 from ds_ext.pmm.parallelize import ConversionError, parallelize
 from ds_ext.pmm.plans import plan_for
 
@@ -58,11 +60,9 @@ class Pmm3dPlugin(Plugin):
                                    f"{', '.join(map(str, ALLOWED_STAGES))} (3D-PMM's Z axis shards like ZeRO-3)")
         rt = self.runtime
         plan = plan_for(model)
-        self.grid = self._grid(model, plan, ds_config)
-        try:
-            self.axes = build_axes(self.grid, rt.groups, rt.rank)
-        except GridError as err:
-            raise DsExtConfigError(str(err)) from None
+        self.grid = self._grid(model, plan, ds_config)  # checked against the world
+        self.groups = build_process_groups(rt.groups, self.grid, rt.rank)
+        self.axes = grid_axes(self.groups)
         micro = ds_config.get("train_micro_batch_size_per_gpu")
         if micro is not None and micro % self.grid.z:
             raise DsExtConfigError(f"{KEY}.grid.z={self.grid.z} does not divide train_micro_batch_size_per_gpu="
@@ -111,13 +111,7 @@ class Pmm3dPlugin(Plugin):
         parameters counted per ``ds_ext.integration.ds_pmm.mark_parameters``); data parallel =
         the ``data`` axis (it averages gradients and shards ZeRO-1 optimizer states)."""
         if self._mpu is None:
-            me = self.runtime.rank
-
-            def side(axis: str, kinds: list[str]) -> ParallelGroup:
-                a = self.axes[axis]
-                return ParallelGroup(a.group, a.size, a.rank, next(g for g in self.grid.axes().groups(kinds) if me in g))
-
-            self._mpu = MegatronMPU(side("tensor", ["x", "y", "z"]), side("data", ["data"]))
+            self._mpu = MegatronMPU.over(self.groups)
         return self._mpu
 
     def attach(self, engine: Any) -> None:

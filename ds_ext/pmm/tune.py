@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ds_ext.groups import ParallelAxes
+from ds_ext.parallel import ParallelDims
 from ds_ext.perf import pmm as perf
 from ds_ext.topology import Topology
 
@@ -35,13 +35,13 @@ def measure_database(comm, topology: Topology, message_bytes: int) -> dict[str, 
     pairs = [(g0, g1) for g0 in range(1, g_node + 1) for g1 in range(2, g_node + 1)
              if g0 * g1 <= g_node and g_node % (g0 * g1) == 0]
     for g0, g1 in pairs:
-        axes = ParallelAxes.build([("inner", g0), ("outer", g1), ("rest", None)], world)
-        intra[f"{g0},{g1}"] = _bandwidth(comm, comm.registry.axes(axes, ["outer"]), buf, g1)
+        dims = ParallelDims.build([("inner", g0), ("outer", g1), ("rest", None)], world)
+        intra[f"{g0},{g1}"] = _bandwidth(comm, comm.registry.group(dims.groups(["outer"])), buf, g1)
     beta_inter = None
     if world > g_node:
         nodes = world // g_node
-        axes = ParallelAxes.build([("local", g_node), ("nodes", nodes)], world)
-        beta_inter = _bandwidth(comm, comm.registry.axes(axes, ["nodes"]), buf, nodes)
+        dims = ParallelDims.build([("local", g_node), ("nodes", nodes)], world)
+        beta_inter = _bandwidth(comm, comm.registry.group(dims.groups(["nodes"])), buf, nodes)
     dist.barrier()
     return {"ranks_per_node": g_node, "message_bytes": message_bytes, "intra": intra, "beta_inter": beta_inter}
 

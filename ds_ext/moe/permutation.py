@@ -1,4 +1,5 @@
-"""Token dispatch into expert slots and the weighted combine back (GShard's encode / decode).
+"""The token dispatcher's local permutation: tokens into expert slots and the weighted combine
+back (GShard's encode / decode; :mod:`ds_ext.moe.dispatcher` moves the slots between ranks).
 
 Sharding contract: tokens ``[S, H]`` replicated over the tensor group; the dispatched
 buffer ``[E, C, H]`` holds for global expert e (dim 0, expert-major: expert rank j owns

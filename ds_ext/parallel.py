@@ -1,0 +1,305 @@
+"""The parallel dimensions of a job, stated once (DESIGN.md §1 ``parallel``; torchtitan's ``ParallelDims``).
+
+:class:`ParallelDims` holds validated degrees of named axes, innermost first, laid over the
+ranks in that order::
+
+    rank = a_0 + s_0 * (a_1 + s_1 * (...))        # coordinate a_i, degree s_i of axis i
+
+so a group over a subset of axes holds the ranks whose coordinates differ only along those
+axes, and the innermost axes get the closest ranks (the fastest topology level; :meth:`spans`
+says which level each axis crosses). A plugin's layout is a view of one: a ``ParallelDims`` plus
+its named groups (each a set of axes), which :func:`ds_ext.groups.build_process_groups` turns
+into process groups:
+
+* :class:`TEDLayout` (001 §7.1): ``tensor`` x ``expert`` x ``expert_data``;
+* :class:`Grid` (001 §5.1.1, §5.1.2): ``x`` x ``y`` x ``z`` x ``data``.
+
+Pure index logic: no torch, no processes (the planner, the schema and the CLI use it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Mapping, Sequence
+
+from ds_ext.errors import DsExtError
+from ds_ext.topology import Topology
+
+Partition = tuple[tuple[int, ...], ...]
+
+
+class GroupError(DsExtError, ValueError):
+    """Parallel degrees that do not fit the world, or an unknown axis or group."""
+
+
+def member_group(partition: Partition, rank: int) -> tuple[int, ...]:
+    """The group of ``partition`` that contains ``rank``."""
+    for g in partition:
+        if rank in g:
+            return g
+    raise GroupError(f"rank {rank} is in no group of the partition")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Named parallel degrees laid out over the ranks, innermost axis first (see module)."""
+
+    axes: tuple[tuple[str, int], ...]
+
+    @classmethod
+    def build(cls, degrees: Sequence[tuple[str, int | None]], world_size: int) -> "ParallelDims":
+        """Resolve at most one ``None`` degree from ``world_size`` and check the product."""
+        names = [n for n, _ in degrees]
+        if len(set(names)) != len(names):
+            raise GroupError(f"parallel axis names must be unique, got {names}")
+        free = [n for n, s in degrees if s is None]
+        if len(free) > 1:
+            raise GroupError(f"at most one parallel degree may be inferred, got {free}")
+        for n, s in degrees:
+            if s is not None and s < 1:
+                raise GroupError(f"parallel degree {n}={s} must be >= 1")
+        fixed = math.prod(s for _, s in degrees if s is not None)
+        spec = " x ".join(f"{n}={s if s is not None else '?'}" for n, s in degrees)
+        if free:
+            if world_size % fixed:
+                raise GroupError(f"world size {world_size} is not divisible by {spec}")
+            degrees = [(n, world_size // fixed if s is None else s) for n, s in degrees]
+        elif fixed != world_size:
+            raise GroupError(f"parallel degrees {spec} = {fixed} != world size {world_size}")
+        return cls(tuple((n, int(s)) for n, s in degrees))  # type: ignore[arg-type]
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(s for _, s in self.axes)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.axes)
+
+    def size(self, *names: str) -> int:
+        """Ranks of a group over axes ``names`` (the product of their degrees)."""
+        return math.prod(self.axes[self._index(n)][1] for n in names)
+
+    def _index(self, name: str) -> int:
+        for i, (n, _) in enumerate(self.axes):
+            if n == name:
+                return i
+        raise GroupError(f"unknown parallel axis {name!r}; axes: {list(self.names)}")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        out = {}
+        for n, s in self.axes:
+            rank, out[n] = divmod(rank, s)
+        return out
+
+    def group_rank(self, names: Sequence[str], rank: int) -> int:
+        """``rank``'s position in its group over axes ``names`` (their coordinates, the first
+        fastest: the order of the group's ascending global ranks)."""
+        coords, out, stride = self.coords(rank), 0, 1
+        for n in sorted(names, key=self._index):
+            out += coords[n] * stride
+            stride *= self.size(n)
+        return out
+
+    def groups(self, names: Sequence[str]) -> Partition:
+        """Partition of the world into groups varying only along axes ``names``."""
+        idx = {self._index(n) for n in names}
+        buckets: dict[tuple[int, ...], list[int]] = {}
+        for r in range(self.world_size):
+            c = list(self.coords(r).values())
+            key = tuple(v for i, v in enumerate(c) if i not in idx)
+            buckets.setdefault(key, []).append(r)
+        return tuple(tuple(g) for g in sorted(buckets.values()))
+
+    def spans(self, topology: Topology) -> dict[str, str | None]:
+        """Outermost topology level any group of each axis crosses (None for a degree of 1), in
+        O(levels) per axis: the groups of an axis of stride S (product of the inner degrees) and
+        degree g tile blocks of S g consecutive ranks, so some group crosses a domain of D ranks
+        exactly when D is not a multiple of S g; the axis spans the outermost level whose inner
+        domain size is not."""
+        out: dict[str, str | None] = {}
+        stride = 1
+        for name, g in self.axes:
+            block, level, domain = stride * g, None, 1
+            if g > 1:
+                for lv in topology.levels:
+                    if domain % block:
+                        level = lv.name
+                    domain *= lv.size  # type: ignore[operator]
+            out[name] = level
+            stride = block
+        return out
+
+
+class Layout:
+    """A plugin's view of :class:`ParallelDims`: its named groups, each a set of axes.
+
+    ``GROUPS``: name -> axes, in the order the groups are created; ``OPTIONAL``: groups that
+    get no process group (None) when they hold one rank (nothing to communicate);
+    ``AUXILIARY``: groups built for a plugin's own use, left out of :meth:`levels`.
+    """
+
+    NAME: ClassVar[str]
+    GROUPS: ClassVar[Mapping[str, tuple[str, ...]]]
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset()
+    AUXILIARY: ClassVar[frozenset[str]] = frozenset()
+    parallel_dims: ParallelDims
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel_dims.world_size
+
+    def coords(self, rank: int) -> dict[str, int]:
+        return self.parallel_dims.coords(rank)
+
+    def axes_of(self, group: str) -> tuple[str, ...]:
+        try:
+            return self.GROUPS[group]
+        except KeyError:
+            raise GroupError(f"unknown {self.NAME} group {group!r}; allowed: {', '.join(self.GROUPS)}") from None
+
+    def partition(self, group: str) -> Partition:
+        """The world split into the groups named ``group``."""
+        return self.parallel_dims.groups(self.axes_of(group))
+
+    def levels(self, topo: Topology, rank: int) -> dict[str, str | None]:
+        """The outermost topology level each named group of ``rank`` spans (None: one rank)."""
+        return {g: topo.level_of(member_group(self.partition(g), rank)) for g in self.GROUPS
+                if g not in self.AUXILIARY}
+
+
+# ---- TED: tensor x expert x data parallelism (001 §7.1) ---------------------------------
+#
+# Notation (001 §7.1): G ranks; G_tensor tensor-parallel degree, shared by expert and
+# non-expert blocks; G_expert expert-parallel degree; G_data^exp expert-data degree;
+# G_data^nonexp non-expert data degree; E experts, E = k * G_expert (TED itself sets k = 1).
+#   Eq 7.1  G_tensor * G_expert * G_data^exp = G_tensor * G_data^nonexp = G
+#   Eq 7.7  G_data^exp = G_data^nonexp / G_expert
+# Rank layout, tensor innermost, then expert, then expert-data (DeepSpeed's
+# ``_get_expert_parallel_ranks`` and 001 Fig 7.3 agree):
+#   rank = t + G_tensor * (e + G_expert * d)
+# so a tensor group is G_tensor consecutive ranks (inside a GCD pair / GPU / node when
+# G_tensor divides it), and an expert group the G_expert ranks of stride G_tensor next to
+# it: the smallest domain the all-to-all can stay in once the tensor groups are placed.
+
+@dataclass(frozen=True)
+class TEDLayout(Layout):
+    """Validated TED degrees (Eq 7.1) and their named groups.
+
+    ``data`` is the non-expert data-parallel group (expert x expert-data axes);
+    ``expert_replicas`` (tensor x expert-data axes) holds the ranks of one expert rank, which
+    reduce the gradients of experts kept whole on every tensor rank (DeepSpeed's
+    ``enable_expert_tensor_parallelism=False``; auxiliary).
+    """
+
+    NAME: ClassVar[str] = "TED"
+    AUXILIARY: ClassVar[frozenset[str]] = frozenset({"expert_replicas"})
+    GROUPS: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "tensor": ("tensor",), "expert": ("expert",), "expert_data": ("expert_data",),
+        "data": ("expert", "expert_data"), "expert_replicas": ("tensor", "expert_data")}
+
+    parallel_dims: ParallelDims
+
+    @classmethod
+    def build(cls, world_size: int, tensor: int, expert: int, expert_data: int | None = None) -> "TEDLayout":
+        """Check Eq 7.1 for ``world_size`` ranks; ``expert_data=None`` infers G_data^exp."""
+        for key, value in (("tensor_parallel", tensor), ("expert_parallel", expert)):
+            if value < 1:
+                raise GroupError(f"ds_ext.ted.{key}={value} must be >= 1")
+        if expert_data is None:
+            if world_size % (tensor * expert):
+                raise GroupError(
+                    f"ds_ext.ted: world size {world_size} is not divisible by tensor_parallel {tensor} "
+                    f"x expert_parallel {expert} (Eq 7.1: G_tensor x G_expert x G_data^exp = G)"
+                )
+            expert_data = world_size // (tensor * expert)
+        elif tensor * expert * expert_data != world_size:
+            raise GroupError(
+                f"ds_ext.ted: tensor_parallel {tensor} x expert_parallel {expert} x expert_data_parallel "
+                f"{expert_data} = {tensor * expert * expert_data} != world size {world_size} (Eq 7.1)"
+            )
+        return cls(ParallelDims((("tensor", tensor), ("expert", expert), ("expert_data", expert_data))))
+
+    @property
+    def tensor(self) -> int:
+        """G_tensor."""
+        return self.parallel_dims.size("tensor")
+
+    @property
+    def expert(self) -> int:
+        """G_expert."""
+        return self.parallel_dims.size("expert")
+
+    @property
+    def expert_data(self) -> int:
+        """G_data^exp."""
+        return self.parallel_dims.size("expert_data")
+
+    @property
+    def nonexp_data(self) -> int:
+        """G_data^nonexp = G_expert x G_data^exp (Eq 7.1 / 7.7)."""
+        return self.parallel_dims.size("expert", "expert_data")
+
+    def check_placement(self, topo: Topology) -> None:
+        """Refuse tensor groups that straddle a node (001 §7.1.1: G_tensor <= GPUs per node)."""
+        if topo.world_size != self.world_size:
+            raise GroupError(f"TED layout of {self.world_size} ranks on a topology of {topo.world_size}")
+        node = topo.ranks_per_node if len(topo.levels) > 1 else topo.world_size
+        if node % self.tensor:
+            raise GroupError(
+                f"ds_ext.ted.tensor_parallel={self.tensor} would split tensor groups across nodes of "
+                f"{node} ranks ({topo.name}); allowed: a divisor of {node}"
+            )
+
+
+# ---- 3D-PMM: the 4D grid X x Y x Z x data (001 §5.1.1, §5.1.2) ---------------------------
+
+class GridError(GroupError):
+    """A grid that does not fit the world or the model; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Grid(Layout):
+    """The 4D grid: degrees (G_x, G_y, G_z, G_data) laid over the ranks X innermost, then Y, Z,
+    data outermost (001 §5.1.2).
+
+    With ranks numbered innermost topology level first, X groups are the closest ranks, so the
+    fastest links carry X (001 Fig 5.1: 8 ranks with all degrees 2 give X groups (0,1),(2,3),...
+    and Y groups (0,2),(1,3),...). Groups: each grid axis (X, Y, Z of degree 1 get none), and
+    ``tensor`` over X x Y x Z (DeepSpeed's model-parallel group); ``data`` and ``tensor`` always
+    get one, since DeepSpeed reads None as the whole world.
+    """
+
+    NAME: ClassVar[str] = "3D-PMM"
+    GROUPS: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "x": ("x",), "y": ("y",), "z": ("z",), "data": ("data",), "tensor": ("x", "y", "z")}
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"x", "y", "z"})
+
+    x: int = 1
+    y: int = 1
+    z: int = 1
+    data: int = 1
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        return (self.x, self.y, self.z, self.data)
+
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        return ParallelDims((("x", self.x), ("y", self.y), ("z", self.z), ("data", self.data)))
+
+    @property
+    def tensor(self) -> int:
+        """G_tensor = G_x G_y G_z."""
+        return self.x * self.y * self.z
+
+    def __str__(self) -> str:
+        return f"(x={self.x}, y={self.y}, z={self.z}, data={self.data})"
+
+    def check_world(self, world_size: int) -> None:
+        if self.world_size != world_size:
+            raise GridError(
+                f"ds_ext.pmm3d.grid {self} has product {self.world_size} but the world has {world_size} ranks; "
+                "the product x*y*z*data must equal the world size"
+            )
