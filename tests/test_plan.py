@@ -389,13 +389,32 @@ def _acceptance(rows, expected, tolerance):
 
 def test_004_table_v_rows():
     """004 Table V's recipes (TP 4 x PP 16, TP 8 x PP 64, MBS 1, GBS 640 / 1,600) planned by the
-    Megatron family: 175B within 20 % of 69.2, 1T 24 % above 61.2 (README: the compute rate)."""
+    Megatron family: 175B within 20 % of 69.2 on one replica; 1T on 000 §II's 1,024 GCDs at 004
+    §V-C1's GBS 3,200 (two replicas of 1,600 micro-batches), 24 % above 61.2 (README: the compute rate)."""
     from ds_ext.planner import validate
 
     rows = validate.megatron_rows(FRONTIER, sensitivity=False)
     _acceptance(rows, TABLE_V_ROWS, 0.20)
     assert [r.published for r in rows if r.tolerance] == [69.2, 61.2, 73.5]
-    assert "megatron tp4 pp16 dp1, 1 x 640" in rows[0].claim and "megatron tp8 pp64 dp1, 1 x 1600" in rows[2].claim
+    assert "megatron tp4 pp16 dp1, 1 x 640" in rows[0].claim and "megatron tp8 pp64 dp2, 1 x 1600" in rows[2].claim
+
+
+def test_004_1t_readings_differ_by_the_bubble():
+    """1T on 1,024 GCDs = 2 replicas of TP 8 x PP 64 (8 x 64 x 2). GBS 3,200 gives m = 3,200 / 2 = 1,600
+    micro-batches per replica, Table V's literal 1,600 gives m = 800: the compute slots are stretched
+    by (m + 63) / m = 1,663 / 1,600 and 863 / 800, so the compute per step of the literal reading is
+    1,600 / 3,200 x (863 / 800) / (1,663 / 1,600) of the other (hand arithmetic: 0.51894...)."""
+    from ds_ext.planner import validate
+
+    _, wide = validate._megatron(FRONTIER, "gpt-1t", 128, 3200)
+    _, literal = validate._megatron(FRONTIER, "gpt-1t", 128, 1600)
+    assert wide.name == literal.name == "megatron tp8 pp64 dp2"
+    assert (wide.grad_accum, literal.grad_accum) == (1600, 800)
+    assert literal.compute_s / wide.compute_s == pytest.approx(0.5 * (863 / 800) / (1663 / 1600), rel=1e-12)
+    assert 0.5 * (863 / 800) / (1663 / 1600) == pytest.approx(0.518941, abs=1e-6)
+    rows = validate.megatron_rows(FRONTIER)
+    row = next(r for r in rows if "Table V's GBS 1,600 on the 1,024 GCDs" in r.claim)
+    assert row.tolerance is None and row.predicted == literal.tflops / 1e12 and "800 micro-batches" in row.claim
 
 
 def test_fig_6_12_rows():
@@ -412,6 +431,28 @@ def test_fig_6_12_rows():
     r, p = (evaluate(job, zero_plans.candidate(job, {"preset": "zero3"}, deepspeed="0.19.8", collectives=c))
             for c in ("rccl", "pccl"))
     assert rows[0].predicted == 1 - p.step_s / r.step_s and (r.micro_batch, r.grad_accum) == (16, 1)
+
+
+@pytest.mark.parametrize("model,gcds,published", [("gpt3-6.7b", 512, 0.30), ("gpt3-13b", 1024, 0.39)])
+def test_fig_6_12_implied_compute_multiple(model, gcds, published):
+    """The diagnostic k: with the compute k times slower (the machine's efficiency / k) and the
+    communication unchanged, the planner's own less-batch-time equals the published value."""
+    from ds_ext.planner import validate
+
+    k = validate.implied_compute_multiple(FRONTIER, model, gcds, published)
+    slower = FRONTIER.model_copy(update={"efficiency": FRONTIER.efficiency / k})
+    assert validate.less_batch_time(slower, model, gcds) == pytest.approx(published, rel=1e-9)
+
+
+def test_fig_6_12_implied_compute_multiple_by_hand():
+    """k = ((R - P) / published - R) / C with R, P and C read off the two plans: for 13B on 512 GCDs
+    (C = 36.34 s, R = 16.99 s, P = 2.30 s, README), ((16.99 - 2.30) / 0.16 - 16.99) / 36.34 = 2.059."""
+    from ds_ext.planner import validate
+
+    assert ((16.99 - 2.30) / 0.16 - 16.99) / 36.34 == pytest.approx(2.059, abs=1e-3)
+    assert validate.implied_compute_multiple(FRONTIER, "gpt3-13b", 512, 0.16) == pytest.approx(2.059, abs=0.005)
+    rows = [r for r in validate.pccl_rows(FRONTIER) if r.claim.strip().startswith("diagnostic")]
+    assert len(rows) == 4 and all(r.published is None and r.tolerance is None for r in rows)
 
 
 # ---- TED layouts (001 ch. 7) ------------------------------------------------------------------
@@ -707,7 +748,11 @@ def test_megatron_layouts_bubble_memory_and_the_published_recipe(capsys):
     assert e.compute_s == pytest.approx(job.flops / 32 / FRONTIER.flops * (16 + 4 - 1) / 16 * imbalance)
     t = 2048 * 4096 * 2  # bytes of one micro-batch's activation
     tp_level = job.topology.level_of([0, 1])
-    assert e.traffic.bytes[tp_level] == pytest.approx(16 * 6 * 6 * t)  # 6 all-reduces x 6 layers per stage, d = 2: 2S/2
+    # 6 all-reduces x 6 layers per stage, d = 2: 2S/2; plus the received activation's and gradient's
+    # all-gather of the two TP halves (DeepSpeed's pipe_partitioned): 2 x 16 x t/2 x (2 - 1)
+    assert e.traffic.bytes[tp_level] == pytest.approx(16 * 6 * 6 * t + 2 * 16 * t / 2)
+    pp_level = job.topology.level_of([0, 8])  # stage boundary: TP 2 x DP 4 = 8 ranks per stage
+    assert pp_level != tp_level and e.traffic.bytes[pp_level] == pytest.approx(2 * 16 * t / 2)  # each rank its half
     stage = 24 // 4
     ckpt = mp.activations(arch, 2, 4, 1, 16, True)
     working = 2048 * 4096 * (10 + 24 / 2)

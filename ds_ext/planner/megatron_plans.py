@@ -19,8 +19,10 @@ share of F (Narayanan et al.'s formula, ``perf.compute.step_flops``) that the me
   forward (attention out, FC2), two in backward (the f of QKV and FC1), two more in the
   checkpoint recompute; L / p layers per stage;
 * t_PP: the stage boundary's point-to-point send, b s h e forward and b s h e backward per
-  micro-batch (one message each; every TP rank sends its full copy, as DeepSpeed's pipeline
-  engine does), over the slowest boundary's level (a node's when the pipeline spans nodes);
+  micro-batch (one message each), over the slowest boundary's level (a node's when the pipeline
+  spans nodes). With TP > 1 DeepSpeed's pipeline engine sends each TP rank's 1 / TP slice and the
+  receiving stage all-gathers it over the TP group (``pipe_partitioned`` / ``grad_partitioned``,
+  default True: ``runtime/pipe/engine.py``, ``PartitionedTensor``; DeepSpeed 0.19.8);
 * t_DP: ZeRO-1 once per step, as DeepSpeed's ZeRO-1 does it (``ted_layouts``): an all-reduce of
   the 16-bit gradients and an all-gather of the updated weights of the rank's parameters.
 
@@ -37,7 +39,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ds_ext.comm.emulation import message_steps
-from ds_ext.comm.ledger import all_reduce_bytes
+from ds_ext.comm.ledger import all_gather_bytes, all_reduce_bytes
 from ds_ext.perf.compute import ActivationSplit, activation_bytes
 from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic, comm_seconds, divisors
 from ds_ext.planner.models import Arch
@@ -85,8 +87,11 @@ def micro_traffic(arch: Arch, job: Job, tp: int, pp: int, dp: int, micro: int, m
         nbytes[lv["tensor"]] += calls * all_reduce_bytes(act, tp)  # type: ignore[index]
         messages[lv["tensor"]] += calls * message_steps("all_reduce", tp)  # type: ignore[index]
     if pp > 1:
-        nbytes[lv["pipeline"]] += 2 * m * act  # type: ignore[index]
+        nbytes[lv["pipeline"]] += 2 * m * act / tp  # type: ignore[index]
         messages[lv["pipeline"]] += 2 * m  # type: ignore[index]
+        if tp > 1:  # the receiver's all-gather of the TP slices, activation and gradient
+            nbytes[lv["tensor"]] += 2 * m * all_gather_bytes(act / tp, tp)  # type: ignore[index]
+            messages[lv["tensor"]] += 2 * m * message_steps("all_gather", tp)  # type: ignore[index]
     return Traffic(dict(nbytes), dict(messages))
 
 

@@ -142,11 +142,17 @@ def pmm_rows(machine: Machine, table=TABLE_III) -> list[Row]:
     return rows
 
 
-# 004 §V-B measured TFLOPS per GCD; Table V's recipes (TP, PP, MBS 1, GBS) for 175B and 1T, one replica each
-TABLE_V = (("gpt-175b", 8, 69.2), ("gpt-1t", 64, 61.2))  # (model, nodes: TP x PP / 8 GCDs, published)
+# 004 §V-B measured TFLOPS per GCD of Table V's recipes (TP, PP, MBS 1): (model, nodes, GBS, published).
+# 175B: one replica (64 GCDs, GBS 640; 004 states no GCD count). 1T: 000 §II says 004's 31.96 % (61.2 TFLOPS)
+# was measured "on 1024 MI250X GPUs", two replicas of TP 8 x PP 64; at 1,024 GCDs 004 §V-C1 runs GBS 3,200,
+# Table V's 1,600 per replica (000 Table I extrapolates the same series: 19.7M tokens = 9,600 sequences at 3,072).
+TABLE_V = (("gpt-175b", 8, None, 69.2), ("gpt-1t", 128, 3200, 61.2))
+TABLE_V_1T_LITERAL = ("gpt-1t", 128, 1600, 61.2)  # the other reading: Table V's GBS 1,600 over the two replicas
 MEGATRON_22B = (8, 640, 73.5)  # 22B: nodes, GBS (004 gives no 22B recipe: 175B's replica size and GBS), published
-TABLE_V_NOTE = ("one replica; compute at 000's measured step rate (ds_ext.planner.compute_rate), 1F1B bubble and "
+TABLE_V_NOTE = ("compute at 000's measured step rate (ds_ext.planner.compute_rate), 1F1B bubble and "
                 "the last stage's head (004 §II-C, §V-A)")
+TABLE_V_SETUP = {"gpt-175b": "one replica: 004 states no GCD count",
+                 "gpt-1t": "1,024 GCDs (000 §II), GBS 3,200 (004 §V-C1; Table V's 1,600 per replica)"}
 
 
 def _megatron(machine: Machine, model: str, nodes: int, batch: int | None = None):
@@ -158,15 +164,17 @@ def _megatron(machine: Machine, model: str, nodes: int, batch: int | None = None
 
 
 def megatron_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
-    """004 Table V: predicted TFLOPS per GCD of the published recipes (one data-parallel replica:
-    004 states no GCD count for them) and of 22B's best Megatron layout (no recipe published);
-    ``sensitivity``: the same at the single-GEMM and the untuned compute rates (not predictions)."""
+    """004 Table V: predicted TFLOPS per GCD of the published recipes (``TABLE_V``: 175B on one
+    replica, 1T on 000 §II's 1,024 GCDs) and of 22B's best Megatron layout (no recipe published);
+    ``sensitivity``: 1T at Table V's GBS over those GCDs, and the recipes at the single-GEMM and
+    the untuned compute rates (not predictions)."""
     rows = []
-    for model, nodes, measured in TABLE_V:
-        result, recipe = _megatron(machine, model, nodes)
+    for model, nodes, batch, measured in TABLE_V:
+        result, recipe = _megatron(machine, model, nodes, batch)
         assert recipe is not None, model
         rows.append(Row(f"{model} Table V recipe ({recipe.name}, {recipe.micro_batch} x {recipe.grad_accum}), "
-                        "TFLOPS per GCD", "004 §V-B, Table V", measured, recipe.tflops / 1e12, 0.20, TABLE_V_NOTE))
+                        "TFLOPS per GCD", "004 §V-B, Table V", measured, recipe.tflops / 1e12, 0.20,
+                        f"{TABLE_V_SETUP[model]}; {TABLE_V_NOTE}"))
         if result.best is not None and result.best is not recipe:
             rows.append(Row(f"  {model}: planner's first choice {result.best.name}, TFLOPS per GCD", "004 §V-B",
                             measured, result.best.tflops / 1e12, None, "shown beside the recipe, not the prediction"))
@@ -178,13 +186,19 @@ def megatron_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
                     measured, best.tflops / 1e12, 0.20,
                     "004 gives no 22B recipe: the planner's first choice at 175B's replica size and GBS"))
     if sensitivity:
+        model, nodes, batch, measured = TABLE_V_1T_LITERAL
+        recipe = _megatron(machine, model, nodes, batch)[1]
+        assert recipe is not None
+        rows.append(Row(f"  sensitivity, Table V's GBS {batch:,} on the 1,024 GCDs ({recipe.grad_accum} micro-batches "
+                        f"per replica): {model} recipe", "004 §V-B", measured, recipe.tflops / 1e12, None,
+                        "the other reading of 004 §V-B and 000 §II; not the prediction"))
         for label, eff in ((f"compute at the single-GEMM rate ({compute_rate.GEMM_FLOPS / 1e12:.0f} Tflop/s, "
                             "000 §VI-C, the earlier constant)", compute_rate.GEMM_EFFICIENCY),
                            (f"compute at 000's untuned rate ({compute_rate.rate(compute_rate.UNTUNED_S) / 1e12:.0f} "
                             "Tflop/s, no matmul tuning, 000 §V-C)", compute_rate.UNTUNED_EFFICIENCY)):
             other = machine.model_copy(update={"efficiency": eff})
-            for model, nodes, measured in TABLE_V:
-                recipe = _megatron(other, model, nodes)[1]
+            for model, nodes, batch, measured in TABLE_V:
+                recipe = _megatron(other, model, nodes, batch)[1]
                 assert recipe is not None, model
                 rows.append(Row(f"  sensitivity, {label}: {model} recipe", "004 §V-B", measured,
                                 recipe.tflops / 1e12, None, "not the prediction"))
@@ -199,14 +213,32 @@ FIG_6_12_NOTE = ("batch 8,192: 000 Table I's Frontier batch (the figure's is not
                  "run 6.7B on the figure's 2,048 GCDs); DeepSpeed's per-submodule gathers; RCCL α from 001 §6.3.1")
 
 
-def less_batch_time(machine: Machine, model: str, gcds: int, batch: int | None = FIG_6_12_BATCH) -> float:
-    """1 - t_PCCL / t_RCCL of DeepSpeed ZeRO-3 (0.19.8's gathers) on ``gcds`` GCDs (``zero_plans.pccl``);
-    ``batch`` None: the model's recipe (001 Table 4.1)."""
+def _zero3_pair(machine: Machine, model: str, gcds: int, batch: int | None) -> tuple[Estimate, Estimate]:
+    """DeepSpeed ZeRO-3 (0.19.8's gathers) on ``gcds`` GCDs with RCCL's ring and with PCCL."""
     job = make_job(lookup(model), machine, gcds // 8, batch)
     rccl_e, pccl_e = (evaluate(job, zero_plans.candidate(job, {"preset": "zero3"}, deepspeed="0.19.8",
                                                          collectives=c)) for c in ("rccl", "pccl"))
     assert rccl_e is not None and pccl_e is not None, model
+    return rccl_e, pccl_e
+
+
+def less_batch_time(machine: Machine, model: str, gcds: int, batch: int | None = FIG_6_12_BATCH) -> float:
+    """1 - t_PCCL / t_RCCL of DeepSpeed ZeRO-3 on ``gcds`` GCDs (``zero_plans.pccl``); ``batch``
+    None: the model's recipe (001 Table 4.1)."""
+    rccl_e, pccl_e = _zero3_pair(machine, model, gcds, batch)
     return 1 - pccl_e.step_s / rccl_e.step_s
+
+
+def implied_compute_multiple(machine: Machine, model: str, gcds: int, published: float,
+                             batch: int | None = FIG_6_12_BATCH) -> float:
+    """The factor k on the planner's compute time C at which 1 - t_PCCL / t_RCCL equals
+    ``published`` with the communication as modelled (R with RCCL, P with PCCL, the same compute
+    under both): ``(R - P) / (k C + R) = published``, so ``k = ((R - P) / published - R) / C``.
+    A diagnostic of a miss (README: a k that is the same at every GCD count points at the compute
+    per step, the batch or the rate, not at α or β), never a prediction."""
+    rccl_e, pccl_e = _zero3_pair(machine, model, gcds, batch)
+    r, p = sum(rccl_e.comm_s.values()), sum(pccl_e.comm_s.values())
+    return ((r - p) / published - r) / rccl_e.compute_s
 
 
 def pccl_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
@@ -237,6 +269,10 @@ def pccl_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
         rows += [Row(f"  sensitivity, {label}: {model}, {gcds} GCDs", "001 Fig 6.12", published,
                      less_batch_time(m, model, gcds, batches[model]), None, "not the prediction")
                  for model, gcds, published in FIG_6_12 if model in batches]
+    rows += [Row(f"  diagnostic, compute x k at which the published value comes out: {model}, {gcds} GCDs",
+                 "001 Fig 6.12", None, implied_compute_multiple(machine, model, gcds, published), None,
+                 f"batch {FIG_6_12_BATCH:,}, communication as modelled; not a prediction")
+             for model, gcds, published in FIG_6_12]
     return rows
 
 
