@@ -23,10 +23,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator, Mapping
 
-from ds_ext.parallel import GroupError, Layout, ParallelDims, Partition, member_group
+from ds_ext.parallel import GroupError, Layout, Partition, member_group
 from ds_ext.topology import Topology, TopologyError
-
-ParallelAxes = ParallelDims  # the name ds_ext.zero_topo.layout imports (its owner's module; rename there)
 
 
 def topology_partition(topo: Topology, kind: str, level: str) -> Partition:

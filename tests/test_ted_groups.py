@@ -10,7 +10,7 @@ from ds_ext.topology import Topology
 
 
 def _rank(t: int, e: int, d: int, T: int, P: int) -> int:
-    """001 §7.1 / spec §1.3 rank formula, written independently of ParallelAxes."""
+    """001 §7.1 / spec §1.3 rank formula, written independently of ParallelDims."""
     return t + T * (e + P * d)
 
 

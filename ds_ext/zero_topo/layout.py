@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from einops import rearrange
 
-from ds_ext.groups import ParallelAxes, Partition
+from ds_ext.parallel import ParallelDims, Partition
 from ds_ext.topology import Topology
 
 if TYPE_CHECKING:  # annotations only: the planner imports this module without torch
@@ -68,7 +68,7 @@ def sub_chunk(shard: torch.Tensor, topo: Topology, rank: int, unit_numel: int, o
 
 def level_partition(topo: Topology, levels: Sequence[int]) -> Partition:
     """Groups of ranks that differ only on the given level indices."""
-    axes = ParallelAxes(tuple((lv.name, lv.size) for lv in topo.levels))  # type: ignore[misc]
+    axes = ParallelDims(tuple((lv.name, lv.size) for lv in topo.levels))  # type: ignore[misc]
     return axes.groups([topo.levels[i].name for i in levels])
 
 
