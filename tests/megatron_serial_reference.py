@@ -16,6 +16,14 @@ the distributed run's rank d routes micro-batch d of each global batch; here mic
 ``f mod D`` of forward f plays that shard: random token selection draws from the documented
 seed of TED's gates (ds_ext/moe/gate.py, layer.py): seed + 1,000,003 x layer + 7,919 x shard,
 forward n of a gate seeded s from ``moe_reference.generator(s, n)``.
+
+Attention at tensor-parallel T reads its shard of ``query_key_value`` (contiguous rows of the
+whole weight, ``--use-cpu-initialization``) as [q | k | v] thirds (megatron/model/transformer.py,
+``ParallelAttention.forward``: ``each_hidden_size = mixed_x_layer.shape[-1] // 3``), so the client
+computes a different function of the same whole weight at T = 2 than at T = 1. With
+``REFERENCE_TENSOR_PARALLEL`` = T the serial model's rows are laid out as the T-rank run reads them
+(q of every shard, then k, then v): the same function and, Adam being elementwise, the same
+trajectory. Checked on the dense model (``--num-experts 1``): serial == TP 2 to 7 digits.
 """
 
 from __future__ import annotations
@@ -34,6 +42,25 @@ import moe_reference as ref  # noqa: E402
 
 TED_SEED, LAYER_STRIDE, SHARD_STRIDE = 1234, 1_000_003, 7_919
 SHARDS = int(os.environ["REFERENCE_DATA_SHARDS"])  # D of the distributed run = micro-batches per step here
+TENSOR = int(os.environ.get("REFERENCE_TENSOR_PARALLEL", "1"))  # T of the distributed run
+
+
+def qkv_as_tensor_parallel(rows: torch.Tensor, tensor: int) -> torch.Tensor:
+    """Rows [T shards x (q, k, v) thirds] of the whole weight reordered to [(q, k, v) x T shards]."""
+    return rows.reshape(tensor, 3, -1, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape)
+
+
+def relayout_attention(attention_cls: type) -> None:
+    """Wrap ``ParallelAttention.__init__`` so its whole qkv weight and bias read as at T ranks."""
+    init = attention_cls.__init__
+
+    def wrapped(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        with torch.no_grad():
+            for p in self.query_key_value.parameters():
+                p.copy_(qkv_as_tensor_parallel(p, TENSOR))
+
+    attention_cls.__init__ = wrapped
 
 
 class ReferenceMoE(nn.Module):
@@ -78,6 +105,11 @@ if __name__ == "__main__":
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # unused on CPU, a 1-min JIT build otherwise
     deepspeed.moe.layer.MoE = ReferenceMoE
+    if TENSOR > 1:
+        sys.path.insert(0, os.getcwd())
+        import megatron.model.transformer
+
+        relayout_attention(megatron.model.transformer.ParallelAttention)
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path.insert(0, str(Path(script).resolve().parent))

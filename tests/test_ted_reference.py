@@ -17,7 +17,8 @@ and DTD on under activation checkpointing with CAC:
   and the gates of different data shards draw different noise.
 
 The same with the experts kept whole on every tensor rank (DeepSpeed's
-``enable_expert_tensor_parallelism=False``) at G_tensor 2 and 4.
+``enable_expert_tensor_parallelism=False``) at G_tensor 2 and 4, each tensor rank's copy built
+different (binding must replicate tensor rank 0's).
 """
 
 import os
@@ -114,7 +115,10 @@ def _ted_layer(mode, W, ted, P, etp=True, megatron=None):
             fc1.bias.copy_(W["b1"][e][t * F:(t + 1) * F])
             fc2.weight.copy_(W["w2"][e][:, t * F:(t + 1) * F])
             fc2.bias.copy_(W["b2"][e])
-    return ts.bind(layer, ted)
+            if not etp and ted.tensor_rank > 0:  # whole copies start apart, as Megatron-DeepSpeed initializes them
+                for p in expert.parameters():
+                    p.add_(1.0)
+    return ts.bind(layer, ted)  # binding replicates tensor rank 0's whole copies
 
 
 def _average_gradients(layer, ted):

@@ -25,7 +25,10 @@ correctness requirement: no rank may run a token twice), all-to-all over the exp
 the whole experts on its slots (no ❻), all-to-all back, and the tensor group all-gathers the
 slots. Their gradients, one slot chunk per tensor rank, are then reduced over the
 ``expert_replicas`` group (G_tensor x G_data^exp), which TED registers as DeepSpeed's expert
-data-parallel group.
+data-parallel group. They are one replicated parameter: binding broadcasts tensor rank 0's copy
+over the tensor group (Megatron-DeepSpeed initializes each tensor rank's copy differently;
+DeepSpeed's own MoE keeps those different copies and reduces their gradients over the expert
+data-parallel group only).
 
 Experts the client built tensor-parallel (Megatron-DeepSpeed's ``ParallelMLP(config, moe=True,
 enable_expert_tensor_parallelism=True)``: their layers hold their shards, marked
@@ -153,6 +156,8 @@ class TEDMoE(ds_moe.MoEBase):
                                     "client" if self._client_partitioned() else "ted")
         if self.expert_partitioning == "whole":
             _mark_whole(self._mlps())
+            if T > 1:
+                self._replicate_whole(ted)
         if self.expert_partitioning == "client":
             for mlp in self._mlps():
                 for p, (mark, dim, stride) in zip(mlp.parameters(), self._client_marks, strict=True):
@@ -170,6 +175,17 @@ class TEDMoE(ds_moe.MoEBase):
             gate.agree_capacity = all_reduce_max(ted.comm, ted.groups["expert"])
         self.ted = ted
         self.ted_tape = Tape(f"TEDMoE[{index}]")
+
+    def _replicate_whole(self, ted: TEDContext) -> None:
+        """Whole experts are one parameter replicated over the tensor group (their gradients are
+        reduced over ``expert_replicas``), so every tensor rank must start from the same copy:
+        tensor rank 0's is broadcast. Megatron-DeepSpeed initializes ``ParallelMLP(moe=True)``
+        from its per-tensor-rank RNG (``_initialize_affine_weight_gpu``), so its copies differ."""
+        src = ted.ranks("tensor")[0]
+        with torch.no_grad():
+            for mlp in self._mlps():
+                for p in mlp.parameters():
+                    ted.comm.broadcast(p.data, src=src, group=ted.groups["tensor"])
 
     def _client_partitioned(self) -> bool:
         """Experts the client built tensor-parallel (Megatron-DeepSpeed's ``ParallelMLP(moe=True,
