@@ -25,6 +25,8 @@ ds_ext=', "ds_ext": {"ted": {"enabled": true, "tensor_parallel": 2, "expert_para
                     "duplicate_token_dropping": '$dtd', "comm_aware_checkpointing": '$cac'}}'
 run=(-m ds_ext.run pretrain_gpt.py)
 [ "$mode" = deepspeed ] && ds_ext='' && run=("$repo/tests/megatron_deepspeed_reference.py" pretrain_gpt.py)
+# TED_INIT_DUMP=DIR: also write each rank's initial weights (tests/megatron_dump_init.py)
+[ -n "${TED_INIT_DUMP:-}" ] && run=("$repo/tests/megatron_dump_init.py" "$TED_INIT_DUMP" pretrain_gpt.py)
 cfg=$(mktemp --suffix=.json)
 cat > "$cfg" <<JSON
 {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1,

@@ -24,6 +24,12 @@ computes a different function of the same whole weight at T = 2 than at T = 1. W
 ``REFERENCE_TENSOR_PARALLEL`` = T the serial model's rows are laid out as the T-rank run reads them
 (q of every shard, then k, then v): the same function and, Adam being elementwise, the same
 trajectory. Checked on the dense model (``--num-experts 1``): serial == TP 2 to 7 digits.
+
+With ``REFERENCE_INIT`` = a directory written by tests/megatron_dump_init.py the serial model
+starts from the distributed run's initial weights instead (whole experts, which the client cannot
+initialize on its CPU path at tensor-parallel 2): tensor-parallel shards of data rank 0
+concatenated along their split dimension (qkv rows laid out as above), expert e from the rank of
+expert rank e // k, tensor rank 0, as local expert e mod k, everything else from rank 0.
 """
 
 from __future__ import annotations
@@ -63,6 +69,29 @@ def relayout_attention(attention_cls: type) -> None:
     attention_cls.__init__ = wrapped
 
 
+def load_distributed_init(model: nn.Module, directory: Path) -> None:
+    """Copy the weights tests/megatron_dump_init.py wrote into the serial ``model`` (docstring)."""
+    dumps = [torch.load(f, weights_only=True) for f in sorted(directory.glob("rank*.pt"))]
+    first = [d for d in dumps if d["data_rank"] == 0 and d["expert_rank"] == 0]
+    shards = sorted(first, key=lambda d: d["tensor_rank"])
+    experts = {d["expert_rank"]: d for d in dumps if d["tensor_rank"] == 0}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mlp.experts." in name or name.endswith(".mlp.wg.weight"):
+                prefix, _, rest = name.partition(".mlp.")
+                if rest == "wg.weight":
+                    p.copy_(shards[0]["params"][f"{prefix}.mlp.deepspeed_moe.gate.wg.weight"])
+                    continue
+                e, _, leaf = rest.removeprefix("experts.").partition(".")
+                local = f"{prefix}.mlp.deepspeed_moe.experts.deepspeed_experts."
+                k = len({n[len(local):].split(".")[0] for n in experts[0]["params"] if n.startswith(local)})
+                p.copy_(experts[int(e) // k]["params"][f"{local}{int(e) % k}.{leaf}"])
+                continue
+            dim = shards[0]["split"][name]
+            whole = torch.cat([d["params"][name] for d in shards], dim) if dim >= 0 else shards[0]["params"][name]
+            p.copy_(qkv_as_tensor_parallel(whole, TENSOR) if ".query_key_value." in name else whole)
+
+
 class ReferenceMoE(nn.Module):
     """``deepspeed.moe.layer.MoE``'s constructor and return, computed by tests/moe_reference.py."""
 
@@ -100,12 +129,24 @@ class ReferenceMoE(nn.Module):
 
 
 if __name__ == "__main__":
+    import deepspeed
     import deepspeed.moe.layer
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # unused on CPU, a 1-min JIT build otherwise
     deepspeed.moe.layer.MoE = ReferenceMoE
-    if TENSOR > 1:
+    if os.environ.get("REFERENCE_INIT"):
+        import functools
+
+        initialize = deepspeed.initialize
+
+        @functools.wraps(initialize)
+        def initialize_from_dump(*args, **kwargs):
+            load_distributed_init(kwargs["model"], Path(os.environ["REFERENCE_INIT"]))
+            return initialize(*args, **kwargs)
+
+        deepspeed.initialize = initialize_from_dump
+    elif TENSOR > 1:
         sys.path.insert(0, os.getcwd())
         import megatron.model.transformer
 

@@ -6,12 +6,15 @@ and its default, experts whole), with and without Megatron's recompute, under
 gradient_clipping 1.0: the printed lm losses equal the same run with DTD / CAC off, and the
 serial reference within fp32 tolerance: the same script on one rank, tensor- and
 expert-parallel 1, its MoE layers computed by tests/moe_reference.py
-(tests/megatron_serial_reference.py), the two data shards as two micro-batches.
+(tests/megatron_serial_reference.py), the two data shards as two micro-batches. Split experts:
+both sides draw the whole weights (``--use-cpu-initialization``); whole experts: the client cannot
+(examples/megatron_deepspeed_ted.sh), so the serial run starts from the TED run's initial weights
+(tests/megatron_dump_init.py).
 
 Needs what the example script needs (its header): ``MDS`` (a copy of the client with its data
 helpers built), ``DS0196`` (deepspeed 0.19.6, which the client imports), ``EXTRA`` (nltk,
 pybind11, an import-only torchvision) and ``DATA`` (a NullTokenizer dataset); skipped
-otherwise. About 5 minutes on 2 cores: not part of the quick suite's budget.
+otherwise. About 8 minutes on 2 cores: not part of the quick suite's budget.
 """
 
 import os
@@ -50,22 +53,22 @@ def _losses(out: str) -> list[float]:
     return [v for _, v in got]
 
 
-def _ted(etp: int, recompute: int, mode: str) -> list[float]:
+def _ted(etp: int, recompute: int, mode: str, dump: Path | None = None) -> list[float]:
+    env = {**os.environ, **ENV, **({"TED_INIT_DUMP": str(dump)} if dump else {})}
     run = subprocess.run(["bash", str(REPO / "examples" / "megatron_deepspeed_ted.sh"), str(etp), str(recompute), mode],
-                         env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900)
+                         env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return _losses(run.stdout)
 
 
-@pytest.fixture(scope="module")
-def serial(tmp_path_factory):
+def _serial(directory: Path, **reference: str) -> list[float]:
     """lm losses of the serial reference run (one rank, plain DeepSpeed 0.19.6, no ds_ext)."""
-    cfg = tmp_path_factory.mktemp("serial") / "ds.json"
+    cfg = directory / "ds.json"
     cfg.write_text('{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1, '
                    '"zero_optimization": {"stage": 0}, "gradient_clipping": 1.0}')
     env = {**os.environ, "PYTHONPATH": f"{ENV['DS0196']}:{ENV['EXTRA']}:{ENV['MDS']}", "OMP_NUM_THREADS": "1",
            "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-           "REFERENCE_DATA_SHARDS": "2"}
+           "REFERENCE_DATA_SHARDS": "2", "REFERENCE_TENSOR_PARALLEL": "2", **reference}
     run = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "1",
                           str(REPO / "tests" / "megatron_serial_reference.py"), "pretrain_gpt.py", *SERIAL_ARGS,
                           "--data-path", ENV["DATA"], "--deepspeed_config", str(cfg)],
@@ -74,11 +77,19 @@ def serial(tmp_path_factory):
     return _losses(run.stdout)
 
 
+@pytest.fixture(scope="module")
+def serial_from_cpu_init(tmp_path_factory):
+    """The serial run from the whole weights ``--use-cpu-initialization`` draws (split experts)."""
+    return _serial(tmp_path_factory.mktemp("serial"))
+
+
 @pytest.mark.parametrize("recompute", [0, 1], ids=["no-recompute", "megatron-recompute"])
 @pytest.mark.parametrize("etp", [1, 0], ids=["experts-split", "experts-whole"])
-def test_pretrain_gpt_tp2_ep2_equals_off_and_serial_reference(serial, etp, recompute):
-    on = _ted(etp, recompute, "on")
+def test_pretrain_gpt_tp2_ep2_equals_off_and_serial_reference(request, tmp_path, etp, recompute):
+    dump = None if etp else tmp_path / "init"  # whole experts: the serial run starts from the TED run's weights
+    on = _ted(etp, recompute, "on", dump)
     off = _ted(etp, recompute, "off" if etp else "cac-off")  # whole experts need DTD (refused without)
     assert on == off  # as printed: 7 significant digits
+    serial = request.getfixturevalue("serial_from_cpu_init") if etp else _serial(tmp_path, REFERENCE_INIT=str(dump))
     assert on == pytest.approx(serial, rel=2e-5, abs=0)
     assert on[-1] < on[0]
