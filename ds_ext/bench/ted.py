@@ -278,6 +278,8 @@ def _train_and_measure(variant: str, model: str, warmup: int, steps: int,
         engine.destroy()
         return {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
     rt.comm.emulator = None
+    per_step = {"bytes_per_step": {lv: rt.ledger.mean_by_level(warmup).get(lv, 0.0) for lv in LEVELS},
+                "calls_per_step": {lv: rt.ledger.mean_calls_by_level(warmup).get(lv, 0.0) for lv in LEVELS}}
     block, stash = _moe_block(engine, cfg, corpus.micro_batch(10**6, 0, data_rank, layout.nonexp_data, micro, 1,
                                                               cfg.seq_len))
     record = {
@@ -285,8 +287,7 @@ def _train_and_measure(variant: str, model: str, warmup: int, steps: int,
         "error": None,
         "layout": {"tensor": layout.tensor, "expert": layout.expert, "expert_data": layout.expert_data},
         "tokens_per_rank": micro * cfg.seq_len,
-        "bytes_per_step": {lv: rt.ledger.mean_by_level(warmup).get(lv, 0.0) for lv in LEVELS},
-        "calls_per_step": {lv: rt.ledger.mean_calls_by_level(warmup).get(lv, 0.0) for lv in LEVELS},
+        **per_step,  # measured before _moe_block, which resets the ledger
         "step_time_s": median(times[False]),
         "step_time_emulated_s": median(times[True]) if times[True] else None,
         "link_time_per_step_s": median(link) if link else None,
