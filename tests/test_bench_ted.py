@@ -22,4 +22,7 @@ def test_quick_benchmark_bytes_per_level(tmp_path):
         assert by[v]["bytes_per_step"]["gcd"] > 0 and by[v]["bytes_per_step"]["node"] > 0, v
         assert by[v]["calls_per_step"]["gcd"] > 0, v
     assert all(data["checks"]["moe_block_ledger_equals_model"].values())
+    # DeepSpeed's tensor-parallel experts all-reduce over the tensor group, through the bench's own
+    # TED context: counted in the engine's ledger too (they were not, once)
+    assert data["checks"]["moe_block_calls"]["deepspeed_ep_tp"].get("all_reduce", 0) > 0
     assert data["checks"]["a2a_bytes_over_ted_base"]["ted_dtd_cac"] < 1

@@ -100,7 +100,9 @@ def _ds_config(variant: str, micro: int, time_scale: float | None) -> dict[str, 
 
 def _deepspeed_tp_model(cfg, state, layout):
     """DeepSpeed's MoE with Megatron-style expert tensor parallelism: ds_ext's tensor-parallel
-    attention / MLP / experts bound to a TED context (DeepSpeed gets its mpu)."""
+    attention / MLP / experts bound to a TED context (DeepSpeed gets its mpu). Returns the model,
+    the mpu and the context's communicator, whose ledger and time emulator :func:`_build` makes
+    the engine's, so its tensor-parallel all-reduces are counted and timed like TED's."""
     import torch.distributed as dist
     from deepspeed.moe.layer import MoE
     from torch import nn
@@ -125,11 +127,12 @@ def _deepspeed_tp_model(cfg, state, layout):
     ted = TEDContext.create(layout, runtime.comm, dtd=False, cac=False)
     for i, m in enumerate(m for m in model.modules() if hasattr(m, "ted_bind")):
         m.ted_bind(ted, i)
-    return model, ted.mpu()
+    return model, ted.mpu(), runtime.comm
 
 
 def _build(variant: str, cfg, micro: int, time_scale: float | None):
-    """(engine, data rank, G_data^nonexp) of one variant; the same initialization for all."""
+    """(engine, layout, data rank, communicators whose ledger and emulator are the engine's) of
+    one variant; the same initialization for all."""
     import torch
     import torch.distributed as dist
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -143,9 +146,10 @@ def _build(variant: str, cfg, micro: int, time_scale: float | None):
     torch.manual_seed(1234)
     state = GPTMoE(cfg).state_dict()
     layout = TEDLayout.build(dist.get_world_size(), T, EXPERT_PARALLEL)
-    mpu = None
+    mpu, side = None, []
     if impl == "deepspeed" and T > 1:
-        model, mpu = _deepspeed_tp_model(cfg, state, layout)
+        model, mpu, comm = _deepspeed_tp_model(cfg, state, layout)
+        side.append(comm)
     else:
         model = GPTMoE(dataclasses.replace(cfg, moe_impl=impl, ep_size=EXPERT_PARALLEL))
         model.load_state_dict(local_expert_state(state, layout.coords(dist.get_rank())["expert"],
@@ -154,8 +158,10 @@ def _build(variant: str, cfg, micro: int, time_scale: float | None):
         {"params": list(model.parameters()), "name": "dense", "lr": 1e-3, "weight_decay": 0.0})
     engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3),
                                    config=_ds_config(variant, micro, time_scale), mpu=mpu)
+    for comm in side:
+        comm.ledger, comm.emulator = engine.ds_ext.comm.ledger, engine.ds_ext.comm.emulator
     d = layout.coords(dist.get_rank())
-    return engine, layout, d["expert"] + EXPERT_PARALLEL * d["expert_data"]
+    return engine, layout, d["expert"] + EXPERT_PARALLEL * d["expert_data"], [engine.ds_ext.comm, *side]
 
 
 def _state_bytes(engine, layout) -> dict[str, Any]:
@@ -251,7 +257,7 @@ def _train_and_measure(variant: str, model: str, warmup: int, steps: int,
 
     cfg, micro = _model_config(model), MODELS[model][4]
     corpus = ByteCorpus()
-    engine, layout, data_rank = _build(variant, cfg, micro, time_scale)
+    engine, layout, data_rank, comms = _build(variant, cfg, micro, time_scale)
     rt = engine.ds_ext
     clock = _LinkClock(rt.comm.emulator) if rt.comm.emulator is not None else None
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -260,7 +266,8 @@ def _train_and_measure(variant: str, model: str, warmup: int, steps: int,
     try:
         for step in range(warmup + 2 * steps):
             emulate = clock is not None and step >= warmup and (step - warmup) % 2 == 1
-            rt.comm.emulator = clock if emulate else None
+            for comm in comms:
+                comm.emulator = clock if emulate else None
             if clock is not None:
                 clock.total = 0.0
             dist.barrier()
@@ -277,7 +284,8 @@ def _train_and_measure(variant: str, model: str, warmup: int, steps: int,
     except RuntimeError as err:
         engine.destroy()
         return {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
-    rt.comm.emulator = None
+    for comm in comms:
+        comm.emulator = None
     per_step = {"bytes_per_step": {lv: rt.ledger.mean_by_level(warmup).get(lv, 0.0) for lv in LEVELS},
                 "calls_per_step": {lv: rt.ledger.mean_calls_by_level(warmup).get(lv, 0.0) for lv in LEVELS}}
     block, stash = _moe_block(engine, cfg, corpus.micro_batch(10**6, 0, data_rank, layout.nonexp_data, micro, 1,
