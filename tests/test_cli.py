@@ -22,6 +22,9 @@ PURE_COMMANDS = (
     ["schema"],
     ["autoload-path"],
     ["plan", "--model", "gpt-5b", "--nodes", "2", "--families", "zero"],
+    ["plan", "--model", "gpt-5b", "--nodes", "2"],  # every family: zero, pmm3d, megatron
+    ["simulate", "--nodes", "2"],
+    ["tune", "--world", "8"],
 )
 HELP_COMMANDS = (["--help"], ["--version"], ["run", "--help"], ["detect", "--help"], ["bench", "--help"])
 
