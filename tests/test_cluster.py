@@ -10,7 +10,8 @@ own one-line reason, where the host cannot (not root, no CAP_NET_ADMIN, no tbf):
 * after a run that ends, fails, or whose runner gets SIGINT / SIGTERM / SIGKILL, no
   namespace, veth, bridge or rank process of that run is left (SIGKILL: the next run
   removes the leftover);
-* the benchmarks' worker pool (``cluster_world``) placed on a cluster talks over its links.
+* the benchmarks' worker pool (``cluster_world``) placed on a cluster talks over its links;
+* ``ds-ext bench pccl --network netns`` (smallest run) predicts from the network it measured.
 """
 
 from __future__ import annotations
@@ -294,3 +295,32 @@ def test_cli_wiring():
     assert (ns.network, ns.gpus_per_node) == ("netns", 2)
     bare = build_parser().parse_args(["cluster", "--node-rate", "1mbit"])
     assert cmd_cluster(bare) == 2
+
+
+def test_bench_pccl_on_the_shaped_network(capable, tmp_path):
+    """``ds-ext bench pccl --network netns``, smallest run (4x2 on 2 GPUs per node, two sizes):
+    no emulation, the network measured first, the predictions are the collective model fed
+    that measurement, and the cluster is gone afterwards."""
+    from ds_ext.cluster.measure import measured_topology
+    from ds_ext.perf import collectives as model
+
+    out = tmp_path / "pccl.json"
+    before = set(netns.list_namespaces())
+    subprocess.run(_cli("bench", "pccl", "--network", "netns", "--node-rate", "200mbit", "--gpu-rate", "400mbit",
+                        "--layouts", "4x2", "--min-size", "64K", "--max-size", "128K", "--repeats", "1",
+                        "--out", str(out)), env=ENV, check=True, timeout=START_TIMEOUT_S + 120)
+    assert set(netns.list_namespaces()) <= before and netns.host_interfaces() == []
+    payload = json.loads(out.read_text())
+    assert payload["network"] == "netns" and payload["emulation"] is None
+    network = payload["measured_network"]["4x2"]
+    assert set(network["levels"]) == {"gpu", "node"}
+    assert network["levels"]["node"]["p2p_bytes_per_s"] == pytest.approx(200e6 / 8, rel=TOLERANCE)
+    topo = measured_topology(network, ("local", "node"))
+    assert len(payload["records"]) == 4  # 2 operations x 2 sizes
+    for r in payload["records"]:
+        assert set(r["median_s"]) == {"ring", "pccl", "native"} and min(r["median_s"].values()) > 0
+        for algo in ("ring", "pccl"):
+            assert r["predicted_s"][algo] == model.time(algo, topo, tuple(range(8)), r["chunk_bytes"])
+        assert r["ledger"]["pccl"]["node"][1] == 2  # ceil(log2 4) messages across nodes
+    star = model.crossover(topo, tuple(range(8)))
+    assert payload["crossover"]["4x2"]["all_gather"]["predicted_size"] == (None if star is None else 8 * star)

@@ -1,16 +1,24 @@
 """``ds-ext bench pccl``: ring vs PCCL vs torch's native all-gather / reduce-scatter (001 §6.3, Fig 6.9).
 
-One gloo world of 8 ranks laid out as 8 emulated nodes x 1 rank and as 4 x 2. For every
-per-rank buffer size (all-gather output / reduce-scatter input, 4 KB - 64 MB by default) and
-both operations, each algorithm runs ``--repeats`` times interleaved (one call of each per
-round, after a barrier); a call's time is the slowest rank's, the record keeps the median.
+One gloo world of 8 ranks laid out as 8 nodes x 1 rank and as 4 x 2. For every per-rank
+buffer size (all-gather output / reduce-scatter input, 4 KB - 64 MB by default) and both
+operations, each algorithm runs ``--repeats`` times interleaved (one call of each per round,
+after a barrier); a call's time is the slowest rank's, the record keeps the median.
 
-ALPHA-BETA EMULATION, not a network: the ranks share one host's loopback, and each collective
-is held until its alpha-beta time on the emulated topology (``ds_ext.comm.emulation``; scaled by
-``--time-scale``) has passed: ring and pccl for the time ``ds_ext.perf.collectives`` predicts,
-native for the emulator's (d - 1) messages at the group level. The measured crossover is then
-the model's crossover plus what gloo's point-to-point really costs on this host, not evidence
-that the model is right; that takes the shaped-network cluster (``ds-ext cluster``) or real nodes.
+``--network emulate`` (ALPHA-BETA EMULATION, not a network): the ranks share one host's
+loopback, and each collective is held until its alpha-beta time on the emulated topology
+(``ds_ext.comm.emulation``; scaled by ``--time-scale``) has passed: ring and pccl for the time
+``ds_ext.perf.collectives`` predicts, native for the emulator's (d - 1) messages at the group
+level. The measured crossover is then the model's crossover plus what gloo's point-to-point
+really costs on this host, not evidence that the model is right.
+
+``--network netns``: no emulation. Each layout runs on its own emulated cluster
+(``ds_ext.cluster``): 8 nodes of one rank, and 4 nodes of 2 ranks, every node link shaped to
+``--node-rate``; with ``--gpu-rate`` the 2 ranks of a node sit on 2 GPUs, each behind its own
+link of that rate (else they share a namespace and its loopback). The network is measured
+first (``ds_ext.cluster.measure``: per level point-to-point bandwidth and half the fastest
+4-byte round trip); the predicted times and crossover are ``ds_ext.perf.collectives`` fed
+those measured α and β (``measured_topology``; nothing fitted to the collectives' times).
 
 Writes JSON (every record, the predicted and measured crossover of each layout and operation)
 and a PNG heatmap of the pccl-over-ring speedup like 001 Fig 6.9.
@@ -32,6 +40,8 @@ OPS = ("all_gather", "reduce_scatter")
 # 15 us (the Frontier preset's gpu and node levels, ds_ext/topology.py)
 INTRA = (50.0, 8.0)
 INTER = (12.5, 15.0)
+EMULATE_LABEL = "ALPHA-BETA EMULATION on one host (not a network)"
+NETNS_LABEL = "shaped network (network namespaces, tc tbf), no emulation; model fed the measured network"
 
 
 def _size(text: str) -> int:
@@ -53,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="multiply emulated times so that they dominate gloo's own cost on one host")
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per layout before the world is killed")
+    p.add_argument("--network", choices=("emulate", "netns"), default="emulate",
+                   help="emulate: alpha-beta holds on one host's loopback; netns: no emulation, each layout's "
+                        "nodes as network namespaces with shaped links (--node-rate, --gpu-rate)")
+    p.add_argument("--node-rate", default=None, metavar="RATE", help="netns: each node's link, e.g. 200mbit")
+    p.add_argument("--gpu-rate", default=None, metavar="RATE",
+                   help="netns: each GPU's link inside a node of the 4x2 layout (one rank per GPU), e.g. 400mbit; "
+                        "without it the node's 2 ranks share its loopback")
 
 
 def _sizes(lo: int, hi: int) -> list[int]:
@@ -68,16 +85,17 @@ def _topology_block(per_node: int) -> dict[str, Any]:
                        {"name": "node", "bandwidth_GBps": INTER[0], "latency_us": INTER[1]}], "emulate": True}
 
 
-def _measure(per_node: int, sizes: list[int], repeats: int, time_scale: float) -> list[dict[str, Any]]:
-    """On every rank: the per-call seconds of each (op, size, algorithm), and its ledger."""
+def _measure(per_node: int, sizes: list[int], repeats: int, time_scale: float | None) -> list[dict[str, Any]]:
+    """On every rank: the per-call seconds of each (op, size, algorithm), and its ledger
+    (``time_scale`` None: no emulation, a real network)."""
     import torch
     import torch.distributed as dist
 
     from ds_ext import config as cfgmod
     from ds_ext.runtime import Runtime
 
-    rt = Runtime.create(cfgmod.parse({"topology": _topology_block(per_node),
-                                      "comm": {"emulate_time": True, "time_scale": time_scale}}))
+    rt = Runtime.create(cfgmod.parse({"topology": _topology_block(per_node), "comm": {
+        "emulate_time": time_scale is not None, "time_scale": time_scale or 1.0}}))
     comm = rt.comm
     out = []
     for op in OPS:
@@ -146,7 +164,7 @@ def plot(payload: dict[str, Any], path) -> None:
         ax.set_title(f"{op}: pccl / ring speedup")
         ax.set_ylabel("per-rank buffer (all-gather output / reduce-scatter input)")
         fig.colorbar(im, ax=ax, fraction=0.05)
-    fig.suptitle("ALPHA-BETA EMULATION on one host (not a network); dashed: the model's crossover", fontsize=9)
+    fig.suptitle(f"{payload['label']}; dashed: the model's crossover", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -159,27 +177,59 @@ def _human(n: float) -> str:
     return f"{n:g} TB"
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+NETNS_MESSAGE_BYTES = 2**20  # network measurement message
+
+
+def _cluster_spec(args: argparse.Namespace, per_node: int):
+    """``--network netns``: the cluster of one layout (see module docstring)."""
+    from ds_ext.cluster.spec import ClusterError, ClusterSpec, LinkShape, parse_rate
+
+    if args.node_rate is None:
+        raise ClusterError("bench pccl --network netns needs --node-rate (e.g. 200mbit)")
+    gpus = per_node if args.gpu_rate is not None and per_node > 1 else 1
+    gpu = LinkShape.of(parse_rate(args.gpu_rate)) if gpus > 1 else None
+    return ClusterSpec(WORLD // per_node, per_node, LinkShape.of(parse_rate(args.node_rate)), gpus, gpu)
+
+
+def _layout_run(args: argparse.Namespace, per_node: int, sizes: list[int]):
+    """One layout's per-rank measurements, the topology its predictions use, and (netns) the
+    measured network: the emulated topology, or the measured one (α, β per level)."""
     from ds_ext import config as cfgmod
     from ds_ext.local_world import World
-    from ds_ext.perf import collectives as model
-    from ds_ext.topology import resolve_topology
-    from ds_ext.topology import detect_environment
+    from ds_ext.topology import detect_environment, resolve_topology
 
-    sizes = _sizes(args.min_size, args.max_size)
-    records: list[dict[str, Any]] = []
-    crossover: dict[str, dict[str, Any]] = {}
-    for layout in args.layouts:
-        per_node = LAYOUTS[layout]
+    if args.network == "emulate":
         topo = resolve_topology(cfgmod.parse({"topology": _topology_block(per_node)}).topology, WORLD,
                                 detect_environment({}))
         with World(WORLD, {"LOCAL_SIZE": str(WORLD)}, timeout=args.timeout) as world:
-            per_rank = world.run(_measure, per_node, sizes, args.repeats, args.time_scale)
+            return world.run(_measure, per_node, sizes, args.repeats, args.time_scale), topo, None
+    from ds_ext.cluster.measure import measure, measured_topology
+    from ds_ext.cluster.world import cluster_world
+
+    with cluster_world(_cluster_spec(args, per_node), timeout=args.timeout) as world:
+        network = world.run(measure, NETNS_MESSAGE_BYTES)[0]
+        per_rank = world.run(_measure, per_node, sizes, args.repeats, None)
+    names = ("node",) if per_node == 1 else ("local", "node")
+    return per_rank, measured_topology(network, names), network
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ds_ext.perf import collectives as model
+
+    netns = args.network == "netns"
+    scale = 1.0 if netns else args.time_scale
+    sizes = _sizes(args.min_size, args.max_size)
+    records: list[dict[str, Any]] = []
+    crossover: dict[str, dict[str, Any]] = {}
+    networks: dict[str, Any] = {}
+    for layout in args.layouts:
+        per_node = LAYOUTS[layout]
+        per_rank, topo, networks[layout] = _layout_run(args, per_node, sizes)
         rows = []
         for k, rec in enumerate(per_rank[0]):
             med = {a: median([max(r[k]["times"][a][i] for r in per_rank) for i in range(args.repeats)])
                    for a in ALGOS}
-            predicted = {a: args.time_scale * model.time(a, topo, tuple(range(WORLD)), rec["chunk_bytes"])
+            predicted = {a: scale * model.time(a, topo, tuple(range(WORLD)), rec["chunk_bytes"])
                          for a in ("ring", "pccl")}
             rows.append({"layout": layout, "op": rec["op"], "size": rec["size"], "chunk_bytes": rec["chunk_bytes"],
                          "median_s": med, "predicted_s": predicted, "ledger": rec["ledger"],
@@ -195,10 +245,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ratio = None if measured is None or predicted is None else measured / predicted
             crossover[layout][op] = {"predicted_size": predicted, "measured_size": measured, "ratio": ratio,
                                      "within_factor_2": None if ratio is None else 0.5 <= ratio <= 2}
-    payload = {"benchmark": "pccl", "emulation": "alpha-beta (one host, not a network)", "world": WORLD,
-               "intra_node": {"GBps": INTRA[0], "us": INTRA[1]}, "inter_node": {"GBps": INTER[0], "us": INTER[1]},
-               "time_scale": args.time_scale, "repeats": args.repeats, "layouts": list(args.layouts),
-               "sizes": sizes, "records": records, "crossover": crossover}
+    label = NETNS_LABEL if netns else EMULATE_LABEL
+    payload = {"benchmark": "pccl", "network": args.network, "emulation": None if netns else label, "world": WORLD,
+               "repeats": args.repeats, "layouts": list(args.layouts), "sizes": sizes, "records": records,
+               "crossover": crossover, "label": label,
+               **({"node_rate": args.node_rate, "gpu_rate": args.gpu_rate, "measured_network": networks} if netns else
+                  {"intra_node": {"GBps": INTRA[0], "us": INTRA[1]}, "inter_node": {"GBps": INTER[0], "us": INTER[1]},
+                   "time_scale": args.time_scale})}
     out = write_json(args.out, payload)
     plot(payload, out.with_suffix(".png"))
     print(f"{'layout':<6} {'op':<15} {'size':>8} {'ring ms':>9} {'pccl ms':>9} {'native ms':>9} "
@@ -212,5 +265,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for op, c in ops.items():
             print(f"crossover {layout} {op}: predicted {c['predicted_size']}, measured {c['measured_size']}, "
                   f"ratio {c['ratio']}")
-    print(f"wrote {out} and {out.with_suffix('.png')} (ALPHA-BETA EMULATION)")
+    print(f"wrote {out} and {out.with_suffix('.png')} ({label})")
     return payload
