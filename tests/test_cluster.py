@@ -32,7 +32,7 @@ from ds_ext.cluster.spec import ClusterError, ClusterSpec, LinkShape, parse_rate
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-       "PYTHONWARNINGS": "ignore"}
+       "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
 NODE_RATE_MBIT = 40
 TOLERANCE = 0.15
 START_TIMEOUT_S = 240  # a runner's start on a host loaded far beyond its cores (load 60 on 2 seen)
@@ -175,6 +175,17 @@ def _start_sleeping_job() -> tuple[subprocess.Popen, str]:
     raise AssertionError(f"the cluster's ranks did not start within {START_TIMEOUT_S} s")
 
 
+def _wait_or_dump(runner: subprocess.Popen) -> None:
+    """Wait for the runner; if it hangs, fail with the Python stacks it dumps on SIGABRT
+    (``PYTHONFAULTHANDLER``): where it hung, not only that it did."""
+    try:
+        runner.wait(timeout=START_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        runner.send_signal(signal.SIGABRT)
+        _, err = runner.communicate(timeout=60)
+        pytest.fail(f"the runner did not exit within {START_TIMEOUT_S} s of the signal; its stacks:\n{err}")
+
+
 def _netns_inodes(rid: str) -> set[int]:
     return {os.stat(f"/var/run/netns/{n}").st_ino for n in netns.list_namespaces()[rid]}
 
@@ -207,7 +218,7 @@ def test_nothing_left_after_runner_killed(capable, sig):
     runner, rid = _start_sleeping_job()
     inodes = _netns_inodes(rid)
     runner.send_signal(sig)
-    runner.wait(timeout=START_TIMEOUT_S)
+    _wait_or_dump(runner)
     if sig == signal.SIGKILL:
         deadline = time.monotonic() + 10  # the ranks die with their runner (parent-death signal)
         while _holders(inodes) and time.monotonic() < deadline:
