@@ -156,11 +156,20 @@ def test_measured_network_two_levels(capable, tmp_path):
     assert db["allgather_correct"] and set(db["levels"]) == {"gpu", "node"}
 
 
+def _as_foreground_job() -> None:
+    """SIGINT back to its default in the runner, as a terminal's foreground job has it: a suite
+    started in the background of a non-interactive shell (``pytest &``, CI wrappers) inherits
+    SIGINT ignored (POSIX), Python then installs no KeyboardInterrupt handler, and the runner
+    rightly ignores the signal its parent was told to ignore."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_sleeping_job() -> tuple[subprocess.Popen, str]:
     """A runner whose 4 ranks sleep; returns it and its run id once its ranks are up."""
     before = set(netns.list_namespaces())
     runner = subprocess.Popen(_cluster("--nodes", "2", "--ranks-per-node", "2", "--node-rate", "10mbit",
-                                   "--", "sleep", "300"), env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True)
+                                   "--", "sleep", "300"), env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=_as_foreground_job)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         new = set(netns.list_namespaces()) - before
