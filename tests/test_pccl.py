@@ -385,6 +385,14 @@ def test_bench_helpers():
     assert _crossover(rows) == 8  # ring faster from 8 on; the dip at 2 is not a crossover
     assert _crossover([{"size": 1, "speedup_pccl_over_ring": 1.5}]) is None
 
+    from ds_ext.bench.pccl import run
+    from ds_ext.cli import build_parser
+    from ds_ext.errors import DsExtError
+
+    ns = build_parser().parse_args(["bench", "pccl", "--out", "unused.json", "--gpu-rate", "1mbit"])
+    with pytest.raises(DsExtError, match="--gpu-rate only apply to --network netns"):
+        run(ns)  # refused before any rank starts: the emulated links would silently replace it
+
 
 # ---- 3D-PMM with its Z axis across nodes: serial-model parity, ledger == ds_ext.perf.pmm --------
 

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from ds_ext.bench import median, write_json
+from ds_ext.errors import DsExtError
 
 WORLD = 8
 LAYOUTS = {"8x1": 1, "4x2": 2}  # name -> ranks per emulated node
@@ -177,9 +178,6 @@ def _human(n: float) -> str:
     return f"{n:g} TB"
 
 
-NETNS_MESSAGE_BYTES = 2**20  # network measurement message
-
-
 def _cluster_spec(args: argparse.Namespace, per_node: int):
     """``--network netns``: the cluster of one layout (see module docstring)."""
     from ds_ext.cluster.spec import ClusterError, ClusterSpec, LinkShape, parse_rate
@@ -204,10 +202,10 @@ def _layout_run(args: argparse.Namespace, per_node: int, sizes: list[int]):
         with World(WORLD, {"LOCAL_SIZE": str(WORLD)}, timeout=args.timeout) as world:
             return world.run(_measure, per_node, sizes, args.repeats, args.time_scale), topo, None
     from ds_ext.cluster.measure import measure, measured_topology
-    from ds_ext.cluster.world import cluster_world
+    from ds_ext.cluster.world import BENCH_MESSAGE_BYTES, cluster_world
 
     with cluster_world(_cluster_spec(args, per_node), timeout=args.timeout) as world:
-        network = world.run(measure, NETNS_MESSAGE_BYTES)[0]
+        network = world.run(measure, BENCH_MESSAGE_BYTES)[0]
         per_rank = world.run(_measure, per_node, sizes, args.repeats, None)
     names = ("node",) if per_node == 1 else ("local", "node")
     return per_rank, measured_topology(network, names), network
@@ -217,6 +215,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ds_ext.perf import collectives as model
 
     netns = args.network == "netns"
+    given = [flag for flag, v in (("--node-rate", args.node_rate), ("--gpu-rate", args.gpu_rate)) if v]
+    if given and not netns:
+        raise DsExtError(f"bench pccl: {' and '.join(given)} only apply to --network netns (its shaped links); "
+                         "--network emulate runs the emulated topology's links")
     scale = 1.0 if netns else args.time_scale
     sizes = _sizes(args.min_size, args.max_size)
     records: list[dict[str, Any]] = []

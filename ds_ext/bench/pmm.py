@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from ds_ext.bench import median, write_json
-from ds_ext.cluster.world import add_network_arguments
+from ds_ext.cluster.world import BENCH_MESSAGE_BYTES, add_network_arguments
 
 WORLD = 8
 LEVELS = ("gcd", "gpu", "node")
@@ -55,7 +55,6 @@ PREDICTORS = ("predicted_paper_comm_s", "predicted_comm_s", "predicted_per_rank_
 RANKING_MODEL = "predicted_alpha_beta_comm_s"
 NETNS_PREDICTOR = "predicted_measured_network_comm_s"
 QUICK_GRIDS = ["2,2,2,1", "8,1,1,1", "1,1,1,8", "2,1,1,4"]
-NETNS_MESSAGE_BYTES = 2**20  # network measurement message: 0.1 s on a 100 Mbit/s link
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -467,7 +466,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     common = (args.model, args.global_batch, args.warmup, args.steps, None if netns else args.time_scale)
     records: list[dict[str, Any]] = []
     with bench_world(args, WORLD, {"LOCAL_SIZE": str(WORLD)}) as world:
-        network = world.run(measure, NETNS_MESSAGE_BYTES)[0] if netns else None
+        network = world.run(measure, BENCH_MESSAGE_BYTES)[0] if netns else None
         for kind, grid, on in tqdm(jobs, desc="bench pmm", unit="variant"):
             if kind == "pmm":
                 records.append(world.run(_measure_pmm, grid, on, *common)[0])

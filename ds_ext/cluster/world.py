@@ -35,6 +35,7 @@ def cluster_world(spec: ClusterSpec, env: dict[str, str] | None = None, timeout:
 
 # ---- the benchmarks' --network flag -----------------------------------------------------------
 BENCH_NODES, BENCH_GPUS_PER_NODE = 2, 2  # the benchmarks' topology: Frontier shrunk to 2 x 2 x 2
+BENCH_MESSAGE_BYTES = 2**20  # the benchmarks' network measurement message: 0.1 s on a 100 Mbit/s link
 
 
 def add_network_arguments(p: argparse.ArgumentParser) -> None:
