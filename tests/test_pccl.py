@@ -387,10 +387,10 @@ def test_bench_helpers():
 
     from ds_ext.bench.pccl import run
     from ds_ext.cli import build_parser
-    from ds_ext.errors import DsExtError
+    from ds_ext.cluster.spec import ClusterError
 
     ns = build_parser().parse_args(["bench", "pccl", "--out", "unused.json", "--gpu-rate", "1mbit"])
-    with pytest.raises(DsExtError, match="--gpu-rate only apply to --network netns"):
+    with pytest.raises(ClusterError, match="--gpu-rate only apply to --network netns"):
         run(ns)  # refused before any rank starts: the emulated links would silently replace it
 
 

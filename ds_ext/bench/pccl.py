@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from ds_ext.bench import median, write_json
-from ds_ext.errors import DsExtError
+from ds_ext.cluster.world import refuse_link_flags_when_emulating
 
 WORLD = 8
 LAYOUTS = {"8x1": 1, "4x2": 2}  # name -> ranks per emulated node
@@ -215,10 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from ds_ext.perf import collectives as model
 
     netns = args.network == "netns"
-    given = [flag for flag, v in (("--node-rate", args.node_rate), ("--gpu-rate", args.gpu_rate)) if v]
-    if given and not netns:
-        raise DsExtError(f"bench pccl: {' and '.join(given)} only apply to --network netns (its shaped links); "
-                         "--network emulate runs the emulated topology's links")
+    refuse_link_flags_when_emulating(args)
     scale = 1.0 if netns else args.time_scale
     sizes = _sizes(args.min_size, args.max_size)
     records: list[dict[str, Any]] = []

@@ -56,9 +56,22 @@ def bench_cluster_spec(args: argparse.Namespace, world_size: int) -> ClusterSpec
     return spec
 
 
+LINK_FLAGS = ("node_rate", "node_burst", "gpu_rate", "gpu_burst", "config")  # what only --network netns reads
+
+
+def refuse_link_flags_when_emulating(args: argparse.Namespace) -> None:
+    """``--network emulate`` with a flag that shapes the cluster's links: one line, not a
+    setting silently replaced by the emulated topology."""
+    given = ["--" + f.replace("_", "-") for f in LINK_FLAGS if getattr(args, f, None) is not None]
+    if args.network == "emulate" and given:
+        raise ClusterError(f"{' and '.join(given)} only apply to --network netns (its shaped links); "
+                           "--network emulate runs the emulated topology's links")
+
+
 def bench_world(args: argparse.Namespace, world_size: int, env: dict[str, str]):
     """The world a benchmark runs its variants in: local ranks with ``env`` (``--network
     emulate``), or ranks on the emulated cluster, whose variables say the truth about it."""
+    refuse_link_flags_when_emulating(args)
     if args.network == "netns":
         return cluster_world(bench_cluster_spec(args, world_size), timeout=args.timeout)
     return World(world_size, env, timeout=args.timeout)
