@@ -238,9 +238,9 @@ def cmd_autoload_path(_: argparse.Namespace) -> int:
 def cmd_run(argv: list[str]) -> int:
     """``ds-ext run ...``: ``python -m ds_ext.run ...`` (its own arguments: argparse would take a
     script's options for ds-ext's)."""
-    from ds_ext.run import main as run_main
+    from ds_ext.run import run_process
 
-    run_main(argv)
+    run_process(argv)
     return 0
 
 

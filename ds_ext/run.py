@@ -93,9 +93,33 @@ def main(argv: list[str] | None = None) -> None:
         runpy.run_path(target, run_name="__main__")
 
 
+def run_process(argv: list[str] | None = None) -> None:
+    """:func:`main` as a process's entry point: after a clean run (a return or exit status 0),
+    the process groups the script left are destroyed while Python still runs.
+
+    torch asks every job to; a gloo worker thread that outlives the interpreter's teardown can
+    abort it ("terminate called without an active exception", pytorch#190489). Not after a
+    failure: destroying groups whose peers still wait in a collective can hang (torchtitan#1342).
+    """
+    try:
+        main(argv)
+    except SystemExit as done:
+        if done.code not in (None, 0):
+            raise
+        _destroy_process_groups()
+        raise
+    _destroy_process_groups()
+
+
+def _destroy_process_groups() -> None:
+    dist = sys.modules.get("torch.distributed")  # a script that never imported it has none (nor --help)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     try:
-        main()
+        run_process()
     except DsExtError as err:
         print(f"ds_ext.run: error: {err}", file=sys.stderr)
         sys.exit(2)

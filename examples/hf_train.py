@@ -55,6 +55,8 @@ def main() -> None:
             print(f"step {step}: loss {sum(losses) / len(losses):.6f}", flush=True)
     if rank == 0:
         print(engine.ds_ext.report())
+    engine.destroy()
+    dist.destroy_process_group()  # as torch asks of every job: gloo's threads stop while Python still runs
 
 
 if __name__ == "__main__":

@@ -129,6 +129,8 @@ def main() -> None:
               f"({elapsed / args.steps:.2f} s/step), {cfg.num_parameters:,} parameters, "
               f"M = {runtime.model_bytes:,} bytes")
         print(runtime.report())
+    engine.destroy()
+    dist.destroy_process_group()  # as torch asks of every job: gloo's threads stop while Python still runs
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import warnings
 from argparse import Namespace
 from pathlib import Path
@@ -251,6 +252,30 @@ def test_unmodified_script_under_ds_ext_run_matches_the_ds_ext_example(tmp_path)
     losses_u, table_u = _losses_and_table(unmodified)
     assert len(losses) == 3 and losses_u == losses
     assert table_u == table and table[1].startswith("level")
+
+
+EXIT_SCRIPT = """
+import atexit, sys
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("status", [0, 3])
+def test_ds_ext_run_destroys_the_process_groups_after_a_clean_run_only(tmp_path, status):
+    """A clean exit leaves no gloo group to the interpreter's teardown (pytorch#190489); a failed
+    one keeps its groups (destroying them could wait on peers stuck in a collective)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "exits.py"
+    script.write_text(EXIT_SCRIPT.format(port=port))
+    done = subprocess.run([sys.executable, "-m", "ds_ext.run", str(script), str(status)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == status, done.stderr[-2000:]
+    assert f"initialized at exit: {status != 0}" in done.stdout
 
 
 def test_autoload_path_activates_ds_ext_in_every_process_without_importing_deepspeed(tmp_path):
