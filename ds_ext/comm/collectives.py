@@ -238,6 +238,7 @@ class Communicator:
         self.algorithm = self._checked(algorithm)
         self.watch: Watch | None = None
         self._gloo_groups: dict[object, bool] = {}
+        self._downward = self._downward_group()
 
     def failed(self, op: str, group: object | None, err: BaseException) -> BaseException:
         """The one-line :class:`CommError` for a failed collective (``err`` if it is one)."""
@@ -252,6 +253,17 @@ class Communicator:
             f"answer within the collective timeout (ds_ext.comm.timeout_s = {timeout}): {cause}"
         )
 
+    def _downward_group(self) -> object | None:
+        """On a gloo world, a second group of all ranks: the p2p algorithms send their messages to
+        lower ranks over it, so a pair exchanging both ways uses two connections
+        (:func:`ds_ext.comm.algorithms.p2p_exchange`). Created here, collectively: every rank
+        builds its Communicator, in the same order (a group made lazily by one collective's
+        members only would need a name every member agrees on, which torch derives from each
+        process's own count of groups)."""
+        if not dist.is_initialized() or dist.get_backend() != "gloo":
+            return None
+        return dist.new_group(list(range(dist.get_world_size())), timeout=self.registry.timeout)
+
     @contextlib.contextmanager
     def guard(self, op: str, group: object | None) -> Iterator[None]:
         """Turn a failed collective into one :class:`CommError` line."""
@@ -265,8 +277,9 @@ class Communicator:
     def _watched(self, group: object | None) -> bool:
         """Whether collectives over ``group`` wait watched by :attr:`watch` (gloo only: an NCCL
         work's wait returns at once, its hangs are NCCL's watchdog's to report)."""
-        if self.watch is None:
-            return False
+        return self.watch is not None and self._is_gloo(group)
+
+    def _is_gloo(self, group: object | None) -> bool:
         if group not in self._gloo_groups:
             self._gloo_groups[group] = dist.get_backend(group) == "gloo"
         return self._gloo_groups[group]
@@ -322,7 +335,8 @@ class Communicator:
         start = time.perf_counter()
         run = algorithms.all_gather if op == "all_gather" else algorithms.reduce_scatter
         with self.guard(op, group):
-            run(algorithm, _flat(output), _flat(input), ranks, dist.get_rank(), self.registry.topology, group, tally)
+            run(algorithm, _flat(output), _flat(input), ranks, dist.get_rank(), self.registry.topology, group, tally,
+                self._downward if self._is_gloo(group) else None)
         for level, nbytes in tally.bytes.items():
             self.ledger.record(op, level, nbytes, tally.messages[level])
         deadline = start
