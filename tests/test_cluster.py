@@ -142,7 +142,7 @@ def test_measured_network(capable, tmp_path):
     db, table = _measure_shaped(tmp_path, {("node", "p2p_bytes_per_s"): rate,
                                            ("node", "allgather_span_bytes_per_s"): rate},
                                 "--world", "4", "--nodes", "2", "--node-rate", f"{NODE_RATE_MBIT}mbit")
-    assert db["allgather_correct"]
+    assert db["allgather_correct"] and db["step_latency_s"] > 0
     assert db["levels"]["node"]["shaped_bytes_per_s"] == rate
     assert db["levels"]["local"]["p2p_bytes_per_s"] > 3 * rate, table  # the shape is the node link's, not the host's
 
@@ -316,7 +316,8 @@ def test_cluster_world(capable):
 
 def test_measured_topology_shares_links_among_their_ranks():
     """A measured network as a Topology: a GPU link's bandwidth divided by the ranks of a GPU,
-    a node link's by the ranks of a node (Eq 5.7's β_inter is then the node link)."""
+    a node link's by the ranks of a node (Eq 5.7's β_inter is then the node link); a level's
+    latency is the idle pair's or the job's step latency, the longer."""
     from ds_ext.cluster.measure import measured_topology
     from ds_ext.perf.pmm import Bandwidths
 
@@ -330,6 +331,8 @@ def test_measured_topology_shares_links_among_their_ranks():
     assert [lv.bandwidth for lv in topo.levels] == [2e8, 1e7 / 2, 5e6 / 4]
     assert [lv.latency for lv in topo.levels] == [1e-4, 2e-4, 3e-4]
     assert Bandwidths.from_topology(topo).beta_inter == 5e6
+    busy = measured_topology({**db, "step_latency_s": 2.5e-4}, ("gcd", "gpu", "node"))
+    assert [lv.latency for lv in busy.levels] == [2.5e-4, 2.5e-4, 3e-4]  # the job's step latency where longer
     with pytest.raises(ValueError, match="cannot name"):
         measured_topology(db, ("gpu", "node"))
 

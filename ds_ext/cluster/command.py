@@ -118,6 +118,8 @@ def format_measurement(db: dict[str, Any]) -> str:
         lines.append(f"{name:<6} {'%d-%d' % tuple(lv['pair']):>5} {mbit(lv['shaped_bytes_per_s']):>7} "
                      f"{mbit(lv['p2p_bytes_per_s']):>7} {mbit(lv['allgather_span_bytes_per_s']):>16} "
                      f"{mbit(lv['allgather_cross_bytes_per_s']):>17} {lv['latency_s'] * 1e6:>11.0f}")
+    if db.get("step_latency_s") is not None:
+        lines.append(f"step latency (every rank exchanging at once): {db['step_latency_s'] * 1e6:.0f} us per message")
     lines.append(f"all-gather correct on every rank: {db['allgather_correct']}")
     return "\n".join(lines)
 

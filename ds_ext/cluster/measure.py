@@ -22,6 +22,12 @@ For each level, with rank 0 and the first rank ``b`` across that level:
   (measured here at 60-97 % of the rate, mostly about 66 %, where the span all-gather reaches 97 %): reported,
   not checked against the rate.
 
+And once for the job: the step latency, a ring step's time per 4-byte message with every
+rank exchanging at once (send to r + 1, receive from r - 1; the fastest of 20 runs of W - 1
+steps, over W - 1). It is what a collective's message costs when all W ranks of the job
+communicate: on a host whose cores serve every rank (8 ranks on 2 cores: about 1 ms) it is
+far above an idle pair's latency (50-100 µs), and it is the latency a collective sees.
+
 Rank 0 writes the JSON.
 """
 
@@ -138,7 +144,23 @@ def measure(message_bytes: int) -> dict[str, Any]:
         levels[level].update(allgather_span_group=span, allgather_span_bytes_per_s=span_bw,
                              allgather_cross_group=cross, allgather_cross_bytes_per_s=(
                                  span_bw if cross == span else _allgather_bandwidth(rank, cross, big)))
-    return {"network": "netns", "cluster": spec.to_json(), "message_bytes": message_bytes, "levels": levels}
+    world = dist.get_world_size()
+    step = None
+    if world > 1:
+        _ring_steps(rank, world, small, small.clone())  # warm-up
+        step = _timed(lambda: _ring_steps(rank, world, small, small.clone()), PING_REPEATS) / (world - 1)
+    return {"network": "netns", "cluster": spec.to_json(), "message_bytes": message_bytes, "levels": levels,
+            "step_latency_s": step}
+
+
+def _ring_steps(rank: int, world: int, send, recv) -> None:
+    """``world`` - 1 ring steps of one message: to ``rank`` + 1 and from ``rank`` - 1 at once."""
+    import torch.distributed as dist
+
+    for _ in range(world - 1):
+        ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
 def _allgather_bandwidth(rank: int, members: list[int], inp) -> float:
@@ -181,14 +203,18 @@ def measured_topology(db: dict[str, Any], names: tuple[str, ...]) -> Topology:
     ``Level.bandwidth`` is per rank while all ranks use the level: a shaped link is shared by
     the ranks behind it, so a GPU link's measured point-to-point bandwidth is divided by the
     ranks of a GPU and a node link's by the ranks of a node (Eq 5.7's β_inter is then the node
-    link itself); loopback is per rank as measured. Latency: half the measured round trip."""
+    link itself); loopback is per rank as measured. Latency: half the idle pair's round trip,
+    or the job's step latency where that is longer (every rank of a collective communicates at
+    once; a measurement without it, from before it was taken, gives the pair's)."""
     spec = spec_from_json(db["cluster"])
     present = [lv for lv in LEVEL_ORDER if lv in db["levels"]]
     if len(present) != len(names):
         raise ValueError(f"the cluster measured levels {present}; cannot name them {list(names)}")
     sharing = {"local": 1, "gpu": spec.ranks_per_leaf, "node": spec.ranks_per_node}
     sizes = {"local": spec.ranks_per_leaf, "gpu": spec.gpus_per_node, "node": spec.nodes}
-    levels = [Level(name, sizes[lv], db["levels"][lv]["p2p_bytes_per_s"] / sharing[lv], db["levels"][lv]["latency_s"])
+    step = db.get("step_latency_s") or 0.0
+    levels = [Level(name, sizes[lv], db["levels"][lv]["p2p_bytes_per_s"] / sharing[lv],
+                    max(db["levels"][lv]["latency_s"], step))
               for name, lv in zip(names, present)]
     return Topology(tuple(levels), "measured-netns")
 
