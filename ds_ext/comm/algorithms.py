@@ -197,7 +197,8 @@ def recursive_doubling_all_gather(
     work[0].copy_(chunk)
     for dist_k, m in dissemination_steps(n):
         exchange(work[:m], ranks[(r - dist_k) % n], work[dist_k:dist_k + m], ranks[(r + dist_k) % n])
-    out.copy_(torch.roll(work, shifts=r, dims=0))
+    out[r:].copy_(work[:n - r])  # the rotation, in one pass: row b is position b - r (mod n)
+    out[:r].copy_(work[n - r:])
 
 
 def recursive_halving_reduce_scatter(
@@ -209,8 +210,9 @@ def recursive_halving_reduce_scatter(
     r - 2^k into positions [0, m_k)."""
     n = len(ranks)
     work = torch.roll(blocks, shifts=-r, dims=0).contiguous()
-    recv = torch.empty_like(work)
-    for dist_k, m in reversed(dissemination_steps(n)):
+    steps = dissemination_steps(n)
+    recv = work.new_empty((max((m for _, m in steps), default=0), *work.shape[1:]))
+    for dist_k, m in reversed(steps):
         exchange(work[dist_k:dist_k + m], ranks[(r + dist_k) % n], recv[:m], ranks[(r - dist_k) % n])
         work[:m] += recv[:m]
     out.copy_(work[0])
@@ -234,10 +236,12 @@ def all_gather(
     h = require_hierarchy(topology, ranks)
     i, j = h.position(me)
     inter = h.node_comm(j)
-    across = torch.empty(h.N, c, dtype=input.dtype, device=input.device)
-    recursive_doubling_all_gather(input, across, inter, i, p2p_exchange(group, tally, topology.level_of(inter), mirror))
+    across_nodes = p2p_exchange(group, tally, topology.level_of(inter), mirror)
+    if h.M == 1:  # no node phase, no shuffle: straight into the output
+        recursive_doubling_all_gather(input, output.view(h.N, c), inter, i, across_nodes)
+        return
     local = torch.empty(h.M, h.N * c, dtype=input.dtype, device=input.device)
-    local[j].copy_(across.view(-1))
+    recursive_doubling_all_gather(input, local[j].view(h.N, c), inter, i, across_nodes)
     ring_all_gather(local, h.nodes[i], j, p2p_exchange(group, tally, topology.level_of(h.nodes[i]), mirror))
     output.view(h.N, h.M, c).copy_(local.view(h.M, h.N, c).transpose(0, 1))
 
@@ -256,9 +260,12 @@ def reduce_scatter(
         return
     h = require_hierarchy(topology, ranks)
     i, j = h.position(me)
-    by_local = input.view(h.N, h.M, c).transpose(0, 1).contiguous()  # (M, N, c)
-    partial = torch.empty(h.N, c, dtype=input.dtype, device=input.device)
-    ring_reduce_scatter(by_local.view(h.M, h.N * c), partial.view(-1), h.nodes[i], j,
-                        p2p_exchange(group, tally, topology.level_of(h.nodes[i]), mirror))
+    if h.M == 1:  # no shuffle, no node phase (a ring of one rank adds nothing)
+        partial = input.view(h.N, c)
+    else:
+        by_local = input.view(h.N, h.M, c).transpose(0, 1).contiguous()  # (M, N, c)
+        partial = torch.empty(h.N, c, dtype=input.dtype, device=input.device)
+        ring_reduce_scatter(by_local.view(h.M, h.N * c), partial.view(-1), h.nodes[i], j,
+                            p2p_exchange(group, tally, topology.level_of(h.nodes[i]), mirror))
     inter = h.node_comm(j)
     recursive_halving_reduce_scatter(partial, output, inter, i, p2p_exchange(group, tally, topology.level_of(inter), mirror))
