@@ -57,6 +57,7 @@ class GroupRegistry:
         self._ranks: dict[object, tuple[int, ...]] = {}
         self._levels: dict[object, str | None] = {}  # per group, computed once (the ledger's hot path)
         self._group_rank: dict[object, int] = {}
+        self._downward: object | None = None
 
     def group(self, partition: Partition) -> object:
         """This rank's process group of ``partition`` (created collectively once)."""
@@ -67,6 +68,8 @@ class GroupRegistry:
         world = tuple(range(self.topology.world_size))
         me = dist.get_rank()
         mine = None
+        if any(ranks != world for ranks in partition) and dist.get_backend() == "gloo":
+            self.make_p2p_downward()  # collective here, like every group of the partition
         for ranks in partition:
             if ranks == world:
                 pg_i = dist.group.WORLD
@@ -79,6 +82,20 @@ class GroupRegistry:
             raise GroupError(f"rank {me} is in no group of {partition}")
         self._by_partition[partition] = mine
         return mine
+
+    def p2p_downward(self) -> object | None:
+        """On gloo, a second group of all ranks over which ``ds_ext.comm.algorithms`` send their
+        point-to-point messages to lower ranks, so a pair exchanging both ways uses two
+        connections (gloo moves a pair's two directions over one connection one after the other);
+        None until made: with this registry's first group, or by :meth:`make_p2p_downward`."""
+        return self._downward
+
+    def make_p2p_downward(self) -> object:
+        """Make :meth:`p2p_downward` now (once). Collective over the world."""
+        import torch.distributed as dist
+        if self._downward is None:
+            self._downward = dist.new_group(list(range(self.topology.world_size)), timeout=self.timeout)
+        return self._downward
 
     def span(self, level: str) -> object:
         """Ranks sharing one domain of ``level`` (gcd: the GCD pair, gpu: the node)."""

@@ -238,7 +238,6 @@ class Communicator:
         self.algorithm = self._checked(algorithm)
         self.watch: Watch | None = None
         self._gloo_groups: dict[object, bool] = {}
-        self._downward = self._downward_group()
 
     def failed(self, op: str, group: object | None, err: BaseException) -> BaseException:
         """The one-line :class:`CommError` for a failed collective (``err`` if it is one)."""
@@ -252,17 +251,6 @@ class Communicator:
             f"ds_ext.comm: {op} over {len(ranks)} ranks ({level} level) failed: a peer rank died or did not "
             f"answer within the collective timeout (ds_ext.comm.timeout_s = {timeout}): {cause}"
         )
-
-    def _downward_group(self) -> object | None:
-        """On a gloo world, a second group of all ranks: the p2p algorithms send their messages to
-        lower ranks over it, so a pair exchanging both ways uses two connections
-        (:func:`ds_ext.comm.algorithms.p2p_exchange`). Created here, collectively: every rank
-        builds its Communicator, in the same order (a group made lazily by one collective's
-        members only would need a name every member agrees on, which torch derives from each
-        process's own count of groups)."""
-        if not dist.is_initialized() or dist.get_backend() != "gloo":
-            return None
-        return dist.new_group(list(range(dist.get_world_size())), timeout=self.registry.timeout)
 
     @contextlib.contextmanager
     def guard(self, op: str, group: object | None) -> Iterator[None]:
@@ -336,7 +324,7 @@ class Communicator:
         run = algorithms.all_gather if op == "all_gather" else algorithms.reduce_scatter
         with self.guard(op, group):
             run(algorithm, _flat(output), _flat(input), ranks, dist.get_rank(), self.registry.topology, group, tally,
-                self._downward if self._is_gloo(group) else None)
+                self._downward(group, ranks))
         for level, nbytes in tally.bytes.items():
             self.ledger.record(op, level, nbytes, tally.messages[level])
         deadline = start
@@ -344,6 +332,18 @@ class Communicator:
             chunk = _nbytes(input) if op == "all_gather" else _nbytes(output)
             deadline += self.emulator.scale * model.time(algorithm, self.registry.topology, ranks, chunk)
         return self._finish(op, group, None, deadline, async_op)
+
+    def _downward(self, group: object | None, ranks: tuple[int, ...]) -> object | None:
+        """On gloo, the group that carries the p2p algorithms' messages to lower ranks
+        (:meth:`GroupRegistry.p2p_downward`); made here by a collective that every rank runs
+        (its group spans the world), else None until the registry makes it with its first
+        group: that collective then uses one connection per pair."""
+        if not self._is_gloo(group):
+            return None
+        downward = self.registry.p2p_downward()
+        if downward is None and len(ranks) == self.registry.topology.world_size:
+            downward = self.registry.make_p2p_downward()
+        return downward
 
     def _finish(self, op: str, group, work, deadline: float, async_op: bool, after=None) -> Handle | None:
         watch = (op, self.watch) if work is not None and self._watched(group) else None
