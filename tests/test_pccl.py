@@ -377,7 +377,7 @@ def test_presets_ledger_equals_model(world, preset, algorithm):
             assert r["messages"]["node"] < r["calls"]["node"] * 7
 
 
-def test_bench_helpers():
+def test_bench_helpers(tmp_path):
     from ds_ext.bench.pccl import _crossover, _size
 
     assert (_size("4K"), _size("64M"), _size("4096"), _size("1mb")) == (4096, 64 << 20, 4096, 1 << 20)
@@ -389,7 +389,7 @@ def test_bench_helpers():
     from ds_ext.cli import build_parser
     from ds_ext.cluster.spec import ClusterError
 
-    ns = build_parser().parse_args(["bench", "pccl", "--out", "unused.json", "--gpu-rate", "1mbit"])
+    ns = build_parser().parse_args(["bench", "pccl", "--out", str(tmp_path / "unused.json"), "--gpu-rate", "1mbit"])
     with pytest.raises(ClusterError, match="--gpu-rate only apply to --network netns"):
         run(ns)  # refused before any rank starts: the emulated links would silently replace it
 

@@ -119,29 +119,30 @@ class Tally:
 Exchange = Callable[[torch.Tensor, int, torch.Tensor, int], None]
 
 
-def p2p_exchange(group: object | None, tally: Tally, level: str | None, mirror: object | None = None) -> Exchange:
+def p2p_exchange(group: object | None, tally: Tally, level: str | None, downward: object | None = None) -> Exchange:
     """send(t, dst) and recv(into, src) at once over ``group`` (global ranks), counted in ``tally``.
 
     Both directions of a pair run at once (full duplex, as the model assumes), also where a step
     exchanges with one peer both ways (dissemination at distance N/2, a ring of 2):
 
-    * ``mirror`` given (gloo): a second group holding every rank of ``group`` (its own
-      connections) carries the messages to a lower rank, ``group`` those to a higher one. Gloo
+    * ``downward`` given (gloo): a second group holding every rank of ``group`` (its own
+      connections, :meth:`ds_ext.groups.GroupRegistry.p2p_downward`) carries the messages to a
+      lower rank, ``group`` those to a higher one. Gloo
       moves a pair's two directions over its one connection one after the other: on the shaped
       cluster (8 nodes, 200 Mbit/s) an exchange of 4 MB each way with one peer took 2.0x a
-      one-way 4 MB send, 1.25x with the mirror (1.1x between two different peers).
+      one-way 4 MB send, 1.25x with the second group (1.1x between two different peers).
     * otherwise one ``batch_isend_irecv``: NCCL / RCCL run it as one group call, so two ranks
       that both send first cannot wait on each other.
     """
     me = dist.get_rank()
 
     def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
-        if mirror is None:
+        if downward is None:
             works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, dst, group),
                                             dist.P2POp(dist.irecv, recv, src, group)])
         else:
-            works = [dist.isend(send, dst, group=group if dst > me else mirror),
-                     dist.irecv(recv, src, group=group if me > src else mirror)]
+            works = [dist.isend(send, dst, group=group if dst > me else downward),
+                     dist.irecv(recv, src, group=group if me > src else downward)]
         for w in works:
             w.wait()
         tally.bytes[level] += send.numel() * send.element_size()  # type: ignore[index]
@@ -222,41 +223,41 @@ def recursive_halving_reduce_scatter(
 
 def all_gather(
     algorithm: str, output: torch.Tensor, input: torch.Tensor, ranks: tuple[int, ...], me: int,
-    topology: Topology, group: object | None, tally: Tally, mirror: object | None = None,
+    topology: Topology, group: object | None, tally: Tally, downward: object | None = None,
 ) -> None:
     """``output`` (d c) = every group rank's ``input`` (c), by ``ring`` or ``pccl`` (flat tensors);
-    ``mirror``: see :func:`p2p_exchange`."""
+    ``downward``: see :func:`p2p_exchange`."""
     d, c = len(ranks), input.numel()
     if algorithm == "ring":
         blocks = output.view(d, c)
         g = ranks.index(me)
         blocks[g].copy_(input)
-        ring_all_gather(blocks, ranks, g, p2p_exchange(group, tally, topology.level_of(ranks), mirror))
+        ring_all_gather(blocks, ranks, g, p2p_exchange(group, tally, topology.level_of(ranks), downward))
         return
     h = require_hierarchy(topology, ranks)
     i, j = h.position(me)
     inter = h.node_comm(j)
-    across_nodes = p2p_exchange(group, tally, topology.level_of(inter), mirror)
+    across_nodes = p2p_exchange(group, tally, topology.level_of(inter), downward)
     if h.M == 1:  # no node phase, no shuffle: straight into the output
         recursive_doubling_all_gather(input, output.view(h.N, c), inter, i, across_nodes)
         return
     local = torch.empty(h.M, h.N * c, dtype=input.dtype, device=input.device)
     recursive_doubling_all_gather(input, local[j].view(h.N, c), inter, i, across_nodes)
-    ring_all_gather(local, h.nodes[i], j, p2p_exchange(group, tally, topology.level_of(h.nodes[i]), mirror))
+    ring_all_gather(local, h.nodes[i], j, p2p_exchange(group, tally, topology.level_of(h.nodes[i]), downward))
     output.view(h.N, h.M, c).copy_(local.view(h.M, h.N, c).transpose(0, 1))
 
 
 def reduce_scatter(
     algorithm: str, output: torch.Tensor, input: torch.Tensor, ranks: tuple[int, ...], me: int,
-    topology: Topology, group: object | None, tally: Tally, mirror: object | None = None,
+    topology: Topology, group: object | None, tally: Tally, downward: object | None = None,
 ) -> None:
     """``output`` (c) = sum over the group of chunk ``me`` of ``input`` (d c), by ``ring`` or
-    ``pccl`` in the summation order of the module docstring (flat tensors); ``mirror``: see
+    ``pccl`` in the summation order of the module docstring (flat tensors); ``downward``: see
     :func:`p2p_exchange`."""
     d, c = len(ranks), output.numel()
     if algorithm == "ring":
         g = ranks.index(me)
-        ring_reduce_scatter(input.view(d, c), output, ranks, g, p2p_exchange(group, tally, topology.level_of(ranks), mirror))
+        ring_reduce_scatter(input.view(d, c), output, ranks, g, p2p_exchange(group, tally, topology.level_of(ranks), downward))
         return
     h = require_hierarchy(topology, ranks)
     i, j = h.position(me)
@@ -266,6 +267,6 @@ def reduce_scatter(
         by_local = input.view(h.N, h.M, c).transpose(0, 1).contiguous()  # (M, N, c)
         partial = torch.empty(h.N, c, dtype=input.dtype, device=input.device)
         ring_reduce_scatter(by_local.view(h.M, h.N * c), partial.view(-1), h.nodes[i], j,
-                            p2p_exchange(group, tally, topology.level_of(h.nodes[i]), mirror))
+                            p2p_exchange(group, tally, topology.level_of(h.nodes[i]), downward))
     inter = h.node_comm(j)
-    recursive_halving_reduce_scatter(partial, output, inter, i, p2p_exchange(group, tally, topology.level_of(inter), mirror))
+    recursive_halving_reduce_scatter(partial, output, inter, i, p2p_exchange(group, tally, topology.level_of(inter), downward))
