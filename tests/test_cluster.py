@@ -360,7 +360,7 @@ def test_bench_pccl_on_the_shaped_network(capable, tmp_path):
     out = tmp_path / "pccl.json"
     before = set(netns.list_namespaces())
     subprocess.run(_cli("bench", "pccl", "--network", "netns", "--node-rate", "200mbit", "--gpu-rate", "400mbit",
-                        "--layouts", "4x2", "--min-size", "64K", "--max-size", "128K", "--repeats", "1",
+                        "--layouts", "4x2", "--min-size", "64K", "--max-size", "128K", "--repeats", "2",
                         "--out", str(out)), env=ENV, check=True, timeout=START_TIMEOUT_S + 120)
     assert set(netns.list_namespaces()) <= before and netns.host_interfaces() == []
     payload = json.loads(out.read_text())
@@ -372,6 +372,9 @@ def test_bench_pccl_on_the_shaped_network(capable, tmp_path):
     assert len(payload["records"]) == 4  # 2 operations x 2 sizes
     for r in payload["records"]:
         assert set(r["median_s"]) == {"ring", "pccl", "native"} and min(r["median_s"].values()) > 0
+        assert r["fastest_s"] == {a: min(c) for a, c in r["calls_s"].items()}  # of 2 calls, the slowest rank's
+        assert r["speedup_pccl_over_ring"] == r["fastest_s"]["ring"] / r["fastest_s"]["pccl"]
+        assert r["tie_band"] == max(sorted(c)[1] / min(c) - 1 for a, c in r["calls_s"].items() if a != "native")
         for algo in ("ring", "pccl"):
             assert r["predicted_s"][algo] == model.time(algo, topo, tuple(range(8)), r["chunk_bytes"])
         assert r["ledger"]["pccl"]["node"][1] == 2  # ceil(log2 4) messages across nodes

@@ -378,15 +378,22 @@ def test_presets_ledger_equals_model(world, preset, algorithm):
 
 
 def test_bench_helpers(tmp_path):
-    from ds_ext.bench.pccl import _crossover, _size
+    from ds_ext.bench.pccl import _crossover, _resolution, _size
+    from ds_ext.cli import build_parser
 
     assert (_size("4K"), _size("64M"), _size("4096"), _size("1mb")) == (4096, 64 << 20, 4096, 1 << 20)
-    rows = [{"size": s, "speedup_pccl_over_ring": v} for s, v in [(1, 2.0), (2, 0.9), (4, 1.1), (8, 0.8), (16, 0.7)]]
-    assert _crossover(rows) == 8  # ring faster from 8 on; the dip at 2 is not a crossover
-    assert _crossover([{"size": 1, "speedup_pccl_over_ring": 1.5}]) is None
+    rows = [{"size": s, "speedup_pccl_over_ring": v, "tie_band": 0.05}
+            for s, v in [(1, 2.0), (2, 0.9), (4, 1.1), (8, 0.8), (16, 0.7)]]
+    assert _crossover(rows) == 8  # ring ahead from 8 on; the dip at 2 is not a crossover
+    assert _crossover([{"size": 1, "speedup_pccl_over_ring": 1.5, "tie_band": 0.0}]) is None
+    ties = [dict(r, speedup_pccl_over_ring=v) for r, v in zip(rows, (2.0, 0.9, 0.8, 0.97, 0.96))]
+    assert _crossover(ties) is None  # within the tie band at the largest sizes: a tie, not a crossover
+    assert _crossover(ties, band=None) == 2  # without a band any margin counts
+    assert _resolution([3.0, 2.0, 2.2]) == pytest.approx(0.1)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "pccl", "--out", "x.json", "--repeats", "1"])
 
     from ds_ext.bench.pccl import run
-    from ds_ext.cli import build_parser
     from ds_ext.cluster.spec import ClusterError
 
     ns = build_parser().parse_args(["bench", "pccl", "--out", str(tmp_path / "unused.json"), "--gpu-rate", "1mbit"])
