@@ -252,6 +252,13 @@ def test_failing_rank_stops_the_job(capable):
     assert set(netns.list_namespaces()) <= before and netns.host_interfaces() == []
 
 
+def _tcp_settings() -> dict[str, str]:
+    """This rank's namespace's value of each of the cluster's TCP settings."""
+    from ds_ext.cluster.netns import TCP_SETTINGS
+
+    return {k: Path("/proc/sys", *k.split(".")).read_text().strip() for k in TCP_SETTINGS}
+
+
 def _cross_node_send(nbytes: int) -> float:
     """Rank 0 sends ``nbytes`` to the last rank (another node) and waits for a reply; seconds."""
     import torch
@@ -298,7 +305,8 @@ def _ring_all_gather_both_ways(nbytes: int) -> float:
 def test_cluster_world(capable):
     """The benchmarks' worker pool on a cluster: each spawned rank entered its namespace. On it,
     a p2p algorithm's exchange with one peer both ways runs full duplex, as the collective model
-    assumes (gloo alone moves the two directions of a pair one after the other: 2x the time)."""
+    assumes (gloo alone moves the two directions of a pair one after the other: 2x the time);
+    TCP in every namespace runs with the cluster's settings (``netns.TCP_SETTINGS``)."""
     from ds_ext.cluster.world import cluster_world
 
     spec = ClusterSpec(2, 1, LinkShape.of(NODE_RATE_MBIT * 1e6))
@@ -309,6 +317,8 @@ def test_cluster_world(capable):
         seconds_4mb = min(world.run(_cross_node_send, 2**22)[0] for _ in range(2))
         both_ways = max(world.run(_ring_all_gather_both_ways, 2**22))
         assert len(set(netns.list_namespaces()) - before) == 1
+        # every rank's TCP is the cluster's, whatever the host's default (here BBR)
+        assert world.run(_tcp_settings) == [netns.TCP_SETTINGS] * 2
     assert 2**20 / seconds == pytest.approx(NODE_RATE_MBIT * 1e6 / 8, rel=TOLERANCE)
     assert both_ways < 1.4 * seconds_4mb, (both_ways, seconds_4mb)
     assert set(netns.list_namespaces()) <= before and netns.host_interfaces() == []
