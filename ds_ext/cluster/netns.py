@@ -39,8 +39,13 @@ TBF_LATENCY = "30ms"  # tbf queue bound, not an added delay
 #   (whose round trips, stretched by a loaded CPU, ate up to half of a 1 MB transfer's time);
 # * Linux's default congestion control, not the host's: a host default of BBR paces each
 #   burst at its bandwidth estimate, and 256 KB exchanges took 1.7x their bytes at the link
-#   rate (median, 8 ranks on 8 nodes), 1.4x under CUBIC.
-TCP_SETTINGS = {"net.ipv4.tcp_slow_start_after_idle": "0", "net.ipv4.tcp_congestion_control": "cubic"}
+#   rate (median, 8 ranks on 8 nodes), 1.4x under CUBIC;
+# * one packet of each connection at a time in a link's queue (TCP small queues): a node's
+#   acknowledgements of the data it receives share its egress queue with the data it sends,
+#   and behind a queue of its own data they held each exchange's sender (1.4x -> 1.15x at
+#   256 KB, 1.1x -> 1.0-1.05x at 1 MB); the modelled link is full duplex.
+TCP_SETTINGS = {"net.ipv4.tcp_slow_start_after_idle": "0", "net.ipv4.tcp_congestion_control": "cubic",
+                "net.ipv4.tcp_limit_output_bytes": "8192"}
 LOCK_DIR = Path("/run/ds_ext_cluster")
 _NS_RE = re.compile(rf"^{re.escape(NS_PREFIX)}([0-9a-f]{{6}})-\S+")
 _CMD_TIMEOUT_S = 30
