@@ -42,8 +42,8 @@ TBF_LATENCY = "30ms"  # tbf queue bound, not an added delay
 #   rate (median, 8 ranks on 8 nodes), 1.4x under CUBIC;
 # * one packet of each connection at a time in a link's queue (TCP small queues): a node's
 #   acknowledgements of the data it receives share its egress queue with the data it sends,
-#   and behind a queue of its own data they held each exchange's sender (1.4x -> 1.15x at
-#   256 KB, 1.1x -> 1.0-1.05x at 1 MB); the modelled link is full duplex.
+#   and behind a queue of its own data they held each exchange's sender (1.4x -> 1.17x at
+#   256 KB, 1.1x -> 1.05x at 1 MB); the modelled link is full duplex.
 TCP_SETTINGS = {"net.ipv4.tcp_slow_start_after_idle": "0", "net.ipv4.tcp_congestion_control": "cubic",
                 "net.ipv4.tcp_limit_output_bytes": "8192"}
 LOCK_DIR = Path("/run/ds_ext_cluster")
