@@ -79,6 +79,15 @@ def test_refuses_in_one_line_without_capability(monkeypatch):
     assert problem is not None and "\n" not in problem and "CAP_NET_ADMIN" in problem
 
 
+def test_refuses_in_one_line_without_the_tcp_settings(capable, monkeypatch):
+    """A host whose kernel lacks a setting of ``netns.TCP_SETTINGS`` (here a congestion control
+    it does not have) is refused before any cluster is built, naming the setting."""
+    monkeypatch.setitem(netns.TCP_SETTINGS, "net.ipv4.tcp_congestion_control", "nosuchcc")
+    problem = netns.capability_problem()
+    assert problem is not None and "\n" not in problem
+    assert problem.startswith("cannot set net.ipv4.tcp_congestion_control=nosuchcc in a namespace")
+
+
 # ---- real clusters ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -282,7 +282,7 @@ def capability_problem() -> str | None:
 
     Checks the capabilities (CAP_NET_ADMIN for links and qdiscs, CAP_SYS_ADMIN for the
     namespace mounts), the ``ip`` and ``tc`` tools, then builds a probe namespace with a
-    bridge, a veth pair and a ``tbf`` qdisc and removes it.
+    bridge, a veth pair and a ``tbf`` qdisc, sets :data:`TCP_SETTINGS` in it, and removes it.
     """
     import shutil
 
@@ -301,16 +301,18 @@ def capability_problem() -> str | None:
     try:
         run_cmd("ip", "netns", "add", ns)
         for what, argv in (
-            ("a bridge", ("ip", "-n", ns, "link", "add", f"{IF_PREFIX}{rid}b", "type", "bridge")),
-            ("a veth pair", ("ip", "-n", ns, "link", "add", f"{IF_PREFIX}{rid}a", "type", "veth",
-                             "peer", "name", f"{IF_PREFIX}{rid}z")),
-            ("tc tbf", ("tc", "-n", ns, "qdisc", "add", "dev", f"{IF_PREFIX}{rid}a", "root", "tbf",
-                        "rate", "1mbit", "burst", "32768", "latency", TBF_LATENCY)),
+            ("create a bridge", ("ip", "-n", ns, "link", "add", f"{IF_PREFIX}{rid}b", "type", "bridge")),
+            ("create a veth pair", ("ip", "-n", ns, "link", "add", f"{IF_PREFIX}{rid}a", "type", "veth",
+                                    "peer", "name", f"{IF_PREFIX}{rid}z")),
+            ("create tc tbf", ("tc", "-n", ns, "qdisc", "add", "dev", f"{IF_PREFIX}{rid}a", "root", "tbf",
+                               "rate", "1mbit", "burst", "32768", "latency", TBF_LATENCY)),
+            *((f"set {key}={value} in a namespace", ("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}"))
+              for key, value in TCP_SETTINGS.items()),
         ):
             try:
                 run_cmd(*argv)
             except ClusterError as err:
-                return f"cannot create {what}: {err}"
+                return f"cannot {what}: {err}"
     except ClusterError as err:
         return f"cannot create a network namespace: {err}"
     finally:
