@@ -205,7 +205,7 @@ class NetnsCluster:
         run_cmd("ip", "netns", "add", name)
         run_cmd("ip", "-n", name, "link", "set", "lo", "up")
         for key, value in TCP_SETTINGS.items():
-            run_cmd("ip", "netns", "exec", name, "sysctl", "-q", "-w", f"{key}={value}")
+            run_cmd(*_tcp_setting_argv(name, key, value))
         return name
 
     def _bridge(self, ns: str, i: int) -> str:
@@ -276,6 +276,11 @@ def enter_namespace(name: str) -> None:
         os.close(fd)
 
 
+def _tcp_setting_argv(ns: str, key: str, value: str) -> tuple[str, ...]:
+    """The command that sets one of :data:`TCP_SETTINGS` inside namespace ``ns``."""
+    return ("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}")
+
+
 def capability_problem() -> str | None:
     """None when this host can build a cluster, else one line saying what is missing
     (to follow "ds-ext cluster: ").
@@ -306,7 +311,7 @@ def capability_problem() -> str | None:
                                     "peer", "name", f"{IF_PREFIX}{rid}z")),
             ("create tc tbf", ("tc", "-n", ns, "qdisc", "add", "dev", f"{IF_PREFIX}{rid}a", "root", "tbf",
                                "rate", "1mbit", "burst", "32768", "latency", TBF_LATENCY)),
-            *((f"set {key}={value} in a namespace", ("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}"))
+            *((f"set {key}={value} in a namespace", _tcp_setting_argv(ns, key, value))
               for key, value in TCP_SETTINGS.items()),
         ):
             try:
