@@ -3,8 +3,9 @@
 References, independent of ds_ext.comm.algorithms:
 * all-gather: torch.distributed.all_gather_into_tensor on the same group, bit for bit;
 * reduce-scatter: a hand-written summation in the order the module docstring states
-  (ring: x_{b+1} + x_{b+2} + ... + x_b left to right; pccl: that ring inside each node, then the
-  dissemination tree S_k(r, q) = S_{k+1}(r, q) + S_{k+1}(r - 2^k, q + 2^k) across nodes),
+  (ring: x_{b+1} + x_{b+2} + ... + x_b left to right; pccl: that ring inside each node, then
+  across N nodes the pairwise tree T_k(r) = T_{k+1}(r) + T_{k+1}(r XOR 2^k) for N a power of
+  two, else the dissemination tree S_k(r, q) = S_{k+1}(r, q) + S_{k+1}(r - 2^k, q + 2^k)),
   from every rank's input regenerated locally from its seed, bit for bit;
 * ledger: bytes and messages per level == ds_ext.perf.collectives, whose formulas are checked
   against numbers worked out by hand in the pure-logic tests.
@@ -75,9 +76,11 @@ def _ring_sum(values, b):
 
 
 def _pccl_sum(x, nodes, i, j, c):
-    """Block (i, j): ring order over node m's locals starting after j, then the dissemination
-    tree over nodes: S_K(r, q) = y_r[(r + q, j)]; S_k(r, q) = S_{k+1}(r, q) + S_{k+1}(r - 2^k,
-    q + 2^k) for q < min(2^k, N - 2^k); result S_0(i, 0)."""
+    """Block (i, j): ring order over node m's locals starting after j, then over nodes, N a power
+    of two, the pairwise tree T_K(r) = y_r[(i, j)]; T_k(r) = T_{k+1}(r) + T_{k+1}(r XOR 2^k);
+    result T_0(i); any other N, the dissemination tree S_K(r, q) = y_r[(r + q, j)];
+    S_k(r, q) = S_{k+1}(r, q) + S_{k+1}(r - 2^k, q + 2^k) for q < min(2^k, N - 2^k); result
+    S_0(i, 0)."""
     N, M = len(nodes), len(nodes[0])
 
     def chunk(rank, node, local):
@@ -88,6 +91,12 @@ def _pccl_sum(x, nodes, i, j, c):
         return _ring_sum([chunk(nodes[m][l], node, j) for l in range(M)], j)
 
     K = math.ceil(math.log2(N)) if N > 1 else 0
+
+    def T(k, r):
+        return y(r, i) if k == K else T(k + 1, r) + T(k + 1, r ^ 2 ** k)
+
+    if 2 ** K == N:
+        return T(0, i)
 
     def S(k, r, q):
         if k == K:

@@ -88,7 +88,7 @@ def cross_group(spec: ClusterSpec, level: str) -> list[int]:
 def _timed(fn, repeats: int) -> float:
     """Fastest wall time of ``fn`` over ``repeats`` runs, each started after a barrier: on a
     shaped link CPU contention only adds time, so the fastest run is the link's (the bucket's
-    burst, 32 KiB against 1-2 MB messages, is the only way to beat the rate)."""
+    burst, about 10 KB against 1-2 MB messages, is the only way to beat the rate)."""
     import torch.distributed as dist
 
     times = []

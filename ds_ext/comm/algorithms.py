@@ -12,11 +12,12 @@ j holds the N ranks (i, j), i = 0..N-1 (001's inter-node sub-communicators).
            N-chunk blocks; (3) local shuffle (M, N, c) -> (N, M, c). Reduce-scatter is its
            transpose: shuffle (N, M, c) -> (M, N, c), ring reduce-scatter inside each node,
            then recursive halving inside every node sub-communicator.
-           Recursive doubling / halving run in Bruck's dissemination form (Bruck et al. 1997,
-           MPICH's all-gather for a non-power-of-two count): step k moves
-           m_k = min(2^k, N - 2^k) chunks between ranks 2^k apart, K = ceil(log2 N) steps and
-           N - 1 chunks sent per rank for ANY N; for N a power of two these are the steps and
-           sizes of pairwise recursive doubling (001 §6.2.3, [60]).
+           For N a power of two, pairwise recursive doubling / halving (001 §6.2.3, [60]):
+           step k exchanges 2^k chunks with rank r XOR 2^k, in place in the output, no copy.
+           For any other N, Bruck's dissemination form (Bruck et al. 1997, MPICH's all-gather
+           for a non-power-of-two count): step k moves m_k = min(2^k, N - 2^k) chunks between
+           ranks 2^k apart, through a work buffer rotated by r (one more copy of the N chunks).
+           Both: K = ceil(log2 N) steps and N - 1 chunks sent per rank, m_k at step k.
 ``native`` torch.distributed's own collective (the backend picks its algorithm).
 ``auto``   pccl where ``ds_ext.perf.collectives`` predicts it faster than a ring, else native
            (torch's collective: NCCL / RCCL run a ring, and 001 §6.2.2 leaves the node's ranks to
@@ -27,7 +28,11 @@ parenthesization is the order). Indices of ranks are taken modulo the ring / nod
 
 * ring, block b of d ranks: ``(((x_{b+1} + x_{b+2}) + x_{b+3}) + ... + x_{b+d-1}) + x_b``.
 * pccl, block (i, j): first per node m the ring order over its local indices,
-  ``y_m = ((x_{m,j+1} + x_{m,j+2}) + ...) + x_{m,j}``; then the dissemination order over nodes,
+  ``y_m = ((x_{m,j+1} + x_{m,j+2}) + ...) + x_{m,j}``; then over nodes, N a power of two, the
+  pairwise order ``T_K(r) = y_r[block (i, j)]``, ``T_k(r) = T_{k+1}(r) + T_{k+1}(r XOR 2^k)``
+  for k = K-1 down to 0, the result ``T_0(i)`` (node k of either tree adds the partial sums of
+  the same two residue classes of ranks mod 2^(k+1), so the pairwise and dissemination orders
+  give the same bits); any other N, the dissemination order
   ``S_K(r, q) = y_r[block (r + q, j)]`` and, for k = K-1 down to 0,
   ``S_k(r, q) = S_{k+1}(r, q) + S_{k+1}(r - 2^k, q + 2^k)`` for q < m_k (else unchanged);
   the result is ``S_0(i, 0)``.
@@ -123,14 +128,17 @@ def p2p_exchange(group: object | None, tally: Tally, level: str | None, downward
     """send(t, dst) and recv(into, src) at once over ``group`` (global ranks), counted in ``tally``.
 
     Both directions of a pair run at once (full duplex, as the model assumes), also where a step
-    exchanges with one peer both ways (dissemination at distance N/2, a ring of 2):
+    exchanges with one peer both ways (every pairwise recursive doubling / halving step, a ring
+    of 2):
 
     * ``downward`` given (gloo): a second group holding every rank of ``group`` (its own
       connections, :meth:`ds_ext.groups.GroupRegistry.p2p_downward`) carries the messages to a
       lower rank, ``group`` those to a higher one. Gloo
       moves a pair's two directions over its one connection one after the other: on the shaped
       cluster (8 nodes, 200 Mbit/s) an exchange of 4 MB each way with one peer took 2.0x a
-      one-way 4 MB send, 1.25x with the second group (1.1x between two different peers).
+      one-way 4 MB send. With the second group (and the cluster's TCP settings) every rank
+      exchanging 256 KB-16 MB at once with its XOR peer took the same time as with two
+      different peers (fastest of 10: 1.21-1.25x the bytes' time at 256 KB, 1.01 at 16 MB).
     * otherwise one ``batch_isend_irecv``: NCCL / RCCL run it as one group call, so two ranks
       that both send first cannot wait on each other.
     """
@@ -187,13 +195,27 @@ def dissemination_steps(n: int) -> list[tuple[int, int]]:
     return [(1 << k, min(1 << k, n - (1 << k))) for k in range(math.ceil(math.log2(n)) if n > 1 else 0)]
 
 
+def _power_of_two(n: int) -> bool:
+    return n & (n - 1) == 0
+
+
 def recursive_doubling_all_gather(
     chunk: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], r: int, exchange: Exchange
 ) -> None:
-    """``out`` (n, c) = every rank's ``chunk`` (c) in ``ranks`` order. Position q of the work
-    buffer holds rank r + q's chunk; step k sends positions [0, m_k) to r - 2^k and receives
-    positions [2^k, 2^k + m_k) from r + 2^k; a final rotation puts chunk b in row b."""
+    """``out`` (n, c) = every rank's ``chunk`` (c) in ``ranks`` order.
+
+    n a power of two (pairwise): before step k this rank holds the rows of its aligned block of
+    2^k, and swaps them with rank r XOR 2^k's block, in place. Otherwise (dissemination):
+    position q of a work buffer holds rank r + q's chunk; step k sends positions [0, m_k) to
+    r - 2^k and receives positions [2^k, 2^k + m_k) from r + 2^k; a final rotation puts chunk b
+    in row b."""
     n = len(ranks)
+    if _power_of_two(n):
+        out[r].copy_(chunk)
+        for dist_k, _ in dissemination_steps(n):
+            mine, theirs = r & ~(dist_k - 1), (r ^ dist_k) & ~(dist_k - 1)
+            exchange(out[mine:mine + dist_k], ranks[r ^ dist_k], out[theirs:theirs + dist_k], ranks[r ^ dist_k])
+        return
     work = torch.empty_like(out)
     work[0].copy_(chunk)
     for dist_k, m in dissemination_steps(n):
@@ -206,10 +228,17 @@ def recursive_halving_reduce_scatter(
     blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], r: int, exchange: Exchange
 ) -> None:
     """``out`` (c) = sum over ``ranks`` of their ``blocks`` (n, c) row r: the transpose of
-    :func:`recursive_doubling_all_gather`. Position q holds the partial sum of block r + q; step k
-    (largest first) sends positions [2^k, 2^k + m_k) to r + 2^k and adds those received from
-    r - 2^k into positions [0, m_k)."""
+    :func:`recursive_doubling_all_gather`; ``blocks`` is not modified.
+
+    n a power of two (pairwise): step k (largest first) sends the partial sums of the half of
+    this rank's aligned block of 2^(k+1) that rank r XOR 2^k keeps, and adds the other half
+    received from it to its own (own + received). Otherwise (dissemination): position q holds
+    the partial sum of block r + q; step k (largest first) sends positions [2^k, 2^k + m_k) to
+    r + 2^k and adds those received from r - 2^k into positions [0, m_k)."""
     n = len(ranks)
+    if _power_of_two(n):
+        _pairwise_halving(blocks, out, ranks, r, exchange)
+        return
     work = torch.roll(blocks, shifts=-r, dims=0).contiguous()
     steps = dissemination_steps(n)
     recv = work.new_empty((max((m for _, m in steps), default=0), *work.shape[1:]))
@@ -217,6 +246,26 @@ def recursive_halving_reduce_scatter(
         exchange(work[dist_k:dist_k + m], ranks[(r + dist_k) % n], recv[:m], ranks[(r - dist_k) % n])
         work[:m] += recv[:m]
     out.copy_(work[0])
+
+
+def _pairwise_halving(blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], r: int,
+                      exchange: Exchange) -> None:
+    """Recursive halving for n = 2^K ranks. ``part`` holds the partial sums of the rows
+    [base, base + 2^(k+1)) this rank is left with before step k: ``blocks`` itself before the
+    first step, then a buffer of n / 2 rows, the last sum written straight into ``out``."""
+    n = len(ranks)
+    if n == 1:
+        out.copy_(blocks[0])
+        return
+    part, base = blocks, 0
+    buf = blocks.new_empty((n // 2, *blocks.shape[1:]))
+    recv = torch.empty_like(buf)
+    for dist_k, _ in reversed(dissemination_steps(n)):
+        mine, theirs = (r & ~(dist_k - 1)) - base, ((r ^ dist_k) & ~(dist_k - 1)) - base
+        exchange(part[theirs:theirs + dist_k], ranks[r ^ dist_k], recv[:dist_k], ranks[r ^ dist_k])
+        dest = out.view(1, *out.shape) if dist_k == 1 else buf[:dist_k]
+        torch.add(part[mine:mine + dist_k], recv[:dist_k], out=dest)
+        part, base = dest, base + mine
 
 
 # ---- the collectives -----------------------------------------------------------------------
