@@ -252,19 +252,22 @@ def _pairwise_halving(blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int,
                       exchange: Exchange) -> None:
     """Recursive halving for n = 2^K ranks. ``part`` holds the partial sums of the rows
     [base, base + 2^(k+1)) this rank is left with before step k: ``blocks`` itself before the
-    first step, then a buffer of n / 2 rows, the last sum written straight into ``out``."""
+    first step; the first step's n / 2 rows are received into a buffer that then holds the
+    partial sums, later steps receive into one of n / 4 rows and add in place (3/4 of the input
+    in all; the ring needs 2 rows), and the last sum goes straight into ``out``."""
     n = len(ranks)
     if n == 1:
         out.copy_(blocks[0])
         return
     part, base = blocks, 0
-    buf = blocks.new_empty((n // 2, *blocks.shape[1:]))
-    recv = torch.empty_like(buf)
+    first = blocks.new_empty((n // 2, *blocks.shape[1:]))
+    rest = blocks.new_empty((n // 4, *blocks.shape[1:]))
     for dist_k, _ in reversed(dissemination_steps(n)):
         mine, theirs = (r & ~(dist_k - 1)) - base, ((r ^ dist_k) & ~(dist_k - 1)) - base
-        exchange(part[theirs:theirs + dist_k], ranks[r ^ dist_k], recv[:dist_k], ranks[r ^ dist_k])
-        dest = out.view(1, *out.shape) if dist_k == 1 else buf[:dist_k]
-        torch.add(part[mine:mine + dist_k], recv[:dist_k], out=dest)
+        recv = first if part is blocks else rest[:dist_k]
+        exchange(part[theirs:theirs + dist_k], ranks[r ^ dist_k], recv, ranks[r ^ dist_k])
+        dest = out.view(1, *out.shape) if dist_k == 1 else recv if part is blocks else part[mine:mine + dist_k]
+        torch.add(part[mine:mine + dist_k], recv, out=dest)
         part, base = dest, base + mine
 
 
