@@ -40,12 +40,16 @@ class Level:
     ``bandwidth`` is bytes/s one rank can push over this link class while all ranks
     use it at once; ``latency`` is seconds per message (alpha of the alpha-beta model).
     ``size`` is None only for the outermost level before the world size is known.
+    ``link_bandwidth``: bytes/s of one flow alone on one link of the class (a ring's hop out
+    of a node), where measured (``ds_ext.cluster.measure``); None: the link's ranks' shares
+    together.
     """
 
     name: str
     size: int | None
     bandwidth: float
     latency: float
+    link_bandwidth: float | None = None
 
 
 # Frontier (003 §IV, Table II; 004 Fig. 4): GCD-GCD 200 GB/s inside one MI250X,
@@ -100,7 +104,7 @@ class Topology:
         for lv in self.levels:
             if lv.size is None or lv.size < 1:
                 raise TopologyError(f"level {lv.name!r} has size {lv.size}; sizes must be >= 1")
-            if lv.bandwidth <= 0 or lv.latency < 0:
+            if lv.bandwidth <= 0 or lv.latency < 0 or (lv.link_bandwidth is not None and lv.link_bandwidth <= 0):
                 raise TopologyError(f"level {lv.name!r} needs bandwidth > 0 and latency >= 0")
         object.__setattr__(self, "_index", {n: i for i, n in enumerate(names)})
 
@@ -363,7 +367,7 @@ def resolve_topology(
         local = job.local_size or world_size
         inner, outer = DETECTED_LEVELS
         topo = Topology.build(
-            [Level(inner.name, local, inner.bandwidth, inner.latency), outer],
+            [replace(inner, size=local), outer],
             world_size, "detected", cfg.sizes,
         )
     if not cfg.emulate:

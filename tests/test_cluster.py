@@ -154,6 +154,8 @@ def test_measured_network(capable, tmp_path):
     assert db["allgather_correct"] and db["step_latency_s"] > 0
     assert db["levels"]["node"]["shaped_bytes_per_s"] == rate
     assert db["levels"]["local"]["p2p_bytes_per_s"] > 3 * rate, table  # the shape is the node link's, not the host's
+    # both ranks of a node exchanging across it at once share its link: at most half each
+    assert 0.25 * rate <= db["levels"]["node"]["shared_bytes_per_s"] <= 0.5 * rate * (1 + TOLERANCE), table
 
 
 def test_measured_network_two_levels(capable, tmp_path):
@@ -334,9 +336,11 @@ def test_cluster_world(capable):
 
 
 def test_measured_topology_shares_links_among_their_ranks():
-    """A measured network as a Topology: a GPU link's bandwidth divided by the ranks of a GPU,
-    a node link's by the ranks of a node (Eq 5.7's β_inter is then the node link); a level's
-    latency is the idle pair's or the job's step latency, the longer."""
+    """A measured network as a Topology: a level's per-rank bandwidth is the shared measurement
+    (every rank exchanging at once) where taken, else a GPU link's bandwidth divided by the ranks
+    of a GPU, a node link's by the ranks of a node; one flow's is the point-to-point figure (Eq
+    5.7's β_inter is the node link); a level's latency is the idle pair's or the job's step
+    latency, the longer."""
     from ds_ext.cluster.measure import measured_topology
     from ds_ext.perf.pmm import Bandwidths
 
@@ -350,10 +354,32 @@ def test_measured_topology_shares_links_among_their_ranks():
     assert [lv.bandwidth for lv in topo.levels] == [2e8, 1e7 / 2, 5e6 / 4]
     assert [lv.latency for lv in topo.levels] == [1e-4, 2e-4, 3e-4]
     assert Bandwidths.from_topology(topo).beta_inter == 5e6
+    assert [lv.link_bandwidth for lv in topo.levels] == [2e8, 1e7, 5e6]  # one flow: point-to-point
     busy = measured_topology({**db, "step_latency_s": 2.5e-4}, ("gcd", "gpu", "node"))
     assert [lv.latency for lv in busy.levels] == [2.5e-4, 2.5e-4, 3e-4]  # the job's step latency where longer
+    # measured with every rank exchanging at once: that per-rank figure, below the link's share
+    shared = {**db, "levels": {lv: {**got, "shared_bytes_per_s": got["p2p_bytes_per_s"] / 5}
+                               for lv, got in db["levels"].items()}}
+    topo = measured_topology(shared, ("gcd", "gpu", "node"))
+    assert [lv.bandwidth for lv in topo.levels] == [2e8 / 5, 1e7 / 5, 5e6 / 5]
+    assert [lv.link_bandwidth for lv in topo.levels] == [2e8, 1e7, 5e6]
+    assert Bandwidths.from_topology(topo).beta_inter == 5e6
     with pytest.raises(ValueError, match="cannot name"):
         measured_topology(db, ("gpu", "node"))
+
+
+def test_exchange_partner_is_the_same_position_in_the_partner_domain():
+    """The shared-bandwidth measurement's pairs: domain index XOR 1 across the level, same
+    position inside; a domain without a partner (an odd count's last) sits out."""
+    from ds_ext.cluster.measure import exchange_partner
+
+    spec = ClusterSpec(3, 4, LinkShape.of(40e6), 2, LinkShape.of(80e6))  # 3 nodes x 2 GPUs x 2 ranks
+    assert [exchange_partner(spec, "node", r) for r in range(12)] == [4, 5, 6, 7, 0, 1, 2, 3] + [None] * 4
+    assert [exchange_partner(spec, "gpu", r) for r in range(8)] == [2, 3, 0, 1, 6, 7, 4, 5]
+    assert [exchange_partner(spec, "local", r) for r in range(4)] == [1, 0, 3, 2]
+    for level in ("node", "gpu", "local"):
+        assert all(spec.level_of_pair(r, p) == level for r in range(12)
+                   if (p := exchange_partner(spec, level, r)) is not None)
 
 
 def test_cli_wiring():

@@ -12,6 +12,9 @@ References, independent of ds_ext.comm.algorithms:
 """
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -239,8 +242,10 @@ def test_model_traffic_by_hand():
 
 
 def test_model_time_and_crossover():
+    from dataclasses import replace
+
     from ds_ext.perf import collectives as model
-    from ds_ext.topology import GB, US
+    from ds_ext.topology import GB, US, Topology
 
     t = _topology("4x2")
     world = tuple(range(8))
@@ -255,6 +260,12 @@ def test_model_time_and_crossover():
     assert model.choose(t, (0, 1), 4) == "native"  # inside one node a ring is all pccl has
     # one rank per node: same bytes, fewer messages, pccl never slower
     assert model.crossover(_topology("8x1"), world) is None
+    # a measured node link: 2 ranks at once get 9 GB/s each, one flow alone 24 GB/s: the ring's
+    # one flow per node moves at 24, pccl's node phase at 9
+    measured = Topology(tuple(replace(lv, bandwidth=9 * GB, link_bandwidth=24 * GB) if lv.name == "node" else lv
+                              for lv in t.levels), "measured")
+    assert model.time("ring", measured, world, c) == pytest.approx(7 * (15 * US + c / (24 * GB)))
+    assert model.time("pccl", measured, world, c) == pytest.approx(30 * US + 3 * c / (9 * GB) + 8 * US + 4 * c / (50 * GB))
 
 
 def test_dissemination_steps_any_count():
@@ -408,6 +419,38 @@ def test_bench_helpers(tmp_path):
     ns = build_parser().parse_args(["bench", "pccl", "--out", str(tmp_path / "unused.json"), "--gpu-rate", "1mbit"])
     with pytest.raises(ClusterError, match="--gpu-rate only apply to --network netns"):
         run(ns)  # refused before any rank starts: the emulated links would silently replace it
+
+
+_KEEP_FREED_PROBE = """
+import torch
+from ds_ext.bench.pccl import keep_freed_memory
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+setting = keep_freed_memory() if KEEP else "default"
+before = rss()
+t = torch.ones(16 << 20)  # 64 MB, touched
+del t
+print(setting, (rss() - before) >> 20)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident size from /proc")
+def test_bench_keeps_freed_memory_like_a_caching_allocator():
+    """The bench's ranks keep what they free (glibc): a freed 64 MB tensor stays resident for the
+    next call's temporaries; by default glibc unmaps it, and the next call touches fresh pages."""
+    from ds_ext.bench.pccl import KEEP_FREED
+
+    def probe(keep):
+        out = subprocess.run([sys.executable, "-c", f"KEEP = {keep}" + _KEEP_FREED_PROBE], capture_output=True,
+                             text=True, check=True, timeout=120).stdout.split()
+        return " ".join(out[:-1]), int(out[-1])
+
+    setting, kept_mb = probe(False)
+    assert setting == "default" and kept_mb < 8  # unmapped on free
+    setting, kept_mb = probe(True)
+    assert setting == KEEP_FREED and kept_mb >= 63
 
 
 # ---- 3D-PMM with its Z axis across nodes: serial-model parity, ledger == ds_ext.perf.pmm --------

@@ -24,9 +24,17 @@ really costs on this host, not evidence that the model is right.
 (``ds_ext.cluster``): 8 nodes of one rank, and 4 nodes of 2 ranks, every node link shaped to
 ``--node-rate``; with ``--gpu-rate`` the 2 ranks of a node sit on 2 GPUs, each behind its own
 link of that rate (else they share a namespace and its loopback). The network is measured
-first (``ds_ext.cluster.measure``: per level point-to-point bandwidth and half the fastest
-4-byte round trip); the predicted times and crossover are ``ds_ext.perf.collectives`` fed
-those measured α and β (``measured_topology``; nothing fitted to the collectives' times).
+first (``ds_ext.cluster.measure``: per level one flow's bandwidth, the per-rank bandwidth with
+every rank exchanging across the level at once, and the job's step latency); the predicted
+times and crossover are ``ds_ext.perf.collectives`` fed those measured α and β
+(``measured_topology``; nothing fitted to the collectives' times).
+
+Every rank first has glibc keep the memory it frees (:func:`keep_freed_memory`), as a GPU
+job's caching allocator does: by default glibc maps each block of 32 MB and more afresh and
+unmaps it on free, so every call paid the first touch of its large temporaries, and only pccl
+has such (its reduce-scatter's first receive buffer, the node phase's shuffle buffers): on 8 x 1
+its reduce-scatter trailed the ring by 0.1-0.5 % at 64 MB in four runs of four, its all-gather
+(no temporary there) did not. The JSON says what was set.
 
 Writes JSON (every record, the predicted and measured crossover of each layout and operation)
 and a PNG heatmap of the pccl-over-ring speedup like 001 Fig 6.9.
@@ -102,15 +110,38 @@ def _topology_block(per_node: int) -> dict[str, Any]:
                        {"name": "node", "bandwidth_GBps": INTER[0], "latency_us": INTER[1]}], "emulate": True}
 
 
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+KEEP_FREED = "glibc mallopt: M_MMAP_MAX 0 (no block mapped on its own), M_TRIM_THRESHOLD 1 GiB (freed memory kept)"
+
+
+def keep_freed_memory() -> str:
+    """Make this process's allocator keep freed memory for reuse (module docstring): with glibc,
+    serve every block from the heap and do not return freed memory to the system (a 32 MB
+    temporary written once: 19 ms fresh, 2 ms reused, on the 2-core host). Returns what was set,
+    or why nothing was (another C library), for the JSON."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
+        return f"system default: {name or 'no C library found'} is not glibc"
+    if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)):
+        raise RuntimeError("glibc refused mallopt(M_MMAP_MAX, 0) / mallopt(M_TRIM_THRESHOLD, 1 GiB)")
+    return KEEP_FREED
+
+
 def _measure(per_node: int, sizes: list[int], repeats: int, time_scale: float | None) -> list[dict[str, Any]]:
     """On every rank: the per-call seconds of each (op, size, algorithm), and its ledger
-    (``time_scale`` None: no emulation, a real network)."""
+    (``time_scale`` None: no emulation, a real network); the allocator setting in every record."""
     import torch
     import torch.distributed as dist
 
     from ds_ext import config as cfgmod
     from ds_ext.runtime import Runtime
 
+    allocator = keep_freed_memory()
     rt = Runtime.create(cfgmod.parse({"topology": _topology_block(per_node), "comm": {
         "emulate_time": time_scale is not None, "time_scale": time_scale or 1.0}}))
     comm = rt.comm
@@ -138,7 +169,7 @@ def _measure(per_node: int, sizes: list[int], repeats: int, time_scale: float | 
                     step = comm.ledger.mark_step()
                     ledger[algo] = {lv: (b, step.messages_by_level()[lv]) for lv, b in step.by_level().items()}
             out.append({"op": op, "size": chunk * WORLD * 4, "chunk_bytes": chunk * 4, "times": times,
-                        "ledger": ledger})
+                        "ledger": ledger, "allocator": allocator})
     return out
 
 
@@ -245,9 +276,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     crossover: dict[str, dict[str, Any]] = {}
     networks: dict[str, Any] = {}
+    allocators: set[str] = set()
     for layout in args.layouts:
         per_node = LAYOUTS[layout]
         per_rank, topo, networks[layout] = _layout_run(args, per_node, sizes)
+        allocators |= {rec["allocator"] for rank in per_rank for rec in rank}
         rows = []
         for k, rec in enumerate(per_rank[0]):
             calls = {a: [max(r[k]["times"][a][i] for r in per_rank) for i in range(args.repeats)] for a in ALGOS}
@@ -278,7 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     label = NETNS_LABEL if netns else EMULATE_LABEL
     payload = {"benchmark": "pccl", "network": args.network, "emulation": None if netns else label, "world": WORLD,
                "repeats": args.repeats, "layouts": list(args.layouts), "sizes": sizes, "records": records,
-               "crossover": crossover, "label": label,
+               "crossover": crossover, "label": label, "allocator": sorted(allocators),
                **({"node_rate": args.node_rate, "gpu_rate": args.gpu_rate, "measured_network": networks} if netns else
                   {"intra_node": {"GBps": INTRA[0], "us": INTRA[1]}, "inter_node": {"GBps": INTER[0], "us": INTER[1]},
                    "time_scale": args.time_scale})}
@@ -296,5 +329,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for op, c in ops.items():
             print(f"crossover {layout} {op}: predicted {c['predicted_size']}, measured {c['measured_size']} "
                   f"(medians: {c['measured_size_median']}), ratio {c['ratio']}, agrees {c['agrees']}")
+    print(f"allocator: {'; '.join(sorted(allocators))}")
     print(f"wrote {out} and {out.with_suffix('.png')} ({label})")
     return payload

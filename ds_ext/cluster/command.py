@@ -112,11 +112,13 @@ def format_measurement(db: dict[str, Any]) -> str:
     def mbit(bps: float | None) -> str:
         return "-" if bps is None else f"{bps * 8 / 1e6:.1f}"
 
-    lines = [f"{'level':<6} {'pair':>5} {'shaped':>7} {'p2p':>7} {'all-gather span':>16} "
-             f"{'all-gather cross':>17} {'latency us':>11}   (Mbit/s; all-gather = ring bus bandwidth)"]
+    lines = [f"{'level':<6} {'pair':>5} {'shaped':>7} {'p2p':>7} {'shared':>7} {'all-gather span':>16} "
+             f"{'all-gather cross':>17} {'latency us':>11}   (Mbit/s; shared: per rank, all exchanging at once; "
+             f"all-gather = ring bus bandwidth)"]
     for name, lv in db["levels"].items():
         lines.append(f"{name:<6} {'%d-%d' % tuple(lv['pair']):>5} {mbit(lv['shaped_bytes_per_s']):>7} "
-                     f"{mbit(lv['p2p_bytes_per_s']):>7} {mbit(lv['allgather_span_bytes_per_s']):>16} "
+                     f"{mbit(lv['p2p_bytes_per_s']):>7} {mbit(lv.get('shared_bytes_per_s')):>7} "
+                     f"{mbit(lv['allgather_span_bytes_per_s']):>16} "
                      f"{mbit(lv['allgather_cross_bytes_per_s']):>17} {lv['latency_s'] * 1e6:>11.0f}")
     if db.get("step_latency_s") is not None:
         lines.append(f"step latency (every rank exchanging at once): {db['step_latency_s'] * 1e6:.0f} us per message")

@@ -22,9 +22,18 @@ For each level, with rank 0 and the first rank ``b`` across that level:
   (measured here at 60-97 % of the rate, mostly about 66 %, where the span all-gather reaches 97 %): reported,
   not checked against the rate.
 
+* shared bandwidth: every rank exchanges ``message`` bytes both ways, at once, with the rank at
+  its position in the partner domain across the level (domain index XOR 1: node i with node
+  i ^ 1, GPU g with GPU g ^ 1 of its node, in a namespace rank q with q ^ 1); ``message`` over
+  the slowest rank's time, the fastest of ``REPEATS``. It is what one rank gets while all ranks
+  use the level (``Level.bandwidth``): the ranks behind one link share it, and on the shaped
+  cluster two TCP flows through one tbf link move less together than one alone (4 x 2 at
+  200 Mbit/s: 2 x 11.3-11.5 against 24.7 MB/s).
+
 And once for the job: the step latency, a ring step's time per 4-byte message with every
-rank exchanging at once (send to r + 1, receive from r - 1; the fastest of 20 runs of W - 1
-steps, over W - 1). It is what a collective's message costs when all W ranks of the job
+rank exchanging at once (send to r + 1, receive from r - 1; the fastest of ``STEP_REPEATS``
+runs of W - 1 steps, over W - 1: the fastest of 20 moved between 0.59 and 1.04 ms in one
+minute on the 4 x 2 cluster, the fastest of 100 stays near its floor). It is what a collective's message costs when all W ranks of the job
 communicate: on a host whose cores serve every rank (8 ranks on 2 cores: about 1 ms) it is
 far above an idle pair's latency (50-100 µs), and it is the latency a collective sees.
 
@@ -45,6 +54,7 @@ from ds_ext.cluster.spec import ClusterSpec, LinkShape
 from ds_ext.topology import Level, Topology
 
 PING_REPEATS = 20
+STEP_REPEATS = 100
 REPEATS = 10  # fastest of 10: a contended 2-core host still finds a clean transfer
 PG_TIMEOUT_S = 120
 
@@ -129,6 +139,7 @@ def measure(message_bytes: int) -> dict[str, Any]:
     rank = dist.get_rank()
     small = torch.zeros(1, dtype=torch.float32)
     big = torch.zeros(message_bytes // 4, dtype=torch.float32)
+    downward = dist.new_group(list(range(spec.world_size)))  # a pair's second connection (_exchange)
     levels: dict[str, Any] = {}
     for level, b in level_partners(spec).items():
         _pair(rank, 0, b, small, small)  # warm-up: connection and buffers
@@ -144,13 +155,57 @@ def measure(message_bytes: int) -> dict[str, Any]:
         levels[level].update(allgather_span_group=span, allgather_span_bytes_per_s=span_bw,
                              allgather_cross_group=cross, allgather_cross_bytes_per_s=(
                                  span_bw if cross == span else _allgather_bandwidth(rank, cross, big)))
+        partner = exchange_partner(spec, level, rank)
+        back = torch.empty_like(big)
+        _exchange(rank, partner, big, back, downward)  # warm-up: the pairs' second connections
+        t_shared = _timed_slowest(lambda: _exchange(rank, partner, big, back, downward), REPEATS)
+        levels[level]["shared_bytes_per_s"] = message_bytes / t_shared
     world = dist.get_world_size()
     step = None
     if world > 1:
         _ring_steps(rank, world, small, small.clone())  # warm-up
-        step = _timed(lambda: _ring_steps(rank, world, small, small.clone()), PING_REPEATS) / (world - 1)
+        step = _timed(lambda: _ring_steps(rank, world, small, small.clone()), STEP_REPEATS) / (world - 1)
     return {"network": "netns", "cluster": spec.to_json(), "message_bytes": message_bytes, "levels": levels,
             "step_latency_s": step}
+
+
+def exchange_partner(spec: ClusterSpec, level: str, rank: int) -> int | None:
+    """The rank ``rank`` exchanges with in the shared-bandwidth measurement: its position in the
+    domain of ``level`` whose index is its own XOR 1 (None: that domain does not exist)."""
+    unit = {"local": 1, "gpu": spec.ranks_per_leaf, "node": spec.ranks_per_node}[level]
+    count = {"local": spec.ranks_per_leaf, "gpu": spec.gpus_per_node, "node": spec.nodes}[level]
+    index = rank // unit % count
+    return None if index ^ 1 >= count else rank + ((index ^ 1) - index) * unit
+
+
+def _exchange(rank: int, partner: int | None, send, recv, downward) -> None:
+    """``send`` to ``partner`` and ``recv`` from it at once; a message to a lower rank goes over
+    ``downward``, so the two directions use two connections (gloo moves one connection's two
+    directions one after the other)."""
+    import torch.distributed as dist
+
+    if partner is None:
+        return
+    works = [dist.isend(send, partner, group=None if partner > rank else downward),
+             dist.irecv(recv, partner, group=None if rank > partner else downward)]
+    for w in works:
+        w.wait()
+
+
+def _timed_slowest(fn, repeats: int) -> float:
+    """Fastest over ``repeats`` runs (each after a barrier) of the slowest rank's wall time."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(t.item())
+    return min(times)
 
 
 def _ring_steps(rank: int, world: int, send, recv) -> None:
@@ -200,12 +255,13 @@ def measured_topology(db: dict[str, Any], names: tuple[str, ...]) -> Topology:
     (what :func:`measure` returns), named ``names`` innermost first (e.g. gcd, gpu, node for
     local, gpu, node), so that ``ds_ext.perf`` models can be fed measured links.
 
-    ``Level.bandwidth`` is per rank while all ranks use the level: a shaped link is shared by
-    the ranks behind it, so a GPU link's measured point-to-point bandwidth is divided by the
-    ranks of a GPU and a node link's by the ranks of a node (Eq 5.7's β_inter is then the node
-    link itself); loopback is per rank as measured. Latency: half the idle pair's round trip,
-    or the job's step latency where that is longer (every rank of a collective communicates at
-    once; a measurement without it, from before it was taken, gives the pair's)."""
+    ``Level.bandwidth`` is per rank while all ranks use the level: the shared bandwidth where
+    measured; else (a measurement from before it was taken) the point-to-point bandwidth
+    divided among the ranks behind the link (a GPU link's by the ranks of a GPU, a node link's by
+    the ranks of a node; loopback as measured). ``Level.link_bandwidth`` is one flow's: the
+    point-to-point bandwidth. Latency: half the idle pair's round trip, or the job's step
+    latency where that is longer (every rank of a collective communicates at once; a
+    measurement without it gives the pair's)."""
     spec = spec_from_json(db["cluster"])
     present = [lv for lv in LEVEL_ORDER if lv in db["levels"]]
     if len(present) != len(names):
@@ -213,9 +269,11 @@ def measured_topology(db: dict[str, Any], names: tuple[str, ...]) -> Topology:
     sharing = {"local": 1, "gpu": spec.ranks_per_leaf, "node": spec.ranks_per_node}
     sizes = {"local": spec.ranks_per_leaf, "gpu": spec.gpus_per_node, "node": spec.nodes}
     step = db.get("step_latency_s") or 0.0
-    levels = [Level(name, sizes[lv], db["levels"][lv]["p2p_bytes_per_s"] / sharing[lv],
-                    max(db["levels"][lv]["latency_s"], step))
-              for name, lv in zip(names, present)]
+    levels = []
+    for name, lv in zip(names, present):
+        got = db["levels"][lv]
+        shared = got.get("shared_bytes_per_s") or got["p2p_bytes_per_s"] / sharing[lv]
+        levels.append(Level(name, sizes[lv], shared, max(got["latency_s"], step), link_bandwidth=got["p2p_bytes_per_s"]))
     return Topology(tuple(levels), "measured-netns")
 
 

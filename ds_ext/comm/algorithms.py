@@ -127,7 +127,8 @@ Exchange = Callable[..., None]
 Then = tuple[torch.Tensor, int] | None
 
 
-def p2p_exchange(group: object | None, tally: Tally, level: str | None, downward: object | None = None) -> Exchange:
+def p2p_exchange(group: object | None, tally: Tally, level: str | None, downward: object | None = None,
+                 posted: list | None = None) -> Exchange:
     """send(t, dst) and recv(into, src) at once over ``group`` (global ranks), counted in ``tally``.
 
     Both directions of a pair run at once (full duplex, as the model assumes), also where a step
@@ -152,9 +153,13 @@ def p2p_exchange(group: object | None, tally: Tally, level: str | None, downward
       that both send first cannot wait on each other; ``then`` is not posted early there (NCCL
       runs a communicator's operations in order, so an early receive would hold this rank's
       next send, and a ring would deadlock).
+
+    ``posted``: the list that holds the receive posted early (one per exchange unless given);
+    the phases of one collective share it, so a phase's last step posts the next phase's first
+    receive.
     """
     me = dist.get_rank()
-    early: list[tuple[torch.Tensor, int, object]] = []  # the receive posted by the previous step
+    early: list[tuple[torch.Tensor, int, object]] = [] if posted is None else posted  # the receive posted early
 
     def irecv(into: torch.Tensor, src: int) -> object:
         return dist.irecv(into, src, group=group if me > src else downward)
@@ -194,10 +199,11 @@ def ring_all_gather(blocks: torch.Tensor, ranks: tuple[int, ...], g: int, exchan
 
 
 def ring_reduce_scatter(
-    blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], g: int, exchange: Exchange
+    blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], g: int, exchange: Exchange, then: Then = None
 ) -> None:
     """Sum of every rank's ``blocks`` (d, c) row g into ``out`` (c). Step s: send the partial sum
-    of block g - s - 1 to g + 1, receive that of block g - s - 2 from g - 1 and add the own row."""
+    of block g - s - 1 to g + 1, receive that of block g - s - 2 from g - 1 and add the own row.
+    ``then``: the receive to post early in the last step (the next phase's first)."""
     d = len(ranks)
     if d == 1:
         out.copy_(blocks[0])
@@ -206,8 +212,7 @@ def ring_reduce_scatter(
     send = blocks[(g - 1) % d].clone()
     recvs = (torch.empty_like(send), torch.empty_like(send))  # alternate: the next step's is posted early
     for s in range(d - 1):
-        then = (recvs[(s + 1) % 2], left) if s + 2 < d else None
-        exchange(send, right, recvs[s % 2], left, then)
+        exchange(send, right, recvs[s % 2], left, (recvs[(s + 1) % 2], left) if s + 2 < d else then)
         torch.add(recvs[s % 2], blocks[(g - s - 2) % d], out=send)
     out.copy_(send)
 
@@ -224,7 +229,7 @@ def _power_of_two(n: int) -> bool:
 
 
 def recursive_doubling_all_gather(
-    chunk: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], r: int, exchange: Exchange
+    chunk: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], r: int, exchange: Exchange, then: Then = None
 ) -> None:
     """``out`` (n, c) = every rank's ``chunk`` (c) in ``ranks`` order.
 
@@ -232,7 +237,7 @@ def recursive_doubling_all_gather(
     2^k, and swaps them with rank r XOR 2^k's block, in place. Otherwise (dissemination):
     position q of a work buffer holds rank r + q's chunk; step k sends positions [0, m_k) to
     r - 2^k and receives positions [2^k, 2^k + m_k) from r + 2^k; a final rotation puts chunk b
-    in row b."""
+    in row b. ``then``: the receive to post early in the last step (the next phase's first)."""
     n = len(ranks)
     steps = dissemination_steps(n)
     if _power_of_two(n):
@@ -244,23 +249,39 @@ def recursive_doubling_all_gather(
 
         for k, (dist_k, _) in enumerate(steps):
             mine = r & ~(dist_k - 1)
-            then = theirs(steps[k + 1][0]) if k + 1 < len(steps) else None
-            exchange(out[mine:mine + dist_k], ranks[r ^ dist_k], *theirs(dist_k), then)
+            exchange(out[mine:mine + dist_k], ranks[r ^ dist_k], *theirs(dist_k),
+                     theirs(steps[k + 1][0]) if k + 1 < len(steps) else then)
         return
     work = torch.empty_like(out)
     work[0].copy_(chunk)
     for k, (dist_k, m) in enumerate(steps):
-        then = None
+        following = then
         if k + 1 < len(steps):
             d2, m2 = steps[k + 1]
-            then = (work[d2:d2 + m2], ranks[(r + d2) % n])
-        exchange(work[:m], ranks[(r - dist_k) % n], work[dist_k:dist_k + m], ranks[(r + dist_k) % n], then)
+            following = (work[d2:d2 + m2], ranks[(r + d2) % n])
+        exchange(work[:m], ranks[(r - dist_k) % n], work[dist_k:dist_k + m], ranks[(r + dist_k) % n], following)
     out[r:].copy_(work[:n - r])  # the rotation, in one pass: row b is position b - r (mod n)
     out[:r].copy_(work[n - r:])
 
 
+def halving_first(blocks: torch.Tensor, ranks: tuple[int, ...], r: int) -> tuple[torch.Tensor, Then]:
+    """The buffer of recursive halving's first receive for ``blocks`` (n, c) (pairwise: n / 2
+    rows; dissemination: the most rows a step receives), and that receive (the rows it fills,
+    its source; None for one rank), made before the halving so that the previous phase can post
+    it early."""
+    n = len(ranks)
+    if _power_of_two(n):
+        first = blocks.new_empty((n // 2, *blocks.shape[1:]))
+        return first, ((first, ranks[r ^ (n // 2)]) if n > 1 else None)
+    steps = dissemination_steps(n)
+    first = blocks.new_empty((max(m for _, m in steps), *blocks.shape[1:]))
+    dist_k, m = steps[-1]
+    return first, (first[:m], ranks[(r - dist_k) % n])
+
+
 def recursive_halving_reduce_scatter(
-    blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], r: int, exchange: Exchange
+    blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], r: int, exchange: Exchange,
+    first: torch.Tensor | None = None,
 ) -> None:
     """``out`` (c) = sum over ``ranks`` of their ``blocks`` (n, c) row r: the transpose of
     :func:`recursive_doubling_all_gather`; ``blocks`` is not modified.
@@ -269,15 +290,17 @@ def recursive_halving_reduce_scatter(
     this rank's aligned block of 2^(k+1) that rank r XOR 2^k keeps, and adds the other half
     received from it to its own (own + received). Otherwise (dissemination): position q holds
     the partial sum of block r + q; step k (largest first) sends positions [2^k, 2^k + m_k) to
-    r + 2^k and adds those received from r - 2^k into positions [0, m_k)."""
+    r + 2^k and adds those received from r - 2^k into positions [0, m_k). ``first``: the first
+    receive's buffer from :func:`halving_first` (made here if None)."""
     n = len(ranks)
+    if first is None:
+        first, _ = halving_first(blocks, ranks, r)
     if _power_of_two(n):
-        _pairwise_halving(blocks, out, ranks, r, exchange)
+        _pairwise_halving(blocks, out, ranks, r, exchange, first)
         return
     work = torch.roll(blocks, shifts=-r, dims=0).contiguous()
     steps = list(reversed(dissemination_steps(n)))
-    rows = max((m for _, m in steps), default=0)
-    recvs = (work.new_empty((rows, *work.shape[1:])), work.new_empty((rows, *work.shape[1:])))  # alternate
+    recvs = (first, torch.empty_like(first))  # alternate
     for i, (dist_k, m) in enumerate(steps):
         then = None
         if i + 1 < len(steps):
@@ -289,7 +312,7 @@ def recursive_halving_reduce_scatter(
 
 
 def _pairwise_halving(blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], r: int,
-                      exchange: Exchange) -> None:
+                      exchange: Exchange, first: torch.Tensor) -> None:
     """Recursive halving for n = 2^K ranks. ``part`` holds the partial sums of the rows
     [base, base + 2^(k+1)) this rank is left with before step k: ``blocks`` itself before the
     first step; the first step's n / 2 rows are received into a buffer that then holds the
@@ -300,7 +323,6 @@ def _pairwise_halving(blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int,
     if n == 1:
         out.copy_(blocks[0])
         return
-    first = blocks.new_empty((n // 2, *blocks.shape[1:]))
     spare = (blocks.new_empty((n // 8, *blocks.shape[1:])), blocks.new_empty((n // 4, *blocks.shape[1:])))
     steps = [dist_k for dist_k, _ in reversed(dissemination_steps(n))]
 
@@ -334,14 +356,16 @@ def all_gather(
         return
     h = require_hierarchy(topology, ranks)
     i, j = h.position(me)
-    inter = h.node_comm(j)
-    across_nodes = p2p_exchange(group, tally, topology.level_of(inter), downward)
+    inter, posted = h.node_comm(j), []
+    across_nodes = p2p_exchange(group, tally, topology.level_of(inter), downward, posted)
     if h.M == 1:  # no node phase, no shuffle: straight into the output
         recursive_doubling_all_gather(input, output.view(h.N, c), inter, i, across_nodes)
         return
     local = torch.empty(h.M, h.N * c, dtype=input.dtype, device=input.device)
-    recursive_doubling_all_gather(input, local[j].view(h.N, c), inter, i, across_nodes)
-    ring_all_gather(local, h.nodes[i], j, p2p_exchange(group, tally, topology.level_of(h.nodes[i]), downward))
+    node = h.nodes[i]
+    recursive_doubling_all_gather(input, local[j].view(h.N, c), inter, i, across_nodes,
+                                  (local[(j - 1) % h.M], node[(j - 1) % h.M]))  # the ring's first receive
+    ring_all_gather(local, node, j, p2p_exchange(group, tally, topology.level_of(node), downward, posted))
     output.view(h.N, h.M, c).copy_(local.view(h.M, h.N, c).transpose(0, 1))
 
 
@@ -359,12 +383,13 @@ def reduce_scatter(
         return
     h = require_hierarchy(topology, ranks)
     i, j = h.position(me)
-    if h.M == 1:  # no shuffle, no node phase (a ring of one rank adds nothing)
-        partial = input.view(h.N, c)
-    else:
+    inter, posted = h.node_comm(j), []
+    # M = 1: no shuffle, no node phase (a ring of one rank adds nothing)
+    partial = input.view(h.N, c) if h.M == 1 else torch.empty(h.N, c, dtype=input.dtype, device=input.device)
+    first, then = halving_first(partial, inter, i)
+    if h.M > 1:
         by_local = input.view(h.N, h.M, c).transpose(0, 1).contiguous()  # (M, N, c)
-        partial = torch.empty(h.N, c, dtype=input.dtype, device=input.device)
         ring_reduce_scatter(by_local.view(h.M, h.N * c), partial.view(-1), h.nodes[i], j,
-                            p2p_exchange(group, tally, topology.level_of(h.nodes[i]), downward))
-    inter = h.node_comm(j)
-    recursive_halving_reduce_scatter(partial, output, inter, i, p2p_exchange(group, tally, topology.level_of(inter), downward))
+                            p2p_exchange(group, tally, topology.level_of(h.nodes[i]), downward, posted), then)
+    recursive_halving_reduce_scatter(partial, output, inter, i,
+                                     p2p_exchange(group, tally, topology.level_of(inter), downward, posted), first)

@@ -21,9 +21,9 @@ native      G      c (d - 1)               d - 1          (the ledger's ring con
 Time. PCCL's phases run one after the other; its M node sub-communicators run at once, each
 rank on its own share of the node's links (001 §6.2.1: one NIC per GCD pair), so every phase
 moves at its level's per-rank bandwidth. A flat ring is as slow as its slowest hop; a hop that
-leaves a node has the node's links to itself (one ring flow per node, the M ranks' share of
-them, M beta_X), one inside a node beta_I:
-``T_ring = (d - 1) (alpha_G + c / min(beta_I, M beta_X))`` (M = 1: beta_G). Hence pccl wins
+leaves a node has the node's links to itself (one ring flow per node: beta_X^link, one flow's
+bandwidth where measured, else the M ranks' shares, M beta_X), one inside a node beta_I:
+``T_ring = (d - 1) (alpha_G + c / min(beta_I, beta_X^link))`` (M = 1: beta_G). Hence pccl wins
 below the crossover c* where the (d - 1) alpha_G of the ring outweighs pccl's extra bandwidth
 term, and loses above it (001 Fig 6.9: slower only in the bandwidth-bound corner).
 """
@@ -94,7 +94,9 @@ def time(algorithm: str, topology: Topology, ranks: Sequence[int], chunk_bytes: 
     beta = G.bandwidth
     if shape is not None and shape[0] > 1 and shape[1] > 1:
         X, I = _levels(topology, ranks)
-        beta = min(topology.level(I).bandwidth, shape[1] * topology.level(X).bandwidth)  # type: ignore[arg-type]
+        across = topology.level(X)  # type: ignore[arg-type]
+        link = across.link_bandwidth if across.link_bandwidth is not None else shape[1] * across.bandwidth
+        beta = min(topology.level(I).bandwidth, link)  # type: ignore[arg-type]
     return (d - 1) * (G.latency + chunk_bytes / beta)
 
 
