@@ -265,7 +265,8 @@ def test_model_time_and_crossover():
     measured = Topology(tuple(replace(lv, bandwidth=9 * GB, link_bandwidth=24 * GB) if lv.name == "node" else lv
                               for lv in t.levels), "measured")
     assert model.time("ring", measured, world, c) == pytest.approx(7 * (15 * US + c / (24 * GB)))
-    assert model.time("pccl", measured, world, c) == pytest.approx(30 * US + 3 * c / (9 * GB) + 8 * US + 4 * c / (50 * GB))
+    assert model.time("pccl", measured, world, c) == pytest.approx(
+        30 * US + 3 * c / (9 * GB) + 8 * US + 4 * c / (50 * GB))
 
 
 def test_dissemination_steps_any_count():

@@ -28,14 +28,15 @@ For each level, with rank 0 and the first rank ``b`` across that level:
   the slowest rank's time, the fastest of ``REPEATS``. It is what one rank gets while all ranks
   use the level (``Level.bandwidth``): the ranks behind one link share it, and on the shaped
   cluster two TCP flows through one tbf link move less together than one alone (4 x 2 at
-  200 Mbit/s: 2 x 11.3-11.5 against 24.7 MB/s).
+  200 Mbit/s: 2 x 11.2-11.9 against 24.7 MB/s).
 
 And once for the job: the step latency, a ring step's time per 4-byte message with every
 rank exchanging at once (send to r + 1, receive from r - 1; the fastest of ``STEP_REPEATS``
 runs of W - 1 steps, over W - 1: the fastest of 20 moved between 0.59 and 1.04 ms in one
-minute on the 4 x 2 cluster, the fastest of 100 stays near its floor). It is what a collective's message costs when all W ranks of the job
-communicate: on a host whose cores serve every rank (8 ranks on 2 cores: about 1 ms) it is
-far above an idle pair's latency (50-100 µs), and it is the latency a collective sees.
+minute on the 4 x 2 cluster, the fastest of 100 stays near its floor). It is what a
+collective's message costs when all W ranks of the job communicate: on a host whose cores
+serve every rank (8 ranks on 2 cores: about 1 ms) it is far above an idle pair's latency
+(50-100 µs), and it is the latency a collective sees.
 
 Rank 0 writes the JSON.
 """
