@@ -51,6 +51,11 @@ class Level:
     latency: float
     link_bandwidth: float | None = None
 
+    def link(self, sharing: int) -> float:
+        """Bytes/s of one flow alone on one link of the class: ``link_bandwidth`` where measured,
+        else the shares of the ``sharing`` ranks behind the link together."""
+        return self.link_bandwidth if self.link_bandwidth is not None else sharing * self.bandwidth
+
 
 # Frontier (003 §IV, Table II; 004 Fig. 4): GCD-GCD 200 GB/s inside one MI250X,
 # Infinity Fabric 50 GB/s between MI250X (Table II's figure, the slowest pair),

@@ -94,9 +94,7 @@ def time(algorithm: str, topology: Topology, ranks: Sequence[int], chunk_bytes: 
     beta = G.bandwidth
     if shape is not None and shape[0] > 1 and shape[1] > 1:
         X, I = _levels(topology, ranks)
-        across = topology.level(X)  # type: ignore[arg-type]
-        link = across.link_bandwidth if across.link_bandwidth is not None else shape[1] * across.bandwidth
-        beta = min(topology.level(I).bandwidth, link)  # type: ignore[arg-type]
+        beta = min(topology.level(I).bandwidth, topology.level(X).link(shape[1]))  # type: ignore[arg-type]
     return (d - 1) * (G.latency + chunk_bytes / beta)
 
 

@@ -271,9 +271,7 @@ class Bandwidths:
         """No database: inside a node, the bandwidth of the level a group spans; β_inter is a
         node's injection bandwidth: one flow's on the node link where measured
         (``Level.link_bandwidth``), else ranks per node x the outer level's per-rank bandwidth."""
-        outer = topology.levels[-1]
-        return cls({}, outer.link_bandwidth if outer.link_bandwidth is not None
-                   else outer.bandwidth * topology.ranks_per_node)
+        return cls({}, topology.levels[-1].link(topology.ranks_per_node))
 
     @classmethod
     def per_rank_links(cls, topology: Topology) -> "Bandwidths":
