@@ -303,3 +303,82 @@ class Grid(Layout):
                 f"ds_ext.pmm3d.grid {self} has product {self.world_size} but the world has {world_size} ranks; "
                 "the product x*y*z*data must equal the world size"
             )
+
+
+# ---- the job's layout: every parallel axis of one job, stated once ------------------------
+
+@dataclass(frozen=True)
+class JobLayout(Layout):
+    """The job's parallel layout, built once (torchtitan's ``ParallelDims``, megatron-core's
+    ``ProcessGroupCollection``): which axes of :attr:`parallel_dims` form the tensor (model-parallel),
+    pipeline and data-parallel groups, and for MoE the expert and expert-data groups.
+
+    Sources: the caller's mpu (:meth:`megatron`: Megatron-DeepSpeed and GPT-NeoX order tensor
+    innermost, then data, then pipeline), a plugin's layout (:meth:`of`: TED, 3D-PMM), or
+    plain data parallelism over the world (:meth:`data_parallel`). Plugins take their groups
+    from it; :meth:`describe` prints each group's degree and the outermost topology level it
+    crosses (the start-up banner).
+    """
+
+    NAME: ClassVar[str] = "job"
+    parallel_dims: ParallelDims
+    tensor_axes: tuple[str, ...] = ()
+    pipeline_axes: tuple[str, ...] = ()
+    data_axes: tuple[str, ...] = ()
+    expert_axes: tuple[str, ...] = ()
+    expert_data_axes: tuple[str, ...] = ()
+    source: str = "data parallelism over the world"
+
+    ROLES: ClassVar[tuple[str, ...]] = ("tensor", "pipeline", "data", "expert", "expert_data")
+
+    @property
+    def GROUPS(self) -> Mapping[str, tuple[str, ...]]:  # type: ignore[override]
+        """Each role with axes -> its axes; the model-parallel group (tensor x pipeline, what
+        DeepSpeed sums gradient norms over) as ``model``."""
+        roles = {r: getattr(self, f"{r}_axes") for r in self.ROLES}
+        return {**{r: a for r, a in roles.items() if a}, "model": self.tensor_axes + self.pipeline_axes}
+
+    def degree(self, role: str) -> int:
+        """Ranks in one group of ``role`` (1 where the job has no such axis)."""
+        return self.parallel_dims.size(*self.GROUPS.get(role, ()))
+
+    @classmethod
+    def data_parallel(cls, world_size: int) -> "JobLayout":
+        return cls(ParallelDims((("data", world_size),)), data_axes=("data",))
+
+    @classmethod
+    def megatron(cls, world_size: int, tensor: int, pipeline: int, source: str) -> "JobLayout":
+        """Megatron's order: rank = t + T (d + D p) (tensor innermost, pipeline outermost)."""
+        dims = ParallelDims.build((("tensor", tensor), ("data", None), ("pipeline", pipeline)), world_size)
+        return cls(dims, tensor_axes=("tensor",), pipeline_axes=("pipeline",), data_axes=("data",), source=source)
+
+    @classmethod
+    def of(cls, layout: Layout, source: str) -> "JobLayout":
+        """The job view of a plugin's layout: TED (tensor; data = expert x expert-data) or a
+        3D-PMM grid (tensor = X x Y x Z; data)."""
+        g = layout.GROUPS
+        return cls(layout.parallel_dims, tensor_axes=g["tensor"], data_axes=g["data"],
+                   expert_axes=g.get("expert", ()), expert_data_axes=g.get("expert_data", ()), source=source)
+
+    def check_groups(self, rank: int, groups: Mapping[str, Sequence[int]]) -> None:
+        """Refuse an mpu whose groups (role -> this rank's member ranks) are not this layout's."""
+        for role, ranks in groups.items():
+            want = member_group(self.partition(role), rank) if role in self.GROUPS else (rank,)
+            if tuple(sorted(ranks)) != want:
+                raise GroupError(
+                    f"the mpu's {role} group of rank {rank} is {sorted(ranks)}, not {list(want)} as the layout "
+                    f"{self.describe_degrees()} puts it (tensor innermost, then data, then pipeline); allowed: "
+                    "Megatron's rank order"
+                )
+
+    def describe_degrees(self) -> str:
+        return " x ".join(f"{r} {self.degree(r)}" for r in self.ROLES if r in self.GROUPS)
+
+    def describe(self, topology: Topology) -> str:
+        """One line: each group's degree and the outermost level it crosses."""
+        parts = []
+        for role in self.ROLES:
+            if role in self.GROUPS:
+                level = topology.level_of(member_group(self.partition(role), 0))
+                parts.append(f"{role} {self.degree(role)} ({'within a rank' if level is None else 'crosses ' + level})")
+        return f"{', '.join(parts)}; from {self.source}"

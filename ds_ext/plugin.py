@@ -10,9 +10,10 @@ registration order and calls its hooks around ``deepspeed.initialize``:
    caller gave ``initialize`` (``mpu``, ``collate_fn``, ...) are in
    ``runtime.initialize_kwargs``, so a plugin can refuse what it cannot combine with;
 2. ``mpu()`` after every ``prepare``: the model-parallel unit the plugin hands DeepSpeed
-   (``None`` if it has none). At most one source of an mpu is allowed: the caller's or
-   one plugin's; a plugin with ``accepts_mpu = False`` (one that assumes data
-   parallelism over the whole world) refuses to run beside any;
+   (``None`` if it has none), with ``layout()`` the layout it comes from, which becomes the
+   job's (``runtime.parallel``, a :class:`ds_ext.parallel.JobLayout`). At most one source of
+   an mpu is allowed: the caller's (the job layout is read from it before ``prepare``) or one
+   plugin's;
 3. ``attach(engine)`` once the DeepSpeed engine exists.
 """
 
@@ -37,8 +38,6 @@ class Plugin:
 
     name: ClassVar[str]
     Config: ClassVar[type[PluginConfig]] = PluginConfig
-    # False: the plugin shards over the whole world and cannot run beside model parallelism
-    accepts_mpu: ClassVar[bool] = True
 
     def __init__(self, config: PluginConfig, runtime: Any) -> None:
         """``runtime``: this rank's :class:`ds_ext.runtime.Runtime` (topology, groups, communicator),
@@ -51,6 +50,10 @@ class Plugin:
 
     def mpu(self) -> Any:
         """The model-parallel unit this plugin gives DeepSpeed, or None."""
+        return None
+
+    def layout(self) -> Any:
+        """The :class:`ds_ext.parallel.Layout` behind :meth:`mpu` (None without an mpu)."""
         return None
 
     def gathered_parameters(self, params: Any, modify: bool, modifier_rank: int | None) -> Any:

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from ds_ext import config as cfgmod
 from ds_ext.comm import Communicator, Ledger, TimeEmulator
 from ds_ext.groups import GroupRegistry
+from ds_ext.parallel import JobLayout
 from ds_ext.plugin import Plugin, registered_plugins
 from ds_ext.topology import JobEnvironment, Topology, detect_environment, resolve_topology
 from ds_ext.version import __version__
@@ -36,6 +37,8 @@ class Runtime:
     # the arguments of ds_ext.initialize beyond model / optimizer / config (mpu, ...)
     initialize_kwargs: dict = field(default_factory=dict)
     model_bytes: int | None = None  # M: bytes of the model's parameters in the training dtype
+    # the job's parallel layout: the caller's mpu or a plugin's, else data parallelism over the world
+    parallel: JobLayout | None = None
 
     @property
     def rank(self) -> int:
@@ -76,7 +79,8 @@ class Runtime:
         emulator = TimeEmulator(topology, config.comm.time_scale) if config.comm.emulate_time else None
         comm = Communicator(groups, ledger, emulator, config.comm.timeout_s, config.comm.algorithm)
         runtime = cls(config, job, topology, groups, comm,
-                      initialize_kwargs=dict(initialize_kwargs or {}))
+                      initialize_kwargs=dict(initialize_kwargs or {}),
+                      parallel=JobLayout.data_parallel(topology.world_size))
         plugin_classes = registered_plugins()
         for name, pcfg in cfgmod.plugin_configs(config).items():
             if pcfg.enabled:
@@ -98,7 +102,8 @@ class Runtime:
                 + (" (torch.distributed collectives counted too)" if cfg.ledger and cfg.count_torch_collectives else "")
                 + f", algorithm {cfg.algorithm}, timeout {cfg.timeout_s:g} s"
                 + (f", alpha-beta time emulation x{cfg.time_scale:g}" if cfg.emulate_time else ""))
-        return "\n".join([f"ds_ext {__version__}: {self.topology.describe()}", "plugins:", *plugins,
+        layout = [f"parallel: {self.parallel.describe(self.topology)}"] if self.parallel else []
+        return "\n".join([f"ds_ext {__version__}: {self.topology.describe()}", *layout, "plugins:", *plugins,
                           f"comm: {comm}", f"groups of rank {self.rank}: {spans}"])
 
     def report(self, skip: int = 1) -> str:

@@ -216,6 +216,24 @@ class Topology:
                 return self.levels[i].name
         return None
 
+    def of_group(self, ranks: Sequence[int], name: str) -> "Topology":
+        """The hierarchy as a group of ``ranks`` sees it: on each level, as many positions as
+        the members take there; levels where all members sit together are left out (one kept
+        if the group is a single rank). Member i of the sorted ``ranks`` is rank i of the
+        result, so shard and group logic written for a world runs unchanged over the group.
+
+        The members must form a grid: every combination of their per-level positions is a
+        member (Megatron's and DeepSpeed's data-parallel groups do: a fixed stride inside a
+        block); anything else is refused."""
+        members = sorted(set(ranks))
+        coords = [self.coords(r) for r in members]
+        taken = [sorted({c[i] for c in coords}) for i in range(len(self.levels))]
+        if math.prod(len(t) for t in taken) != len(members):
+            raise TopologyError(f"ranks {members} do not form a grid over the levels of topology {self.name!r}: "
+                                "a group must hold every combination of its members' positions")
+        levels = tuple(replace(lv, size=len(t)) for lv, t in zip(self.levels, taken) if len(t) > 1)
+        return Topology(levels or (replace(self.levels[0], size=1),), name)
+
     def span_groups(self, name: str) -> list[list[int]]:
         """Partition of the world into the domains of level ``name``.
 

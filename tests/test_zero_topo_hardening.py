@@ -317,7 +317,7 @@ def test_optimizer_sources_as_deepspeed_decides_them():
 
 
 class _TensorParallelMpu:
-    """What Megatron passes with --tensor-model-parallel-size 2 (only the sizes matter)."""
+    """An mpu that reports tensor parallelism 2 but exposes no groups to shard beside."""
 
     def get_tensor_model_parallel_world_size(self):
         return 2
@@ -348,8 +348,8 @@ def _refused_in_initialize(case):
 @pytest.mark.parametrize("case,expected", [
     ("stage3", "zero_optimization.stage: not supported with ds_ext.zero_topo (it replaces DeepSpeed's ZeRO); "
                "allowed: 0 (got 3)"),
-    ("mpu", "ds_ext.zero_topo shards over the whole world (pure data parallelism) and cannot run with model "
-            "parallelism (tensor parallel 2, pipeline parallel 1 from the caller's mpu= argument)"),
+    ("mpu", "the caller's mpu= argument reports tensor parallel 2, pipeline parallel 1 but no "
+            "get_tensor_model_parallel_group / get_data_parallel_group; allowed: a Megatron-style mpu"),
     ("pipeline", "model: not supported with ds_ext.zero_topo (pipeline parallelism: deepspeed.pipe.PipelineModule)"),
 ])
 def test_refused_in_initialize_on_every_rank(world, case, expected):

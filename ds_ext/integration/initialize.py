@@ -21,6 +21,7 @@ from ds_ext.comm import instrument
 from ds_ext.integration import ds_engine
 from ds_ext.integration.ds_initialize import deepspeed_initialize
 from ds_ext.integration.ds_version import check_version
+from ds_ext.parallel import GroupError, JobLayout
 from ds_ext.runtime import Runtime
 
 
@@ -66,31 +67,53 @@ def _without_config_path(args: Any) -> Any:
 
 
 def _with_plugin_mpu(runtime: Runtime, kwargs: dict) -> dict:
-    """``kwargs`` with the mpu a plugin provides; refuse two sources of one."""
-    sources = [(p.name, p.mpu()) for p in runtime.plugins]
-    sources = [(name, m) for name, m in sources if m is not None]
-    if kwargs.get("mpu") is not None and len(sources) == 1 and _same_groups(kwargs["mpu"], sources[0][1]):
-        return {**kwargs, "mpu": sources[0][1]}  # Megatron-DeepSpeed's own mpu over the plugin's layout
-    if kwargs.get("mpu") is not None:
-        sources.insert(0, ("the caller's mpu= argument", kwargs["mpu"]))
-    if len(sources) > 1:
-        names = " and ".join(f"ds_ext.{n}" if not n.startswith("the ") else n for n, _ in sources)
+    """``kwargs`` with the mpu a plugin provides (the job layout becomes the plugin's); refuse
+    two sources of one."""
+    sources = [(p, p.mpu()) for p in runtime.plugins]
+    sources = [(p, m) for p, m in sources if m is not None]
+    if kwargs.get("mpu") is not None and sources and not (len(sources) == 1 and _same_groups(kwargs["mpu"], sources[0][1])):
+        names = " and ".join(["the caller's mpu= argument"] + [f"ds_ext.{p.name}" for p, _ in sources])
         raise cfgmod.DsExtConfigError(f"two model-parallel units for DeepSpeed with different groups: {names}; "
                                       "allowed: an mpu with the plugin's tensor and data groups, or only one")
+    if len(sources) > 1:
+        names = " and ".join(f"ds_ext.{p.name}" for p, _ in sources)
+        raise cfgmod.DsExtConfigError(f"two model-parallel units for DeepSpeed: {names}; allowed: one")
     if sources:
-        refusing = [p.name for p in runtime.plugins if not p.accepts_mpu]
-        parallel = _model_parallel_sizes(sources[0][1])
-        if refusing and any(size != 1 for size in parallel.values()):
-            source = sources[0][0]
-            source = source if source.startswith("the ") else f"ds_ext.{source}"
-            shown = ", ".join(f"{k} {v}" for k, v in parallel.items())
-            raise cfgmod.DsExtConfigError(
-                f"ds_ext.{refusing[0]} shards over the whole world (pure data parallelism) and cannot run "
-                f"with model parallelism ({shown} from {source}); allowed: an mpu whose tensor and pipeline "
-                f"parallel sizes are 1, or no mpu"
-            )
-        kwargs = {**kwargs, "mpu": sources[0][1]}
+        plugin, mpu = sources[0]
+        runtime.parallel = JobLayout.of(plugin.layout(), f"ds_ext.{plugin.name}")
+        kwargs = {**kwargs, "mpu": mpu}
     return kwargs
+
+
+def _caller_layout(world_size: int, rank: int, mpu: Any) -> JobLayout:
+    """The job layout of the caller's mpu (Megatron-DeepSpeed's ``megatron.core.mpu``, GPT-NeoX's
+    topology-backed mpu): its tensor and pipeline degrees in Megatron's rank order, each of this
+    rank's groups checked against it. Collective (every rank learns whether any refused), so a
+    layout one rank refuses fails on all before any other collective."""
+    import torch.distributed as dist
+
+    error, layout = None, JobLayout.data_parallel(world_size)
+    try:
+        groups = _mpu_groups(mpu)
+        if groups is not None:
+            tensor, data, pipeline = groups
+            layout = JobLayout.megatron(world_size, len(tensor), pipeline, "the caller's mpu= argument")
+            layout.check_groups(rank, {"tensor": tensor, "data": data})
+        else:
+            sizes = _model_parallel_sizes(mpu)
+            if set(sizes.values()) != {1}:
+                shown = ", ".join(f"{k} {v}" for k, v in sizes.items())
+                raise cfgmod.DsExtConfigError(
+                    f"the caller's mpu= argument reports {shown} but no get_tensor_model_parallel_group / "
+                    "get_data_parallel_group; allowed: a Megatron-style mpu (megatron.core.mpu) or none")
+    except (cfgmod.DsExtConfigError, GroupError) as err:
+        error = str(err)
+    errors: list[str | None] = [None] * world_size
+    dist.all_gather_object(errors, error)
+    failed = next(((r, e) for r, e in enumerate(errors) if e), None)
+    if failed is not None:
+        raise cfgmod.DsExtConfigError(failed[1] if failed[0] == rank else f"rank {failed[0]}: {failed[1]}")
+    return layout
 
 
 def _mpu_groups(mpu: Any) -> tuple[Any, ...] | None:
@@ -188,6 +211,8 @@ def initialize(
     parsed = cfgmod.parse(ds_config.get(cfgmod.BLOCK))
     ds_engine.init_distributed(dist_init_required, parsed.comm.timeout_s)
     runtime = Runtime.create(parsed, initialize_kwargs=kwargs)
+    if mpu is not None:
+        runtime.parallel = _caller_layout(runtime.topology.world_size, runtime.rank, mpu)
     if parsed.comm.ledger and parsed.comm.count_torch_collectives:
         instrument.install(runtime.comm)
         ds_engine.rebind_backend_collectives()

@@ -132,6 +132,9 @@ class TEDPlugin(Plugin):
     def mpu(self) -> MegatronMPU:
         return self.ted.mpu()
 
+    def layout(self) -> TEDLayout:
+        return self.ted.layout
+
     def _clip_with_global_norm(self, engine: Any) -> None:
         from ds_ext.integration.ds_engine import replace_fp32_clipping
         from ds_ext.moe.grad_norm import clip_

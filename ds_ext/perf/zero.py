@@ -166,9 +166,12 @@ def _group_size(plan: ShardingPlan, levels) -> int:
 
 
 def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_bytes: int,
-            secondary_serves_forward: bool = True, algorithm: str = "native", rank: int = 0) -> Traffic:
+            secondary_serves_forward: bool = True, algorithm: str = "native", rank: int = 0,
+            model_parallel: tuple[str | None, int] = (None, 1)) -> Traffic:
     """Bytes and calls per optimizer step of ``plan`` for ``units`` at ``grad_accum``, as rank
-    ``rank`` sends them (module docstring; ranks differ only where raw blocks are uneven)."""
+    ``rank`` of its data-parallel group sends them (module docstring; ranks differ only where raw
+    blocks are uneven). ``model_parallel``: (outermost level, size) of the model-parallel group
+    the grad-norm all-reduce also runs over (``ds_ext.zero_topo.data_group``)."""
     t = _Tally(plan.topology, algorithm)
     top = len(plan.topology.levels) - 1
     B = plan.block_size
@@ -204,6 +207,8 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
     o_levels = list(range(plan.optimizer + 1))
     d = _group_size(plan, o_levels)
     t.add("step", _level(plan, o_levels), 2 * 8 * (d - 1) / d, 1, op="all_reduce", d=d)  # grad-norm all-reduce
+    level, m = model_parallel
+    t.add("step", level, 2 * 8 * (m - 1) / m, 1, op="all_reduce", d=m)  # ... and over the model-parallel group
     return Traffic({p: dict(v) for p, v in t.bytes.items()}, {p: dict(v) for p, v in t.calls.items()},
                    {p: dict(v) for p, v in t.steps.items()})
 

@@ -106,6 +106,9 @@ class Pmm3dPlugin(Plugin):
     def describe(self) -> str:
         return f"grid {self.grid} (x, y, z, data)"
 
+    def layout(self) -> Grid:
+        return self.grid
+
     def mpu(self) -> MegatronMPU:
         """Model parallel = the tensor grid X x Y x Z (DeepSpeed sums gradient norms over it,
         parameters counted per ``ds_ext.integration.ds_pmm.mark_parameters``); data parallel =

@@ -227,7 +227,7 @@ class ShardedModel:
             units = {id(unit_of[id(p)]): unit_of[id(p)] for p in module.parameters() if id(p) in unit_of}
             needed = [u for u in units.values() if not u.held]
             if any(not u.gathered for u in needed):
-                every_rank_arrives("state_dict", self.ctx.rank)
+                every_rank_arrives("state_dict", self.ctx.global_rank)
             else:
                 needed = []
             for unit in needed:
@@ -393,6 +393,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         ctx = sharded.ctx
         group_of = {id(p): i for i, g in enumerate(inner.param_groups) for p in g["params"]}
         self.segments: list[tuple[FlatUnit, int, int, torch.Tensor]] = []  # unit, lo, hi, master
+        self._counted: list[bool] = []  # per segment: in this rank's share of the global norm
         per_group: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
         n_opt = shard_count(ctx.topo, ctx.plan.optimizer)
         for unit in sharded.all_units:
@@ -407,6 +408,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"a parameter of unit {unit.name} is in none of the optimizer's param groups")
                 master = own[lo - a : hi - a].float().clone()
                 self.segments.append((unit, lo - a, hi - a, master))
+                self._counted.append(ctx.data is None or ctx.data.counted(p))
                 per_group[group_of[id(p)]].append(master)
         for g, params in zip(inner.param_groups, per_group):
             g["params"] = params
@@ -504,17 +506,22 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         unit.rebuild_secondary()
 
     def _decide_step(self, grads: Iterable[torch.Tensor], scale: float) -> float | None:
-        """Global norm of the unscaled gradient (every element once, collective), overflow
-        and loss-scale update, before any parameter changes. On overflow the secondaries
-        built from stale weights are dropped. Returns the clip coefficient, if clipping."""
+        """Global norm of the unscaled gradient (``grads``: one per segment; every element
+        once, over the model-parallel group too: ``ds_ext.zero_topo.data_group``), overflow and
+        loss-scale update, before any parameter changes. On overflow the secondaries built
+        from stale weights are dropped. Returns the clip coefficient, if clipping."""
         ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
         sumsq = torch.zeros(1, dtype=torch.float64, device=ctx.device)
-        for g in grads:
+        for g, counted in zip(grads, self._counted, strict=True):
+            if not counted:
+                continue
             g = g.float()
             if scale != 1.0:
                 g = g / scale
             sumsq += g.double().pow_(2).sum()
         ctx.comm.all_reduce(sumsq, group=ctx.span(plan.optimizer))
+        if ctx.model_group is not None:
+            ctx.comm.all_reduce(sumsq, group=ctx.model_group)
         norm = math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else float("inf")
         self._global_grad_norm = norm
         self.overflow = not math.isfinite(norm)

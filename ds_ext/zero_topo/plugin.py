@@ -35,6 +35,7 @@ from ds_ext.zero_topo.engine import ShardedModel, ZeroTopoOptimizer
 from ds_ext.zero_topo.plan import ZeroTopoConfig, resolve_plan
 from ds_ext.zero_topo.layout import shard_count, shard_index
 from ds_ext.zero_topo.agreement import UnitTrace
+from ds_ext.zero_topo.data_group import DataGroup
 from ds_ext.zero_topo.units import ShardContext
 
 
@@ -58,12 +59,12 @@ class ZeroTopoPlugin(Plugin):
 
     name = "zero_topo"
     Config = ZeroTopoConfig
-    accepts_mpu = False
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
 
-        self.plan = resolve_plan(self.config, self.runtime.topology)
+        self.data = self._data_group()
+        self.plan = resolve_plan(self.config, self.data.topology)
         self.dtype = support.precision(ds_config)
         support.check_ds_config(ds_config, self.dtype)
         support.check_model(model)
@@ -79,8 +80,25 @@ class ZeroTopoPlugin(Plugin):
         (cfg.get("data_types") or {}).pop("grad_accum_dtype", None)
         return model.to(self.dtype), optimizer, cfg
 
+    def _data_group(self) -> DataGroup:
+        """The data-parallel group to shard over, from the job layout (before any collective):
+        the world, or the caller's mpu's data-parallel group (Megatron tensor parallelism)."""
+        rt = self.runtime
+        others = [f"ds_ext.{p.name}" for p in rt.plugins if p.name in ("ted", "pmm3d")]
+        if others:
+            raise DsExtConfigError(f"{support.KEY} with {others[0]}: not supported yet (ZeRO-topo over "
+                                   f"{others[0]}'s data axis); allowed: one of them")
+        layout = rt.parallel
+        if layout.degree("pipeline") > 1:
+            raise DsExtConfigError(
+                f"{support.KEY}: pipeline parallel size {layout.degree('pipeline')} (from {layout.source}) is not "
+                "supported; allowed: 1 (tensor parallelism of any size)")
+        return DataGroup.of(layout, rt.topology, rt.rank)
+
     def describe(self) -> str:
-        return self.plan.describe()
+        where = "" if len(self.data.members) == self.runtime.topology.world_size else \
+            f" over the data-parallel group ({self.data.topology.describe()})"
+        return self.plan.describe() + where
 
     def attach(self, engine: Any) -> None:
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
@@ -93,9 +111,11 @@ class ZeroTopoPlugin(Plugin):
         if self.config.agreement_check_s > 0:
             trace = UnitTrace(rt.rank, rt.topology.world_size, self.config.agreement_check_s)
             rt.comm.watch = trace
-        ctx = ShardContext(self.plan, rt.comm, rank=rt.rank, dtype=self.dtype,
+        model_group = rt.groups.group(rt.parallel.partition("model")) if self.data.model_size > 1 else None
+        ctx = ShardContext(self.plan, rt.comm, rank=self.data.rank, dtype=self.dtype,
                            compile_quantizer=self.config.compile_quantizer,
-                           device=next(engine.module.parameters()).device, trace=trace)
+                           device=next(engine.module.parameters()).device, trace=trace,
+                           data=self.data, model_group=model_group)
         self.sharded = ShardedModel(engine.module, ctx, self.config.units, self.config.prefetch)
         self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler)
         ds_engine.replace_optimizer(engine, self.optimizer)
@@ -121,12 +141,13 @@ class ZeroTopoPlugin(Plugin):
         from ds_ext.perf.zero import traffic
 
         return traffic(self.plan, self.sharded.unit_specs(), grad_accum, self.sharded.ctx.dtype.itemsize,
-                       algorithm=self.runtime.comm.algorithm, rank=self.runtime.rank)
+                       algorithm=self.runtime.comm.algorithm, rank=self.data.rank,
+                       model_parallel=(self.data.model_level, self.data.model_size))
 
     def analytic_memory(self):
         from ds_ext.perf.zero import memory
 
-        return memory(self.plan, self.sharded.unit_specs(), self.runtime.rank, self.sharded.ctx.dtype.itemsize)
+        return memory(self.plan, self.sharded.unit_specs(), self.data.rank, self.sharded.ctx.dtype.itemsize)
 
     def scaler_state(self) -> dict:
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
@@ -157,7 +178,14 @@ class ZeroTopoPlugin(Plugin):
                         self.optimizer.adopt_weights(unit)
 
     # ---- checkpoints (ds_ext.zero_topo.checkpoint) ---------------------------------------
+    def _refuse_model_parallel_checkpoint(self, what: str) -> None:
+        if self.data.model_size > 1:
+            raise DsExtConfigError(
+                f"{support.KEY}: {what} with model parallelism ({self.runtime.parallel.describe_degrees()}) is not "
+                "supported yet; allowed: tensor and pipeline parallel size 1, or engine.save_16bit_model")
+
     def _save_checkpoint(self, original, save_dir, tag, client_state, save_latest, exclude_frozen_parameters):
+        self._refuse_model_parallel_checkpoint("save_checkpoint")
         engine, rank = self.engine, self.runtime.rank
         save_dir = Path(save_dir)
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
@@ -192,6 +220,7 @@ class ZeroTopoPlugin(Plugin):
 
     def _load_checkpoint(self, original, load_dir, tag, load_module_strict, load_optimizer_states,
                          load_lr_scheduler_states, load_module_only, custom_load_fn):
+        self._refuse_model_parallel_checkpoint("load_checkpoint")
         optimizer_states = load_optimizer_states and not load_module_only
         if tag is None and not ckpt.agree_present(Path(load_dir) / ckpt.LATEST, f"loading checkpoint from {load_dir}"):
             if self.runtime.rank == 0:

@@ -48,6 +48,7 @@ from ds_ext.zero_topo.layout import (
     to_shard_order,
 )
 from ds_ext.zero_topo.agreement import UnitTrace
+from ds_ext.zero_topo.data_group import DataGroup
 from ds_ext.zero_topo.plan import ShardingPlan
 
 
@@ -62,6 +63,8 @@ class ShardContext:
     compile_quantizer: bool = False
     device: torch.device = torch.device("cpu")  # where the engine put the module
     trace: UnitTrace | None = None  # the units of this rank's collectives (agreement check)
+    data: DataGroup | None = None  # the data-parallel group sharded over (None: the world)
+    model_group: object | None = None  # the model-parallel group gradient norms are summed over
 
     def __post_init__(self) -> None:
         b, c = self.plan.block_size, self.compile_quantizer
@@ -73,13 +76,20 @@ class ShardContext:
     def topo(self):
         return self.plan.topology
 
+    @property
+    def global_rank(self) -> int:
+        return self.rank if self.data is None else self.data.members[self.rank]
+
     def group(self, levels: Sequence[int]):
         """Process group of the ranks that differ only on ``levels`` (looked up once per
         levels: building the partition costs more than many small collectives' bookkeeping)."""
         key = tuple(levels)
         pg = self._groups.get(key)
         if pg is None:
-            pg = self._groups[key] = self.comm.registry.group(level_partition(self.topo, list(key)))
+            partition = level_partition(self.topo, list(key))
+            if self.data is not None:
+                partition = self.data.to_world(partition)
+            pg = self._groups[key] = self.comm.registry.group(partition)
         return pg
 
     def span(self, level: int):

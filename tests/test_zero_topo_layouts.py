@@ -1,0 +1,160 @@
+"""ZeRO-topo inside real layouts (issue 36): over the data-parallel group of Megatron tensor
+parallelism, with the job's layout read once from the caller's mpu.
+
+8 gloo ranks as Frontier in miniature (2 nodes x 2 MI250X x 2 GCDs). The model is the real
+Megatron-DeepSpeed client's ``GPTModel`` (../shared/clients, unmodified) at tensor-parallel 2, built
+and driven in-process the way its ``pretrain_gpt.py`` does with ``--no-pipeline-parallel``: its
+``megatron.core.mpu`` passed as ``mpu=``, its vocab-parallel cross entropy as the loss. The
+reference is DeepSpeed's own ZeRO-1 on the same model, mpu and batches (shares no code with
+ZeRO-topo): the unquantized preset must equal it to fp32 rounding, gradient clipping active, so
+the global norm over the tensor group (replicated norms and biases counted once) is checked too.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+WORLD_SIZE = 8
+CLIENT = Path(os.environ.get("DS_EXT_CLIENTS") or Path(__file__).resolve().parents[1].parent / "shared" / "clients",
+              ) / "megatron-deepspeed"
+TOPOLOGY = {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}
+UNQUANTIZED = {"weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}}
+SEQ, VOCAB, STEPS = 16, 128, 4
+pytestmark = pytest.mark.skipif(not CLIENT.is_dir(), reason=f"Megatron-DeepSpeed client not found at {CLIENT}")
+
+
+def _client_gpt(tensor: int):
+    """The client's GPTModel at ``tensor``-parallel degree, its mpu initialized as
+    ``initialize_megatron`` does (random init drawn whole on the CPU, then sliced)."""
+    from unittest import mock
+
+    import torch
+
+    sys.path.insert(0, str(CLIENT))
+    from megatron import global_vars
+    from megatron.arguments import core_transformer_config_from_args, parse_args, validate_args
+    from megatron.core import mpu, tensor_parallel
+    from megatron.core.enums import ModelType
+    from megatron.model import GPTModel
+
+    argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", "1",
+            "--tensor-model-parallel-size", str(tensor), "--use-cpu-initialization", "--attention-dropout", "0",
+            "--hidden-dropout", "0", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+            "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--seed", "1234",
+            "--deepspeed", "--no-pipeline-parallel", "--distributed-backend", "gloo"]
+    with mock.patch.object(sys, "argv", argv):
+        args = validate_args(parse_args())  # as initialize_megatron does
+    args.padded_vocab_size = VOCAB
+    args.model_type = ModelType.encoder_or_decoder  # what pretrain() sets for GPT
+    global_vars.set_args(args)
+    global_vars._GLOBAL_NUM_MICROBATCHES_CALCULATOR = None  # a world runs this more than once
+    global_vars._build_num_microbatches_calculator(args)
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(tensor)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(1234)
+    model = GPTModel(core_transformer_config_from_args(args), num_tokentypes=0, parallel_output=True,
+                     pre_process=True, post_process=True)
+    return model, mpu
+
+
+def _batch(step: int, data_rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + data_rank)
+    tokens = torch.randint(0, VOCAB, (1, SEQ + 1), generator=g)
+    mask = torch.tril(torch.ones(1, 1, SEQ, SEQ)) < 0.5
+    return tokens[:, :-1], torch.arange(SEQ).unsqueeze(0), mask, tokens[:, 1:]
+
+
+def _train(zero_topo, seed=0):
+    """Losses, global norms and this rank's (tensor-parallel) parameters after ``STEPS`` steps;
+    with ZeRO-topo also its ledger and analytic model of the last step."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    import ds_ext
+
+    model, mpu = _client_gpt(2)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.05,
+           "zero_optimization": {"stage": 0 if zero_topo else 1}, "zero_allow_untested_optimizer": True,
+           "steps_per_print": 10**6}
+    # SGD moves each parameter in proportion to its gradient, so a wrong scale shows in every one
+    # (Adam normalises it away, and turns the key bias's rounding-noise gradient into full steps)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    if zero_topo:
+        cfg["ds_ext"] = {"topology": TOPOLOGY, "comm": {"count_torch_collectives": False},
+                         "zero_topo": {"enabled": True, **zero_topo}}
+        engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
+    else:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens, position, mask, labels = _batch(step + 100 * seed, mpu.get_data_parallel_rank())
+        loss = engine(tokens, position, mask, labels=labels)[0].float().mean()  # (losses, moe losses)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(float(engine.get_global_grad_norm()))
+    gathered = engine.ds_ext.gathered_parameters() if zero_topo else None
+    with gathered if gathered is not None else torch.no_grad():
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out = {"losses": losses, "norms": norms, "params": params, "rank": dist.get_rank(),
+           "still": [n for n, p in params.items() if torch.equal(p, init[n])]}
+    if zero_topo:
+        plugin = engine.ds_ext.plugins[0]
+        last = engine.ds_ext.ledger.steps[-1]
+        out |= {"describe": plugin.describe(), "banner": engine.ds_ext.banner(),
+                "measured": {ph: dict(v) for ph, v in last.by_phase().items() if ph != "other"},
+                "analytic": plugin.analytic_traffic(1).bytes,
+                "padded_bytes": sum(u.U for u in plugin.sharded.all_units) * 4}
+    engine.destroy()
+    mpu.destroy_model_parallel()
+    dist.barrier()
+    return out
+
+
+def test_unquantized_zero_topo_equals_deepspeed_zero1_under_megatron_tp2(world):
+    """Losses, global gradient norms (clipping active) and every parameter equal DeepSpeed ZeRO-1
+    under the same tensor parallelism; the plan sits on the levels the data group crosses; the
+    ledger equals the analytic model, and the inter-node bytes of the gradient synchronisation are
+    the floor 2 (M_dp / P)(N - 1)/N of the data-parallel group (P = 2 of its ranks per node, N = 2)."""
+    import torch
+
+    ref = world.run(_train, None)
+    ours = world.run(_train, {"preset": "zero_topo", **UNQUANTIZED})
+    for r, o in zip(ref, ours):
+        assert o["losses"] == pytest.approx(r["losses"], rel=1e-6, abs=0)
+        assert o["norms"] == pytest.approx(r["norms"], rel=1e-6, abs=0)
+        assert r["norms"][0] > 0.05  # the clip is active
+        assert o["still"] == [] and r["still"] == []  # every parameter trained
+        assert set(o["params"]) == set(r["params"])
+        for name, p in r["params"].items():
+            torch.testing.assert_close(o["params"][name], p, rtol=1e-6, atol=1e-6, msg=name)
+        assert o["measured"] == o["analytic"]
+        # the data group never crosses the GCD pair; only the norm's sum over the tensor group does
+        assert [(ph, lv) for ph, v in o["measured"].items() for lv in v if lv == "gcd"] == [("step", "gcd")]
+        assert o["measured"]["step"]["gcd"] == 2 * 8 * (2 - 1) / 2
+        node = sum(levels.get("node", 0) for levels in o["measured"].values())
+        norm = 2 * 8 * (4 - 1) / 4  # the grad-norm all-reduce over the 4 ranks of the data group
+        assert node == 2 * (o["padded_bytes"] / 2) * (2 - 1) / 2 + norm
+    assert "weights gpu" in ours[0]["describe"] and "data-parallel group" in ours[0]["describe"]
+    assert "tensor 2 (crosses gcd)" in ours[0]["banner"] and "data 4 (crosses node)" in ours[0]["banner"]
+
+
+def test_quantized_default_trains_every_parameter_within_the_seed_spread(world):
+    """The default (quantized) preset under TP 2: every parameter moves; each step's loss is within
+    the spread between ZeRO-1 runs on two data orders."""
+    a, b = world.run(_train, None, 0), world.run(_train, None, 1)
+    ours = world.run(_train, {"preset": "zero_topo"})
+    for r0, r1, o in zip(a, b, ours):
+        spread = max(abs(x - y) for x, y in zip(r0["losses"], r1["losses"]))
+        assert o["still"] == []
+        assert max(abs(x - y) for x, y in zip(o["losses"], r0["losses"])) <= spread
+        assert o["measured"] == o["analytic"]
