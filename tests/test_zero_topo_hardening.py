@@ -502,11 +502,13 @@ def test_gradient_clipping_default_is_deepspeeds():
     read 0 before: plain DeepSpeed clipped where ZeRO-topo did not)."""
     from types import SimpleNamespace
 
+    from ds_ext.parallel import JobLayout
     from ds_ext.topology import Topology
     from ds_ext.zero_topo.plugin import ZeroTopoPlugin
     from ds_ext.zero_topo.plan import ZeroTopoConfig
 
-    runtime = SimpleNamespace(topology=Topology.from_preset("frontier", 8, {"gpu": 2}), initialize_kwargs={}, rank=0)
+    runtime = SimpleNamespace(topology=Topology.from_preset("frontier", 8, {"gpu": 2}), initialize_kwargs={}, rank=0,
+                              plugins=[], parallel=JobLayout.data_parallel(8))
     model = nn.Linear(4, 4)
     for cfg, clip in (({}, 1.0), ({"gradient_clipping": 0.0}, 0.0), ({"gradient_clipping": 0.3}, 0.3)):
         plugin = ZeroTopoPlugin(ZeroTopoConfig(enabled=True), runtime)

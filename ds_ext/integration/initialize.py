@@ -111,8 +111,10 @@ def _caller_layout(world_size: int, rank: int, mpu: Any) -> JobLayout:
     errors: list[str | None] = [None] * world_size
     dist.all_gather_object(errors, error)
     failed = next(((r, e) for r, e in enumerate(errors) if e), None)
+    if error is not None:
+        raise cfgmod.DsExtConfigError(error)
     if failed is not None:
-        raise cfgmod.DsExtConfigError(failed[1] if failed[0] == rank else f"rank {failed[0]}: {failed[1]}")
+        raise cfgmod.DsExtConfigError(f"rank {failed[0]}: {failed[1]}")
     return layout
 
 
