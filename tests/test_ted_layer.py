@@ -145,6 +145,44 @@ def test_dtd_cac_bit_identical_and_ledger_equals_model(world):
         assert stash[(mode, True, True)] - stash[(mode, True, "lean")] == 2 * E * (C // 2) * H * 4
 
 
+def _default_stash(T, P):
+    """One step through ``ds_ext.initialize`` under torch checkpointing with CAC and DTD, the ted
+    block without ``cac_stash`` (the default) and with ``cac_stash: full``."""
+    import torch
+    import torch.distributed as dist
+
+    import ds_ext
+    import ted_support as ts
+    from ds_ext.parallel import TEDLayout
+
+    rank = dist.get_rank()
+    layout = TEDLayout.build(dist.get_world_size(), T, P)
+    cfg = ts.config(checkpoint="torch")  # tokens dropped (C = S / E)
+    state = ts.serial_model(dataclasses.replace(cfg, checkpoint="none")).state_dict()
+    runs = {}
+    for stash in (None, "full"):
+        model = ts.ted_model(cfg, state, layout, rank)
+        engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                       config=ts.ds_config(T, P, ted={} if stash is None else {"cac_stash": stash}))
+        ted = engine.ds_ext.plugins[0].ted
+        loss = engine(ts.shards(layout)[ted.data_rank])
+        held = sum(m.ted_tape.stash_bytes() for m in engine.module.modules() if hasattr(m, "ted_tape"))
+        engine.backward(loss)
+        runs[stash] = (ted.cac_lean, held, loss.item(), {n: p.grad.clone() for n, p in engine.module.named_parameters()})
+        engine.destroy()
+    (lean, held, loss, grads), (full_lean, full_held, full_loss, full_grads) = runs[None], runs["full"]
+    assert lean and not full_lean and 0 < held < full_held
+    assert loss == full_loss and all(torch.equal(g, full_grads[n]) for n, g in grads.items())
+    return held, full_held
+
+
+def test_default_stash_is_lean_and_bit_identical_to_full(world):
+    """``cac_stash`` defaults to the lean stash (001 §7.3.2): less held between the forward and
+    the recompute, the same loss and gradients bit for bit as the full stash."""
+    for held, full in world.run(_default_stash, 2, 4):
+        assert held < full
+
+
 def test_dropless_capacity_agreed_over_expert_group(world):
     """Uneven routing, drop_tokens=False: the ledger bytes follow C = max count over the expert
     group padded to G_tensor (the analytic model takes C from the serial model's counts)."""
