@@ -5,7 +5,8 @@
 * routing: for k = 1 .. 4, drop and dropless, with random token selection, RSample and top-2
   sampling on, TED's gate (its decision turned into GShard's dense combine weights), DeepSpeed's
   ``top1gating`` / ``top2gating`` / ``topkgating`` and the reference (tests/moe_reference.py)
-  give the same combine weights, l_aux and expert counts;
+  give the same combine weights, l_aux and expert counts; top-1 dropping without random token
+  selection keeps the tokens DeepSpeed's ``top1gating`` keeps;
 * the gate's arguments are validated where the layer is built; its draws follow the documented
   generator protocol and resume from the ``draws`` counter.
 """
