@@ -20,7 +20,10 @@ Notation: S tokens, E experts, H hidden, C capacity, k routes per token, f capac
   jitter u [S, H] (x times 1 + 1e-2 (2u - 1), training); k = 1 RSample: Gumbel -log(-log u)
   [S, E] on the logits (training); k = 2 with second-expert sampling: Gumbel [S, E] on the
   logits of the second choice; k = 1 random token selection (drop): priority u [S, E] times the
-  route mask, the C largest kept per expert.
+  route mask, the C largest kept per expert;
+* k = 1 dropping without random token selection: DeepSpeed's ``torch.topk`` of the 0/1 route
+  mask over the tokens, C per expert (which of equal values topk returns is the op's own
+  choice, not the first C by position).
 """
 
 from __future__ import annotations
@@ -89,18 +92,16 @@ def gate(x: torch.Tensor, wg: torch.Tensor, spec: GateSpec, gen: torch.Generator
         score = logits + gumbel(logits.shape, gen) if spec.noisy_gate_policy == "RSample" and training else probs
         mask = F.one_hot(score.argmax(-1), E)
         if used_token is not None:
-            mask = mask * used_token.long()[:, None]
-        counts = mask.sum(0)
+            mask = torch.einsum("s,se->se", used_token, mask)  # DeepSpeed's op and dtype
+        counts = mask.sum(0).long()
         l_aux = (me * mask.float().mean(0)).sum() * E
         local = _local_capacity(S, spec, counts)
         C = agree(local)
-        if spec.drop_tokens:
-            if spec.use_rts:
-                priority = mask * torch.rand((S, E), generator=gen)
-                chosen = priority.topk(min(C, S), dim=0).indices
-                mask = mask * torch.zeros_like(mask).scatter(0, chosen, 1)
-            else:
-                mask = mask * (mask.cumsum(0) <= C)
+        if spec.drop_tokens:  # topk over tokens; without RTS ties are broken by the op itself
+            priority = mask * torch.rand((S, E), generator=gen) if spec.use_rts else mask
+            chosen = priority.topk(min(C, S), dim=0).indices
+            mask = mask * torch.zeros_like(mask).scatter(0, chosen, 1)
+        mask = mask.long()
         combine = (probs * mask).unsqueeze(-1) * _slot_onehot(mask.cumsum(0) - 1, mask, C)
         return GateOut(combine, l_aux, counts, local)
     if k == 2:

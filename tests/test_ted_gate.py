@@ -5,7 +5,8 @@
 * routing: for k = 1 .. 4, drop and dropless, with random token selection, RSample and top-2
   sampling on, TED's gate (its decision turned into GShard's dense combine weights), DeepSpeed's
   ``top1gating`` / ``top2gating`` / ``topkgating`` and the reference (tests/moe_reference.py)
-  give the same combine weights, l_aux and expert counts;
+  give the same combine weights, l_aux and expert counts; top-1 dropping without random token
+  selection keeps the tokens DeepSpeed's ``top1gating`` keeps;
 * the gate's arguments are validated where the layer is built; its draws follow the documented
   generator protocol and resume from the ``draws`` counter.
 """
@@ -113,6 +114,32 @@ def test_gate_equals_deepspeed_and_reference(kw):
         torch.testing.assert_close(mine.l_aux, l_aux, rtol=1e-6, atol=0)
         assert torch.equal(routing.decision.exp_counts, counts) and torch.equal(mine.exp_counts, counts)
         assert combine.count_nonzero() > 0
+
+
+TOP1_DROP = [(24, 4, 1.0, None, False), (40, 8, 0.5, None, False), (64, 4, 0.5, None, True),
+             (100, 6, 0.75, None, False), (256, 8, 1.0, None, True), (17, 3, 0.5, "RSample", False),
+             (128, 4, 0.25, "RSample", True), (512, 16, 1.0, None, False)]
+
+
+@pytest.mark.parametrize("S, E, cf, noise, with_used", TOP1_DROP)
+def test_top1_drop_without_rts_keeps_deepspeeds_tokens(S, E, cf, noise, with_used):
+    """Top-1, tokens dropped, ``use_rts=False`` (001 §7.1 step ❸): DeepSpeed's ``top1gating`` keeps
+    the tokens ``torch.topk`` of the 0/1 route mask over the token dimension returns, not the
+    first C by position; TED and the reference keep the same ones."""
+    spec = ref.GateSpec(num_experts=E, k=1, capacity_factor=cf, noisy_gate_policy=noise, use_rts=False)
+    s = 1000 + S * 7 + E
+    wg = torch.randn(E, 16, generator=torch.Generator().manual_seed(s))
+    x = torch.randn(S, 16, generator=torch.Generator().manual_seed(s + 1))
+    used = (torch.arange(S) % 7 != 2).long() if with_used else None
+    torch.manual_seed(s)  # RSample: DeepSpeed's global generator, TED's and the reference's manual_seed(s)
+    _, combine, _, counts = _deepspeed(spec, x @ wg.t(), used)
+    C = combine.shape[-1]
+    assert int(counts.max()) > C  # tokens are dropped
+    routing = _ted_gate(spec, wg, s, 0)(x, used)
+    assert routing.decision.capacity == C
+    torch.testing.assert_close(_dense(routing.decision, routing.gates.detach(), S, E), combine, rtol=1e-6, atol=1e-7)
+    mine = ref.gate(x, wg, spec, ref.generator(s, 0), used_token=used)
+    torch.testing.assert_close(mine.combine, combine, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("kw, msg", [

@@ -190,3 +190,16 @@ def test_base_model_table_and_parameter_count():
     assert r["tensor_8"] / r["tensor_1"] > 6  # Eq 7.6: -> G_tensor x as G grows
     for cfg in (GPTMoEConfig(), GPTMoEConfig(n_layers=3, num_experts=8, d_model=32, ffn_mult=2)):
         assert cfg.num_parameters == sum(p.numel() for p in GPTMoE(cfg).parameters())
+
+
+def test_cac_stash_defaults_to_lean():
+    """CAC (001 §7.3.2) stashes the lean set unless the config asks for the full one; a context
+    built by hand does the same."""
+    import dataclasses
+
+    from ds_ext.config import parse
+    from ds_ext.moe.context import TEDContext
+
+    assert parse({"ted": {"enabled": True}}).ted.cac_stash == "lean"
+    assert parse({"ted": {"enabled": True, "cac_stash": "full"}}).ted.cac_stash == "full"
+    assert next(f.default for f in dataclasses.fields(TEDContext) if f.name == "cac_lean") is True

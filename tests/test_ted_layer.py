@@ -1,8 +1,9 @@
 """TEDMoE on 8 gloo ranks (2 emulated nodes x 2 GPUs x 2 GCDs) against independent references.
 
-* parity: a GPT-MoE trained through ``ds_ext.initialize`` equals a single-process serial
-  model (all experts local, nothing sliced, same initialization, each data shard run in turn
-  and the losses averaged) in the loss of every rank and every gradient, for the four
+* parity: a GPT-MoE trained through ``ds_ext.initialize`` equals the plain-torch serial
+  reference (tests/ted_support.py: all experts whole, no ds_ext.moe code, same initialization,
+  each data shard run in turn and the losses averaged) in the loss of every rank and every
+  gradient, for the four
   (G_tensor, G_expert, G_data^exp) layouts of the issue, top-1 and top-2;
 * DTD on / off and CAC on / off give bit-identical gradients under torch (reentrant and not)
   and DeepSpeed activation checkpointing, and the ledger of one MoE block equals
@@ -79,11 +80,7 @@ def _variants(T, P, modes, dropless=False, capacity_factor=1.0, capacity=None):
                     **(dict(drop_tokens=False) if dropless else {}))  # one MoE block
     batches = ts.shards(layout)
     serial, _, _ = ts.serial(cfg, batches)
-    counts = []  # exp_counts of each shard, from the serial model
-    hook = serial.blocks[0].ffn.register_forward_hook(lambda m, i, o: counts.append(o[2]) and None)
-    for b in batches:
-        serial(b)
-    hook.remove()
+    counts = serial.exp_counts  # exp_counts of each shard (one MoE block), from the serial model
     d, c = ted.data_rank, layout.coords(rank)
     if capacity is not None:
         C = capacity
@@ -143,6 +140,44 @@ def test_dtd_cac_bit_identical_and_ledger_equals_model(world):
         assert calls[(mode, True, "lean")] == calls[(mode, True, True)]
         assert stash[(mode, True, False)] == stash[(mode, False, False)] == 0 < stash[(mode, False, True)]
         assert stash[(mode, True, True)] - stash[(mode, True, "lean")] == 2 * E * (C // 2) * H * 4
+
+
+def _default_stash(T, P):
+    """One step through ``ds_ext.initialize`` under torch checkpointing with CAC and DTD, the ted
+    block without ``cac_stash`` (the default) and with ``cac_stash: full``."""
+    import torch
+    import torch.distributed as dist
+
+    import ds_ext
+    import ted_support as ts
+    from ds_ext.parallel import TEDLayout
+
+    rank = dist.get_rank()
+    layout = TEDLayout.build(dist.get_world_size(), T, P)
+    cfg = ts.config(checkpoint="torch")  # tokens dropped (C = S / E)
+    state = ts.serial_model(dataclasses.replace(cfg, checkpoint="none")).state_dict()
+    runs = {}
+    for stash in (None, "full"):
+        model = ts.ted_model(cfg, state, layout, rank)
+        engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                       config=ts.ds_config(T, P, ted={} if stash is None else {"cac_stash": stash}))
+        ted = engine.ds_ext.plugins[0].ted
+        loss = engine(ts.shards(layout)[ted.data_rank])
+        held = sum(m.ted_tape.stash_bytes() for m in engine.module.modules() if hasattr(m, "ted_tape"))
+        engine.backward(loss)
+        runs[stash] = (ted.cac_lean, held, loss.item(), {n: p.grad.clone() for n, p in engine.module.named_parameters()})
+        engine.destroy()
+    (lean, held, loss, grads), (full_lean, full_held, full_loss, full_grads) = runs[None], runs["full"]
+    assert lean and not full_lean and 0 < held < full_held
+    assert loss == full_loss and all(torch.equal(g, full_grads[n]) for n, g in grads.items())
+    return held, full_held
+
+
+def test_default_stash_is_lean_and_bit_identical_to_full(world):
+    """``cac_stash`` defaults to the lean stash (001 §7.3.2): less held between the forward and
+    the recompute, the same loss and gradients bit for bit as the full stash."""
+    for held, full in world.run(_default_stash, 2, 4):
+        assert held < full
 
 
 def test_dropless_capacity_agreed_over_expert_group(world):
@@ -242,34 +277,53 @@ def test_megatron_core_attention_next_to_tedmoe(world):
 
 
 # ---- the layer alone, with DeepSpeed's residual MoE --------------------------------------------
+def _residual_reference(W, x, gen):
+    """DeepSpeed's residual MoE (``MoE(use_residual=True)``) in plain torch on ``x`` [S, H]: the
+    MoE output (tests/moe_reference.py, every expert whole) and the MLP mixed by
+    softmax(coefficient(x))."""
+    import torch
+    import torch.nn.functional as F
+
+    import moe_reference as ref
+
+    pre = "deepspeed_moe.experts.deepspeed_experts"
+    experts = [ref.Expert(W[f"{pre}.{e}.0.weight"], W[f"{pre}.{e}.0.bias"], W[f"{pre}.{e}.2.weight"],
+                          W[f"{pre}.{e}.2.bias"]) for e in range(4)]
+    spec = ref.GateSpec(num_experts=4, k=2, capacity_factor=2.0, min_capacity=0)
+    out, routing = ref.moe(x, W["deepspeed_moe.gate.wg.weight"], experts, spec, gen)
+    mlp = ref.Expert(W["mlp.0.weight"], W["mlp.0.bias"], W["mlp.2.weight"], W["mlp.2.bias"])
+    coef = torch.softmax(F.linear(x, W["coefficient.weight"], W["coefficient.bias"]), dim=-1)
+    return out * coef[..., 0:1] + mlp(x) * coef[..., 1:], routing.l_aux, routing.exp_counts
+
+
 def _residual_layer(T, P):
     """TEDMoE(use_residual=True, k=2) as a drop-in layer: output and every gradient equal the
-    unbound layer holding all experts (serial), each data shard run in turn."""
+    plain-torch residual MoE holding all experts (serial), each data shard run in turn."""
     import torch
     import torch.distributed as dist
     from torch import nn
 
+    import moe_reference as ref
     import ted_support as ts
     from ds_ext.moe import TEDMoE
     from ds_ext.moe.reference import local_expert_state
 
-    def layer(ep_size):
-        torch.manual_seed(0)
-        m = TEDMoE(16, nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), num_experts=4,
-                   ep_size=ep_size, k=2, capacity_factor=2.0, min_capacity=0, use_residual=True,
-                   top2_2nd_expert_sampling=False, enable_expert_tensor_parallelism=True)
-        for p in m.parameters():  # distinct experts
-            nn.init.normal_(p, std=0.3)
-        return m
-
+    shapes = {"deepspeed_moe.gate.wg.weight": (4, 16), "mlp.0.weight": (32, 16), "mlp.0.bias": (32,),
+              "mlp.2.weight": (16, 32), "mlp.2.bias": (16,), "coefficient.weight": (2, 16), "coefficient.bias": (2,)}
+    for e in range(4):
+        shapes |= {f"deepspeed_moe.experts.deepspeed_experts.{e}.{k}": shapes[f"mlp.{k}"]
+                   for k in ("0.weight", "0.bias", "2.weight", "2.bias")}
+    g = torch.Generator().manual_seed(0)
+    W = {n: (0.3 * torch.randn(shape, generator=g)).requires_grad_() for n, shape in shapes.items()}  # distinct experts
     _, ted = ts.context(T, P)
     D = ted.layout.nonexp_data
     xs = torch.randn(D, 24, 16, generator=torch.Generator().manual_seed(1))
-    serial = layer(1)
-    outs = [serial(x) for x in xs]
+    outs = [_residual_reference(W, x, ref.generator(0, d)) for d, x in enumerate(xs)]
     torch.stack([o.sum() + aux for o, aux, _ in outs]).mean().backward()
-    model = layer(P)
-    model.load_state_dict(local_expert_state(serial.state_dict(), ted.expert_rank, 4 // P))
+    model = TEDMoE(16, nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), num_experts=4, ep_size=P,
+                   k=2, capacity_factor=2.0, min_capacity=0, use_residual=True, top2_2nd_expert_sampling=False,
+                   enable_expert_tensor_parallelism=True)
+    model.load_state_dict(local_expert_state({n: w.detach() for n, w in W.items()}, ted.expert_rank, 4 // P))
     ts.bind(model, ted)
     out, aux, counts = model(xs[ted.data_rank])
     (out.sum() + aux).backward()
@@ -277,7 +331,7 @@ def _residual_layer(T, P):
     torch.testing.assert_close(out, outs[ted.data_rank][0], rtol=1e-5, atol=1e-5)
     assert torch.equal(counts, outs[ted.data_rank][2])
     named = {n: p.grad for n, p in model.named_parameters()}
-    grads = {n: p.grad for n, p in serial.named_parameters()}
+    grads = {n: w.grad for n, w in W.items()}
     return ts.assert_close_to_serial(named, ts.serial_view(model, grads, ted.layout, dist.get_rank()))
 
 

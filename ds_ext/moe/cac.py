@@ -25,8 +25,8 @@ Mechanics, per layer, a :class:`Tape` of :class:`Frame` s (one per first forward
 A replayed value must have the kind and shape that was recorded, else the replay raises.
 
 Stash (what CAC keeps between the first forward and the recompute, per layer, ``Tape.stash_bytes``):
-every forward collective's output (``cac_stash: full``), or, ``lean``, all but the all-to-all
-outputs that only feed DTD's tensor all-gather: the recompute replays the gathered tensor, so
+every forward collective's output (``cac_stash: full``), or, ``lean`` (the default), all but the
+all-to-all outputs that only feed DTD's tensor all-gather: the recompute replays the gathered tensor, so
 such an all-to-all replays a zero-stride placeholder of its shape and the calls are the same.
 A checkpointed forward whose backward never runs leaves a stale frame: ``ds_ext.initialize``
 clears every tape at each ``engine.forward``; code that drives TED layers by hand calls

@@ -28,10 +28,11 @@ class TEDConfig(PluginConfig):
                                            "group's duplicate tokens around each all-to-all.")
     comm_aware_checkpointing: bool = Field(True, description="CAC (001 §7.3.2): activation-checkpoint "
                                            "recomputes reuse the first forward's collective outputs.")
-    cac_stash: Literal["full", "lean"] = Field("full", description="What CAC keeps for the recompute: "
-                                               "full = every forward collective's output; lean = not the "
-                                               "all-to-all outputs that only feed DTD's all-gather (same "
-                                               "calls, same bits, less memory).")
+    cac_stash: Literal["full", "lean"] = Field("lean", description="What CAC (001 §7.3.2) keeps for the "
+                                               "recompute: lean (default) = every forward collective's output "
+                                               "except the all-to-all outputs that only feed DTD's all-gather "
+                                               "(the recompute replays the gathered tensor); full = every "
+                                               "output. Same calls, same bits; lean holds less.")
     seed: int = Field(1234, description="Seed of the gates' noise and random token selection.")
 
     @model_validator(mode="after")

@@ -26,7 +26,8 @@ class TEDContext:
     ``data`` (G_data^nonexp) and ``expert_replicas`` (G_tensor x G_data^exp: the ranks of one
     expert rank, for experts kept whole on every tensor rank) process groups of this rank. ``dtd`` / ``cac`` switch
     duplicate token dropping (001 §7.3.1) and communication-aware checkpointing (§7.3.2);
-    ``cac_lean``: CAC does not stash the all-to-all outputs that only feed DTD's all-gather.
+    ``cac_lean`` (default, ``cac_stash: lean``): CAC does not stash the all-to-all outputs that only
+    feed DTD's all-gather.
     ``seed`` seeds the gates' noise (identical on the ranks of a tensor group).
     """
 
@@ -37,11 +38,11 @@ class TEDContext:
     dtd: bool = True
     cac: bool = True
     seed: int = 0
-    cac_lean: bool = False
+    cac_lean: bool = True
 
     @classmethod
     def create(cls, layout: TEDLayout, comm: Communicator, dtd: bool = True, cac: bool = True,
-               seed: int = 0, cac_lean: bool = False) -> "TEDContext":
+               seed: int = 0, cac_lean: bool = True) -> "TEDContext":
         """Create the TED process groups (collective over the world) and the context."""
         layout.check_placement(comm.registry.topology)
         rank = dist.get_rank()

@@ -6,8 +6,9 @@ T = G_tensor, f the capacity factor (``eval_capacity_factor`` in evaluation).
 * logits = x W_g in fp32 (``Jitter``: x multiplied by U(1 - 1e-2, 1 + 1e-2) in training);
   gates = softmax(logits);
 * k = 1: argmax(gates) (``RSample`` in training: argmax(logits + Gumbel noise)); ``used_token``
-  masks tokens out; with ``drop_tokens`` an expert keeps C of its tokens: C drawn at random
-  (``use_rts``, random token selection) or the first C by position;
+  masks tokens out; with ``drop_tokens`` an expert keeps the C tokens ``torch.topk`` over the
+  token dimension picks from its route mask, times U(0, 1) priorities with ``use_rts`` (random
+  token selection) or the 0/1 mask itself (see :meth:`TopKGate._keep`);
 * k = 2: argmax, then argmax of the rest (``top2_2nd_expert_sampling``: of logits + Gumbel
   noise); second routes queue behind all first routes; slots past C dropped; ``used_token``
   ignored (as DeepSpeed's ``top2gating``);
@@ -199,13 +200,14 @@ class TopKGate(nn.Module):
         else:
             first = torch.argmax(F.softmax(logits, dim=1), dim=1)
         mask1 = F.one_hot(first, E)
-        if used_token is not None:
-            mask1 = mask1 * used_token.reshape(-1, 1).to(mask1.dtype)
+        if used_token is not None:  # DeepSpeed's op: the mask's dtype (int64, or float) is what _keep ranks
+            mask1 = torch.einsum("s,se->se", used_token.reshape(-1), mask1)
         ce = mask1.float().mean(dim=0)
-        exp_counts = mask1.sum(0)
+        exp_counts = mask1.sum(0).to(torch.int64)
         C, slots = self._capacity(S, exp_counts)
         if self.drop_tokens:
             mask1 = self._keep(mask1, C, gen if self.use_rts else None)
+        mask1 = mask1.to(torch.int64)
         loc1 = torch.cumsum(mask1, dim=0) - 1
         indices = torch.where(mask1.any(1), first, -1)[None]
         locations = (loc1 * mask1).sum(1)[None]
@@ -252,11 +254,13 @@ class TopKGate(nn.Module):
 
     @staticmethod
     def _keep(mask: torch.Tensor, C: int, gen: torch.Generator | None) -> torch.Tensor:
-        """Keep at most C tokens per expert: the first C (by position) or, with ``gen``
-        (random token selection), C drawn at random."""
-        if gen is None:
-            return mask * (torch.cumsum(mask, dim=0) <= C)
-        priority = mask * torch.rand(mask.shape, generator=gen, device=mask.device)
+        """Keep at most C tokens per expert as DeepSpeed's ``top1gating`` does: ``torch.topk`` over
+        the token dimension of the route mask times U(0, 1) priorities (``gen``: random token
+        selection) or of the 0/1 mask itself. Among equal values topk's choice is
+        implementation-defined (neither the first nor the last C by position, and it differs
+        between CPU and CUDA), so this calls the same op on a tensor of the same dtype and values
+        as DeepSpeed to keep the same tokens."""
+        priority = mask if gen is None else mask * torch.rand(mask.shape, generator=gen, device=mask.device)
         top = torch.topk(priority, k=min(C, mask.shape[0]), dim=0).indices
         return mask * torch.zeros_like(mask).scatter_(0, top, 1)
 
