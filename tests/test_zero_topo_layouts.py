@@ -158,3 +158,45 @@ def test_quantized_default_trains_every_parameter_within_the_seed_spread(world):
         assert o["still"] == []
         assert max(abs(x - y) for x, y in zip(o["losses"], r0["losses"])) <= spread
         assert o["measured"] == o["analytic"]
+
+
+def _refused(case):
+    """The one-line refusal of ``case`` on this rank (before any ZeRO-topo collective)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import mpu
+
+    import ds_ext
+    from ds_ext.errors import DsExtError
+
+    sys.path.insert(0, str(CLIENT))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    zero_topo = {"enabled": True, "preset": "zero_topo"}
+    if case == "gcd":
+        zero_topo["weights"] = {"level": "gcd"}
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(2, 2 if case == "pipeline" else 1)
+    cfg = {"train_batch_size": 8 // mpu.get_tensor_model_parallel_world_size() // (2 if case == "pipeline" else 1),
+           "ds_ext": {"topology": TOPOLOGY, "zero_topo": zero_topo}}
+    try:
+        ds_ext.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg, mpu=mpu)
+        msg = None
+    except DsExtError as err:
+        msg = str(err)
+    mpu.destroy_model_parallel()
+    dist.barrier()
+    return msg
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("gcd", "ds_ext.zero_topo.weights.level: topology 'frontier, data-parallel group of tensor 2 x pipeline 1 x "
+            "data 4' has no level 'gcd'; allowed: gpu, node"),
+    ("pipeline", "ds_ext.zero_topo: pipeline parallel size 2 (from the caller's mpu= argument) is not supported; "
+                 "allowed: 1"),
+])
+def test_layouts_zero_topo_cannot_serve_are_refused_in_one_line(world, case, expected):
+    """A level the data-parallel group does not cross (TP 2 fills the GCD pair), named explicitly,
+    and a pipeline (the PipelineEngine form is not here yet): one line on every rank."""
+    for msg in world.run(_refused, case):
+        assert msg is not None and msg.startswith(expected), msg
