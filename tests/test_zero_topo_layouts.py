@@ -71,18 +71,43 @@ def _batch(step: int, data_rank: int):
     return tokens[:, :-1], torch.arange(SEQ).unsqueeze(0), mask, tokens[:, 1:]
 
 
-def _train(zero_topo, seed=0):
-    """Losses, global norms and this rank's (tensor-parallel) parameters after ``STEPS`` steps;
-    with ZeRO-topo also its ledger and analytic model of the last step."""
+class _Plain:
+    """The client's GPT behind a plain ``nn.Module`` (for checkpoints: its own ``load_state_dict``
+    reads Megatron's nested layout, not the flat ``state_dict()`` DeepSpeed saves, and DeepSpeed
+    0.19.8 pickles its ``universal_checkpoint_info`` method, written for DeepSpeed <= 0.19.6)."""
+
+    @staticmethod
+    def wrap(model):
+        import torch
+
+        class Plain(torch.nn.Module):
+            def __init__(self, gpt):
+                super().__init__()
+                self.gpt = gpt
+
+            def forward(self, *args, **kwargs):
+                return self.gpt(*args, **kwargs)
+
+        return Plain(model)
+
+
+def _engine(zero_topo, tensor=2, perturb=False, plain=False):
+    """The client's GPT at ``tensor``-parallel degree in DeepSpeed ZeRO-1 (``zero_topo`` None) or
+    ZeRO-topo with ``zero_topo``; ``perturb``: other initial weights (for loading into); ``plain``:
+    behind :class:`_Plain`."""
     import deepspeed
     import torch
-    import torch.distributed as dist
 
     import ds_ext
 
-    model, mpu = _client_gpt(2)
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cfg = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.05,
+    model, mpu = _client_gpt(tensor)
+    if plain:
+        model = _Plain.wrap(model)
+    if perturb:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+    cfg = {"train_batch_size": 8 // tensor, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.05,
            "zero_optimization": {"stage": 0 if zero_topo else 1}, "zero_allow_untested_optimizer": True,
            "steps_per_print": 10**6}
     # SGD moves each parameter in proportion to its gradient, so a wrong scale shows in every one
@@ -94,17 +119,40 @@ def _train(zero_topo, seed=0):
         engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
     else:
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
+    return engine, mpu
+
+
+def _steps(engine, mpu, steps, start=0, seed=0):
+    """Losses and global norms of ``steps`` steps of the client's loss on this rank's data shard."""
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(start, start + steps):
         tokens, position, mask, labels = _batch(step + 100 * seed, mpu.get_data_parallel_rank())
         loss = engine(tokens, position, mask, labels=labels)[0].float().mean()  # (losses, moe losses)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
         norms.append(float(engine.get_global_grad_norm()))
-    gathered = engine.ds_ext.gathered_parameters() if zero_topo else None
-    with gathered if gathered is not None else torch.no_grad():
-        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return losses, norms
+
+
+def _params(engine):
+    """This rank's full (tensor-parallel) parameters, gathered where ZeRO-topo shards them."""
+    import torch
+
+    with engine.ds_ext.gathered_parameters() if hasattr(engine, "ds_ext") else torch.no_grad():
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _train(zero_topo, seed=0):
+    """Losses, global norms and this rank's (tensor-parallel) parameters after ``STEPS`` steps;
+    with ZeRO-topo also its ledger and analytic model of the last step."""
+    import torch
+    import torch.distributed as dist
+
+    engine, mpu = _engine(zero_topo)
+    init = _params(engine)
+    losses, norms = _steps(engine, mpu, STEPS, seed=seed)
+    params = _params(engine)
     out = {"losses": losses, "norms": norms, "params": params, "rank": dist.get_rank(),
            "still": [n for n, p in params.items() if torch.equal(p, init[n])]}
     if zero_topo:
@@ -200,3 +248,46 @@ def test_layouts_zero_topo_cannot_serve_are_refused_in_one_line(world, case, exp
     and a pipeline (the PipelineEngine form is not here yet): one line on every rank."""
     for msg in world.run(_refused, case):
         assert msg is not None and msg.startswith(expected), msg
+
+
+def _checkpoint(tmp):
+    """Save at step 2 under TP 2, train 2 more; a fresh engine from other weights loads the save
+    and trains the same 2 steps; a TP 1 run refuses the save in one line."""
+    import torch.distributed as dist
+
+    from ds_ext.errors import DsExtError
+
+    zero_topo = {"preset": "zero_topo"}
+    engine, mpu = _engine(zero_topo, plain=True)
+    _steps(engine, mpu, 2)
+    engine.save_checkpoint(tmp, tag="t2")
+    after, _ = _steps(engine, mpu, 2, start=2)
+    engine.destroy()
+    mpu.destroy_model_parallel()
+    fresh, mpu = _engine(zero_topo, perturb=True, plain=True)
+    fresh.load_checkpoint(tmp, tag="t2")
+    resumed, _ = _steps(fresh, mpu, 2, start=2)
+    fresh.destroy()
+    mpu.destroy_model_parallel()
+    other, mpu = _engine(zero_topo, tensor=1, plain=True)
+    try:
+        other.load_checkpoint(tmp, tag="t2")
+        refused = None
+    except DsExtError as err:
+        refused = str(err)
+    other.destroy()
+    mpu.destroy_model_parallel()
+    dist.barrier()
+    return after, resumed, refused
+
+
+def test_checkpoint_round_trip_under_tensor_parallelism(world, tmp_path):
+    """Each model-parallel rank's shards in a folder of their own: resuming from them repeats the
+    losses bit for bit; another model-parallel size is refused in one line on every rank."""
+    for after, resumed, refused in world.run(_checkpoint, str(tmp_path)):
+        assert resumed == after
+        assert refused is not None and "was saved with model-parallel size 2, this run has 1" in refused, refused
+    parts = sorted(p.name for p in (tmp_path / "t2").iterdir() if p.is_dir())
+    assert parts == ["ds_ext_zero_topo_mp00", "ds_ext_zero_topo_mp01"]
+    assert sorted(p.name for p in (tmp_path / "t2" / parts[1]).iterdir()) == [
+        f"ds_ext_zero_topo_rank{r:05d}.pt" for r in range(4)]

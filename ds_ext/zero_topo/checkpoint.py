@@ -1,7 +1,11 @@
 """Self-describing, reshardable, atomic ZeRO-topo checkpoints.
 
 A checkpoint is DeepSpeed's tag directory (its module and engine state, written by
-rank 0) plus one shard file per rank, ``ds_ext_zero_topo_rank{r:05d}.pt``. A shard
+rank 0) plus one shard file per rank, ``ds_ext_zero_topo_rank{r:05d}.pt``, r the rank's place
+in its data-parallel group. Under model parallelism (``ds_ext.zero_topo.data_group``) the
+shards of model-parallel rank m lie in a folder ``ds_ext_zero_topo_mp{m:02d}`` of their own,
+each a checkpoint of one data-parallel group (resharded on its own; the model-parallel size
+must match). A shard
 records the save's id (one random id per save, the same in every shard of it) and step,
 the world size, the topology's level sizes, the plan, every unit's parameters
 (qualified names, shapes, offsets) and, for the rank's *optimizer slice* of each unit
@@ -44,8 +48,9 @@ from ds_ext.zero_topo.layout import shard_count, shard_index
 
 FORMAT = "ds_ext.zero_topo/1"
 SHARD_FILE = "ds_ext_zero_topo_rank{rank:05d}.pt"
+MODEL_PARALLEL_DIR = "ds_ext_zero_topo_mp{rank:02d}"
 LATEST = "latest"
-DEEPSPEED_MODULE_FILE = "mp_rank_00_model_states.pt"
+DEEPSPEED_MODULE_FILE = "mp_rank_{rank:02d}_model_states.pt"  # DeepSpeed's, per model-parallel rank
 
 
 class CheckpointError(DsExtError, RuntimeError):
@@ -127,6 +132,25 @@ def resolve_tag_dir(load_dir: str | Path, tag: str | None) -> Path:
 
 def shard_paths(tag_dir: Path, world_size: int) -> list[Path]:
     return [tag_dir / SHARD_FILE.format(rank=r) for r in range(world_size)]
+
+
+def shard_dir(tag_dir: Path, model_rank: int, model_size: int) -> Path:
+    """Where model-parallel rank ``model_rank``'s shards lie (the tag directory itself without
+    model parallelism)."""
+    return tag_dir if model_size == 1 else tag_dir / MODEL_PARALLEL_DIR.format(rank=model_rank)
+
+
+def model_parallel_parts(tag_dir: Path) -> list[Path]:
+    """The per-model-parallel-rank folders of a checkpoint (none without model parallelism)."""
+    return sorted(p for p in tag_dir.glob(MODEL_PARALLEL_DIR.replace("{rank:02d}", "*")) if p.is_dir())
+
+
+def check_model_parallel(tag_dir: Path, model_size: int) -> None:
+    """Refuse a checkpoint saved under another model-parallel size than ``model_size``."""
+    saved = len(model_parallel_parts(tag_dir)) or 1
+    if saved != model_size:
+        raise CheckpointError(f"checkpoint {tag_dir} was saved with model-parallel size {saved}, this run has "
+                              f"{model_size}; allowed: the same tensor x pipeline parallel sizes")
 
 
 # ---- agreement -----------------------------------------------------------------------
@@ -316,7 +340,14 @@ def compare_units(saved: list[dict], here: list[dict], where: Path) -> str | Non
 
 def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
     """The full fp32 state dict (every name of tied parameters) from a checkpoint's shards:
-    trainable parameters from the fp32 masters, frozen ones from the 16-bit weights."""
+    trainable parameters from the fp32 masters, frozen ones from the 16-bit weights. A
+    checkpoint of model-parallel slices is refused (joining them needs the model's partition
+    dimensions)."""
+    parts = model_parallel_parts(tag_dir)
+    if parts:
+        raise CheckpointError(f"checkpoint {tag_dir} holds the slices of {len(parts)} model-parallel ranks, which "
+                              "ds_ext cannot join without the model's partition dimensions; allowed: a checkpoint "
+                              "saved with model-parallel size 1")
     ckpt = SavedCheckpoint.open(tag_dir)
     ckpt.verify(range(ckpt.meta["world_size"]))
     out: dict[str, torch.Tensor] = {}
@@ -336,7 +367,10 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
 
 def describe(tag_dir: Path) -> str:
     """What a checkpoint holds, for ``ds-ext checkpoint inspect``, after verifying that every
-    shard is present, readable and of the same save."""
+    shard is present, readable and of the same save (each model-parallel rank's part in turn)."""
+    parts = model_parallel_parts(tag_dir)
+    if parts:
+        return "\n".join(f"model-parallel part {i} of {len(parts)}:\n{describe(p)}" for i, p in enumerate(parts))
     ckpt = SavedCheckpoint.open(tag_dir)
     ckpt.verify(range(ckpt.meta["world_size"]))
     m = ckpt.meta

@@ -178,14 +178,7 @@ class ZeroTopoPlugin(Plugin):
                         self.optimizer.adopt_weights(unit)
 
     # ---- checkpoints (ds_ext.zero_topo.checkpoint) ---------------------------------------
-    def _refuse_model_parallel_checkpoint(self, what: str) -> None:
-        if self.data.model_size > 1:
-            raise DsExtConfigError(
-                f"{support.KEY}: {what} with model parallelism ({self.runtime.parallel.describe_degrees()}) is not "
-                "supported yet; allowed: tensor and pipeline parallel size 1, or engine.save_16bit_model")
-
     def _save_checkpoint(self, original, save_dir, tag, client_state, save_latest, exclude_frozen_parameters):
-        self._refuse_model_parallel_checkpoint("save_checkpoint")
         engine, rank = self.engine, self.runtime.rank
         save_dir = Path(save_dir)
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
@@ -203,10 +196,11 @@ class ZeroTopoPlugin(Plugin):
             with self.sharded.held(self.sharded.all_units):
                 original(str(save_dir), staged.name, client_state=client_state, save_latest=False,
                          exclude_frozen_parameters=exclude_frozen_parameters)
-            path = staged / ckpt.SHARD_FILE.format(rank=rank)
+            data = self.data
+            path = ckpt.shard_dir(staged, data.model_rank, data.model_size) / ckpt.SHARD_FILE.format(rank=data.rank)
             save_id = ckpt.new_save_id()
             try:
-                staged.mkdir(parents=True, exist_ok=True)
+                path.parent.mkdir(parents=True, exist_ok=True)
                 ckpt.atomic_save(ckpt.shard_state(self.sharded.ctx, engine.global_steps, save_id, self.state_dict()), path)
             except OSError as err:
                 error = f"cannot write {path}: {err}"
@@ -220,7 +214,6 @@ class ZeroTopoPlugin(Plugin):
 
     def _load_checkpoint(self, original, load_dir, tag, load_module_strict, load_optimizer_states,
                          load_lr_scheduler_states, load_module_only, custom_load_fn):
-        self._refuse_model_parallel_checkpoint("load_checkpoint")
         optimizer_states = load_optimizer_states and not load_module_only
         if tag is None and not ckpt.agree_present(Path(load_dir) / ckpt.LATEST, f"loading checkpoint from {load_dir}"):
             if self.runtime.rank == 0:
@@ -233,8 +226,10 @@ class ZeroTopoPlugin(Plugin):
             error, loaded = None, None
             try:
                 tag_dir = ckpt.resolve_tag_dir(load_dir, tag)
-                ckpt.check_zip(tag_dir / ckpt.DEEPSPEED_MODULE_FILE)
-                loaded = self._read_shards(tag_dir, optimizer_states)
+                ckpt.check_model_parallel(tag_dir, self.data.model_size)
+                ckpt.check_zip(tag_dir / ckpt.DEEPSPEED_MODULE_FILE.format(rank=self.data.model_rank))
+                loaded = self._read_shards(ckpt.shard_dir(tag_dir, self.data.model_rank, self.data.model_size),
+                                           optimizer_states)
             except ckpt.CheckpointError as err:
                 error = str(err)
             ckpt.agree(error, f"loading checkpoint from {load_dir}")
@@ -253,11 +248,11 @@ class ZeroTopoPlugin(Plugin):
         state changes: per unit the primary shard, per segment master and optimizer state."""
         saved = ckpt.SavedCheckpoint.open(tag_dir)
         # every saved shard is checked by some rank (then ckpt.agree refuses on all of them)
-        saved.verify(range(self.runtime.rank, saved.meta["world_size"], self.sharded.ctx.topo.world_size))
+        saved.verify(range(self.data.rank, saved.meta["world_size"], self.sharded.ctx.topo.world_size))
         why = ckpt.compare_units(saved.meta["units"], ckpt.unit_table(self.sharded.all_units), tag_dir)
         if why:
             raise ckpt.CheckpointError(why)
-        opt, plan, topo, rank = self.optimizer, self.plan, self.sharded.ctx.topo, self.runtime.rank
+        opt, plan, topo, rank = self.optimizer, self.plan, self.sharded.ctx.topo, self.data.rank
         inner = opt.inner
         saved_opt = saved.meta["optimizer"]
         if saved_opt["class"] != type(inner).__name__ or len(saved_opt["param_groups"]) != len(inner.param_groups):
