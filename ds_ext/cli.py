@@ -61,17 +61,17 @@ def cmd_detect(ns: argparse.Namespace) -> int:
     topo_cfg = cfgmod.parse({"topology": block}).topology
     world = ns.world_size or job.world_size
     topo = resolve_topology(topo_cfg, world, job)
-    print(topo.describe())
-    print(f"launcher: {job.source}, world {job.world_size}, rank {job.rank}, "
-          f"local size {job.local_size}, nodes {job.num_nodes}, visible devices {list(job.visible_devices)}")
+    lines = [topo.describe(), f"launcher: {job.source}, world {job.world_size}, rank {job.rank}, local size "
+             f"{job.local_size}, nodes {job.num_nodes}, visible devices {list(job.visible_devices)}"]
     ranks = range(topo.world_size) if ns.all else [job.rank if ns.rank is None else ns.rank]
     for r in ranks:
-        print("\n".join(_rank_lines(topo, r)))
+        lines += _rank_lines(topo, r)
     if ns.grid is not None:
-        print(_grid_lines(topo, ns.grid))
+        lines.append(_grid_lines(topo, ns.grid))
     if ns.ted:
         for r in ranks:
-            print("\n".join(_ted_lines(topo, ns.ted, r)))
+            lines += _ted_lines(topo, ns.ted, r)
+    print("\n".join(lines))  # all checked first: a refused --rank, --grid or --ted prints nothing
     return 0
 
 

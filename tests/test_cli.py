@@ -80,6 +80,17 @@ def test_errors_are_one_line_with_status_2(argv, message, capsys, tmp_path, monk
     assert message in err[-1] and "Traceback" not in "\n".join(err)
 
 
+@pytest.mark.parametrize("refused, message", [
+    (["--rank", "16"], "rank 16 outside world of 16"),
+    (["--grid", "2,2,2,3"], "ds_ext.pmm3d.grid (x=2, y=2, z=2, data=3) has product 24"),
+    (["--ted", "3,2"], "ds_ext.ted: world size 16 is not divisible by tensor_parallel 3"),
+])
+def test_detect_checks_everything_before_printing(refused, message, capsys):
+    assert main(["detect", "--preset", "frontier", "--world-size", "16", *refused]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("ds-ext: error: ") and message in err and len(err.splitlines()) == 1
+
+
 def test_top_level_help_is_whole_plain_text_and_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--help"])
