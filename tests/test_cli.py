@@ -91,6 +91,14 @@ def test_detect_checks_everything_before_printing(refused, message, capsys):
     assert out == "" and err.startswith("ds-ext: error: ") and message in err and len(err.splitlines()) == 1
 
 
+def test_checkpoint_names_a_missing_directory_and_the_tag_flag(capsys, tmp_path):
+    assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == f"ds-ext: error: checkpoint directory {tmp_path / 'nope'} does not exist\n"
+    assert main(["checkpoint", "consolidate", str(tmp_path), str(tmp_path / "full.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "has no 'latest' file" in err and "pass --tag TAG" in err and "tag=" not in err
+
+
 def test_top_level_help_is_whole_plain_text_and_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--help"])
@@ -205,6 +213,26 @@ def test_converted_errors_keep_their_builtin_base():
         with pytest.raises(error) as err:
             call()
         assert isinstance(err.value, DsExtError) and isinstance(err.value, base) and "\n" not in str(err.value)
+
+
+class _Refused(DsExtError, RuntimeError):
+    pass
+
+
+def test_a_ds_ext_error_in_a_command_is_one_line_with_status_2_and_a_bug_is_a_traceback(capsys, monkeypatch):
+    def refuse(ns):
+        raise _Refused("the world of 8 ranks does not split into 3 nodes")
+
+    monkeypatch.setattr("ds_ext.cli.cmd_schema", refuse)
+    assert main(["schema"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["ds-ext: error: the world of 8 ranks does not split into 3 nodes"]
+
+    def bug(ns):
+        raise RuntimeError("an internal invariant")
+
+    monkeypatch.setattr("ds_ext.cli.cmd_schema", bug)
+    with pytest.raises(RuntimeError, match="an internal invariant"):
+        main(["schema"])
 
 
 def test_initialize_has_deepspeeds_signature_and_a_docstring():
