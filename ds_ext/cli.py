@@ -25,7 +25,6 @@ from pathlib import Path
 
 from ds_ext import __version__
 from ds_ext.cluster import command as cluster_command
-from ds_ext.cluster.spec import ClusterError
 from ds_ext.errors import DsExtError
 from ds_ext.planner import command as planner_command
 from ds_ext.planner.command import ArgumentError
@@ -61,17 +60,17 @@ def cmd_detect(ns: argparse.Namespace) -> int:
     topo_cfg = cfgmod.parse({"topology": block}).topology
     world = ns.world_size or job.world_size
     topo = resolve_topology(topo_cfg, world, job)
-    print(topo.describe())
-    print(f"launcher: {job.source}, world {job.world_size}, rank {job.rank}, "
-          f"local size {job.local_size}, nodes {job.num_nodes}, visible devices {list(job.visible_devices)}")
+    lines = [topo.describe(), f"launcher: {job.source}, world {job.world_size}, rank {job.rank}, local size "
+             f"{job.local_size}, nodes {job.num_nodes}, visible devices {list(job.visible_devices)}"]
     ranks = range(topo.world_size) if ns.all else [job.rank if ns.rank is None else ns.rank]
     for r in ranks:
-        print("\n".join(_rank_lines(topo, r)))
+        lines += _rank_lines(topo, r)
     if ns.grid is not None:
-        print(_grid_lines(topo, ns.grid))
+        lines.append(_grid_lines(topo, ns.grid))
     if ns.ted:
         for r in ranks:
-            print("\n".join(_ted_lines(topo, ns.ted, r)))
+            lines += _ted_lines(topo, ns.ted, r)
+    print("\n".join(lines))  # all checked first: a refused --rank, --grid or --ted prints nothing
     return 0
 
 
@@ -136,12 +135,8 @@ def _tune_measure_netns(ns: argparse.Namespace) -> int:
     of ``--nodes`` nodes and ``--world`` ranks, measured by its ranks."""
     if ns.world % ns.nodes:
         raise ArgumentError(f"--world {ns.world} does not split over --nodes {ns.nodes}")
-    try:
-        spec = cluster_command.spec_from_args(ns, ns.world // ns.nodes)
-        db = cluster_command.measure_network(spec, int((ns.message_MB or NETNS_MESSAGE_MB) * 2**20))
-    except ClusterError as err:
-        print(f"ds-ext tune --network netns: {err}", file=sys.stderr)
-        return 2
+    spec = cluster_command.spec_from_args(ns, ns.world // ns.nodes)
+    db = cluster_command.measure_network(spec, int((ns.message_MB or NETNS_MESSAGE_MB) * 2**20))
     print(f"{spec.describe()} (measured, netns)")
     print(cluster_command.format_measurement(db))
     if ns.out:
@@ -149,26 +144,23 @@ def _tune_measure_netns(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _checkpoint_dir(path: str, tag: str | None):
+def _checkpoint_dir(p: Path, tag: str | None) -> Path:
     """A ZeRO-topo tag directory from a save directory (its ``latest`` or ``--tag``) or the
     tag directory itself."""
-    from pathlib import Path
-
     from ds_ext.zero_topo import checkpoint as ckpt
 
-    p = Path(path)
     if tag is None and any(p.glob(ckpt.SHARD_FILE.replace("{rank:05d}", "*"))):
         return p
+    if tag is None and not (p / ckpt.LATEST).is_file():
+        raise ckpt.CheckpointError(f"checkpoint directory {p} has no '{ckpt.LATEST}' file and no shards; "
+                                   "pass --tag TAG, or the tag directory")
     return ckpt.resolve_tag_dir(p, tag)
 
 
-def _pmm_tag_dir(path: str, tag: str | None):
+def _pmm_tag_dir(p: Path, tag: str | None) -> Path | None:
     """A 3D-PMM tag directory (one with ``pmm3d/``) from a save or tag directory, else None."""
-    from pathlib import Path
-
     from ds_ext.pmm import checkpoint as pmm_ckpt
 
-    p = Path(path)
     if tag is None and (p / pmm_ckpt.DIR).is_dir():
         return p
     if tag is None and (p / "latest").is_file():
@@ -176,24 +168,20 @@ def _pmm_tag_dir(path: str, tag: str | None):
     return p / tag if tag is not None and (p / tag / pmm_ckpt.DIR).is_dir() else None
 
 
-def cmd_pmm_checkpoint(ns: argparse.Namespace, tag_dir) -> int:
+def cmd_pmm_checkpoint(ns: argparse.Namespace, tag_dir: Path) -> int:
     import torch
 
     from ds_ext.pmm import checkpoint as pmm_ckpt
 
-    try:
-        record = pmm_ckpt.read_record(tag_dir)
-        if ns.action == "inspect":
-            print(f"3D-PMM checkpoint {tag_dir}: grid {record['grid']}, {len(record['params'])} parameters, "
-                  f"optimizer state: {record['optimizer']}, Hugging Face: {(record['hf'] or {}).get('class')}")
-            return 0
-        state = pmm_ckpt.consolidate(tag_dir)
-        torch.save(state, ns.out)
-        if ns.hf_dir:
-            pmm_ckpt.save_pretrained(tag_dir, state, ns.hf_dir)
-    except pmm_ckpt.CheckpointError as err:
-        print(f"ds-ext: error: {err}", file=sys.stderr)
-        return 2
+    record = pmm_ckpt.read_record(tag_dir)
+    if ns.action == "inspect":
+        print(f"3D-PMM checkpoint {tag_dir}: grid {record['grid']}, {len(record['params'])} parameters, "
+              f"optimizer state: {record['optimizer']}, Hugging Face: {(record['hf'] or {}).get('class')}")
+        return 0
+    state = pmm_ckpt.consolidate(tag_dir)
+    torch.save(state, ns.out)
+    if ns.hf_dir:
+        pmm_ckpt.save_pretrained(tag_dir, state, ns.hf_dir)
     n = sum(t.numel() for t in state.values())
     print(f"wrote {ns.out}: {len(state)} tensors, {n:,} parameters of the serial model from {tag_dir} "
           f"(3D-PMM grid {record['grid']})" + (f"; Hugging Face save_pretrained in {ns.hf_dir}" if ns.hf_dir else ""))
@@ -205,22 +193,21 @@ def cmd_checkpoint(ns: argparse.Namespace) -> int:
 
     from ds_ext.zero_topo import checkpoint as ckpt
 
-    pmm_dir = _pmm_tag_dir(ns.ckpt_dir, ns.tag)
+    save_dir = Path(ns.ckpt_dir)
+    if not save_dir.is_dir():
+        why = "is not a directory" if save_dir.exists() else "does not exist"
+        raise ckpt.CheckpointError(f"checkpoint directory {save_dir} {why}")
+    pmm_dir = _pmm_tag_dir(save_dir, ns.tag)
     if pmm_dir is not None:
         return cmd_pmm_checkpoint(ns, pmm_dir)
     if getattr(ns, "hf_dir", None):
-        print("ds-ext: error: --hf-dir: only a 3D-PMM checkpoint (with pmm3d/) of a Hugging Face model", file=sys.stderr)
-        return 2
-    try:
-        tag_dir = _checkpoint_dir(ns.ckpt_dir, ns.tag)
-        if ns.action == "inspect":
-            print(ckpt.describe(tag_dir))
-            return 0
-        state = ckpt.consolidate(tag_dir)
-        torch.save(state, ns.out)
-    except ckpt.CheckpointError as err:
-        print(f"ds-ext: error: {err}", file=sys.stderr)
-        return 2
+        raise ArgumentError("--hf-dir: only a 3D-PMM checkpoint (with pmm3d/) of a Hugging Face model")
+    tag_dir = _checkpoint_dir(save_dir, ns.tag)
+    if ns.action == "inspect":
+        print(ckpt.describe(tag_dir))
+        return 0
+    state = ckpt.consolidate(tag_dir)
+    torch.save(state, ns.out)
     n = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
     print(f"wrote {ns.out}: {len(state)} tensors, {n:,} fp32 parameters from {tag_dir}")
     return 0

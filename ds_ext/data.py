@@ -16,6 +16,8 @@ from typing import Iterator
 
 import torch
 
+from ds_ext.errors import DsExtSetupError
+
 DEFAULT_BYTES = 4_000_000
 _SKIPPED_DIRS = ("site-packages", "test")
 
@@ -51,7 +53,8 @@ class ByteCorpus:
                 break
         blob = b"".join(chunks)[:max_bytes]
         if len(blob) < 1024:
-            raise RuntimeError(f"found only {len(blob)} bytes of Python sources under {root}")
+            raise DsExtSetupError(f"found only {len(blob)} bytes of Python sources under {root}; pass root=, "
+                                  "a directory holding .py files")
         self.tokens = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
     def __len__(self) -> int:

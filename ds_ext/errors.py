@@ -2,7 +2,9 @@
 
 Each ds_ext error class derives from :class:`DsExtError` (and keeps its ``ValueError`` /
 ``RuntimeError`` base), so a caller catches all of them with one ``except`` and the
-``ds-ext`` command line prints any of them in one line with exit status 2.
+``ds-ext`` command line prints any of them in one line with exit status 2. A built-in
+``ValueError`` / ``RuntimeError`` / ``TypeError`` from ds_ext is an internal invariant, a
+bug (``tests/test_cli.py`` lists where they stay).
 """
 
 
@@ -13,3 +15,8 @@ class DsExtError(Exception):
 class DsExtConfigError(DsExtError, ValueError):
     """An invalid ``"ds_ext"`` block or ds_config; the message names the key path (raised by
     the schema, ``ds_ext.config``, and by the plugins below it)."""
+
+
+class DsExtSetupError(DsExtError, RuntimeError):
+    """A process not set up for what it was asked to do: no launcher variables, DeepSpeed's
+    communication backend not started, no files to read."""

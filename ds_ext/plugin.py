@@ -25,6 +25,11 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from ds_ext.config_base import ConfigSection
+from ds_ext.errors import DsExtError
+
+
+class PluginError(DsExtError, ValueError):
+    """A plugin class that cannot be registered: its name is taken or reserved."""
 
 
 class PluginConfig(ConfigSection):
@@ -82,9 +87,10 @@ BUILTIN_PLUGIN_MODULES: tuple[str, ...] = (
 def register_plugin(cls: type[Plugin]) -> type[Plugin]:
     """Class decorator: make ``cls`` configurable as ``"ds_ext": {cls.name: {...}}``."""
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"a ds_ext plugin named {cls.name!r} is already registered")
+        raise PluginError(f"a ds_ext plugin named {cls.name!r} is already registered "
+                          f"({_REGISTRY[cls.name].__module__})")
     if cls.name in ("topology", "comm"):
-        raise ValueError(f"plugin name {cls.name!r} is reserved")
+        raise PluginError(f"plugin name {cls.name!r} is reserved (a section of the \"ds_ext\" block)")
     _REGISTRY[cls.name] = cls
     return cls
 

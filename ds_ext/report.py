@@ -27,5 +27,5 @@ def traffic_table(
             row += f"{b / model_bytes:>9.3f}"
         lines.append(row)
     n = len(ledger.steps) - skip
-    lines.append(f"(bytes sent by one rank, mean over {n} optimizer steps)")
+    lines.append(f"(bytes sent by this rank, mean over {n} optimizer steps)")
     return "\n".join(lines)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ds_ext.cli import DESCRIPTION, main
+from ds_ext.errors import DsExtError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +80,25 @@ def test_errors_are_one_line_with_status_2(argv, message, capsys, tmp_path, monk
     assert message in err[-1] and "Traceback" not in "\n".join(err)
 
 
+@pytest.mark.parametrize("refused, message", [
+    (["--rank", "16"], "rank 16 outside world of 16"),
+    (["--grid", "2,2,2,3"], "ds_ext.pmm3d.grid (x=2, y=2, z=2, data=3) has product 24"),
+    (["--ted", "3,2"], "ds_ext.ted: world size 16 is not divisible by tensor_parallel 3"),
+])
+def test_detect_checks_everything_before_printing(refused, message, capsys):
+    assert main(["detect", "--preset", "frontier", "--world-size", "16", *refused]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("ds-ext: error: ") and message in err and len(err.splitlines()) == 1
+
+
+def test_checkpoint_names_a_missing_directory_and_the_tag_flag(capsys, tmp_path):
+    assert main(["checkpoint", "inspect", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err == f"ds-ext: error: checkpoint directory {tmp_path / 'nope'} does not exist\n"
+    assert main(["checkpoint", "consolidate", str(tmp_path), str(tmp_path / "full.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "has no 'latest' file" in err and "pass --tag TAG" in err and "tag=" not in err
+
+
 def test_top_level_help_is_whole_plain_text_and_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--help"])
@@ -110,6 +130,109 @@ def test_every_ds_ext_error_derives_from_one_base():
 
     assert len(classes) >= 17
     assert [where for where, (name, _) in classes.items() if not derives(name)] == []
+
+
+BUILTIN_ERRORS = ("ValueError", "RuntimeError", "TypeError")
+# Issue 39 converts these in another change; they are checked once it has.
+PENDING = ("ds_ext/zero_topo/", "ds_ext/moe/", "ds_ext/parallel.py", "ds_ext/groups.py", "ds_ext/runtime.py",
+           "ds_ext/integration/initialize.py")
+# Internal invariants (a bug of ds_ext or of a caller's code, not an error a user meets) keep the built-in error.
+INTERNAL = {
+    "ds_ext/optim/tiled.py": {"TileBuffer.view", "TiledAdam.update", "piecewise_loader"},  # ds_ext's own tiles
+    "ds_ext/pmm/layout.py": {"feature_slice", "chunked_index", "LinearLayout.__post_init__"},  # callers name the grid
+    "ds_ext/pmm/linear.py": {"Linear.forward"},  # an input of the wrong width, as torch's own layers refuse it
+    "ds_ext/pmm/tune.py": {"bandwidths"},  # --links is an argparse choice
+    "ds_ext/perf/zero.py": {"_Tally.__init__"},  # the algorithm comes validated by the config
+    "ds_ext/perf/collectives.py": {"traffic"},  # the algorithm and groups come from the config and the topology
+    "ds_ext/comm/collectives.py": {"_same_dtype", "_flat", "Communicator.all_gather", "Communicator.reduce_scatter",
+                                   "Communicator.all_to_all"},  # tensor arguments, as torch.distributed checks them
+    "ds_ext/comm/quantized.py": {"all_gather_quantized"},  # ds_ext quantizes whole blocks
+    "ds_ext/cluster/measure.py": {"measured_topology"},  # the benchmark names the levels it measured
+    "ds_ext/plotting.py": {"colours"},  # a benchmark's own variants
+    "ds_ext/bench/pccl.py": {"keep_freed_memory"},  # glibc refusing valid settings
+    "ds_ext/bench/tiled.py": {"_mallopt"},
+}
+VALIDATORS = ("field_validator", "model_validator")  # pydantic's protocol: the schema reports a ValueError by key
+
+
+def _builtin_raises(tree: ast.AST) -> list[tuple[str, int]]:
+    """(function qualname, line) of every ``raise ValueError / RuntimeError / TypeError`` outside a
+    pydantic validator."""
+    found = []
+
+    def visit(node: ast.AST, scope: tuple[str, ...]) -> None:
+        for child in ast.iter_child_nodes(node):
+            decorators = getattr(child, "decorator_list", [])
+            if any(isinstance(d, ast.Call) and getattr(d.func, "id", None) in VALIDATORS for d in decorators):
+                continue
+            if isinstance(child, ast.Raise) and child.exc is not None:
+                exc = child.exc.func if isinstance(child.exc, ast.Call) else child.exc
+                if isinstance(exc, ast.Name) and exc.id in BUILTIN_ERRORS:
+                    found.append((".".join(scope), child.lineno))
+            named = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            visit(child, scope + (child.name,) if named else scope)
+
+    visit(tree, ())
+    return found
+
+
+def test_user_errors_are_ds_ext_errors_and_builtin_ones_are_listed_invariants():
+    """No ``raise ValueError / RuntimeError / TypeError`` in ds_ext but the listed internal invariants
+    (issue 39): an error a user meets is a :class:`ds_ext.errors.DsExtError`."""
+    raw, used = [], set()
+    for path in sorted((ROOT / "ds_ext").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(PENDING):
+            continue
+        for scope, line in _builtin_raises(ast.parse(path.read_text())):
+            if scope in INTERNAL.get(rel, ()):
+                used.add((rel, scope))
+            else:
+                raw.append(f"{rel}:{line} in {scope or 'module'}")
+    assert raw == []
+    assert {(rel, scope) for rel, scopes in INTERNAL.items() for scope in scopes} == used  # no stale entry
+
+
+def _converted():
+    """(call, error class, built-in base) of errors issue 39 made ds_ext errors."""
+    from ds_ext.data import ByteCorpus
+    from ds_ext.errors import DsExtConfigError, DsExtSetupError
+    from ds_ext.models import GPTConfig, ModelConfigError
+    from ds_ext.optim.tiled import refuse_closure
+    from ds_ext.plugin import Plugin, PluginError, register_plugin
+
+    reserved = type("CommPlugin", (Plugin,), {"name": "comm"})
+    return [(lambda: GPTConfig(d_model=10, n_heads=3), ModelConfigError, ValueError),
+            (lambda: register_plugin(reserved), PluginError, ValueError),
+            (lambda: refuse_closure(lambda: 0.0), DsExtConfigError, ValueError),
+            (lambda: ByteCorpus(root=ROOT / "configs"), DsExtSetupError, RuntimeError)]
+
+
+def test_converted_errors_keep_their_builtin_base():
+    for call, error, base in _converted():
+        with pytest.raises(error) as err:
+            call()
+        assert isinstance(err.value, DsExtError) and isinstance(err.value, base) and "\n" not in str(err.value)
+
+
+class _Refused(DsExtError, RuntimeError):
+    pass
+
+
+def test_a_ds_ext_error_in_a_command_is_one_line_with_status_2_and_a_bug_is_a_traceback(capsys, monkeypatch):
+    def refuse(ns):
+        raise _Refused("the world of 8 ranks does not split into 3 nodes")
+
+    monkeypatch.setattr("ds_ext.cli.cmd_schema", refuse)
+    assert main(["schema"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["ds-ext: error: the world of 8 ranks does not split into 3 nodes"]
+
+    def bug(ns):
+        raise RuntimeError("an internal invariant")
+
+    monkeypatch.setattr("ds_ext.cli.cmd_schema", bug)
+    with pytest.raises(RuntimeError, match="an internal invariant"):
+        main(["schema"])
 
 
 def test_initialize_has_deepspeeds_signature_and_a_docstring():

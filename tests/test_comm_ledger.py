@@ -151,6 +151,22 @@ def test_phases_steps_and_means(world):
     assert all(world.run(_phases_and_steps))
 
 
+def test_traffic_table_is_the_calling_ranks_own_ledger():
+    """The table prints the ledger it is given, one rank's (no mean over ranks), and says so."""
+    from ds_ext.comm.ledger import Ledger
+    from ds_ext.report import traffic_table
+    from ds_ext.topology import Topology, preset_levels
+
+    topo = Topology.build(preset_levels("frontier"), 16, "frontier")
+    ledger = Ledger(topo.level_names)
+    for nbytes in (0, 300, 500):  # the warm-up step, then two steps of this rank
+        ledger.record("all_gather", "node", nbytes)
+        ledger.mark_step()
+    lines = traffic_table(ledger, topo, skip=1).splitlines()
+    assert lines[-2].split()[:3] == ["node", "12.5", "400"]
+    assert lines[-1] == "(bytes sent by this rank, mean over 2 optimizer steps)"
+
+
 def _instrumented_torch_distributed():
     import torch
     import torch.distributed as dist

@@ -26,6 +26,8 @@ def test_defaults():
         ({"topology": {"emulte": True}},
          "ds_ext.topology.emulte: unknown key; allowed keys: emulate, levels, preset, sizes"),
         ({"comm": {"time_scale": 0}}, "ds_ext.comm.time_scale: Input should be greater than 0 (got 0)"),
+        ({"tiled_optimizer": {"tile_size": 10**30}},
+         "ds_ext.tiled_optimizer.tile_size: Input should be less than or equal to 1073741824 (got 10000000"),
         ({"topology": {"preset": "frontier", "levels": []}}, "give either 'preset' or 'levels'"),
         ({"topology": {"levels": [{"name": "x", "size": 0, "bandwidth_GBps": 1}]}},
          "ds_ext.topology.levels.0.size: Input should be greater than or equal to 1 (got 0)"),

@@ -15,7 +15,7 @@ from ds_ext.perf.ted import eq_7_5, moe_block_traffic
 from ds_ext.planner import compute_rate, models, pmm_grids, ted_layouts, zero_plans
 from ds_ext.planner.estimate import Candidate, Traffic, batch_options, comm_seconds, divisors, evaluate
 from ds_ext.planner.machine import MACHINES, GiB
-from ds_ext.planner.plan import make_job, plan
+from ds_ext.planner.plan import PlanInputError, make_job, plan
 from ds_ext.topology import Topology
 from ds_ext.zero_topo.layout import padded_numel
 from ds_ext.zero_topo.plan import PRESETS, ZeroTopoConfig, resolve_plan
@@ -357,6 +357,18 @@ def test_validation_rows_and_table():
     assert pmm[2].predicted == pytest.approx(pmm[1].predicted / pmm[0].predicted)
     text = validate.markdown(rows)
     assert text.count("\n") == len(rows) + 1 and "| yes |" in text
+
+
+def test_validation_on_a_machine_the_papers_do_not_fit_is_one_line():
+    """``simulate --validate --memory-GB 0.01``: a PlanInputError naming the comparison (issue 39),
+    not an assertion or a RuntimeError."""
+    from ds_ext.planner import validate
+
+    small = FRONTIER.model_copy(update={"device_memory": 1e7})
+    with pytest.raises(PlanInputError, match=r"^--validate: gpt-5b 3D-PMM on 16 GCDs fits no plan on this machine"):
+        validate.pmm_rows(small, ((16, "gpt-5b", 1.6),))
+    with pytest.raises(PlanInputError, match=r"^--validate: gpt-22b Megatron on 8 nodes fits no plan"):
+        validate.megatron_rows(small, sensitivity=False)
 
 
 def test_compute_rate_is_000s_measured_step_and_the_machines():

@@ -111,7 +111,7 @@ def test_unconvertible_layer_type_one_line_and_nothing_converted():
 
 
 def test_unknown_model_and_unplanned_linear():
-    with pytest.raises(TypeError, match=r"no plan for Sequential; built-in plans: GPT, GPTNeoXForCausalLM"):
+    with pytest.raises(ConversionError, match=r"no plan for Sequential; built-in plans: GPT, GPTNeoXForCausalLM"):
         parallelize(nn.Sequential(nn.Linear(4, 4)), _engine())
     model = _gpt()
     model.blocks[0].gate = nn.Linear(48, 48)

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from ds_ext.errors import DsExtSetupError
 from ds_ext.integration.ds_version import check_version
 from ds_ext.topology import slurm_rank_variables
 
@@ -59,7 +60,7 @@ def init_distributed(
         os.environ.update(slurm_rank_variables())  # srun tasks: SLURM_PROCID -> RANK, ...
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
-            raise RuntimeError(
+            raise DsExtSetupError(
                 f"torch.distributed is not initialized and {', '.join(missing)} are unset: "
                 "start the script with the deepspeed launcher, torchrun or srun "
                 "(see launch/; under srun the batch script sets MASTER_ADDR / MASTER_PORT), "

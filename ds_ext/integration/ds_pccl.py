@@ -20,6 +20,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from ds_ext.comm import Communicator
+from ds_ext.errors import DsExtSetupError
 from ds_ext.integration.ds_version import check_version
 
 check_version()
@@ -30,7 +31,7 @@ def route_backend_collectives(comm: Communicator, algorithm: str) -> Callable[[]
     ``comm``; return the function that restores the previous ones."""
     cdb = sys.modules["deepspeed.comm.comm"].cdb
     if cdb is None:
-        raise RuntimeError("ds_ext.pccl: DeepSpeed's communication backend is not initialized yet")
+        raise DsExtSetupError("ds_ext.pccl: DeepSpeed's communication backend is not initialized yet")
     before = (cdb.all_gather_function, cdb.reduce_scatter_function)
 
     def all_gather_function(output_tensor, input_tensor, group=None, async_op=False):

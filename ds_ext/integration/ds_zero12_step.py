@@ -77,7 +77,7 @@ def install_tiled_zero_step(zero_opt, tiled) -> None:
     from deepspeed import comm as ds_dist
 
     z = sys.modules["deepspeed.runtime.zero.stage_1_and_2"]
-    from ds_ext.optim.tiled import piecewise_loader
+    from ds_ext.optim.tiled import piecewise_loader, refuse_closure
 
     release = forked_release(z.DeepSpeedZeroOptimizer.step, ZERO12_STEP_SHA256, "ds_ext.tiled_optimizer")
 
@@ -149,8 +149,7 @@ def install_tiled_zero_step(zero_opt, tiled) -> None:
 
     @torch.no_grad()
     def step(closure=None):
-        if closure is not None:
-            raise ValueError("ds_ext.tiled_optimizer: step(closure) is not supported")
+        refuse_closure(closure)
         self.micro_step_id = z.INITIAL_MICRO_STEP_ID
         # 1. overflow, global norm and loss scale, before any tile is touched
         norm = overflow_and_norm()
@@ -199,6 +198,8 @@ def install_tiled_unfused_step(fp16_opt, tiled) -> None:
     """
     import torch
 
+    from ds_ext.optim.tiled import refuse_closure
+
     u = sys.modules["deepspeed.runtime.fp16.unfused_optimizer"]
     release = forked_release(u.FP16_UnfusedOptimizer.step, UNFUSED_STEP_SHA256, "ds_ext.tiled_optimizer")
     self = fp16_opt
@@ -207,8 +208,7 @@ def install_tiled_unfused_step(fp16_opt, tiled) -> None:
 
     @torch.no_grad()
     def step(closure=None):
-        if closure is not None:
-            raise ValueError("ds_ext.tiled_optimizer: step(closure) is not supported")
+        refuse_closure(closure)
         self.overflow = self.overflow_checker.check()
         if release == "0.19.6":
             self._update_scale(self.overflow)

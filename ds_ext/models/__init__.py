@@ -1,5 +1,5 @@
 """Small models built from configs (random init) for demos, tests and benchmarks."""
 
-from ds_ext.models.gpt import GPT, GPTConfig
+from ds_ext.models.gpt import GPT, GPTConfig, ModelConfigError
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "GPTConfig", "ModelConfigError"]

@@ -15,6 +15,12 @@ from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ds_ext.errors import DsExtError
+
+
+class ModelConfigError(DsExtError, ValueError):
+    """A model shape or option the example models cannot build (``ds_ext.models``)."""
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -29,7 +35,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} must be divisible by n_heads {self.n_heads}")
+            raise ModelConfigError(f"d_model {self.d_model} must be divisible by n_heads {self.n_heads}")
 
     @property
     def num_parameters(self) -> int:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from ds_ext.models.gpt import GPT
+from ds_ext.models.gpt import GPT, ModelConfigError
 from ds_ext.moe import ColumnParallelLinear, RowParallelLinear, TEDMoE
 from ds_ext.moe.tensor_parallel import check_divisible
 
@@ -54,9 +54,9 @@ class GPTMoEConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
-            raise ValueError(f"d_model {self.d_model} must be divisible by n_heads {self.n_heads}")
+            raise ModelConfigError(f"d_model {self.d_model} must be divisible by n_heads {self.n_heads}")
         if self.checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
+            raise ModelConfigError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {self.checkpoint!r}")
 
     def is_moe(self, block: int) -> bool:
         return block % self.moe_every == self.moe_every - 1

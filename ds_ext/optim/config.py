@@ -8,6 +8,7 @@ from pydantic import Field
 from ds_ext.plugin import PluginConfig
 
 DEFAULT_TILE_SIZE = 1_800_000  # 001 §7.2: "we fix the tile size to 1.8 million parameters"
+MAX_TILE_SIZE = 2**30  # a 4 GiB buffer: the tiles are there to keep the step's buffer small
 
 
 class TiledOptimizerConfig(PluginConfig):
@@ -16,5 +17,7 @@ class TiledOptimizerConfig(PluginConfig):
     tile_size: int = Field(
         DEFAULT_TILE_SIZE,
         gt=0,
-        description="Parameters per tile; the step's fp32 gradient buffer is 4 x tile_size bytes.",
+        le=MAX_TILE_SIZE,
+        description="Parameters per tile, at most 2^30 (a 4 GiB buffer); the step's fp32 gradient buffer is "
+        "4 x tile_size bytes.",
     )

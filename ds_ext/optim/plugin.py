@@ -39,7 +39,7 @@ import torch
 from ds_ext.errors import DsExtConfigError
 from ds_ext.integration import ds_fused_adam
 from ds_ext.optim.config import DEFAULT_TILE_SIZE, TiledOptimizerConfig
-from ds_ext.optim.tiled import ALLOWED_TYPES, FUSED_TILE_MULTIPLE, KEY, TiledAdam, check_tileable
+from ds_ext.optim.tiled import ALLOWED_TYPES, FUSED_TILE_MULTIPLE, KEY, TiledAdam, check_tileable, refuse_closure
 from ds_ext.plugin import Plugin, register_plugin
 
 
@@ -134,8 +134,7 @@ class TiledOptimizerPlugin(Plugin):
 
 def _plain_step(tiled: TiledAdam):
     def step(closure=None):
-        if closure is not None:
-            raise ValueError(f"{KEY}: step(closure) is not supported")
+        refuse_closure(closure)
         tiled.step_fp32_params()
 
     return step

@@ -59,6 +59,12 @@ StoreTile = Callable[[int, int], None]
 FUSED_TILE_MULTIPLE = 16  # fp32 elements per 64-byte cache line: the CPU fused kernel's work unit
 
 
+def refuse_closure(closure: Callable[[], Any] | None) -> None:
+    """The tiled step takes no closure: the loss and gradients exist before it, as in DeepSpeed's steps."""
+    if closure is not None:
+        raise DsExtConfigError(f"{KEY}: step(closure) is not supported; call step() after backward")
+
+
 def check_tileable(optimizer: Any, tile_size: int | None = None) -> None:
     """Raise :class:`DsExtConfigError` unless ``optimizer`` is a torch Adam/AdamW we tile
     bit-identically (001 §7.2). ``fused=True`` groups need whole cache lines per tile:
@@ -318,7 +324,8 @@ class TiledAdam:
                 self.step_holders[id(group)] = with_grad[-1]
             for p in with_grad:
                 if p.dtype != torch.float32:
-                    raise ValueError(f"{KEY}: a stage-0 fp32 engine holds a {p.dtype} parameter")
+                    raise DsExtConfigError(f"{KEY}: a stage-0 fp32 engine holds a {p.dtype} parameter; enable the "
+                                           "ds_config 'bf16' or 'fp16' section for 16-bit parameters")
                 flat_g = p.grad.view(-1)
 
                 def load(buf: torch.Tensor, s: int, flat_g=flat_g) -> None:

@@ -24,14 +24,14 @@ predictions.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ds_ext.parallel import TEDLayout
 from ds_ext.planner import compute_rate, rccl, ted_layouts, zero_plans
 from ds_ext.planner.estimate import Estimate, evaluate
 from ds_ext.planner.machine import GiB, Machine
 from ds_ext.planner.models import Arch, lookup, with_experts
-from ds_ext.planner.plan import make_job, plan
+from ds_ext.planner.plan import PlanInputError, make_job, plan
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,17 @@ class Row:
         return {**asdict(self), "rel_error": self.rel_error, "holds": self.holds}
 
 
+T = TypeVar("T")
+
+
+def _fits(found: T | None, what: str) -> T:
+    """``found``, else a one-line refusal: on this machine ``what`` has no plan that fits."""
+    if found is None:
+        raise PlanInputError(f"--validate: {what} fits no plan on this machine; the comparisons need the papers' "
+                             "setups to fit, and the machine flags (--memory-GB, --size, ...) changed them")
+    return found
+
+
 ZERO_003 = ("zero3", "zeropp", "zero_topo_paper")  # 003's three, each as DeepSpeed runs it
 
 
@@ -67,9 +78,8 @@ def _zero(machine: Machine, nodes: int, global_batch: int | None = None, grad_ac
     job = make_job(lookup("gpt-neox-20b"), machine, nodes, global_batch, grad_accum)
     out = {}
     for name in ZERO_003:
-        e = evaluate(job, zero_plans.candidate(job, {"preset": name}, deepspeed=deepspeed))
-        assert e is not None, name
-        out[name] = e
+        out[name] = _fits(evaluate(job, zero_plans.candidate(job, {"preset": name}, deepspeed=deepspeed)),
+                          f"gpt-neox-20b {name} on {nodes} nodes")
     return out
 
 
@@ -129,9 +139,8 @@ def pmm_rows(machine: Machine, table=TABLE_III) -> list[Row]:
     """000 Table III: the best 3D-PMM grid's TFLOPS per GCD and weak-scaling efficiency."""
     rows, base = [], None
     for gcds, model, pflops in table:
-        best = plan(make_job(lookup(model), machine, gcds // 8), ["pmm3d"]).best
-        if best is None:
-            raise RuntimeError(f"no 3D-PMM grid of {model} fits {gcds} GCDs")
+        best = _fits(plan(make_job(lookup(model), machine, gcds // 8), ["pmm3d"]).best,
+                     f"{model} 3D-PMM on {gcds} GCDs")
         published = pflops * 1e3 / gcds
         base = base or (published, best.tflops)
         rows.append(Row(f"{model} on {gcds} GCDs, TFLOPS per GCD (best grid {best.name.split()[1]})", "000 Table III",
@@ -171,7 +180,7 @@ def megatron_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
     rows = []
     for model, nodes, batch, measured in TABLE_V:
         result, recipe = _megatron(machine, model, nodes, batch)
-        assert recipe is not None, model
+        recipe = _fits(recipe, f"{model}'s Table V recipe")
         rows.append(Row(f"{model} Table V recipe ({recipe.name}, {recipe.micro_batch} x {recipe.grad_accum}), "
                         "TFLOPS per GCD", "004 §V-B, Table V", measured, recipe.tflops / 1e12, 0.20,
                         f"{TABLE_V_SETUP[model]}; {TABLE_V_NOTE}"))
@@ -180,15 +189,13 @@ def megatron_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
                             measured, result.best.tflops / 1e12, None, "shown beside the recipe, not the prediction"))
     nodes, batch, measured = MEGATRON_22B
     result, _ = _megatron(machine, "gpt-22b", nodes, batch)
-    best = result.best
-    assert best is not None
+    best = _fits(result.best, f"gpt-22b Megatron on {nodes} nodes")
     rows.append(Row(f"gpt-22b planner's Megatron layout ({best.name}, GBS {batch}), TFLOPS per GCD", "004 §V-B",
                     measured, best.tflops / 1e12, 0.20,
                     "004 gives no 22B recipe: the planner's first choice at 175B's replica size and GBS"))
     if sensitivity:
         model, nodes, batch, measured = TABLE_V_1T_LITERAL
-        recipe = _megatron(machine, model, nodes, batch)[1]
-        assert recipe is not None
+        recipe = _fits(_megatron(machine, model, nodes, batch)[1], f"{model}'s recipe at Table V's GBS {batch:,}")
         rows.append(Row(f"  sensitivity, Table V's GBS {batch:,} on the 1,024 GCDs ({recipe.grad_accum} micro-batches "
                         f"per replica): {model} recipe", "004 §V-B", measured, recipe.tflops / 1e12, None,
                         "the other reading of 004 §V-B and 000 §II; not the prediction"))
@@ -198,8 +205,7 @@ def megatron_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
                             "Tflop/s, no matmul tuning, 000 §V-C)", compute_rate.UNTUNED_EFFICIENCY)):
             other = machine.model_copy(update={"efficiency": eff})
             for model, nodes, batch, measured in TABLE_V:
-                recipe = _megatron(other, model, nodes, batch)[1]
-                assert recipe is not None, model
+                recipe = _fits(_megatron(other, model, nodes, batch)[1], f"{model}'s Table V recipe")
                 rows.append(Row(f"  sensitivity, {label}: {model} recipe", "004 §V-B", measured,
                                 recipe.tflops / 1e12, None, "not the prediction"))
     return rows
@@ -218,8 +224,7 @@ def _zero3_pair(machine: Machine, model: str, gcds: int, batch: int | None) -> t
     job = make_job(lookup(model), machine, gcds // 8, batch)
     rccl_e, pccl_e = (evaluate(job, zero_plans.candidate(job, {"preset": "zero3"}, deepspeed="0.19.8",
                                                          collectives=c)) for c in ("rccl", "pccl"))
-    assert rccl_e is not None and pccl_e is not None, model
-    return rccl_e, pccl_e
+    return _fits(rccl_e, f"{model} ZeRO-3 on {gcds} GCDs"), _fits(pccl_e, f"{model} ZeRO-3 with PCCL on {gcds} GCDs")
 
 
 def less_batch_time(machine: Machine, model: str, gcds: int, batch: int | None = FIG_6_12_BATCH) -> float:

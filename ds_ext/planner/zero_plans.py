@@ -28,6 +28,7 @@ from typing import Any
 
 from ds_ext.perf import zero as perf
 from ds_ext.perf.compute import activation_bytes
+from ds_ext.planner import PlannerError
 from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic
 from ds_ext.planner.models import Arch
 from ds_ext.zero_topo.plan import PRESETS, ShardingPlan, ZeroTopoConfig, resolve_plan
@@ -41,8 +42,8 @@ def _fetches(largest: list[int]) -> int:
     """DeepSpeed's fetches of a unit: its submodules whose largest parameter is above the threshold."""
     n = sum(1 for numel in largest if numel > PERSISTENCE_THRESHOLD)
     if n == 0:
-        raise ValueError("every parameter of a unit stays resident under DeepSpeed's persistence threshold; "
-                         "the planner does not model that")
+        raise PlannerError("every parameter of a unit stays resident under DeepSpeed's persistence threshold; "
+                           "the planner does not model that")
     return n
 
 
@@ -86,7 +87,7 @@ def pccl(t: perf.Traffic, plan: ShardingPlan) -> Traffic:
     topo = plan.topology
     top = len(topo.levels) - 1
     if (plan.weights, plan.gradients, plan.secondary) != (top, top, None):
-        raise ValueError("PCCL costing covers ZeRO-3's world collectives only (preset zero3)")
+        raise PlannerError("PCCL costing covers ZeRO-3's world collectives only (preset zero3)")
     w, p = topo.world_size, topo.ranks_per_node
     n = w // p
     node, inner = topo.levels[-1].name, topo.levels[-2].name
@@ -122,9 +123,9 @@ def candidate(job: Job, section: dict[str, Any], name: str | None = None, deepsp
     engine, or with ``deepspeed`` (one of ``DEEPSPEED_VERSIONS``) as that DeepSpeed runs it, its
     collectives by ``collectives`` (``COLLECTIVES``)."""
     if deepspeed is not None and deepspeed not in DEEPSPEED_VERSIONS:
-        raise ValueError(f"deepspeed {deepspeed!r}; allowed: {', '.join(DEEPSPEED_VERSIONS)}")
+        raise PlannerError(f"deepspeed {deepspeed!r}; allowed: {', '.join(DEEPSPEED_VERSIONS)}")
     if collectives not in COLLECTIVES:
-        raise ValueError(f"collectives {collectives!r}; allowed: {', '.join(COLLECTIVES)}")
+        raise PlannerError(f"collectives {collectives!r}; allowed: {', '.join(COLLECTIVES)}")
     cfg = ZeroTopoConfig(enabled=True, **section)
     plan = resolve_plan(cfg, job.topology)
     a, e = job.arch, job.elem_bytes

@@ -12,7 +12,7 @@ from ds_ext.lazy import lazy_exports
 
 _EXPORTS = {
     "Axis": "ds_ext.pmm.grid",
-    "ConversionError": "ds_ext.pmm.parallelize",
+    "ConversionError": "ds_ext.pmm.plans",
     "Embedding": "ds_ext.pmm.vocab",
     "FullCheckpoint": "ds_ext.pmm.full_checkpoint",
     "Grid": "ds_ext.parallel",

@@ -22,6 +22,7 @@ from torch import nn
 from ds_ext.comm.mappings import reduce_both
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.layout import feature_slice
+from ds_ext.pmm.plans import ConversionError
 
 
 class _FeatureSharded(nn.Module):
@@ -47,7 +48,8 @@ class LayerNorm(_FeatureSharded):
     def __init__(self, serial: nn.LayerNorm, engine: PMMEngine, name: str = "layernorm") -> None:
         super().__init__()
         if len(serial.normalized_shape) != 1:
-            raise ValueError(f"ds_ext.pmm.parallelize: {name}: only LayerNorm over the last dimension is supported")
+            raise ConversionError(f"ds_ext.pmm.parallelize: {name}: only LayerNorm over the last dimension is "
+                                  "supported")
         self.engine, self.name, self.eps = engine, name, serial.eps
         self.features = serial.normalized_shape[0]
         with torch.no_grad():
@@ -79,7 +81,7 @@ class RMSNorm(_FeatureSharded):
         self.engine, self.name = engine, name
         self.eps = getattr(serial, "variance_epsilon", getattr(serial, "eps", None))
         if self.eps is None:
-            raise ValueError(f"ds_ext.pmm.parallelize: {name}: RMSNorm without 'variance_epsilon' or 'eps'")
+            raise ConversionError(f"ds_ext.pmm.parallelize: {name}: RMSNorm without 'variance_epsilon' or 'eps'")
         self.features = serial.weight.shape[0]
         with torch.no_grad():
             self.weight = nn.Parameter(serial.weight[self._slice()].clone())

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ds_ext.comm import Handle
+from ds_ext.errors import DsExtConfigError
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.layout import LinearLayout
 
@@ -173,7 +174,7 @@ class Linear(nn.Module):
         weight = eng.weight_input(self.weight)
         bias = eng.replicated(self.bias) if self.bias is not None else None
         if eng.deferred is not None and torch.is_grad_enabled() and not eng.deferred.gated(weight):
-            raise RuntimeError(
+            raise DsExtConfigError(
                 "ds_ext.pmm3d.overlap.reduce_scatter needs the model converted by ds_ext.pmm.parallelize "
                 f"(its forward opens the gate that waits for the reduce-scatters); {self.name} ran outside it"
             )

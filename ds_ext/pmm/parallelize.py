@@ -37,21 +37,17 @@ import torch
 from torch import nn
 
 from ds_ext.comm.mappings import mean_over
-from ds_ext.errors import DsExtError
+from ds_ext.errors import DsExtConfigError
 from ds_ext.pmm.config import KEY
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.layers import LayerNorm, RMSNorm
 from ds_ext.pmm.layout import LinearLayout
 from ds_ext.pmm.linear import Linear
 from ds_ext.pmm.meta import serial_values
-from ds_ext.pmm.plans import Plan, plan_for
+from ds_ext.pmm.plans import ConversionError, Plan, plan_for
 from ds_ext.pmm.vocab import Embedding, causal_lm_loss, tied_head
 
 CONVERTED = (Linear, LayerNorm, RMSNorm)
-
-
-class ConversionError(DsExtError, ValueError):
-    """A model or grid that :func:`parallelize` cannot convert."""
 
 
 def _is_rmsnorm(m: nn.Module) -> bool:
@@ -160,8 +156,9 @@ class _BatchHooks:
         if first is not None and self.engine.z.size > 1:
             batch = first.shape[0]
             if batch % self.engine.z.size:
-                raise ValueError(f"{KEY}.grid.z={self.engine.z.size} does not divide the micro-batch of {batch} "
-                                 "samples (train_micro_batch_size_per_gpu): every Z rank takes an equal share")
+                raise DsExtConfigError(f"{KEY}.grid.z={self.engine.z.size} does not divide the micro-batch of "
+                                       f"{batch} samples (train_micro_batch_size_per_gpu): every Z rank takes an "
+                                       "equal share")
             args = tuple(self._slice(a, batch) for a in args)
             kwargs = {k: self._slice(v, batch) for k, v in kwargs.items()}
             if kwargs.get("num_items_in_batch") is not None:

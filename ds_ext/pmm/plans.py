@@ -14,6 +14,12 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ds_ext.errors import DsExtError
+
+
+class ConversionError(DsExtError, ValueError):
+    """A model or grid that :func:`ds_ext.pmm.parallelize` cannot convert."""
+
 
 @dataclass(frozen=True)
 class LinearStyle:
@@ -88,7 +94,7 @@ def plan_for(model: nn.Module) -> Plan:
     """The built-in plan of ``model``'s class; one line naming the supported ones otherwise."""
     builder = _PLANS.get(type(model).__name__)
     if builder is None:
-        raise TypeError(
+        raise ConversionError(
             f"ds_ext.pmm.parallelize: no plan for {type(model).__name__}; built-in plans: "
             f"{', '.join(_PLANS)} (or pass plan=ds_ext.pmm.Plan(...))"
         )

@@ -31,8 +31,8 @@ from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.pmm.config import KEY, Pmm3dConfig
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.grid import grid_axes
-from ds_ext.pmm.parallelize import ConversionError, parallelize
-from ds_ext.pmm.plans import plan_for
+from ds_ext.pmm.parallelize import parallelize
+from ds_ext.pmm.plans import ConversionError, plan_for
 
 ALLOWED_STAGES = (0, 1, 2)
 

@@ -40,6 +40,7 @@ from torch import nn
 
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.linear import Linear
+from ds_ext.pmm.plans import ConversionError
 
 
 def _vocab_block(layer: Linear, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +83,8 @@ class Embedding(Linear):
     def from_embedding(cls, serial: nn.Embedding, engine: PMMEngine, name: str = "embedding") -> "Embedding":
         """This rank's shard of ``serial``'s table."""
         if serial.padding_idx is not None or serial.max_norm is not None:
-            raise ValueError(f"ds_ext.pmm.parallelize: {name}: padding_idx / max_norm embeddings are not supported")
+            raise ConversionError(f"ds_ext.pmm.parallelize: {name}: padding_idx / max_norm embeddings are not "
+                                  "supported")
         table = cls.__new__(cls)
         nn.Module.__init__(table)
         table._setup(serial.weight, None, engine, False, 1, name)
