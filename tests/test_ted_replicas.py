@@ -2,14 +2,15 @@
 
 Megatron-DeepSpeed's default experts (``ParallelMLP(moe=True)``, ``--enable-expert-tensor-parallelism``
 off) are kept whole on every tensor rank, each copy drawn from that rank's own RNG. TED binds them
-as one parameter: tensor rank 0's copy is broadcast over the tensor group (``TEDMoE._replicate_whole``)
-and DeepSpeed's engine reduces their gradients over ``expert_replicas`` (tensor x expert-data
-ranks). The copies are made to start apart on tensor rank 1 (+1 on every expert parameter: the
-client's per-rank draws coincide on CPU, not on GPU). On 4 gloo ranks (TP 2, EP 2) through
-``ds_ext.initialize`` with AdamW, every expert parameter, all-gathered over the tensor group, is
-bit-identical on both tensor ranks after binding and after each of several steps. DeepSpeed's engine also broadcasts them (``_broadcast_model``,
-over the group TED registers as their expert data group, ``expert_replicas``); TEDMoE's broadcast
-alone suffices. Without both (the control: DeepSpeed's own MoE broadcasts neither over the tensor
+as one parameter: tensor rank 0's copy is broadcast over the tensor group
+(``TEDMoE._replicate_whole``) and DeepSpeed's engine reduces their gradients over
+``expert_replicas`` (tensor x expert-data ranks). The copies are made to start apart on tensor
+rank 1 (+1 on every expert parameter: the client's per-rank draws coincide on CPU, not on GPU).
+On 4 gloo ranks (TP 2, EP 2) through ``ds_ext.initialize`` with AdamW, every expert parameter,
+all-gathered over the tensor group, is bit-identical on both tensor ranks after binding and after
+each of several steps. DeepSpeed's engine also broadcasts them (``_broadcast_model``, over the
+group TED registers as their expert data group, ``expert_replicas``); TEDMoE's broadcast alone
+suffices. Without both (the control: DeepSpeed's own MoE broadcasts neither over the tensor
 group) the copies start apart and stay apart, so the check can fail.
 """
 
