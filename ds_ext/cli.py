@@ -149,7 +149,7 @@ def _checkpoint_dir(p: Path, tag: str | None) -> Path:
     tag directory itself."""
     from ds_ext.zero_topo import checkpoint as ckpt
 
-    if tag is None and any(p.glob(ckpt.SHARD_FILE.replace("{rank:05d}", "*"))):
+    if tag is None and (any(p.glob(ckpt.SHARD_FILE.replace("{rank:05d}", "*"))) or ckpt.model_parallel_parts(p)):
         return p
     if tag is None and not (p / ckpt.LATEST).is_file():
         raise ckpt.CheckpointError(f"checkpoint directory {p} has no '{ckpt.LATEST}' file and no shards; "

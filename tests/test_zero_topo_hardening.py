@@ -615,3 +615,22 @@ def test_each_parameter_gradient_error_is_within_its_bound(world, preset):
             else:
                 assert err <= bound, (name, err, bound)
         assert any(one_d for *_, one_d, _ in errors.values())
+
+
+def test_client_optimizer_over_a_config_section_is_a_warning():
+    """The line that says the ds_config ``optimizer`` section is not used is a warning: DeepSpeed's
+    logger stays at WARNING by default, so an INFO line never reached GPT-NeoX's log."""
+    from types import SimpleNamespace
+
+    from ds_ext.parallel import JobLayout
+    from ds_ext.topology import Topology
+    from ds_ext.zero_topo.plan import ZeroTopoConfig
+    from ds_ext.zero_topo.plugin import ZeroTopoPlugin
+
+    runtime = SimpleNamespace(topology=Topology.from_preset("frontier", 8, {"gpu": 2}), initialize_kwargs={}, rank=0,
+                              plugins=[], parallel=JobLayout.data_parallel(8))
+    model = nn.Linear(4, 4)
+    plugin = ZeroTopoPlugin(ZeroTopoConfig(enabled=True), runtime)
+    with pytest.warns(UserWarning, match=r"client optimizer \(AdamW\) is used and the ds_config 'optimizer' section"):
+        plugin.prepare(model, torch.optim.AdamW(model.parameters()),
+                       {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})

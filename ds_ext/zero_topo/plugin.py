@@ -70,7 +70,7 @@ class ZeroTopoPlugin(Plugin):
         support.check_model(model)
         note = support.check_optimizer(optimizer, ds_config)
         if note is not None:
-            log.info(note)
+            log.warn(note)  # DeepSpeed logs below WARNING by default: a user must see this
         self.scaler = ds_engine.loss_scaler(ds_config)
         self.clip = ds_engine.gradient_clipping(ds_config)
         cfg = copy.deepcopy(ds_config)
