@@ -3,17 +3,17 @@
 A plugin subclasses :class:`Plugin`, sets ``name`` (its key in the ``"ds_ext"`` block)
 and ``Config`` (a :class:`PluginConfig`), and decorates itself with
 :func:`register_plugin`. ``ds_ext.initialize`` instantiates every *enabled* plugin in
-registration order and calls its hooks around ``deepspeed.initialize``:
+hook order (:data:`HOOK_ORDER`) and calls its hooks around ``deepspeed.initialize``:
 
 1. ``prepare(model, optimizer, ds_config)`` before DeepSpeed sees them; returns the
    (possibly wrapped) model, optimizer and ds_config dict. The other arguments the
    caller gave ``initialize`` (``mpu``, ``collate_fn``, ...) are in
    ``runtime.initialize_kwargs``, so a plugin can refuse what it cannot combine with;
-2. ``mpu()`` after every ``prepare``: the model-parallel unit the plugin hands DeepSpeed
-   (``None`` if it has none), with ``layout()`` the layout it comes from, which becomes the
-   job's (``runtime.parallel``, a :class:`ds_ext.parallel.JobLayout`). At most one source of
-   an mpu is allowed: the caller's (the job layout is read from it before ``prepare``) or one
-   plugin's;
+2. ``layout()`` right after the plugin's ``prepare``: the layout of its groups, which becomes
+   the job's (``runtime.parallel``, a :class:`ds_ext.parallel.JobLayout`) for the plugins that
+   prepare after it; ``mpu()`` after every ``prepare``: the model-parallel unit the plugin hands
+   DeepSpeed (``None`` if it has none). At most one source of an mpu is allowed: the caller's (the
+   job layout is read from it before any ``prepare``) or one plugin's;
 3. ``attach(engine)`` once the DeepSpeed engine exists.
 """
 
@@ -82,6 +82,10 @@ _REGISTRY: dict[str, type[Plugin]] = {}
 BUILTIN_PLUGIN_MODULES: tuple[str, ...] = (
     "ds_ext.zero_topo.plugin", "ds_ext.optim.plugin", "ds_ext.pmm.plugin", "ds_ext.moe.plugin", "ds_ext.pccl.plugin"
 )
+# The order of the built-ins' hooks: the plugins that define the job's layout (3D-PMM, TED)
+# prepare first, so ZeRO-topo shards over the data axis of the model they converted, and attach
+# first, before ZeRO-topo swaps the engine's optimizer; others follow in registration order.
+HOOK_ORDER: tuple[str, ...] = ("pmm3d", "ted", "zero_topo", "tiled_optimizer", "pccl")
 
 
 def register_plugin(cls: type[Plugin]) -> type[Plugin]:
@@ -118,7 +122,8 @@ def registered_configs() -> dict[str, type[PluginConfig]]:
 
 
 def registered_plugins() -> dict[str, type[Plugin]]:
-    """Name -> plugin class, built-ins imported first."""
+    """Name -> plugin class in hook order (:data:`HOOK_ORDER`, then the others as registered)."""
     for mod in BUILTIN_PLUGIN_MODULES:
         importlib.import_module(mod)
-    return dict(_REGISTRY)
+    rank = {name: i for i, name in enumerate(HOOK_ORDER)}
+    return dict(sorted(_REGISTRY.items(), key=lambda item: rank.get(item[0], len(rank))))

@@ -44,6 +44,14 @@ class Runtime:
     def rank(self) -> int:
         return dist.get_rank()
 
+    def plugin(self, name: str) -> Plugin:
+        """The enabled plugin ``name`` (``"zero_topo"``, ``"pmm3d"``, ...)."""
+        for plugin in self.plugins:
+            if plugin.name == name:
+                return plugin
+        raise cfgmod.DsExtConfigError(f"ds_ext.{name} is not enabled; enabled: "
+                                      f"{', '.join(p.name for p in self.plugins) or 'none'}")
+
     @property
     def ledger(self) -> Ledger:
         return self.comm.ledger
@@ -81,10 +89,10 @@ class Runtime:
         runtime = cls(config, job, topology, groups, comm,
                       initialize_kwargs=dict(initialize_kwargs or {}),
                       parallel=JobLayout.data_parallel(topology.world_size))
-        plugin_classes = registered_plugins()
-        for name, pcfg in cfgmod.plugin_configs(config).items():
-            if pcfg.enabled:
-                runtime.plugins.append(plugin_classes[name](pcfg, runtime))
+        sections = cfgmod.plugin_configs(config)
+        for name, plugin in registered_plugins().items():  # in hook order
+            if name in sections and sections[name].enabled:
+                runtime.plugins.append(plugin(sections[name], runtime))
         _CREATED.append(runtime)
         return runtime
 

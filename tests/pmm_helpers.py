@@ -137,7 +137,7 @@ def engine_for(family, cfg):
 
 def _rows(engine):
     """This rank's rows of the global batch: its data group's share, then its Z share."""
-    axes = engine.ds_ext.plugins[-1].axes
+    axes = engine.ds_ext.plugin("pmm3d").axes
     micro = GLOBAL_BATCH // axes["data"].size
     share = micro // axes["z"].size
     start = axes["data"].rank * micro
@@ -156,7 +156,7 @@ def train_and_compare(family, grid, clip=0.0, check=True, stage=0, no_grad_first
     from ds_ext.pmm.norm import global_grad_norm
 
     engine = engine_for(family, ds_config(grid, clip=clip, stage=stage, **cfg_kw))
-    plugin = engine.ds_ext.plugins[-1]
+    plugin = engine.ds_ext.plugin("pmm3d")
     model = engine.module
     data_rows, z_rows = _rows(engine)
     steps, final = serial_run(family, clip)

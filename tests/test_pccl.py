@@ -481,7 +481,7 @@ def _pmm_z_across_nodes(algorithm):
         if ph != "step":
             messages.setdefault(ph, {}).setdefault(lv, 0)
             messages[ph][lv] += m
-    spec, plugin = model_spec(H.gpt(), plan_for(H.gpt())), engine.ds_ext.plugins[-1]
+    spec, plugin = model_spec(H.gpt(), plan_for(H.gpt())), engine.ds_ext.plugin("pmm3d")
     args = (spec, plugin.grid, engine.ds_ext.topology, H.GLOBAL_BATCH, H.SEQ, 4, 1, False, algorithm)
     out = {"losses": losses, "bytes": {ph: lv for ph, lv in last.by_phase().items() if ph != "step"},
            "messages": messages, "model_bytes": ledger_bytes(*args), "model_messages": ledger_messages(*args),

@@ -66,7 +66,7 @@ def _pmm_run(dims):
     from ds_ext.pmm import Linear
 
     engine = engine_for("gpt", ds_config(dims, bf16=True))
-    axes = engine.ds_ext.plugins[-1].axes
+    axes = engine.ds_ext.plugin("pmm3d").axes
     micro = GLOBAL_BATCH // axes["data"].size
     start = axes["data"].rank * micro
     engine.backward(engine(tokens(0)[start:start + micro]))

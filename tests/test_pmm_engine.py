@@ -68,7 +68,7 @@ def _uneven_lengths(tune):
     (step 0: group 1 short), then shapes new to one group only (step 1: both full; step 2:
     group 0 short, a shape only group 1 timed)."""
     engine = engine_for("gpt", ds_config((2, 1, 2, 2), tune=tune))
-    data = engine.ds_ext.plugins[-1].axes["data"]
+    data = engine.ds_ext.plugin("pmm3d").axes["data"]
     micro = GLOBAL_BATCH // data.size
     losses = []
     for step in range(3):
@@ -79,7 +79,7 @@ def _uneven_lengths(tune):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    tuner = engine.ds_ext.plugins[-1].engine.tuner
+    tuner = engine.ds_ext.plugin("pmm3d").engine.tuner
     modes = dict(tuner.choice) if tune else {}
     engine.destroy()
     return losses, modes
@@ -98,7 +98,7 @@ def _train_steps(engine, family, steps):
     from pmm_helpers import _data_mean, _rows, call
 
     data_rows, _ = _rows(engine)
-    data = engine.ds_ext.plugins[-1].axes["data"]
+    data = engine.ds_ext.plugin("pmm3d").axes["data"]
     losses = []
     for step in steps:
         loss, _ = call(engine, family, tokens(step)[data_rows])
@@ -200,7 +200,7 @@ def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None):
     from pmm_helpers import gpt
 
     engine = engine_for("gpt", ds_config(grid, bf16=bf16, accum=accum, by_layer=True, overlap=overlap))
-    axes = engine.ds_ext.plugins[-1].axes
+    axes = engine.ds_ext.plugin("pmm3d").axes
     micro = GLOBAL_BATCH // (axes["data"].size * accum)
     for step in range(1):
         for m in range(accum):
@@ -209,7 +209,7 @@ def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None):
             engine.step()
     measured = {ph: lv for ph, lv in engine.ds_ext.ledger.steps[-1].by_phase().items() if ph != "step"}
     serial = gpt()
-    spec, pmm_grid, topology = model_spec(serial, plan_for(serial)), engine.ds_ext.plugins[-1].grid, engine.ds_ext.topology
+    spec, pmm_grid, topology = model_spec(serial, plan_for(serial)), engine.ds_ext.plugin("pmm3d").grid, engine.ds_ext.topology
     model = ledger_bytes(spec, pmm_grid, topology, micro, SEQ, 2 if bf16 else 4, accum)
     # all-reduces in backward at Z's level (the gradients of Z-replicated parameters): ledger and model
     z_level = pmm_grid.parallel_dims.spans(topology)["z"]
@@ -249,7 +249,7 @@ def _memory(stage):
     grid = (2, 1, 2, 2)
     engine = engine_for("gpt", ds_config(grid, stage=stage, bf16=True))
     micro = GLOBAL_BATCH // grid[3]
-    start = engine.ds_ext.plugins[-1].axes["data"].rank * micro
+    start = engine.ds_ext.plugin("pmm3d").axes["data"].rank * micro
     engine.backward(engine(tokens(0)[start:start + micro]))
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     linear = [m for m in engine.module.modules() if isinstance(m, Linear)]
@@ -403,7 +403,7 @@ def _auto_grid():
     cfg["ds_ext"]["pmm3d"]["grid"] = "auto"
     cfg["train_micro_batch_size_per_gpu"] = 4
     engine = engine_for("gpt", cfg)
-    chosen = engine.ds_ext.plugins[-1].grid.dims
+    chosen = engine.ds_ext.plugin("pmm3d").grid.dims
     serial = gpt()
     expected = rank_grids(model_spec(serial, plan_for(serial)), WORLD_SIZE, engine.ds_ext.topology, 4, SEQ, 4)
     engine.destroy()

@@ -222,13 +222,20 @@ def _refused(case):
     zero_topo = {"enabled": True, "preset": "zero_topo"}
     if case == "gcd":
         zero_topo["weights"] = {"level": "gcd"}
+    kwargs = {"mpu": mpu}
+    pmm = {}
+    if case == "pmm3d":
+        from ds_ext.models import GPT, GPTConfig
+
+        model, kwargs = GPT(GPTConfig(seq_len=16, d_model=64, n_layers=2, n_heads=8)), {}
+        pmm = {"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 2, "data": 2}}}
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(2, 2 if case == "pipeline" else 1)
     cfg = {"train_batch_size": 8 // mpu.get_tensor_model_parallel_world_size() // (2 if case == "pipeline" else 1),
-           "ds_ext": {"topology": TOPOLOGY, "zero_topo": zero_topo}}
+           "ds_ext": {"topology": TOPOLOGY, "zero_topo": zero_topo, **pmm}}
     try:
-        ds_ext.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg, mpu=mpu)
+        ds_ext.initialize(model=model, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), config=cfg, **kwargs)
         msg = None
     except DsExtError as err:
         msg = str(err)
@@ -242,10 +249,12 @@ def _refused(case):
             "data 4' has no level 'gcd'; allowed: gpu, node"),
     ("pipeline", "ds_ext.zero_topo: pipeline parallel size 2 (from the caller's mpu= argument) is not supported; "
                  "allowed: 1"),
+    ("pmm3d", "ds_ext.zero_topo with ds_ext.pmm3d: not supported yet"),
 ])
 def test_layouts_zero_topo_cannot_serve_are_refused_in_one_line(world, case, expected):
     """A level the data-parallel group does not cross (TP 2 fills the GCD pair), named explicitly,
-    and a pipeline (the PipelineEngine form is not here yet): one line on every rank."""
+    a pipeline (the PipelineEngine form is not here yet) and 3D-PMM beside ZeRO-topo: one line on
+    every rank."""
     for msg in world.run(_refused, case):
         assert msg is not None and msg.startswith(expected), msg
 

@@ -150,7 +150,7 @@ def _measure_pmm(grid: tuple[int, int, int, int], overlap: bool, model: str, glo
     engine, *_ = ds_ext.initialize(model=_gpt(model), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
                                    config=_config(micro, time_scale, block))
     rt = engine.ds_ext
-    plugin = rt.plugins[-1]
+    plugin = rt.plugin("pmm3d")
     corpus = ByteCorpus(max_bytes=300_000)
     drank = plugin.axes["data"].rank
 

@@ -67,8 +67,7 @@ def _without_config_path(args: Any) -> Any:
 
 
 def _with_plugin_mpu(runtime: Runtime, kwargs: dict) -> dict:
-    """``kwargs`` with the mpu a plugin provides (the job layout becomes the plugin's); refuse
-    two sources of one."""
+    """``kwargs`` with the mpu a plugin provides; refuse two sources of one."""
     sources = [(p, p.mpu()) for p in runtime.plugins]
     sources = [(p, m) for p, m in sources if m is not None]
     if kwargs.get("mpu") is not None and sources and not (len(sources) == 1 and _same_groups(kwargs["mpu"], sources[0][1])):
@@ -79,9 +78,7 @@ def _with_plugin_mpu(runtime: Runtime, kwargs: dict) -> dict:
         names = " and ".join(f"ds_ext.{p.name}" for p, _ in sources)
         raise cfgmod.DsExtConfigError(f"two model-parallel units for DeepSpeed: {names}; allowed: one")
     if sources:
-        plugin, mpu = sources[0]
-        runtime.parallel = JobLayout.of(plugin.layout(), f"ds_ext.{plugin.name}")
-        kwargs = {**kwargs, "mpu": mpu}
+        kwargs = {**kwargs, "mpu": sources[0][1]}
     return kwargs
 
 
@@ -220,6 +217,8 @@ def initialize(
         ds_engine.rebind_backend_collectives()
     for plugin in runtime.plugins:
         model, optimizer, ds_config = plugin.prepare(model, optimizer, ds_config)
+        if plugin.layout() is not None:
+            runtime.parallel = JobLayout.of(plugin.layout(), f"ds_ext.{plugin.name}")
     kwargs = _with_plugin_mpu(runtime, kwargs)
     runtime.model_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     engine, opt, loader, sched = deepspeed_initialize()(

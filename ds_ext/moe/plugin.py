@@ -80,7 +80,8 @@ class TEDPlugin(Plugin):
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         cfg, rt = self.config, self.runtime
         if any(p.name == "zero_topo" for p in rt.plugins):
-            _refuse("cannot run with ds_ext.zero_topo (it shards every state over the whole world); enable one")
+            _refuse("cannot run with ds_ext.zero_topo yet (ZeRO-topo for TED's dense part and its experts by "
+                    "expert-data group); enable one")
         _check_ds_config(ds_config)
         try:
             layout = TEDLayout.build(rt.topology.world_size, cfg.tensor_parallel, cfg.expert_parallel,

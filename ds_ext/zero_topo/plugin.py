@@ -81,13 +81,13 @@ class ZeroTopoPlugin(Plugin):
         return model.to(self.dtype), optimizer, cfg
 
     def _data_group(self) -> DataGroup:
-        """The data-parallel group to shard over, from the job layout (before any collective):
-        the world, or the caller's mpu's data-parallel group (Megatron tensor parallelism)."""
+        """The data-parallel group to shard over, from the job layout (before any collective of
+        its own): the world, or the caller's mpu's data-parallel group (Megatron tensor parallelism)."""
         rt = self.runtime
-        others = [f"ds_ext.{p.name}" for p in rt.plugins if p.name in ("ted", "pmm3d")]
-        if others:
-            raise DsExtConfigError(f"{support.KEY} with {others[0]}: not supported yet (ZeRO-topo over "
-                                   f"{others[0]}'s data axis); allowed: one of them")
+        if any(p.name == "pmm3d" for p in rt.plugins):
+            raise DsExtConfigError(
+                f"{support.KEY} with ds_ext.pmm3d: not supported yet (3D-PMM's engine takes every replicated "
+                "parameter at the start of a forward, ZeRO-topo gathers them unit by unit); allowed: one of them")
         layout = rt.parallel
         if layout.degree("pipeline") > 1:
             raise DsExtConfigError(
