@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(NEOX is None, reason=skip_reason("gpt-neox"))
 UNQUANTIZED = {"weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}}
 
 
-def _neox_args(zero_topo):
+def _neox_args(zero_topo, model_parallel=1, stage=0, clip=0.0):
     from megatron.neox_arguments import NeoXArgs
 
     import torch.distributed as dist
@@ -39,11 +39,11 @@ def _neox_args(zero_topo):
     if zero_topo is not None:
         block["zero_topo"] = {"enabled": True, **zero_topo}
     args = NeoXArgs.from_ymls([str(NEOX / "configs" / "19M.yml")], overwrite_values=dict(
-        pipe_parallel_size=0, global_num_gpus=dist.get_world_size(), use_cpu_initialization=True,
+        pipe_parallel_size=0, model_parallel_size=model_parallel, global_num_gpus=dist.get_world_size(), use_cpu_initialization=True,
         num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32,
         tokenizer_type="CharLevelTokenizer", fp16={"enabled": False}, precision="fp32",
-        zero_optimization={"stage": 0}, checkpoint_activations=False, partition_activations=False,
-        gradient_clipping=0.0, train_micro_batch_size_per_gpu=2, distributed_backend="gloo",
+        zero_optimization={"stage": stage}, checkpoint_activations=False, partition_activations=False,
+        gradient_clipping=clip, train_micro_batch_size_per_gpu=2, distributed_backend="gloo",
         deepspeed_extra_args={"ds_ext": block}, train_iters=10, lr_decay_iters=10, wall_clock_breakdown=False,
         log_interval=1000, steps_per_print=1000, user_script="train.py",
     ))
@@ -51,7 +51,12 @@ def _neox_args(zero_topo):
     return args
 
 
-def _neox_train(zero_topo, steps=10):
+def _neox_train(zero_topo, steps=10, model_parallel=1, stage=0, clip=0.0, offset=0, params=False):
+    """GPT-NeoX's setup and ``steps`` training steps (see module); the batch of step s is the
+    corpus's step ``s + offset``, indexed by the data-parallel rank (every tensor rank of a
+    model-parallel group sees the same micro-batch). With ``params``, also this rank's
+    parameters at the end (inside ``gathered_parameters`` with ZeRO-topo), the names of those
+    equal to their values right after ``deepspeed.initialize``, and the global gradient norms."""
     if str(NEOX) not in sys.path:
         sys.path.insert(0, str(NEOX))
     import deepspeed
@@ -69,12 +74,13 @@ def _neox_train(zero_topo, steps=10):
     from ds_ext.integration.ds_engine import disable_jit_builds
 
     torch.cuda.current_device = lambda: "cpu"  # see the module docstring
-    args = _neox_args(zero_topo)
+    args = _neox_args(zero_topo, model_parallel, stage, clip)
     disable_jit_builds()
     deepspeed.init_distributed(dist_backend=args.distributed_backend, auto_mpi_discovery=False)
     world = dist.get_world_size()
-    mpu.initialize_model_parallel(1, topology=PipeModelDataParallelTopology(num_pp=1, num_mp=1, num_dp=world),
-                                  fp32_allreduce=args.fp32_allreduce)
+    mp = args.model_parallel_size if args.model_parallel_size >= 1 else 1  # megatron/initialize.py's topology
+    mpu.initialize_model_parallel(args.model_parallel_size, topology=PipeModelDataParallelTopology(
+        num_pp=1, num_mp=mp, num_dp=world // mp), fp32_allreduce=args.fp32_allreduce)
     setup_deepspeed_random_and_activation_checkpointing(neox_args=args)
     _set_random_seed(args.seed)
     mpu.model_parallel_cuda_manual_seed(args.seed)  # _set_random_seed does this where CUDA devices exist
@@ -90,23 +96,39 @@ def _neox_train(zero_topo, steps=10):
         )
     finally:
         ds_ext.unpatch_deepspeed()
+
+    def parameters():
+        gathered = model.ds_ext.gathered_parameters() if zero_topo else None
+        with gathered if gathered is not None else torch.no_grad():
+            return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+    init = parameters() if params else None
     corpus = ByteCorpus(max_bytes=200_000)
-    losses = []
+    data_rank, data_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    losses, norms = [], []
     for step in range(steps):
-        x = corpus.micro_batch(step, 0, dist.get_rank(), world, 2, 1, args.seq_length)
+        x = corpus.micro_batch(step + offset, 0, data_rank, data_size, 2, 1, args.seq_length)
         tokens, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()
         attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(tokens, args.tokenizer.eod)
         loss = cross_entropy(model((tokens, position_ids, attention_mask)), (labels, loss_mask))
         model.backward(loss)
         model.step()
         losses.append(loss.item())
+        norms.append(model.get_global_grad_norm())
     info = {
         "config": type(args.deepspeed_config).__name__, "section": args.deepspeed_config.get("optimizer", {}).get("type"),
         "optimizer": type(optimizer).__name__, "plugins": [p.name for p in model.ds_ext.plugins],
-        "inner": type(model.optimizer.inner).__name__ if zero_topo else None,
+        "inner": type(model.optimizer.inner if zero_topo else getattr(model.optimizer, "optimizer", model.optimizer)).__name__,
+        "stage": model.zero_optimization_stage(), "wrapper": type(model.optimizer).__name__,
+        "data": (data_rank, data_size), "model": (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()),
     }
+    if params:
+        end = parameters()
+        info |= {"params": end, "still": [n for n, p in end.items() if torch.equal(p, init[n])],
+                 "norms": [None if n is None else float(n) for n in norms]}
     model.destroy()
     mpu.destroy_model_parallel()
+    dist.barrier()
     return losses, info
 
 
@@ -121,3 +143,49 @@ def test_neox_trains_zero_topo_with_its_own_optimizer_and_config_section(world):
         assert info["plugins"] == ["zero_topo"] and info["inner"] == "FusedAdam"
         assert a == pytest.approx(b, rel=1e-6, abs=0)
     assert plain[0][0][-1] < plain[0][0][0] - 0.5
+
+
+
+TP2 = dict(model_parallel=2, clip=0.05, params=True)  # WORLD_SIZE 4: tensor 2 x data 2
+
+
+@pytest.fixture(scope="module")
+def zero1_tp2(world):
+    """DeepSpeed ZeRO-1 through the same GPT-NeoX code at model_parallel_size 2 (its FusedAdam)."""
+    return world.run(_neox_train, None, stage=1, **TP2)
+
+
+def test_neox_tp2_unquantized_zero_topo_equals_deepspeed_zero1(world, zero1_tp2):
+    """``model_parallel_size: 2``, ``pipe_parallel_size: 0`` (4 ranks: tensor 2 over each GCD pair,
+    data 2 across the nodes): unquantized ZeRO-topo equals DeepSpeed ZeRO-1 under the same model
+    parallelism to 1e-6 in fp32: losses, global gradient norms (clipping at 0.05 active on every
+    step) and every parameter of every rank at the end, all of which moved."""
+    ours = world.run(_neox_train, {"preset": "zero_topo", **UNQUANTIZED}, **TP2)
+    for rank, ((a, mine), (b, ref)) in enumerate(zip(ours, zero1_tp2)):
+        assert ref["stage"] == 1 and ref["wrapper"] == "DeepSpeedZeroOptimizer" and ref["inner"] == "FusedAdam"
+        assert mine["stage"] == 0 and mine["plugins"] == ["zero_topo"] and mine["inner"] == "FusedAdam"
+        assert mine["model"] == ref["model"] == (rank % 2, 2) and mine["data"] == ref["data"] == (rank // 2, 2)
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-6)
+        assert mine["norms"] == pytest.approx(ref["norms"], rel=1e-6, abs=1e-6)
+        assert min(ref["norms"]) > TP2["clip"]
+        assert mine["params"].keys() == ref["params"].keys()
+        for name, p in ref["params"].items():
+            torch_close(mine["params"][name], p, name)
+        assert mine["still"] == [] and ref["still"] == []
+
+
+def test_neox_tp2_quantized_default_trains_within_the_seed_spread(world, zero1_tp2):
+    """The default (quantized) preset at ``model_parallel_size: 2``: every parameter moves, and
+    each step's loss is within the spread between ZeRO-1 runs on two data orders."""
+    other = world.run(_neox_train, None, stage=1, offset=1000, **TP2)
+    ours = world.run(_neox_train, {"preset": "zero_topo"}, **TP2)
+    for (q, mine), (r0, _), (r1, _) in zip(ours, zero1_tp2, other):
+        spread = max(abs(x - y) for x, y in zip(r0, r1))
+        assert mine["still"] == []
+        assert max(abs(x - y) for x, y in zip(q, r0)) <= spread
+
+
+def torch_close(actual, expected, name):
+    import torch
+
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
