@@ -1,4 +1,5 @@
-"""ZeRO-topo under GPT-NeoX's own setup path (issue 18, defect 1 and acceptance).
+"""ZeRO-topo under GPT-NeoX's own setup path (issue 18, defect 1 and acceptance; issue 36
+acceptance at model parallel 2).
 
 The real GPT-NeoX (../shared/clients/gpt-neox, unmodified) builds everything: ``NeoXArgs``
 from its shipped ``configs/19M.yml`` (shrunk, ``pipe_parallel_size: 0`` for the plain
@@ -10,6 +11,23 @@ section, ``args`` whose ``deepspeed_config`` is a dict, ``dist_init_required=Fal
 its mpu (the lines after that call count parameters on a CUDA device). The training
 step is GPT-NeoX's: its masks, its model, its ``cross_entropy``, ``model.backward``,
 ``model.step``. 4 gloo ranks, fp32, 10 steps.
+
+Model parallelism (issue 36 acceptance): the same route with ``model_parallel_size: 2``,
+``pipe_parallel_size: 0``: the mpu is built with the topology GPT-NeoX's
+``_initialize_distributed`` builds (``PipeModelDataParallelTopology(num_pp=1, num_mp=2,
+num_dp=2)``: tensor pairs (0, 1), (2, 3), each a GCD pair of the emulated frontier topology, so
+the data groups (0, 2), (1, 3) cross only ``node``), and the batch is indexed by the
+data-parallel rank, so both tensor ranks see the same micro-batch. The reference is DeepSpeed
+ZeRO-1 (``zero_optimization: {"stage": 1}``, no ``zero_topo`` block) through the same code and
+GPT-NeoX's FusedAdam; gradient clipping at 0.05 is active on every step. Unquantized ZeRO-topo
+equals it to 1e-6: losses, global gradient norms and every parameter of every rank at the end
+(gathered inside ``model.ds_ext.gathered_parameters()``), each of which moved from its value right
+after ``deepspeed.initialize``. Adam normalises a constant gradient scale away, so the norms are
+compared too; with the clipping active a wrong norm also shows in the parameters (a norm that
+counts replicated parameters on both tensor ranks differs by 1.5% and moves parameters by up to
+5e-5). GPT-NeoX's ``sgd`` optimizer type needs ``mup``, which is not installed here. The default
+(quantized) preset moves every parameter and keeps each step's loss within the spread between
+ZeRO-1 runs on two data orders (the corpus offset by 1000 steps).
 
 Only the steps its ``initialize_megatron`` runs solely where CUDA devices exist are done
 here by calling GPT-NeoX's own functions (mpu groups, DeepSpeed's checkpointing set-up),
@@ -118,7 +136,8 @@ def _neox_train(zero_topo, steps=10, model_parallel=1, stage=0, clip=0.0, offset
     info = {
         "config": type(args.deepspeed_config).__name__, "section": args.deepspeed_config.get("optimizer", {}).get("type"),
         "optimizer": type(optimizer).__name__, "plugins": [p.name for p in model.ds_ext.plugins],
-        "inner": type(model.optimizer.inner if zero_topo else getattr(model.optimizer, "optimizer", model.optimizer)).__name__,
+        "inner": type(model.optimizer.inner if zero_topo else getattr(model.optimizer, "optimizer", model.optimizer)
+                      ).__name__,
         "stage": model.zero_optimization_stage(), "wrapper": type(model.optimizer).__name__,
         "data": (data_rank, data_size), "model": (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()),
     }
