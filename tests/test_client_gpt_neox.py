@@ -57,7 +57,8 @@ def _neox_args(zero_topo, model_parallel=1, stage=0, clip=0.0):
     if zero_topo is not None:
         block["zero_topo"] = {"enabled": True, **zero_topo}
     args = NeoXArgs.from_ymls([str(NEOX / "configs" / "19M.yml")], overwrite_values=dict(
-        pipe_parallel_size=0, model_parallel_size=model_parallel, global_num_gpus=dist.get_world_size(), use_cpu_initialization=True,
+        pipe_parallel_size=0, model_parallel_size=model_parallel, global_num_gpus=dist.get_world_size(),
+        use_cpu_initialization=True,
         num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32,
         tokenizer_type="CharLevelTokenizer", fp16={"enabled": False}, precision="fp32",
         zero_optimization={"stage": stage}, checkpoint_activations=False, partition_activations=False,
