@@ -18,6 +18,8 @@ import pytest
 import torch
 
 import moe_reference as ref
+from ds_ext.errors import DsExtError, DsExtSetupError
+from ds_ext.moe import TEDError
 
 FACTORS = (0.1, 0.25, 0.3, 0.5, 0.7, 1.0, 1.1, 1.2, 1.25, 1.3, 1.5, 1.7, 2.0, 2.1, 3.3, 4.4)
 
@@ -158,9 +160,21 @@ def test_bad_gate_arguments_refused_where_the_layer_is_built(kw, msg):
 
     from ds_ext.moe import TEDMoE
 
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(TEDError) as err:
         TEDMoE(8, nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)), num_experts=4, **kw)
-    assert str(err.value) == msg
+    assert str(err.value) == msg and isinstance(err.value, DsExtError) and isinstance(err.value, ValueError)
+
+
+def test_an_unbound_expert_parallel_layer_is_a_setup_error():
+    from torch import nn
+
+    from ds_ext.moe import TEDMoE
+
+    moe = TEDMoE(8, nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)), num_experts=4, ep_size=2)
+    with pytest.raises(DsExtSetupError, match=r"^ds_ext\.ted: TEDMoE\(ep_size=2\) runs only once bound"):
+        moe(torch.zeros(8, 8))
+    with pytest.raises(DsExtSetupError, match="reached deepspeed.initialize unbound"):
+        moe.set_deepspeed_parallelism()
 
 
 def test_draws_follow_the_generator_protocol_and_resume():

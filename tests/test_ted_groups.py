@@ -107,6 +107,29 @@ def test_bad_degrees_one_line_each():
             config.parse({"ted": {"enabled": True, **block}})
 
 
+@pytest.mark.parametrize("block, msg", [
+    ({"seed": -5}, r"^ds_ext\.ted\.seed: Input should be greater than or equal to 0 \(got -5\)$"),
+    ({"seed": 2**70}, r"^ds_ext\.ted\.seed: Input should be less than 4294967296 \(got 1180591620717411303424\)$"),
+    ({"seed": 2**32}, r"^ds_ext\.ted\.seed: Input should be less than 4294967296"),
+    ({"top_k": 9, "num_experts": 4},
+     r"^ds_ext\.ted: top_k 9 exceeds num_experts 4 \(each route picks a distinct expert\); allowed top_k: 1\.\.4$"),
+])
+def test_seed_and_top_k_out_of_range_refused_in_one_line(block, msg):
+    from ds_ext import config
+
+    with pytest.raises(DsExtConfigError, match=msg) as err:
+        config.parse({"ted": {"enabled": True, **block}})
+    assert "\n" not in str(err.value)
+
+
+def test_seed_and_top_k_bounds_are_inclusive():
+    from ds_ext import config
+
+    for block in ({"seed": 0}, {"seed": 2**32 - 1}, {"top_k": 4, "num_experts": 4}, {"top_k": 9}):
+        parsed = config.parse({"ted": {"enabled": True, **block}})
+        assert all(getattr(parsed.ted, key) == value for key, value in block.items())
+
+
 def test_cli_detect_shows_ted_groups_and_levels():
     import subprocess
     import sys

@@ -328,7 +328,7 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_one_line_before_any_collective(world, case):
     for kind, message, new_groups in world.run(_bad, case):
-        assert message == BAD[case] and kind in ("DsExtConfigError", "ValueError")
+        assert message == BAD[case] and kind in ("DsExtConfigError", "TEDError")
         assert new_groups == 0  # no process group was created: no collective ran
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from ds_ext import config as cfgmod
 from ds_ext import log
 from ds_ext.comm import instrument
+from ds_ext.errors import DsExtConfigError
 from ds_ext.integration import ds_engine
 from ds_ext.integration.ds_initialize import deepspeed_initialize
 from ds_ext.integration.ds_version import check_version
@@ -28,13 +29,13 @@ from ds_ext.runtime import Runtime
 def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
     """The ds_config as ``deepspeed.initialize`` would find it."""
     if config is not None and config_params is not None:
-        raise ValueError("pass the ds_config as 'config' or 'config_params', not both")
+        raise DsExtConfigError("pass the ds_config as 'config' or 'config_params', not both")
     if config is None:
         config = config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
     if config is None:
-        raise ValueError(
+        raise DsExtConfigError(
             "no ds_config: pass config=... or args with --deepspeed_config to ds_ext.initialize"
         )
     return config

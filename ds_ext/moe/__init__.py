@@ -8,7 +8,15 @@ Its names load on first use: ``TEDMoE`` subclasses DeepSpeed's ``MoE``, and impo
 (which logs to stdout) must not happen when only the config schema is needed.
 """
 
+from ds_ext.errors import DsExtError
 from ds_ext.lazy import lazy_exports
+
+
+class TEDError(DsExtError, ValueError):
+    """A TED layer built with arguments TED does not support, or that do not fit the TED layout or
+    the tokens it is given; one line starting ``ds_ext.ted:`` (the ``ted`` plugin reports the layout
+    checks as :class:`~ds_ext.errors.DsExtConfigError`)."""
+
 
 _EXPORTS = {"ColumnParallelLinear": "ds_ext.moe.tensor_parallel", "RowParallelLinear": "ds_ext.moe.tensor_parallel",
             "TEDContext": "ds_ext.moe.context", "TEDMoE": "ds_ext.moe.layer", "clear_tapes": "ds_ext.moe.cac"}

@@ -41,9 +41,16 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ds_ext.errors import DsExtError
 from ds_ext.integration.ds_moe import checkpoint_function_codes, is_megatron_checkpoint
 
 _CHECKPOINT_CODES = checkpoint_function_codes()
+
+
+class ReplayError(DsExtError, RuntimeError):
+    """An activation-checkpoint recompute that does not repeat its layer's first forward (other
+    values or shapes asked for, or no first forward recorded: a checkpoint function ds_ext does not
+    recognise, or a tape cleared in between)."""
 
 
 def in_recompute() -> bool:
@@ -80,12 +87,12 @@ class Frame:
     def _value(self, kind: str, compute: Callable[[], Any], keep: bool = True) -> Any:
         if self.mode == "replay":
             if not self._items:
-                raise RuntimeError(f"{self.owner}: the recompute asks for {kind!r} but its first forward "
-                                   "recorded nothing more")
+                raise ReplayError(f"{self.owner}: the recompute asks for {kind!r} but its first forward "
+                                  "recorded nothing more")
             got_kind, sig, value = self._items.popleft()
             if got_kind != kind:
-                raise RuntimeError(f"{self.owner}: the recompute asks for {kind!r} where the first "
-                                   f"forward recorded {got_kind!r}")
+                raise ReplayError(f"{self.owner}: the recompute asks for {kind!r} where the first "
+                                  f"forward recorded {got_kind!r}")
             return value, sig
         value = compute()
         if self.mode == "record":
@@ -113,8 +120,8 @@ class Frame:
                 self.stash_bytes += value.numel() * value.element_size()
             return value
         if sig[0] != tuple(like):
-            raise RuntimeError(f"{self.owner}: recompute of {kind} expects shape {tuple(like)}, the first "
-                               f"forward recorded {sig[0]}")
+            raise ReplayError(f"{self.owner}: recompute of {kind} expects shape {tuple(like)}, the first "
+                              f"forward recorded {sig[0]}")
         return torch.zeros((), dtype=sig[1], device=sig[2]).expand(like) if value is None else value
 
 
@@ -129,7 +136,7 @@ class Tape:
         """The frame for the forward that is starting now."""
         if in_recompute():
             if not self._frames:
-                raise RuntimeError(
+                raise ReplayError(
                     f"{self.owner}: recomputed by activation checkpointing, but its first forward did not run "
                     "inside torch.utils.checkpoint / deepspeed.checkpointing (or the tape was cleared in between)"
                 )

@@ -33,11 +33,20 @@ class TEDConfig(PluginConfig):
                                                "except the all-to-all outputs that only feed DTD's all-gather "
                                                "(the recompute replays the gathered tensor); full = every "
                                                "output. Same calls, same bits; lean holds less.")
-    seed: int = Field(1234, description="Seed of the gates' noise and random token selection.")
+    seed: int = Field(1234, ge=0, lt=2**32, description="Seed of the gates' noise and random token selection "
+                      "(0 <= seed < 2^32: the gates seed torch generators modulo 2^32, so a larger seed would "
+                      "repeat a smaller one's draws).")
 
     @model_validator(mode="after")
     def _experts_divisible(self) -> "TEDConfig":
         if self.num_experts is not None and self.num_experts % self.expert_parallel:
             raise ValueError(f"num_experts {self.num_experts} is not a multiple of expert_parallel "
                              f"{self.expert_parallel} (E = k x G_expert)")
+        return self
+
+    @model_validator(mode="after")
+    def _top_k_within_experts(self) -> "TEDConfig":
+        if self.top_k is not None and self.num_experts is not None and self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts} (each route picks a distinct "
+                             f"expert); allowed top_k: 1..{self.num_experts}")
         return self

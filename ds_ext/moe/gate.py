@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ds_ext.moe import TEDError
 from ds_ext.moe.cac import Frame
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
@@ -93,7 +94,7 @@ def _gumbel(shape: torch.Size, gen: torch.Generator, device: torch.device) -> to
 
 def _check_factor(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"ds_ext.ted: {name} must be a finite number > 0, got {value!r}")
+        raise TEDError(f"ds_ext.ted: {name} must be a finite number > 0, got {value!r}")
 
 
 class TopKGate(nn.Module):
@@ -109,19 +110,19 @@ class TopKGate(nn.Module):
                  top2_2nd_expert_sampling: bool = True, drop_policy: str = "probs") -> None:
         super().__init__()
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
-            raise ValueError(f"ds_ext.ted: top_k (k) must be an integer in 1..num_experts ({num_experts}), got {k!r}")
+            raise TEDError(f"ds_ext.ted: top_k (k) must be an integer in 1..num_experts ({num_experts}), got {k!r}")
         _check_factor("capacity_factor", capacity_factor)
         _check_factor("eval_capacity_factor", eval_capacity_factor)
         if isinstance(min_capacity, bool) or not isinstance(min_capacity, int) or min_capacity < 0:
-            raise ValueError(f"ds_ext.ted: min_capacity must be an integer >= 0, got {min_capacity!r}")
+            raise TEDError(f"ds_ext.ted: min_capacity must be an integer >= 0, got {min_capacity!r}")
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
-            raise ValueError(f"ds_ext.ted: noisy_gate_policy must be one of None, 'Jitter', 'RSample'; "
-                             f"got {noisy_gate_policy!r}")
+            raise TEDError(f"ds_ext.ted: noisy_gate_policy must be one of None, 'Jitter', 'RSample'; "
+                           f"got {noisy_gate_policy!r}")
         if k > 1 and noisy_gate_policy == "RSample":
-            raise ValueError(f"ds_ext.ted: noisy_gate_policy 'RSample' applies to top-1 gating only (DeepSpeed "
-                             f"silently ignores it with k={k}); allowed with k > 1: None, 'Jitter'")
+            raise TEDError(f"ds_ext.ted: noisy_gate_policy 'RSample' applies to top-1 gating only (DeepSpeed "
+                           f"silently ignores it with k={k}); allowed with k > 1: None, 'Jitter'")
         if drop_policy not in DROP_POLICIES:
-            raise ValueError(f"ds_ext.ted: drop_policy must be one of 'probs', 'position'; got {drop_policy!r}")
+            raise TEDError(f"ds_ext.ted: drop_policy must be one of 'probs', 'position'; got {drop_policy!r}")
         self.wg = nn.Linear(model_dim, num_experts, bias=False)
         self.k = k
         self.num_experts = num_experts
@@ -185,8 +186,8 @@ class TopKGate(nn.Module):
                 gen: torch.Generator | None) -> Decision:
         S, E = logits.shape
         if S < self.min_capacity and self.drop_tokens:
-            raise ValueError(f"ds_ext.ted: {S} tokens per rank < min_capacity {self.min_capacity}; "
-                             "lower min_capacity or raise the micro-batch")
+            raise TEDError(f"ds_ext.ted: {S} tokens per rank < min_capacity {self.min_capacity}; "
+                           "lower min_capacity or raise the micro-batch")
         if self.k == 1:
             return self._top1(logits, used_token, gen)
         if self.k == 2:

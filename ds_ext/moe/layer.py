@@ -48,7 +48,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_ext.errors import DsExtSetupError
 from ds_ext.integration import ds_moe
+from ds_ext.moe import TEDError
 from ds_ext.moe.cac import Tape
 from ds_ext.moe.context import TEDContext
 from ds_ext.moe.dispatcher import TokenDispatcher, token_dispatcher
@@ -90,10 +92,10 @@ class TEDMoE(ds_moe.MoEBase):
                  drop_policy: str = "probs") -> None:
         nn.Module.__init__(self)
         if ep_size < 1 or num_experts % ep_size:
-            raise ValueError(f"ds_ext.ted: num_experts {num_experts} must be a multiple of the expert-parallel "
-                             f"size ep_size {ep_size}")
+            raise TEDError(f"ds_ext.ted: num_experts {num_experts} must be a multiple of the expert-parallel "
+                           f"size ep_size {ep_size}")
         if use_tutel:
-            raise ValueError("ds_ext.ted: use_tutel=True is not supported (Tutel kernels are CUDA-only); allowed: False")
+            raise TEDError("ds_ext.ted: use_tutel=True is not supported (Tutel kernels are CUDA-only); allowed: False")
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.ep_size = ep_size
@@ -130,23 +132,23 @@ class TEDMoE(ds_moe.MoEBase):
     def ted_validate(self, layout: TEDLayout, name: str) -> None:
         """Pure checks against the layout, before any process group exists."""
         if self.ep_size != layout.expert:
-            raise ValueError(f"ds_ext.ted: {name} has ep_size {self.ep_size} but ds_ext.ted.expert_parallel is "
-                             f"{layout.expert}; allowed: ep_size == expert_parallel")
+            raise TEDError(f"ds_ext.ted: {name} has ep_size {self.ep_size} but ds_ext.ted.expert_parallel is "
+                           f"{layout.expert}; allowed: ep_size == expert_parallel")
         if layout.tensor == 1 or not self.enable_expert_tensor_parallelism or self._client_partitioned():
             return
         for i, mlp in enumerate(self._mlps()):
             check_tensor_parallel_mlp(mlp, f"{name} expert {i}")
             if mlp[0].out_features % layout.tensor:
-                raise ValueError(f"ds_ext.ted: {name} expert hidden size {mlp[0].out_features} is not divisible by "
-                                 f"tensor_parallel {layout.tensor}")
+                raise TEDError(f"ds_ext.ted: {name} expert hidden size {mlp[0].out_features} is not divisible by "
+                               f"tensor_parallel {layout.tensor}")
 
     def check_token_dropping(self, tensor: int, dtd: bool, name: str) -> None:
         """Whole experts beside tensor parallelism need DTD (module docstring)."""
         if tensor > 1 and not dtd and not self.enable_expert_tensor_parallelism:
-            raise ValueError(f"ds_ext.ted: {name} keeps its experts whole on every tensor rank "
-                             f"(enable_expert_tensor_parallelism=False) at tensor_parallel {tensor}, so each tensor rank "
-                             "must run only its share of the tokens: duplicate_token_dropping must be true (DeepSpeed "
-                             "drops them too); allowed: true")
+            raise TEDError(f"ds_ext.ted: {name} keeps its experts whole on every tensor rank "
+                           f"(enable_expert_tensor_parallelism=False) at tensor_parallel {tensor}, so each tensor rank "
+                           "must run only its share of the tokens: duplicate_token_dropping must be true (DeepSpeed "
+                           "drops them too); allowed: true")
 
     def ted_bind(self, ted: TEDContext, index: int) -> None:
         """Slice the experts for this tensor rank and attach the TED groups."""
@@ -207,11 +209,11 @@ class TEDMoE(ds_moe.MoEBase):
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Called by DeepSpeed's engine: register TED's expert groups under DeepSpeed's name."""
         if self.ted is None:
-            raise RuntimeError("ds_ext.ted: TEDMoE reached deepspeed.initialize unbound; build the engine with "
-                               "ds_ext.initialize and \"ds_ext\": {\"ted\": {\"enabled\": true, ...}}")
+            raise DsExtSetupError("ds_ext.ted: TEDMoE reached deepspeed.initialize unbound; build the engine with "
+                                  "ds_ext.initialize and \"ds_ext\": {\"ted\": {\"enabled\": true, ...}}")
         if use_data_before_expert_parallel_:
-            raise ValueError("ds_ext.ted: use_data_before_expert_parallel_ is not supported; TED places expert "
-                             "groups inside the non-expert data groups (001 §7.1); allowed: false")
+            raise TEDError("ds_ext.ted: use_data_before_expert_parallel_ is not supported; TED places expert "
+                           "groups inside the non-expert data groups (001 §7.1); allowed: false")
         ted, kind = self.ted, self.expert_data_group_kind
         ds_moe.register_expert_groups(self.expert_group_name, ted.groups["expert"], ted.ranks("expert"),
                                       ted.groups[kind], ted.ranks(kind),
@@ -222,8 +224,8 @@ class TEDMoE(ds_moe.MoEBase):
         """``hidden_states`` ``[..., H]`` -> ``(output [..., H], l_aux, exp_counts)``."""
         ted = self.ted
         if ted is None and self.ep_size > 1:
-            raise RuntimeError(f"ds_ext.ted: TEDMoE(ep_size={self.ep_size}) runs only once bound by ds_ext.initialize "
-                               "with \"ted\" enabled")
+            raise DsExtSetupError(f"ds_ext.ted: TEDMoE(ep_size={self.ep_size}) runs only once bound by "
+                                  "ds_ext.initialize with \"ted\" enabled")
         x = hidden_states.reshape(-1, self.hidden_size)
         frame = self.ted_tape.frame(ted.cac if ted is not None else False)
         routing = self.gate(x, used_token, frame)  # router

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_ext.comm.mappings import copy_to_region, reduce_from_region
+from ds_ext.moe import TEDError
 from ds_ext.moe.cac import Tape
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ ELEMENTWISE_ACTIVATIONS = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Id
 
 def check_divisible(what: str, size: int, tensor: int) -> None:
     if size % tensor:
-        raise ValueError(f"ds_ext.ted: {what} {size} is not divisible by tensor_parallel {tensor}")
+        raise TEDError(f"ds_ext.ted: {what} {size} is not divisible by tensor_parallel {tensor}")
 
 
 def shard_(param: nn.Parameter, dim: int, rank: int, size: int) -> None:
@@ -109,7 +110,7 @@ def check_tensor_parallel_mlp(expert: nn.Module, name: str) -> None:
     ok = (isinstance(expert, nn.Sequential) and len(expert) == 3 and isinstance(expert[0], nn.Linear)
           and isinstance(expert[1], ELEMENTWISE_ACTIVATIONS) and isinstance(expert[2], nn.Linear))
     if not ok:
-        raise ValueError(
+        raise TEDError(
             f"ds_ext.ted: with tensor_parallel > 1 the expert {name} must be nn.Sequential(nn.Linear, "
             f"<elementwise activation: {', '.join(a.__name__ for a in ELEMENTWISE_ACTIVATIONS)}>, nn.Linear) "
             f"so it can be split column- then row-wise; got {type(expert).__name__}"
