@@ -133,8 +133,6 @@ def test_every_ds_ext_error_derives_from_one_base():
 
 
 BUILTIN_ERRORS = ("ValueError", "RuntimeError", "TypeError")
-# Issue 39 converts these in another change; they are checked once it has.
-PENDING = ("ds_ext/zero_topo/",)
 # Internal invariants (a bug of ds_ext or of a caller's code, not an error a user meets) keep the built-in error.
 INTERNAL = {
     "ds_ext/optim/tiled.py": {"TileBuffer.view", "TiledAdam.update", "piecewise_loader"},  # ds_ext's own tiles
@@ -181,8 +179,6 @@ def test_user_errors_are_ds_ext_errors_and_builtin_ones_are_listed_invariants():
     raw, used = [], set()
     for path in sorted((ROOT / "ds_ext").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(PENDING):
-            continue
         for scope, line in _builtin_raises(ast.parse(path.read_text())):
             if scope in INTERNAL.get(rel, ()):
                 used.add((rel, scope))

@@ -35,7 +35,7 @@ from torch import nn
 
 from ds_ext import log
 from ds_ext.comm.quantized import all_gather_int, all_to_all_reduce
-from ds_ext.errors import DsExtError
+from ds_ext.errors import DsExtConfigError, DsExtError
 from ds_ext.zero_topo.layout import chunk, shard_count, shard_index, sub_chunk, to_shard_order
 from ds_ext.zero_topo.units import FlatUnit, ShardContext
 
@@ -56,6 +56,11 @@ def _in_backward() -> bool:
 
 class UnitError(DsExtError, ValueError):
     """A model ZeRO-topo cannot cut into gather/release units."""
+
+
+class ReleasedError(DsExtError, RuntimeError):
+    """Sharded weights asked for where ZeRO-topo cannot gather them: a module called outside its
+    unit's forward, a ``state_dict()`` that not every rank calls."""
 
 
 def find_units(model: nn.Module, names: list[str] | str) -> list[tuple[str, nn.Module]]:
@@ -151,7 +156,7 @@ def every_rank_arrives(what: str, rank: int, wait_s: float | None = None) -> Non
     while arrived < world:
         if time.monotonic() > deadline:
             missing = [r for r in range(world) if not store.check([f"{key}/{r}"])]
-            raise RuntimeError(
+            raise ReleasedError(
                 f"ds_ext.zero_topo: {what}() gathers the sharded weights and needs every rank, but rank(s) "
                 f"{missing} did not call it within {wait_s:.0f} s; call it on every rank (Hugging Face's "
                 "save_model does), or inside `with engine.ds_ext.gathered_parameters():`"
@@ -203,7 +208,7 @@ class ShardedModel:
             def check(module, args, qual=qual, owners=tuple(owners.values())):
                 released = [u.name for u in owners if not u.gathered]
                 if released:
-                    raise RuntimeError(
+                    raise ReleasedError(
                         f"ds_ext.zero_topo: module {qual or type(module).__name__!r} is called while the parameters "
                         f"of unit {released[0]!r} are released (outside its forward); call it inside "
                         "`with engine.ds_ext.gathered_parameters():`"
@@ -405,7 +410,8 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
                 if lo >= hi or not p.requires_grad:
                     continue
                 if id(p) not in group_of:
-                    raise ValueError(f"a parameter of unit {unit.name} is in none of the optimizer's param groups")
+                    raise DsExtConfigError(f"ds_ext.zero_topo: a parameter of unit {unit.name} is in none of the "
+                                           "optimizer's param groups; allowed: an optimizer over the model's parameters")
                 master = own[lo - a : hi - a].float().clone()
                 self.segments.append((unit, lo - a, hi - a, master))
                 self._counted.append(ctx.data is None or ctx.data.counted(p))
@@ -588,7 +594,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
-            raise ValueError("ds_ext.zero_topo: step(closure) is not supported")
+            raise DsExtConfigError("ds_ext.zero_topo: step(closure) is not supported; call step() after backward")
         if self.tiled is not None:
             self._tiled_step(self.tiled)
         else:
@@ -644,4 +650,5 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         """DeepSpeed's part of a load; the state comes from the shard files
         (``ds_ext.zero_topo.checkpoint``)."""
         if "ds_ext_zero_topo" not in state_dict:
-            raise ValueError("this checkpoint was not written by ds_ext.zero_topo")
+            raise DsExtConfigError("ds_ext.zero_topo: this checkpoint was not written by ds_ext.zero_topo; allowed: "
+                                   "a checkpoint saved with ds_ext.zero_topo enabled")
