@@ -12,7 +12,10 @@ its named groups (each a set of axes), which :func:`ds_ext.groups.build_process_
 into process groups:
 
 * :class:`TEDLayout` (001 §7.1): ``tensor`` x ``expert`` x ``expert_data``;
-* :class:`Grid` (001 §5.1.1, §5.1.2): ``x`` x ``y`` x ``z`` x ``data``.
+* :class:`Grid` (001 §5.1.1, §5.1.2): ``x`` x ``y`` x ``z`` x ``data``;
+* :class:`JobLayout`: the job's layout, stated once: which axes form the tensor, pipeline,
+  data, expert and expert-data groups, from the caller's mpu (Megatron's rank order) or from
+  one of the layouts above (``runtime.parallel``; ZeRO-topo shards over its data group).
 
 Pure index logic: no torch, no processes (the planner, the schema and the CLI use it).
 """
