@@ -109,3 +109,37 @@ def test_parallel_dims_planner_and_grid_import_without_torch():
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+# ---- the job's layout and the hierarchy a group sees (issue 36) -------------------------------
+def test_job_layout_from_megatron_degrees_and_the_data_group_hierarchy():
+    """Megatron's order (tensor innermost, then data, then pipeline), written out by hand for 8 ranks
+    at TP 2: the data groups hold one GCD of each MI250X, so they span gpu x node only."""
+    from ds_ext.parallel import JobLayout
+    from ds_ext.topology import Topology
+
+    topo = Topology.from_preset("frontier", 8, {"gpu": 2})
+    job = JobLayout.megatron(8, 2, 1, "test")
+    assert job.partition("tensor") == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert job.partition("data") == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert job.partition("model") == job.partition("tensor") and job.degree("pipeline") == 1
+    sub = topo.of_group([1, 3, 5, 7], "dp")
+    assert [(lv.name, lv.size) for lv in sub.levels] == [("gpu", 2), ("node", 2)]
+    assert job.describe(topo).startswith("tensor 2 (crosses gcd), pipeline 1 (within a rank), data 4 (crosses node)")
+    piped = JobLayout.megatron(8, 2, 2, "test")
+    assert piped.partition("data") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert piped.partition("model") == ((0, 1, 4, 5), (2, 3, 6, 7))
+
+
+def test_job_layout_refuses_groups_out_of_megatron_order_and_non_grid_groups():
+    from ds_ext.parallel import GroupError, JobLayout
+    from ds_ext.topology import Topology, TopologyError
+
+    job = JobLayout.megatron(8, 2, 1, "test")
+    job.check_groups(3, {"tensor": [2, 3], "data": [1, 3, 5, 7]})
+    with pytest.raises(GroupError, match=r"^the mpu's data group of rank 3 is \[3, 7\], not \[1, 3, 5, 7\]"):
+        job.check_groups(3, {"tensor": [2, 3], "data": [3, 7]})
+    with pytest.raises(TopologyError, match="do not form a grid"):
+        Topology.from_preset("frontier", 8, {"gpu": 2}).of_group([0, 3], "x")
+    with pytest.raises(GroupError, match="not divisible"):
+        JobLayout.megatron(8, 3, 1, "test")
