@@ -302,10 +302,9 @@ BAD = {
     "product": "ds_ext.ted: tensor_parallel 2 x expert_parallel 4 x expert_data_parallel 2 = 16 != world size 8 (Eq 7.1)",
     "zero3": "ds_ext.ted: zero_optimization.stage 3 is not supported (DeepSpeed's MoE parameter groups need ZeRO <= 2; "
              "001 §7.1 uses ZeRO-1); allowed: 0, 1, 2",
-    # ZeRO-topo's own refusal comes first (its plugin prepares before ted's)
-    "zero_topo": "model: not supported with ds_ext.zero_topo (DeepSpeed-MoE expert parameters (allreduce=False) such as "
-                 "'moe.deepspeed_moe.experts.deepspeed_experts.0.0.weight': it shards every parameter over the whole "
-                 "world); allowed: dense models (MoE: ds_ext.ted with ZeRO-1/2) (got '4 expert parameters')",
+    # ted's refusal comes first (the plugins that define the layout prepare first: ds_ext.plugin.HOOK_ORDER)
+    "zero_topo": "ds_ext.ted: cannot run with ds_ext.zero_topo yet (ZeRO-topo for TED's dense part and its experts "
+                 "by expert-data group); enable one",
     "clip_stage0_bf16": "ds_ext.ted: gradient_clipping 1.0 with zero_optimization.stage 0 and bf16: DeepSpeed's bf16 "
                         "optimizer clips with its own norm, which does not count expert parameters once (DeepSpeed "
                         "clips at 1.0 when the key is absent); allowed: stage 0 in fp32, stage 1 or 2, or "
