@@ -91,10 +91,11 @@ class _Plain:
         return Plain(model)
 
 
-def _engine(zero_topo, tensor=2, perturb=False, plain=False):
+def _engine(zero_topo, tensor=2, perturb=False, plain=False, adam=False, ds_ext_extra=None):
     """The client's GPT at ``tensor``-parallel degree in DeepSpeed ZeRO-1 (``zero_topo`` None) or
     ZeRO-topo with ``zero_topo``; ``perturb``: other initial weights (for loading into); ``plain``:
-    behind :class:`_Plain`."""
+    behind :class:`_Plain`; ``adam``: AdamW instead of SGD; ``ds_ext_extra``: more of the
+    ``"ds_ext"`` block (other plugins, ``comm``)."""
     import deepspeed
     import torch
 
@@ -112,10 +113,13 @@ def _engine(zero_topo, tensor=2, perturb=False, plain=False):
            "steps_per_print": 10**6}
     # SGD moves each parameter in proportion to its gradient, so a wrong scale shows in every one
     # (Adam normalises it away, and turns the key bias's rounding-noise gradient into full steps)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if adam else torch.optim.SGD(model.parameters(), lr=0.5,
+                                                                                         momentum=0.9)
     if zero_topo:
         cfg["ds_ext"] = {"topology": TOPOLOGY, "comm": {"count_torch_collectives": False},
                          "zero_topo": {"enabled": True, **zero_topo}}
+        for key, value in (ds_ext_extra or {}).items():
+            cfg["ds_ext"][key] = {**cfg["ds_ext"].get(key, {}), **value}
         engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
     else:
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
@@ -257,6 +261,35 @@ def test_layouts_zero_topo_cannot_serve_are_refused_in_one_line(world, case, exp
     every rank."""
     for msg in world.run(_refused, case):
         assert msg is not None and msg.startswith(expected), msg
+
+
+def _beside(extra):
+    """Losses and this rank's parameters after ``STEPS`` AdamW steps of unquantized ZeRO-topo under
+    TP 2 with ``extra`` in the ``"ds_ext"`` block."""
+    import torch.distributed as dist
+
+    engine, mpu = _engine({"preset": "zero_topo", **UNQUANTIZED}, adam=True, ds_ext_extra=extra)
+    losses, _ = _steps(engine, mpu, STEPS)
+    params = _params(engine)
+    engine.destroy()
+    mpu.destroy_model_parallel()
+    dist.barrier()
+    return losses, params
+
+
+def test_tiled_optimizer_and_pccl_under_tensor_parallelism(world):
+    """Under TP 2: the tiled optimizer (001 §7.2) is bit-identical to the untiled step, and ZeRO-topo's
+    collectives through PCCL (001 ch. 6) equal the native ones within float reordering."""
+    import torch
+
+    base = world.run(_beside, {})
+    tiled = world.run(_beside, {"tiled_optimizer": {"enabled": True, "tile_size": 4096}})
+    pccl = world.run(_beside, {"comm": {"algorithm": "pccl"}})
+    for (losses, params), (t_losses, t_params), (p_losses, p_params) in zip(base, tiled, pccl):
+        assert t_losses == losses and p_losses == pytest.approx(losses, rel=1e-6, abs=0)
+        for name, p in params.items():
+            assert torch.equal(t_params[name], p), name
+            torch.testing.assert_close(p_params[name], p, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _checkpoint(tmp):
