@@ -8,10 +8,8 @@
 # MODE: zero1 = plain DeepSpeed ZeRO stage 1, no ds_ext (the reference); unquantized = ZeRO-topo with
 # 16-bit wires everywhere (equals ZeRO-1 to fp32 rounding); quantized = ZeRO-topo's default preset.
 # ARGS are appended to pretrain_gpt.py's (later flags win, e.g. --seed 1235).
-# needs (examples/megatron_deepspeed_env.sh builds them and prints the exports; see also
-# ../shared/clients/README.md): MDS = a copy of the client (its data helpers compile into its tree),
-# DS0196 = deepspeed 0.19.6, EXTRA = nltk + pybind11 + an import-only torchvision stand-in, DATA = a
-# NullTokenizer dataset (--vocab-size 512 --append-eod).
+# needs MDS, DS0196, EXTRA, DATA: see examples/megatron_deepspeed_common.sh (examples/megatron_deepspeed_env.sh
+# builds them and prints the exports).
 # --use-cpu-initialization: Megatron draws every weight whole from the seed and slices it, so both
 # sides start from the same weights. The client's Adam (torch.optim.Adam: no apex here) is passed to
 # DeepSpeed, hence zero_allow_untested_optimizer for ZeRO-1; ZeRO-topo replaces DeepSpeed's ZeRO
@@ -20,8 +18,7 @@
 # step's ledger (tests/megatron_dump_final.py).
 set -euo pipefail
 mode=$1; shift
-: "${MDS:?copy of megatron-deepspeed}" "${DS0196:?deepspeed 0.19.6 target dir}" "${EXTRA:?extra site dirs}" "${DATA:?data prefix}"
-repo=$(cd "$(dirname "$0")/.." && pwd)
+source "$(dirname "$0")/megatron_deepspeed_common.sh"  # repo, mds_env, mds_gpt
 topology='"topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": true}'
 case $mode in
   zero1) stage=1 ds_ext='' ;;
@@ -43,13 +40,6 @@ cat > "$cfg" <<JSON
  "zero_optimization": {"stage": $stage}, "zero_allow_untested_optimizer": true, "gradient_clipping": 1.0$ds_ext}
 JSON
 cd "$MDS"
-PYTHONPATH="$DS0196:$EXTRA:$repo:$MDS" OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu LOCAL_SIZE=8 CUDA_DEVICE_MAX_CONNECTIONS=1 \
-torchrun --standalone --nproc_per_node 8 "${run[@]}" \
-  --tensor-model-parallel-size 2 --use-cpu-initialization \
-  --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \
-  --micro-batch-size 1 --global-batch-size 4 --train-iters 10 --lr 1e-3 --min-lr 1e-4 --lr-decay-style constant \
-  --data-path "$DATA" --tokenizer-type NullTokenizer --vocab-size 512 --split 98,2,0 \
-  --deepspeed --deepspeed_config "$cfg" --no-pipeline-parallel --distributed-backend gloo \
-  --log-interval 1 --eval-interval 1000 --eval-iters 0 --seed 1234 \
-  --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-gradient-accumulation-fusion \
-  --attention-dropout 0 --hidden-dropout 0 "$@"
+env "${mds_env[@]}" LOCAL_SIZE=8 torchrun --standalone --nproc_per_node 8 "${run[@]}" \
+  --tensor-model-parallel-size 2 --use-cpu-initialization --global-batch-size 4 --deepspeed_config "$cfg" \
+  "${mds_gpt[@]}" "$@"
