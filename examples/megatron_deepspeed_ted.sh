@@ -5,10 +5,8 @@
 # usage: examples/megatron_deepspeed_ted.sh ETP(0|1) RECOMPUTE(0|1) MODE(on|off|cac-off|deepspeed) [ARGS...]
 # MODE: ds_ext TED with DTD + CAC on, both off, CAC off; or deepspeed: plain DeepSpeed MoE, no ds_ext
 # (the reference of whole experts). ARGS are appended to pretrain_gpt.py's (later flags win).
-# needs (see ../shared/clients/README.md): MDS = a copy of the client (its data helpers compile into
-# its tree), DS0196 = deepspeed 0.19.6 (DS_BUILD_OPS=0 pip install --no-build-isolation --target DIR),
-# EXTRA = nltk + pybind11 + an import-only torchvision stand-in, DATA = a NullTokenizer dataset from
-# its tools/preprocess_data.py (--tokenizer-type NullTokenizer --vocab-size 512 --append-eod).
+# needs MDS, DS0196, EXTRA, DATA: see examples/megatron_deepspeed_common.sh (examples/megatron_deepspeed_env.sh
+# builds them and prints the exports).
 # --use-cpu-initialization with split experts: Megatron initializes every weight whole and slices it, so
 # each tensor-parallel degree starts from the serial model's weights (tests/test_megatron_deepspeed_ted.py
 # compares with it). Not with whole experts: there the client slices a whole expert by the tensor rank
@@ -16,8 +14,7 @@
 # one-element list) and tensor rank 1 fails with "torch.cat(): expected a non-empty list of Tensors".
 set -euo pipefail
 etp=$1; rec=$2; mode=$3; shift 3
-: "${MDS:?copy of megatron-deepspeed}" "${DS0196:?deepspeed 0.19.6 target dir}" "${EXTRA:?extra site dirs}" "${DATA:?data prefix}"
-repo=$(cd "$(dirname "$0")/.." && pwd)
+source "$(dirname "$0")/megatron_deepspeed_common.sh"  # repo, mds_env, mds_gpt
 dtd=true; cac=true
 [ "$mode" = off ] && dtd=false && cac=false
 [ "$mode" = cac-off ] && cac=false
@@ -36,14 +33,7 @@ extra=()
 [ "$etp" = 1 ] && extra+=(--enable-expert-tensor-parallelism --use-cpu-initialization)
 [ "$rec" = 1 ] && extra+=(--checkpoint-activations --recompute-granularity full --recompute-method uniform)
 cd "$MDS"
-PYTHONPATH="$DS0196:$EXTRA:$repo:$MDS" OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu LOCAL_SIZE=4 CUDA_DEVICE_MAX_CONNECTIONS=1 \
-torchrun --standalone --nproc_per_node 4 "${run[@]}" \
+env "${mds_env[@]}" LOCAL_SIZE=4 torchrun --standalone --nproc_per_node 4 "${run[@]}" \
   --tensor-model-parallel-size 2 --moe-expert-parallel-size 2 --num-experts 2 --topk 1 \
-  --moe-train-capacity-factor 1.0 --moe-min-capacity 0 \
-  --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \
-  --micro-batch-size 1 --global-batch-size 2 --train-iters 10 --lr 1e-3 --min-lr 1e-4 --lr-decay-style constant \
-  --data-path "$DATA" --tokenizer-type NullTokenizer --vocab-size 512 --split 98,2,0 \
-  --deepspeed --deepspeed_config "$cfg" --no-pipeline-parallel --distributed-backend gloo \
-  --log-interval 1 --eval-interval 1000 --eval-iters 0 --seed 1234 \
-  --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-gradient-accumulation-fusion \
-  --attention-dropout 0 --hidden-dropout 0 "${extra[@]}" "$@"
+  --moe-train-capacity-factor 1.0 --moe-min-capacity 0 --global-batch-size 2 --deepspeed_config "$cfg" \
+  "${mds_gpt[@]}" "${extra[@]}" "$@"

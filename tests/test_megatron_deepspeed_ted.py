@@ -18,19 +18,15 @@ otherwise. About 8 minutes on 2 cores: not part of the quick suite's budget.
 """
 
 import os
-import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from clients import MDS_ENV as ENV, MDS_READY, MDS_SKIP, lm_losses as _losses
+
 REPO = Path(__file__).resolve().parents[1]
-ENV = {k: os.environ.get(k, "") for k in ("MDS", "DS0196", "EXTRA", "DATA")}
-pytestmark = pytest.mark.skipif(
-    not all(ENV.values()) or not (Path(ENV["MDS"]) / "pretrain_gpt.py").is_file(),
-    reason="Megatron-DeepSpeed acceptance run: set MDS, DS0196, EXTRA and DATA as in examples/megatron_deepspeed_ted.sh",
-)
-LOSS = re.compile(r"iteration\s+(\d+)/\s*10 \|.*?\| lm loss: ([0-9.E+-]+) \|")
+pytestmark = pytest.mark.skipif(not MDS_READY, reason=MDS_SKIP)
 SERIAL_ARGS = [
     "--tensor-model-parallel-size", "1", "--moe-expert-parallel-size", "1", "--num-experts", "2", "--topk", "1",
     "--moe-train-capacity-factor", "1.0", "--moe-min-capacity", "0",
@@ -45,12 +41,6 @@ SERIAL_ARGS = [
     "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--attention-dropout", "0",
     "--hidden-dropout", "0",
 ]
-
-
-def _losses(out: str) -> list[float]:
-    got = [(int(i), float(v)) for i, v in LOSS.findall(out)]
-    assert [i for i, _ in got] == list(range(1, 11)), out[-3000:]
-    return [v for _, v in got]
 
 
 def _ted(etp: int, recompute: int, mode: str, dump: Path | None = None) -> list[float]:

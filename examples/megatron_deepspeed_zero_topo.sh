@@ -1,0 +1,45 @@
+#!/bin/bash
+# Megatron-DeepSpeed's unmodified pretrain_gpt.py, dense GPT, with ZeRO-topo under Megatron tensor
+# parallelism: 8 CPU ranks emulating Frontier in miniature (2 nodes x 2 MI250X x 2 GCDs), tensor-parallel
+# 2 (the GCD pair of an MI250X), so data-parallel 4 (one GCD per MI250X, crossing the node), fp32,
+# micro-batch 1, global batch 4, 10 iterations, gradient_clipping 1.0, --no-pipeline-parallel.
+#
+# usage: examples/megatron_deepspeed_zero_topo.sh MODE(zero1|unquantized|quantized) [ARGS...]
+# MODE: zero1 = plain DeepSpeed ZeRO stage 1, no ds_ext (the reference); unquantized = ZeRO-topo with
+# 16-bit wires everywhere (equals ZeRO-1 to fp32 rounding); quantized = ZeRO-topo's default preset.
+# ARGS are appended to pretrain_gpt.py's (later flags win, e.g. --seed 1235).
+# needs MDS, DS0196, EXTRA, DATA: see examples/megatron_deepspeed_common.sh (examples/megatron_deepspeed_env.sh
+# builds them and prints the exports).
+# --use-cpu-initialization: Megatron draws every weight whole from the seed and slices it, so both
+# sides start from the same weights. The client's Adam (torch.optim.Adam: no apex here) is passed to
+# DeepSpeed, hence zero_allow_untested_optimizer for ZeRO-1; ZeRO-topo replaces DeepSpeed's ZeRO
+# (stage 0 in its config).
+# FINAL_DUMP=DIR: also write each rank's initial and final parameters and, under ZeRO-topo, the last
+# step's ledger (tests/megatron_dump_final.py).
+set -euo pipefail
+mode=$1; shift
+source "$(dirname "$0")/megatron_deepspeed_common.sh"  # repo, mds_env, mds_gpt
+topology='"topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": true}'
+case $mode in
+  zero1) stage=1 ds_ext='' ;;
+  unquantized) stage=0 ds_ext=', "ds_ext": {'$topology', "zero_topo": {"enabled": true, "preset": "zero_topo",
+      "weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}}}' ;;
+  quantized) stage=0 ds_ext=', "ds_ext": {'$topology', "zero_topo": {"enabled": true, "preset": "zero_topo"}}' ;;
+  *) echo "MODE: zero1 | unquantized | quantized (got $mode)" >&2; exit 2 ;;
+esac
+run=(-m ds_ext.run pretrain_gpt.py)
+[ "$mode" = zero1 ] && run=("$repo/tests/megatron_deepspeed_reference.py" pretrain_gpt.py)
+if [ -n "${FINAL_DUMP:-}" ]; then
+  how=ds_ext; [ "$mode" = zero1 ] && how=plain
+  run=("$repo/tests/megatron_dump_final.py" "$FINAL_DUMP" "$how" pretrain_gpt.py)
+fi
+cfg=$(mktemp --suffix=.json)
+trap 'rm -f "$cfg"' EXIT
+cat > "$cfg" <<JSON
+{"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1,
+ "zero_optimization": {"stage": $stage}, "zero_allow_untested_optimizer": true, "gradient_clipping": 1.0$ds_ext}
+JSON
+cd "$MDS"
+env "${mds_env[@]}" LOCAL_SIZE=8 torchrun --standalone --nproc_per_node 8 "${run[@]}" \
+  --tensor-model-parallel-size 2 --use-cpu-initialization --global-batch-size 4 --deepspeed_config "$cfg" \
+  "${mds_gpt[@]}" "$@"
