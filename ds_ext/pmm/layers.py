@@ -21,8 +21,7 @@ from torch import nn
 
 from ds_ext.comm.mappings import reduce_both
 from ds_ext.pmm.engine import PMMEngine
-from ds_ext.pmm.layout import feature_slice
-from ds_ext.pmm.plans import ConversionError
+from ds_ext.pmm.layout import ConversionError, feature_slice
 
 
 class _FeatureSharded(nn.Module):

@@ -15,8 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ds_ext.errors import DsExtError
+
 if TYPE_CHECKING:  # the planner imports this module without torch
     import torch
+
+
+class ConversionError(DsExtError, ValueError):
+    """A model or grid that :func:`ds_ext.pmm.parallelize` cannot convert."""
 
 
 def feature_slice(features: int, parts: int, coord: int) -> slice:

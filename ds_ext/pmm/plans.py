@@ -14,11 +14,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ds_ext.errors import DsExtError
-
-
-class ConversionError(DsExtError, ValueError):
-    """A model or grid that :func:`ds_ext.pmm.parallelize` cannot convert."""
+from ds_ext.pmm.layout import ConversionError
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from torch import nn
 
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.linear import Linear
-from ds_ext.pmm.plans import ConversionError
+from ds_ext.pmm.layout import ConversionError
 
 
 def _vocab_block(layer: Linear, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
