@@ -172,14 +172,20 @@ def _train(zero_topo, seed=0):
     return out
 
 
-def test_unquantized_zero_topo_equals_deepspeed_zero1_under_megatron_tp2(world):
+@pytest.fixture(scope="module")
+def zero1(world):
+    """DeepSpeed ZeRO-1's run under TP 2 (the reference of the tests below, run once)."""
+    return world.run(_train, None)
+
+
+def test_unquantized_zero_topo_equals_deepspeed_zero1_under_megatron_tp2(world, zero1):
     """Losses, global gradient norms (clipping active) and every parameter equal DeepSpeed ZeRO-1
     under the same tensor parallelism; the plan sits on the levels the data group crosses; the
     ledger equals the analytic model, and the inter-node bytes of the gradient synchronisation are
     the floor 2 (M_dp / P)(N - 1)/N of the data-parallel group (P = 2 of its ranks per node, N = 2)."""
     import torch
 
-    ref = world.run(_train, None)
+    ref = zero1
     ours = world.run(_train, {"preset": "zero_topo", **UNQUANTIZED})
     for r, o in zip(ref, ours):
         assert o["losses"] == pytest.approx(r["losses"], rel=1e-6, abs=0)
@@ -200,10 +206,10 @@ def test_unquantized_zero_topo_equals_deepspeed_zero1_under_megatron_tp2(world):
     assert "tensor 2 (crosses gcd)" in ours[0]["banner"] and "data 4 (crosses node)" in ours[0]["banner"]
 
 
-def test_quantized_default_trains_every_parameter_within_the_seed_spread(world):
+def test_quantized_default_trains_every_parameter_within_the_seed_spread(world, zero1):
     """The default (quantized) preset under TP 2: every parameter moves; each step's loss is within
     the spread between ZeRO-1 runs on two data orders."""
-    a, b = world.run(_train, None, 0), world.run(_train, None, 1)
+    a, b = zero1, world.run(_train, None, 1)
     ours = world.run(_train, {"preset": "zero_topo"})
     for r0, r1, o in zip(a, b, ours):
         spread = max(abs(x - y) for x, y in zip(r0["losses"], r1["losses"]))
