@@ -226,3 +226,26 @@ def test_cac_stash_defaults_to_lean():
     assert parse({"ted": {"enabled": True}}).ted.cac_stash == "lean"
     assert parse({"ted": {"enabled": True, "cac_stash": "full"}}).ted.cac_stash == "full"
     assert next(f.default for f in dataclasses.fields(TEDContext) if f.name == "cac_lean") is True
+
+
+def test_ted_refuses_a_model_without_tedmoe_and_deepspeed_moe_layers_in_one_line():
+    """Two composition-matrix cells: ted on a dense model, and ted on a model built with
+    ``deepspeed.moe.layer.MoE`` (it must be ``ds_ext.moe.TEDMoE``), refused before any group exists."""
+    from types import SimpleNamespace
+
+    import torch
+    from deepspeed.moe.layer import MoE
+    from torch import nn
+
+    from ds_ext.moe.config import TEDConfig
+    from ds_ext.moe.plugin import TEDPlugin
+
+    runtime = SimpleNamespace(topology=Topology.from_preset("frontier", 8, {"gpu": 2}), plugins=[], rank=0)
+    cfg = TEDConfig(enabled=True, tensor_parallel=1, expert_parallel=2)
+    dense = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(DsExtConfigError, match=r"^ds_ext.ted: is enabled but the model has no ds_ext.moe.TEDMoE layer"):
+        TEDPlugin(cfg, runtime).prepare(dense, torch.optim.SGD(dense.parameters(), lr=0.1), {})
+    moe = nn.Sequential(MoE(8, nn.Linear(8, 8), num_experts=2, ep_size=1))
+    with pytest.raises(DsExtConfigError, match=r"^ds_ext.ted: 0 is a deepspeed.moe.layer.MoE; replace it by "
+                                               r"ds_ext.moe.TEDMoE \(same arguments\)"):
+        TEDPlugin(cfg, runtime).prepare(moe, torch.optim.SGD(moe.parameters(), lr=0.1), {})

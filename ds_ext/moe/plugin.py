@@ -106,11 +106,12 @@ class TEDPlugin(Plugin):
 
         cfg = self.config
         modules = list(model.named_modules())
+        for name, module in modules:  # first: a DeepSpeed-MoE model gets the line that says what to change
+            if isinstance(module, ds_moe.MoEBase) and not isinstance(module, TEDMoE):
+                _refuse(f"{name} is a deepspeed.moe.layer.MoE; replace it by ds_ext.moe.TEDMoE (same arguments)")
         if not any(isinstance(m, TEDMoE) for _, m in modules):
             _refuse("is enabled but the model has no ds_ext.moe.TEDMoE layer")
         for name, module in modules:
-            if isinstance(module, ds_moe.MoEBase) and not isinstance(module, TEDMoE):
-                _refuse(f"{name} is a deepspeed.moe.layer.MoE; replace it by ds_ext.moe.TEDMoE (same arguments)")
             if hasattr(module, "ted_validate"):
                 try:
                     module.ted_validate(layout, name)
