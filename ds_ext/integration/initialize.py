@@ -218,8 +218,9 @@ def initialize(
         ds_engine.rebind_backend_collectives()
     for plugin in runtime.plugins:
         model, optimizer, ds_config = plugin.prepare(model, optimizer, ds_config)
-        if plugin.layout() is not None:
-            runtime.parallel = JobLayout.of(plugin.layout(), f"ds_ext.{plugin.name}")
+        layout = plugin.layout()
+        if layout is not None:
+            runtime.parallel = JobLayout.of(layout, f"ds_ext.{plugin.name}")
     kwargs = _with_plugin_mpu(runtime, kwargs)
     runtime.model_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     engine, opt, loader, sched = deepspeed_initialize()(
