@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ds_ext.cluster import launch, netns
-from ds_ext.cluster.spec import ClusterError, ClusterSpec, LinkShape, parse_rate, spec_from_topology
+from ds_ext.cluster.spec import NIC_SHAPES, ClusterError, ClusterSpec, LinkShape, parse_rate, spec_from_topology
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser, ranks_per_node: bool = True) -> None:
@@ -33,11 +33,16 @@ def add_cluster_arguments(p: argparse.ArgumentParser, ranks_per_node: bool = Tru
         g.add_argument("--ranks-per-node", type=int, default=None,
                        help="ranks per node (default 2; from --config when given)")
     g.add_argument("--node-rate", default=None, metavar="RATE",
-                   help="each node's link, both directions, e.g. 40mbit (or from --config)")
+                   help="each link out of a node (the node's, or with --nic per-gpu each GPU's NIC), both "
+                        "directions, e.g. 40mbit (or from --config)")
     g.add_argument("--node-burst", type=int, default=None, metavar="BYTES", help="tbf bucket of a node link")
     g.add_argument("--gpus-per-node", type=int, default=1, help="> 1: a second shaped level, one link per GPU")
     g.add_argument("--gpu-rate", default=None, metavar="RATE", help="each GPU's link inside a node")
     g.add_argument("--gpu-burst", type=int, default=None, metavar="BYTES")
+    g.add_argument("--nic", choices=NIC_SHAPES, default=None,
+                   help="per-node (default): one link out of each node, shared by its GPUs; per-gpu: a link out "
+                        "of the node for each GPU (Frontier: a NIC per MI250X), GPUs of a node joined by "
+                        "their --gpu-rate links")
     g.add_argument("--config", default=None, help="ds_config JSON whose ds_ext.topology block gives the levels")
     g.add_argument("--gpu-level", action="store_true", help="--config: also shape the 'gpu' level")
     g.add_argument("--rate-scale", type=float, default=1.0,
@@ -47,21 +52,22 @@ def add_cluster_arguments(p: argparse.ArgumentParser, ranks_per_node: bool = Tru
 def spec_from_args(ns: argparse.Namespace, ranks_per_node: int | None = None) -> ClusterSpec:
     """The cluster the flags describe; explicit rate flags override ``--config``."""
     per_node = ranks_per_node or getattr(ns, "ranks_per_node", None)
+    nic = ns.nic or "per-node"
     if ns.config is not None:
         block = json.loads(Path(ns.config).read_text()).get("ds_ext", {}).get("topology")
         if block is None:
             raise ClusterError(f"{ns.config} has no ds_ext.topology block")
-        base = spec_from_topology(block, ns.nodes, ns.rate_scale, ns.gpu_level)
+        base = spec_from_topology(block, ns.nodes, ns.rate_scale, ns.gpu_level, nic)
         if per_node is not None and per_node != base.ranks_per_node:
             raise ClusterError(f"{ns.config} has {base.ranks_per_node} ranks per node, not {per_node}")
         node = LinkShape.of(parse_rate(ns.node_rate), ns.node_burst) if ns.node_rate else base.node_link
         gpu = LinkShape.of(parse_rate(ns.gpu_rate), ns.gpu_burst) if ns.gpu_rate else base.gpu_link
-        return ClusterSpec(ns.nodes, base.ranks_per_node, node, base.gpus_per_node, gpu)
+        return ClusterSpec(ns.nodes, base.ranks_per_node, node, base.gpus_per_node, gpu, nic)
     if ns.node_rate is None:
         raise ClusterError("give --node-rate (e.g. 40mbit) or --config with a ds_ext.topology block")
     gpu = LinkShape.of(parse_rate(ns.gpu_rate), ns.gpu_burst) if ns.gpu_rate else None
     return ClusterSpec(ns.nodes, per_node or 2, LinkShape.of(parse_rate(ns.node_rate), ns.node_burst),
-                       ns.gpus_per_node, gpu)
+                       ns.gpus_per_node, gpu, nic)
 
 
 def require_capability() -> None:

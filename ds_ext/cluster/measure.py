@@ -69,7 +69,7 @@ def spec_from_json(d: dict[str, Any]) -> ClusterSpec:
     """The inverse of :meth:`ClusterSpec.to_json`."""
     gpu = LinkShape(d["gpu_rate_bps"], d["gpu_burst_bytes"]) if "gpu_rate_bps" in d else None
     return ClusterSpec(d["nodes"], d["ranks_per_node"], LinkShape(d["node_rate_bps"], d["node_burst_bytes"]),
-                       d["gpus_per_node"], gpu)
+                       d["gpus_per_node"], gpu, d.get("nic", "per-node"))
 
 
 def level_partners(spec: ClusterSpec) -> dict[str, int]:

@@ -157,9 +157,64 @@ def host_interfaces() -> list[str]:
             if line.startswith(IF_PREFIX)]
 
 
+def ns_name(rid: str, suffix: str) -> str:
+    """Namespace ``suffix`` (``sw``, ``nI``, ``nIgJ``) of run ``rid``."""
+    return f"{NS_PREFIX}{rid}-{suffix}"
+
+
+def if_name(rid: str, kind: str, i: int) -> str:
+    """Interface ``kind`` number ``i`` of run ``rid`` (at most 15 characters, the kernel's limit)."""
+    return f"{IF_PREFIX}{rid}{kind}{i}"
+
+
+@dataclass(frozen=True)
+class Link:
+    """One shaped veth: its upper end a port of bridge ``bridge`` in ``upper_ns`` (the switch, or
+    a node's bridge), its lower end ``lower_if`` in ``lower_ns`` (a port of ``lower_bridge`` when
+    the lower namespace is itself a switch). ``level``: ``node`` for a link out of a node (the
+    node's link, or one GPU's NIC), ``gpu`` for a GPU's link inside its node; ``node`` and ``gpu``
+    say whose (``gpu`` 0 for a node's link)."""
+
+    name: str
+    level: str
+    node: int
+    gpu: int
+    upper_ns: str
+    bridge: str
+    upper_if: str
+    lower_ns: str
+    lower_if: str
+    shape: LinkShape
+    lower_bridge: str | None = None
+
+
+def cluster_links(spec: ClusterSpec, rid: str) -> list[Link]:
+    """Every shaped link of run ``rid`` of ``spec``, named ``LEVEL:NAMESPACE`` after the namespace
+    below it (``node:n0``: node 0's link; ``node:n0g1``: GPU 1 of node 0's NIC; ``gpu:n0g1``: its
+    link inside node 0). A pure function of the spec and the run id, so that a rank can find the
+    links of its own cluster from ``DS_EXT_CLUSTER`` (:mod:`ds_ext.cluster.wire`)."""
+    switch, top = ns_name(rid, "sw"), if_name(rid, "b", 0)
+    links = []
+    for node in range(spec.nodes):
+        node_ns = ns_name(rid, f"n{node}")
+        node_br = if_name(rid, "b", node + 1) if spec.gpus_per_node > 1 else None
+        if spec.nic == "per-node":
+            links.append(Link(f"node:n{node}", "node", node, 0, switch, top, if_name(rid, "np", node), node_ns,
+                              if_name(rid, "nl", node), spec.node_link, node_br))
+        for gpu in range(spec.gpus_per_node if node_br is not None else 0):
+            leaf, leaf_ns = node * spec.gpus_per_node + gpu, ns_name(rid, f"n{node}g{gpu}")
+            links.append(Link(f"gpu:n{node}g{gpu}", "gpu", node, gpu, node_ns, node_br, if_name(rid, "gp", leaf), leaf_ns,
+                              if_name(rid, "gl", leaf), spec.gpu_link))
+            if spec.nic == "per-gpu":
+                links.append(Link(f"node:n{node}g{gpu}", "node", node, gpu, switch, top, if_name(rid, "np", leaf), leaf_ns,
+                                  if_name(rid, "nl", leaf), spec.node_link))
+    return links
+
+
 @dataclass(frozen=True)
 class Leaf:
-    """A namespace that holds ranks: node ``node``, GPU ``gpu`` (0 without a GPU level)."""
+    """A namespace that holds ranks: node ``node``, GPU ``gpu`` (0 without a GPU level);
+    ``ifname`` carries its address (the ranks' ``GLOO_SOCKET_IFNAME``)."""
 
     index: int
     node: int
@@ -174,6 +229,11 @@ class NetnsCluster:
 
     Use as a context manager: entering sweeps leftovers of dead runs, takes this run's lock
     and builds; leaving (normally, on an exception, on Ctrl-C) deletes what was built.
+
+    With a NIC per GPU, a GPU's namespace holds its address on its NIC, and a host route per
+    other GPU of its node sends that GPU's address down its link inside the node instead (the
+    peer answers for its NIC's address on any of its links): cross-node traffic leaves by the
+    NIC, traffic inside a node by the node's links.
     """
 
     def __init__(self, spec: ClusterSpec) -> None:
@@ -182,12 +242,7 @@ class NetnsCluster:
         self.lock = RunLock(self.rid)
         self.namespaces: list[str] = []
         self.leaves: list[Leaf] = []
-
-    def ns(self, suffix: str) -> str:
-        return f"{NS_PREFIX}{self.rid}-{suffix}"
-
-    def ifname(self, kind: str, i: int) -> str:
-        return f"{IF_PREFIX}{self.rid}{kind}{i}"
+        self.links = cluster_links(spec, self.rid)
 
     def __enter__(self) -> "NetnsCluster":
         sweep_leftovers()
@@ -204,7 +259,7 @@ class NetnsCluster:
         self.remove()
 
     def _add_ns(self, suffix: str) -> str:
-        name = self.ns(suffix)
+        name = ns_name(self.rid, suffix)
         self.namespaces.append(name)  # before creating: a half-made namespace is removed too
         run_cmd("ip", "netns", "add", name)
         run_cmd("ip", "-n", name, "link", "set", "lo", "up")
@@ -212,47 +267,58 @@ class NetnsCluster:
             run_cmd(*_tcp_setting_argv(name, key, value))
         return name
 
-    def _bridge(self, ns: str, i: int) -> str:
-        br = self.ifname("b", i)
+    @staticmethod
+    def _bridge(ns: str, br: str) -> None:
         run_cmd("ip", "-n", ns, "link", "add", br, "mtu", str(MTU), "type", "bridge")
         run_cmd("ip", "-n", ns, "link", "set", br, "up")
-        return br
 
-    def _link(self, upper: str, bridge: str, lower: str, i: int, kind: str, shape: LinkShape) -> str:
-        """A veth from bridge ``bridge`` in namespace ``upper`` down to namespace ``lower``, shaped
-        to ``shape`` on both ends (each end's egress: both directions). Returns the lower end."""
-        up, down = self.ifname(f"{kind}p", i), self.ifname(f"{kind}l", i)
-        run_cmd("ip", "-n", upper, "link", "add", up, "mtu", str(MTU), "type", "veth",
-                "peer", "name", down, "mtu", str(MTU), "netns", lower)
-        run_cmd("ip", "-n", upper, "link", "set", up, "master", bridge, "up")
-        run_cmd("ip", "-n", lower, "link", "set", down, "up")
-        for ns, dev in ((upper, up), (lower, down)):
-            run_cmd("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(shape.rate_bps)}bit",
-                    "burst", str(shape.burst_bytes), "latency", TBF_LATENCY)
-        return down
+    @staticmethod
+    def _link(link: Link) -> None:
+        """The veth of ``link``, shaped on both ends (each end's egress: both directions)."""
+        run_cmd("ip", "-n", link.upper_ns, "link", "add", link.upper_if, "mtu", str(MTU), "type", "veth",
+                "peer", "name", link.lower_if, "mtu", str(MTU), "netns", link.lower_ns)
+        run_cmd("ip", "-n", link.upper_ns, "link", "set", link.upper_if, "master", link.bridge, "up")
+        if link.lower_bridge is not None:
+            run_cmd("ip", "-n", link.lower_ns, "link", "set", link.lower_if, "master", link.lower_bridge)
+        run_cmd("ip", "-n", link.lower_ns, "link", "set", link.lower_if, "up")
+        for ns, dev in ((link.upper_ns, link.upper_if), (link.lower_ns, link.lower_if)):
+            run_cmd("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(link.shape.rate_bps)}bit",
+                    "burst", str(link.shape.burst_bytes), "latency", TBF_LATENCY)
 
     def _build(self) -> None:
-        spec = self.spec
-        switch = self._add_ns("sw")
-        top = self._bridge(switch, 0)
+        spec, rid = self.spec, self.rid
+        self._bridge(self._add_ns("sw"), if_name(rid, "b", 0))
         for node in range(spec.nodes):
             node_ns = self._add_ns(f"n{node}")
-            uplink = self._link(switch, top, node_ns, node, "n", spec.node_link)
-            if spec.gpu_link is None:
-                self._add_leaf(node, 0, node_ns, uplink)
-                continue
-            node_br = self._bridge(node_ns, node + 1)
-            run_cmd("ip", "-n", node_ns, "link", "set", uplink, "master", node_br)
-            for gpu in range(spec.gpus_per_node):
-                leaf_ns = self._add_ns(f"n{node}g{gpu}")
-                dev = self._link(node_ns, node_br, leaf_ns, len(self.leaves), "g", spec.gpu_link)
-                self._add_leaf(node, gpu, leaf_ns, dev)
+            if spec.gpus_per_node > 1:
+                self._bridge(node_ns, if_name(rid, "b", node + 1))
+                for gpu in range(spec.gpus_per_node):
+                    self._add_ns(f"n{node}g{gpu}")
+        for link in self.links:
+            self._link(link)
+        # the links that carry a leaf's address: a node's link without a GPU level, else a GPU's
+        # NIC (per-gpu) or its link inside the node (per-node)
+        carrier = "node" if spec.gpus_per_node == 1 or spec.nic == "per-gpu" else "gpu"
+        for link in self.links:
+            if link.level == carrier:
+                self._add_leaf(link.node, link.gpu, link.lower_ns, link.lower_if)
+        if spec.nic == "per-gpu":
+            self._route_inside_nodes()
 
     def _add_leaf(self, node: int, gpu: int, ns: str, dev: str) -> None:
         index = len(self.leaves)
         address = f"{SUBNET}.{index + 1}"
         run_cmd("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", dev)
         self.leaves.append(Leaf(index, node, gpu, ns, dev, address))
+
+    def _route_inside_nodes(self) -> None:
+        """Per-gpu NICs: each GPU reaches the other GPUs of its node over its link inside the node."""
+        inner = {link.lower_ns: link.lower_if for link in self.links if link.level == "gpu"}
+        for leaf in self.leaves:
+            for peer in self.leaves:
+                if peer.node == leaf.node and peer is not leaf:
+                    run_cmd("ip", "-n", leaf.namespace, "route", "add", f"{peer.address}/32",
+                            "dev", inner[leaf.namespace], "src", leaf.address)
 
     def remove(self) -> None:
         """Kill what runs inside, delete the namespaces, drop the lock; errors raise after all of it."""

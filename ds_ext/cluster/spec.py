@@ -1,10 +1,26 @@
 """What an emulated cluster looks like: nodes, ranks per node, and the shaped links.
 
-A cluster has ``nodes`` emulated nodes of ``ranks_per_node`` ranks each. Every node hangs off
-one switch by a link shaped to ``node_link`` in both directions. With ``gpus_per_node`` > 1 a
-node is itself a switch with one link per GPU shaped to ``gpu_link`` (nested links), and the
-ranks of one GPU share its namespace. Ranks inside one namespace talk over its loopback,
-which is not shaped.
+A cluster has ``nodes`` emulated nodes of ``ranks_per_node`` ranks each, and one of two shapes
+(``nic``):
+
+* ``per-node``: every node hangs off one switch by a link shaped to ``node_link`` in both
+  directions. With ``gpus_per_node`` > 1 a node is itself a switch with one link per GPU shaped
+  to ``gpu_link`` (nested links): a GPU's cross-node traffic crosses its GPU link, then the node
+  link that all GPUs of the node share.
+* ``per-gpu`` (Frontier, 003 §IV: 4 Slingshot NICs per node, one per MI250X): every GPU has its
+  own link straight to the switch, shaped to ``node_link`` (one NIC), and a second link shaped to
+  ``gpu_link`` into its node's switch (Infinity Fabric) that carries only the traffic between
+  GPUs of one node. A GPU's cross-node traffic leaves through its own NIC.
+
+The ranks of one GPU share its namespace. Ranks inside one namespace talk over its loopback,
+which is not shaped (Frontier's GCD pair, the fastest level).
+
+Frontier's ratios (003 §IV, 004 §III-A; spec/zero_topo_and_frontier.md A3, B5): GCD-GCD inside one
+MI250X 200 GB/s, MI250X to MI250X 100 GB/s (004 §III-A: "across the die is half of it"; 003: the
+adjacent pairs, 50 GB/s the cross pairs and Table II), 25 GB/s per NIC. The ``frontier`` topology
+preset gives per rank 50 GB/s (``gpu``) and 12.5 GB/s (``node``), which
+:func:`spec_from_topology` turns into a 100 GB/s GPU link and a 25 GB/s NIC per GPU of 2 ranks;
+``rate_scale`` 2000 makes those 400 and 100 Mbit/s.
 
 Rates are bits per second on the wire, as ``tc tbf`` counts them (Ethernet frames, so about
 0.7 % above the TCP payload rate at the 9000-byte MTU the cluster uses).
@@ -26,6 +42,7 @@ from typing import Any, Mapping
 from ds_ext.errors import DsExtError
 from ds_ext.topology import Topology, TopologyError, preset_levels
 
+NIC_SHAPES = ("per-node", "per-gpu")
 MAX_LEAVES = 250  # one /24 of addresses, leaves numbered from .1
 # Default tbf bucket: 200 us of traffic, never less than one 9000-byte frame with its headers.
 # A wire cannot catch up on the time it stood idle; a bucket can, by what it holds: with 2 ms
@@ -86,8 +103,13 @@ class ClusterSpec:
     node_link: LinkShape
     gpus_per_node: int = 1
     gpu_link: LinkShape | None = None
+    nic: str = "per-node"
 
     def __post_init__(self) -> None:
+        if self.nic not in NIC_SHAPES:
+            raise ClusterError(f"nic shape {self.nic!r}: expected one of {', '.join(NIC_SHAPES)}")
+        if self.nic == "per-gpu" and self.gpus_per_node < 2:
+            raise ClusterError("a NIC per GPU needs more than one GPU per node (with one, the node's link is its GPU's)")
         if self.nodes < 1 or self.ranks_per_node < 1 or self.gpus_per_node < 1:
             raise ClusterError(f"nodes, ranks per node and GPUs per node must be >= 1, got "
                                f"{self.nodes}, {self.ranks_per_node}, {self.gpus_per_node}")
@@ -125,12 +147,17 @@ class ClusterSpec:
         """Slowest shaped link on a path over ``level``; None for loopback."""
         if level == "local":
             return None
+        if self.nic == "per-gpu":
+            return self.node_link.rate_bps if level == "node" else self.gpu_link.rate_bps
         rates = [self.gpu_link.rate_bps] if self.gpu_link is not None else []
         if level == "node":
             rates.append(self.node_link.rate_bps)
         return min(rates)
 
     def describe(self) -> str:
+        if self.nic == "per-gpu":
+            return (f"{self.nodes} nodes x {self.ranks_per_node} ranks, {self.gpus_per_node} GPUs per node, "
+                    f"a NIC per GPU {self.node_link.describe()}, GPU links inside a node {self.gpu_link.describe()}")
         text = f"{self.nodes} nodes x {self.ranks_per_node} ranks, node links {self.node_link.describe()}"
         if self.gpu_link is not None:
             text += f", {self.gpus_per_node} GPUs per node on links {self.gpu_link.describe()}"
@@ -140,17 +167,18 @@ class ClusterSpec:
         out: dict[str, Any] = {"nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
                                "node_rate_bps": self.node_link.rate_bps,
                                "node_burst_bytes": self.node_link.burst_bytes,
-                               "gpus_per_node": self.gpus_per_node}
+                               "gpus_per_node": self.gpus_per_node, "nic": self.nic}
         if self.gpu_link is not None:
             out.update(gpu_rate_bps=self.gpu_link.rate_bps, gpu_burst_bytes=self.gpu_link.burst_bytes)
         return out
 
 
 def spec_from_topology(block: Mapping[str, Any], nodes: int, rate_scale: float = 1.0,
-                       gpu_level: bool = False) -> ClusterSpec:
+                       gpu_level: bool = False, nic: str = "per-node") -> ClusterSpec:
     """A cluster of ``nodes`` nodes from a ``ds_ext.topology`` block: ranks per node from its
     inner levels, the node link from the ``node`` level (and, with ``gpu_level``, the GPU links
-    from the ``gpu`` level), rates divided by ``rate_scale``."""
+    from the ``gpu`` level), rates divided by ``rate_scale``. With ``nic="per-gpu"`` (which needs
+    ``gpu_level``) each GPU's NIC carries the ``node`` level's bandwidth of the ranks of one GPU."""
     from ds_ext import config as cfgmod  # pydantic: not for every ds-ext --help
 
     if rate_scale <= 0:
@@ -168,9 +196,11 @@ def spec_from_topology(block: Mapping[str, Any], nodes: int, rate_scale: float =
         gpu = topo.level("gpu") if gpu_level else None
     except TopologyError as err:
         raise ClusterError(f"topology block: {err}") from None
-    node_link = LinkShape.of(node.bandwidth * 8 * per_node / rate_scale)
+    if nic == "per-gpu" and gpu is None:
+        raise ClusterError("a NIC per GPU needs the topology's 'gpu' level (--gpu-level)")
     if gpu is None:
-        return ClusterSpec(nodes, per_node, node_link)
+        return ClusterSpec(nodes, per_node, LinkShape.of(node.bandwidth * 8 * per_node / rate_scale))
     per_gpu = topo.domain_size("gpu") // (gpu.size or 1)
-    return ClusterSpec(nodes, per_node, node_link, per_node // per_gpu,
-                       LinkShape.of(gpu.bandwidth * 8 * per_gpu / rate_scale))
+    behind_nic = per_gpu if nic == "per-gpu" else per_node
+    return ClusterSpec(nodes, per_node, LinkShape.of(node.bandwidth * 8 * behind_nic / rate_scale), per_node // per_gpu,
+                       LinkShape.of(gpu.bandwidth * 8 * per_gpu / rate_scale), nic)
