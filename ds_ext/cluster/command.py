@@ -3,6 +3,8 @@ and the measured-network run that ``ds-ext tune --measure --network netns`` uses
 
     ds-ext cluster --nodes 2 --ranks-per-node 2 --node-rate 40mbit -- python train.py ...
     ds-ext cluster --config ds_config.json --nodes 2 --rate-scale 2000 -- python train.py ...
+    ds-ext cluster --nic per-gpu --gpus-per-node 2 --gpu-rate 400mbit --node-rate 100mbit -- CMD  # a NIC per GPU
+    ds-ext cluster --node-rate 40mbit --wire-out wire.json -- CMD  # bytes each link carried, written at the end
     ds-ext cluster --check      # can this host build one? (exit 0, or 2 with the reason)
     ds-ext cluster --clean      # remove the leftovers of killed runs
 
@@ -23,6 +25,7 @@ from typing import Any, Iterator
 
 from ds_ext.cluster import launch, netns
 from ds_ext.cluster.spec import NIC_SHAPES, ClusterError, ClusterSpec, LinkShape, parse_rate, spec_from_topology
+from ds_ext.cluster.wire import WireCounters
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser, ranks_per_node: bool = True) -> None:
@@ -93,13 +96,22 @@ def signals_unwind() -> Iterator[None]:
 
 
 def run_on_cluster(spec: ClusterSpec, command: list[str], timeout: float | None = None,
-                   local_rank_arg: bool = False) -> int:
-    """Build the cluster, run ``command`` on every rank, remove the cluster; the job's exit code."""
+                   local_rank_arg: bool = False, wire_out: Path | None = None) -> int:
+    """Build the cluster, run ``command`` on every rank, remove the cluster; the job's exit code.
+    With ``wire_out``, the bytes every link carried during the job (:mod:`ds_ext.cluster.wire`)
+    are written there as JSON, whatever the exit code."""
     require_capability()
     with signals_unwind(), netns.NetnsCluster(spec) as cluster:
         print(f"ds-ext cluster {cluster.rid}: {spec.describe()}; ranks in "
               f"{', '.join(leaf.namespace for leaf in cluster.leaves)}", file=sys.stderr, flush=True)
-        return launch.run_job(cluster, command, timeout, local_rank_arg)
+        counters = WireCounters.of(cluster)
+        before = counters.snapshot()
+        try:
+            return launch.run_job(cluster, command, timeout, local_rank_arg)
+        finally:
+            if wire_out is not None:
+                moved = counters.snapshot() - before
+                wire_out.write_text(json.dumps({"cluster": spec.to_json(), **moved.to_json()}, indent=2) + "\n")
 
 
 def measure_network(spec: ClusterSpec, message_bytes: int, timeout: float = 300) -> dict[str, Any]:
@@ -146,7 +158,8 @@ def cmd_cluster(ns: argparse.Namespace) -> int:
         command = ns.job[1:] if ns.job[:1] == ["--"] else ns.job
         if not command:
             raise ClusterError("no command to run: ds-ext cluster [flags] -- COMMAND ...")
-        return run_on_cluster(spec_from_args(ns), command, ns.timeout, ns.local_rank_arg)
+        return run_on_cluster(spec_from_args(ns), command, ns.timeout, ns.local_rank_arg,
+                              None if ns.wire_out is None else Path(ns.wire_out))
     except ClusterError as err:
         print(f"ds-ext cluster: {err}", file=sys.stderr)
         return 2
@@ -163,6 +176,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
     p.add_argument("--local-rank-arg", action="store_true",
                    help="append --local_rank=N to the command, as the deepspeed launcher does")
+    p.add_argument("--wire-out", default=None, metavar="FILE",
+                   help="write the bytes each link carried during the job, per direction and level (JSON)")
     p.add_argument("job", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...] run on every rank")
 
 

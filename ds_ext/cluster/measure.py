@@ -258,16 +258,17 @@ def measured_topology(db: dict[str, Any], names: tuple[str, ...]) -> Topology:
 
     ``Level.bandwidth`` is per rank while all ranks use the level: the shared bandwidth where
     measured; else (a measurement from before it was taken) the point-to-point bandwidth
-    divided among the ranks behind the link (a GPU link's by the ranks of a GPU, a node link's by
-    the ranks of a node; loopback as measured). ``Level.link_bandwidth`` is one flow's: the
-    point-to-point bandwidth. Latency: half the idle pair's round trip, or the job's step
+    divided among the ranks behind the link (a GPU link's or a GPU's NIC by the ranks of a GPU, a
+    node link's by the ranks of a node; loopback as measured). ``Level.link_bandwidth`` is one
+    flow's: the point-to-point bandwidth. Latency: half the idle pair's round trip, or the job's step
     latency where that is longer (every rank of a collective communicates at once; a
     measurement without it gives the pair's)."""
     spec = spec_from_json(db["cluster"])
     present = [lv for lv in LEVEL_ORDER if lv in db["levels"]]
     if len(present) != len(names):
         raise ValueError(f"the cluster measured levels {present}; cannot name them {list(names)}")
-    sharing = {"local": 1, "gpu": spec.ranks_per_leaf, "node": spec.ranks_per_node}
+    behind_nic = spec.ranks_per_leaf if spec.nic == "per-gpu" else spec.ranks_per_node
+    sharing = {"local": 1, "gpu": spec.ranks_per_leaf, "node": behind_nic}
     sizes = {"local": spec.ranks_per_leaf, "gpu": spec.gpus_per_node, "node": spec.nodes}
     step = db.get("step_latency_s") or 0.0
     levels = []

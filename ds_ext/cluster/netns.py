@@ -171,9 +171,9 @@ def if_name(rid: str, kind: str, i: int) -> str:
 class Link:
     """One shaped veth: its upper end a port of bridge ``bridge`` in ``upper_ns`` (the switch, or
     a node's bridge), its lower end ``lower_if`` in ``lower_ns`` (a port of ``lower_bridge`` when
-    the lower namespace is itself a switch). ``level``: ``node`` for a link out of a node (the
-    node's link, or one GPU's NIC), ``gpu`` for a GPU's link inside its node; ``node`` and ``gpu``
-    say whose (``gpu`` 0 for a node's link)."""
+    the lower namespace is itself a switch; else the lower namespace holds ranks). ``level``:
+    ``node`` for a link out of a node (the node's link, or one GPU's NIC), ``gpu`` for a GPU's
+    link inside its node; ``node`` and ``gpu`` say whose (``gpu`` 0 for a node's link)."""
 
     name: str
     level: str

@@ -33,8 +33,9 @@ import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
+from ds_ext.cluster.measure import spec_from_json
 from ds_ext.cluster.netns import Link, NetnsCluster, cluster_links, run_cmd
 from ds_ext.cluster.spec import ClusterError, ClusterSpec
 
@@ -44,10 +45,16 @@ DIRECTIONS = ("up", "down")
 @dataclass(frozen=True)
 class WireBytes:
     """Bytes that crossed each link between two snapshots, per direction: ``{link: {"up": n,
-    "down": n}}`` and each link's level."""
+    "down": n}}``, each link's level, and the links out of the namespaces that hold ranks."""
 
     links: dict[str, dict[str, int]]
     levels: dict[str, str]
+    rank_links: frozenset[str]
+
+    def sent(self) -> int:
+        """Bytes the ranks' namespaces sent out (up their own links): every byte between two
+        namespaces once, whatever the shape."""
+        return sum(self.links[name]["up"] for name in self.rank_links)
 
     def by_level(self) -> dict[str, dict[str, int]]:
         """``{level: {"up": bytes, "down": bytes}}`` summed over the level's links."""
@@ -58,7 +65,22 @@ class WireBytes:
         return dict(out)
 
     def to_json(self) -> dict[str, Any]:
-        return {"by_level": self.by_level(), "links": self.links}
+        return {"by_level": self.by_level(), "sent": self.sent(), "links": self.links}
+
+    def beside_ledger(self, ledger_by_level: Mapping[str, float]) -> dict[str, Any]:
+        """The wire's bytes next to the ledger's bytes of the same region, summed over every rank
+        (``Traffic.by_level()``), per level and in total. Per level they differ by attribution:
+        the ledger books a collective at the outermost level its group crosses, the wire where
+        each hop goes (a ring over 2 nodes x 2 GPUs crosses nodes on 2 of its 4 hops). In total,
+        ``sent`` holds the payload plus headers, framing and acknowledgements; the ledger's bytes
+        between ranks of one namespace go over loopback, which has no counter here."""
+        levels = self.by_level()
+        ledger = sum(ledger_by_level.values())
+        return {"levels": {lv: {"ledger": ledger_by_level.get(lv, 0.0), "wire_up": levels.get(lv, {}).get("up", 0),
+                                "wire_down": levels.get(lv, {}).get("down", 0)}
+                           for lv in sorted(set(levels) | set(ledger_by_level))},
+                "total": {"ledger": ledger, "wire_sent": self.sent(),
+                          "wire_over_ledger": self.sent() / ledger if ledger else None}}
 
 
 @dataclass(frozen=True)
@@ -67,10 +89,11 @@ class WireSnapshot:
 
     counters: dict[str, dict[str, int]]
     levels: dict[str, str]
+    rank_links: frozenset[str]
 
     def __sub__(self, before: "WireSnapshot") -> WireBytes:
         return WireBytes({name: {d: now[d] - before.counters[name][d] for d in DIRECTIONS}
-                          for name, now in self.counters.items()}, self.levels)
+                          for name, now in self.counters.items()}, self.levels, self.rank_links)
 
 
 class WireCounters:
@@ -79,6 +102,7 @@ class WireCounters:
     def __init__(self, links: list[Link]) -> None:
         self.links = links
         self.levels = {link.name: link.level for link in links}
+        self.rank_links = frozenset(link.name for link in links if link.lower_bridge is None)
         self._by_ns: dict[str, list[Link]] = defaultdict(list)
         for link in links:
             self._by_ns[link.upper_ns].append(link)
@@ -92,8 +116,6 @@ class WireCounters:
     def from_env(cls) -> "WireCounters":
         """The counters of the cluster this rank runs on (``DS_EXT_CLUSTER``, set by
         :func:`ds_ext.cluster.launch.rank_env`)."""
-        from ds_ext.cluster.measure import spec_from_json
-
         text = os.environ.get("DS_EXT_CLUSTER")
         if not text:
             raise ClusterError("no DS_EXT_CLUSTER in the environment: wire counters need a rank of ds-ext cluster")
@@ -115,4 +137,4 @@ class WireCounters:
                     raise ClusterError(f"link {link.name}: no interface {link.upper_if} in {ns} (cluster gone?)")
                 s = stats[link.upper_if]
                 counters[link.name] = {"up": int(s["rx"]["bytes"]), "down": int(s["tx"]["bytes"])}
-        return WireSnapshot(counters, self.levels)
+        return WireSnapshot(counters, self.levels, self.rank_links)
