@@ -43,7 +43,8 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--network", choices=("emulate", "netns"), default="emulate",
                    help="emulate: alpha-beta sleeps on local ranks; netns: no emulation, ranks on an emulated "
                         f"cluster of {BENCH_NODES} nodes x {BENCH_GPUS_PER_NODE} GPUs with shaped links "
-                        f"(--node-rate, --gpus-per-node {BENCH_GPUS_PER_NODE} --gpu-rate)")
+                        f"(--node-rate, --gpus-per-node {BENCH_GPUS_PER_NODE} --gpu-rate; --nic per-gpu: a link "
+                        "out of the node per GPU, Frontier's shape)")
     add_cluster_arguments(p, ranks_per_node=False)
 
 
