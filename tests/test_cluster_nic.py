@@ -28,7 +28,7 @@ import pytest
 from ds_ext.cluster import netns
 from ds_ext.cluster.netns import cluster_links
 from ds_ext.cluster.spec import ClusterError, ClusterSpec, LinkShape, spec_from_topology
-from ds_ext.cluster.wire import WireSnapshot
+from ds_ext.cluster.wire import WireBytes, WireSnapshot
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "PYTHONWARNINGS": "ignore"}
@@ -120,21 +120,17 @@ def _send(pairs: list[tuple[int, int]], nbytes: int) -> tuple[float, dict | None
     import torch
     import torch.distributed as dist
 
-    from ds_ext.cluster.wire import WireCounters
+    from ds_ext.cluster.wire import wire_region
 
     rank = dist.get_rank()
-    wire = WireCounters.from_env() if rank == 0 else None
     buf = torch.zeros(nbytes // 4)
-    dist.barrier()
-    before = wire.snapshot() if wire else None
-    dist.barrier()
-    t0 = time.perf_counter()
-    works = [dist.isend(buf, b) for a, b in pairs if a == rank] + [dist.irecv(buf, a) for a, b in pairs if b == rank]
-    for w in works:
-        w.wait()
-    seconds = time.perf_counter() - t0
-    dist.barrier()
-    return seconds, (wire.snapshot() - before).links if wire else None
+    with wire_region() as region:
+        t0 = time.perf_counter()
+        works = [dist.isend(buf, b) for a, b in pairs if a == rank] + [dist.irecv(buf, a) for a, b in pairs if b == rank]
+        for w in works:
+            w.wait()
+        seconds = time.perf_counter() - t0
+    return seconds, region.bytes.links if region.bytes else None
 
 
 def test_each_gpu_sends_across_through_its_own_nic(world):
@@ -161,15 +157,14 @@ def test_gpus_of_a_node_do_not_share_a_link_out(world):
     assert nbytes / seconds == pytest.approx(rate, rel=TOLERANCE)
 
 
-def _ledger_and_wire(kind: str, nbytes: int) -> tuple[dict[str, float], dict | None]:
+def _ledger_and_wire(kind: str, nbytes: int) -> tuple[dict[str, float], WireBytes | None]:
     """One collective of ``nbytes`` per rank through ds_ext's Communicator (``cross``: an
     all-gather between the GPUs of the same index on the 2 nodes; ``span``: an all-gather between
     the 2 GPUs of each node; ``world``: an all-reduce over all 4 ranks), after a warm-up; this
-    rank's ledger bytes and, on rank 0, the wire's beside nothing yet (:class:`WireBytes`)."""
+    rank's ledger bytes and, on rank 0, the wire's (:class:`~ds_ext.cluster.wire.WireBytes`)."""
     import torch
-    import torch.distributed as dist
 
-    from ds_ext.cluster.wire import WireCounters
+    from ds_ext.cluster.wire import wire_region
     from ds_ext.comm import Communicator
     from ds_ext.groups import GroupRegistry
     from ds_ext.topology import GB, US, Level, Topology
@@ -188,13 +183,9 @@ def _ledger_and_wire(kind: str, nbytes: int) -> tuple[dict[str, float], dict | N
 
     collective()  # warm-up: connections
     comm.ledger.reset()
-    wire = WireCounters.from_env() if dist.get_rank() == 0 else None
-    dist.barrier()
-    before = wire.snapshot() if wire else None
-    dist.barrier()
-    collective()
-    dist.barrier()
-    return comm.ledger.current.by_level(), (wire.snapshot() - before) if wire else None
+    with wire_region() as region:
+        collective()
+    return comm.ledger.current.by_level(), region.bytes
 
 
 @pytest.mark.parametrize("kind,level", [("cross", "node"), ("span", "gpu"), ("world", None)])

@@ -15,16 +15,13 @@ bytes are what the ranks sent over it, to set beside the ledger's bytes of that 
 
 Usable from the runner (:meth:`WireCounters.of`) and from a rank (:meth:`WireCounters.from_env`,
 from ``DS_EXT_CLUSTER``): any root process can read another namespace's counters (``ip -n``),
-so a benchmark brackets a region on one rank with :meth:`WireCounters.snapshot`, between
-barriers::
+so a benchmark brackets a region with :func:`wire_region` (collective; rank 0 reads)::
 
-    wire = WireCounters.from_env()
-    dist.barrier(); before = wire.snapshot(); dist.barrier()
-    ...                                  # the region
-    dist.barrier(); moved = wire.snapshot() - before
-    moved.by_level()                     # {"node": {"up": ..., "down": ...}, "gpu": {...}}
+    with wire_region() as region:
+        ...                              # the region, on every rank
+    region.bytes.by_level()              # rank 0: {"node": {"up": ..., "down": ...}, "gpu": {...}}
 
-The barriers' own messages (a few hundred bytes each) are counted too.
+The region's two barriers (a few hundred bytes each) are counted too.
 """
 
 from __future__ import annotations
@@ -32,8 +29,9 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from ds_ext.cluster.measure import spec_from_json
 from ds_ext.cluster.netns import Link, NetnsCluster, cluster_links, run_cmd
@@ -138,3 +136,27 @@ class WireCounters:
                 s = stats[link.upper_if]
                 counters[link.name] = {"up": int(s["rx"]["bytes"]), "down": int(s["tx"]["bytes"])}
         return WireSnapshot(counters, self.levels, self.rank_links)
+
+
+@dataclass
+class WireRegion:
+    """What :func:`wire_region` measured: the bytes on rank 0, None on the others."""
+
+    bytes: WireBytes | None = None
+
+
+@contextmanager
+def wire_region(reader_rank: int = 0) -> Iterator[WireRegion]:
+    """Collective over the world: the bytes every link of this rank's cluster carried during the
+    block, read by ``reader_rank`` between barriers (the other ranks get None)."""
+    import torch.distributed as dist
+
+    region = WireRegion()
+    counters = WireCounters.from_env() if dist.get_rank() == reader_rank else None
+    dist.barrier()
+    before = counters.snapshot() if counters else None
+    dist.barrier()
+    yield region
+    dist.barrier()
+    if counters is not None:
+        region.bytes = counters.snapshot() - before
