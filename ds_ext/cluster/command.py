@@ -104,12 +104,12 @@ def run_on_cluster(spec: ClusterSpec, command: list[str], timeout: float | None 
     with signals_unwind(), netns.NetnsCluster(spec) as cluster:
         print(f"ds-ext cluster {cluster.rid}: {spec.describe()}; ranks in "
               f"{', '.join(leaf.namespace for leaf in cluster.leaves)}", file=sys.stderr, flush=True)
-        counters = WireCounters.of(cluster)
-        before = counters.snapshot()
+        counters = None if wire_out is None else WireCounters.of(cluster)
+        before = None if counters is None else counters.snapshot()
         try:
             return launch.run_job(cluster, command, timeout, local_rank_arg)
         finally:
-            if wire_out is not None:
+            if counters is not None:
                 moved = counters.snapshot() - before
                 wire_out.write_text(json.dumps({"cluster": spec.to_json(), **moved.to_json()}, indent=2) + "\n")
 
