@@ -84,10 +84,6 @@ class ZeroTopoPlugin(Plugin):
         """The data-parallel group to shard over, from the job layout (before any collective of
         its own): the world, or the caller's mpu's data-parallel group (Megatron tensor parallelism)."""
         rt = self.runtime
-        if any(p.name == "pmm3d" for p in rt.plugins):
-            raise DsExtConfigError(
-                f"{support.KEY} with ds_ext.pmm3d: not supported yet (3D-PMM's engine takes every replicated "
-                "parameter at the start of a forward, ZeRO-topo gathers them unit by unit); allowed: one of them")
         layout = rt.parallel
         if layout.degree("pipeline") > 1:
             raise DsExtConfigError(
@@ -117,6 +113,8 @@ class ZeroTopoPlugin(Plugin):
                            device=next(engine.module.parameters()).device, trace=trace,
                            data=self.data, model_group=model_group)
         self.sharded = ShardedModel(engine.module, ctx, self.config.units, self.config.prefetch)
+        for plugin in rt.plugins:
+            plugin.parameters_sharded([unit.params for unit in self.sharded.all_units])
         self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler)
         ds_engine.replace_optimizer(engine, self.optimizer)
         if self.dtype == torch.float16:
