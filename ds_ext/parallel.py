@@ -337,9 +337,13 @@ class JobLayout(Layout):
     @property
     def GROUPS(self) -> Mapping[str, tuple[str, ...]]:  # type: ignore[override]
         """Each role with axes -> its axes; the model-parallel group (tensor x pipeline, what
-        DeepSpeed sums gradient norms over) as ``model``."""
+        DeepSpeed sums gradient norms over) as ``model``; with experts, ``expert_model``
+        (tensor x pipeline x expert: the ranks that hold other slices or other experts, over
+        which an expert gradient's norm is summed after its expert-data group)."""
         roles = {r: getattr(self, f"{r}_axes") for r in self.ROLES}
-        return {**{r: a for r, a in roles.items() if a}, "model": self.tensor_axes + self.pipeline_axes}
+        model = self.tensor_axes + self.pipeline_axes
+        experts = {"expert_model": model + self.expert_axes} if self.expert_axes else {}
+        return {**{r: a for r, a in roles.items() if a}, "model": model, **experts}
 
     def degree(self, role: str) -> int:
         """Ranks in one group of ``role`` (1 where the job has no such axis)."""

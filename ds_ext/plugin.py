@@ -69,6 +69,11 @@ class Plugin:
     def attach(self, engine: Any) -> None:
         """Called with the DeepSpeed engine after ``deepspeed.initialize``."""
 
+    def parameters_sharded(self, units: list[list[Any]]) -> None:
+        """Told by a plugin that shards parameters into gather units (ZeRO-topo, at its attach):
+        each unit's parameters, valid only while that unit is gathered (inside its modules'
+        forward and backward), never at the model's forward start."""
+
     def describe(self) -> str:
         """One line for the start-up banner: what this plugin does in this job (after
         ``prepare``); by default the settings that differ from the defaults."""

@@ -131,7 +131,6 @@ class SerialGPTMoE:
 
     def __call__(self, tokens):
         """``tokens`` ``[batch, seq_len + 1]`` -> the loss over positions 1..seq_len."""
-        import torch
         import torch.nn.functional as F
 
         cfg, W = self.cfg, self.params

@@ -36,7 +36,7 @@ START_TIMEOUT_S = 240  # a runner's start on a host loaded far beyond its cores
 TOLERANCE = 0.15
 NIC_MBIT, GPU_MBIT = 100, 400  # Frontier's NIC : MI250X-to-MI250X ratio, 25 : 100 GB/s
 MESSAGE = 2**20
-WIRE_OVERHEAD = 0.03  # measured 1.1-1.3 % (README, "Bytes on the wire")
+WIRE_OVERHEAD = 0.03  # the measured overhead: docs/cluster.md, "Bytes on the wire"
 STRAY = 16_000  # bytes a link may carry in a region without payload: barriers, ARP
 
 

@@ -17,7 +17,6 @@ from ds_ext.planner.estimate import Candidate, Traffic, batch_options, comm_seco
 from ds_ext.planner.machine import MACHINES, GiB
 from ds_ext.planner.plan import PlanInputError, make_job, plan
 from ds_ext.topology import Topology
-from ds_ext.zero_topo.layout import padded_numel
 from ds_ext.zero_topo.plan import PRESETS, ZeroTopoConfig, resolve_plan
 
 EMULATED = Topology.from_preset("frontier", 8, {"gpu": 2})  # the plugin tests' 2 nodes x 2 GPUs x 2 GCDs

@@ -13,16 +13,19 @@ WORLD_SIZE = 8
 LR, WD = 1e-2, 0.01
 
 
-def _optimizer(model, lr=LR):
+def _optimizer(model, lr=LR, sgd=False):
+    """AdamW (or SGD with momentum) over DeepSpeed-MoE's param groups."""
     import torch
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "dense", "lr": lr, "weight_decay": WD})
+    if sgd:
+        return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
     return torch.optim.AdamW(groups, lr=lr, weight_decay=WD)
 
 
-def _engine(cfg, serial_state, T, P, stage, plugins=None, **ds_extra):
+def _engine(cfg, serial_state, T, P, stage, plugins=None, sgd=False, **ds_extra):
     import torch.distributed as dist
 
     import ds_ext
@@ -31,7 +34,8 @@ def _engine(cfg, serial_state, T, P, stage, plugins=None, **ds_extra):
 
     layout = TEDLayout.build(dist.get_world_size(), T, P)
     model = ts.ted_model(cfg, serial_state, layout, dist.get_rank())
-    engine, *_ = ds_ext.initialize(model=model, optimizer=_optimizer(model), config=ts.ds_config(T, P, stage, plugins=plugins, **ds_extra))
+    engine, *_ = ds_ext.initialize(model=model, optimizer=_optimizer(model, sgd=sgd),
+                                   config=ts.ds_config(T, P, stage, plugins=plugins, **ds_extra))
     return engine, next(p for p in engine.ds_ext.plugins if p.name == "ted").ted
 
 
@@ -52,6 +56,61 @@ def _equal_over(group, tensor):
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, tensor.contiguous(), group=group)
     return all(torch.equal(o, out[0]) for o in out)
+
+
+# ---- ZeRO-topo: the dense part over the data group, experts over the expert-data group ------
+UNQUANTIZED = {"weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}}
+
+
+def _zero_topo_run(zero_topo, steps=4):
+    """TED at T 2 x P 2 x expert-data 2 with clipping: ``zero_topo`` (stage 0) or DeepSpeed ZeRO-1
+    (None). Losses, global norms and this rank's parameters after ``steps`` steps; with ZeRO-topo
+    also its ledger's step phase and analytic model."""
+    import torch
+    import torch.distributed as dist
+
+    import ted_support as ts
+
+    cfg = ts.config(drop_tokens=False)
+    plugins = {"comm": {"count_torch_collectives": False}, "zero_topo": {"enabled": True, **zero_topo}} \
+        if zero_topo else None
+    # SGD moves each parameter in proportion to its gradient, so a wrong scale shows in every one
+    # (Adam normalises it away and turns rounding noise into full steps)
+    engine, ted = _engine(cfg, ts.serial_model(cfg).state_dict(), 2, 2, 0 if zero_topo else 1, plugins=plugins,
+                          sgd=True, gradient_clipping=0.05, zero_allow_untested_optimizer=True)
+    losses, norms = [], []
+    for step in range(steps):
+        losses.append(_step(engine, ted, step))
+        norms.append(float(engine.get_global_grad_norm()))
+    with engine.ds_ext.gathered_parameters() if zero_topo else torch.no_grad():
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out = {"losses": losses, "norms": norms, "params": params}
+    if zero_topo:
+        plugin = engine.ds_ext.plugin("zero_topo")
+        out |= {"describe": plugin.describe(), "analytic": plugin.analytic_traffic(1).bytes,
+                "measured": {ph: dict(v) for ph, v in engine.ds_ext.ledger.steps[-1].by_phase().items()}}
+    engine.destroy()
+    dist.barrier()
+    return out
+
+
+def test_zero_topo_shards_dense_and_experts_equal_to_deepspeed_zero1(world):
+    """ZeRO-topo beside TED (unquantized): non-expert parameters over the data group, experts over
+    their expert-data group (averaged as DeepSpeed-MoE does), the global norm over both: losses,
+    norms (clipping active) and every parameter equal TED with DeepSpeed ZeRO-1 within 1e-6; the
+    step's collectives equal ZeRO-topo's analytic model of both groups."""
+    import torch
+
+    ref = world.run(_zero_topo_run, None)
+    ours = world.run(_zero_topo_run, UNQUANTIZED)
+    for r, o in zip(ref, ours):
+        assert o["losses"] == pytest.approx(r["losses"], rel=1e-6, abs=0)
+        assert o["norms"] == pytest.approx(r["norms"], rel=1e-6, abs=0)
+        assert r["norms"][0] > 0.05  # the clip is active
+        for name, p in r["params"].items():
+            torch.testing.assert_close(o["params"][name], p, rtol=1e-6, atol=1e-6, msg=name)
+        assert o["measured"]["step"] == o["analytic"]["step"]
+    assert "experts: " in ours[0]["describe"] and "expert-data-parallel group" in ours[0]["describe"]
 
 
 # ---- ZeRO-1/2 with gradient clipping against the serial model ------------------------------
@@ -254,7 +313,7 @@ def _bad(case):
             ds_kw = dict(ted={"expert_data_parallel": 2})
         elif case == "zero3":
             ds_kw = dict(stage=3)
-        elif case == "zero_topo":
+        elif case == "zero_topo":  # T 2 x P 4 leaves one rank per expert-data group
             ds_kw = dict(plugins={"zero_topo": {"enabled": True}})
         elif case == "clip_stage0_bf16":
             ds_kw = dict(gradient_clipping=1.0, bf16={"enabled": True})
@@ -303,8 +362,8 @@ BAD = {
     "zero3": "ds_ext.ted: zero_optimization.stage 3 is not supported (DeepSpeed's MoE parameter groups need ZeRO <= 2; "
              "001 §7.1 uses ZeRO-1); allowed: 0, 1, 2",
     # ted's refusal comes first (the plugins that define the layout prepare first: ds_ext.plugin.HOOK_ORDER)
-    "zero_topo": "ds_ext.ted: cannot run with ds_ext.zero_topo yet (ZeRO-topo for TED's dense part and its experts "
-                 "by expert-data group); enable one",
+    "zero_topo": "ds_ext.ted: expert_data_parallel 1 (tensor 2 x expert 4 fill the world) with ds_ext.zero_topo: no "
+                 "expert-data group to shard the experts over; allowed: expert_data_parallel >= 2",
     "clip_stage0_bf16": "ds_ext.ted: gradient_clipping 1.0 with zero_optimization.stage 0 and bf16: DeepSpeed's bf16 "
                         "optimizer clips with its own norm, which does not count expert parameters once (DeepSpeed "
                         "clips at 1.0 when the key is absent); allowed: stage 0 in fp32, stage 1 or 2, or "

@@ -238,7 +238,8 @@ def _refused(case):
         from ds_ext.models import GPT, GPTConfig
 
         model, kwargs = GPT(GPTConfig(seq_len=16, d_model=64, n_layers=2, n_heads=8)), {}
-        pmm = {"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 2, "data": 2}}}
+        pmm = {"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 2, "data": 2},
+                         "overlap": {"reduce_scatter": True}}}
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(2, 2 if case == "pipeline" else 1)
@@ -259,12 +260,12 @@ def _refused(case):
             "data 4' has no level 'gcd'; allowed: gpu, node"),
     ("pipeline", "ds_ext.zero_topo: pipeline parallel size 2 (from the caller's mpu= argument) is not supported; "
                  "allowed: 1"),
-    ("pmm3d", "ds_ext.zero_topo with ds_ext.pmm3d: not supported yet"),
+    ("pmm3d", "ds_ext.pmm3d.overlap.reduce_scatter with ds_ext.zero_topo: not supported"),
 ])
 def test_layouts_zero_topo_cannot_serve_are_refused_in_one_line(world, case, expected):
     """A level the data-parallel group does not cross (TP 2 fills the GCD pair), named explicitly,
-    a pipeline (the PipelineEngine form is not here yet) and 3D-PMM beside ZeRO-topo: one line on
-    every rank."""
+    a pipeline (the PipelineEngine form is not here yet) and 3D-PMM's ORS beside ZeRO-topo: one line
+    on every rank."""
     for msg in world.run(_refused, case):
         assert msg is not None and msg.startswith(expected), msg
 
@@ -339,3 +340,77 @@ def test_checkpoint_round_trip_under_tensor_parallelism(world, tmp_path):
     assert parts == ["ds_ext_zero_topo_mp00", "ds_ext_zero_topo_mp01"]
     assert sorted(p.name for p in (tmp_path / "t2" / parts[1]).iterdir()) == [
         f"ds_ext_zero_topo_rank{r:05d}.pt" for r in range(4)]
+
+
+# ---- ZeRO-topo over 3D-PMM's data axis (000 §V-B) ---------------------------------------------
+PMM_GRID = (2, 1, 2, 2)  # x, y, z, data: the data axis pairs the two nodes
+SEQ_PMM = 16  # tests/pmm_helpers.py's SEQ
+
+
+def _pmm(zero_topo):
+    """Losses (mean over the data axis), global norms and this rank's 3D-PMM shards after ``STEPS``
+    SGD steps of the ds_ext GPT on grid ``PMM_GRID``, with ``zero_topo`` over the data axis or (None)
+    DeepSpeed's fp32 ZeRO-1 under 3D-PMM's mpu; with ZeRO-topo also its ledger and model."""
+    import torch
+    import torch.distributed as dist
+    from pmm_helpers import _data_mean, _rows, ds_config, gpt, tokens
+
+    import ds_ext
+
+    cfg = ds_config(PMM_GRID, clip=0.05, stage=0 if zero_topo else 1)
+    cfg["zero_allow_untested_optimizer"] = True
+    if zero_topo:
+        cfg["ds_ext"] |= {"comm": {"count_torch_collectives": False}, "zero_topo": {"enabled": True, **zero_topo}}
+    engine, *_ = ds_ext.initialize(model=gpt(), optimizer=lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9),
+                                   config=cfg)
+    axes = engine.ds_ext.plugin("pmm3d").axes
+    rows, _ = _rows(engine)
+    init = _params(engine)
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = engine(tokens(step)[rows])
+        engine.backward(loss)
+        engine.step()
+        losses.append(_data_mean(loss.detach().float(), axes["data"]))
+        norms.append(float(engine.get_global_grad_norm()))
+    params = _params(engine)
+    out = {"losses": losses, "norms": norms, "params": params,
+           "still": [n for n, p in params.items() if torch.equal(p, init[n])]}
+    if zero_topo:
+        from ds_ext.perf.pmm import ledger_bytes
+        from ds_ext.pmm.plans import plan_for
+        from ds_ext.pmm.spec import model_spec
+
+        plugin, serial = engine.ds_ext.plugin("zero_topo"), gpt()
+        # 3D-PMM's own collectives (001 Eqs 5.1-5.5) and ZeRO-topo's (003) in one ledger
+        model = ledger_bytes(model_spec(serial, plan_for(serial)), engine.ds_ext.plugin("pmm3d").grid,
+                             engine.ds_ext.topology, rows.stop - rows.start, SEQ_PMM, 4, by_layer=False,
+                             data_reduction=False)
+        for phase, levels in plugin.analytic_traffic(1).bytes.items():
+            for level, nbytes in levels.items():
+                model.setdefault(phase, {})[level] = model.get(phase, {}).get(level, 0) + nbytes
+        out |= {"describe": plugin.describe(), "analytic": model,
+                "measured": {ph: dict(v) for ph, v in engine.ds_ext.ledger.steps[-1].by_phase().items()}}
+    engine.destroy()
+    dist.barrier()
+    return out
+
+
+def test_zero_topo_over_the_3d_pmm_data_axis_equals_its_present_optimizer(world):
+    """3D-PMM on grid (2, 1, 2, 2) with ZeRO-topo (unquantized) sharding over its data axis equals
+    3D-PMM with DeepSpeed's fp32 ZeRO-1 within 1e-6 (losses, global norms with clipping active, every
+    shard of every parameter); the ledger equals 3D-PMM's analytic model (without DeepSpeed's data-axis
+    all-reduce) plus ZeRO-topo's, on every phase and level."""
+    import torch
+
+    ref = world.run(_pmm, None)
+    ours = world.run(_pmm, {"preset": "zero_topo", **UNQUANTIZED})
+    for r, o in zip(ref, ours):
+        assert o["losses"] == pytest.approx(r["losses"], rel=1e-6, abs=0)
+        assert o["norms"] == pytest.approx(r["norms"], rel=1e-6, abs=0)
+        assert r["norms"][0] > 0.05  # the clip is active
+        assert o["still"] == [] and r["still"] == []
+        for name, p in r["params"].items():
+            torch.testing.assert_close(o["params"][name], p, rtol=1e-6, atol=1e-6, msg=name)
+        assert o["measured"] == o["analytic"]
+    assert "data-parallel group" in ours[0]["describe"]

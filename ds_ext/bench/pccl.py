@@ -117,8 +117,8 @@ KEEP_FREED = "glibc mallopt: M_MMAP_MAX 0 (no block mapped on its own), M_TRIM_T
 
 def keep_freed_memory() -> str:
     """Make this process's allocator keep freed memory for reuse (module docstring): with glibc,
-    serve every block from the heap and do not return freed memory to the system (a 32 MB
-    temporary written once: 19 ms fresh, 2 ms reused, on the 2-core host). Returns what was set,
+    serve every block from the heap and do not return freed memory to the system (a large
+    temporary then costs its first touch once, not on every call). Returns what was set,
     or why nothing was (another C library), for the JSON."""
     import ctypes
     import ctypes.util

@@ -18,8 +18,8 @@ For each level, with rank 0 and the first rank ``b`` across that level:
   gloo's ring runs in rank order, so with two or more ranks per namespace each shaped link
   carries one ring connection per direction and the figure should match the link's rate;
 * the same over the cross group (one rank per domain: rank 0 of every node / GPU). With two
-  domains that is a 2-rank all-gather, whose two directions share one gloo connection
-  (measured here at 60-97 % of the rate, mostly about 66 %, where the span all-gather reaches 97 %): reported,
+  domains that is a 2-rank all-gather, whose two directions share one gloo connection (it
+  reaches less of the rate than the span all-gather; docs/benchmarks/network.md): reported,
   not checked against the rate.
 
 * shared bandwidth: every rank exchanges ``message`` bytes both ways, at once, with the rank at
@@ -27,16 +27,14 @@ For each level, with rank 0 and the first rank ``b`` across that level:
   i ^ 1, GPU g with GPU g ^ 1 of its node, in a namespace rank q with q ^ 1); ``message`` over
   the slowest rank's time, the fastest of ``REPEATS``. It is what one rank gets while all ranks
   use the level (``Level.bandwidth``): the ranks behind one link share it, and on the shaped
-  cluster two TCP flows through one tbf link move less together than one alone (4 x 2 at
-  200 Mbit/s: 2 x 11.2-11.9 against 24.7 MB/s).
+  cluster two TCP flows through one tbf link move less together than one alone.
 
 And once for the job: the step latency, a ring step's time per 4-byte message with every
 rank exchanging at once (send to r + 1, receive from r - 1; the fastest of ``STEP_REPEATS``
-runs of W - 1 steps, over W - 1: the fastest of 20 moved between 0.59 and 1.04 ms in one
-minute on the 4 x 2 cluster, the fastest of 100 stays near its floor). It is what a
-collective's message costs when all W ranks of the job communicate: on a host whose cores
-serve every rank (8 ranks on 2 cores: about 1 ms) it is far above an idle pair's latency
-(50-100 µs), and it is the latency a collective sees.
+runs of W - 1 steps, over W - 1; fewer runs leave the minimum far from its floor). It is what
+a collective's message costs when all W ranks of the job communicate: on a host whose cores
+serve every rank it is far above an idle pair's latency, and it is the latency a collective
+sees (figures: docs/benchmarks/network.md).
 
 Rank 0 writes the JSON.
 """

@@ -38,16 +38,15 @@ TBF_LATENCY = "30ms"  # tbf queue bound, not an added delay
 # * a connection idle between two collectives keeps its window instead of slow-starting again
 #   (whose round trips, stretched by a loaded CPU, ate up to half of a 1 MB transfer's time);
 # * Reno, not the host's congestion control: a host default of BBR paces each burst at its
-#   bandwidth estimate, and 256 KB exchanges took 1.7x their bytes at the link rate (median,
-#   8 ranks on 8 nodes), 1.4x under CUBIC or Reno. Reno rather than CUBIC because every kernel
+#   bandwidth estimate, which slows short exchanges. Reno rather than CUBIC because every kernel
 #   has it built in and lets every namespace choose it, where a namespace may choose only from
 #   the host's allowed list (seen: "reno bbr", CUBIC available but not allowed); on these
-#   sub-millisecond round trips CUBIC runs in its Reno-friendly region, and the two measured
-#   the same (exchanges of 64 KB-4 MB, 8 nodes at 200 Mbit/s, within 5 %);
+#   sub-millisecond round trips CUBIC runs in its Reno-friendly region and behaves the same;
 # * one packet of each connection at a time in a link's queue (TCP small queues): a node's
 #   acknowledgements of the data it receives share its egress queue with the data it sends,
-#   and behind a queue of its own data they held each exchange's sender (1.4x -> 1.17x at
-#   256 KB, 1.1x -> 1.05x at 1 MB); the modelled link is full duplex.
+#   and behind a queue of its own data they held each exchange's sender; the modelled link is
+#   full duplex.
+# The measurements behind each setting: docs/benchmarks/network.md.
 TCP_SETTINGS = {"net.ipv4.tcp_slow_start_after_idle": "0", "net.ipv4.tcp_congestion_control": "reno",
                 "net.ipv4.tcp_limit_output_bytes": "8192"}
 LOCK_DIR = Path("/run/ds_ext_cluster")

@@ -45,10 +45,9 @@ from ds_ext.topology import Topology, TopologyError, preset_levels
 NIC_SHAPES = ("per-node", "per-gpu")
 MAX_LEAVES = 250  # one /24 of addresses, leaves numbered from .1
 # Default tbf bucket: 200 us of traffic, never less than one 9000-byte frame with its headers.
-# A wire cannot catch up on the time it stood idle; a bucket can, by what it holds: with 2 ms
-# of traffic (50 KB at 200 Mbit/s), 32 KB sent after an idle pause arrived in 0.34 ms instead
-# of the 1.3 ms of its bytes, and a ring step of 32-128 KB with every rank busy cost its bytes'
-# time alone (a process's wait for a core hidden); with 10 KB, 1.35 ms and wait + bytes.
+# A wire cannot catch up on the time it stood idle; a bucket can, by what it holds, so a larger
+# bucket delivers a burst sent after an idle pause faster than its bytes at the link rate and
+# hides a process's wait for a core (measured: docs/benchmarks/network.md).
 MIN_BURST_BYTES = 10_000
 BURST_SECONDS = 0.0002
 

@@ -138,17 +138,14 @@ def p2p_exchange(group: object | None, tally: Tally, level: str | None, downward
     * ``downward`` given (gloo): a second group holding every rank of ``group`` (its own
       connections, :meth:`ds_ext.groups.GroupRegistry.p2p_downward`) carries the messages to a
       lower rank, ``group`` those to a higher one. Gloo
-      moves a pair's two directions over its one connection one after the other: on the shaped
-      cluster (8 nodes, 200 Mbit/s) an exchange of 4 MB each way with one peer took 2.0x a
-      one-way 4 MB send. With the second group (and the cluster's TCP settings) every rank
-      exchanging 256 KB-16 MB at once with its XOR peer took the same time as with two
-      different peers (fastest of 10: 1.21-1.25x the bytes' time at 256 KB, 1.01 at 16 MB).
+      moves a pair's two directions over its one connection one after the other, so an
+      exchange with one peer would cost up to a one-way send of each direction in turn; with
+      the second group it costs what an exchange with two different peers costs.
       With ``then`` (the next step's receive buffer and source) that receive is posted before
       this step is waited on. A gloo receive is a rendezvous: the sender transmits once the
       receiver has said it is ready, so a receive posted only after the previous step finished
-      left each step waiting for that notice and for the receiving process to run: a ring
-      all-gather of 1 MB on the shaped cluster (4 x 2) took 52 ms, 38 ms with the next receive
-      posted early (gloo's own all-gather 41 ms; its bytes at the link rate 37 ms).
+      would leave each step waiting for that notice and for the receiving process to run.
+      The measurements behind both choices: docs/benchmarks/network.md.
     * otherwise one ``batch_isend_irecv``: NCCL / RCCL run it as one group call, so two ranks
       that both send first cannot wait on each other; ``then`` is not posted early there (NCCL
       runs a communicator's operations in order, so an early receive would hold this rank's

@@ -130,7 +130,7 @@ class BlockQuantizer:
 
     ``compile=True`` runs the encode / decode bodies of tensors of at least
     :data:`COMPILE_MIN_NUMEL` elements through ``torch.compile`` (same results; a few seconds
-    of compilation per process, on first use, then up to 10x faster).
+    of compilation per process, on first use, then faster: docs/benchmarks/quantizer.md).
     """
 
     def __init__(self, bits: int, block_size: int = 512, compile: bool = False) -> None:

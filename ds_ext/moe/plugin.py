@@ -79,9 +79,6 @@ class TEDPlugin(Plugin):
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         cfg, rt = self.config, self.runtime
-        if any(p.name == "zero_topo" for p in rt.plugins):
-            _refuse("cannot run with ds_ext.zero_topo yet (ZeRO-topo for TED's dense part and its experts by "
-                    "expert-data group); enable one")
         _check_ds_config(ds_config)
         try:
             layout = TEDLayout.build(rt.topology.world_size, cfg.tensor_parallel, cfg.expert_parallel,
@@ -89,6 +86,10 @@ class TEDPlugin(Plugin):
             layout.check_placement(rt.topology)
         except GroupError as err:
             raise DsExtConfigError(str(err)) from None
+        if layout.expert_data == 1 and any(p.name == "zero_topo" for p in rt.plugins):
+            _refuse(f"expert_data_parallel 1 (tensor {layout.tensor} x expert {layout.expert} fill the world) with "
+                    "ds_ext.zero_topo: no expert-data group to shard the experts over; allowed: expert_data_parallel "
+                    ">= 2")
         layers = self._layers(model, layout)
         _check_param_groups(optimizer, ds_config)
         self.ted = TEDContext.create(layout, rt.comm, cfg.duplicate_token_dropping, cfg.comm_aware_checkpointing,

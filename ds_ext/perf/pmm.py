@@ -116,8 +116,10 @@ def _ar(nbytes: float, d: int) -> float:
 
 
 def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_bytes: int,
-          grad_accum: int = 1, by_layer: bool = True) -> list[Item]:
-    """Every collective of one optimizer step, per rank (axes of size one send nothing)."""
+          grad_accum: int = 1, by_layer: bool = True, data_reduction: bool = True) -> list[Item]:
+    """Every collective of one optimizer step, per rank (axes of size one send nothing);
+    ``data_reduction`` False: the data axis's gradient reduction is not DeepSpeed's all-reduce
+    but ZeRO-topo's (``ds_ext.perf.zero`` models it)."""
     e, rows = elem_bytes, micro_batch * seq_len // grid.z
     out: list[Item] = []
 
@@ -167,8 +169,9 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
     add("backward", "all_reduce", "z", sum(replicated_numels(spec, grid)) * e, grad_accum,
         "replicated grads (one bucket)")
     layers = sharded_numel(spec, grid)
-    add("backward", "all_reduce", "data", layers * e, 1, "5.5 (DeepSpeed, one bucket with the rest)")
-    add("backward", "all_reduce", "data", (local_numel(spec, grid) - layers) * e, 1, "data (DeepSpeed)")
+    if data_reduction:
+        add("backward", "all_reduce", "data", layers * e, 1, "5.5 (DeepSpeed, one bucket with the rest)")
+        add("backward", "all_reduce", "data", (local_numel(spec, grid) - layers) * e, 1, "data (DeepSpeed)")
     return out
 
 
@@ -217,20 +220,20 @@ def local_numel(spec: ModelSpec, grid: Grid) -> int:
 
 def ledger_bytes(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, seq_len: int,
                  elem_bytes: int, grad_accum: int = 1, by_layer: bool = True,
-                 algorithm: str = "native") -> dict[str, dict[str, float]]:
+                 algorithm: str = "native", data_reduction: bool = True) -> dict[str, dict[str, float]]:
     """``{phase: {level: bytes}}`` per optimizer step, as the ledger records it."""
-    return _ledger(spec, grid, topology, micro_batch, seq_len, elem_bytes, grad_accum, by_layer, algorithm)[0]
+    return _ledger(spec, grid, topology, micro_batch, seq_len, elem_bytes, grad_accum, by_layer, algorithm, data_reduction)[0]
 
 
 def ledger_messages(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, seq_len: int,
                     elem_bytes: int, grad_accum: int = 1, by_layer: bool = True,
-                    algorithm: str = "native") -> dict[str, dict[str, float]]:
+                    algorithm: str = "native", data_reduction: bool = True) -> dict[str, dict[str, float]]:
     """``{phase: {level: messages}}`` per optimizer step, as the ledger counts them."""
-    return _ledger(spec, grid, topology, micro_batch, seq_len, elem_bytes, grad_accum, by_layer, algorithm)[1]
+    return _ledger(spec, grid, topology, micro_batch, seq_len, elem_bytes, grad_accum, by_layer, algorithm, data_reduction)[1]
 
 
 def _ledger(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, seq_len: int, elem_bytes: int,
-            grad_accum: int, by_layer: bool, algorithm: str) -> tuple[dict, dict]:
+            grad_accum: int, by_layer: bool, algorithm: str, data_reduction: bool = True) -> tuple[dict, dict]:
     """Bytes and messages per phase and level. With ``ds_ext.comm.algorithm`` pccl (or auto, chosen
     per call as the communicator does) an all-gather / reduce-scatter is split over the levels of its
     phases by ``ds_ext.perf.collectives`` (001 §6.2); a collective left to torch counts d - 1 messages
@@ -242,7 +245,7 @@ def _ledger(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, s
     groups = {a: grid.partition(a)[0] for a in AXES}  # rank 0's group; the others are congruent
     nbytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     messages: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for it in items(spec, grid, micro_batch, seq_len, elem_bytes, grad_accum, by_layer):
+    for it in items(spec, grid, micro_batch, seq_len, elem_bytes, grad_accum, by_layer, data_reduction):
         d = _size(grid, it.axis)
         chosen = algorithm
         if it.op in ("all_gather", "reduce_scatter") and algorithm == "auto":

@@ -140,6 +140,18 @@ class Traffic:
                 out[lv] += c
         return dict(out)
 
+    def __add__(self, other: "Traffic") -> "Traffic":
+        """Both tallies (ZeRO-topo's dense units and its experts, over their own groups)."""
+        def merged(a: dict, b: dict) -> dict:
+            out = {ph: dict(per) for ph, per in a.items()}
+            for ph, per in b.items():
+                for lv, v in per.items():
+                    out.setdefault(ph, {})[lv] = out.get(ph, {}).get(lv, 0) + v
+            return out
+
+        return Traffic(merged(self.bytes, other.bytes), merged(self.calls, other.calls),
+                       merged(self.steps, other.steps))
+
     def steps_by_level(self) -> dict[str, float]:
         """Sequential messages per level (ds_ext.comm.emulation.message_steps per call), the
         count an alpha-beta model charges the level's latency for."""

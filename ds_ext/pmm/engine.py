@@ -44,6 +44,9 @@ class PMMEngine:
         self.deferred = DeferredGradients() if self.overlap.reduce_scatter else None
         # per forward pass: one gradient-reducing view per replicated parameter
         self._replicated_views: dict[int, torch.Tensor] = {}
+        self._pass_replicated: set[int] = set()  # ids of this pass's replicated parameters
+        # ZeRO-topo's gather units (:meth:`bucket_by_unit`): each parameter's unit
+        self._unit_of: dict[int, list[torch.nn.Parameter]] | None = None
 
     def _world_gather(self):
         multi = dist.is_initialized() and dist.get_world_size() > 1
@@ -106,14 +109,18 @@ class PMMEngine:
                       replicated: list[torch.nn.Parameter] | None = None) -> None:
         """Called at the model's forward start: ``replicated`` (the parameters held replicated
         over Z: biases, norm vectors) pass through one gradient bucket, summed over Z in one
-        all-reduce per backward; ORS gate over ``weights``; no prefetch issued before (an
-        optimizer step may have run since) survives into the pass; matmul tuning's window
-        opens or its agreed point is reached (every rank in step)."""
+        all-reduce per backward (one bucket per gather unit under :meth:`bucket_by_unit`); ORS
+        gate over ``weights``; no prefetch issued before (an optimizer step may have run since)
+        survives into the pass; matmul tuning's window opens or its agreed point is reached
+        (every rank in step)."""
         self._replicated_views.clear()
         params = [p for p in replicated or () if p.requires_grad]
+        self._pass_replicated = set()
         if self.z.size > 1 and torch.is_grad_enabled() and params:
-            views = copy_to_region_bucketed(params, self.comm, self.z.group)
-            self._replicated_views = {id(p): v for p, v in zip(params, views)}
+            if self._unit_of is None:
+                self._bucket(params)
+            else:  # each unit's bucket when its first parameter is used (the unit is gathered then)
+                self._pass_replicated = {id(p) for p in params}
         if self.prefetcher is not None:
             self.prefetcher.drop()
         if self.tuner is not None:
@@ -121,8 +128,19 @@ class PMMEngine:
         if self.deferred is not None:
             self.deferred.open(weights)
 
+    def _bucket(self, params: list[torch.nn.Parameter]) -> None:
+        views = copy_to_region_bucketed(params, self.comm, self.z.group)
+        self._replicated_views.update({id(p): v for p, v in zip(params, views)})
+
+    def bucket_by_unit(self, units: list[list[torch.nn.Parameter]]) -> None:
+        """Parameters valid only while their gather unit is (ZeRO-topo over the ``data`` axis):
+        the Z bucket of a forward pass is built per unit, at the first use of one of its
+        parameters, instead of over every replicated parameter at the forward's start."""
+        self._unit_of = {id(p): unit for unit in units for p in unit}
+
     def end_forward(self) -> None:
         self._replicated_views.clear()
+        self._pass_replicated = set()
         if self.deferred is not None:
             self.deferred.close()
 
@@ -138,6 +156,11 @@ class PMMEngine:
         if self.z.size == 1 or not torch.is_grad_enabled() or not param.requires_grad:
             return param
         view = self._replicated_views.get(id(param))
+        if view is None and id(param) in self._pass_replicated:
+            unit = self._unit_of.get(id(param), [param])
+            self._bucket([p for p in unit if id(p) in self._pass_replicated])
+            self._pass_replicated.difference_update(id(p) for p in unit)
+            view = self._replicated_views[id(param)]
         if view is None:
             view = copy_to_region(param, self.comm, self.z.group)
             self._replicated_views[id(param)] = view

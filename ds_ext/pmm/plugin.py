@@ -59,6 +59,13 @@ class Pmm3dPlugin(Plugin):
             raise DsExtConfigError(f"{KEY}: zero_optimization.stage {stage} is not supported; allowed: "
                                    f"{', '.join(map(str, ALLOWED_STAGES))} (3D-PMM's Z axis shards like ZeRO-3)")
         rt = self.runtime
+        self.zero_topo = any(p.name == "zero_topo" for p in rt.plugins)
+        for key in ("reduce_scatter", "all_gather") if self.zero_topo else ():
+            if getattr(self.config.overlap, key):
+                raise DsExtConfigError(
+                    f"{KEY}.overlap.{key} with ds_ext.zero_topo: not supported (ZeRO-topo gathers the weights unit by "
+                    f"unit inside the forward, {'ORS gates' if key == 'reduce_scatter' else 'OAG prefetches'} them "
+                    "across units); allowed: false")
         plan = plan_for(model)
         self.grid = self._grid(model, plan, ds_config)  # checked against the world
         self.groups = build_process_groups(rt.groups, self.grid, rt.rank)
@@ -130,8 +137,14 @@ class Pmm3dPlugin(Plugin):
         from ds_ext.integration import ds_engine
 
         self.ds_engine = engine
-        ds_engine.wrap_checkpoint_methods(engine, save_checkpoint=self._save_checkpoint,
-                                          load_checkpoint=self._load_checkpoint)
+        if not self.zero_topo:  # else ZeRO-topo's sharded checkpoints, one folder per tensor-grid rank
+            ds_engine.wrap_checkpoint_methods(engine, save_checkpoint=self._save_checkpoint,
+                                              load_checkpoint=self._load_checkpoint)
+
+    def parameters_sharded(self, units: list[list[Any]]) -> None:
+        """ZeRO-topo over the ``data`` axis (000 §V-B: AxoNN's ZeRO sharding lives on its data
+        axis): the converted parameters exist only while their unit is gathered."""
+        self.engine.bucket_by_unit(units)
 
     # ---- checkpoints (ds_ext.pmm.checkpoint) -------------------------------------------
     def _save_checkpoint(self, original, save_dir, tag, client_state, save_latest, exclude_frozen_parameters):

@@ -13,10 +13,15 @@ Sharding contract: every rank shards its own parameters (a tensor-parallel rank 
 norms and biases whole) over its data-parallel group, exactly as ZeRO-topo over a world of
 that group's size; group rank i is the i-th smallest member. Collectives over a set of group
 levels run in every data-parallel group at once (:meth:`DataGroup.to_world`). The global
-gradient norm counts a parameter on every model-parallel rank if it is tensor-parallel
+gradient norm counts a parameter on every tensor rank if it is tensor-parallel
 (``tensor_model_parallel`` / ``model_parallel``, DeepSpeed's ``is_model_parallel_parameter``)
-and on model-parallel rank 0 only otherwise, then sums over the model-parallel group, as
-DeepSpeed's ZeRO-1/2 ``get_grad_norm_direct`` does.
+and on tensor rank 0 only otherwise, then sums over the model-parallel group, as DeepSpeed's
+ZeRO-1/2 ``get_grad_norm_direct`` does.
+
+MoE experts (TED, 001 §7.1) are sharded over their expert-data-parallel group instead (role
+``expert_data``): each expert rank holds other experts, so their norm sums over
+``expert_model`` (tensor x pipeline x expert); their gradients are averaged as DeepSpeed-MoE
+averages them (summed over the expert-data group, divided by the dense data-parallel size).
 """
 
 from __future__ import annotations
@@ -41,19 +46,26 @@ class DataGroup:
     members: tuple[int, ...]  # the group's global ranks, ascending
     partition: Partition  # every data-parallel group of the job
     model_rank: int  # this rank's position in its model-parallel group (tensor x pipeline)
+    tensor_rank: int  # this rank's position in its tensor group (0: it counts replicated parameters)
     model_size: int
     model_level: str | None  # the outermost world level the model-parallel group crosses
+    model_role: str  # that group's role in the layout: ``model`` or ``expert_model``
 
     @classmethod
-    def of(cls, layout: JobLayout, world: Topology, rank: int) -> "DataGroup":
-        partition = layout.partition("data")
+    def of(cls, layout: JobLayout, world: Topology, rank: int, role: str = "data") -> "DataGroup":
+        """``role`` ``data`` (dense parameters; norms summed over the ``model`` group after it) or
+        ``expert_data`` (MoE experts; then over ``expert_model``: other slices and other experts)."""
+        partition = layout.partition(role)
         members = member_group(partition, rank)
         whole = len(members) == world.world_size
+        what = role.replace("_", "-")
         topo = world if whole else world.of_group(
-            members, f"{world.name}, data-parallel group of {layout.describe_degrees()}")
-        model = layout.GROUPS["model"]
-        return cls(topo, members.index(rank), members, partition, layout.parallel_dims.group_rank(model, rank),
-                   layout.degree("model"), world.level_of(member_group(layout.partition("model"), rank)))
+            members, f"{world.name}, {what}-parallel group of {layout.describe_degrees()}")
+        model = "model" if role == "data" else "expert_model"
+        dims = layout.parallel_dims
+        return cls(topo, members.index(rank), members, partition, dims.group_rank(layout.GROUPS[model], rank),
+                   dims.group_rank(layout.GROUPS.get("tensor", ()), rank), layout.degree(model),
+                   world.level_of(member_group(layout.partition(model), rank)), model)
 
     def to_world(self, partition: Partition) -> Partition:
         """``partition`` of group ranks as global ranks, in every data-parallel group (a process
@@ -64,4 +76,4 @@ class DataGroup:
 
     def counted(self, param: object) -> bool:
         """Whether this rank counts ``param``'s gradient in the global norm (see module)."""
-        return self.model_rank == 0 or tensor_parallel(param)
+        return self.tensor_rank == 0 or tensor_parallel(param)

@@ -132,6 +132,15 @@ def assign_parameters(
     return out
 
 
+def is_expert(param: nn.Parameter) -> bool:
+    """A MoE expert parameter (DeepSpeed-MoE's and TED's mark: ``allreduce=False``)."""
+    return getattr(param, "allreduce", True) is False
+
+
+def _split_experts(params: list[tuple[nn.Parameter, tuple[str, ...]]]) -> tuple[list, list]:
+    return [e for e in params if not is_expert(e[0])], [e for e in params if is_expert(e[0])]
+
+
 STATE_DICT_WAIT_S = 120.0  # how long a state_dict() waits for the other ranks to ask too
 _arrivals: dict[str, int] = {}
 
@@ -168,19 +177,30 @@ def every_rank_arrives(what: str, rank: int, wait_s: float | None = None) -> Non
 class ShardedModel:
     """Installs the unit hooks on ``model`` and owns its :class:`FlatUnit` s."""
 
-    def __init__(self, model: nn.Module, ctx: ShardContext, unit_names, prefetch: bool) -> None:
+    def __init__(self, model: nn.Module, ctx: ShardContext, unit_names, prefetch: bool,
+                 expert_ctx: ShardContext | None = None) -> None:
+        """``expert_ctx``: the context of MoE expert parameters (``allreduce=False``, DeepSpeed's
+        mark), sharded over their expert-data-parallel group: each unit's experts become a unit
+        of their own, gathered and released with it."""
         self.model = model
         self.ctx = ctx
+        self.expert_ctx = expert_ctx
         self.prefetch = prefetch
         wrapped = find_units(model, unit_names)
         *unit_params, rest = assign_parameters(model, wrapped)
         self.units: list[FlatUnit] = []
         for (qual, mod), params in zip(wrapped, unit_params):
-            if params:
-                unit = FlatUnit(qual, [p for p, _ in params], ctx, [n for _, n in params])
-                self.units.append(unit)
-                mod.register_forward_pre_hook(_eager(self._pre_forward(unit)))
-                mod.register_forward_hook(_eager(self._post_forward(unit)))
+            dense, experts = _split_experts(params)
+            for name, part, part_ctx in ((qual, dense, ctx), (f"{qual}<experts>", experts, expert_ctx)):
+                if part:
+                    unit = FlatUnit(name, [p for p, _ in part], part_ctx, [n for _, n in part])
+                    self.units.append(unit)
+                    mod.register_forward_pre_hook(_eager(self._pre_forward(unit)))
+                    mod.register_forward_hook(_eager(self._post_forward(unit)))
+        rest, root_experts = _split_experts(rest)
+        if root_experts:
+            raise UnitError(f"ds_ext.zero_topo.units: expert parameter {root_experts[0][1][0]!r} is outside every "
+                            "unit; allowed: units that hold each MoE layer (e.g. the transformer block's class)")
         self.root = FlatUnit("<root>", [p for p, _ in rest], ctx, [n for _, n in rest]) if rest else None
         self.all_units = ([self.root] if self.root else []) + self.units
         for unit in self.all_units:
@@ -328,16 +348,18 @@ class ShardedModel:
             if unit.gathered and not unit.held:
                 unit.release()
 
-    def unit_specs(self):
-        """The units as the analytic model sees them (ds_ext.perf.zero.UnitSpec)."""
+    def unit_specs(self, ctx: ShardContext | None = None):
+        """The units of ``ctx`` (default: the dense parameters') as the analytic model sees them
+        (ds_ext.perf.zero.UnitSpec)."""
         from ds_ext.perf.zero import UnitSpec
 
-        n_g = shard_count(self.ctx.topo, self.ctx.plan.gradients)
+        ctx = ctx or self.ctx
+        n_g = shard_count(ctx.topo, ctx.plan.gradients)
         return [UnitSpec(u.U, u.numel, u is self.root,
                          spans=tuple((o, o + shape.numel()) for p, o, shape in zip(u.params, u.offsets, u.shapes)
                                      if p.requires_grad),
                          raw_per_shard=tuple(u.raw_blocks.view(n_g, -1).sum(1).tolist()))
-                for u in self.all_units]
+                for u in self.all_units if u.ctx is ctx]
 
     def units_of(self, params: Iterable[torch.Tensor] | None) -> list[FlatUnit]:
         """The units holding ``params`` (every unit for None), in model order."""
@@ -395,14 +417,13 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         self.scaler = scaler
         self.overflow = False
         self._global_grad_norm = 0.0
-        ctx = sharded.ctx
         group_of = {id(p): i for i, g in enumerate(inner.param_groups) for p in g["params"]}
         self.segments: list[tuple[FlatUnit, int, int, torch.Tensor]] = []  # unit, lo, hi, master
         self._counted: list[bool] = []  # per segment: in this rank's share of the global norm
         per_group: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
-        n_opt = shard_count(ctx.topo, ctx.plan.optimizer)
         for unit in sharded.all_units:
-            size = unit.U // n_opt
+            ctx = unit.ctx
+            size = unit.U // shard_count(ctx.topo, ctx.plan.optimizer)
             a = shard_index(ctx.topo, ctx.rank, ctx.plan.optimizer) * size
             own = self._own_slice(unit)
             for p, o, shape in zip(unit.params, unit.offsets, unit.shapes):
@@ -425,7 +446,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
 
     def own_range(self, unit: FlatUnit) -> tuple[int, int]:
         """[start, stop) of this rank's optimizer slice in the unit's flat index."""
-        ctx = self.sharded.ctx
+        ctx = unit.ctx
         size = unit.U // shard_count(ctx.topo, ctx.plan.optimizer)
         start = shard_index(ctx.topo, ctx.rank, ctx.plan.optimizer) * size
         return start, start + size
@@ -450,8 +471,8 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
 
     def _own_slice(self, unit: FlatUnit) -> torch.Tensor:
         """This rank's optimizer slice of the unit's primary shard (a view)."""
-        plan = self.sharded.ctx.plan
-        return sub_chunk(unit.primary, self.sharded.ctx.topo, self.sharded.ctx.rank, unit.U, plan.weights, plan.optimizer)
+        ctx = unit.ctx
+        return sub_chunk(unit.primary, ctx.topo, ctx.rank, unit.U, ctx.plan.weights, ctx.plan.optimizer)
 
     # ---- step boundary ------------------------------------------------------------------
     def _optimizer_grad(self, unit: FlatUnit) -> torch.Tensor:
@@ -461,7 +482,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
     def _optimizer_grad_reduced(self, unit: FlatUnit) -> torch.Tensor:
         """Reduce the unit's gradient shard across levels into its optimizer slice, in the
         training dtype (the tiled step up-casts it one tile at a time)."""
-        ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
+        ctx, plan = unit.ctx, unit.ctx.plan
         top = len(ctx.topo.levels) - 1
         x = unit.grad_shard
         if plan.step == "allreduce":
@@ -492,7 +513,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         collective's handle (``None`` when synchronous) right after issuing it; the caller
         waits on it and resumes the chain, which finally writes the primary shard and the
         secondary."""
-        ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
+        ctx, plan = unit.ctx, unit.ctx.plan
         x = slice16
         if plan.step == "allreduce" and plan.optimizer > plan.weights:
             levels = list(range(plan.optimizer + 1))
@@ -516,25 +537,29 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         once, over the model-parallel group too: ``ds_ext.zero_topo.data_group``), overflow and
         loss-scale update, before any parameter changes. On overflow the secondaries built
         from stale weights are dropped. Returns the clip coefficient, if clipping."""
-        ctx, plan = self.sharded.ctx, self.sharded.ctx.plan
-        sumsq = torch.zeros(1, dtype=torch.float64, device=ctx.device)
-        for g, counted in zip(grads, self._counted, strict=True):
+        contexts = {id(u.ctx): u.ctx for u in self.sharded.all_units}  # the same order on every rank
+        sums = {key: torch.zeros(1, dtype=torch.float64, device=ctx.device) for key, ctx in contexts.items()}
+        for g, counted, (unit, *_) in zip(grads, self._counted, self.segments, strict=True):
             if not counted:
                 continue
             g = g.float()
             if scale != 1.0:
                 g = g / scale
-            sumsq += g.double().pow_(2).sum()
-        ctx.comm.all_reduce(sumsq, group=ctx.span(plan.optimizer))
-        if ctx.model_group is not None:
-            ctx.comm.all_reduce(sumsq, group=ctx.model_group)
-        norm = math.sqrt(sumsq.item()) if math.isfinite(sumsq.item()) else float("inf")
+            sums[id(unit.ctx)] += g.double().pow_(2).sum()
+        sumsq = 0.0
+        for key, ctx in contexts.items():  # dense parameters, then experts over their own groups
+            ctx.comm.all_reduce(sums[key], group=ctx.span(ctx.plan.optimizer))
+            if ctx.model_group is not None:
+                ctx.comm.all_reduce(sums[key], group=ctx.model_group)
+            sumsq += sums[key].item()
+        norm = math.sqrt(sumsq) if math.isfinite(sumsq) else float("inf")
         self._global_grad_norm = norm
         self.overflow = not math.isfinite(norm)
         self.scaler.update_scale(self.overflow)
-        if self.overflow and not plan.secondary_from_primary:
+        if self.overflow:
             for unit in self.sharded.all_units:
-                unit.secondary = None
+                if not unit.ctx.plan.secondary_from_primary:
+                    unit.secondary = None
         return self.clip / (norm + 1e-6) if self.clip > 0 and norm > self.clip else None
 
     def _tiled_step(self, tiled: "TiledAdam") -> None:

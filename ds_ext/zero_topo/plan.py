@@ -98,7 +98,7 @@ class ZeroTopoConfig(PluginConfig):
     compile_quantizer: bool = Field(
         True,
         description="Fuse the quantizer's encode / decode with torch.compile (the default): one pass per block, "
-        "over 10x DeepSpeed's pure-torch quantizer (ds-ext bench quant); costs a few seconds of compilation per "
+        "faster than DeepSpeed's pure-torch quantizer (ds-ext bench quant); costs a few seconds of compilation per "
         "process once (inductor caches it on disk); tensors under 65,536 elements use the eager kernels (same "
         "bits). false = eager kernels, no compiler needed.",
     )

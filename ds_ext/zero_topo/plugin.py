@@ -65,9 +65,11 @@ class ZeroTopoPlugin(Plugin):
 
         self.data = self._data_group()
         self.plan = resolve_plan(self.config, self.data.topology)
+        self.experts = self._expert_group()
+        self.expert_plan = resolve_plan(self.config, self.experts.topology) if self.experts else None
         self.dtype = support.precision(ds_config)
         support.check_ds_config(ds_config, self.dtype)
-        support.check_model(model)
+        support.check_model(model, experts=self.experts is not None)
         note = support.check_optimizer(optimizer, ds_config)
         if note is not None:
             log.warn(note)  # DeepSpeed logs below WARNING by default: a user must see this
@@ -84,10 +86,6 @@ class ZeroTopoPlugin(Plugin):
         """The data-parallel group to shard over, from the job layout (before any collective of
         its own): the world, or the caller's mpu's data-parallel group (Megatron tensor parallelism)."""
         rt = self.runtime
-        if any(p.name == "pmm3d" for p in rt.plugins):
-            raise DsExtConfigError(
-                f"{support.KEY} with ds_ext.pmm3d: not supported yet (3D-PMM's engine takes every replicated "
-                "parameter at the start of a forward, ZeRO-topo gathers them unit by unit); allowed: one of them")
         layout = rt.parallel
         if layout.degree("pipeline") > 1:
             raise DsExtConfigError(
@@ -95,10 +93,20 @@ class ZeroTopoPlugin(Plugin):
                 "supported; allowed: 1 (tensor parallelism of any size)")
         return DataGroup.of(layout, rt.topology, rt.rank)
 
+    def _expert_group(self) -> DataGroup | None:
+        """MoE experts' expert-data-parallel group (TED's layout), None without experts."""
+        rt = self.runtime
+        if "expert_data" not in rt.parallel.GROUPS:
+            return None
+        return DataGroup.of(rt.parallel, rt.topology, rt.rank, "expert_data")
+
     def describe(self) -> str:
         where = "" if len(self.data.members) == self.runtime.topology.world_size else \
             f" over the data-parallel group ({self.data.topology.describe()})"
-        return self.plan.describe() + where
+        experts = "" if self.experts is None else \
+            f"; experts: {self.expert_plan.describe()} over the expert-data-parallel group " \
+            f"({self.experts.topology.describe()})"
+        return self.plan.describe() + where + experts
 
     def attach(self, engine: Any) -> None:
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
@@ -111,12 +119,19 @@ class ZeroTopoPlugin(Plugin):
         if self.config.agreement_check_s > 0:
             trace = UnitTrace(rt.rank, rt.topology.world_size, self.config.agreement_check_s)
             rt.comm.watch = trace
-        model_group = rt.groups.group(rt.parallel.partition("model")) if self.data.model_size > 1 else None
-        ctx = ShardContext(self.plan, rt.comm, rank=self.data.rank, dtype=self.dtype,
-                           compile_quantizer=self.config.compile_quantizer,
-                           device=next(engine.module.parameters()).device, trace=trace,
-                           data=self.data, model_group=model_group)
-        self.sharded = ShardedModel(engine.module, ctx, self.config.units, self.config.prefetch)
+        device = next(engine.module.parameters()).device
+
+        def context(plan, data: DataGroup) -> ShardContext:
+            model_group = rt.groups.group(rt.parallel.partition(data.model_role)) if data.model_size > 1 else None
+            return ShardContext(plan, rt.comm, rank=data.rank, dtype=self.dtype,
+                                compile_quantizer=self.config.compile_quantizer, device=device, trace=trace,
+                                data=data, model_group=model_group, average_over=len(self.data.members))
+
+        expert_ctx = context(self.expert_plan, self.experts) if self.experts else None
+        self.sharded = ShardedModel(engine.module, context(self.plan, self.data), self.config.units,
+                                    self.config.prefetch, expert_ctx)
+        for plugin in rt.plugins:
+            plugin.parameters_sharded([unit.params for unit in self.sharded.all_units])
         self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler)
         ds_engine.replace_optimizer(engine, self.optimizer)
         if self.dtype == torch.float16:
@@ -140,14 +155,25 @@ class ZeroTopoPlugin(Plugin):
         """The analytic model (ds_ext.perf.zero) of this run's bytes per step."""
         from ds_ext.perf.zero import traffic
 
-        return traffic(self.plan, self.sharded.unit_specs(), grad_accum, self.sharded.ctx.dtype.itemsize,
-                       algorithm=self.runtime.comm.algorithm, rank=self.data.rank,
-                       model_parallel=(self.data.model_level, self.data.model_size))
+        out = traffic(self.plan, self.sharded.unit_specs(), grad_accum, self.dtype.itemsize,
+                      algorithm=self.runtime.comm.algorithm, rank=self.data.rank,
+                      model_parallel=(self.data.model_level, self.data.model_size))
+        if self.experts is not None:
+            ctx = self.sharded.expert_ctx
+            out = out + traffic(self.expert_plan, self.sharded.unit_specs(ctx), grad_accum, self.dtype.itemsize,
+                                algorithm=self.runtime.comm.algorithm, rank=self.experts.rank,
+                                model_parallel=(self.experts.model_level, self.experts.model_size))
+        return out
 
     def analytic_memory(self):
         from ds_ext.perf.zero import memory
 
-        return memory(self.plan, self.sharded.unit_specs(), self.data.rank, self.sharded.ctx.dtype.itemsize)
+        out = memory(self.plan, self.sharded.unit_specs(), self.data.rank, self.dtype.itemsize)
+        if self.experts is not None:
+            experts = memory(self.expert_plan, self.sharded.unit_specs(self.sharded.expert_ctx), self.experts.rank,
+                             self.dtype.itemsize)
+            out = {k: v + experts[k] for k, v in out.items()}
+        return out
 
     def scaler_state(self) -> dict:
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use

@@ -71,18 +71,19 @@ def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
                 f"unset or {_DTYPE_NAMES[dtype][0]!r}", accum)
 
 
-def check_model(model: nn.Module) -> None:
-    """Refuse pipeline modules and DeepSpeed-MoE expert parameters."""
+def check_model(model: nn.Module, experts: bool) -> None:
+    """Refuse pipeline modules, and MoE expert parameters unless the job's layout has an
+    expert-data group to shard them over (``experts``: TED)."""
     from deepspeed.pipe import PipelineModule
 
     if isinstance(model, PipelineModule):
         _refuse("model", "pipeline parallelism: deepspeed.pipe.PipelineModule", "a plain nn.Module",
                 type(model).__name__)
-    experts = [n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
-    if experts:
-        _refuse("model", f"DeepSpeed-MoE expert parameters (allreduce=False) such as {experts[0]!r}: it shards "
-                "every parameter over the whole world", "dense models (MoE: ds_ext.ted with ZeRO-1/2)",
-                f"{len(experts)} expert parameters")
+    found = [n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
+    if found and not experts:
+        _refuse("model", f"DeepSpeed-MoE expert parameters (allreduce=False) such as {found[0]!r}: the job's layout "
+                "names no expert-data group to shard them over", "dense models, or MoE through ds_ext.ted",
+                f"{len(found)} expert parameters")
 
 
 def check_optimizer(optimizer: Any, ds_config: Mapping[str, Any]) -> str | None:

@@ -65,6 +65,9 @@ class ShardContext:
     trace: UnitTrace | None = None  # the units of this rank's collectives (agreement check)
     data: DataGroup | None = None  # the data-parallel group sharded over (None: the world)
     model_group: object | None = None  # the model-parallel group gradient norms are summed over
+    # the gradient sum's divisor (None: the ranks sharded over). MoE experts: the dense data-parallel
+    # size, as DeepSpeed-MoE averages (a sum over the expert-data group / G_data^nonexp, 001 §7.1)
+    average_over: int | None = None
 
     def __post_init__(self) -> None:
         b, c = self.plan.block_size, self.compile_quantizer
@@ -250,7 +253,7 @@ class FlatUnit:
             if p.grad is not None:
                 flat[o : o + p.grad.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
-        flat.div_(ctx.topo.world_size)
+        flat.div_(ctx.average_over or ctx.topo.world_size)
         if ctx.trace is not None:
             ctx.trace.record("reduce", self.name)
         g = plan.gradients
