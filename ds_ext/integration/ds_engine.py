@@ -9,7 +9,7 @@ import functools
 import os
 import sys
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -129,6 +129,34 @@ def load_loss_scaler_state(scaler, state: dict[str, float]) -> None:
             setattr(scaler, k, v)
 
 
+def pipeline_grid(model) -> Any:
+    """A ``deepspeed.pipe.PipelineModule``'s process grid (what ``deepspeed.initialize`` hands its
+    PipelineEngine as the mpu: runtime/pipe/topology.py ``PipelineParallelGrid``), else None."""
+    from deepspeed.pipe import PipelineModule
+
+    return model.mpu() if isinstance(model, PipelineModule) else None
+
+
+def tag_pipeline_instructions(engine, in_phase: Callable[[str, Callable], Callable]) -> None:
+    """Run the PipelineEngine's schedule instructions in the ledger's phases: it binds them from
+    ``_INSTRUCTION_MAP`` per instruction (runtime/pipe/engine.py ``_exec_schedule``), so the
+    engine gets a map of its own with each wrapped by ``in_phase(phase, fn)``."""
+    from deepspeed.runtime.pipe import schedule
+
+    phases = {schedule.ForwardPass: "forward", schedule.BackwardPass: "backward",
+              schedule.ReduceTiedGrads: "step", schedule.ReduceGrads: "step", schedule.OptimizerStep: "step"}
+    table = dict(type(engine)._INSTRUCTION_MAP)
+    for cmd, phase in phases.items():
+        table[cmd] = in_phase(phase, table[cmd])
+    engine._INSTRUCTION_MAP = table
+
+
+def is_pipeline_engine(engine) -> bool:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return isinstance(engine, PipelineEngine)
+
+
 def replace_optimizer(engine, optimizer) -> None:
     """Make ``engine.step()`` call ``optimizer`` and stop DeepSpeed's own gradient all-reduce.
 
@@ -138,6 +166,7 @@ def replace_optimizer(engine, optimizer) -> None:
     """
     engine.optimizer = optimizer
     engine.enable_backward_allreduce = False
+    engine.pipeline_enable_backward_allreduce = False  # PipelineEngine's ReduceGrads (pipe/engine.py:289)
 
 
 def report_precision(engine, dtype) -> None:

@@ -83,11 +83,12 @@ def _with_plugin_mpu(runtime: Runtime, kwargs: dict) -> dict:
     return kwargs
 
 
-def _caller_layout(world_size: int, rank: int, mpu: Any) -> JobLayout:
+def _caller_layout(world_size: int, rank: int, mpu: Any, source: str = "the caller's mpu= argument") -> JobLayout:
     """The job layout of the caller's mpu (Megatron-DeepSpeed's ``megatron.core.mpu``, GPT-NeoX's
-    topology-backed mpu): its tensor and pipeline degrees in Megatron's rank order, each of this
-    rank's groups checked against it. Collective (every rank learns whether any refused), so a
-    layout one rank refuses fails on all before any other collective."""
+    topology-backed mpu, or a ``PipelineModule``'s grid, which DeepSpeed's PipelineEngine takes as
+    its mpu): its tensor and pipeline degrees in Megatron's rank order, each of this rank's groups
+    checked against it. Collective (every rank learns whether any refused), so a layout one rank
+    refuses fails on all before any other collective."""
     import torch.distributed as dist
 
     error, layout = None, JobLayout.data_parallel(world_size)
@@ -95,7 +96,7 @@ def _caller_layout(world_size: int, rank: int, mpu: Any) -> JobLayout:
         groups = _mpu_groups(mpu)
         if groups is not None:
             tensor, data, pipeline = groups
-            layout = JobLayout.megatron(world_size, len(tensor), pipeline, "the caller's mpu= argument")
+            layout = JobLayout.megatron(world_size, len(tensor), pipeline, source)
             layout.check_groups(rank, {"tensor": tensor, "data": data})
         else:
             sizes = _model_parallel_sizes(mpu)
@@ -125,7 +126,8 @@ def _mpu_groups(mpu: Any) -> tuple[Any, ...] | None:
         fn = next((getattr(mpu, n) for n in names if callable(getattr(mpu, n, None))), None)
         return None if fn is None else fn()
 
-    tensor = call("get_tensor_model_parallel_group", "get_model_parallel_group")
+    # a PipelineModule's grid: its model-parallel group is pipeline x tensor, the slice group the tensor one
+    tensor = call("get_tensor_model_parallel_group", "get_slice_parallel_group", "get_model_parallel_group")
     data = call("get_data_parallel_group")
     if tensor is None or data is None:
         return None
@@ -169,6 +171,9 @@ def _tag_engine(engine: Any, runtime: Runtime) -> None:
 
         return wrapped
 
+    if ds_engine.is_pipeline_engine(engine):
+        _tag_pipeline_engine(engine, in_phase, ledger)
+        return
     engine.forward = in_phase("forward", engine.forward)
     engine.backward = in_phase("backward", engine.backward)
     step = in_phase("step", engine.step)
@@ -182,6 +187,23 @@ def _tag_engine(engine: Any, runtime: Runtime) -> None:
         return out
 
     engine.step = step_and_mark
+
+
+def _tag_pipeline_engine(engine: Any, in_phase, ledger) -> None:
+    """DeepSpeed's PipelineEngine runs a whole batch in ``train_batch``: its schedule's
+    instructions get the phases; a ledger step closes when ``train_batch`` took an optimizer step."""
+    ds_engine.tag_pipeline_instructions(engine, in_phase)
+    train_batch = engine.train_batch
+
+    @functools.wraps(train_batch)
+    def train_batch_and_mark(*a, **kw):
+        before = engine.global_steps
+        out = train_batch(*a, **kw)
+        if engine.global_steps != before:
+            ledger.mark_step()
+        return out
+
+    engine.train_batch = train_batch_and_mark
 
 
 def initialize(
@@ -213,6 +235,8 @@ def initialize(
     runtime = Runtime.create(parsed, initialize_kwargs=kwargs)
     if mpu is not None:
         runtime.parallel = _caller_layout(runtime.topology.world_size, runtime.rank, mpu)
+    elif (grid := ds_engine.pipeline_grid(model)) is not None:  # DeepSpeed's PipelineEngine takes it as the mpu
+        runtime.parallel = _caller_layout(runtime.topology.world_size, runtime.rank, grid, "the PipelineModule's topology")
     if parsed.comm.ledger and parsed.comm.count_torch_collectives:
         instrument.install(runtime.comm)
         ds_engine.rebind_backend_collectives()

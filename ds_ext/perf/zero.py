@@ -179,11 +179,14 @@ def _group_size(plan: ShardingPlan, levels) -> int:
 
 def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_bytes: int,
             secondary_serves_forward: bool = True, algorithm: str = "native", rank: int = 0,
-            model_parallel: tuple[str | None, int] = (None, 1)) -> Traffic:
+            model_parallel: tuple[str | None, int] = (None, 1), pipeline: bool = False) -> Traffic:
     """Bytes and calls per optimizer step of ``plan`` for ``units`` at ``grad_accum``, as rank
     ``rank`` of its data-parallel group sends them (module docstring; ranks differ only where raw
     blocks are uneven). ``model_parallel``: (outermost level, size) of the model-parallel group
-    the grad-norm all-reduce also runs over (``ds_ext.zero_topo.data_group``)."""
+    the grad-norm all-reduce also runs over (``ds_ext.zero_topo.data_group``). ``pipeline``: the
+    pipeline form (``ds_ext.zero_topo.pipeline``): weights whole, no gathers in forward or backward;
+    at the step the accumulated gradients are reduced once, the step runs, and the weights are
+    gathered back whole."""
     t = _Tally(plan.topology, algorithm)
     top = len(plan.topology.levels) - 1
     B = plan.block_size
@@ -203,6 +206,11 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
     sec_quant = plan.secondary_bits == 8 or plan.gather_bits == 8
     pri_quant = plan.gather_bits == 8
     for u in units:
+        if pipeline:
+            _gradient_reduce(t, plan, u, elem_bytes, 1, rank, "step")
+            _step(t, plan, u.U, elem_bytes, top)
+            gather("step", w, u, False, 1)  # the updated shards back into whole weights
+            continue
         # forward: from the primary, or from a narrower secondary once it exists
         if secondary_serves_forward and s is not None and s < w:  # hpZ: built by the step's first gather, kept to the step
             gather("forward", w, u, pri_quant, 1)
@@ -225,14 +233,15 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
                    {p: dict(v) for p, v in t.steps.items()})
 
 
-def _gradient_reduce(t: _Tally, plan: ShardingPlan, u: UnitSpec, e: int, times: int, rank: int) -> None:
+def _gradient_reduce(t: _Tally, plan: ShardingPlan, u: UnitSpec, e: int, times: int, rank: int,
+                     phase: str = "backward") -> None:
     from ds_ext.zero_topo.layout import shard_index
 
     U, g, B = u.U, plan.gradients, plan.block_size
     levels = list(range(g + 1))
     d = _group_size(plan, levels)
     if plan.gradient_bits == 16:
-        t.add("backward", _level(plan, levels), U * e * (d - 1) / d, 1, times, "reduce_scatter", d, levels)
+        t.add(phase, _level(plan, levels), U * e * (d - 1) / d, 1, times, "reduce_scatter", d, levels)
         return
     per = U // (d * B)  # blocks per gradient shard
     raw = u.raw_per_shard or (0,) * d
@@ -246,15 +255,15 @@ def _gradient_reduce(t: _Tally, plan: ShardingPlan, u: UnitSpec, e: int, times: 
 
     if plan.gradient_hops == 1:
         others = [k for k in range(d) if k != shard_index(plan.topology, rank, g)]
-        t.add("backward", _level(plan, levels), sent(others), calls(range(d)), times, d=d)
+        t.add(phase, _level(plan, levels), sent(others), calls(range(d)), times, d=d)
         return
     inner = list(range(g))
     p, n = _group_size(plan, inner), plan.topology.levels[g].size
     mine, mine_g = shard_index(plan.topology, rank, g - 1), plan.topology.coords(rank)[g]
     peers = [k for k in range(d) if k // n != mine]  # shard k = (intra digits, level-g digit)
-    t.add("backward", _level(plan, inner), sent(peers), calls(range(d)), times, d=p)
+    t.add(phase, _level(plan, inner), sent(peers), calls(range(d)), times, d=p)
     own = [mine * n + c for c in range(n)]  # the partial sums this rank holds after hop 1
-    t.add("backward", _level(plan, [g]), sent([k for k in own if k % n != mine_g]), calls(own), times, d=n)
+    t.add(phase, _level(plan, [g]), sent([k for k in own if k % n != mine_g]), calls(own), times, d=n)
 
 
 def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:

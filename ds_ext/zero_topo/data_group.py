@@ -75,5 +75,8 @@ class DataGroup:
         return tuple(tuple(g[i] for i in part) for g in self.partition for part in partition)
 
     def counted(self, param: object) -> bool:
-        """Whether this rank counts ``param``'s gradient in the global norm (see module)."""
+        """Whether this rank counts ``param``'s gradient in the global norm (see module); a tied
+        weight's copy on a later pipeline stage (DeepSpeed's ``ds_pipe_replicated``) never."""
+        if getattr(param, "ds_pipe_replicated", False):
+            return False
         return self.tensor_rank == 0 or tensor_parallel(param)

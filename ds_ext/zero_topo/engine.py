@@ -620,12 +620,17 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise DsExtConfigError("ds_ext.zero_topo: step(closure) is not supported; call step() after backward")
+        whole = [unit for unit in self.sharded.all_units if unit.whole]  # the pipeline form
+        for unit in whole:  # the gradients autograd accumulated over the micro-batches, reduced once
+            unit.reduce_gradients()
         if self.tiled is not None:
             self._tiled_step(self.tiled)
         else:
             self._untiled_step()
         for unit in self.sharded.all_units:
             unit.grad_shard.zero_()
+        for unit in whole if not self.overflow else ():
+            unit.regather()
 
     def _untiled_step(self) -> None:
         """Up-cast every reduced gradient, run the inner optimizer, gather the weights."""

@@ -80,6 +80,13 @@ class ZeroTopoConfig(PluginConfig):
     """``"ds_ext": {"zero_topo": {...}}``."""
 
     preset: PresetName = Field("zero_topo", description=f"Base plan: one of {', '.join(PRESETS)}.")  # type: ignore[valid-type]
+    form: Literal["auto", "sharded", "pipeline"] = Field(
+        "auto",
+        description="'sharded': every model state sharded, weights gathered unit by unit (003 §V); 'pipeline': inside "
+        "DeepSpeed's PipelineEngine (deepspeed.pipe.PipelineModule) weights stay whole, gradients are reduced once "
+        "per train_batch and the optimizer state is sharded (ds_ext.zero_topo.pipeline); 'auto': 'pipeline' for a "
+        "PipelineModule, else 'sharded'.",
+    )
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     secondary: SecondaryConfig = Field(default_factory=SecondaryConfig)
     gradients: GradientsConfig = Field(default_factory=GradientsConfig)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -32,6 +33,7 @@ from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.zero_topo import checkpoint as ckpt
 from ds_ext.zero_topo import support
 from ds_ext.zero_topo.engine import ShardedModel, ZeroTopoOptimizer
+from ds_ext.zero_topo.pipeline import PipelineStage
 from ds_ext.zero_topo.plan import ZeroTopoConfig, resolve_plan
 from ds_ext.zero_topo.layout import shard_count, shard_index
 from ds_ext.zero_topo.agreement import UnitTrace
@@ -63,13 +65,16 @@ class ZeroTopoPlugin(Plugin):
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
 
+        self.pipeline = self._form(model) == "pipeline"
         self.data = self._data_group()
         self.plan = resolve_plan(self.config, self.data.topology)
+        if self.pipeline:
+            self.plan = dataclasses.replace(self.plan, weights=0, secondary=None)  # weights stay whole
         self.experts = self._expert_group()
         self.expert_plan = resolve_plan(self.config, self.experts.topology) if self.experts else None
         self.dtype = support.precision(ds_config)
         support.check_ds_config(ds_config, self.dtype)
-        support.check_model(model, experts=self.experts is not None)
+        support.check_model(model, experts=self.experts is not None, pipeline=self.pipeline)
         note = support.check_optimizer(optimizer, ds_config)
         if note is not None:
             log.warn(note)  # DeepSpeed logs below WARNING by default: a user must see this
@@ -87,11 +92,33 @@ class ZeroTopoPlugin(Plugin):
         its own): the world, or the caller's mpu's data-parallel group (Megatron tensor parallelism)."""
         rt = self.runtime
         layout = rt.parallel
-        if layout.degree("pipeline") > 1:
+        if layout.degree("pipeline") > 1 and not self.pipeline:
             raise DsExtConfigError(
-                f"{support.KEY}: pipeline parallel size {layout.degree('pipeline')} (from {layout.source}) is not "
-                "supported; allowed: 1 (tensor parallelism of any size)")
+                f"{support.KEY}: pipeline parallel size {layout.degree('pipeline')} (from {layout.source}) with a "
+                "model that is no deepspeed.pipe.PipelineModule; allowed: 1, or a PipelineModule (the pipeline form)")
         return DataGroup.of(layout, rt.topology, rt.rank)
+
+    def _form(self, model: Any) -> str:
+        """The form that runs (``form``; 'auto' follows the model), refusing a mismatch and settings
+        the pipeline form has no use for, in one line each."""
+        from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
+
+        is_pipe = ds_engine.pipeline_grid(model) is not None
+        form = self.config.form if self.config.form != "auto" else ("pipeline" if is_pipe else "sharded")
+        if form == "sharded" and is_pipe:
+            raise DsExtConfigError(
+                f"{support.KEY}.form 'sharded' with a deepspeed.pipe.PipelineModule: DeepSpeed's PipelineEngine keeps "
+                "every stage's weights whole (ZeRO-2 and ZeRO-3 are incompatible with it); allowed: 'pipeline' or 'auto'")
+        if form == "pipeline" and not is_pipe:
+            raise DsExtConfigError(f"{support.KEY}.form 'pipeline' needs a deepspeed.pipe.PipelineModule (got "
+                                   f"{type(model).__name__}); allowed: 'sharded' or 'auto'")
+        if form == "pipeline":
+            set_ = self.config.model_dump(exclude_unset=True)
+            given = [f"{k}.{f}" for k in ("weights", "secondary") for f in set_.get(k, {})]
+            if given:
+                raise DsExtConfigError(f"{support.KEY}.{given[0]}: the pipeline form keeps weights whole on every "
+                                       "rank; allowed: gradients, optimizer and step settings only")
+        return form
 
     def _expert_group(self) -> DataGroup | None:
         """MoE experts' expert-data-parallel group (TED's layout), None without experts."""
@@ -103,6 +130,8 @@ class ZeroTopoPlugin(Plugin):
     def describe(self) -> str:
         where = "" if len(self.data.members) == self.runtime.topology.world_size else \
             f" over the data-parallel group ({self.data.topology.describe()})"
+        if self.pipeline:
+            where += "; pipeline form: weights whole per stage, gradients reduced once per train_batch"
         experts = "" if self.experts is None else \
             f"; experts: {self.expert_plan.describe()} over the expert-data-parallel group " \
             f"({self.experts.topology.describe()})"
@@ -128,8 +157,11 @@ class ZeroTopoPlugin(Plugin):
                                 data=data, model_group=model_group, average_over=len(self.data.members))
 
         expert_ctx = context(self.expert_plan, self.experts) if self.experts else None
-        self.sharded = ShardedModel(engine.module, context(self.plan, self.data), self.config.units,
-                                    self.config.prefetch, expert_ctx)
+        if self.pipeline:
+            self.sharded = PipelineStage(engine.module, context(self.plan, self.data), engine.stage_id)
+        else:
+            self.sharded = ShardedModel(engine.module, context(self.plan, self.data), self.config.units,
+                                        self.config.prefetch, expert_ctx)
         for plugin in rt.plugins:
             plugin.parameters_sharded([unit.params for unit in self.sharded.all_units])
         self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler)
@@ -157,7 +189,7 @@ class ZeroTopoPlugin(Plugin):
 
         out = traffic(self.plan, self.sharded.unit_specs(), grad_accum, self.dtype.itemsize,
                       algorithm=self.runtime.comm.algorithm, rank=self.data.rank,
-                      model_parallel=(self.data.model_level, self.data.model_size))
+                      model_parallel=(self.data.model_level, self.data.model_size), pipeline=self.pipeline)
         if self.experts is not None:
             ctx = self.sharded.expert_ctx
             out = out + traffic(self.expert_plan, self.sharded.unit_specs(ctx), grad_accum, self.dtype.itemsize,

@@ -71,15 +71,13 @@ def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
                 f"unset or {_DTYPE_NAMES[dtype][0]!r}", accum)
 
 
-def check_model(model: nn.Module, experts: bool) -> None:
-    """Refuse pipeline modules, and MoE expert parameters unless the job's layout has an
-    expert-data group to shard them over (``experts``: TED)."""
-    from deepspeed.pipe import PipelineModule
-
-    if isinstance(model, PipelineModule):
-        _refuse("model", "pipeline parallelism: deepspeed.pipe.PipelineModule", "a plain nn.Module",
-                type(model).__name__)
+def check_model(model: nn.Module, experts: bool, pipeline: bool) -> None:
+    """Refuse MoE expert parameters unless the job's layout has an expert-data group to shard
+    them over (``experts``: TED) and the form is not the pipeline one."""
     found = [n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
+    if found and pipeline:
+        _refuse("model", f"MoE expert parameters such as {found[0]!r} in a pipeline stage", "dense PipelineModules "
+                "in the pipeline form", f"{len(found)} expert parameters")
     if found and not experts:
         _refuse("model", f"DeepSpeed-MoE expert parameters (allreduce=False) such as {found[0]!r}: the job's layout "
                 "names no expert-data group to shard them over", "dense models, or MoE through ds_ext.ted",

@@ -103,9 +103,13 @@ class FlatUnit:
     """One unit's parameters, shards and collectives (see module docstring)."""
 
     def __init__(
-        self, name: str, params: list[nn.Parameter], ctx: ShardContext, names: list[tuple[str, ...]]
+        self, name: str, params: list[nn.Parameter], ctx: ShardContext, names: list[tuple[str, ...]],
+        whole: bool = False,
     ) -> None:
+        """``whole``: the pipeline form (``ds_ext.zero_topo.pipeline``): the weights stay gathered;
+        only gradients and optimizer state are sharded, the step re-gathers the weights."""
         self.name = name
+        self.whole = whole
         self.ctx = ctx
         self.params = params
         self.param_names = names  # qualified names of each parameter (several if tied)
@@ -136,7 +140,8 @@ class FlatUnit:
         self._pending = None
         self.grads_ready = 0
         self.rebuild_secondary()
-        self.release()
+        if not whole:
+            self.release()
 
     # ---- weights ------------------------------------------------------------------------
     def _point_params(self, released: bool = False) -> None:
@@ -235,8 +240,14 @@ class FlatUnit:
         self.gathered = True
         self._point_params()
 
+    def regather(self) -> None:
+        """Whole mode: the weights from the updated primary shards (collective over the weight group)."""
+        self.gathered = False
+        self.start_gather(backward=False, exact=True, resize=False)
+        self.wait_gather()
+
     def release(self) -> None:
-        if self.held:
+        if self.held or self.whole:
             return
         if self._pending is not None:
             self.wait_gather()
