@@ -336,8 +336,9 @@ def _refused_in_initialize(case):
         cfg["zero_optimization"]["stage"] = 3
     elif case == "mpu":
         kwargs["mpu"] = _TensorParallelMpu()
-    elif case == "pipeline":
+    elif case == "pipeline":  # the sharded form asked for by name with a PipelineModule
         model = PipelineModule([nn.Linear(4, 4), nn.Linear(4, 4)], num_stages=1)
+        cfg["ds_ext"]["zero_topo"]["form"] = "sharded"
     try:
         ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg, **kwargs)
     except DsExtConfigError as err:
@@ -350,7 +351,8 @@ def _refused_in_initialize(case):
                "allowed: 0 (got 3)"),
     ("mpu", "the caller's mpu= argument reports tensor parallel 2, pipeline parallel 1 but no "
             "get_tensor_model_parallel_group / get_data_parallel_group; allowed: a Megatron-style mpu"),
-    ("pipeline", "model: not supported with ds_ext.zero_topo (pipeline parallelism: deepspeed.pipe.PipelineModule)"),
+    ("pipeline", "ds_ext.zero_topo.form 'sharded' with a deepspeed.pipe.PipelineModule: DeepSpeed's PipelineEngine "
+                 "keeps every stage's weights whole"),
 ])
 def test_refused_in_initialize_on_every_rank(world, case, expected):
     for msg in world.run(_refused_in_initialize, case):

@@ -258,14 +258,14 @@ def _refused(case):
 @pytest.mark.parametrize("case,expected", [
     ("gcd", "ds_ext.zero_topo.weights.level: topology 'frontier, data-parallel group of tensor 2 x pipeline 1 x "
             "data 4' has no level 'gcd'; allowed: gpu, node"),
-    ("pipeline", "ds_ext.zero_topo: pipeline parallel size 2 (from the caller's mpu= argument) is not supported; "
-                 "allowed: 1"),
+    ("pipeline", "ds_ext.zero_topo: pipeline parallel size 2 (from the caller's mpu= argument) with a model that is "
+                 "no deepspeed.pipe.PipelineModule; allowed: 1, or a PipelineModule (the pipeline form)"),
     ("pmm3d", "ds_ext.pmm3d.overlap.reduce_scatter with ds_ext.zero_topo: not supported"),
 ])
 def test_layouts_zero_topo_cannot_serve_are_refused_in_one_line(world, case, expected):
     """A level the data-parallel group does not cross (TP 2 fills the GCD pair), named explicitly,
-    a pipeline (the PipelineEngine form is not here yet) and 3D-PMM's ORS beside ZeRO-topo: one line
-    on every rank."""
+    a pipeline degree without a PipelineModule and 3D-PMM's ORS beside ZeRO-topo: one line on every
+    rank."""
     for msg in world.run(_refused, case):
         assert msg is not None and msg.startswith(expected), msg
 

@@ -43,18 +43,19 @@ def _pipe(stages):
     return PipelineModule(layers, num_stages=stages, loss_fn=loss_fn, partition_method="uniform")
 
 
-def _batches(step, data_rank):
+def _batches(step, data_rank, seed=0):
     import torch
 
     for m in range(ACCUM):
-        g = torch.Generator().manual_seed(1000 * step + 10 * data_rank + m)
+        g = torch.Generator().manual_seed(100_000 * seed + 1000 * step + 10 * data_rank + m)
         tokens = torch.randint(0, VOCAB, (MICRO, SEQ + 1), generator=g)
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-def _run(stages, zero_topo, extra=None):
+def _run(stages, zero_topo, extra=None, seed=0, adam=False):
     """Losses, global norms and this rank's stage parameters after ``STEPS`` train_batch calls on a
-    PipelineEngine of ``stages`` stages: ZeRO-topo (``zero_topo``) or DeepSpeed ZeRO-1 (None)."""
+    PipelineEngine of ``stages`` stages: ZeRO-topo (``zero_topo``) or DeepSpeed ZeRO-1 (None);
+    ``extra``: more of the ``"ds_ext"`` block; ``seed``: another data order; ``adam``: AdamW, not SGD."""
     import torch
     import torch.distributed as dist
 
@@ -67,20 +68,26 @@ def _run(stages, zero_topo, extra=None):
     cfg = {"train_batch_size": MICRO * ACCUM * dp, "train_micro_batch_size_per_gpu": MICRO,
            "gradient_clipping": 0.05, "zero_optimization": {"stage": 0 if zero_topo else 1},
            "zero_allow_untested_optimizer": True, "steps_per_print": 10**6,
-           "ds_ext": {"topology": TOPOLOGY, "comm": {"count_torch_collectives": False}, **(extra or {})}}
+           "ds_ext": {"topology": TOPOLOGY, "comm": {"count_torch_collectives": False}}}
+    for key, value in (extra or {}).items():
+        cfg["ds_ext"][key] = {**cfg["ds_ext"].get(key, {}), **value}
     if zero_topo:
         cfg["ds_ext"]["zero_topo"] = {"enabled": True, **zero_topo}
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    # SGD moves each parameter in proportion to its gradient, so a wrong scale shows in every one
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if adam else torch.optim.SGD(model.parameters(), lr=0.5,
+                                                                                         momentum=0.9)
     engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     init = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     losses, norms = [], []
     data_rank = engine.grid.get_data_parallel_rank()
     for step in range(STEPS):
-        losses.append(float(engine.train_batch(iter(_batches(step, data_rank)))))
+        losses.append(float(engine.train_batch(iter(_batches(step, data_rank, seed)))))
         norms.append(float(engine.get_global_grad_norm()))
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    steps = engine.ds_ext.ledger.steps
     out = {"losses": losses, "norms": norms, "params": params, "rank": dist.get_rank(),
-           "still": [n for n, p in params.items() if torch.equal(p, init[n])]}
+           "still": [n for n, p in params.items() if torch.equal(p, init[n])],
+           "ledger_bytes": sum(sum(v.values()) for v in steps[-1].by_phase().values()) if steps else 0}
     if zero_topo:
         plugin = engine.ds_ext.plugin("zero_topo")
         out |= {"describe": plugin.describe(), "banner": engine.ds_ext.banner(),
@@ -116,3 +123,73 @@ def test_unquantized_pipeline_form_equals_deepspeed_zero1_on_the_pipeline_engine
             assert o["measured"]["step"]["node"] == 2 * (o["padded_bytes"] / 4) * (2 - 1) / 2 + norm
     assert "pipeline form" in ours[0]["describe"]
     assert f"pipeline {stages}" in ours[0]["banner"] or stages == 1
+
+
+def test_quantized_default_trains_every_parameter_within_the_seed_spread(world):
+    """The default plan (int4 gradients, node-level optimizer) in the pipeline form, PP 2: every
+    parameter moves; each step's loss is within the spread of ZeRO-1 runs on two data orders."""
+    a, b = world.run(_run, 2, None), world.run(_run, 2, None, None, 1)
+    ours = world.run(_run, 2, {"preset": "zero_topo"})
+    for r0, r1, o in zip(a, b, ours):
+        spread = max(abs(x - y) for x, y in zip(r0["losses"], r1["losses"]))
+        assert o["still"] == []
+        assert max(abs(x - y) for x, y in zip(o["losses"], r0["losses"])) <= spread
+        assert o["measured"] == o["analytic"]
+
+
+def test_tiled_optimizer_and_pccl_under_the_pipeline_engine(world):
+    """PP 2 on DeepSpeed's PipelineEngine, with and without the pipeline form: the tiled optimizer
+    (001 §7.2) is bit-identical to the untiled step; PCCL (001 ch. 6: ZeRO-topo's collectives by
+    ``comm.algorithm``, DeepSpeed's all-gathers / reduce-scatters by the ``pccl`` plugin) equals the
+    native collectives within float reordering."""
+    import torch
+
+    tiled = {"tiled_optimizer": {"enabled": True, "tile_size": 256}}
+    for zero_topo, pccl in ((UNQUANTIZED, {"comm": {"algorithm": "pccl"}}), (None, {"pccl": {"enabled": True}})):
+        base = world.run(_run, 2, zero_topo, None, 0, True)
+        for extra, exact in ((tiled, True), (pccl, False)):
+            for (losses, params), other in zip(((r["losses"], r["params"]) for r in base),
+                                               world.run(_run, 2, zero_topo, extra, 0, True)):
+                if exact:
+                    assert other["losses"] == losses, (zero_topo, extra)
+                    assert all(torch.equal(other["params"][n], p) for n, p in params.items()), (zero_topo, extra)
+                else:
+                    assert other["ledger_bytes"] > 0  # the collectives went through ds_ext.comm
+                    assert other["losses"] == pytest.approx(losses, rel=1e-6, abs=0), (zero_topo, extra)
+                    for n, p in params.items():
+                        torch.testing.assert_close(other["params"][n], p, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _refused(case):
+    """The one-line refusal of ``case`` (before any ZeRO-topo collective)."""
+    import torch
+    import torch.distributed as dist
+
+    import ds_ext
+    from ds_ext.errors import DsExtError
+    from ds_ext.integration import ds_engine
+
+    ds_engine.init_distributed()
+    model = _pipe(2) if case != "pipeline_form_plain_model" else torch.nn.Linear(4, 4)
+    zero_topo = {"enabled": True, **{"weights_set": {"weights": {"level": "gcd"}},
+                                     "pipeline_form_plain_model": {"form": "pipeline"}}[case]}
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1,
+           "ds_ext": {"topology": TOPOLOGY, "zero_topo": zero_topo}}
+    try:
+        ds_ext.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+        msg = None
+    except DsExtError as err:
+        msg = str(err)
+    dist.barrier()
+    return msg
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("weights_set", "ds_ext.zero_topo.weights.level: the pipeline form keeps weights whole on every rank; allowed: "
+                    "gradients, optimizer and step settings only"),
+    ("pipeline_form_plain_model", "ds_ext.zero_topo.form 'pipeline' needs a deepspeed.pipe.PipelineModule (got "
+                                  "Linear); allowed: 'sharded' or 'auto'"),
+])
+def test_pipeline_form_settings_refused_in_one_line(world, case, expected):
+    for msg in world.run(_refused, case):
+        assert msg == expected
