@@ -33,10 +33,12 @@ Only the steps its ``initialize_megatron`` runs solely where CUDA devices exist 
 here by calling GPT-NeoX's own functions (mpu groups, DeepSpeed's checkpointing set-up),
 and its attention, which allocates its score buffer on ``torch.cuda.current_device()``,
 gets the CPU for that device on this CPU-only host (the rank process's torch, not the
-client's code, is shimmed).
+client's code, is shimmed; on the pipeline path also ``torch.cuda.LongTensor`` and
+``Tensor.cuda``, which its ``mpu.broadcast_data`` calls).
 """
 
 import sys
+from functools import partial
 
 import pytest
 
@@ -46,9 +48,10 @@ WORLD_SIZE = 4
 NEOX = client_dir("gpt-neox")
 pytestmark = pytest.mark.skipif(NEOX is None, reason=skip_reason("gpt-neox"))
 UNQUANTIZED = {"weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}}
+ACCUM = 2  # micro-batches per train_batch on the pipeline path
 
 
-def _neox_args(zero_topo, model_parallel=1, stage=0, clip=0.0):
+def _neox_args(zero_topo, model_parallel=1, stage=0, clip=0.0, pipe=0):
     from megatron.neox_arguments import NeoXArgs
 
     import torch.distributed as dist
@@ -57,7 +60,8 @@ def _neox_args(zero_topo, model_parallel=1, stage=0, clip=0.0):
     if zero_topo is not None:
         block["zero_topo"] = {"enabled": True, **zero_topo}
     args = NeoXArgs.from_ymls([str(NEOX / "configs" / "19M.yml")], overwrite_values=dict(
-        pipe_parallel_size=0, model_parallel_size=model_parallel, global_num_gpus=dist.get_world_size(),
+        pipe_parallel_size=pipe, model_parallel_size=model_parallel, global_num_gpus=dist.get_world_size(),
+        gradient_accumulation_steps=ACCUM if pipe else 1,
         use_cpu_initialization=True,
         num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32,
         tokenizer_type="CharLevelTokenizer", fp16={"enabled": False}, precision="fp32",
@@ -70,12 +74,14 @@ def _neox_args(zero_topo, model_parallel=1, stage=0, clip=0.0):
     return args
 
 
-def _neox_train(zero_topo, steps=10, model_parallel=1, stage=0, clip=0.0, offset=0, params=False):
+def _neox_train(zero_topo, steps=10, model_parallel=1, stage=0, clip=0.0, offset=0, params=False, pipe=0):
     """GPT-NeoX's setup and ``steps`` training steps (see module); the batch of step s is the
     corpus's step ``s + offset``, indexed by the data-parallel rank (every tensor rank of a
     model-parallel group sees the same micro-batch). With ``params``, also this rank's
     parameters at the end (inside ``gathered_parameters`` with ZeRO-topo), the names of those
-    equal to their values right after ``deepspeed.initialize``, and the global gradient norms."""
+    equal to their values right after ``deepspeed.initialize``, and the global gradient norms.
+    ``pipe`` >= 1: GPT-NeoX's pipeline path (``GPT2ModelPipe`` on DeepSpeed's PipelineEngine, its
+    ``get_batch_pipe``, ``train_step_pipe``'s ``model.train_batch`` over ``ACCUM`` micro-batches)."""
     if str(NEOX) not in sys.path:
         sys.path.insert(0, str(NEOX))
     import deepspeed
@@ -85,7 +91,7 @@ def _neox_train(zero_topo, steps=10, model_parallel=1, stage=0, clip=0.0, offset
     from megatron import mpu
     from megatron.initialize import _set_random_seed, setup_deepspeed_random_and_activation_checkpointing
     from megatron.model.gpt2_model import cross_entropy
-    from megatron.training import get_learning_rate_scheduler, get_model, get_optimizer
+    from megatron.training import get_batch_pipe, get_learning_rate_scheduler, get_model, get_optimizer
     from megatron.utils import get_ltor_masks_and_position_ids
 
     import ds_ext
@@ -93,13 +99,17 @@ def _neox_train(zero_topo, steps=10, model_parallel=1, stage=0, clip=0.0, offset
     from ds_ext.integration.ds_engine import disable_jit_builds
 
     torch.cuda.current_device = lambda: "cpu"  # see the module docstring
-    args = _neox_args(zero_topo, model_parallel, stage, clip)
+    if pipe:  # get_batch_pipe -> mpu.broadcast_data builds its buffers with CUDA-only calls
+        torch.cuda.LongTensor = torch.LongTensor
+        torch.Tensor.cuda = lambda self, *a, **kw: self
+    args = _neox_args(zero_topo, model_parallel, stage, clip, pipe)
     disable_jit_builds()
     deepspeed.init_distributed(dist_backend=args.distributed_backend, auto_mpi_discovery=False)
     world = dist.get_world_size()
     mp = args.model_parallel_size if args.model_parallel_size >= 1 else 1  # megatron/initialize.py's topology
+    pp = args.pipe_parallel_size if args.pipe_parallel_size >= 1 else 1
     mpu.initialize_model_parallel(args.model_parallel_size, topology=PipeModelDataParallelTopology(
-        num_pp=1, num_mp=mp, num_dp=world // mp), fp32_allreduce=args.fp32_allreduce)
+        num_pp=pp, num_mp=mp, num_dp=world // (mp * pp)), fp32_allreduce=args.fp32_allreduce)
     setup_deepspeed_random_and_activation_checkpointing(neox_args=args)
     _set_random_seed(args.seed)
     mpu.model_parallel_cuda_manual_seed(args.seed)  # _set_random_seed does this where CUDA devices exist
@@ -115,6 +125,9 @@ def _neox_train(zero_topo, steps=10, model_parallel=1, stage=0, clip=0.0, offset
         )
     finally:
         ds_ext.unpatch_deepspeed()
+    if args.is_pipe_parallel:  # megatron/training.py:1213
+        model.set_has_attention_mask(True)
+        model.set_batch_fn(partial(get_batch_pipe, neox_args=args, curr_scheduler=None))
 
     def parameters():
         gathered = model.ds_ext.gathered_parameters() if zero_topo else None
@@ -126,6 +139,12 @@ def _neox_train(zero_topo, steps=10, model_parallel=1, stage=0, clip=0.0, offset
     data_rank, data_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     losses, norms = [], []
     for step in range(steps):
+        if args.is_pipe_parallel:  # train_step_pipe: the data iterator yields GPT-NeoX's {"text": ...} batches
+            micro = [{"text": corpus.micro_batch(step + offset, m, data_rank, data_size, 2, ACCUM, args.seq_length)}
+                     for m in range(ACCUM)]
+            losses.append(float(model.train_batch(data_iter=iter(micro))))
+            norms.append(model.get_global_grad_norm())
+            continue
         x = corpus.micro_batch(step + offset, 0, data_rank, data_size, 2, 1, args.seq_length)
         tokens, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()
         attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(tokens, args.tokenizer.eod)
@@ -203,6 +222,27 @@ def test_neox_tp2_quantized_default_trains_within_the_seed_spread(world, zero1_t
         spread = max(abs(x - y) for x, y in zip(r0, r1))
         assert mine["still"] == []
         assert max(abs(x - y) for x, y in zip(q, r0)) <= spread
+
+
+@pytest.mark.parametrize("pipe,model_parallel", [(1, 1), (2, 1), (1, 2)])
+def test_neox_pipeline_path_zero_topo_pipeline_form_equals_deepspeed_zero1(world, pipe, model_parallel):
+    """``pipe_parallel_size`` 1 and 2 (GPT-NeoX builds ``GPT2ModelPipe``, DeepSpeed runs its
+    PipelineEngine; ``model_parallel_size`` 1 and 2): ZeRO-topo's pipeline form, unquantized,
+    equals DeepSpeed ZeRO-1 on the same PipelineEngine to 1e-6 in fp32: losses,
+    global norms (clipping at 0.05 active) and every parameter of every rank, all of which moved."""
+    run = dict(model_parallel=model_parallel, clip=0.05, params=True, pipe=pipe, steps=4)
+    ref = world.run(_neox_train, None, stage=1, **run)
+    ours = world.run(_neox_train, {"preset": "zero_topo", "gradients": {"bits": 16, "hops": 1}},
+                     **run)
+    for (a, mine), (b, theirs) in zip(ours, ref):
+        assert mine["stage"] == 0 and mine["plugins"] == ["zero_topo"] and theirs["stage"] == 1
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-6)
+        assert mine["norms"] == pytest.approx(theirs["norms"], rel=1e-6, abs=1e-6)
+        assert min(theirs["norms"]) > run["clip"]
+        assert mine["params"].keys() == theirs["params"].keys()
+        for name, p in theirs["params"].items():
+            torch_close(mine["params"][name], p, name)
+        assert mine["still"] == [] and theirs["still"] == []
 
 
 def torch_close(actual, expected, name):
