@@ -162,9 +162,14 @@ def run_validate(ns: argparse.Namespace) -> int:
                             "and batches); the machine flags apply")
     machine = machine_from(ns)
     rows = validate.validate(machine)
+    print("hardware figures (ds_ext.planner.hardware; --bandwidth / --latency / --memory-GB override them):")
+    print(validate.hardware_table())
+    print()
     print(validate.markdown(rows))
     if ns.out:
-        payload = {"machine": machine.model_dump(), "rows": [r.record() for r in rows]}
+        from ds_ext.planner import hardware
+
+        payload = {"machine": machine.model_dump(), "hardware": hardware.records(), "rows": [r.record() for r in rows]}
         _write(ns.out, payload, lambda png: validate.plot(rows, png))
     return 0
 

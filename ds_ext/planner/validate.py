@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from ds_ext.parallel import TEDLayout
-from ds_ext.planner import compute_rate, rccl, ted_layouts, zero_plans
+from ds_ext.planner import compute_rate, hardware, rccl, ted_layouts, zero_plans
 from ds_ext.planner.estimate import Estimate, evaluate
-from ds_ext.planner.machine import GiB, Machine
+from ds_ext.planner.machine import Machine
 from ds_ext.planner.models import Arch, lookup, with_experts
 from ds_ext.planner.plan import PlanInputError, make_job, plan
 
@@ -199,6 +199,11 @@ def megatron_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
         rows.append(Row(f"  sensitivity, Table V's GBS {batch:,} on the 1,024 GCDs ({recipe.grad_accum} micro-batches "
                         f"per replica): {model} recipe", "004 §V-B", measured, recipe.tflops / 1e12, None,
                         "the other reading of 004 §V-B and 000 §II; not the prediction"))
+        table_ii = machine.with_links({"gpu": hardware.value("gpu_bandwidth_table_ii")}, {})
+        for model, nodes, batch, measured in TABLE_V:
+            recipe = _fits(_megatron(table_ii, model, nodes, batch)[1], f"{model}'s Table V recipe")
+            rows.append(Row(f"  sensitivity, MI250X-to-MI250X at 003 Table II's 50 GB/s (not 004 §III-A's 100): "
+                            f"{model} recipe", "004 §V-B", measured, recipe.tflops / 1e12, None, "not the prediction"))
         for label, eff in ((f"compute at the single-GEMM rate ({compute_rate.GEMM_FLOPS / 1e12:.0f} Tflop/s, "
                             "000 §VI-C, the earlier constant)", compute_rate.GEMM_EFFICIENCY),
                            (f"compute at 000's untuned rate ({compute_rate.rate(compute_rate.UNTUNED_S) / 1e12:.0f} "
@@ -286,7 +291,7 @@ FIG_7_9_GPUS = (32, 64, 128, 256, 512)
 FIG_7_9_BASES = ("gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b")
 FIG_7_9_EXPERTS = (4, 8, 16, 32, 64, 128)
 FIG_7_9_TENSOR = (1, 2, 3, 4, 6)
-SUMMIT_GPU_BYTES = 16 * GiB  # "the 16 GB DRAM capacity of Summit's V100 GPUs" (001 §3.3), binary as for Frontier
+SUMMIT_GPU_BYTES = hardware.value("summit_gpu_memory")  # 001 §3.3, binary as for Frontier
 FIG_7_9_PUBLISHED = {32: 1.09, 512: 4.8}  # "1.09-4.8x larger MoE models ... increasing with the GPUs"
 
 
@@ -316,6 +321,16 @@ def ted_rows() -> list[Row]:
                         FIG_7_9_PUBLISHED.get(gpus), ted.params / ds.params, None,
                         "model states only (Eq 7.4); the figure's runs also hold activations"))
     return rows
+
+
+def hardware_table() -> str:
+    """Every hardware figure the rows rest on (``ds_ext.planner.hardware``) and the two the planner derives."""
+    lo, hi = rccl.ALPHA_BAND_S
+    return hardware.markdown((
+        ("RCCL latency per inter-node ring step", f"{rccl.RING_STEP_ALPHA_S * 1e6:.1f} µs (band {lo * 1e6:.1f}-"
+         f"{hi * 1e6:.1f})", "derived from 001 §6.3.1's speedups (ds_ext.planner.rccl)"),
+        ("compute rate of a training step", f"{compute_rate.rate() / 1e12:.1f} TFLOP/s per GCD",
+         "derived from 000 §V-C's GPT-320B run (ds_ext.planner.compute_rate)")))
 
 
 def validate(machine: Machine) -> list[Row]:
