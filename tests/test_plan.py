@@ -383,9 +383,11 @@ def test_compute_rate_is_000s_measured_step_and_the_machines():
 
 # The acceptance rows 004 Table V (±20 %) and 001 Fig 6.12 (±15 %), and whether each holds, as the
 # README states it: a row that leaves its band, starts holding or disappears fails here.
-TABLE_V_ROWS = {"gpt-175b Table V recipe": (True, 0.10, 0.20), "gpt-1t Table V recipe": (False, 0.20, 0.30),
+# Between MI250X at 004 §III-A's 100 GB/s (issue 38): the 175B recipe's TP 4 all-reduces get faster and the row
+# leaves its band (+25 %; at 003 Table II's 50 GB/s it held at +19 %, the sensitivity row); so does 6.7B at 512 GCDs.
+TABLE_V_ROWS = {"gpt-175b Table V recipe": (False, 0.20, 0.30), "gpt-1t Table V recipe": (False, 0.30, 0.40),
                 "gpt-22b planner's Megatron layout": (True, 0.10, 0.20)}
-FIG_6_12_ROWS = {"gpt3-6.7b ZeRO-3 on 512 GCDs": (True, 0.0, 0.15), "gpt3-13b ZeRO-3 on 512 GCDs": (False, 0.5, 1.0),
+FIG_6_12_ROWS = {"gpt3-6.7b ZeRO-3 on 512 GCDs": (False, 0.15, 0.25), "gpt3-13b ZeRO-3 on 512 GCDs": (False, 0.5, 1.0),
                  "gpt3-6.7b ZeRO-3 on 1024 GCDs": (True, 0.0, 0.15), "gpt3-13b ZeRO-3 on 1024 GCDs": (False, 0.3, 0.6)}
 
 
@@ -407,7 +409,9 @@ def test_004_table_v_rows():
     rows = validate.megatron_rows(FRONTIER, sensitivity=False)
     _acceptance(rows, TABLE_V_ROWS, 0.20)
     assert [r.published for r in rows if r.tolerance] == [69.2, 61.2, 73.5]
-    assert "megatron tp4 pp16 dp1, 1 x 640" in rows[0].claim and "megatron tp8 pp64 dp2, 1 x 1600" in rows[2].claim
+    assert "megatron tp4 pp16 dp1 mb1, 1 x 640" in rows[0].claim and "megatron tp8 pp64 dp2 mb1, 1 x 1600" in rows[2].claim
+    # the setups 004 leaves unstated are labelled so, with the reading used
+    assert all(r.unstated for r in rows if r.tolerance) and "GCD count" in rows[0].unstated
 
 
 def test_004_1t_readings_differ_by_the_bubble():
@@ -419,7 +423,7 @@ def test_004_1t_readings_differ_by_the_bubble():
 
     _, wide = validate._megatron(FRONTIER, "gpt-1t", 128, 3200)
     _, literal = validate._megatron(FRONTIER, "gpt-1t", 128, 1600)
-    assert wide.name == literal.name == "megatron tp8 pp64 dp2"
+    assert wide.name == literal.name == "megatron tp8 pp64 dp2 mb1"
     assert (wide.grad_accum, literal.grad_accum) == (1600, 800)
     assert literal.compute_s / wide.compute_s == pytest.approx(0.5 * (863 / 800) / (1663 / 1600), rel=1e-12)
     assert 0.5 * (863 / 800) / (1663 / 1600) == pytest.approx(0.518941, abs=1e-6)
@@ -437,6 +441,8 @@ def test_fig_6_12_rows():
     _acceptance(rows, FIG_6_12_ROWS, 0.15)
     assert [r.published for r in rows if r.tolerance] == [0.30, 0.16, 0.60, 0.39]
     assert all("less batch time" in r.claim for r in rows)
+    assert all("no batch" in r.unstated for r in rows if r.tolerance)  # 001 states none: labelled, readings named
+    assert "setup unstated" in validate.markdown(rows[:1])
     # every row's value is 1 - t_PCCL / t_RCCL of the two ZeRO-3 plans the planner builds
     job = make_job(models.lookup("gpt3-6.7b"), FRONTIER, 64, validate.FIG_6_12_BATCH)
     r, p = (evaluate(job, zero_plans.candidate(job, {"preset": "zero3"}, deepspeed="0.19.8", collectives=c))
@@ -457,11 +463,11 @@ def test_fig_6_12_implied_compute_multiple(model, gcds, published):
 
 def test_fig_6_12_implied_compute_multiple_by_hand():
     """k = ((R - P) / published - R) / C with R, P and C read off the two plans: for 13B on 512 GCDs
-    (C = 36.34 s, R = 16.99 s, P = 2.30 s, README), ((16.99 - 2.30) / 0.16 - 16.99) / 36.34 = 2.059."""
+    (C = 36.34 s, R = 16.99 s, P = 1.63 s with the node's ring at 100 GB/s), ((16.99 - 1.63) / 0.16 - 16.99) / 36.34 = 2.174."""
     from ds_ext.planner import validate
 
-    assert ((16.99 - 2.30) / 0.16 - 16.99) / 36.34 == pytest.approx(2.059, abs=1e-3)
-    assert validate.implied_compute_multiple(FRONTIER, "gpt3-13b", 512, 0.16) == pytest.approx(2.059, abs=0.005)
+    assert ((16.99 - 1.63) / 0.16 - 16.99) / 36.34 == pytest.approx(2.174, abs=1e-3)
+    assert validate.implied_compute_multiple(FRONTIER, "gpt3-13b", 512, 0.16) == pytest.approx(2.174, abs=0.005)
     rows = [r for r in validate.pccl_rows(FRONTIER) if r.claim.strip().startswith("diagnostic")]
     assert len(rows) == 4 and all(r.published is None and r.tolerance is None for r in rows)
 
@@ -560,9 +566,11 @@ def test_no_candidate_is_dropped_silently(capsys):
     job = make_job(models.lookup("gpt-5b"), FRONTIER, 2, global_batch=24)  # 24 sequences: no 16 replicas
     result = plan(job)
     everything = {f"pmm3d {g.x}x{g.y}x{g.z}x{g.data}" for g in perf_pmm.factorizations(16)} | set(PRESETS) | {"ted"}
-    everything |= {f"megatron tp{t} pp{p} dp{16 // (t * p)}" for t in divisors(16) for p in divisors(16 // t)}
+    layouts = {f"megatron tp{t} pp{p} dp{16 // (t * p)}" for t in divisors(16) for p in divisors(16 // t)}
     ranked = {e.name for e in result.estimates}
     dropped = {d.name: d.reason for d in result.dropped}
+    built = {n for n in layouts if f"{n} mb1" in ranked | set(dropped)}  # a layout's rules passed: one per micro-batch
+    everything |= (layouts - built) | {f"{n} mb{b}" for n in built for b in (1, 2, 4, 8)}
     assert ranked | set(dropped) == everything and not ranked & set(dropped)
     assert dropped["zero3"] == "the global batch of 24 sequences does not divide over 16 replicas"
     assert dropped["pmm3d 1x1x16x1"] == "z=16 does not divide the micro-batch 24, nor any of its 7 smaller splits"
@@ -774,7 +782,82 @@ def test_megatron_layouts_bubble_memory_and_the_published_recipe(capsys):
     assert e.memory["optimizer"] == 12 * n / 4 and e.memory["weights"] == 2 * n
     assert main(["plan", "--model", "gpt-175b", "--nodes", "8", "--families", "megatron", "--top-k", "1"]) == 0
     out = capsys.readouterr().out
-    assert "megatron tp4 pp16 dp1  1 x 640" in out  # the published recipe, shown although not the fastest
+    assert "megatron tp4 pp16 dp1 mb1  1 x 640" in out  # the published recipe, shown although not the fastest
+
+
+def test_megatron_micro_batch_is_swept_and_20b_yml_layout_is_shown(capsys):
+    """Issue 38: 004 §IV (Fig 9) found the micro-batch the most impactful setting, so every Megatron
+    layout is planned at micro-batches 1, 2, 4, 8 (and the recipe's); GPT-NeoX 20B.yml's own layout
+    (TP 2 x PP 4, micro-batch 4) is planned at 384 GCDs, not dropped, and shown as the published recipe.
+    The recipe's 32 accumulation steps are pure data parallelism's and do not bind it (m = 1,024 / 4)."""
+    from ds_ext.cli import main
+    from ds_ext.planner import megatron_plans as mp
+    from ds_ext.planner import report
+
+    job = make_job(models.lookup("gpt-neox-20b"), FRONTIER, 48)
+    result = plan(job, ["megatron"])
+    yml = [e for e in result.estimates if report.published(result, e)]
+    assert [(e.name, e.micro_batch, e.grad_accum, e.fits) for e in yml] == [("megatron tp2 pp4 dp48 mb4", 4, 256, True)]
+    assert {e.micro_batch for e in result.estimates} == {1, 2, 4, 8}
+    # the micro-batch moves the step: more micro-batches per replica shrink the 1F1B bubble (p - 1) / m
+    small = plan(make_job(models.lookup("gpt-175b"), FRONTIER, 8), ["megatron"])
+    by_mb = {e.micro_batch: e for e in small.estimates if e.name.startswith("megatron tp4 pp16 dp1 ")}
+    assert by_mb[1].compute_s < by_mb[8].compute_s and by_mb[8].grad_accum == 80
+    # a given --grad-accum binds: only the micro-batches that split the replica's batch into it
+    given = make_job(models.lookup("gpt-175b"), FRONTIER, 8, global_batch=640, grad_accum=160)
+    assert [e.micro_batch for e in plan(given, ["megatron"]).estimates if "tp4 pp16" in e.name] == [4]
+    assert main(["plan", "--model", "gpt-neox-20b", "--nodes", "48", "--families", "megatron", "--top-k", "1"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "megatron tp2 pp4 dp48 mb4 " in x)
+    assert "4 x 256" in line
+    assert mp.MICRO_BATCHES == (1, 2, 4, 8)
+
+
+def test_hardware_figures_have_sources_and_the_machine_uses_them():
+    """Issue 38: every hardware figure the planner uses is in one table with its source; between MI250X
+    the planner uses 004 §III-A's 100 GB/s (003 Table II's 50 only in a sensitivity row)."""
+    from ds_ext.planner import hardware, rccl, validate
+
+    assert all(f.source and f.what for f in hardware.FIGURES)
+    assert hardware.value("gpu_bandwidth") == 100 and "004 §III-A" in hardware._BY_KEY["gpu_bandwidth"].source
+    levels = {lv.name: lv for lv in FRONTIER.build_topology(2).levels}
+    assert {k: lv.bandwidth / 1e9 for k, lv in levels.items()} == {"gcd": 200, "gpu": 100, "node": 12.5}
+    assert rccl.NODE_RING_BANDWIDTH == 100e9 and FRONTIER.device_memory == hardware.value("device_memory")
+    table = validate.hardware_table()
+    assert all(f"`{f.key}`" in table for f in hardware.FIGURES) and "RCCL latency per inter-node ring step" in table
+    rows = validate.megatron_rows(FRONTIER)
+    row = next(r for r in rows if "Table II's 50 GB/s" in r.claim and "gpt-175b" in r.claim)
+    assert row.tolerance is None and 0.15 < row.rel_error < 0.20  # held at 50 GB/s; the prediction does not
+
+
+def test_plan_and_validate_share_the_batch_defaults():
+    """Issue 38: the batch each Table V row uses is what ``plan --model M --nodes N`` uses by default."""
+    from ds_ext.planner import validate
+
+    for model, nodes, batch, _ in validate.TABLE_V:
+        assert batch is None
+    assert make_job(models.lookup("gpt-1t"), FRONTIER, 128).global_batch == 3200  # 004 §V-C1: 1,600 per 512 GCDs
+    assert make_job(models.lookup("gpt-1t"), FRONTIER, 64).global_batch == 1600
+    assert make_job(models.lookup("gpt-22b"), FRONTIER, 8).global_batch == 640
+    assert validate.MEGATRON_22B[1] is None
+
+
+def test_activation_checkpointing_is_read_from_the_ds_config(tmp_path, capsys):
+    import json
+
+    from ds_ext.cli import main
+
+    base = {"train_batch_size": 64, "bf16": {"enabled": True}}
+    for name, cfg, word in (("with", {**base, "activation_checkpointing": {}}, "on"), ("without", base, "off")):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(cfg))
+        out = tmp_path / f"{name}_plan.json"
+        assert main(["plan", "--model", "gpt-5b", "--nodes", "2", "--ds-config", str(path), "--families", "zero",
+                     "--out", str(out)]) == 0
+        assert f"activation checkpointing {word} (--ds-config {path}" in capsys.readouterr().out
+        job = json.loads(out.read_text())["job"]
+        assert job["checkpointing"] is (word == "on")
+    flops = [json.loads((tmp_path / f"{n}_plan.json").read_text())["job"]["flops_per_step"] for n in ("with", "without")]
+    assert flops[0] == pytest.approx(flops[1] * 4 / 3)  # the recompute's forward: c = 4 against 3
 
 
 def test_pccl_costing_of_zero3_world_collectives():

@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS: tuple[str, ...] = ("zero", "tiled", "quant", "ledger", "pmm", "ted", "pccl")
+BENCHMARKS: tuple[str, ...] = ("zero", "tiled", "quant", "ledger", "pmm", "ted", "pccl", "scale")
 
 
 def median(xs: list[float]) -> float:

@@ -124,6 +124,11 @@ def run_plan(ns: argparse.Namespace) -> int:
     accum = ns.grad_accum if ns.grad_accum is not None else (ds.grad_accum if ds else None)
     source = "--global-batch" if ns.global_batch is not None else f"--ds-config {ns.ds_config}"
     job = plan.make_job(arch, machine, ns.nodes, batch, accum, ds.elem_bytes if ds else 2, source)
+    if ds:
+        from dataclasses import replace
+
+        job = replace(job, checkpointing=ds.checkpointing, checkpointing_source=f"--ds-config {ns.ds_config}: "
+                      + ("its activation_checkpointing section" if ds.checkpointing else "no activation_checkpointing section"))
     extra = ds.candidates(job) if ds else []
     families = ns.families or tuple(plan.FAMILIES)
     result = plan.plan(job, families, extra)
@@ -162,9 +167,14 @@ def run_validate(ns: argparse.Namespace) -> int:
                             "and batches); the machine flags apply")
     machine = machine_from(ns)
     rows = validate.validate(machine)
+    print("hardware figures (ds_ext.planner.hardware; --bandwidth / --latency / --memory-GB override them):")
+    print(validate.hardware_table())
+    print()
     print(validate.markdown(rows))
     if ns.out:
-        payload = {"machine": machine.model_dump(), "rows": [r.record() for r in rows]}
+        from ds_ext.planner import hardware
+
+        payload = {"machine": machine.model_dump(), "hardware": hardware.records(), "rows": [r.record() for r in rows]}
         _write(ns.out, payload, lambda png: validate.plot(rows, png))
     return 0
 

@@ -29,14 +29,15 @@ rows there stop at GPT-80B on 8,192 GCDs, and 004 Table V and 001 Fig 6.12 are o
 from __future__ import annotations
 
 from ds_ext.perf.compute import step_flops
+from ds_ext.planner import hardware
 
-PEAK_FLOPS = 191.5e12  # 16-bit peak per GCD (000 §VI-C, 004 §V-B)
-GEMM_FLOPS = 125e12  # best bf16 GEMM on one GCD, 32768^2 (000 §VI-C)
+PEAK_FLOPS = hardware.value("peak_flops")  # 16-bit peak per GCD (000 §VI-C, 004 §V-B)
+GEMM_FLOPS = hardware.value("gemm_flops")  # best bf16 GEMM on one GCD, 32768^2 (000 §VI-C)
 RUN_GCDS = 32_768  # 000 Table III: GPT-320B on Frontier
 RUN_BATCH = 8_192  # 000 Table I: 16.8M tokens per batch = 8,192 x 2,048
 RUN_SHAPE = (96, 16_384, 2_048, 50_304)  # 000 Table II layers, hidden; sequence 2,048; LitGPT's padded GPT-2 vocabulary
-TUNED_S = 13.19  # 000 §V-C: computation per batch with BLAS kernel tuning
-UNTUNED_S = 30.1  # 000 §V-C: the same without it
+TUNED_S = hardware.value("tuned_step_s")  # 000 §V-C: computation per batch with BLAS kernel tuning
+UNTUNED_S = hardware.value("untuned_step_s")  # 000 §V-C: the same without it
 
 
 def rate(compute_s: float = TUNED_S) -> float:

@@ -3,7 +3,9 @@
 Read as DeepSpeed reads it (``ds_ext.config.load_ds_config``: JSON, hjson or base64) and the
 ``"ds_ext"`` block validated by its schema. The batch is ``train_batch_size``, or
 ``train_micro_batch_size_per_gpu x gradient_accumulation_steps x`` the ranks (each rank its own
-replica, as under ZeRO); ``bf16`` / ``fp16`` mean 2-byte elements, neither 4. An enabled
+replica, as under ZeRO); ``bf16`` / ``fp16`` mean 2-byte elements, neither 4; activation
+checkpointing is on when the ds_config has DeepSpeed's ``activation_checkpointing`` section (the one
+Megatron-DeepSpeed's and GPT-NeoX's ``--checkpoint-activations`` runs configure), off without it. An enabled
 ``zero_topo`` section, or ``pmm3d`` with an explicit grid, becomes one more candidate, named ``configured <plan>``.
 """
 
@@ -31,6 +33,7 @@ class DsConfig:
     micro_batch: int | None
     grad_accum: int | None
     elem_bytes: int
+    checkpointing: bool
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)  # enabled plugin sections
 
     def batch(self, world: int) -> int | None:
@@ -74,4 +77,5 @@ def read(path: str) -> DsConfig:
     sections = {name: sec.model_dump(exclude_unset=True) for name, sec in cfgmod.plugin_configs(block).items()
                 if sec.enabled}
     return DsConfig(path, _positive(cfg, "train_batch_size", path), _positive(cfg, "train_micro_batch_size_per_gpu", path),
-                    _positive(cfg, "gradient_accumulation_steps", path), 2 if half else 4, sections)
+                    _positive(cfg, "gradient_accumulation_steps", path), 2 if half else 4,
+                    isinstance(cfg.get("activation_checkpointing"), dict), sections)

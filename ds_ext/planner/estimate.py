@@ -48,6 +48,8 @@ class Job:
     batch_source: str = ""  # where the global batch comes from (printed with every plan)
     latency: bool = True  # charge α per message (False: 001 §5.1.2's Assumption 3, bandwidth only)
     eq_5_7: Bandwidths | None = None  # 3D-PMM axes at 001 Eq 5.7's bandwidths (ds-ext tune --links shared / --database)
+    recipe_accum: bool = False  # grad_accum is the recipe's per-rank one (pure data parallelism), not given
+    checkpointing_source: str = "ds_ext default"  # where the activation checkpointing setting comes from
 
     @property
     def world(self) -> int:
@@ -103,11 +105,16 @@ def comm_seconds(traffic: Traffic, topology: Topology, latency: bool = True) -> 
     return out
 
 
-def batch_options(job: Job, data: int) -> list[tuple[int, int]]:
-    """(micro-batch per replica, accumulation steps) for ``data`` replicas, fewest micro-steps first."""
+def batch_options(job: Job, data: int, micro: int | None = None) -> list[tuple[int, int]]:
+    """(micro-batch per replica, accumulation steps) for ``data`` replicas, fewest micro-steps first;
+    ``micro``: that micro-batch only, its accumulation whatever the batch gives, unless one was given
+    (a recipe's per-rank accumulation is pure data parallelism's and does not bind it)."""
     if job.global_batch % data:
         return []
     per = job.global_batch // data
+    if micro is not None:
+        fits = per % micro == 0 and (job.grad_accum is None or job.recipe_accum or per // micro == job.grad_accum)
+        return [(micro, per // micro)] if fits else []
     steps = [job.grad_accum] if job.grad_accum else divisors(per)
     return [(per // g, g) for g in steps if per % g == 0]
 
@@ -141,6 +148,7 @@ class Candidate:
     unfit: Callable[[int], str | None] = lambda micro: None  # a micro-batch the plan cannot split
     notes: tuple[str, ...] = ()
     seconds: Callable[[int, int], dict[str, float]] | None = None  # another time model than α-β per level
+    micro: int | None = None  # a fixed micro-batch (batch_options)
     stretch: Callable[[int, int], float] = lambda micro, accum: 1.0  # compute slots per busy slot (pipeline bubble)
 
 
@@ -151,6 +159,9 @@ def unsplittable(job: Job, cand: Candidate) -> str:
     per = job.global_batch // cand.data
     if job.grad_accum and per % job.grad_accum:
         return f"--grad-accum {job.grad_accum} does not divide the {per} sequences per replica"
+    if cand.micro is not None and not batch_options(job, cand.data, cand.micro):
+        return f"micro-batch {cand.micro} does not divide the {per} sequences per replica" + (
+            "" if job.grad_accum is None or job.recipe_accum else f" into --grad-accum {job.grad_accum} micro-steps")
     reasons = [r for r in (cand.unfit(b) for b, _ in batch_options(job, cand.data)) if r]
     return reasons[0] + (f", nor any of its {len(reasons) - 1} smaller splits" if len(reasons) > 1 else "")
 
@@ -158,7 +169,7 @@ def unsplittable(job: Job, cand: Candidate) -> str:
 def evaluate(job: Job, cand: Candidate) -> Estimate | None:
     """The plan at the fewest micro-steps whose memory fits (or, if none does, the most);
     None if the global batch cannot be split over its replicas at all."""
-    options = [(b, g) for b, g in batch_options(job, cand.data) if cand.unfit(b) is None]
+    options = [(b, g) for b, g in batch_options(job, cand.data, cand.micro) if cand.unfit(b) is None]
     if not options:
         return None
     limit = job.machine.device_memory

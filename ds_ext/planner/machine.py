@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
 
-from ds_ext.planner import PlannerError, compute_rate, rccl
+from ds_ext.planner import PlannerError, compute_rate, hardware, rccl
 from ds_ext.topology import GB, US, Topology, preset_levels
 
 GiB = 2**30
@@ -88,14 +88,17 @@ class Machine(BaseModel):
 
 MACHINES: dict[str, Machine] = {
     "frontier": Machine(
-        latency_us={"node": rccl.RING_STEP_ALPHA_S * 1e6},
-        name="frontier", topology="frontier", device_memory=64 * GiB, peak_flops=compute_rate.PEAK_FLOPS,
-        efficiency=compute_rate.STEP_EFFICIENCY,
-        max_nodes=9408,
+        bandwidth_GBps={lv: hardware.value(f"{lv}_bandwidth") for lv in ("gcd", "gpu", "node")},
+        latency_us={"gcd": hardware.value("gcd_latency"), "gpu": hardware.value("gpu_latency"),
+                    "node": rccl.RING_STEP_ALPHA_S * 1e6},
+        name="frontier", topology="frontier", device_memory=hardware.value("device_memory"),
+        peak_flops=compute_rate.PEAK_FLOPS, efficiency=compute_rate.STEP_EFFICIENCY,
+        max_nodes=int(hardware.value("max_nodes")),
         sources={
-            "levels": "ds_ext.topology 'frontier': GCD pair 200 GB/s (003 §IV), Infinity Fabric 50 GB/s between "
-                      "MI250X (003 Table II), Slingshot 4 x 25 GB/s per node = 12.5 GB/s per GCD (003 §IV, 004 Fig 4); "
-                      "latencies 5 / 8 us assumed inside a node (no paper gives them)",
+            "levels": "ds_ext.planner.hardware: GCD pair 200 GB/s (003 §IV, 004 §III-A), between MI250X 100 GB/s "
+                      "(004 §III-A: half the in-die bandwidth; 003 §IV's two-link adjacent pairs), Slingshot "
+                      "4 x 25 GB/s per node = 12.5 GB/s per GCD (003 §IV, 004 §III-A); latencies 5 / 8 us assumed "
+                      "inside a node (no paper gives them)",
             "latency_us": "node: RCCL's latency per inter-node ring step, derived from 001 §6.3.1's PCCL / RCCL "
                           "speedups at 2,048 and 32 GCDs (ds_ext.planner.rccl)",
             "device_memory": "64 GB HBM2e per GCD (003 §IV, 000 §VI-A) in binary units, as 003 §II-A's 68B ZeRO-3 "

@@ -2,7 +2,8 @@
 
 A layout is (TP, PP, DP) with TP PP DP = W: TP inside a node and dividing the heads (004 §V-A:
 "Limit Tensor-Parallelism to a Single Node"), PP dividing the layers, ZeRO-1 over DP (004 §V-A),
-micro-batch 1 (004 Table V, MBS 1 for both recipes). Ranks are Megatron's order: TP innermost,
+every micro-batch of ``MICRO_BATCHES`` and the model's recipe's (004 §IV, Fig 9: the micro-batch is
+the most impactful setting; Table V runs MBS 1, GPT-NeoX's 20B.yml 4), one candidate each. Ranks are Megatron's order: TP innermost,
 then DP, then PP. Notation: b micro-batch, m = B / (DP b) micro-batches per replica per step,
 s sequence, h hidden, L layers, e bytes per element.
 
@@ -45,11 +46,11 @@ from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic, comm_secon
 from ds_ext.planner.models import Arch
 from ds_ext.topology import Topology
 
-MICRO_BATCH = 1  # 004 Table V: MBS 1 (175B and 1T)
+MICRO_BATCHES = (1, 2, 4, 8)  # swept (004 §IV); a recipe's own is added
 
 
-def name(tp: int, pp: int, dp: int) -> str:
-    return f"megatron tp{tp} pp{pp} dp{dp}"
+def name(tp: int, pp: int, dp: int, micro: int | None = None) -> str:
+    return f"megatron tp{tp} pp{pp} dp{dp}" + ("" if micro is None else f" mb{micro}")
 
 
 def stage_params(arch: Arch, tp: int, pp: int) -> int:
@@ -139,17 +140,16 @@ def seconds(job: Job, tp: int, pp: int, dp: int, micro: int, m: int) -> dict[str
     return {k: stretched.get(k, 0.0) * bubble + step.get(k, 0.0) for k in {*stretched, *step}}
 
 
-def candidate(job: Job, tp: int, pp: int, dp: int) -> Candidate:
+def candidate(job: Job, tp: int, pp: int, dp: int, micro: int = 1) -> Candidate:
     a = job.arch
     n = stage_params(a, tp, pp)
     return Candidate(
-        family="megatron", name=name(tp, pp, dp),
-        config={"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        family="megatron", name=name(tp, pp, dp, micro), micro=micro,
+        config={"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": micro,
                 "megatron": {"tensor-model-parallel-size": tp, "pipeline-model-parallel-size": pp}},
         data=dp, states={"weights": 2.0 * n, "secondary": 0.0, "gradients": 2.0 * n, "optimizer": 12.0 * n / dp},
         activations=lambda b: activations(a, tp, pp, b, job.global_batch // (dp * b), job.checkpointing),
         traffic=lambda b, g: _sum(micro_traffic(a, job, tp, pp, dp, b, g), step_traffic(a, job, tp, pp, dp)),
-        unfit=lambda b: None if b == MICRO_BATCH else f"micro-batch {b}: Megatron plans run micro-batch {MICRO_BATCH}",
         seconds=lambda b, g: seconds(job, tp, pp, dp, b, g),
         stretch=lambda b, g: (g + pp - 1) / g * stage_imbalance(a, pp),  # m = g micro-batches per replica
         notes=(f"1F1B bubble (p - 1) / m with p = {pp}; last stage (+ head) {stage_imbalance(a, pp):.3f} x the mean",),
@@ -181,4 +181,6 @@ def candidates(job: Job) -> tuple[list[Candidate], list[Dropped]]:
     if job.arch.experts > 1:
         return [], [Dropped("megatron", "megatron", "an MoE: the ted family plans it")]
     good, dropped = layouts(job.arch, job.topology)
-    return [candidate(job, *lay) for lay in good], dropped
+    own = job.arch.recipe.micro_batch
+    micros = sorted({*MICRO_BATCHES, *([own] if own else [])})
+    return [candidate(job, *lay, b) for lay in good for b in micros], dropped

@@ -31,6 +31,7 @@ class Recipe(_Frozen):
     batch_per_rank: PositiveInt | None = Field(None, description="Sequences per rank per optimizer step.")
     grad_accum: PositiveInt | None = Field(None, description="Micro-steps per optimizer step; None = fewest that fit.")
     megatron: tuple[PositiveInt, PositiveInt] | None = Field(None, description="Published (TP, PP) of a Megatron recipe.")
+    micro_batch: PositiveInt | None = Field(None, description="The Megatron recipe's micro-batch.")
     source: str = "ds_ext default: one sequence per rank"
 
     @model_validator(mode="after")
@@ -39,8 +40,14 @@ class Recipe(_Frozen):
             raise ValueError("a recipe gives exactly one of global_batch and batch_per_rank")
         return self
 
+    replica_ranks: PositiveInt | None = Field(None, description="global_batch is per this many ranks (weak scaling).")
+
     def sequences(self, world: int) -> int:
-        return self.global_batch if self.global_batch is not None else self.batch_per_rank * world  # type: ignore[operator]
+        if self.batch_per_rank is not None:
+            return self.batch_per_rank * world
+        if self.replica_ranks is not None and world >= self.replica_ranks and world % self.replica_ranks == 0:
+            return self.global_batch * world // self.replica_ranks  # type: ignore[operator]
+        return self.global_batch  # type: ignore[return-value]
 
 
 class Arch(_Frozen):
@@ -112,7 +119,7 @@ CATALOGUE: dict[str, Arch] = {
     "gpt-neox-20b": Arch(
         name="gpt-neox-20b", layers=44, hidden=6144, heads=64, vocab=50432, seq=2048, **_NEOX,
         source="003 Figs 7, 9 (GPT-NeoX-20B); shape from GPT-NeoX configs/20B.yml",
-        recipe=Recipe(batch_per_rank=128, grad_accum=32,
+        recipe=Recipe(batch_per_rank=128, grad_accum=32, megatron=(2, 4), micro_batch=4,
                       source="GPT-NeoX configs/20B.yml's per-GPU keys, micro-batch 4 x 32 accumulation steps on "
                              "every rank (49,152 sequences at 384 GCDs); 20B.yml's own run is 1,536 sequences "
                              "(96 A100, pipeline 4 x tensor 2, 12 replicas); 003 states no batch"),
@@ -122,11 +129,13 @@ CATALOGUE: dict[str, Arch] = {
         source="003 Figs 8, 10 (shape not given); GPT-NeoX configs/10B-pp-scaling.yml, the repository's 10B",
         recipe=Recipe(batch_per_rank=1, grad_accum=1, source="GPT-NeoX configs/10B-pp-scaling.yml: micro-batch 1"),
     ),
-    "gpt-22b": _gpt3_like("gpt-22b", 48, 6144, 48, "004 Table I", Recipe(batch_per_rank=1, source="004 gives no 22B batch: one sequence per rank")),
+    "gpt-22b": _gpt3_like("gpt-22b", 48, 6144, 48, "004 Table I", Recipe(global_batch=640, source="004 gives no 22B batch: 175B's Table V GBS 640 (an assumption)")),
     "gpt-175b": _gpt3_like("gpt-175b", 96, 12288, 96, "004 Table I",
-                           Recipe(global_batch=640, megatron=(4, 16), source="004 Table V: GBS 640, TP 4, PP 16, MBS 1")),
+                           Recipe(global_batch=640, megatron=(4, 16), micro_batch=1, source="004 Table V: GBS 640, TP 4, PP 16, MBS 1")),
     "gpt-1t": _gpt3_like("gpt-1t", 128, 25600, 128, "004 Table I",
-                         Recipe(global_batch=1600, megatron=(8, 64), source="004 Table V: GBS 1600, TP 8, PP 64, MBS 1")),
+                         Recipe(global_batch=1600, megatron=(8, 64), micro_batch=1, replica_ranks=512,
+                                source="004 Table V: GBS 1600, TP 8, PP 64, MBS 1, per 512-GCD replica (004 §V-C1: "
+                                       "3,200 / 6,400 / 9,600 at 1,024 / 2,048 / 3,072 GCDs)")),
     **{name: _gpt3_like(name, L, h, a, "000 Table II / 001 Table 5.1", _000_BATCH)
        for name, (L, h, a) in TABLE_5_1.items()},
     # 001 Table 4.1 (GPT-3 shapes from Brown et al. 2020 Table 2.1): the MoE base models of Fig 7.9

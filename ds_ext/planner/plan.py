@@ -57,7 +57,8 @@ def make_job(arch: Arch, machine: Machine, nodes: int, global_batch: int | None 
     if accum is not None and batch % accum:
         raise PlanInputError(f"--grad-accum: {accum} does not divide the global batch of {batch} sequences")
     return Job(arch, machine, topology, batch, accum, elem_bytes, batch_source=batch_source if global_batch
-               else f"{arch.name}'s recipe: {arch.recipe.source}")
+               else f"{arch.name}'s recipe: {arch.recipe.source}",
+               recipe_accum=global_batch is None and grad_accum is None and accum is not None)
 
 
 @dataclass(frozen=True)

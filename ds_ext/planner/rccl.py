@@ -44,11 +44,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ds_ext.topology import preset_levels
+from ds_ext.planner import hardware
 
 MiB = 2**20
-NODE_RING_BANDWIDTH = 100e9  # bytes/s: adjacent MI250X pairs, two Infinity Fabric links (003 §IV)
-TABLE_II_BANDWIDTH = 50e9  # bytes/s: 003 Table II's "Infinity Fabric (50GB/s)", one link
+NODE_RING_BANDWIDTH = hardware.value("gpu_bandwidth") * 1e9  # bytes/s: 004 §III-A, 003 §IV (two links)
+TABLE_II_BANDWIDTH = hardware.value("gpu_bandwidth_table_ii") * 1e9  # bytes/s: 003 Table II, one link
 
 
 @dataclass(frozen=True)
@@ -69,14 +69,13 @@ PUBLISHED = (Point("all-gather", 512 * MiB, 11.4, 0.52), Point("all-gather", 102
              Point("reduce-scatter", 512 * MiB, 11.4, 0.55), Point("reduce-scatter", 1024 * MiB, 6.2, 0.55))
 
 
-def pccl_seconds(p: int, size: float, ring_bandwidth: float = NODE_RING_BANDWIDTH, topology: str = "frontier") -> float:
-    """T_PCCL(p, S) (module docstring) on the preset's levels, the node's ring at ``ring_bandwidth``."""
-    levels = {lv.name: lv for lv in preset_levels(topology)}
-    gpu, node = levels["gpu"], levels["node"]
-    per_node = levels["gcd"].size * gpu.size  # type: ignore[operator]
+def pccl_seconds(p: int, size: float, ring_bandwidth: float = NODE_RING_BANDWIDTH) -> float:
+    """T_PCCL(p, S) (module docstring) on Frontier's figures (``hardware``), the node's ring at ``ring_bandwidth``."""
+    per_node = 8  # 4 MI250X x 2 GCDs (003 §IV)
     n = p // per_node
-    inter = (n - 1) / n * size / per_node / node.bandwidth + math.log2(n) * node.latency
-    intra = (per_node - 1) / per_node * size / ring_bandwidth + (per_node - 1) * gpu.latency
+    node_bw, node_alpha = hardware.value("node_bandwidth") * 1e9, hardware.value("pccl_node_latency") * 1e-6
+    inter = (n - 1) / n * size / per_node / node_bw + math.log2(n) * node_alpha
+    intra = (per_node - 1) / per_node * size / ring_bandwidth + (per_node - 1) * hardware.value("gpu_latency") * 1e-6
     return inter + intra
 
 

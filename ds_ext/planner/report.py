@@ -14,8 +14,9 @@ MANY = ("pmm3d", "megatron")  # families with many layouts: the top_k fastest sh
 
 def published(result: PlanResult, e: Estimate) -> bool:
     """The layout of the model's published recipe (004 Table V): always shown, never steered away from silently."""
-    layout = result.job.arch.recipe.megatron
-    return layout is not None and e.family == "megatron" and e.name.startswith(f"megatron tp{layout[0]} pp{layout[1]} ")
+    recipe = result.job.arch.recipe
+    return (recipe.megatron is not None and e.family == "megatron" and e.micro_batch == recipe.micro_batch
+            and e.name.startswith(f"megatron tp{recipe.megatron[0]} pp{recipe.megatron[1]} "))
 
 
 def shown(result: PlanResult, top_k: int) -> list[Estimate]:
@@ -58,7 +59,8 @@ def table(result: PlanResult, top_k: int = 5) -> str:
     head = (f"{a.name}: {a.params / 1e9:.2f}B parameters ({a.layers} layers, hidden {a.hidden}, {a.heads} heads, "
             f"vocab {a.vocab}, seq {a.seq}{f', {a.experts} experts' if a.experts > 1 else ''}) on "
             f"{job.topology.describe()}\n"
-            f"batch {job.global_batch} sequences per step ({job.batch_source}); "
+            f"batch {job.global_batch} sequences per step ({job.batch_source}); activation checkpointing "
+            f"{'on' if job.checkpointing else 'off'} ({job.checkpointing_source}); "
             f"{job.machine.device_memory / 1e9:.1f} GB per rank; "
             f"compute at {job.machine.flops / 1e12:.1f} TFLOP/s per rank; "
             f"{job.flops / 1e15:.1f} PFLOP per step (GPT-NeoX formula)")
@@ -109,6 +111,8 @@ def job_record(result: PlanResult) -> dict[str, Any]:
         "batch_source": job.batch_source,
         "grad_accum": job.grad_accum or "fewest that fit",
         "element_bytes": job.elem_bytes,
+        "checkpointing": job.checkpointing,
+        "checkpointing_source": job.checkpointing_source,
         "flops_per_step": job.flops,
     }
 

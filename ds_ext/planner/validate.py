@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 from ds_ext.parallel import TEDLayout
-from ds_ext.planner import compute_rate, rccl, ted_layouts, zero_plans
+from ds_ext.planner import compute_rate, hardware, rccl, ted_layouts, zero_plans
 from ds_ext.planner.estimate import Estimate, evaluate
-from ds_ext.planner.machine import GiB, Machine
+from ds_ext.planner.machine import Machine
 from ds_ext.planner.models import Arch, lookup, with_experts
 from ds_ext.planner.plan import PlanInputError, make_job, plan
 
@@ -42,6 +42,7 @@ class Row:
     predicted: float
     tolerance: float | None = None  # relative; None: none stated
     note: str = ""
+    unstated: str = ""  # what of the setup the paper does not state, and the readings tried ("": all stated)
 
     @property
     def rel_error(self) -> float | None:
@@ -155,11 +156,13 @@ def pmm_rows(machine: Machine, table=TABLE_III) -> list[Row]:
 # 175B: one replica (64 GCDs, GBS 640; 004 states no GCD count). 1T: 000 §II says 004's 31.96 % (61.2 TFLOPS)
 # was measured "on 1024 MI250X GPUs", two replicas of TP 8 x PP 64; at 1,024 GCDs 004 §V-C1 runs GBS 3,200,
 # Table V's 1,600 per replica (000 Table I extrapolates the same series: 19.7M tokens = 9,600 sequences at 3,072).
-TABLE_V = (("gpt-175b", 8, None, 69.2), ("gpt-1t", 128, 3200, 61.2))
+TABLE_V = (("gpt-175b", 8, None, 69.2), ("gpt-1t", 128, None, 61.2))  # None: the recipe's batch, as plan
 TABLE_V_1T_LITERAL = ("gpt-1t", 128, 1600, 61.2)  # the other reading: Table V's GBS 1,600 over the two replicas
-MEGATRON_22B = (8, 640, 73.5)  # 22B: nodes, GBS (004 gives no 22B recipe: 175B's replica size and GBS), published
+MEGATRON_22B = (8, None, 73.5)  # 22B: nodes, GBS (the recipe's: 175B's GBS; 004 gives none), published
 TABLE_V_NOTE = ("compute at 000's measured step rate (ds_ext.planner.compute_rate), 1F1B bubble and "
                 "the last stage's head (004 §II-C, §V-A)")
+TABLE_V_UNSTATED = {"gpt-175b": "004 gives no GCD count for Table V's 175B run; read as one 64-GCD replica",
+                    "gpt-1t": "004 gives no GCD count; 1,024 from 000 §II, also tried: GBS 1,600 there (sensitivity row)"}
 TABLE_V_SETUP = {"gpt-175b": "one replica: 004 states no GCD count",
                  "gpt-1t": "1,024 GCDs (000 §II), GBS 3,200 (004 §V-C1; Table V's 1,600 per replica)"}
 
@@ -183,22 +186,28 @@ def megatron_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
         recipe = _fits(recipe, f"{model}'s Table V recipe")
         rows.append(Row(f"{model} Table V recipe ({recipe.name}, {recipe.micro_batch} x {recipe.grad_accum}), "
                         "TFLOPS per GCD", "004 §V-B, Table V", measured, recipe.tflops / 1e12, 0.20,
-                        f"{TABLE_V_SETUP[model]}; {TABLE_V_NOTE}"))
+                        f"{TABLE_V_SETUP[model]}; {TABLE_V_NOTE}", TABLE_V_UNSTATED.get(model, "")))
         if result.best is not None and result.best is not recipe:
             rows.append(Row(f"  {model}: planner's first choice {result.best.name}, TFLOPS per GCD", "004 §V-B",
                             measured, result.best.tflops / 1e12, None, "shown beside the recipe, not the prediction"))
     nodes, batch, measured = MEGATRON_22B
     result, _ = _megatron(machine, "gpt-22b", nodes, batch)
     best = _fits(result.best, f"gpt-22b Megatron on {nodes} nodes")
-    rows.append(Row(f"gpt-22b planner's Megatron layout ({best.name}, GBS {batch}), TFLOPS per GCD", "004 §V-B",
+    rows.append(Row(f"gpt-22b planner's Megatron layout ({best.name}, GBS {result.job.global_batch}), TFLOPS per GCD", "004 §V-B",
                     measured, best.tflops / 1e12, 0.20,
-                    "004 gives no 22B recipe: the planner's first choice at 175B's replica size and GBS"))
+                    "004 gives no 22B recipe: the planner's first choice at 175B's replica size and GBS",
+                    "004 gives no 22B layout, batch or GCD count; read as 175B's 64 GCDs and GBS 640"))
     if sensitivity:
         model, nodes, batch, measured = TABLE_V_1T_LITERAL
         recipe = _fits(_megatron(machine, model, nodes, batch)[1], f"{model}'s recipe at Table V's GBS {batch:,}")
         rows.append(Row(f"  sensitivity, Table V's GBS {batch:,} on the 1,024 GCDs ({recipe.grad_accum} micro-batches "
                         f"per replica): {model} recipe", "004 §V-B", measured, recipe.tflops / 1e12, None,
                         "the other reading of 004 §V-B and 000 §II; not the prediction"))
+        table_ii = machine.with_links({"gpu": hardware.value("gpu_bandwidth_table_ii")}, {})
+        for model, nodes, batch, measured in TABLE_V:
+            recipe = _fits(_megatron(table_ii, model, nodes, batch)[1], f"{model}'s Table V recipe")
+            rows.append(Row(f"  sensitivity, MI250X-to-MI250X at 003 Table II's 50 GB/s (not 004 §III-A's 100): "
+                            f"{model} recipe", "004 §V-B", measured, recipe.tflops / 1e12, None, "not the prediction"))
         for label, eff in ((f"compute at the single-GEMM rate ({compute_rate.GEMM_FLOPS / 1e12:.0f} Tflop/s, "
                             "000 §VI-C, the earlier constant)", compute_rate.GEMM_EFFICIENCY),
                            (f"compute at 000's untuned rate ({compute_rate.rate(compute_rate.UNTUNED_S) / 1e12:.0f} "
@@ -217,6 +226,10 @@ FIG_6_12_2048 = "70-80 % for the two models"  # 001 §6.3.2 at 2,048 GCDs, no va
 FIG_6_12_BATCH = 8192  # 000 Table I: the authors' Frontier batch, 16.8M tokens (the figure's is not given)
 FIG_6_12_NOTE = ("batch 8,192: 000 Table I's Frontier batch (the figure's is not stated; Table 4.1's 1,024 cannot "
                  "run 6.7B on the figure's 2,048 GCDs); DeepSpeed's per-submodule gathers; RCCL α from 001 §6.3.1")
+
+
+FIG_6_12_UNSTATED = ("001 gives no batch for the figure; read at 8,192, also tried: Table 4.1's 1,024 / 2,048, "
+                     "2,048, 13B at 16,384 (sensitivity rows below)")
 
 
 def _zero3_pair(machine: Machine, model: str, gcds: int, batch: int | None) -> tuple[Estimate, Estimate]:
@@ -252,7 +265,7 @@ def pccl_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
     under which PCCL "continues to scale efficiently" while RCCL's time grows). ``sensitivity``:
     the rows at other batches, RCCL's ring at the derived bandwidth and the single-GEMM compute."""
     rows = [Row(f"{model} ZeRO-3 on {gcds} GCDs, PCCL over RCCL: less batch time", "001 §6.3.2, Fig 6.12",
-                published, less_batch_time(machine, model, gcds), 0.15, FIG_6_12_NOTE)
+                published, less_batch_time(machine, model, gcds), 0.15, FIG_6_12_NOTE, FIG_6_12_UNSTATED)
             for model, gcds, published in FIG_6_12]
     rows += [Row(f"  {model} ZeRO-3 on 2048 GCDs, PCCL over RCCL: less batch time", "001 §6.3.2", None,
                  less_batch_time(machine, model, 2048), None, f"published {FIG_6_12_2048}")
@@ -286,7 +299,7 @@ FIG_7_9_GPUS = (32, 64, 128, 256, 512)
 FIG_7_9_BASES = ("gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b")
 FIG_7_9_EXPERTS = (4, 8, 16, 32, 64, 128)
 FIG_7_9_TENSOR = (1, 2, 3, 4, 6)
-SUMMIT_GPU_BYTES = 16 * GiB  # "the 16 GB DRAM capacity of Summit's V100 GPUs" (001 §3.3), binary as for Frontier
+SUMMIT_GPU_BYTES = hardware.value("summit_gpu_memory")  # 001 §3.3, binary as for Frontier
 FIG_7_9_PUBLISHED = {32: 1.09, 512: 4.8}  # "1.09-4.8x larger MoE models ... increasing with the GPUs"
 
 
@@ -318,6 +331,16 @@ def ted_rows() -> list[Row]:
     return rows
 
 
+def hardware_table() -> str:
+    """Every hardware figure the rows rest on (``ds_ext.planner.hardware``) and the two the planner derives."""
+    lo, hi = rccl.ALPHA_BAND_S
+    return hardware.markdown((
+        ("RCCL latency per inter-node ring step", f"{rccl.RING_STEP_ALPHA_S * 1e6:.1f} µs (band {lo * 1e6:.1f}-"
+         f"{hi * 1e6:.1f})", "derived from 001 §6.3.1's speedups (ds_ext.planner.rccl)"),
+        ("compute rate of a training step", f"{compute_rate.rate() / 1e12:.1f} TFLOP/s per GCD",
+         "derived from 000 §V-C's GPT-320B run (ds_ext.planner.compute_rate)")))
+
+
 def validate(machine: Machine) -> list[Row]:
     return zero_rows(machine) + pmm_rows(machine) + megatron_rows(machine) + pccl_rows(machine) + ted_rows()
 
@@ -330,6 +353,8 @@ def markdown(rows: list[Row]) -> str:
         err = "—" if r.rel_error is None else f"{r.rel_error:+.1%}"
         tol = "—" if r.tolerance is None else f"±{r.tolerance:.0%}"
         holds = {True: "yes", False: "**no**", None: "—"}[r.holds]
+        if r.unstated and r.holds is not None:
+            holds = f"{holds} at this reading; setup unstated: {r.unstated}"
         lines.append(f"| {r.claim.strip()}{f' ({r.note})' if r.note else ''} | {r.source} | {pub} | {r.predicted:.3g} | "
                      f"{err} | {tol} | {holds} |")
     return "\n".join(lines)
