@@ -160,6 +160,70 @@ def test_tiled_optimizer_and_pccl_under_the_pipeline_engine(world):
                         torch.testing.assert_close(other["params"][n], p, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def _engine(stages, zero_topo, perturb=False):
+    import torch
+
+    import ds_ext
+    from ds_ext.integration import ds_engine
+
+    ds_engine.init_distributed()
+    model = _pipe(stages)
+    if perturb:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+    dp = 8 // stages
+    cfg = {"train_batch_size": MICRO * ACCUM * dp, "train_micro_batch_size_per_gpu": MICRO,
+           "gradient_clipping": 0.05, "zero_optimization": {"stage": 0}, "steps_per_print": 10**6,
+           "ds_ext": {"topology": TOPOLOGY, "zero_topo": {"enabled": True, **zero_topo}}}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
+    return engine
+
+
+def _train(engine, steps):
+    rank = engine.grid.get_data_parallel_rank()
+    return [float(engine.train_batch(iter(_batches(s, rank)))) for s in steps]
+
+
+def _checkpoint(tmp):
+    """PP 2, default plan, AdamW: save after 2 steps and train 2 more; a fresh engine from other
+    weights loads the save and trains the same 2 steps; a PP 1 engine refuses the save in one line."""
+    import torch.distributed as dist
+
+    from ds_ext.errors import DsExtError
+
+    engine = _engine(2, {"preset": "zero_topo"})
+    _train(engine, range(2))
+    engine.save_checkpoint(tmp, tag="t2")
+    after = _train(engine, range(2, 4))
+    engine.destroy()
+    fresh = _engine(2, {"preset": "zero_topo"}, perturb=True)
+    fresh.load_checkpoint(tmp, tag="t2")
+    resumed = _train(fresh, range(2, 4))
+    fresh.destroy()
+    other = _engine(1, {"preset": "zero_topo"})
+    try:
+        other.load_checkpoint(tmp, tag="t2")
+        refused = None
+    except DsExtError as err:
+        refused = str(err)
+    other.destroy()
+    dist.barrier()
+    return after, resumed, refused
+
+
+def test_checkpoint_round_trip_in_the_pipeline_form(world, tmp_path):
+    """DeepSpeed's per-layer files with ZeRO-topo's optimizer shards beside them, one folder per
+    stage: resuming repeats the losses bit for bit; another pipeline size is refused in one line."""
+    for after, resumed, refused in world.run(_checkpoint, str(tmp_path)):
+        assert resumed == after
+        assert refused is not None and "was saved with model-parallel size 2, this run has 1" in refused, refused
+    parts = sorted(p.name for p in (tmp_path / "t2").iterdir() if p.is_dir())
+    assert parts == ["ds_ext_zero_topo_mp00", "ds_ext_zero_topo_mp01"]
+    assert any(p.name.startswith("layer_") for p in (tmp_path / "t2").iterdir())
+
+
 def _refused(case):
     """The one-line refusal of ``case`` (before any ZeRO-topo collective)."""
     import torch
