@@ -235,12 +235,16 @@ def _refused(case):
 
     ds_engine.init_distributed()
     model = _pipe(2) if case != "pipeline_form_plain_model" else torch.nn.Linear(4, 4)
-    zero_topo = {"enabled": True, **{"weights_set": {"weights": {"level": "gcd"}},
-                                     "pipeline_form_plain_model": {"form": "pipeline"}}[case]}
-    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1,
-           "ds_ext": {"topology": TOPOLOGY, "zero_topo": zero_topo}}
+    block = {"weights_set": {"zero_topo": {"enabled": True, "weights": {"level": "gcd"}}},
+             "pipeline_form_plain_model": {"zero_topo": {"enabled": True, "form": "pipeline"}},
+             "ted": {"ted": {"enabled": True, "tensor_parallel": 1, "expert_parallel": 2}},
+             "pmm3d": {"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 1, "data": 4}}}}[case]
+    cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "ds_ext": {"topology": TOPOLOGY, **block}}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if case == "pmm3d":  # 3D-PMM builds its optimizer on the converted parameters
+        optimizer = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     try:
-        ds_ext.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+        ds_ext.initialize(model=model, optimizer=optimizer, config=cfg)
         msg = None
     except DsExtError as err:
         msg = str(err)
@@ -253,7 +257,15 @@ def _refused(case):
                     "gradients, optimizer and step settings only"),
     ("pipeline_form_plain_model", "ds_ext.zero_topo.form 'pipeline' needs a deepspeed.pipe.PipelineModule (got "
                                   "Linear); allowed: 'sharded' or 'auto'"),
+    ("ted", "ds_ext.ted: with a deepspeed.pipe.PipelineModule: TED's layout (tensor x expert x expert-data) spans the "
+            "whole world and has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: "
+            "--no-pipeline-parallel; GPT-NeoX: pipe_parallel_size 0)"),
+    ("pmm3d", "ds_ext.pmm3d with a deepspeed.pipe.PipelineModule: 3D-PMM's grid (x, y, z, data) spans the whole world "
+              "and has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: --no-pipeline-parallel; "
+              "GPT-NeoX: pipe_parallel_size 0)"),
 ])
-def test_pipeline_form_settings_refused_in_one_line(world, case, expected):
+def test_settings_refused_in_one_line_on_the_pipeline_engine(world, case, expected):
+    """Pipeline-form settings it has no use for, the form asked for without a PipelineModule, and
+    TED / 3D-PMM (no pipeline axis in their layouts) with one: one line on every rank."""
     for msg in world.run(_refused, case):
         assert msg == expected

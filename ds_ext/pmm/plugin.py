@@ -47,7 +47,13 @@ class Pmm3dPlugin(Plugin):
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         from ds_ext.integration import ds_pmm
+        from ds_ext.integration.ds_engine import pipeline_grid
 
+        if pipeline_grid(model) is not None:
+            raise DsExtConfigError(
+                f"{KEY} with a deepspeed.pipe.PipelineModule: 3D-PMM's grid (x, y, z, data) spans the whole world and "
+                "has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: --no-pipeline-parallel; "
+                "GPT-NeoX: pipe_parallel_size 0)")
         if isinstance(optimizer, torch.optim.Optimizer):
             raise DsExtConfigError(
                 f"{KEY} converts the model's layers, so the optimizer must be built on the converted parameters: "
