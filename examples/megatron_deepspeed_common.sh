@@ -11,7 +11,10 @@ mds_env=(PYTHONPATH="$DS0196:$EXTRA:$repo:$MDS" OMP_NUM_THREADS=1 DS_ACCELERATOR
 mds_gpt=(--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64
   --micro-batch-size 1 --train-iters 10 --lr 1e-3 --min-lr 1e-4 --lr-decay-style constant
   --data-path "$DATA" --tokenizer-type NullTokenizer --vocab-size 512 --split 98,2,0
-  --deepspeed --no-pipeline-parallel --distributed-backend gloo
+  --deepspeed --distributed-backend gloo
   --log-interval 1 --eval-interval 1000 --eval-iters 0 --seed 1234
   --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-gradient-accumulation-fusion
   --attention-dropout 0 --hidden-dropout 0)
+# PP unset: --no-pipeline-parallel (a plain GPTModel); PP=N: the client's default path, GPTModelPipe on
+# DeepSpeed's PipelineEngine with N stages (N = 1 included)
+if [ -n "${PP:-}" ]; then mds_gpt+=(--pipeline-model-parallel-size "$PP"); else mds_gpt+=(--no-pipeline-parallel); fi

@@ -2,7 +2,9 @@
 # Megatron-DeepSpeed's unmodified pretrain_gpt.py, dense GPT, with ZeRO-topo under Megatron tensor
 # parallelism: 8 CPU ranks emulating Frontier in miniature (2 nodes x 2 MI250X x 2 GCDs), tensor-parallel
 # 2 (the GCD pair of an MI250X), so data-parallel 4 (one GCD per MI250X, crossing the node), fp32,
-# micro-batch 1, global batch 4, 10 iterations, gradient_clipping 1.0, --no-pipeline-parallel.
+# micro-batch 1, global batch 4, 10 iterations, gradient_clipping 1.0, --no-pipeline-parallel; with PP=N the
+# client's default path instead (GPTModelPipe on DeepSpeed's PipelineEngine, N stages: ZeRO-topo's pipeline
+# form), e.g. PP=2: TP 2 x PP 2 x DP 2, two micro-batches per iteration (004's TP x PP x ZeRO-1 recipe shape).
 #
 # usage: examples/megatron_deepspeed_zero_topo.sh MODE(zero1|unquantized|quantized) [ARGS...]
 # MODE: zero1 = plain DeepSpeed ZeRO stage 1, no ds_ext (the reference); unquantized = ZeRO-topo with
@@ -22,8 +24,10 @@ source "$(dirname "$0")/megatron_deepspeed_common.sh"  # repo, mds_env, mds_gpt
 topology='"topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": true}'
 case $mode in
   zero1) stage=1 ds_ext='' ;;
-  unquantized) stage=0 ds_ext=', "ds_ext": {'$topology', "zero_topo": {"enabled": true, "preset": "zero_topo",
-      "weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}}}' ;;
+  unquantized) stage=0 wire='"weights": {"gather_bits": 16}, "secondary": {"bits": 16}, '
+    [ -n "${PP:-}" ] && wire=''  # the pipeline form keeps weights whole: no weight wire to set
+    ds_ext=', "ds_ext": {'$topology', "zero_topo": {"enabled": true, "preset": "zero_topo",
+      '$wire'"gradients": {"bits": 16, "hops": 1}}}' ;;
   quantized) stage=0 ds_ext=', "ds_ext": {'$topology', "zero_topo": {"enabled": true, "preset": "zero_topo"}}' ;;
   *) echo "MODE: zero1 | unquantized | quantized (got $mode)" >&2; exit 2 ;;
 esac

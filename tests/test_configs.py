@@ -51,6 +51,7 @@ class _Mpu:
 # file: (nodes, tensor parallel, pipeline parallel, global batch, gradient accumulation DeepSpeed derives)
 RECIPES = {
     "gpt_22b_004.json": (16, 2, 4, 640, 40),
+    "gpt_22b_004_zero_topo.json": (16, 2, 4, 640, 40),  # the same with ZeRO-topo's pipeline form
     "gpt_175b_004.json": (128, 4, 16, 640, 40),    # 004 Table V; strong scaling at 1024 GCDs
     "gpt_1t_004.json": (128, 8, 64, 1600, 800),    # 004 Table V; two replicas of 512 GCDs
     "neox_20b_zero_topo_003.json": (48, 1, 1, 1536, 1),  # 003: ZeRO-topo on 48 nodes = 384 GCDs
@@ -77,5 +78,6 @@ def test_frontier_recipes_pass_the_schema_and_deepspeeds_own_parser(name, monkey
     parsed_ds = ds_config_module.DeepSpeedConfig(ds_config, mpu=_Mpu(dp))
     assert (parsed_ds.train_batch_size, parsed_ds.gradient_accumulation_steps) == (gbs, ga)
     assert parsed_ds.train_micro_batch_size_per_gpu == (4 if "neox" in name else 1)
-    assert parsed_ds.zero_optimization_stage == (0 if "neox" in name else 1)
-    assert parsed_ds.float16_config.enabled and parsed_ds.gradient_clipping == 1.0
+    assert parsed_ds.zero_optimization_stage == (0 if parsed.zero_topo.enabled else 1)
+    half = parsed_ds.bfloat16_config.enabled if "zero_topo.json" in name else parsed_ds.float16_config.enabled
+    assert half and parsed_ds.gradient_clipping == 1.0

@@ -55,10 +55,10 @@ def runs(tmp_path_factory):
 
     done = {}
 
-    def run(name: str, mode: str, *args: str):
+    def run(name: str, mode: str, *args: str, pp: int | None = None):
         if name not in done:
             dump = tmp_path_factory.mktemp(name)
-            env = {**os.environ, **MDS_ENV, "FINAL_DUMP": str(dump)}
+            env = {**os.environ, **MDS_ENV, "FINAL_DUMP": str(dump), **({"PP": str(pp)} if pp else {})}
             proc = subprocess.run(["bash", str(REPO / "examples" / "megatron_deepspeed_zero_topo.sh"), mode, *args],
                                   env=env, capture_output=True, text=True, timeout=900)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -144,3 +144,51 @@ def test_quantized_default_trains_within_the_seed_spread(runs):
     for o in ours:
         assert [n for n, p in o["final"].items() if torch.equal(p, o["init"][n])] == []
         _check_ledger(o, floor=True)  # its step crosses the node in fp32: the floor of its padded shards
+
+
+# ---- issue 37: the client's default path (GPTModelPipe on DeepSpeed's PipelineEngine) ------------
+@pytest.mark.parametrize("pp,data", [(1, 4), (2, 2)])
+def test_pipeline_engine_pipeline_form_equals_zero1_sgd_every_parameter(runs, pp, data):
+    """Without ``--no-pipeline-parallel`` (``PP=1``: TP 2 x PP 1 x DP 4; ``PP=2``: TP 2 x PP 2 x DP 2,
+    two micro-batches per iteration): ZeRO-topo's pipeline form, unquantized, equals DeepSpeed ZeRO-1
+    on the same PipelineEngine within 1e-6 (losses, every parameter, all of which moved); its ledger
+    equals its analytic model and, over the whole run, an independent count of torch.distributed's
+    bytes; with PP 1 the inter-node bytes are the data group's floor plus the norm all-reduce."""
+    import torch
+
+    ref_losses, ref = runs(f"pp{pp}-zero1-sgd", "zero1", *SGD, pp=pp)
+    losses, ours = runs(f"pp{pp}-unquantized-sgd", "unquantized", *SGD, pp=pp)
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=0) and len(losses) == 10
+    _same_start(ref, ours)
+    for r, o in zip(ref, ours):
+        for name, p in r["final"].items():
+            torch.testing.assert_close(o["final"][name], p, rtol=1e-6, atol=1e-6, msg=name)
+            assert not torch.equal(o["final"][name], o["init"][name]), name
+        _check_pipeline_ledger(o, pp, data)
+
+
+@pytest.mark.parametrize("pp,data", [(1, 4), (2, 2)])
+def test_pipeline_engine_quantized_default_trains_within_the_seed_spread(runs, pp, data):
+    import torch
+
+    a, _ = runs(f"pp{pp}-zero1", "zero1", pp=pp)
+    b, _ = runs(f"pp{pp}-zero1-seed", "zero1", "--seed", "1235", pp=pp)
+    losses, ours = runs(f"pp{pp}-quantized", "quantized", pp=pp)
+    spread = max(abs(x - y) for x, y in zip(a, b))
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    assert max(abs(x - y) for x, y in zip(losses, a)) <= spread
+    for o in ours:
+        assert [n for n, p in o["final"].items() if torch.equal(p, o["init"][n])] == []
+        _check_pipeline_ledger(o, pp, data)
+
+
+def _check_pipeline_ledger(dump: dict, pp: int, data: int) -> None:
+    measured, analytic = dump["measured"], dump["analytic"]
+    assert dump["ledger_total"] == dump["torch_total"]
+    assert set(analytic) == {"step"}  # the pipeline form gathers nothing in forward or backward
+    assert {lv: measured["step"].get(lv) for lv in analytic["step"]} == analytic["step"]
+    assert f"pipeline {pp}" in dump["banner"] and f"data {data}" in dump["banner"]
+    assert "pipeline form" in dump["banner"]
+    if pp == 1:  # data 4 crosses the node: 2 (M_stage / P)(N - 1)/N with P = 2, N = 2, plus the norm's all-reduce
+        node = measured["step"]["node"]
+        assert node == 2 * (dump["padded_bytes"] / 2) * (2 - 1) / 2 + 2 * 8 * (4 - 1) / 4

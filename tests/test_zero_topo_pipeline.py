@@ -238,8 +238,11 @@ def _refused(case):
     block = {"weights_set": {"zero_topo": {"enabled": True, "weights": {"level": "gcd"}}},
              "pipeline_form_plain_model": {"zero_topo": {"enabled": True, "form": "pipeline"}},
              "ted": {"ted": {"enabled": True, "tensor_parallel": 1, "expert_parallel": 2}},
-             "pmm3d": {"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 1, "data": 4}}}}[case]
+             "pmm3d": {"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 1, "data": 4}}},
+             "fp16": {"zero_topo": {"enabled": True}}}[case]
     cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "ds_ext": {"topology": TOPOLOGY, **block}}
+    if case == "fp16":
+        cfg["fp16"] = {"enabled": True}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if case == "pmm3d":  # 3D-PMM builds its optimizer on the converted parameters
         optimizer = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
@@ -260,6 +263,8 @@ def _refused(case):
     ("ted", "ds_ext.ted: with a deepspeed.pipe.PipelineModule: TED's layout (tensor x expert x expert-data) spans the "
             "whole world and has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: "
             "--no-pipeline-parallel; GPT-NeoX: pipe_parallel_size 0)"),
+    ("fp16", "ds_ext.zero_topo: fp16 in the pipeline form: the PipelineEngine calls DeepSpeed's backward for the last "
+             "stage's loss directly, past the loss scaling ZeRO-topo adds; allowed: bf16 or fp32"),
     ("pmm3d", "ds_ext.pmm3d with a deepspeed.pipe.PipelineModule: 3D-PMM's grid (x, y, z, data) spans the whole world "
               "and has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: --no-pipeline-parallel; "
               "GPT-NeoX: pipe_parallel_size 0)"),

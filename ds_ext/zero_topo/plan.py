@@ -19,6 +19,7 @@ node, world) so they work on any hierarchy; explicit fields override them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -159,6 +160,12 @@ class ShardingPlan:
     block_size: int
     step_bits: int = 16  # wire format of the step boundary's cross-node collectives
     per_parameter_groups: bool = False  # quantization_groups == "per_parameter"
+    weights_whole: bool = False  # the pipeline form: weights gathered back whole at the step
+
+    def pipeline_form(self) -> "ShardingPlan":
+        """This plan inside DeepSpeed's PipelineEngine (``ds_ext.zero_topo.pipeline``): weights whole
+        (the step's gather ends at the innermost level, then 16-bit over it), no secondary."""
+        return dataclasses.replace(self, weights=0, gather_bits=16, secondary=None, weights_whole=True)
 
     def name(self, index: int | None) -> str:
         return "none" if index is None else self.topology.levels[index].name
@@ -176,8 +183,10 @@ class ShardingPlan:
         sec = "none" if self.secondary is None else f"{self.name(self.secondary)} int{self.secondary_bits}" \
             if self.secondary_bits < 16 else f"{self.name(self.secondary)} 16-bit"
         step = f"step {self.step}" + (f" ({self.step_bits}-bit across nodes)" if self.step_bits < 16 else "")
+        weights = "weights whole" if self.weights_whole else \
+            f"weights {self.name(self.weights)} (gather {self.gather_bits}-bit), secondary {sec}"
         return (
-            f"weights {self.name(self.weights)} (gather {self.gather_bits}-bit), secondary {sec}, "
+            f"{weights}, "
             f"gradients {self.name(self.gradients)} ({self.gradient_bits}-bit, {self.gradient_hops}-hop), "
             f"optimizer {self.name(self.optimizer)}, {step}"
         )

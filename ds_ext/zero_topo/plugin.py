@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -69,10 +68,14 @@ class ZeroTopoPlugin(Plugin):
         self.data = self._data_group()
         self.plan = resolve_plan(self.config, self.data.topology)
         if self.pipeline:
-            self.plan = dataclasses.replace(self.plan, weights=0, secondary=None)  # weights stay whole
+            self.plan = self.plan.pipeline_form()
         self.experts = self._expert_group()
         self.expert_plan = resolve_plan(self.config, self.experts.topology) if self.experts else None
         self.dtype = support.precision(ds_config)
+        if self.pipeline and self.dtype == torch.float16:
+            raise DsExtConfigError(
+                f"{support.KEY}: fp16 in the pipeline form: the PipelineEngine calls DeepSpeed's backward for the last "
+                "stage's loss directly, past the loss scaling ZeRO-topo adds; allowed: bf16 or fp32")
         support.check_ds_config(ds_config, self.dtype)
         support.check_model(model, experts=self.experts is not None, pipeline=self.pipeline)
         note = support.check_optimizer(optimizer, ds_config)
@@ -131,7 +134,7 @@ class ZeroTopoPlugin(Plugin):
         where = "" if len(self.data.members) == self.runtime.topology.world_size else \
             f" over the data-parallel group ({self.data.topology.describe()})"
         if self.pipeline:
-            where += "; pipeline form: weights whole per stage, gradients reduced once per train_batch"
+            where += "; pipeline form: gradients reduced once per train_batch"
         experts = "" if self.experts is None else \
             f"; experts: {self.expert_plan.describe()} over the expert-data-parallel group " \
             f"({self.experts.topology.describe()})"
