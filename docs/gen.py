@@ -164,8 +164,8 @@ def _level_bytes(b: dict[str, float], scale: float, fmt: str = "{:.2f}") -> list
     return [fmt.format(b.get(lv, 0.0) / scale) for lv in ("gcd", "gpu", "node")]
 
 
-def zero_table() -> str:
-    recs = _load("bench_zero.json")["records"]
+def zero_table(name: str = "bench_zero.json") -> str:
+    recs = _load(name)["records"]
     rows = []
     for r in recs:
         m = r["model_bytes"]
@@ -364,6 +364,7 @@ def validate_table() -> str:
 
 SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_zero.md": ("examples/results/bench_zero.json", zero_table),
+    "bench_zero_tp2.md": ("examples/results/bench_zero_tp2.json", lambda: zero_table("bench_zero_tp2.json")),
     "bench_zero_netns.md": ("examples/results/bench_zero_netns.json, bench_zero_netns_400mbit.json", zero_netns_table),
     "bench_tiled.md": ("examples/results/bench_tiled.json", tiled_table),
     "bench_pmm.md": ("examples/results/bench_pmm.json", pmm_table),

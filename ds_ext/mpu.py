@@ -11,7 +11,7 @@ plugin names its two groups: 3D-PMM the tensor grid X x Y x Z and the ``data`` a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ds_ext.groups import ProcessGroups
@@ -75,3 +75,16 @@ class MegatronMPU:
 
     def get_pipeline_model_parallel_rank(self) -> int:
         return 0
+
+
+def model_parallel_sizes(mpu: Any) -> dict[str, Any]:
+    """Tensor / pipeline parallel sizes an mpu reports (GPT-NeoX and Megatron pass one with
+    size 1 when they run pure data parallelism); an mpu that reports none counts as
+    model-parallel ('unknown')."""
+    sizes: dict[str, Any] = {}
+    for name, getters in (("tensor parallel", ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")),
+                          ("pipeline parallel", ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size"))):
+        getter = next((getattr(mpu, g) for g in getters if callable(getattr(mpu, g, None))), None)
+        if getter is not None:
+            sizes[name] = getter()
+    return sizes or {"model parallel": "unknown"}

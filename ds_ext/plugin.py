@@ -5,6 +5,9 @@ and ``Config`` (a :class:`PluginConfig`), and decorates itself with
 :func:`register_plugin`. ``ds_ext.initialize`` instantiates every *enabled* plugin in
 hook order (:data:`HOOK_ORDER`) and calls its hooks around ``deepspeed.initialize``:
 
+0. ``check(model)`` right after the runtime is built, before any collective: refuses in one
+   line what the plugin cannot run beside (the other enabled plugins, the caller's ``mpu``,
+   the model);
 1. ``prepare(model, optimizer, ds_config)`` before DeepSpeed sees them; returns the
    (possibly wrapped) model, optimizer and ds_config dict. The other arguments the
    caller gave ``initialize`` (``mpu``, ``collate_fn``, ...) are in
@@ -49,6 +52,10 @@ class Plugin:
         which builds the plugins and so sits above this module."""
         self.config = config
         self.runtime = runtime
+
+    def check(self, model: Any) -> None:
+        """Before any collective: raise a one-line :class:`DsExtError` for what this plugin cannot
+        run beside (``runtime.plugins``, the caller's ``runtime.initialize_kwargs["mpu"]``, ``model``)."""
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         return model, optimizer, ds_config

@@ -353,6 +353,50 @@ def test_deepspeed_zero3_through_pccl(world):
             assert hier["messages"] == {lv: m * calls for lv, (_, m) in unit.items()}
 
 
+def _deepspeed_moe(pccl, steps=3):
+    """DeepSpeed-MoE (4 experts over expert groups of 2) under DeepSpeed ZeRO-2 with clipping, with
+    the pccl plugin or without: losses, this rank's parameters, the step's all-gather levels."""
+    import torch
+    import torch.distributed as dist
+
+    import ds_ext
+    from ds_ext.bench.tiled import batch, moe_model, moe_param_groups
+
+    model = moe_model(16, 32, 4, 2)
+    opt = torch.optim.AdamW(moe_param_groups(model), lr=1e-2)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
+           "gradient_clipping": 0.05, "zero_optimization": {"stage": 2},
+           "ds_ext": {"topology": DS_TOPOLOGY, **({"pccl": {"enabled": True}} if pccl else {})}}
+    engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
+    losses = []
+    for step in range(steps):
+        loss = engine(*batch(step, 16, 8, torch.float32))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    levels = sorted({lv for (ph, op, lv) in engine.ds_ext.ledger.steps[-1].bytes if (ph, op) == ("step", "all_gather")})
+    engine.destroy()
+    dist.barrier()
+    return losses, params, levels
+
+
+def test_deepspeed_moe_through_pccl(world):
+    """PCCL under DeepSpeed-MoE: ZeRO-2's partition all-gathers over the data group (4 nodes x 2) and
+    the experts' expert-data group (one rank on each node) run by PCCL; losses and every parameter
+    equal DeepSpeed's native collectives within float reordering."""
+    import torch
+
+    native = world.run(_deepspeed_moe, False)
+    pccl = world.run(_deepspeed_moe, True)
+    for (losses, params, levels), (p_losses, p_params, p_levels) in zip(native, pccl):
+        assert p_losses == pytest.approx(losses, rel=1e-5, abs=0) and losses[-1] != losses[0]
+        assert any("deepspeed_experts" in name for name in params)
+        for name, p in params.items():
+            torch.testing.assert_close(p_params[name], p, rtol=1e-5, atol=1e-6, msg=name)
+        assert levels == ["node"] and p_levels == ["local", "node"]  # the ring inside each node ran too
+
+
 # ---- ds_ext's zero3 / zeropp presets with comm.algorithm: the ledger == ds_ext.perf.zero ------
 
 def _preset_ledger(preset, algorithm):

@@ -337,8 +337,11 @@ def test_hf_trainer_gradient_accumulation_num_items_in_batch(world):
         assert losses == pytest.approx(serial_losses, rel=1e-5)
 
 
-def _initialize_error(grid, micro=None, instance=False, family="gpt"):
+def _initialize_error(grid, micro=None, instance=False, family="gpt", beside=None):
+    """The one-line refusal, and whether a process group was created first; ``beside``: 'ted'
+    (the ds_ext.ted plugin too) or 'moe' (a DeepSpeed-MoE layer in the model)."""
     import torch
+    import torch.distributed.distributed_c10d as c10d
 
     import ds_ext
     from ds_ext.config import DsExtConfigError
@@ -348,11 +351,18 @@ def _initialize_error(grid, micro=None, instance=False, family="gpt"):
     if micro is not None:
         cfg["train_micro_batch_size_per_gpu"] = micro
     model = MODELS[family]()
+    if beside == "ted":
+        cfg["ds_ext"]["ted"] = {"enabled": True, "tensor_parallel": 2, "expert_parallel": 2}
+    elif beside == "moe":
+        from deepspeed.moe.layer import MoE
+
+        model.blocks[1].moe = MoE(hidden_size=64, expert=torch.nn.Linear(64, 64), num_experts=2, ep_size=2)
     opt = torch.optim.AdamW(model.parameters()) if instance else (lambda p: torch.optim.AdamW(p))
+    groups = c10d._world.group_count
     try:
         ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     except DsExtConfigError as err:
-        return str(err)
+        return str(err) if c10d._world.group_count == groups else f"after a collective: {err}"
     return None
 
 
@@ -361,7 +371,11 @@ def _initialize_error(grid, micro=None, instance=False, family="gpt"):
     ({"grid": (8, 1, 1, 1), "family": "gpt_4heads"}, r"ds_ext.pmm3d.grid.x=8 does not divide the 4 attention heads"),
     ({"grid": (1, 1, 8, 1), "micro": 4}, r"ds_ext.pmm3d.grid.z=8 does not divide train_micro_batch_size_per_gpu=4"),
     ({"grid": (2, 2, 2, 1), "instance": True}, r"pass optimizer=lambda params: .* not an optimizer instance"),
-], ids=["product", "heads", "micro-batch", "optimizer"])
+    ({"grid": (2, 1, 2, 2), "beside": "ted"}, r"^ds_ext.pmm3d with ds_ext.ted: each builds the job's model-parallel "
+                                              r"groups and hands DeepSpeed its mpu; allowed: one of the two$"),
+    ({"grid": (2, 1, 2, 2), "beside": "moe"}, r"^ds_ext.pmm3d: blocks.1.moe is a DeepSpeed-MoE layer "
+                                              r"\(deepspeed.moe.layer.MoE\), whose experts 3D-PMM does not partition"),
+], ids=["product", "heads", "micro-batch", "optimizer", "ted", "deepspeed-moe"])
 def test_bad_input_one_line_before_training(world, kwargs, message):
     import re
 

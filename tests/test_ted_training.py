@@ -113,6 +113,41 @@ def test_zero_topo_shards_dense_and_experts_equal_to_deepspeed_zero1(world):
     assert "experts: " in ours[0]["describe"] and "expert-data-parallel group" in ours[0]["describe"]
 
 
+# ---- PCCL: ds_ext's and DeepSpeed's all-gathers / reduce-scatters by 001 §6.2's algorithm ----
+def _pccl_run(pccl, steps=3):
+    """TED at T 2 x P 2 with DTD under DeepSpeed ZeRO-1, with ``comm.algorithm`` pccl and the pccl
+    plugin (DeepSpeed's partition all-gathers) or neither: losses, this rank's parameters, and
+    the topology levels of the step's all-gathers."""
+    import torch.distributed as dist
+
+    import ted_support as ts
+
+    cfg = ts.config()
+    plugins = {"comm": {"algorithm": "pccl"}, "pccl": {"enabled": True}} if pccl else None
+    engine, ted = _engine(cfg, ts.serial_model(cfg).state_dict(), 2, 2, 1, plugins=plugins)
+    losses = [_step(engine, ted, step) for step in range(steps)]
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    levels = sorted({lv for (ph, op, lv) in engine.ds_ext.ledger.steps[-1].bytes if (ph, op) == ("step", "all_gather")})
+    engine.destroy()
+    dist.barrier()
+    return losses, params, levels
+
+
+def test_pccl_equals_native_collectives(world):
+    """PCCL beside TED: DeepSpeed ZeRO-1's all-gathers over the data group (2 nodes x 2 ranks) run
+    across nodes then inside each node, and the DTD gathers by ds_ext's pccl; losses and every
+    parameter equal the native collectives' within float reordering."""
+    import torch
+
+    native = world.run(_pccl_run, False)
+    pccl = world.run(_pccl_run, True)
+    for (losses, params, levels), (p_losses, p_params, p_levels) in zip(native, pccl):
+        assert p_losses == pytest.approx(losses, rel=1e-5, abs=0)
+        for name, p in params.items():
+            torch.testing.assert_close(p_params[name], p, rtol=1e-5, atol=1e-6, msg=name)
+        assert levels == ["node"] and p_levels == ["gpu", "node"]  # the node phase, then the ring inside
+
+
 # ---- ZeRO-1/2 with gradient clipping against the serial model ------------------------------
 def _zero_vs_serial(stage, clip, steps=5):
     import torch

@@ -219,9 +219,12 @@ def test_quantized_default_trains_every_parameter_within_the_seed_spread(world, 
 
 
 def _refused(case):
-    """The one-line refusal of ``case`` on this rank (before any ZeRO-topo collective)."""
+    """The one-line refusal of ``case`` on this rank (before any ZeRO-topo collective); for
+    'pmm3d_mpu' (3D-PMM beside the caller's TP 2 mpu, no ZeRO-topo) None unless no process group
+    was created first."""
     import torch
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
     from megatron.core import mpu
 
     import ds_ext
@@ -234,22 +237,24 @@ def _refused(case):
         zero_topo["weights"] = {"level": "gcd"}
     kwargs = {"mpu": mpu}
     pmm = {}
-    if case == "pmm3d":
+    if case in ("pmm3d", "pmm3d_mpu"):
         from ds_ext.models import GPT, GPTConfig
 
-        model, kwargs = GPT(GPTConfig(seq_len=16, d_model=64, n_layers=2, n_heads=8)), {}
+        model = GPT(GPTConfig(seq_len=16, d_model=64, n_layers=2, n_heads=8))
         pmm = {"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 2, "data": 2},
                          "overlap": {"reduce_scatter": True}}}
+        kwargs = kwargs if case == "pmm3d_mpu" else {}
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(2, 2 if case == "pipeline" else 1)
     cfg = {"train_batch_size": 8 // mpu.get_tensor_model_parallel_world_size() // (2 if case == "pipeline" else 1),
-           "ds_ext": {"topology": TOPOLOGY, "zero_topo": zero_topo, **pmm}}
+           "ds_ext": {"topology": TOPOLOGY, **({} if case == "pmm3d_mpu" else {"zero_topo": zero_topo}), **pmm}}
+    groups = c10d._world.group_count
     try:
         ds_ext.initialize(model=model, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), config=cfg, **kwargs)
         msg = None
     except DsExtError as err:
-        msg = str(err)
+        msg = None if case == "pmm3d_mpu" and c10d._world.group_count != groups else str(err)
     mpu.destroy_model_parallel()
     dist.barrier()
     return msg
@@ -261,13 +266,16 @@ def _refused(case):
     ("pipeline", "ds_ext.zero_topo: pipeline parallel size 2 (from the caller's mpu= argument) with a model that is "
                  "no deepspeed.pipe.PipelineModule; allowed: 1, or a PipelineModule (the pipeline form)"),
     ("pmm3d", "ds_ext.pmm3d.overlap.reduce_scatter with ds_ext.zero_topo: not supported"),
+    ("pmm3d_mpu", "ds_ext.pmm3d with the caller's mpu= argument (tensor parallel 2, pipeline parallel 1): 3D-PMM "
+                  "builds its own tensor grid and hands DeepSpeed its mpu; allowed: no mpu, or one of tensor and "
+                  "pipeline parallel 1"),
 ])
 def test_layouts_zero_topo_cannot_serve_are_refused_in_one_line(world, case, expected):
     """A level the data-parallel group does not cross (TP 2 fills the GCD pair), named explicitly,
     a pipeline degree without a PipelineModule and 3D-PMM's ORS beside ZeRO-topo: one line on every
-    rank."""
+    rank. 3D-PMM beside the caller's TP 2 mpu: one line before any collective."""
     for msg in world.run(_refused, case):
-        assert msg is not None and msg.startswith(expected), msg
+        assert msg is not None and msg.startswith(expected) and "\n" not in msg, msg
 
 
 def _beside(extra):

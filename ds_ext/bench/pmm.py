@@ -296,35 +296,9 @@ def _measure_megatron(model: str, global_batch: int, warmup: int, steps: int,
 
 def _megatron_gpt(model: str):
     """ds_ext's GPT with megatron-core column / row parallel block linears (TP 8)."""
-    import torch
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    from torch import nn
+    from ds_ext.bench import megatron_tensor_parallel
 
-    class Unpack(nn.Module):
-        def __init__(self, layer: nn.Module) -> None:
-            super().__init__()
-            self.layer = layer
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.layer(x)[0]
-
-    net = _gpt(model)
-    d, _, heads, _ = MODELS[model]
-    cfg = TransformerConfig(num_layers=1, hidden_size=d, num_attention_heads=heads, use_cpu_initialization=True,
-                            tensor_model_parallel_size=WORLD)
-    init = nn.init.xavier_normal_
-    for block in net.blocks:
-        block.qkv = Unpack(ColumnParallelLinear(d, 3 * d, config=cfg, init_method=init, bias=True,
-                                                gather_output=False))
-        block.fc1 = Unpack(ColumnParallelLinear(d, 4 * d, config=cfg, init_method=init, bias=True,
-                                                gather_output=False))
-        block.proj = Unpack(RowParallelLinear(d, d, config=cfg, init_method=init, bias=True, input_is_parallel=True,
-                                              skip_bias_add=False))
-        block.fc2 = Unpack(RowParallelLinear(4 * d, d, config=cfg, init_method=init, bias=True,
-                                             input_is_parallel=True, skip_bias_add=False))
-        block.n_heads = heads // WORLD
-    return net
+    return megatron_tensor_parallel(_gpt(model), WORLD)
 
 
 # ---- driver -----------------------------------------------------------------------------

@@ -19,10 +19,18 @@ DeepSpeed's and PyTorch's collectives are counted by the same ledger as ds_ext's
 plain wall time and alpha-beta time emulation (Frontier latencies and bandwidths x
 ``--time-scale``), so both step times come from the same warm process.
 
+``--tensor-parallel 2``: the same variants under Megatron tensor parallelism (megatron-core's
+``parallel_state`` passed as ``mpu=``, the GPT's block linears megatron-core column / row parallel
+layers, each tensor pair inside a GCD pair): ZeRO-topo shards over the data-parallel group and its
+analytic model adds Megatron's 4 activation all-reduces per block and micro-batch;
+``deepspeed_zero1`` is DeepSpeed's ZeRO-1 under the same mpu; ``deepspeed_zeropp`` runs without
+hpZ (see :data:`HPZ_UNDER_TP`).
+
 ``--network netns``: no emulation; the ranks run on an emulated cluster (``ds_ext.cluster``:
 2 nodes x 2 GPUs as network namespaces with tbf-shaped links), every measured step is a plain
 step over those links and ``step_time_emulated_s`` is None. ``--quick``: the tiny model,
-GA 1, one step each of ds_ext_zero_topo, ds_ext_zero3 and deepspeed_zero3 (a plumbing check).
+GA 1, one step each of ds_ext_zero_topo, ds_ext_zero3 and deepspeed_zero3 unless ``--variants`` says (a
+plumbing check).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from ds_ext.bench import median, write_json
 from ds_ext.cluster.world import add_network_arguments
 
 LEVELS = ("gcd", "gpu", "node")
-DEEPSPEED_VARIANTS = ("deepspeed_zero3", "deepspeed_zeropp")
+DEEPSPEED_VARIANTS = ("deepspeed_zero1", "deepspeed_zero3", "deepspeed_zeropp")
 TORCH_VARIANTS = ("torch_fsdp2", "torch_ddp")
 DS_EXT_PRESETS = ("zero3", "zeropp", "mics", "zero_topo_paper", "zero_topo", "zero_topo_int8")
 ALL_VARIANTS = DEEPSPEED_VARIANTS + TORCH_VARIANTS + tuple(f"ds_ext_{p}" for p in DS_EXT_PRESETS)
@@ -46,6 +54,9 @@ MODELS = {  # name -> (d_model, n_layers, n_heads, seq_len)
     "tiny": (64, 2, 4, 32),
 }
 WORLD, RANKS_PER_NODE = 8, 4
+HPZ_UNDER_TP = ("hpZ off: DeepSpeed 0.19.8 builds the hpZ group from consecutive world ranks "
+                "(utils/groups.py _create_zero_param_parallel_group ignores the mpu), so under tensor "
+                "parallelism it would all-gather secondary shards of different tensor ranks' parameters")
 # DeepSpeed's counterpart of a ds_ext preset, for the "same inter-node bytes" check
 DEEPSPEED_TWIN = {"ds_ext_zero3": "deepspeed_zero3", "ds_ext_zeropp": "deepspeed_zeropp"}
 
@@ -64,11 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per variant before giving up")
     p.add_argument("--quick", action="store_true", help="tiny model, GA 1, 3 variants, 1 step")
+    p.add_argument("--tensor-parallel", type=int, choices=(1, 2), default=1,
+                   help="Megatron tensor-parallel degree (megatron-core's parallel_state as the mpu)")
     add_network_arguments(p)
 
 
 # ---- one rank ---------------------------------------------------------------------------
-def _ds_config(variant: str, grad_accum: int, time_scale: float | None) -> dict[str, Any]:
+def _ds_config(variant: str, grad_accum: int, time_scale: float | None, tensor: int = 1) -> dict[str, Any]:
     """The variant's ds_config; ``time_scale`` None: no alpha-beta emulation (a real network)."""
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
@@ -83,6 +96,9 @@ def _ds_config(variant: str, grad_accum: int, time_scale: float | None) -> dict[
     }
     if variant in TORCH_VARIANTS:
         cfg["ds_ext"]["comm"]["count_torch_collectives"] = True
+    elif variant == "deepspeed_zero1":
+        cfg["zero_optimization"] = {"stage": 1, "reduce_bucket_size": 10_000_000}
+        cfg["ds_ext"]["comm"]["count_torch_collectives"] = True
     elif variant in DEEPSPEED_VARIANTS:
         zero = {
             "stage": 3,
@@ -92,7 +108,7 @@ def _ds_config(variant: str, grad_accum: int, time_scale: float | None) -> dict[
             "stage3_max_reuse_distance": 0,
         }
         if variant == "deepspeed_zeropp":
-            zero.update(zero_hpz_partition_size=RANKS_PER_NODE, zero_quantized_weights=True,
+            zero.update(zero_hpz_partition_size=RANKS_PER_NODE if tensor == 1 else 1, zero_quantized_weights=True,
                         zero_quantized_gradients=True)
         cfg["zero_optimization"] = zero
         cfg["ds_ext"]["comm"]["count_torch_collectives"] = True
@@ -162,8 +178,47 @@ class _TorchEngine:
         self.ds_ext.ledger.mark_step()
 
 
+def _tensor_parallel_gpt(cfg, tensor: int) -> tuple[Any, Any]:
+    """The GPT at ``tensor``-parallel degree and the mpu over the tensor and data groups of
+    megatron-core's ``parallel_state`` (initialized here; megatron-core 0.16 no longer has the
+    ``get_model_parallel_*`` names DeepSpeed calls); (the plain GPT, None) at degree 1."""
+    import torch.distributed as dist
+
+    from ds_ext.bench import megatron_tensor_parallel
+    from ds_ext.models import GPT
+    from ds_ext.mpu import MegatronMPU, ParallelGroup
+
+    if tensor == 1:
+        return GPT(cfg), None
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor)
+
+    def side(group) -> ParallelGroup:
+        return ParallelGroup(group, dist.get_world_size(group), dist.get_rank(group),
+                             tuple(dist.get_process_group_ranks(group)))
+
+    mpu = MegatronMPU(side(parallel_state.get_tensor_model_parallel_group()),
+                      side(parallel_state.get_data_parallel_group()))
+    return megatron_tensor_parallel(GPT(cfg), tensor), mpu
+
+
+def _tensor_parallel_traffic(cfg, grad_accum: int, tensor: int, micro: int) -> tuple[float, int]:
+    """(bytes, calls) per rank per step of Megatron's activation all-reduces over the tensor group:
+    per block and micro-batch, forward after proj and fc2, backward before qkv and fc1, each of
+    micro x seq x d bf16 values (ring all-reduce: 2 (T - 1) / T of them sent)."""
+    from ds_ext.comm.ledger import all_reduce_bytes
+
+    if tensor == 1:
+        return 0.0, 0
+    calls = 4 * cfg.n_layers * grad_accum
+    return calls * all_reduce_bytes(micro * cfg.seq_len * cfg.d_model * 2, tensor), calls
+
+
 def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, steps: int,
-             time_scale: float | None) -> list[dict[str, Any]]:
+             time_scale: float | None, tensor: int = 1) -> list[dict[str, Any]]:
     """Runs on every rank: train ``warmup + 2 * steps`` steps per grad_accum and measure."""
     import torch
     import torch.distributed as dist
@@ -171,7 +226,7 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
     import ds_ext
     from ds_ext.data import ByteCorpus
     from ds_ext.integration import ds_zero3_state, ds_zeropp_quantizer
-    from ds_ext.models import GPT, GPTConfig
+    from ds_ext.models import GPTConfig
 
     if variant == "deepspeed_zeropp":
         ds_zeropp_quantizer.enable_cpu_zeropp_quantizer()
@@ -182,12 +237,16 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
     for ga in grad_accums:
         torch.manual_seed(1234)
         cfg = GPTConfig(seq_len=seq, d_model=d, n_layers=layers, n_heads=heads)
-        net = GPT(cfg)
+        net, mpu = _tensor_parallel_gpt(cfg, tensor)
+        data_rank, data_world = (rank, world) if mpu is None else (mpu.get_data_parallel_rank(),
+                                                                   mpu.get_data_parallel_world_size())
+        rank_bytes = sum(p.numel() for p in net.parameters()) * 2  # bf16; this rank's share under TP
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.0)
         if variant in TORCH_VARIANTS:
             engine = _TorchEngine(variant, net, ga, _ds_config(variant, ga, time_scale))
         else:
-            engine, *_ = ds_ext.initialize(model=net, optimizer=opt, config=_ds_config(variant, ga, time_scale))
+            engine, *_ = ds_ext.initialize(model=net, optimizer=opt, config=_ds_config(variant, ga, time_scale, tensor),
+                                           mpu=mpu)
         rt = engine.ds_ext
         emulator = rt.comm.emulator
         times: dict[bool, list[float]] = {False: [], True: []}
@@ -199,10 +258,10 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
             t0 = time.perf_counter()
             step_losses = []
             for micro in range(ga):
-                tokens = corpus.micro_batch(step, micro, rank, world, 2, ga, seq)
+                tokens = corpus.micro_batch(step, micro, data_rank, data_world, 2, ga, seq)
                 loss = engine(tokens)
                 engine.backward(loss)
-                if micro == ga - 1 and variant in DEEPSPEED_VARIANTS:
+                if micro == ga - 1 and variant in DEEPSPEED_VARIANTS and variant != "deepspeed_zero1":
                     state = ds_zero3_state.deepspeed_zero3_state_bytes(engine)  # secondary still held
                 engine.step()
                 step_losses.append(loss.item())
@@ -215,10 +274,11 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
         record: dict[str, Any] = {
             "variant": variant,
             "grad_accum": ga,
+            "tensor_parallel": tensor,
             "model_parameters": cfg.num_parameters,
-            "model_bytes": cfg.num_parameters * 2,
+            "model_bytes": rank_bytes,
             "nodes": rt.topology.world_size // RANKS_PER_NODE,
-            "ranks_per_node": RANKS_PER_NODE,
+            "ranks_per_node": RANKS_PER_NODE // tensor,  # of the data-parallel group
             "bytes_per_step": led.mean_by_level(warmup),
             "calls_per_step": led.mean_calls_by_level(warmup),
             "bytes_per_step_by_phase": led.mean_by_phase(warmup),
@@ -235,13 +295,20 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
         if variant.startswith("ds_ext_"):
             plugin = rt.plugins[0]
             model_traffic = plugin.analytic_traffic(ga)
+            tp_bytes, tp_calls = _tensor_parallel_traffic(cfg, ga, tensor, 2)
             record.update(
-                analytic_bytes_per_step={lv: model_traffic.by_level().get(lv, 0.0) for lv in LEVELS},
-                analytic_calls_per_step={lv: model_traffic.calls_by_level().get(lv, 0) for lv in LEVELS},
+                analytic_bytes_per_step={lv: model_traffic.by_level().get(lv, 0.0) + (tp_bytes if lv == "gcd" else 0)
+                                         for lv in LEVELS},
+                analytic_calls_per_step={lv: model_traffic.calls_by_level().get(lv, 0) + (tp_calls if lv == "gcd" else 0)
+                                         for lv in LEVELS},
                 peak_state_bytes=plugin.state_bytes(),
                 analytic_state_bytes=plugin.analytic_memory(),
             )
         out.append(record)
+        if mpu is not None:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
         del engine, opt, net
         gc.collect()
     return out
@@ -340,18 +407,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.quick:
         args.model, args.grad_accum, args.warmup, args.steps = "tiny", [1], 1, 1
-        args.variants = ["ds_ext_zero_topo", "ds_ext_zero3", "deepspeed_zero3"]
+        if args.variants == list(ALL_VARIANTS):
+            args.variants = ["ds_ext_zero_topo", "ds_ext_zero3", "deepspeed_zero3"]
     time_scale = None if args.network == "netns" else args.time_scale
     records: list[dict[str, Any]] = []
     for variant in tqdm(args.variants, desc="bench zero", unit="variant"):
         with bench_world(args, WORLD, {"LOCAL_SIZE": str(RANKS_PER_NODE)}) as world:
             per_rank = world.run(_measure, variant, args.grad_accum, args.model, args.warmup,
-                                 args.steps, time_scale)
+                                 args.steps, time_scale, args.tensor_parallel)
         records.extend(_merge_ranks(per_rank))
     records.sort(key=lambda r: (r["grad_accum"], ALL_VARIANTS.index(r["variant"])))
     payload = {"benchmark": "zero", "world_size": WORLD, "model": args.model, "network": args.network,
-               "quick": args.quick, "records": records,
+               "quick": args.quick, "tensor_parallel": args.tensor_parallel, "records": records,
                "checks": checks(records)}
+    if args.tensor_parallel > 1 and "deepspeed_zeropp" in args.variants:
+        payload["deepspeed_zeropp"] = HPZ_UNDER_TP
     out = write_json(args.out, payload)
     plot(records, out.with_suffix(".png"))
     print(table(records))

@@ -22,6 +22,7 @@ from ds_ext.errors import DsExtConfigError
 from ds_ext.integration import ds_engine
 from ds_ext.integration.ds_initialize import deepspeed_initialize
 from ds_ext.integration.ds_version import check_version
+from ds_ext.mpu import model_parallel_sizes
 from ds_ext.parallel import GroupError, JobLayout
 from ds_ext.runtime import Runtime
 
@@ -99,7 +100,7 @@ def _caller_layout(world_size: int, rank: int, mpu: Any, source: str = "the call
             layout = JobLayout.megatron(world_size, len(tensor), pipeline, source)
             layout.check_groups(rank, {"tensor": tensor, "data": data})
         else:
-            sizes = _model_parallel_sizes(mpu)
+            sizes = model_parallel_sizes(mpu)
             if set(sizes.values()) != {1}:
                 shown = ", ".join(f"{k} {v}" for k, v in sizes.items())
                 raise cfgmod.DsExtConfigError(
@@ -144,19 +145,6 @@ def _same_groups(caller: Any, own: Any) -> bool:
     groups = _mpu_groups(caller)
     dist.all_gather_object(same, groups is not None and groups == _mpu_groups(own))
     return all(same)
-
-
-def _model_parallel_sizes(mpu: Any) -> dict[str, Any]:
-    """Tensor / pipeline parallel sizes an mpu reports (GPT-NeoX and Megatron pass one with
-    size 1 when they run pure data parallelism); an mpu that reports none counts as
-    model-parallel ('unknown')."""
-    sizes: dict[str, Any] = {}
-    for name, getters in (("tensor parallel", ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")),
-                          ("pipeline parallel", ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size"))):
-        getter = next((getattr(mpu, g) for g in getters if callable(getattr(mpu, g, None))), None)
-        if getter is not None:
-            sizes[name] = getter()
-    return sizes or {"model parallel": "unknown"}
 
 
 def _tag_engine(engine: Any, runtime: Runtime) -> None:
@@ -233,6 +221,8 @@ def initialize(
     parsed = cfgmod.parse(ds_config.get(cfgmod.BLOCK))
     ds_engine.init_distributed(dist_init_required, parsed.comm.timeout_s)
     runtime = Runtime.create(parsed, initialize_kwargs=kwargs)
+    for plugin in runtime.plugins:
+        plugin.check(model)
     if mpu is not None:
         runtime.parallel = _caller_layout(runtime.topology.world_size, runtime.rank, mpu)
     elif (grid := ds_engine.pipeline_grid(model)) is not None:  # DeepSpeed's PipelineEngine takes it as the mpu

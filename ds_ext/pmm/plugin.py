@@ -45,6 +45,29 @@ class Pmm3dPlugin(Plugin):
     Config = Pmm3dConfig
     _mpu: MegatronMPU | None = None
 
+    def check(self, model: Any) -> None:
+        """Refuse TED (each builds the job's model-parallel groups; DeepSpeed takes one mpu), a
+        caller's mpu with tensor or pipeline parallelism, and DeepSpeed-MoE layers (3D-PMM
+        partitions dense layers only)."""
+        from ds_ext.integration import ds_moe
+        from ds_ext.mpu import model_parallel_sizes
+
+        rt = self.runtime
+        if any(p.name == "ted" for p in rt.plugins):
+            raise DsExtConfigError(f"{KEY} with ds_ext.ted: each builds the job's model-parallel groups and hands "
+                                   "DeepSpeed its mpu; allowed: one of the two")
+        mpu = rt.initialize_kwargs.get("mpu")
+        sizes = {} if mpu is None else model_parallel_sizes(mpu)
+        if any(size != 1 for size in sizes.values()):
+            shown = ", ".join(f"{k} {v}" for k, v in sizes.items())
+            raise DsExtConfigError(f"{KEY} with the caller's mpu= argument ({shown}): 3D-PMM builds its own tensor "
+                                   "grid and hands DeepSpeed its mpu; allowed: no mpu, or one of tensor and pipeline "
+                                   "parallel 1")
+        moe = next((name for name, m in model.named_modules() if isinstance(m, ds_moe.MoEBase)), None)
+        if moe is not None:
+            raise DsExtConfigError(f"{KEY}: {moe or 'the model'} is a DeepSpeed-MoE layer (deepspeed.moe.layer.MoE), whose experts "
+                                   "3D-PMM does not partition; allowed: dense models (MoE: ds_ext.ted without pmm3d)")
+
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         from ds_ext.integration import ds_pmm
         from ds_ext.integration.ds_engine import pipeline_grid
