@@ -77,14 +77,17 @@ class TEDPlugin(Plugin):
 
     ted: TEDContext
 
-    def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+    def check(self, model: Any) -> None:
+        """Refuse a PipelineModule: TED's layout has no pipeline axis."""
         from ds_ext.integration.ds_engine import pipeline_grid
 
-        cfg, rt = self.config, self.runtime
         if pipeline_grid(model) is not None:
             _refuse("with a deepspeed.pipe.PipelineModule: TED's layout (tensor x expert x expert-data) spans the whole "
                     "world and has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: "
                     "--no-pipeline-parallel; GPT-NeoX: pipe_parallel_size 0)")
+
+    def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        cfg, rt = self.config, self.runtime
         _check_ds_config(ds_config)
         try:
             layout = TEDLayout.build(rt.topology.world_size, cfg.tensor_parallel, cfg.expert_parallel,

@@ -46,13 +46,20 @@ class Pmm3dPlugin(Plugin):
     _mpu: MegatronMPU | None = None
 
     def check(self, model: Any) -> None:
-        """Refuse TED (each builds the job's model-parallel groups; DeepSpeed takes one mpu), a
-        caller's mpu with tensor or pipeline parallelism, and DeepSpeed-MoE layers (3D-PMM
-        partitions dense layers only)."""
+        """Refuse a PipelineModule (no pipeline axis in the grid), TED (each builds the job's
+        model-parallel groups; DeepSpeed takes one mpu), a caller's mpu with tensor or pipeline
+        parallelism, and DeepSpeed-MoE layers (3D-PMM partitions dense layers only)."""
         from ds_ext.integration import ds_moe
         from ds_ext.mpu import model_parallel_sizes
 
+        from ds_ext.integration.ds_engine import pipeline_grid
+
         rt = self.runtime
+        if pipeline_grid(model) is not None:
+            raise DsExtConfigError(
+                f"{KEY} with a deepspeed.pipe.PipelineModule: 3D-PMM's grid (x, y, z, data) spans the whole world and "
+                "has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: --no-pipeline-parallel; "
+                "GPT-NeoX: pipe_parallel_size 0)")
         if any(p.name == "ted" for p in rt.plugins):
             raise DsExtConfigError(f"{KEY} with ds_ext.ted: each builds the job's model-parallel groups and hands "
                                    "DeepSpeed its mpu; allowed: one of the two")
@@ -70,13 +77,7 @@ class Pmm3dPlugin(Plugin):
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         from ds_ext.integration import ds_pmm
-        from ds_ext.integration.ds_engine import pipeline_grid
 
-        if pipeline_grid(model) is not None:
-            raise DsExtConfigError(
-                f"{KEY} with a deepspeed.pipe.PipelineModule: 3D-PMM's grid (x, y, z, data) spans the whole world and "
-                "has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: --no-pipeline-parallel; "
-                "GPT-NeoX: pipe_parallel_size 0)")
         if isinstance(optimizer, torch.optim.Optimizer):
             raise DsExtConfigError(
                 f"{KEY} converts the model's layers, so the optimizer must be built on the converted parameters: "
