@@ -296,7 +296,14 @@ def test_expert_parameters_and_optimizers_without_state_are_refused():
     model = nn.Linear(4, 4)
     model.weight.allreduce = False  # how DeepSpeed-MoE marks expert parameters
     with pytest.raises(DsExtConfigError, match=r"^model: not supported .*expert parameters .*'weight'.*allowed: dense"):
-        support.check_model(model)
+        support.check_model(model, experts=False, pipeline=False)
+    with pytest.raises(DsExtConfigError, match=r"^model: not supported .*in a pipeline stage.*allowed: dense"):
+        support.check_model(model, experts=True, pipeline=True)
+    support.check_model(model, experts=True, pipeline=False)  # TED: sharded over the expert-data group
+    norm = nn.LayerNorm(4)
+    norm.weight.sequence_parallel = True  # Megatron's mark: a partial sum over the tensor group
+    with pytest.raises(DsExtConfigError, match=r"^model: not supported .*sequence parallelism.*'weight'.*allowed: "):
+        support.check_model(norm, experts=False, pipeline=False)
     with pytest.raises(DsExtConfigError, match=r"^optimizer: .*got none.*allowed: a torch.optim.Optimizer .*section"):
         support.check_optimizer(None, {})
     with pytest.raises(DsExtConfigError, match=r"^optimizer: .*allowed: a torch.optim.Optimizer.*\(got 'str'\)"):

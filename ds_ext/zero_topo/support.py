@@ -72,8 +72,14 @@ def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
 
 
 def check_model(model: nn.Module, experts: bool, pipeline: bool) -> None:
-    """Refuse MoE expert parameters unless the job's layout has an expert-data group to shard
-    them over (``experts``: TED) and the form is not the pipeline one."""
+    """Refuse Megatron's sequence-parallel parameters, and MoE expert parameters unless the job's
+    layout has an expert-data group to shard them over (``experts``: TED) and the form is not the
+    pipeline one."""
+    parallel = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
+    if parallel:
+        _refuse("model", f"sequence parallelism: parameters such as {parallel[0]!r} are marked sequence_parallel, "
+                "their gradients partial sums over the tensor group that Megatron all-reduces outside DeepSpeed",
+                "tensor parallelism without --sequence-parallel", f"{len(parallel)} such parameters")
     found = [n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
     if found and pipeline:
         _refuse("model", f"MoE expert parameters such as {found[0]!r} in a pipeline stage", "dense PipelineModules "
