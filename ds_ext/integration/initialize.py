@@ -164,34 +164,28 @@ def _tag_engine(engine: Any, runtime: Runtime) -> None:
         return
     engine.forward = in_phase("forward", engine.forward)
     engine.backward = in_phase("backward", engine.backward)
-    step = in_phase("step", engine.step)
+    engine.step = _marking_steps(engine, in_phase("step", engine.step), ledger)
 
-    @functools.wraps(step)
-    def step_and_mark(*a, **kw):
+
+def _marking_steps(engine: Any, fn, ledger):
+    """``fn`` (``engine.step`` / ``train_batch``) closing a ledger step when it took an optimizer step."""
+
+    @functools.wraps(fn)
+    def call_and_mark(*a, **kw):
         before = engine.global_steps
-        out = step(*a, **kw)
+        out = fn(*a, **kw)
         if engine.global_steps != before:
             ledger.mark_step()
         return out
 
-    engine.step = step_and_mark
+    return call_and_mark
 
 
 def _tag_pipeline_engine(engine: Any, in_phase, ledger) -> None:
     """DeepSpeed's PipelineEngine runs a whole batch in ``train_batch``: its schedule's
     instructions get the phases; a ledger step closes when ``train_batch`` took an optimizer step."""
     ds_engine.tag_pipeline_instructions(engine, in_phase)
-    train_batch = engine.train_batch
-
-    @functools.wraps(train_batch)
-    def train_batch_and_mark(*a, **kw):
-        before = engine.global_steps
-        out = train_batch(*a, **kw)
-        if engine.global_steps != before:
-            ledger.mark_step()
-        return out
-
-    engine.train_batch = train_batch_and_mark
+    engine.train_batch = _marking_steps(engine, engine.train_batch, ledger)
 
 
 def initialize(
