@@ -62,12 +62,13 @@ class ZeroTopoPlugin(Plugin):
     Config = ZeroTopoConfig
 
     def check(self, model: Any) -> None:
-        """Before any collective: the form that runs (see :meth:`_form`)."""
-        self.pipeline = self._form(model) == "pipeline"
+        """Before any collective: refuse a form that cannot run (see :meth:`_form`)."""
+        self._form(model)
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
 
+        self.pipeline = self._form(model) == "pipeline"
         self.data = self._data_group()
         self.plan = resolve_plan(self.config, self.data.topology)
         if self.pipeline:
