@@ -140,11 +140,13 @@ def pipeline_grid(model) -> Any:
 def tag_pipeline_instructions(engine, in_phase: Callable[[str, Callable], Callable]) -> None:
     """Run the PipelineEngine's schedule instructions in the ledger's phases: it binds them from
     ``_INSTRUCTION_MAP`` per instruction (runtime/pipe/engine.py ``_exec_schedule``), so the
-    engine gets a map of its own with each wrapped by ``in_phase(phase, fn)``."""
+    engine gets a map of its own with each wrapped by ``in_phase(phase, fn)``. DeepSpeed's
+    all-reduce of tied weights' gradients over the stages holding them (``ReduceTiedGrads``) gets
+    a phase of its own, ``tied_grads``, so that ``step`` holds the data-parallel step alone."""
     from deepspeed.runtime.pipe import schedule
 
     phases = {schedule.ForwardPass: "forward", schedule.BackwardPass: "backward",
-              schedule.ReduceTiedGrads: "step", schedule.ReduceGrads: "step", schedule.OptimizerStep: "step"}
+              schedule.ReduceTiedGrads: "tied_grads", schedule.ReduceGrads: "step", schedule.OptimizerStep: "step"}
     table = dict(type(engine)._INSTRUCTION_MAP)
     for cmd, phase in phases.items():
         table[cmd] = in_phase(phase, table[cmd])
