@@ -176,6 +176,29 @@ def zero_table(name: str = "bench_zero.json") -> str:
     return _md(["variant", "GA", "gcd", "gpu", "node", "model node", "calls", "step s", "emulated s", "loss"], rows)
 
 
+def zero_pipeline_table(name: str = "bench_zero_pp2.json") -> str:
+    """Rank 0's stage (stage 0) on the PipelineEngine: bytes per level in units of its stage's M, the
+    step phase at the data-parallel group's outermost level against its floor, ledger vs model."""
+    d = _load(name)
+    pipe = d["checks"]["pipeline"]
+    rows = []
+    for r in d["records"]:
+        m, key = r["model_bytes"], f"{r['variant']}@GA{r['grad_accum']}"
+        floor = r["data_parallel_floor"]
+        step = r["bytes_per_step_by_phase"].get("step", {})
+        tied = r["bytes_per_step_by_phase"].get("tied_grads", {})
+        err = pipe["step_vs_model_max_rel_err"].get(key)
+        rows.append([r["variant"], str(r["grad_accum"]), *_level_bytes(step, m, "{:.3f}"),
+                     f"{sum(tied.values()) / m:.3f}",
+                     f"{step.get(floor['level'], 0.0) / floor['bytes']:.3f}" if floor["bytes"] else "—",
+                     "—" if err is None else f"{err:.0e}".replace("0e+00", "0"),
+                     f"{pipe['tied_grads_vs_expected_max_rel_err'][key]:.0e}".replace("0e+00", "0"),
+                     f"{r['step_time_s']:.2f}", f"{r['step_time_emulated_s']:.2f}", f"{r['loss']:.3f}"])
+    return _md(["variant", "GA", "step gcd", "step gpu", "step node", "tied_grads (node)",
+                "step / floor", "step: ledger vs model", "tied_grads: ledger vs count", "step s", "emulated s",
+                "loss"], rows)
+
+
 def zero_netns_table() -> str:
     slow = _load("bench_zero_netns.json")["records"]
     fast = {r["variant"]: r for r in _load("bench_zero_netns_400mbit.json")["records"]}
@@ -365,6 +388,7 @@ def validate_table() -> str:
 SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_zero.md": ("examples/results/bench_zero.json", zero_table),
     "bench_zero_tp2.md": ("examples/results/bench_zero_tp2.json", lambda: zero_table("bench_zero_tp2.json")),
+    "bench_zero_pp2.md": ("examples/results/bench_zero_pp2.json", zero_pipeline_table),
     "bench_zero_netns.md": ("examples/results/bench_zero_netns.json, bench_zero_netns_400mbit.json", zero_netns_table),
     "bench_tiled.md": ("examples/results/bench_tiled.json", tiled_table),
     "bench_pmm.md": ("examples/results/bench_pmm.json", pmm_table),

@@ -26,6 +26,19 @@ analytic model adds Megatron's 4 activation all-reduces per block and micro-batc
 ``deepspeed_zero1`` is DeepSpeed's ZeRO-1 under the same mpu; ``deepspeed_zeropp`` runs without
 hpZ (see :data:`HPZ_UNDER_TP`).
 
+``--pipeline-parallel 2`` (issue 37): the GPT as a ``deepspeed.pipe.PipelineModule``
+(:func:`ds_ext.models.gpt_pipe.gpt_pipeline`: embedding tied to the LM head, 2 stages x data 4, each
+stage on one node as DeepSpeed's pipe-outermost rank order puts it) trained by DeepSpeed's
+PipelineEngine with ``train_batch`` (1F1B over GA micro-batches): ``deepspeed_zero1`` (DeepSpeed's
+ZeRO-1, the engine's own path) against ZeRO-topo's pipeline form (``ds_ext.zero_topo.pipeline``;
+003 §V-A at the step boundary: weights whole, gradients reduced once per ``train_batch`` level by
+level, the optimizer state sharded) and its int8 step (``ds_ext_zero_topo_int8``). The ledger's
+``step`` phase is checked against the analytic model on every rank, DeepSpeed's tied-weight
+all-reduce (phase ``tied_grads``) against an independent count; the floor of the data-parallel group
+is stated at its outermost level (the inter-node floor is 0 where the group sits in one node). The
+stages' activation send / recv (point to point) are not ledger collectives: they are not counted.
+``--pipeline-parallel 1``: the same on one stage (data 8 across both nodes).
+
 ``--network netns``: no emulation; the ranks run on an emulated cluster (``ds_ext.cluster``:
 2 nodes x 2 GPUs as network namespaces with tbf-shaped links), every measured step is a plain
 step over those links and ``step_time_emulated_s`` is None. ``--quick``: the tiny model,
@@ -49,6 +62,8 @@ DEEPSPEED_VARIANTS = ("deepspeed_zero1", "deepspeed_zero3", "deepspeed_zeropp")
 TORCH_VARIANTS = ("torch_fsdp2", "torch_ddp")
 DS_EXT_PRESETS = ("zero3", "zeropp", "mics", "zero_topo_paper", "zero_topo", "zero_topo_int8")
 ALL_VARIANTS = DEEPSPEED_VARIANTS + TORCH_VARIANTS + tuple(f"ds_ext_{p}" for p in DS_EXT_PRESETS)
+# on DeepSpeed's PipelineEngine (ZeRO stage 0 or 1 only): ZeRO-1 and ZeRO-topo's pipeline form
+PIPELINE_VARIANTS = ("deepspeed_zero1", "ds_ext_zero_topo", "ds_ext_zero_topo_int8")
 MODELS = {  # name -> (d_model, n_layers, n_heads, seq_len)
     "gpt20m": (512, 6, 8, 128),
     "tiny": (64, 2, 4, 32),
@@ -77,11 +92,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, GA 1, 3 variants, 1 step")
     p.add_argument("--tensor-parallel", type=int, choices=(1, 2), default=1,
                    help="Megatron tensor-parallel degree (megatron-core's parallel_state as the mpu)")
+    p.add_argument("--pipeline-parallel", type=int, choices=(0, 1, 2), default=0,
+                   help="0: the plain GPT; N: the GPT as a deepspeed.pipe.PipelineModule of N stages on "
+                        f"DeepSpeed's PipelineEngine (variants {', '.join(PIPELINE_VARIANTS)})")
     add_network_arguments(p)
 
 
 # ---- one rank ---------------------------------------------------------------------------
-def _ds_config(variant: str, grad_accum: int, time_scale: float | None, tensor: int = 1) -> dict[str, Any]:
+def _ds_config(variant: str, grad_accum: int, time_scale: float | None, tensor: int = 1,
+               pipeline: int = 0) -> dict[str, Any]:
     """The variant's ds_config; ``time_scale`` None: no alpha-beta emulation (a real network)."""
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
@@ -94,6 +113,9 @@ def _ds_config(variant: str, grad_accum: int, time_scale: float | None, tensor: 
             "comm": {"ledger": True, "emulate_time": time_scale is not None, "time_scale": time_scale or 1.0},
         },
     }
+    if pipeline:  # DeepSpeed's tied-weight all-reduce is counted for every variant
+        cfg["ds_ext"]["comm"]["count_torch_collectives"] = True
+        cfg["zero_allow_untested_optimizer"] = True  # torch's AdamW under DeepSpeed's ZeRO-1
     if variant in TORCH_VARIANTS:
         cfg["ds_ext"]["comm"]["count_torch_collectives"] = True
     elif variant == "deepspeed_zero1":
@@ -217,8 +239,54 @@ def _tensor_parallel_traffic(cfg, grad_accum: int, tensor: int, micro: int) -> t
     return calls * all_reduce_bytes(micro * cfg.seq_len * cfg.d_model * 2, tensor), calls
 
 
+def _tied_traffic(engine, topology) -> tuple[dict[str, float], dict[str, int]]:
+    """Bytes per level per step of DeepSpeed's ``ReduceTiedGrads`` (runtime/pipe/engine.py), counted
+    from the tied weights alone: one all-reduce of each tied weight's gradient over the stages
+    holding it (fp32 ``_hp_grad`` under DeepSpeed's bf16 optimizer, else the weight's dtype)."""
+    import torch.distributed as dist
+
+    from ds_ext.comm.ledger import all_reduce_bytes
+
+    out: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for weight, group in engine.module.get_tied_weights_and_groups():
+        ranks = dist.get_process_group_ranks(group)
+        if len(ranks) > 1:
+            e = 4 if engine.using_bf16_optimizer else weight.element_size()
+            level = topology.level_of(ranks)
+            out[level] = out.get(level, 0.0) + all_reduce_bytes(weight.numel() * e, len(ranks))
+            calls[level] = calls.get(level, 0) + 1
+    return out, calls
+
+
+def data_group_floor(topology, data_ranks: list[int], model_bytes: float) -> dict[str, Any]:
+    """003's floor of one exact 16-bit gradient synchronisation, 2 (M / P)(N - 1) / N, at the outermost
+    level the data-parallel group ``data_ranks`` spans (N of its domains there, P of the group's ranks
+    in each); ``inter_node``: that floor across nodes (0 where the group sits in one node)."""
+    group = topology.of_group(data_ranks, "data")
+    outer = group.levels[-1]
+    n, p = outer.size, len(data_ranks) // outer.size
+    floor = 2 * (model_bytes / p) * (n - 1) / n if len(data_ranks) > 1 else 0.0
+    return {"level": outer.name if n > 1 else None, "domains": n, "ranks_per_domain": p, "bytes": floor,
+            "inter_node": floor if outer.name == topology.levels[-1].name and n > 1 else 0.0}
+
+
+def _pipeline_gpt(cfg, pipeline: int) -> Any:
+    """The GPT as a PipelineModule of ``pipeline`` stages (after ``deepspeed.init_distributed``)."""
+    from ds_ext.integration import ds_engine
+    from ds_ext.models.gpt_pipe import gpt_pipeline
+
+    ds_engine.init_distributed()
+    return gpt_pipeline(cfg, num_stages=pipeline)
+
+
+def _rel_err(measured: dict[str, float], model: dict[str, float]) -> float:
+    return max((abs(measured.get(lv, 0.0) - model.get(lv, 0.0)) / max(model.get(lv, 0.0), 1.0)
+                for lv in set(measured) | set(model)), default=0.0)
+
+
 def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, steps: int,
-             time_scale: float | None, tensor: int = 1) -> list[dict[str, Any]]:
+             time_scale: float | None, tensor: int = 1, pipeline: int = 0) -> list[dict[str, Any]]:
     """Runs on every rank: train ``warmup + 2 * steps`` steps per grad_accum and measure."""
     import torch
     import torch.distributed as dist
@@ -237,16 +305,19 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
     for ga in grad_accums:
         torch.manual_seed(1234)
         cfg = GPTConfig(seq_len=seq, d_model=d, n_layers=layers, n_heads=heads)
-        net, mpu = _tensor_parallel_gpt(cfg, tensor)
-        data_rank, data_world = (rank, world) if mpu is None else (mpu.get_data_parallel_rank(),
-                                                                   mpu.get_data_parallel_world_size())
+        net, mpu = (_pipeline_gpt(cfg, pipeline), None) if pipeline else _tensor_parallel_gpt(cfg, tensor)
+        grid = net.mpu() if pipeline else mpu
+        data_rank, data_world = (rank, world) if grid is None else (grid.get_data_parallel_rank(),
+                                                                    grid.get_data_parallel_world_size())
+        data_ranks = list(range(world)) if grid is None else \
+            sorted(dist.get_process_group_ranks(grid.get_data_parallel_group()))
         rank_bytes = sum(p.numel() for p in net.parameters()) * 2  # bf16; this rank's share under TP
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.0)
         if variant in TORCH_VARIANTS:
             engine = _TorchEngine(variant, net, ga, _ds_config(variant, ga, time_scale))
         else:
-            engine, *_ = ds_ext.initialize(model=net, optimizer=opt, config=_ds_config(variant, ga, time_scale, tensor),
-                                           mpu=mpu)
+            engine, *_ = ds_ext.initialize(model=net, optimizer=opt, mpu=mpu,
+                                           config=_ds_config(variant, ga, time_scale, tensor, pipeline))
         rt = engine.ds_ext
         emulator = rt.comm.emulator
         times: dict[bool, list[float]] = {False: [], True: []}
@@ -257,7 +328,10 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
             dist.barrier()
             t0 = time.perf_counter()
             step_losses = []
-            for micro in range(ga):
+            if pipeline:  # one train_batch: GA micro-batches through the 1F1B schedule, then the step
+                batch = [corpus.micro_batch(step, m, data_rank, data_world, 2, ga, seq) for m in range(ga)]
+                step_losses = [float(engine.train_batch(iter([(t[:, :-1], t[:, 1:]) for t in batch])))] * ga
+            for micro in range(0 if pipeline else ga):
                 tokens = corpus.micro_batch(step, micro, data_rank, data_world, 2, ga, seq)
                 loss = engine(tokens)
                 engine.backward(loss)
@@ -271,14 +345,17 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
             losses.append(sum(step_losses) / ga)
         rt.comm.emulator = emulator
         led = rt.ledger
+        floor = data_group_floor(rt.topology, data_ranks, rank_bytes)
         record: dict[str, Any] = {
             "variant": variant,
             "grad_accum": ga,
             "tensor_parallel": tensor,
+            "pipeline_parallel": pipeline,
             "model_parameters": cfg.num_parameters,
             "model_bytes": rank_bytes,
-            "nodes": rt.topology.world_size // RANKS_PER_NODE,
-            "ranks_per_node": RANKS_PER_NODE // tensor,  # of the data-parallel group
+            "nodes": len({r // RANKS_PER_NODE for r in data_ranks}),  # the data-parallel group's
+            "ranks_per_node": len(data_ranks) // len({r // RANKS_PER_NODE for r in data_ranks}),
+            "data_parallel_floor": floor,
             "bytes_per_step": led.mean_by_level(warmup),
             "calls_per_step": led.mean_calls_by_level(warmup),
             "bytes_per_step_by_phase": led.mean_by_phase(warmup),
@@ -292,7 +369,26 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
             "peak_state_bytes": state,
             "analytic_state_bytes": None,
         }
-        if variant.startswith("ds_ext_"):
+        if pipeline:
+            tied, tied_calls = _tied_traffic(engine, rt.topology)
+            by_phase = led.mean_by_phase(warmup)
+            record.update(stage=grid.get_stage_id(), data_ranks=data_ranks, expected_tied_grads_bytes=tied,
+                          tied_grads_vs_expected_rel_err=_rel_err(by_phase.get("tied_grads", {}), tied))
+        if variant.startswith("ds_ext_") and pipeline:
+            plugin = rt.plugins[0]
+            model_traffic = plugin.analytic_traffic(ga)
+            step_model = model_traffic.bytes.get("step", {})
+            record.update(
+                analytic_bytes_per_step={lv: step_model.get(lv, 0.0) + tied.get(lv, 0.0) for lv in LEVELS},
+                analytic_calls_per_step={lv: model_traffic.calls_by_level().get(lv, 0) + tied_calls.get(lv, 0)
+                                         for lv in LEVELS},
+                analytic_bytes_per_step_by_phase={"step": step_model, "tied_grads": tied},
+                step_vs_model_rel_err=_rel_err(by_phase.get("step", {}), step_model),
+                plan=plugin.describe(),
+                peak_state_bytes=plugin.state_bytes(),
+                analytic_state_bytes=plugin.analytic_memory(),
+            )
+        elif variant.startswith("ds_ext_"):
             plugin = rt.plugins[0]
             model_traffic = plugin.analytic_traffic(ga)
             tp_bytes, tp_calls = _tensor_parallel_traffic(cfg, ga, tensor, 2)
@@ -309,19 +405,35 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
             from megatron.core import parallel_state
 
             parallel_state.destroy_model_parallel()
+        if pipeline:
+            engine.destroy()
         del engine, opt, net
         gc.collect()
     return out
 
 
 # ---- driver -----------------------------------------------------------------------------
+STAGE_FIELDS = ("stage", "model_bytes", "data_ranks", "data_parallel_floor", "bytes_per_step", "calls_per_step",
+                "bytes_per_step_by_phase", "analytic_bytes_per_step", "analytic_bytes_per_step_by_phase")
+
+
 def _merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Rank 0's record with the loss averaged over ranks (traffic is symmetric)."""
+    """Rank 0's record with the loss averaged over ranks (traffic is symmetric over the data-parallel
+    group); under a PipelineEngine also the first rank of every stage (``stages``) and the largest
+    ledger-vs-model errors over all ranks."""
     merged = []
     for i, rec in enumerate(per_rank[0]):
         rec = dict(rec)
         rec["losses"] = [sum(r[i]["losses"][k] for r in per_rank) / len(per_rank) for k in range(len(rec["losses"]))]
         rec["loss"] = rec["losses"][-1]
+        if rec.get("pipeline_parallel"):
+            firsts = {}
+            for r in per_rank:
+                firsts.setdefault(r[i]["stage"], r[i])
+            rec["stages"] = [{k: firsts[s].get(k) for k in STAGE_FIELDS} for s in sorted(firsts)]
+            for key in ("step_vs_model_rel_err", "tied_grads_vs_expected_rel_err"):
+                if key in rec:
+                    rec[key] = max(r[i][key] for r in per_rank)
         merged.append(rec)
     return merged
 
@@ -334,22 +446,25 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
                            "inter_node_x_M": {}}
     for (v, ga), r in by.items():
         if r["analytic_bytes_per_step"] is not None:
-            errs = [abs(r["bytes_per_step"][lv] - r["analytic_bytes_per_step"][lv]) / max(r["analytic_bytes_per_step"][lv], 1.0)
+            measured = r["bytes_per_step"]
+            if r.get("pipeline_parallel"):  # the modelled phases (not DeepSpeed's loss reporting, phase "other")
+                phases = [r["bytes_per_step_by_phase"].get(ph, {}) for ph in ("step", "tied_grads")]
+                measured = {lv: sum(ph.get(lv, 0.0) for ph in phases) for lv in LEVELS}
+            errs = [abs(measured[lv] - r["analytic_bytes_per_step"][lv]) / max(r["analytic_bytes_per_step"][lv], 1.0)
                     for lv in LEVELS]
             out["model_vs_measured_max_rel_err"][f"{v}@GA{ga}"] = max(errs)
         twin = DEEPSPEED_TWIN.get(v)
         if twin and (twin, ga) in by:
             out["inter_node_vs_deepspeed"][f"{v}@GA{ga}"] = r["bytes_per_step"]["node"] / by[twin, ga]["bytes_per_step"]["node"]
         out["inter_node_x_M"][f"{v}@GA{ga}"] = r["bytes_per_step"]["node"] / r["model_bytes"]
-        if v in ("ds_ext_zero_topo", "ds_ext_zero_topo_int8"):
-            n, p = r["nodes"], r["ranks_per_node"]
-            floor = 2 * (r["model_bytes"] / p) * (n - 1) / n  # one exact 16-bit gradient synchronisation
+        floor = r["data_parallel_floor"]["inter_node"]  # one exact 16-bit gradient synchronisation
+        if v in ("ds_ext_zero_topo", "ds_ext_zero_topo_int8") and floor > 0:
             out["zero_topo_vs_floor"][f"{v}@GA{ga}"] = r["bytes_per_step"]["node"] / floor
         if v == "ds_ext_zero3" and ("torch_fsdp2", ga) in by:
             for key, field in (("step_time_ratio", "step_time_s"), ("step_time_ratio_emulated", "step_time_emulated_s")):
                 if r[field] is not None:
                     out[key][f"ds_ext_zero3/torch_fsdp2@GA{ga}"] = r[field] / by["torch_fsdp2", ga][field]
-        for ours in ("ds_ext_zero_topo", "ds_ext_zero_topo_paper"):
+        for ours in ("ds_ext_zero_topo", "ds_ext_zero_topo_paper", "ds_ext_zero_topo_int8"):
             for theirs in DEEPSPEED_VARIANTS:
                 if v == ours and (theirs, ga) in by:
                     key = f"{theirs}/{ours}@GA{ga}"
@@ -357,6 +472,35 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
                         out["step_time_ratio_emulated"][key] = (by[theirs, ga]["step_time_emulated_s"]
                                                                 / r["step_time_emulated_s"])
                     out["step_time_ratio"][key] = by[theirs, ga]["step_time_s"] / r["step_time_s"]
+    if any(r.get("pipeline_parallel") for r in records):
+        out["pipeline"] = pipeline_checks(records)
+    return out
+
+
+def pipeline_checks(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 37's numbers on the PipelineEngine: the ``step`` phase against the analytic model and
+    DeepSpeed's tied-weight all-reduce against its own count (largest error over all ranks), and each
+    variant's step-phase bytes at the data-parallel group's outermost level against its floor there
+    (per stage: the first rank of each)."""
+    out: dict[str, Any] = {"step_vs_model_max_rel_err": {}, "tied_grads_vs_expected_max_rel_err": {},
+                           "data_parallel_floor": {}, "step_vs_floor": {}, "step_bytes_vs_deepspeed_zero1": {}}
+    zero1 = {r["grad_accum"]: r for r in records if r["variant"] == "deepspeed_zero1"}
+    for r in records:
+        key = f"{r['variant']}@GA{r['grad_accum']}"
+        if "step_vs_model_rel_err" in r:
+            out["step_vs_model_max_rel_err"][key] = r["step_vs_model_rel_err"]
+        out["tied_grads_vs_expected_max_rel_err"][key] = r["tied_grads_vs_expected_rel_err"]
+        for st in r["stages"]:
+            floor = st["data_parallel_floor"]
+            out["data_parallel_floor"][f"stage{st['stage']}"] = floor
+            step = st["bytes_per_step_by_phase"].get("step", {})
+            if floor["bytes"]:
+                out["step_vs_floor"][f"{key}/stage{st['stage']}"] = step.get(floor["level"], 0.0) / floor["bytes"]
+        base = zero1.get(r["grad_accum"])
+        if base is not None and r is not base:
+            mine, theirs = r["bytes_per_step_by_phase"].get("step", {}), base["bytes_per_step_by_phase"].get("step", {})
+            out["step_bytes_vs_deepspeed_zero1"][key] = {lv: mine.get(lv, 0.0) / theirs[lv] for lv in LEVELS
+                                                          if theirs.get(lv)}
     return out
 
 
@@ -405,6 +549,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from ds_ext.cluster.world import bench_world
 
+    if args.pipeline_parallel:
+        if args.tensor_parallel > 1:
+            raise SystemExit("ds-ext bench zero: --pipeline-parallel with --tensor-parallel 2 is not supported; "
+                             "allowed: one of them")
+        if args.variants == list(ALL_VARIANTS):
+            args.variants = list(PIPELINE_VARIANTS)
+        other = [v for v in args.variants if v not in PIPELINE_VARIANTS]
+        if other:
+            raise SystemExit(f"ds-ext bench zero: {', '.join(other)} cannot run on DeepSpeed's PipelineEngine "
+                             f"(ZeRO stage 0 or 1 only); allowed with --pipeline-parallel: {', '.join(PIPELINE_VARIANTS)}")
     if args.quick:
         args.model, args.grad_accum, args.warmup, args.steps = "tiny", [1], 1, 1
         if args.variants == list(ALL_VARIANTS):
@@ -414,11 +568,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for variant in tqdm(args.variants, desc="bench zero", unit="variant"):
         with bench_world(args, WORLD, {"LOCAL_SIZE": str(RANKS_PER_NODE)}) as world:
             per_rank = world.run(_measure, variant, args.grad_accum, args.model, args.warmup,
-                                 args.steps, time_scale, args.tensor_parallel)
+                                 args.steps, time_scale, args.tensor_parallel, args.pipeline_parallel)
         records.extend(_merge_ranks(per_rank))
     records.sort(key=lambda r: (r["grad_accum"], ALL_VARIANTS.index(r["variant"])))
     payload = {"benchmark": "zero", "world_size": WORLD, "model": args.model, "network": args.network,
-               "quick": args.quick, "tensor_parallel": args.tensor_parallel, "records": records,
+               "quick": args.quick, "tensor_parallel": args.tensor_parallel,
+               "pipeline_parallel": args.pipeline_parallel, "records": records,
                "checks": checks(records)}
     if args.tensor_parallel > 1 and "deepspeed_zeropp" in args.variants:
         payload["deepspeed_zeropp"] = HPZ_UNDER_TP
