@@ -138,8 +138,7 @@ def pipeline_grid(model) -> Any:
 
 
 def tag_pipeline_instructions(engine, in_phase: Callable[[str, Callable], Callable]) -> None:
-    """Run the PipelineEngine's schedule instructions in the ledger's phases (DeepSpeed's all-reduce
-    of tied weights' gradients over their stages in a phase of its own, ``tied_grads``): it binds them from
+    """Run the PipelineEngine's schedule instructions in the ledger's phases: it binds them from
     ``_INSTRUCTION_MAP`` per instruction (runtime/pipe/engine.py ``_exec_schedule``), so the
     engine gets a map of its own with each wrapped by ``in_phase(phase, fn)``. DeepSpeed's
     all-reduce of tied weights' gradients over the stages holding them (``ReduceTiedGrads``) gets
