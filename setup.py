@@ -16,10 +16,10 @@ setup(
         "pydantic>=2.6,<3",
         "einops>=0.7",
         "tqdm>=4.60",
-        "matplotlib>=3.7",
         "packaging>=23",
-        "scipy>=1.10",
         "hjson>=3",  # ds_configs in hjson, as DeepSpeed reads them
     ],
+    # figures (the planner's and benchmarks' PNGs) and the benchmarks' rank statistics
+    extras_require={"bench": ["matplotlib>=3.7", "scipy>=1.10"]},
     entry_points={"console_scripts": ["ds-ext=ds_ext.cli:main"]},
 )

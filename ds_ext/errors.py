@@ -20,3 +20,19 @@ class DsExtConfigError(DsExtError, ValueError):
 class DsExtSetupError(DsExtError, RuntimeError):
     """A process not set up for what it was asked to do: no launcher variables, DeepSpeed's
     communication backend not started, no files to read."""
+
+
+class MissingExtraError(DsExtError, ImportError):
+    """A feature whose packages are an install extra (figures: matplotlib; benchmark statistics:
+    scipy) used without them; the message names the extra."""
+
+
+def require_extra(module: str, what: str) -> None:
+    """Import ``module`` or raise :class:`MissingExtraError` naming ``pip install 'ds_ext[bench]'``."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise MissingExtraError(f"{what}: {module.split('.')[0]} is not installed; it is an extra of ds_ext: pip "
+                                "install 'ds_ext[bench]'") from None

@@ -11,11 +11,15 @@ from __future__ import annotations
 import itertools
 from typing import Iterable, Sequence
 
-from matplotlib.axes import Axes
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.text import Annotation, Text
-from matplotlib.transforms import Bbox
+from ds_ext.errors import require_extra
+
+require_extra("matplotlib", "ds_ext's figures (the planner's and the benchmarks' PNGs)")
+
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.text import Annotation, Text  # noqa: E402
+from matplotlib.transforms import Bbox  # noqa: E402
 
 LABEL_STEP_PT = 9.0  # a moved label goes up by this many points per try
 

@@ -246,3 +246,13 @@ def test_initialize_has_deepspeeds_signature_and_a_docstring():
     assert all(p.kind is p.POSITIONAL_OR_KEYWORD and p.annotation is not p.empty for p in ours.values())
     doc = inspect.getdoc(ds_ext.initialize)
     assert len(doc.splitlines()) > 20 and all(f"{name}:" in doc for name in ours)
+
+
+def test_figures_without_matplotlib_name_the_extra():
+    """matplotlib and scipy are the ``bench`` extra: without them a figure fails in one line naming it."""
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from ds_ext.errors import MissingExtraError\n"
+            "try:\n    import ds_ext.plotting\nexcept MissingExtraError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ("ds_ext's figures (the planner's and the benchmarks' PNGs): matplotlib is not installed; it is an "
+                   "extra of ds_ext: pip install 'ds_ext[bench]'")

@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from ds_ext.bench import median, write_json
+from ds_ext.errors import require_extra
 from ds_ext.cluster.world import BENCH_MESSAGE_BYTES, add_network_arguments
 
 WORLD = 8
@@ -303,6 +304,7 @@ def _megatron_gpt(model: str):
 
 # ---- driver -----------------------------------------------------------------------------
 def _rank_of(values: list[float]) -> list[float]:
+    require_extra("scipy", "the grid ranking's Spearman coefficients")
     from scipy.stats import rankdata
 
     return list(rankdata(values))
@@ -312,6 +314,7 @@ def checks(records: list[dict[str, Any]], time_key: str = "step_time_emulated_s"
            ranking_model: str = RANKING_MODEL) -> dict[str, Any]:
     """The acceptance numbers of issue 10 (issue 21 with ``--network netns``: ``time_key``
     "step_time_s", ``ranking_model`` the model fed the measured network), from the records."""
+    require_extra("scipy", "the grid ranking's Spearman coefficients")
     from scipy.stats import spearmanr
 
     grids = [r for r in records if r["variant"] == "pmm3d"]
