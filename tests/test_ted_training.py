@@ -362,6 +362,9 @@ def _bad(case):
         elif case == "expert_hidden":
             T, P = 4, 2
             model = moe(ep_size=2, expert=nn.Sequential(nn.Linear(32, 30), nn.GELU(), nn.Linear(30, 32)))
+        elif case == "whole_experts_zero_topo":
+            model = moe(enable_expert_tensor_parallelism=False, ep_size=2)
+            T, P, ds_kw = 2, 2, dict(plugins={"zero_topo": {"enabled": True}})
         elif case == "whole_experts_without_dtd":
             model = moe(enable_expert_tensor_parallelism=False)
             ds_kw = dict(ted={"duplicate_token_dropping": False})
@@ -406,6 +409,11 @@ BAD = {
     "heads": "ds_ext.ted: blocks.0.attn n_heads 2 is not divisible by tensor_parallel 4",
     "hidden": "ds_ext.ted: fc.out_features 30 is not divisible by tensor_parallel 4",
     "expert_hidden": "ds_ext.ted: moe expert hidden size 30 is not divisible by tensor_parallel 4",
+    "whole_experts_zero_topo": "ds_ext.ted: moe keeps its experts whole on every tensor rank "
+                               "(enable_expert_tensor_parallelism=False) at tensor_parallel 2 with ds_ext.zero_topo, "
+                               "which shards experts over their expert-data group only; allowed: "
+                               "enable_expert_tensor_parallelism=True (Megatron-DeepSpeed: "
+                               "--enable-expert-tensor-parallelism) or tensor_parallel 1",
     "whole_experts_without_dtd": "ds_ext.ted: moe keeps its experts whole on every tensor rank "
                                  "(enable_expert_tensor_parallelism=False) at tensor_parallel 2, so each tensor rank "
                                  "must run only its share of the tokens: duplicate_token_dropping must be true "

@@ -133,6 +133,12 @@ class TEDPlugin(Plugin):
                 module.check_token_dropping(layout.tensor, cfg.duplicate_token_dropping, name)
             except ValueError as err:
                 raise DsExtConfigError(str(err)) from None
+            if layout.tensor > 1 and not module.enable_expert_tensor_parallelism and \
+                    any(p.name == "zero_topo" for p in self.runtime.plugins):
+                _refuse(f"{name} keeps its experts whole on every tensor rank (enable_expert_tensor_parallelism=False) "
+                        f"at tensor_parallel {layout.tensor} with ds_ext.zero_topo, which shards experts over their "
+                        "expert-data group only; allowed: enable_expert_tensor_parallelism=True (Megatron-DeepSpeed: "
+                        "--enable-expert-tensor-parallelism) or tensor_parallel 1")
             gate = module.gate
             for key, want, got in (("num_experts", cfg.num_experts, module.num_experts),
                                    ("top_k", cfg.top_k, gate.k),
