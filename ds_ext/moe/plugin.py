@@ -68,6 +68,22 @@ def _check_param_groups(optimizer: Any, ds_config: dict) -> None:
                     "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(...)")
 
 
+def _check_beside_zero_topo(layout: TEDLayout, layers: list[tuple[str, Any]]) -> None:
+    """ZeRO-topo shards experts over their expert-data group only: it needs one of two ranks or more,
+    and experts split over the tensor group (whole ones would need tensor x expert-data)."""
+    if layout.expert_data == 1:
+        _refuse(f"expert_data_parallel 1 (tensor {layout.tensor} x expert {layout.expert} fill the world) with "
+                "ds_ext.zero_topo: no expert-data group to shard the experts over; allowed: expert_data_parallel >= 2")
+    from ds_ext.moe.layer import TEDMoE  # imports DeepSpeed: kept out of ``ds-ext schema``
+
+    for name, module in layers:
+        if isinstance(module, TEDMoE) and layout.tensor > 1 and not module.enable_expert_tensor_parallelism:
+            _refuse(f"{name} keeps its experts whole on every tensor rank (enable_expert_tensor_parallelism=False) "
+                    f"at tensor_parallel {layout.tensor} with ds_ext.zero_topo, which shards experts over their "
+                    "expert-data group only; allowed: enable_expert_tensor_parallelism=True (Megatron-DeepSpeed: "
+                    "--enable-expert-tensor-parallelism) or tensor_parallel 1")
+
+
 @register_plugin
 class TEDPlugin(Plugin):
     """TED as a ds_ext plugin (see module docstring)."""
@@ -95,11 +111,9 @@ class TEDPlugin(Plugin):
             layout.check_placement(rt.topology)
         except GroupError as err:
             raise DsExtConfigError(str(err)) from None
-        if layout.expert_data == 1 and any(p.name == "zero_topo" for p in rt.plugins):
-            _refuse(f"expert_data_parallel 1 (tensor {layout.tensor} x expert {layout.expert} fill the world) with "
-                    "ds_ext.zero_topo: no expert-data group to shard the experts over; allowed: expert_data_parallel "
-                    ">= 2")
         layers = self._layers(model, layout)
+        if any(p.name == "zero_topo" for p in rt.plugins):
+            _check_beside_zero_topo(layout, layers)
         _check_param_groups(optimizer, ds_config)
         self.ted = TEDContext.create(layout, rt.comm, cfg.duplicate_token_dropping, cfg.comm_aware_checkpointing,
                                      cfg.seed, cfg.cac_stash == "lean")
@@ -133,12 +147,6 @@ class TEDPlugin(Plugin):
                 module.check_token_dropping(layout.tensor, cfg.duplicate_token_dropping, name)
             except ValueError as err:
                 raise DsExtConfigError(str(err)) from None
-            if layout.tensor > 1 and not module.enable_expert_tensor_parallelism and \
-                    any(p.name == "zero_topo" for p in self.runtime.plugins):
-                _refuse(f"{name} keeps its experts whole on every tensor rank (enable_expert_tensor_parallelism=False) "
-                        f"at tensor_parallel {layout.tensor} with ds_ext.zero_topo, which shards experts over their "
-                        "expert-data group only; allowed: enable_expert_tensor_parallelism=True (Megatron-DeepSpeed: "
-                        "--enable-expert-tensor-parallelism) or tensor_parallel 1")
             gate = module.gate
             for key, want, got in (("num_experts", cfg.num_experts, module.num_experts),
                                    ("top_k", cfg.top_k, gate.k),

@@ -50,9 +50,8 @@ class Pmm3dPlugin(Plugin):
         model-parallel groups; DeepSpeed takes one mpu), a caller's mpu with tensor or pipeline
         parallelism, and DeepSpeed-MoE layers (3D-PMM partitions dense layers only)."""
         from ds_ext.integration import ds_moe
-        from ds_ext.mpu import model_parallel_sizes
-
         from ds_ext.integration.ds_engine import pipeline_grid
+        from ds_ext.mpu import model_parallel_sizes
 
         rt = self.runtime
         if pipeline_grid(model) is not None:

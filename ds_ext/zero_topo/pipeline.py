@@ -24,23 +24,19 @@ from __future__ import annotations
 
 from torch import nn
 
-from ds_ext.zero_topo.engine import ShardedModel, UnitError
+from ds_ext.zero_topo.engine import ShardedModel, assign_parameters
 from ds_ext.zero_topo.units import FlatUnit, ShardContext
 
 
 class PipelineStage(ShardedModel):
-    """This rank's pipeline stage as one whole-mode unit (see module): no gather or release hooks."""
+    """This rank's pipeline stage as one whole-mode unit (see module): no gather or release hooks.
+    Expert parameters are refused before (``support.check_model``)."""
 
     def __init__(self, model: nn.Module, ctx: ShardContext, stage: int) -> None:
         self.model, self.ctx, self.expert_ctx, self.prefetch, self.root = model, ctx, None, False, None
-        named: dict[int, tuple[nn.Parameter, list[str]]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            named.setdefault(id(p), (p, []))[1].append(name)
-        if any(getattr(p, "allreduce", True) is False for p, _ in named.values()):
-            raise UnitError("ds_ext.zero_topo: MoE expert parameters in a pipeline stage are not supported by the "
-                            "pipeline form; allowed: dense PipelineModules")
-        self.units = [FlatUnit(f"stage{stage}", [p for p, _ in named.values()], ctx,
-                               [tuple(n) for _, n in named.values()], whole=True)] if named else []
+        (params,) = assign_parameters(model, [])  # each parameter once, with its qualified names
+        self.units = [FlatUnit(f"stage{stage}", [p for p, _ in params], ctx, [n for _, n in params],
+                               whole=True)] if params else []
         self.all_units = list(self.units)
         self._order: list[FlatUnit] = []
         self.peak_state_bytes: dict[str, int] = {}

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import operator
 import shutil
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -190,29 +192,28 @@ class ZeroTopoPlugin(Plugin):
         out["optimizer"] = self.optimizer.state_bytes()
         return out
 
+    def _parts(self):
+        """(plan, group, context) of the dense parameters, then of the experts (if any)."""
+        yield self.plan, self.data, self.sharded.ctx
+        if self.experts is not None:
+            yield self.expert_plan, self.experts, self.sharded.expert_ctx
+
     def analytic_traffic(self, grad_accum: int):
         """The analytic model (ds_ext.perf.zero) of this run's bytes per step."""
         from ds_ext.perf.zero import traffic
 
-        out = traffic(self.plan, self.sharded.unit_specs(), grad_accum, self.dtype.itemsize,
-                      algorithm=self.runtime.comm.algorithm, rank=self.data.rank,
-                      model_parallel=(self.data.model_level, self.data.model_size), pipeline=self.pipeline)
-        if self.experts is not None:
-            ctx = self.sharded.expert_ctx
-            out = out + traffic(self.expert_plan, self.sharded.unit_specs(ctx), grad_accum, self.dtype.itemsize,
-                                algorithm=self.runtime.comm.algorithm, rank=self.experts.rank,
-                                model_parallel=(self.experts.model_level, self.experts.model_size))
-        return out
+        return functools.reduce(operator.add, (
+            traffic(plan, self.sharded.unit_specs(ctx), grad_accum, self.dtype.itemsize,
+                    algorithm=self.runtime.comm.algorithm, rank=group.rank,
+                    model_parallel=(group.model_level, group.model_size), pipeline=self.pipeline)
+            for plan, group, ctx in self._parts()))
 
     def analytic_memory(self):
         from ds_ext.perf.zero import memory
 
-        out = memory(self.plan, self.sharded.unit_specs(), self.data.rank, self.dtype.itemsize)
-        if self.experts is not None:
-            experts = memory(self.expert_plan, self.sharded.unit_specs(self.sharded.expert_ctx), self.experts.rank,
-                             self.dtype.itemsize)
-            out = {k: v + experts[k] for k, v in out.items()}
-        return out
+        parts = [memory(plan, self.sharded.unit_specs(ctx), group.rank, self.dtype.itemsize)
+                 for plan, group, ctx in self._parts()]
+        return {k: sum(part[k] for part in parts) for k in parts[0]}
 
     def scaler_state(self) -> dict:
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
