@@ -55,6 +55,41 @@ def test_block_quantizer_flags_non_finite_blocks_on_cuda_as_on_cpu(compile):
     assert (ref.scales == NONFINITE).sum() == 2
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fused_quantizer_is_one_launch_each_way_without_a_host_wait(bits):
+    """compile=True on the GPU: encode (gradient path) and decode are one kernel each, and
+    neither waits for the device (sync debug mode "error" raises on any synchronising call);
+    the weight path's non-finite check is the same one kernel plus one read of its flag."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ds_ext.comm.quant import BlockQuantizer, QuantizationError
+
+    qz = BlockQuantizer(bits, 512, compile=True)
+    x = _quant_input((1 << 20) + 300, torch.bfloat16).cuda()
+    q = qz.quantize(x, nonfinite="flag")  # compile outside the counted calls
+    qz.dequantize(q, torch.bfloat16)
+    qz.quantize(x)
+    torch.cuda.synchronize()
+    for call in (lambda: qz.quantize(x, nonfinite="flag"), lambda: qz.dequantize(q, torch.bfloat16),
+                 lambda: qz.quantize(x)):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        on_device = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+        kernels = [n for n in on_device if not n.startswith(("Memcpy", "Memset"))]
+        assert len(kernels) == 1, on_device
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        qz.dequantize(qz.quantize(x, nonfinite="flag"), torch.bfloat16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    x[5] = float("nan")
+    with pytest.raises(QuantizationError, match="1 non-finite elements"):
+        qz.quantize(x)
+    x[5] = 0.0
+    qz.quantize(x)  # the next call is clean again
+
+
 # ---- tiled FusedAdam on DeepSpeed's CUDA kernel == its untiled step ------------------------------
 @pytest.mark.parametrize("adam_w_mode,bias_correction", [(True, True), (False, False)])
 @pytest.mark.parametrize("tile", [16, 4096, 10**6])

@@ -13,7 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS: tuple[str, ...] = ("zero", "tiled", "quant", "ledger", "pmm", "ted", "pccl", "scale")
+BENCHMARKS: tuple[str, ...] = ("zero", "tiled", "tiled_step", "quant", "ledger", "pmm", "ted", "pccl", "scale")
 
 
 def median(xs: list[float]) -> float:

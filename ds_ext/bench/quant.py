@@ -1,15 +1,20 @@
 """``ds-ext bench quant``: ds_ext's block quantizer against DeepSpeed's and a plain copy.
 
 One process, bf16 input (ZeRO-topo's weights and gradients): encode and decode of ds_ext's
-int8 and int4 quantizer, eager and fused by ``torch.compile`` (the default in ZeRO-topo),
-side by side with DeepSpeed's quantizer of the same device and a copy of the same tensor
-(the floor), variants interleaved round by round.
+int8 and int4 quantizer, eager and fused (``compile=True``, ZeRO-topo's default: one Triton
+kernel per call on a GPU, ``torch.compile`` on the CPU), side by side with DeepSpeed's
+quantizer of the same device and a copy of the same tensor (the floor), variants interleaved
+round by round. The fused encode is timed on the gradient path (``nonfinite="flag"``: no
+host wait) and on the weight path (``"raise"``: one read of the kernel's non-finite flag).
 
 * ``--device cpu`` (one thread): DeepSpeed's pure-torch ``NPUQuantizer``, what ZeRO++ falls
   back to without its CUDA kernels; timed with the wall clock.
 * ``--device cuda``: DeepSpeed's CUDA quantizer kernels, the ones ZeRO++ runs
   (``QuantizerBuilder``, built on first use): ``quantize`` (qwZ, int8), ``swizzle_quant``
-  (qgZ's int4 encode), ``dequantize``; a device-to-device copy; timed between CUDA events.
+  (qgZ's int4 encode), ``dequantize``; a device-to-device copy; timed between CUDA events,
+  two ways: one call on an idle GPU (its latency, host work included), and ``stream``: K
+  calls back to back between the events (K = max(1, 2^24 / elements)), the time per call
+  in a busy stream, as a training step issues them.
 
 DeepSpeed's kernels take fp16 (its qwZ path casts bf16 weights first; the cast is not timed).
 Also: the one-time compile cost a fresh process pays (inductor's disk cache off), how many
@@ -36,17 +41,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=DEVICES, default="cpu",
                    help="cpu: DeepSpeed's pure-torch quantizer; cuda: its CUDA kernels (ZeRO++)")
     p.add_argument("--numel", type=int, nargs="+", default=None,
-                   help="elements per call, one record each (default: 2^22 on cpu; 2^22 and 2^28 on cuda, "
-                        "where 2^22 elements take about as long as a kernel launch)")
+                   help="elements per call, one record each (default: 2^22 on cpu; 2^20, 2^22, 2^24 and 2^28 on "
+                        "cuda, where up to 2^22 elements take about as long as a kernel launch)")
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--repeats", type=int, default=21)
 
 
-def _times(fns: list[Callable[[], Any]], repeats: int, device: str) -> list[float]:
-    """Median seconds of each function, measured interleaved (one call of each per round), so
-    that a change of load hits every variant alike; on CUDA between two events around the
-    call, each round synchronised (kernels run asynchronously: the host clock would time
-    their launch)."""
+def _times(fns: list[Callable[[], Any]], repeats: int, device: str, calls: int = 1) -> list[float]:
+    """Median seconds per call of each function, measured interleaved (one round of each per
+    round), so that a change of load hits every variant alike; on CUDA between two events
+    around ``calls`` calls, each round synchronised (kernels run asynchronously: the host
+    clock would time their launch)."""
     import torch
 
     for fn in fns:
@@ -59,12 +64,14 @@ def _times(fns: list[Callable[[], Any]], repeats: int, device: str) -> list[floa
                 fn()
                 out[i].append(time.perf_counter() - t0)
             else:
+                torch.cuda.synchronize()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                fn()
+                for _ in range(calls):
+                    fn()
                 end.record()
                 end.synchronize()
-                out[i].append(start.elapsed_time(end) / 1e3)
+                out[i].append(start.elapsed_time(end) / 1e3 / calls)
     return [median(v) for v in out]
 
 
@@ -130,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(1)
     inductor_config.fx_graph_cache = False  # measure what a fresh machine pays
     block = args.block_size
-    sizes = args.numel or ([1 << 22] if device == "cpu" else [1 << 22, 1 << 28])
+    sizes = args.numel or ([1 << 22] if device == "cpu" else [1 << 20, 1 << 22, 1 << 24, 1 << 28])
     for n in sizes:
         if n % block:
             raise SystemExit(f"ds-ext bench quant: --numel {n} must be a multiple of --block-size {block}")
@@ -169,22 +176,33 @@ def _records(args: argparse.Namespace, device: str, n: int, ds_encode_fn, ds_dec
         compile_s = time.perf_counter() - t0
         ds_encode = lambda: ds_encode_fn(x16, groups, bits)  # noqa: E731
         ds_q, ds_scales = ds_encode()
-        copy, ds_enc, enc_eager, enc = _times(
-            [lambda: x.clone(), ds_encode, lambda: eager.quantize(x), lambda: fused.quantize(x)], args.repeats, device)
-        ds_dec, dec_eager, dec = _times(
-            [lambda: ds_decode_fn(ds_q, ds_scales, groups, bits), lambda: eager.dequantize(q, torch.bfloat16),
-             lambda: fused.dequantize(q, torch.bfloat16)], args.repeats, device)
+        encoders = [lambda: x.clone(), ds_encode, lambda: eager.quantize(x),
+                    lambda: fused.quantize(x, nonfinite="flag"), lambda: fused.quantize(x)]
+        decoders = [lambda: ds_decode_fn(ds_q, ds_scales, groups, bits), lambda: eager.dequantize(q, torch.bfloat16),
+                    lambda: fused.dequantize(q, torch.bfloat16)]
+        copy, ds_enc, enc_eager, enc, enc_checked = _times(encoders, args.repeats, device)
+        ds_dec, dec_eager, dec = _times(decoders, args.repeats, device)
         rec = {
             "bits": bits, "numel": n, "block_size": block, "copy_s": copy,
             "deepspeed_encode_s": ds_enc, "deepspeed_decode_s": ds_dec,
-            "encode_eager_s": enc_eager, "encode_s": enc, "decode_eager_s": dec_eager, "decode_s": dec,
+            "encode_eager_s": enc_eager, "encode_s": enc, "encode_checked_s": enc_checked,
+            "decode_eager_s": dec_eager, "decode_s": dec,
             "compile_s": compile_s,
             "error": _worst_error(x, fused.dequantize(fused.quantize(x), torch.float32), block),
             "error_bound": 1 / (2 * eager.qmax),
             "deepspeed_error": (_worst_error(x16, ds_decode_fn(ds_q, ds_scales, groups, 8), block)
                                 if bits == 8 else None),
         }
+        if device == "cuda":  # back to back: the time per call in a busy stream
+            calls = max(1, (1 << 24) // n)
+            s_copy, s_ds_enc, s_enc, s_enc_checked = _times(
+                [encoders[0], encoders[1], encoders[3], encoders[4]], args.repeats, device, calls)
+            s_ds_dec, s_dec = _times([decoders[0], decoders[2]], args.repeats, device, calls)
+            rec["stream"] = {"calls": calls, "copy_s": s_copy, "deepspeed_encode_s": s_ds_enc, "encode_s": s_enc,
+                             "encode_checked_s": s_enc_checked, "deepspeed_decode_s": s_ds_dec, "decode_s": s_dec,
+                             "encode_vs_deepspeed": s_ds_enc / s_enc, "decode_vs_deepspeed": s_ds_dec / s_dec}
         rec["encode_vs_deepspeed"] = rec["deepspeed_encode_s"] / rec["encode_s"]
+        rec["encode_checked_vs_deepspeed"] = rec["deepspeed_encode_s"] / rec["encode_checked_s"]
         rec["decode_vs_deepspeed"] = rec["deepspeed_decode_s"] / rec["decode_s"]
         rec["encode_vs_eager"] = rec["encode_eager_s"] / rec["encode_s"]
         rec["encode_vs_copy"] = rec["encode_s"] / copy
@@ -194,6 +212,9 @@ def _records(args: argparse.Namespace, device: str, n: int, ds_encode_fn, ds_dec
         records.append(rec)
         print(f"int{bits} x {n}: encode {rec['encode_s'] * 1e3:.3f} ms ({rec['encode_vs_deepspeed']:.2f}x DeepSpeed's "
               f"{rec['deepspeed_encode_s'] * 1e3:.3f} ms, {rec['encode_vs_copy']:.2f}x a copy, eager "
-              f"{rec['encode_eager_s'] * 1e3:.3f} ms); decode {rec['decode_s'] * 1e3:.3f} ms "
-              f"({rec['decode_vs_deepspeed']:.2f}x DeepSpeed's); compile {compile_s:.1f} s once")
+              f"{rec['encode_eager_s'] * 1e3:.3f} ms, checked {rec['encode_checked_vs_deepspeed']:.2f}x); decode "
+              f"{rec['decode_s'] * 1e3:.3f} ms ({rec['decode_vs_deepspeed']:.2f}x DeepSpeed's); compile "
+              f"{compile_s:.1f} s once" + (f"; stream x{rec['stream']['calls']}: encode "
+                                           f"{rec['stream']['encode_vs_deepspeed']:.2f}x, decode "
+                                           f"{rec['stream']['decode_vs_deepspeed']:.2f}x" if "stream" in rec else ""))
     return records

@@ -23,13 +23,15 @@ even/odd pairing does not); ``scales`` fp32, one per block. The input is zero pa
 whole blocks, so blocks never straddle two ranks' chunks when a caller cuts a tensor
 into whole-block chunks.
 
-Speed: ``ds-ext bench quant`` times encode and decode against DeepSpeed's pure-torch
-quantizer (ZeRO++'s CPU fallback) and a memcpy. The fused path (``compile=True``,
-ZeRO-topo's default) is one pass over the input per block; it costs a few seconds of
-``torch.compile`` per process once (cached on disk by inductor afterwards), so it serves
-tensors from :data:`COMPILE_MIN_NUMEL` elements up: below, eager and fused calls both take
-tens to hundreds of microseconds and the one-time compilation would need tens of thousands of
-calls to pay off. Both paths give the same bits (``tests/test_quant.py``).
+Kernels: eager torch (``compile=False``), or fused (``compile=True``, ZeRO-topo's default):
+on an accelerator one Triton kernel launch per encode and per decode
+(:mod:`ds_ext.comm.quant_triton`: no padded copy, the non-finite check inside the kernel);
+on the CPU ``torch.compile`` fuses the bodies below into one pass per block, for tensors from
+:data:`COMPILE_MIN_NUMEL` elements up (a few seconds of compilation per process once, cached
+on disk by inductor; below, the eager kernels take tens of microseconds and compiling would
+not pay off). Every path gives the same bits (``tests/test_quant.py``,
+``tests/test_quant_triton.py``, ``tests/test_gpu.py``); ``ds-ext bench quant`` times them
+against DeepSpeed's quantizers and a copy (docs/benchmarks/quantizer.md).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from ds_ext.errors import DsExtError
 
 ALLOWED_BITS = (4, 8)
 NONFINITE = -1.0  # scale of a block that held a non-finite value (not encoded; decodes to NaN)
-COMPILE_MIN_NUMEL = 1 << 16  # compile=True: tensors of fewer elements use the eager kernels (same bits)
+COMPILE_MIN_NUMEL = 1 << 16  # compile=True on the CPU: tensors of fewer elements use the eager kernels (same bits)
 
 
 class QuantizationError(DsExtError, ValueError):
@@ -128,9 +130,9 @@ def _kernels(compile: bool) -> tuple[Callable, Callable]:
 class BlockQuantizer:
     """Quantize / dequantize 1-D views in blocks of ``block_size`` elements.
 
-    ``compile=True`` runs the encode / decode bodies of tensors of at least
-    :data:`COMPILE_MIN_NUMEL` elements through ``torch.compile`` (same results; a few seconds
-    of compilation per process, on first use, then faster: docs/benchmarks/quantizer.md).
+    ``compile=True``: one Triton kernel per call on an accelerator; on the CPU the encode /
+    decode bodies of tensors of at least :data:`COMPILE_MIN_NUMEL` elements run through
+    ``torch.compile`` (module docstring). Same bits on every path.
     """
 
     def __init__(self, bits: int, block_size: int = 512, compile: bool = False) -> None:
@@ -144,6 +146,22 @@ class BlockQuantizer:
         self.block_size = block_size
         self.qmax = 2 ** (bits - 1) - 1
         self.compile = compile
+        self._triton = None  # ds_ext.comm.quant_triton.TritonQuantKernels, made on first accelerator use
+
+    def _triton_kernels(self, device: torch.device):
+        """The one-launch kernels where ``compile=True`` meets an accelerator tensor, else None."""
+        if not self.compile or device.type == "cpu":
+            return None
+        if self._triton is None:
+            try:
+                from ds_ext.comm.quant_triton import TritonQuantKernels
+            except ImportError as e:
+                raise QuantizationError(
+                    f"zero_topo.compile_quantizer: true needs Triton on {device.type} ({e}); install triton "
+                    "(PyTorch's GPU wheels bring it) or set compile_quantizer: false"
+                ) from e
+            self._triton = TritonQuantKernels(self.bits, self.block_size)
+        return self._triton
 
     def _kernels_for(self, numel: int) -> tuple[Callable, Callable]:
         return _kernels(self.compile and numel >= COMPILE_MIN_NUMEL)
@@ -165,6 +183,12 @@ class BlockQuantizer:
             raise QuantizationError(f"nonfinite must be 'raise' or 'flag', got {nonfinite!r}")
         flat = x.reshape(-1)
         n = flat.numel()
+        triton_kernels = self._triton_kernels(flat.device)
+        if triton_kernels is not None:
+            payload, scales, bad = triton_kernels.encode(flat.contiguous(), self.num_blocks(n), nonfinite == "raise")
+            if bad:
+                self._raise_nonfinite(flat)
+            return QuantizedTensor(payload, scales, self.bits, n, self.block_size)
         padded = self.padded_numel(n)
         if padded == n:
             blocks = flat
@@ -175,9 +199,13 @@ class BlockQuantizer:
         encode = self._kernels_for(padded)[0]
         q, scales = encode(blocks, self.qmax, self.bits == 4, nonfinite == "flag")
         if nonfinite == "raise" and not torch.isfinite(scales).all():  # NaN / inf reach the block's scale
-            bad = (~torch.isfinite(flat)).sum().item()
-            raise QuantizationError(f"cannot quantize a tensor with {bad} non-finite elements of {n}")
+            self._raise_nonfinite(flat)
         return QuantizedTensor(q, scales, self.bits, n, self.block_size)
+
+    @staticmethod
+    def _raise_nonfinite(flat: torch.Tensor) -> None:
+        bad = (~torch.isfinite(flat)).sum().item()
+        raise QuantizationError(f"cannot quantize a tensor with {bad} non-finite elements of {flat.numel()}")
 
     def dequantize(
         self, q: QuantizedTensor, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None
@@ -187,13 +215,18 @@ class BlockQuantizer:
                 f"tensor was quantized with {q.bits} bits / block {q.block_size}, "
                 f"this quantizer uses {self.bits} / {self.block_size}"
             )
+        if out is not None and out.numel() != q.numel:
+            raise QuantizationError(f"dequantize out has {out.numel()} elements, needs {q.numel}")
+        triton_kernels = self._triton_kernels(q.payload.device)
+        if triton_kernels is not None:
+            target = torch.empty(q.numel, dtype=dtype, device=q.payload.device) if out is None else out.view(-1)
+            triton_kernels.decode(q.payload, q.scales, target)
+            return target if out is None else out
         scales = q.scales.masked_fill(q.scales < 0, float("nan"))  # NONFINITE blocks decode to NaN
         decode = self._kernels_for(q.scales.numel() * self.block_size)[1]
         values = decode(q.payload, scales, self.block_size, self.bits == 4, dtype if out is None else out.dtype)
         values = values[: q.numel]
         if out is None:
             return values
-        if out.numel() != q.numel:
-            raise QuantizationError(f"dequantize out has {out.numel()} elements, needs {q.numel}")
         out.view(-1).copy_(values)
         return out
