@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cuda, where up to 2^22 elements take about as long as a kernel launch)")
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--repeats", type=int, default=21)
+    p.add_argument("--geometry", nargs="*", default=[], metavar="TILE:WARPS",
+                   help="cuda: also time the Triton kernels alone at the largest size for each launch geometry "
+                        "(elements per program : warps), beside the default 4096:4")
 
 
 def _times(fns: list[Callable[[], Any]], repeats: int, device: str, calls: int = 1) -> list[float]:
@@ -144,9 +147,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ds_encode_fn, ds_decode_fn = _deepspeed(device)
     records = [rec for n in sizes for rec in _records(args, device, n, ds_encode_fn, ds_decode_fn)]
     payload = {"benchmark": "quant", "environment": environment(device), "dtype": "bfloat16", "records": records}
+    if args.geometry and device == "cuda":
+        payload["geometry"] = _geometry(args, max(sizes))
     out = write_json(args.out, payload)
     print(f"wrote {out}")
     return payload
+
+
+def _geometry(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
+    """The Triton kernels alone (no BlockQuantizer wrapper) at ``n`` elements per launch geometry,
+    all geometries interleaved: encode on the gradient path and decode to bf16."""
+    import torch
+
+    from ds_ext.comm.quant_triton import TILE_ELEMENTS, TritonQuantKernels
+
+    block = args.block_size
+    torch.manual_seed(0)
+    x = torch.randn(n, device="cuda").to(torch.bfloat16)
+    shapes = [(TILE_ELEMENTS, 4)] + [tuple(int(v) for v in g.split(":")) for g in args.geometry]
+    out = []
+    for bits in (8, 4):
+        kernels = [TritonQuantKernels(bits, block, tile, warps) for tile, warps in shapes]
+        encoded = [k.encode(x, n // block, False) for k in kernels]
+        target = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        enc = _times([lambda k=k: k.encode(x, n // block, False) for k in kernels], args.repeats, "cuda")
+        dec = _times([lambda k=k, e=e: k.decode(e[0], e[1], target) for k, e in zip(kernels, encoded)],
+                     args.repeats, "cuda")
+        for (tile, warps), e, d in zip(shapes, enc, dec):
+            out.append({"bits": bits, "numel": n, "tile_elements": tile, "num_warps": warps, "encode_s": e,
+                        "decode_s": d})
+            print(f"geometry int{bits} x {n}: tile {tile} warps {warps}: encode {e * 1e3:.3f} ms, decode {d * 1e3:.3f} ms")
+    return out
 
 
 def _records(args: argparse.Namespace, device: str, n: int, ds_encode_fn, ds_decode_fn) -> list[dict[str, Any]]:

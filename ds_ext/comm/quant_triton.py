@@ -41,7 +41,7 @@ def _rint(p):
     return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
 
 
-@triton.jit(do_not_specialize=["call_id"])  # a new number every call: one compiled kernel for all
+@triton.jit(do_not_specialize=["numel", "n_blocks", "call_id"])
 def _encode_kernel(x_ptr, payload_ptr, scales_ptr, flag_ptr, numel, n_blocks, call_id,
                    B: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, ROWS: tl.constexpr,
                    QMAX: tl.constexpr, PACK4: tl.constexpr, CHECK: tl.constexpr):
@@ -52,13 +52,20 @@ def _encode_kernel(x_ptr, payload_ptr, scales_ptr, flag_ptr, numel, n_blocks, ca
     hi_ok = row_ok[:, None] & (cols < B - HALF)[None, :]  # an odd int8 block: one element fewer
     lo_idx = rows.to(tl.int64)[:, None] * B + cols[None, :]
     hi_idx = lo_idx + HALF
-    lo = tl.load(x_ptr + lo_idx, mask=ok & (lo_idx < numel), other=0.0).to(tl.float32)
-    hi = tl.load(x_ptr + hi_idx, mask=hi_ok & (hi_idx < numel), other=0.0).to(tl.float32)
-    finite = (tl.abs(lo) < float("inf")) & (tl.abs(hi) < float("inf"))  # NaN compares false
-    bad = tl.max(tl.where(finite, 0, 1), axis=1) > 0
+    if (tl.program_id(0).to(tl.int64) + 1) * (ROWS * B) <= numel:  # whole blocks: vector loads
+        lo = tl.load(x_ptr + lo_idx, mask=ok, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + hi_idx, mask=hi_ok, other=0.0).to(tl.float32)
+    else:  # the tail: zero padding past numel
+        lo = tl.load(x_ptr + lo_idx, mask=ok & (lo_idx < numel), other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + hi_idx, mask=hi_ok & (hi_idx < numel), other=0.0).to(tl.float32)
+    # one reduction per half gives absmax and non-finiteness: NaN and inf count as inf
+    inf = float("inf")
+    top = tl.maximum(tl.max(tl.where(tl.abs(lo) < inf, tl.abs(lo), inf), axis=1),
+                     tl.max(tl.where(tl.abs(hi) < inf, tl.abs(hi), inf), axis=1))
+    bad = top == inf
+    amax = tl.where(bad, 0.0, top)
     lo = tl.where(bad[:, None], 0.0, lo)
     hi = tl.where(bad[:, None], 0.0, hi)
-    amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
     scale = (amax.to(tl.float64) / QMAX).to(tl.float32)
     inv = tl.where(scale > 0.0, (1.0 / scale.to(tl.float64)).to(tl.float32), 0.0)
     q_lo = tl.minimum(tl.maximum(_rint(lo * inv[:, None]), -QMAX), QMAX)
@@ -75,7 +82,7 @@ def _encode_kernel(x_ptr, payload_ptr, scales_ptr, flag_ptr, numel, n_blocks, ca
             tl.atomic_max(flag_ptr, call_id)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel", "n_blocks"])
 def _decode_kernel(payload_ptr, scales_ptr, out_ptr, numel, n_blocks,
                    B: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, ROWS: tl.constexpr,
                    PACK4: tl.constexpr):
@@ -96,22 +103,51 @@ def _decode_kernel(payload_ptr, scales_ptr, out_ptr, numel, n_blocks,
         q_lo = tl.load(payload_ptr + lo_idx, mask=ok, other=0).to(tl.int32)
         q_hi = tl.load(payload_ptr + hi_idx, mask=hi_ok, other=0).to(tl.int32)
     ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + lo_idx, (q_lo.to(tl.float32) * s).to(ty), mask=ok & (lo_idx < numel))
-    tl.store(out_ptr + hi_idx, (q_hi.to(tl.float32) * s).to(ty), mask=hi_ok & (hi_idx < numel))
+    v_lo, v_hi = (q_lo.to(tl.float32) * s).to(ty), (q_hi.to(tl.float32) * s).to(ty)
+    if (tl.program_id(0).to(tl.int64) + 1) * (ROWS * B) <= numel:  # whole blocks: vector stores
+        tl.store(out_ptr + lo_idx, v_lo, mask=ok)
+        tl.store(out_ptr + hi_idx, v_hi, mask=hi_ok)
+    else:
+        tl.store(out_ptr + lo_idx, v_lo, mask=ok & (lo_idx < numel))
+        tl.store(out_ptr + hi_idx, v_hi, mask=hi_ok & (hi_idx < numel))
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
 
 
 class TritonQuantKernels:
-    """Launch geometry of one quantizer (bits, block size) and its non-finite flag words
-    (one per device, compared against an increasing call number, so nothing resets them)."""
+    """Launch geometry of one quantizer (bits, block size), its compiled kernels and its
+    non-finite flag words (one per device, compared against a call number that grows, so
+    nothing resets them).
 
-    def __init__(self, bits: int, block_size: int) -> None:
+    Launches after the first go straight to the compiled kernel: Triton's own dispatch (argument
+    binding, specialization, cache key) costs tens of microseconds per call, as long as the
+    kernel itself below about 2^24 elements. The kernels specialize on nothing but the pointer
+    arguments' types and 16-byte alignment (the integers are ``do_not_specialize``; an integer
+    from 2^31 up is a 64-bit argument), so the cache key holds exactly those. Triton's
+    interpreter hands back no compiled kernel: there every call is dispatched.
+    """
+
+    def __init__(self, bits: int, block_size: int, tile_elements: int = TILE_ELEMENTS, num_warps: int = 4) -> None:
         half = block_size // 2 if bits == 4 else -(-block_size // 2)
         half_p2 = triton.next_power_of_2(half)
-        self.rows = max(1, TILE_ELEMENTS // (2 * half_p2))
-        self.meta = {"B": block_size, "HALF": half, "HALF_P2": half_p2, "ROWS": self.rows}
+        self.rows = max(1, tile_elements // (2 * half_p2))
+        self.meta = (block_size, half, half_p2, self.rows)
+        self.num_warps = num_warps
         self.qmax, self.pack4, self.block_size = 2 ** (bits - 1) - 1, bits == 4, block_size
         self._flags: dict[torch.device, torch.Tensor] = {}
         self._calls = 0
+        self._compiled: dict[tuple, object] = {}
+
+    def _launch(self, kernel, key: tuple, grid: tuple[int], args: tuple) -> None:
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            compiled[grid](*args)
+            return
+        compiled = kernel[grid](*args, num_warps=self.num_warps, enable_fp_fusion=False)
+        if compiled is not None:
+            self._compiled[key] = compiled
 
     def encode(self, flat: torch.Tensor, n_blocks: int, check: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """1-D ``flat`` -> (payload, scales, any non-finite block); the last is read from the
@@ -120,18 +156,25 @@ class TritonQuantKernels:
         payload = torch.empty(n_blocks * self.block_size // (2 if self.pack4 else 1),
                               dtype=torch.uint8 if self.pack4 else torch.int8, device=dev)
         scales = torch.empty(n_blocks, dtype=torch.float32, device=dev)
+        if n_blocks == 0:
+            return payload, scales, False
         flag = self._flags.get(dev)
         if flag is None:
             flag = self._flags[dev] = torch.zeros(1, dtype=torch.int64, device=dev)
-        self._calls += 1
-        _encode_kernel[(triton.cdiv(n_blocks, self.rows),)](
-            flat, payload, scales, flag, flat.numel(), n_blocks, self._calls,
-            QMAX=self.qmax, PACK4=self.pack4, CHECK=check, enable_fp_fusion=False, **self.meta)
+        self._calls = self._calls % (2**31 - 1) + 1  # a 32-bit argument
+        numel = flat.numel()
+        key = ("encode", dev, flat.dtype, _aligned(flat), numel >= 2**31, check)
+        self._launch(_encode_kernel, key, (triton.cdiv(n_blocks, self.rows),),
+                     (flat, payload, scales, flag, numel, n_blocks, self._calls, *self.meta, self.qmax, self.pack4,
+                      check))
         return payload, scales, check and int(flag.item()) == self._calls
 
     def decode(self, payload: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Write the first ``out.numel()`` decoded values into contiguous ``out``."""
-        n_blocks = scales.numel()
-        _decode_kernel[(triton.cdiv(n_blocks, self.rows),)](
-            payload, scales, out, out.numel(), n_blocks, PACK4=self.pack4, enable_fp_fusion=False, **self.meta)
+        n_blocks, numel = scales.numel(), out.numel()
+        if numel == 0:
+            return out
+        key = ("decode", out.device, out.dtype, _aligned(payload), _aligned(scales), _aligned(out), numel >= 2**31)
+        self._launch(_decode_kernel, key, (triton.cdiv(n_blocks, self.rows),),
+                     (payload, scales, out, numel, n_blocks, *self.meta, self.pack4))
         return out
