@@ -51,17 +51,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _times(fns: list[Callable[[], Any]], repeats: int, device: str, calls: int = 1) -> list[float]:
-    """Median seconds per call of each function, measured interleaved (one round of each per
-    round), so that a change of load hits every variant alike; on CUDA between two events
-    around ``calls`` calls, each round synchronised (kernels run asynchronously: the host
-    clock would time their launch)."""
+    """Median seconds per call of each function, measured interleaved (each function once per
+    round, the order rotated from round to round), so that a change of load, and whatever the
+    previous call leaves behind, hits every variant alike; on CUDA between two events around
+    ``calls`` calls, each round synchronised (kernels run asynchronously: the host clock would
+    time their launch)."""
     import torch
 
     for fn in fns:
         fn()
     out: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
+    for r in range(repeats):
+        for j in range(len(fns)):
+            i = (j + r) % len(fns)
+            fn = fns[i]
             if device == "cpu":
                 t0 = time.perf_counter()
                 fn()
@@ -207,12 +210,14 @@ def _records(args: argparse.Namespace, device: str, n: int, ds_encode_fn, ds_dec
         compile_s = time.perf_counter() - t0
         ds_encode = lambda: ds_encode_fn(x16, groups, bits)  # noqa: E731
         ds_q, ds_scales = ds_encode()
-        encoders = [lambda: x.clone(), ds_encode, lambda: eager.quantize(x),
-                    lambda: fused.quantize(x, nonfinite="flag"), lambda: fused.quantize(x)]
-        decoders = [lambda: ds_decode_fn(ds_q, ds_scales, groups, bits), lambda: eager.dequantize(q, torch.bfloat16),
-                    lambda: fused.dequantize(q, torch.bfloat16)]
-        copy, ds_enc, enc_eager, enc, enc_checked = _times(encoders, args.repeats, device)
-        ds_dec, dec_eager, dec = _times(decoders, args.repeats, device)
+        encoders = [lambda: x.clone(), ds_encode, lambda: fused.quantize(x, nonfinite="flag"), lambda: fused.quantize(x)]
+        decoders = [lambda: ds_decode_fn(ds_q, ds_scales, groups, bits), lambda: fused.dequantize(q, torch.bfloat16)]
+        # the peers interleaved; ds_ext's eager kernels (many launches, large temporaries) apart,
+        # so that what they leave behind does not land on a peer's call
+        copy, ds_enc, enc, enc_checked = _times(encoders, args.repeats, device)
+        ds_dec, dec = _times(decoders, args.repeats, device)
+        enc_eager, dec_eager = _times([lambda: eager.quantize(x), lambda: eager.dequantize(q, torch.bfloat16)],
+                                      args.repeats, device)
         rec = {
             "bits": bits, "numel": n, "block_size": block, "copy_s": copy,
             "deepspeed_encode_s": ds_enc, "deepspeed_decode_s": ds_dec,
@@ -226,9 +231,8 @@ def _records(args: argparse.Namespace, device: str, n: int, ds_encode_fn, ds_dec
         }
         if device == "cuda":  # back to back: the time per call in a busy stream
             calls = max(1, (1 << 24) // n)
-            s_copy, s_ds_enc, s_enc, s_enc_checked = _times(
-                [encoders[0], encoders[1], encoders[3], encoders[4]], args.repeats, device, calls)
-            s_ds_dec, s_dec = _times([decoders[0], decoders[2]], args.repeats, device, calls)
+            s_copy, s_ds_enc, s_enc, s_enc_checked = _times(encoders, args.repeats, device, calls)
+            s_ds_dec, s_dec = _times(decoders, args.repeats, device, calls)
             rec["stream"] = {"calls": calls, "copy_s": s_copy, "deepspeed_encode_s": s_ds_enc, "encode_s": s_enc,
                              "encode_checked_s": s_enc_checked, "deepspeed_decode_s": s_ds_dec, "decode_s": s_dec,
                              "encode_vs_deepspeed": s_ds_enc / s_enc, "decode_vs_deepspeed": s_ds_dec / s_dec}

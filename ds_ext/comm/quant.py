@@ -181,7 +181,7 @@ class BlockQuantizer:
         host to read the device (one wait per call on an accelerator); flagging does not."""
         if nonfinite not in ("raise", "flag"):
             raise QuantizationError(f"nonfinite must be 'raise' or 'flag', got {nonfinite!r}")
-        flat = x.reshape(-1)
+        flat = x if x.dim() == 1 else x.reshape(-1)
         n = flat.numel()
         triton_kernels = self._triton_kernels(flat.device)
         if triton_kernels is not None:

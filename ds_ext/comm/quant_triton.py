@@ -164,7 +164,7 @@ class TritonQuantKernels:
         self._calls = self._calls % (2**31 - 1) + 1  # a 32-bit argument
         numel = flat.numel()
         key = ("encode", dev, flat.dtype, _aligned(flat), numel >= 2**31, check)
-        self._launch(_encode_kernel, key, (triton.cdiv(n_blocks, self.rows), 1, 1),
+        self._launch(_encode_kernel, key, (-(-n_blocks // self.rows), 1, 1),
                      (flat, payload, scales, flag, numel, n_blocks, self._calls, *self.meta, self.qmax, self.pack4,
                       check))
         return payload, scales, check and int(flag.item()) == self._calls
@@ -175,6 +175,6 @@ class TritonQuantKernels:
         if numel == 0:
             return out
         key = ("decode", out.device, out.dtype, _aligned(payload), _aligned(scales), _aligned(out), numel >= 2**31)
-        self._launch(_decode_kernel, key, (triton.cdiv(n_blocks, self.rows), 1, 1),
+        self._launch(_decode_kernel, key, (-(-n_blocks // self.rows), 1, 1),
                      (payload, scales, out, numel, n_blocks, *self.meta, self.pack4))
         return out
