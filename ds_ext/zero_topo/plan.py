@@ -105,10 +105,10 @@ class ZeroTopoConfig(PluginConfig):
     quant_block_size: int = Field(512, ge=2, description="Elements per quantization block (even).")
     compile_quantizer: bool = Field(
         True,
-        description="Fuse the quantizer's encode / decode with torch.compile (the default): one pass per block, "
-        "faster than DeepSpeed's pure-torch quantizer (ds-ext bench quant); costs a few seconds of compilation per "
-        "process once (inductor caches it on disk); tensors under 65,536 elements use the eager kernels (same "
-        "bits). false = eager kernels, no compiler needed.",
+        description="Fuse the quantizer's encode / decode (the default): one Triton kernel per call on an "
+        "accelerator (no host wait on the gradient path); on the CPU torch.compile fuses them into one pass per "
+        "block, at a few seconds of compilation per process once (tensors under 65,536 elements use the eager "
+        "kernels). Same bits on every path. false = eager kernels, no compiler needed.",
     )
     units: list[str] | Literal["auto"] = Field(
         "auto",
