@@ -397,7 +397,7 @@ def test_deepspeed_moe_through_pccl(world):
         assert levels == ["node"] and p_levels == ["local", "node"]  # the ring inside each node ran too
 
 
-# ---- ds_ext's zero3 / zeropp presets with comm.algorithm: the ledger == ds_ext.perf.zero ------
+# ---- ds_ext's zero3 / zeropp presets with comm.algorithm: the ledger == ds_ext.zero_topo.perf ------
 
 def _preset_ledger(preset, algorithm):
     import torch

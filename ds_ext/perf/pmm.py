@@ -119,7 +119,7 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
           grad_accum: int = 1, by_layer: bool = True, data_reduction: bool = True) -> list[Item]:
     """Every collective of one optimizer step, per rank (axes of size one send nothing);
     ``data_reduction`` False: the data axis's gradient reduction is not DeepSpeed's all-reduce
-    but ZeRO-topo's (``ds_ext.perf.zero`` models it)."""
+    but ZeRO-topo's (``ds_ext.zero_topo.perf`` models it)."""
     e, rows = elem_bytes, micro_batch * seq_len // grid.z
     out: list[Item] = []
 
