@@ -52,9 +52,10 @@ def _comm(name):
     """One registry and communicator per topology per worker (groups are created once)."""
     from ds_ext.comm import Communicator
     from ds_ext.groups import GroupRegistry
+    from ds_ext.perf import collectives
 
     if name not in _REG:
-        _REG[name] = Communicator(GroupRegistry(_topology(name)))
+        _REG[name] = Communicator(GroupRegistry(_topology(name)), model=collectives)
     comm = _REG[name]
     comm.ledger.reset()
     return comm
@@ -553,7 +554,7 @@ def _emulated_hold():
     from ds_ext.perf import collectives as model
 
     comm = _comm("4x2")
-    timed = Communicator(comm.registry, emulator=TimeEmulator(comm.registry.topology, scale=2000.0))
+    timed = Communicator(comm.registry, emulator=TimeEmulator(comm.registry.topology, scale=2000.0), model=model)
     world = tuple(range(8))
     out = {}
     for algo in ("ring", "pccl"):
