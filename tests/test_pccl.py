@@ -222,6 +222,18 @@ def test_pccl_refuses_uneven_group_and_other_reductions(world):
 
 # ---- pure logic: the model against hand-worked numbers ----------------------------------------
 
+def test_auto_needs_the_cost_model_passed_down():
+    """comm sits below perf: a Communicator built without ``model`` (the runtime passes
+    ``ds_ext.perf.collectives``) refuses ``auto`` in one line instead of importing the model."""
+    from ds_ext.comm import Communicator
+    from ds_ext.comm.algorithms import AlgorithmError
+    from ds_ext.groups import GroupRegistry
+
+    comm = Communicator(GroupRegistry(_topology("4x2")), algorithm="auto")
+    with pytest.raises(AlgorithmError, match=r"need the algorithms' cost model.*model=ds_ext\.perf\.collectives"):
+        comm.choose(None, 4, None)
+
+
 def test_model_traffic_by_hand():
     from ds_ext.perf import collectives as model
 
