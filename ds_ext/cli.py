@@ -116,18 +116,39 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         return _tune_measure_netns(ns)
     from ds_ext.local_world import World
     from ds_ext.planner import machine as machines
-    from ds_ext.pmm import tune
 
     preset = machines.lookup(ns.machine).topology
     block = {"preset": preset, "sizes": planner_command.parse_sizes(ns.size), "emulate": True}
     Topology.build(preset_levels(preset), ns.world, preset, block["sizes"])  # refuse a bad world before starting
     with World(ns.world) as world:
-        db = world.run(tune.measure_on_rank, block, int((ns.message_MB or EMULATE_MESSAGE_MB) * 2**20), True,
+        db = world.run(tune_measure_on_rank, block, int((ns.message_MB or EMULATE_MESSAGE_MB) * 2**20), True,
                        ns.time_scale)[0]
     print(json.dumps(db, indent=2))
     if ns.out:
         Path(ns.out).write_text(json.dumps(db, indent=2) + "\n")
     return 0
+
+
+def tune_measure_on_rank(topology_block: dict, message_bytes: int, emulate_time: bool, time_scale: float) -> dict:
+    """:func:`ds_ext.pmm.tune.measure_database` on this rank of a started job (``ds_ext.local_world``
+    or a launcher), in a Runtime of ``topology_block``.
+
+    With emulation, link times are stretched by ``time_scale`` (so that they dominate gloo's
+    own time on one host) and the measured bandwidths are multiplied back by it: the
+    database then describes the emulated machine.
+    """
+    from ds_ext import config as cfgmod
+    from ds_ext.pmm.tune import measure_database
+    from ds_ext.runtime import Runtime
+
+    block = {"topology": topology_block, "comm": {"emulate_time": emulate_time, "time_scale": time_scale}}
+    rt = Runtime.create(cfgmod.parse(block))
+    db = measure_database(rt.comm, rt.topology, message_bytes)
+    scale = time_scale if emulate_time else 1.0
+    db["intra"] = {k: v * scale for k, v in db["intra"].items()}
+    if db["beta_inter"] is not None:
+        db["beta_inter"] *= scale
+    return db
 
 
 def _tune_measure_netns(ns: argparse.Namespace) -> int:

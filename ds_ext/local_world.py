@@ -20,9 +20,9 @@ torch and ds_ext's DeepSpeed-free modules once (:mod:`ds_ext._world_preload`; mo
 ``gc.freeze()``-d. Each worker then takes the parent's environment as it is at ``World`` start
 (as a spawned process would inherit it), plus the variables above.
 
-``rank_env`` (one dict per rank, applied last) and ``rank_netns`` (one network namespace
-name per rank, entered before anything else) place the ranks on an emulated cluster
-(:func:`ds_ext.cluster.world.cluster_world`).
+``rank_env`` (one dict per rank, applied last) and ``rank_setup`` (one picklable callable or None
+per rank, run before anything else: entering the rank's network namespace) place the ranks on an
+emulated cluster (:func:`ds_ext.cluster.world.cluster_world`).
 """
 
 from __future__ import annotations
@@ -76,11 +76,10 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, env: dict[str, str], store: str, tasks, results,
-            netns: str | None = None, parent_env: dict[str, str] | None = None, backend: str = "gloo") -> None:
-    if netns is not None:
-        from ds_ext.cluster.netns import enter_namespace
-
-        enter_namespace(netns)
+            setup: Callable[[], None] | None = None, parent_env: dict[str, str] | None = None,
+            backend: str = "gloo") -> None:
+    if setup is not None:
+        setup()
     # the objects inherited from the forkserver (modules: half a million objects once DeepSpeed
     # and transformers are in) are alive for good; a full collection need not walk them
     gc.freeze()
@@ -124,13 +123,14 @@ class World:
     """Persistent pool of ``world_size`` gloo ranks (see module docstring)."""
 
     def __init__(self, world_size: int, env: dict[str, str] | None = None, timeout: float = 300,
-                 rank_env: list[dict[str, str]] | None = None, rank_netns: list[str] | None = None,
+                 rank_env: list[dict[str, str]] | None = None,
+                 rank_setup: list[Callable[[], None] | None] | None = None,
                  backend: str = "gloo", accelerator: str = "cpu") -> None:
         self.world_size = world_size
         self.backend = backend
         self.timeout = timeout
         self.rank_env = rank_env or [{} for _ in range(world_size)]
-        self.rank_netns = rank_netns or [None] * world_size
+        self.rank_setup = rank_setup or [None] * world_size
         self.env = {
             "WORLD_SIZE": str(world_size),
             "LOCAL_SIZE": str(world_size),
@@ -151,7 +151,7 @@ class World:
             _CTX.Process(
                 target=_worker,
                 args=(r, self.world_size, {**env, **self.rank_env[r]}, store, self._tasks[r], self._results,
-                      self.rank_netns[r], dict(os.environ), self.backend),
+                      self.rank_setup[r], dict(os.environ), self.backend),
                 daemon=True,
             )
             for r in range(self.world_size)

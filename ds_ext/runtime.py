@@ -19,6 +19,7 @@ from ds_ext import config as cfgmod
 from ds_ext.comm import Communicator, Ledger, TimeEmulator
 from ds_ext.groups import GroupRegistry
 from ds_ext.parallel import JobLayout
+from ds_ext.perf import collectives
 from ds_ext.plugin import Plugin, registered_plugins
 from ds_ext.topology import JobEnvironment, Topology, detect_environment, resolve_topology
 from ds_ext.version import __version__
@@ -85,7 +86,7 @@ class Runtime:
         ledger = Ledger(topology.level_names)
         ledger.enabled = config.comm.ledger
         emulator = TimeEmulator(topology, config.comm.time_scale) if config.comm.emulate_time else None
-        comm = Communicator(groups, ledger, emulator, config.comm.timeout_s, config.comm.algorithm)
+        comm = Communicator(groups, ledger, emulator, config.comm.timeout_s, config.comm.algorithm, collectives)
         runtime = cls(config, job, topology, groups, comm,
                       initialize_kwargs=dict(initialize_kwargs or {}),
                       parallel=JobLayout.data_parallel(topology.world_size))

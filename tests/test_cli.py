@@ -139,7 +139,7 @@ INTERNAL = {
     "ds_ext/pmm/layout.py": {"feature_slice", "chunked_index", "LinearLayout.__post_init__"},  # callers name the grid
     "ds_ext/pmm/linear.py": {"Linear.forward"},  # an input of the wrong width, as torch's own layers refuse it
     "ds_ext/pmm/tune.py": {"bandwidths"},  # --links is an argparse choice
-    "ds_ext/perf/zero.py": {"_Tally.__init__"},  # the algorithm comes validated by the config
+    "ds_ext/zero_topo/perf.py": {"_Tally.__init__"},  # the algorithm comes validated by the config
     "ds_ext/perf/collectives.py": {"traffic"},  # the algorithm and groups come from the config and the topology
     "ds_ext/comm/collectives.py": {"_same_dtype", "_flat", "Communicator.all_gather", "Communicator.reduce_scatter",
                                    "Communicator.all_to_all"},  # tensor arguments, as torch.distributed checks them

@@ -1,13 +1,18 @@
-"""The layers of DESIGN.md §1 hold and no module of ds_ext imports itself through others.
+"""The layers of DESIGN.md §1 hold, every module of ds_ext is in one, and no module of ds_ext
+imports itself through others.
 
-``.importlinter`` states the layers (cli > activation > initialize > runtime > config schema >
-plugins > plugin contract > comm > groups > topology) and keeps the schema torch-free;
-``lint-imports`` checks it on this checkout. Import cycles count every import: at module top,
-inside functions and under ``TYPE_CHECKING`` (a function-level import that only dodges a cycle
-is still one).
+``.importlinter`` states the layers (cli > bench > tools > activation > initialize > runtime >
+config schema > plugins > models > base plugins > perf / plugin contract > DeepSpeed touch points >
+comm > groups > parallel > topology and leaves > errors; docs/architecture.md) and keeps the schema
+and the analytic models torch-free; ``lint-imports`` checks it on this checkout. Import cycles count
+every import: at module top, inside functions and under ``TYPE_CHECKING`` (a function-level import
+that only dodges a cycle is still one).
 """
 
+import configparser
 import os
+import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +47,25 @@ def test_no_import_cycles():
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout == "", "import cycles:\n" + run.stdout
+
+
+def _layer_modules() -> set[str]:
+    config = configparser.ConfigParser()
+    config.read(ROOT / ".importlinter")
+    layers = config["importlinter:contract:layers"]["layers"]
+    return {name.strip() for line in layers.splitlines() for name in re.split(r"[:|]", line) if name.strip()}
+
+
+def test_every_module_is_in_a_layer():
+    """Each top-level package or module of ds_ext is a layer, or (a package split over layers, as
+    ds_ext.integration is) each of its modules is: a new package cannot slip outside the layers.
+    ``ds_ext/autoload`` is no package (a sys.path entry for its ``sitecustomize``)."""
+    layered = _layer_modules()
+    missing = []
+    for top in pkgutil.iter_modules([str(ROOT / "ds_ext")]):
+        name = f"ds_ext.{top.name}"
+        if name in layered:
+            continue
+        subs = [f"{name}.{m.name}" for m in pkgutil.iter_modules([str(ROOT / "ds_ext" / top.name)])] if top.ispkg else []
+        missing += [s for s in subs if s not in layered] if subs and any(s in layered for s in subs) else [name]
+    assert missing == [], f"not in any layer of .importlinter: {missing}"

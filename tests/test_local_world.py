@@ -1,10 +1,12 @@
 """``local_world.World`` notices a rank whose process dies (issue 24, item 8) instead of waiting
 for its timeout."""
 
+import functools
 import time
 
 import pytest
 
+from ds_ext.cluster.netns import enter_namespace
 from ds_ext.local_world import RankError, World
 
 
@@ -15,7 +17,7 @@ def _nothing():
 def test_a_rank_that_dies_during_start_up_fails_the_start_at_once():
     # rank 1 exits before joining the process group (its network namespace does not exist);
     # rank 0 waits in the rendezvous for it
-    world = World(2, timeout=300, rank_netns=[None, "ds_ext_test_no_such_namespace"])
+    world = World(2, timeout=300, rank_setup=[None, functools.partial(enter_namespace, "ds_ext_test_no_such_namespace")])
     start = time.monotonic()
     with pytest.raises(RankError, match=r"start failed on ranks \[1\]; ranks \[0\] did not answer(.|\n)*"
                                         r"process exited with code 1 without answering"):

@@ -52,9 +52,10 @@ def _comm(name):
     """One registry and communicator per topology per worker (groups are created once)."""
     from ds_ext.comm import Communicator
     from ds_ext.groups import GroupRegistry
+    from ds_ext.perf import collectives
 
     if name not in _REG:
-        _REG[name] = Communicator(GroupRegistry(_topology(name)))
+        _REG[name] = Communicator(GroupRegistry(_topology(name)), model=collectives)
     comm = _REG[name]
     comm.ledger.reset()
     return comm
@@ -220,6 +221,18 @@ def test_pccl_refuses_uneven_group_and_other_reductions(world):
 
 
 # ---- pure logic: the model against hand-worked numbers ----------------------------------------
+
+def test_auto_needs_the_cost_model_passed_down():
+    """comm sits below perf: a Communicator built without ``model`` (the runtime passes
+    ``ds_ext.perf.collectives``) refuses ``auto`` in one line instead of importing the model."""
+    from ds_ext.comm import Communicator
+    from ds_ext.comm.algorithms import AlgorithmError
+    from ds_ext.groups import GroupRegistry
+
+    comm = Communicator(GroupRegistry(_topology("4x2")), algorithm="auto")
+    with pytest.raises(AlgorithmError, match=r"need the algorithms' cost model.*model=ds_ext\.perf\.collectives"):
+        comm.choose(None, 4, None)
+
 
 def test_model_traffic_by_hand():
     from ds_ext.perf import collectives as model
@@ -397,7 +410,7 @@ def test_deepspeed_moe_through_pccl(world):
         assert levels == ["node"] and p_levels == ["local", "node"]  # the ring inside each node ran too
 
 
-# ---- ds_ext's zero3 / zeropp presets with comm.algorithm: the ledger == ds_ext.perf.zero ------
+# ---- ds_ext's zero3 / zeropp presets with comm.algorithm: the ledger == ds_ext.zero_topo.perf ------
 
 def _preset_ledger(preset, algorithm):
     import torch
@@ -553,7 +566,7 @@ def _emulated_hold():
     from ds_ext.perf import collectives as model
 
     comm = _comm("4x2")
-    timed = Communicator(comm.registry, emulator=TimeEmulator(comm.registry.topology, scale=2000.0))
+    timed = Communicator(comm.registry, emulator=TimeEmulator(comm.registry.topology, scale=2000.0), model=model)
     world = tuple(range(8))
     out = {}
     for algo in ("ring", "pccl"):

@@ -1,5 +1,5 @@
 """Planner (issue 13), pure logic: the planner's memory and bytes per level are the plugins'
-ledger-checked models (``ds_ext.perf.zero``, ``ds_ext.perf.pmm``, ``ds_ext.perf.ted``) on the configurations the
+ledger-checked models (``ds_ext.zero_topo.perf``, ``ds_ext.perf.pmm``, ``ds_ext.perf.ted``) on the configurations the
 plugin tests measure; FLOPs, batch choice, step time, max model sizes, CLI and errors."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from ds_ext.parallel import Grid, TEDLayout
 from ds_ext.perf import pmm as perf_pmm
-from ds_ext.perf import zero as perf_zero
+from ds_ext.zero_topo import perf as perf_zero
 from ds_ext.perf.compute import ActivationSplit, activation_bytes, step_flops
 from ds_ext.perf.ted import eq_7_5, moe_block_traffic
 from ds_ext.planner import compute_rate, models, pmm_grids, ted_layouts, zero_plans
@@ -73,10 +73,10 @@ def test_flops_formula_and_activations():
         L * 2 * t / 2 * h + t / 2 * h * (10 + 24 / 4) + 4 * t / 2 * V / 4)
 
 
-# ---- ZeRO-topo: the planner's units and numbers are perf.zero's on the ledger-test runs ----------
+# ---- ZeRO-topo: the planner's units and numbers are zero_topo.perf's on the ledger-test runs ----------
 def _engine_units(cfg, plan_):
     """Units as ZeroTopoEngine builds them from the model's own parameters: the root (those
-    outside the ModuleList) first, then each block, laid out by ``perf.zero.unit_spec``."""
+    outside the ModuleList) first, then each block, laid out by ``zero_topo.perf.unit_spec``."""
     from ds_ext.models import GPT
 
     model = GPT(cfg)

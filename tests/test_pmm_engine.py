@@ -384,7 +384,7 @@ def test_bad_input_one_line_before_training(world, kwargs, message):
 
 
 def test_tune_measure_database_reads_the_emulated_machine(world):
-    from ds_ext.pmm.tune import measure_on_rank
+    from ds_ext.cli import tune_measure_on_rank as measure_on_rank
     from ds_ext.topology import Topology
 
     scale, message = 3000.0, 2 << 20  # emulated link time >> gloo's own time on this host

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ds_ext.perf.zero import UnitSpec, memory, traffic
+from ds_ext.zero_topo.perf import UnitSpec, memory, traffic
 from ds_ext.topology import Topology
 from ds_ext.zero_topo.layout import (
     from_shard_order,

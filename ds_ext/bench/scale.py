@@ -9,7 +9,7 @@ case sets them beside the analytic model the plugin is held to:
 
 * ``zero_topo`` (003 §V, Table VII): 003's three schemes in ds_ext's engine (``zero3``,
   ``zeropp``, ``zero_topo_paper`` = Sec-Degree 2) at 384 GCDs, 003's largest run (48 nodes):
-  ledger == ``ds_ext.perf.zero.traffic``, and the forward all-gather volume == Table VII's
+  ledger == ``ds_ext.zero_topo.perf.traffic``, and the forward all-gather volume == Table VII's
   (ZeRO-3 ψ (d-1)/d over the world; ZeRO++ ψ/2 (d-1)/d over the world; Sec-Degree 2 ψ/2 (d-1)/d over
   the GCD pair, d = 2; ψ the 16-bit bytes of the padded units, ψ/2 the int8 codes plus their
   block scales);
@@ -187,7 +187,7 @@ def _sum(rows: list[list], keep: Callable[[str, str], bool] = lambda ph, op: Tru
 
 
 def zero_topo_check(r: dict[str, Any]) -> dict[str, Any]:
-    """Ledger vs ``perf.zero`` (bytes per phase and level, calls and messages per level) and the
+    """Ledger vs ``zero_topo.perf`` (bytes per phase and level, calls and messages per level) and the
     forward all-gather vs Table VII."""
     by_phase: dict[str, dict[str, float]] = {}
     for ph, _, lv, b in r["ledger"]["bytes"]:

@@ -12,12 +12,13 @@ block closes the ranks and removes the cluster (also on an exception or Ctrl-C).
 from __future__ import annotations
 
 import argparse
+import functools
 from contextlib import contextmanager
 from typing import Iterator
 
 from ds_ext.cluster import launch
 from ds_ext.cluster.command import add_cluster_arguments, require_capability, signals_unwind, spec_from_args
-from ds_ext.cluster.netns import NetnsCluster
+from ds_ext.cluster.netns import NetnsCluster, enter_namespace
 from ds_ext.cluster.spec import ClusterError, ClusterSpec
 from ds_ext.local_world import World
 
@@ -29,7 +30,8 @@ def cluster_world(spec: ClusterSpec, env: dict[str, str] | None = None, timeout:
     with signals_unwind(), NetnsCluster(spec) as cluster:
         ranks = range(spec.world_size)
         with World(spec.world_size, env, timeout, rank_env=[launch.rank_env(cluster, r, {}) for r in ranks],
-                   rank_netns=[cluster.leaves[spec.leaf_of(r)].namespace for r in ranks]) as world:
+                   rank_setup=[functools.partial(enter_namespace, cluster.leaves[spec.leaf_of(r)].namespace)
+                               for r in ranks]) as world:
             yield world
 
 

@@ -9,6 +9,8 @@ alpha-beta cost. Every method has an ``async_op`` form returning a :class:`Handl
 All-gather and reduce-scatter run by an algorithm (``ds_ext.comm.algorithms``, 001 §6.2):
 ``native`` (torch.distributed's collective), ``ring``, ``pccl`` or ``auto``; the
 communicator's default comes from ``ds_ext.comm.algorithm``, a call site may pass its own.
+``auto`` and the emulated time of ring / pccl ask an :class:`AlgorithmModel`, the alpha-beta
+model of the layer above (``ds_ext.perf.collectives``, which the runtime passes in).
 
 Sharding contract: tensors are passed flat or N-d; the communicator hands gloo
 contiguous 1-D views (gloo rejects an N-d input with a flat output, which NCCL accepts).
@@ -47,6 +49,7 @@ from ds_ext.comm.ledger import (
 )
 from ds_ext.errors import DsExtError
 from ds_ext.groups import GroupRegistry
+from ds_ext.topology import Topology
 
 # The torch.distributed tensor collectives ds_ext calls and ``ds_ext.comm.instrument`` wraps.
 TORCH_OP_NAMES: tuple[str, ...] = tuple(
@@ -220,6 +223,18 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)
 
 
+class AlgorithmModel(Protocol):
+    """The cost model of the p2p algorithms (001 §6.2; ``ds_ext.perf.collectives``)."""
+
+    def choose(self, topology: Topology, ranks: Sequence[int], chunk_bytes: float) -> str:
+        """``pccl`` or ``native`` for a chunk of ``chunk_bytes`` over ``ranks``."""
+        ...
+
+    def time(self, algorithm: str, topology: Topology, ranks: Sequence[int], chunk_bytes: float) -> float:
+        """Seconds ``algorithm`` takes for a chunk of ``chunk_bytes`` over ``ranks``."""
+        ...
+
+
 class Communicator:
     """Collectives over process groups of one :class:`GroupRegistry`, with a ledger."""
 
@@ -230,8 +245,10 @@ class Communicator:
         emulator: TimeEmulator | None = None,
         timeout_s: float | None = None,
         algorithm: str = "native",
+        model: AlgorithmModel | None = None,
     ) -> None:
         self.registry = registry
+        self.model = model
         self.ledger = ledger or Ledger(registry.topology.level_names)
         self.emulator = emulator
         self.timeout_s = timeout_s
@@ -299,7 +316,7 @@ class Communicator:
 
     def choose(self, group: object | None, chunk_bytes: float, algorithm: str | None, op=dist.ReduceOp.SUM) -> str:
         """The algorithm a call runs: the call site's, else the communicator's; ``auto`` asks
-        ``ds_ext.perf.collectives`` (pccl or native), and is ``native`` for a reduction other than
+        :attr:`model` (pccl or native), and is ``native`` for a reduction other than
         SUM, which only torch's collective implements."""
         algorithm = self._checked(algorithm or self.algorithm)
         if algorithm in algorithms.P2P_ALGORITHMS and op != dist.ReduceOp.SUM:
@@ -310,14 +327,18 @@ class Communicator:
             return algorithm
         if op != dist.ReduceOp.SUM:
             return "native"
-        from ds_ext.perf import collectives as model
+        return self._model().choose(self.registry.topology, self.registry.ranks(group), chunk_bytes)
 
-        return model.choose(self.registry.topology, self.registry.ranks(group), chunk_bytes)
+    def _model(self) -> AlgorithmModel:
+        if self.model is None:
+            raise algorithms.AlgorithmError(
+                "ds_ext.comm: the auto choice and the emulated time of ring / pccl need the algorithms' cost model; "
+                "construct the Communicator with model=ds_ext.perf.collectives"
+            )
+        return self.model
 
     def _p2p(self, op: str, algorithm: str, output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
         """Run ``algorithm`` (ring / pccl) and record each of its phases at its level."""
-        from ds_ext.perf import collectives as model
-
         ranks = self.registry.ranks(group)
         tally = algorithms.Tally()
         start = time.perf_counter()
@@ -330,7 +351,7 @@ class Communicator:
         deadline = start
         if self.emulator is not None:
             chunk = _nbytes(input) if op == "all_gather" else _nbytes(output)
-            deadline += self.emulator.scale * model.time(algorithm, self.registry.topology, ranks, chunk)
+            deadline += self.emulator.scale * self._model().time(algorithm, self.registry.topology, ranks, chunk)
         return self._finish(op, group, None, deadline, async_op)
 
     def _downward(self, group: object | None, ranks: tuple[int, ...]) -> object | None:

@@ -8,27 +8,26 @@ parameter on every rank if ``deepspeed.runtime.utils.is_model_parallel_parameter
 three kinds of parameters: Linear shards (distinct on every tensor rank; the vocabulary-parallel
 tables too), Y-split ones (norms: distinct over Y, replicated over X and Z) and, with G_y = 1,
 replicas. :func:`mark_parameters` flags each distinct shard on exactly one rank, so the
-norm DeepSpeed computes (and clips with) is the serial model's (the rule of
-:func:`ds_ext.pmm.norm.owns`).
+norm DeepSpeed computes (and clips with) is the serial model's (the rule, ``ds_ext.pmm.norm.owns``,
+comes from the plugin above).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 from torch import nn
 
 from ds_ext.integration.ds_version import check_version
-from ds_ext.pmm.grid import Axis
-from ds_ext.pmm.norm import owns
 
 check_version()
 
 
-def mark_parameters(model: nn.Module, axes: dict[str, Axis]) -> None:
-    """Set DeepSpeed's ``model_parallel`` flag on the ranks that own each distinct shard."""
+def mark_parameters(model: nn.Module, owns: Callable[[nn.Parameter], bool]) -> None:
+    """Set DeepSpeed's ``model_parallel`` flag on the ranks that own each distinct shard (``owns``)."""
     for p in model.parameters():
-        p.model_parallel = owns(p, axes)
+        p.model_parallel = owns(p)
 
 
 def optimizer_state_bytes(engine) -> int:

@@ -9,13 +9,17 @@ always computes the norm. The release is recognized by the digest of its ``step`
 (:func:`ds_version.forked_release`); any other source is refused, since a silently stale
 fork would train wrongly. Each release is verified by a test (0.19.8:
 tests/test_tiled_optimizer.py; 0.19.6: tests/test_tiled_optimizer_releases.py). Behind the
-version gate of :mod:`ds_ext.integration.ds_version`.
+version gate of :mod:`ds_ext.integration.ds_version`. The tiled update itself comes from the layer
+above (``ds_ext.optim.plugin`` passes ``ds_ext.optim.tiled``'s ``TiledAdam``, ``piecewise_loader``
+and ``refuse_closure``).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any, Callable
 
+from ds_ext.errors import DsExtConfigError
 from ds_ext.integration.ds_version import check_version, forked_release
 
 check_version()
@@ -54,16 +58,17 @@ def optimizer_kind(optimizer) -> str:
     return type(optimizer).__name__
 
 
-def _refuse(what: str) -> None:
-    from ds_ext.errors import DsExtConfigError
+Loader = Callable[..., Callable[[Any, int], None]]  # (pieces, total, scale) -> LoadTile (ds_ext.optim.tiled)
 
+
+def _refuse(what: str) -> None:
     raise DsExtConfigError(
         f"ds_ext.tiled_optimizer: not supported together with {what}; supported: ZeRO stage 0, 1 or 2 "
         "(fp32, fp16 or bf16) without offload, or ds_ext.zero_topo"
     )
 
 
-def install_tiled_zero_step(zero_opt, tiled) -> None:
+def install_tiled_zero_step(zero_opt, tiled, piecewise_loader: Loader, refuse_closure: Callable[[Any], None]) -> None:
     """Replace ``DeepSpeedZeroOptimizer.step`` by the tiled step (001 §7.2).
 
     Mirrors ``stage_1_and_2.py:step`` (non-offload branch; 0.19.8 l.3013-3191, 0.19.6
@@ -77,8 +82,6 @@ def install_tiled_zero_step(zero_opt, tiled) -> None:
     from deepspeed import comm as ds_dist
 
     z = sys.modules["deepspeed.runtime.zero.stage_1_and_2"]
-    from ds_ext.optim.tiled import piecewise_loader, refuse_closure
-
     release = forked_release(z.DeepSpeedZeroOptimizer.step, ZERO12_STEP_SHA256, "ds_ext.tiled_optimizer")
 
     if zero_opt.cpu_offload:
@@ -186,7 +189,7 @@ def install_tiled_zero_step(zero_opt, tiled) -> None:
     zero_opt.step = step
 
 
-def install_tiled_unfused_step(fp16_opt, tiled) -> None:
+def install_tiled_unfused_step(fp16_opt, tiled, piecewise_loader: Loader, refuse_closure: Callable[[Any], None]) -> None:
     """Replace ``FP16_UnfusedOptimizer.step`` (stage 0 with fp16 or bf16) by the tiled step.
 
     Mirrors ``fp16/unfused_optimizer.py:step`` (0.19.8 l.197-241, 0.19.6 l.190-239): overflow
@@ -197,8 +200,6 @@ def install_tiled_unfused_step(fp16_opt, tiled) -> None:
     ``unscale_and_clip_grads(norm, apply_scale=False)``, update, copy back to 16 bits.
     """
     import torch
-
-    from ds_ext.optim.tiled import refuse_closure
 
     u = sys.modules["deepspeed.runtime.fp16.unfused_optimizer"]
     release = forked_release(u.FP16_UnfusedOptimizer.step, UNFUSED_STEP_SHA256, "ds_ext.tiled_optimizer")
@@ -231,7 +232,7 @@ def install_tiled_unfused_step(fp16_opt, tiled) -> None:
             for fp32_param, fp16_param in zip(fp32_group, fp16_group):
                 g16 = fp16_param.grad
                 pieces = [] if g16 is None else [g16]
-                load = _scaled_loader(pieces, fp32_param.numel(), inv_scale)
+                load = piecewise_loader(pieces, fp32_param.numel(), lambda buf: buf.mul_(inv_scale))
                 flat32, flat16 = fp32_param.data.view(-1), fp16_param.data.view(-1)
 
                 def store(s: int, e: int, flat32=flat32, flat16=flat16) -> None:
@@ -244,8 +245,3 @@ def install_tiled_unfused_step(fp16_opt, tiled) -> None:
 
     fp16_opt.step = step
 
-
-def _scaled_loader(pieces, total, inv_scale):
-    from ds_ext.optim.tiled import piecewise_loader
-
-    return piecewise_loader(pieces, total, lambda buf: buf.mul_(inv_scale))

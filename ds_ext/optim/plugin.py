@@ -39,7 +39,8 @@ import torch
 from ds_ext.errors import DsExtConfigError
 from ds_ext.integration import ds_fused_adam
 from ds_ext.optim.config import DEFAULT_TILE_SIZE, TiledOptimizerConfig
-from ds_ext.optim.tiled import ALLOWED_TYPES, FUSED_TILE_MULTIPLE, KEY, TiledAdam, check_tileable, refuse_closure
+from ds_ext.optim.tiled import (ALLOWED_TYPES, FUSED_TILE_MULTIPLE, KEY, TiledAdam, check_tileable, piecewise_loader,
+                               refuse_closure)
 from ds_ext.plugin import Plugin, register_plugin
 
 
@@ -117,10 +118,10 @@ class TiledOptimizerPlugin(Plugin):
         kind = ds_zero12_step.optimizer_kind(opt)
         if kind == "zero12":
             self.tiled = TiledAdam(opt.optimizer, ts)
-            ds_zero12_step.install_tiled_zero_step(opt, self.tiled)
+            ds_zero12_step.install_tiled_zero_step(opt, self.tiled, piecewise_loader, refuse_closure)
         elif kind == "unfused16":
             self.tiled = TiledAdam(opt.optimizer, ts)
-            ds_zero12_step.install_tiled_unfused_step(opt, self.tiled)
+            ds_zero12_step.install_tiled_unfused_step(opt, self.tiled, piecewise_loader, refuse_closure)
         elif kind == "plain":
             self.tiled = TiledAdam(opt, ts)
             opt.step = _plain_step(self.tiled)

@@ -39,8 +39,9 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ds_ext.comm.emulation import message_steps
 from ds_ext.parallel import Grid
-from ds_ext.pmm.layout import LinearLayout
+from ds_ext.perf import collectives
 from ds_ext.topology import Topology
 
 AXES = ("x", "y", "z", "data")
@@ -119,7 +120,7 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
           grad_accum: int = 1, by_layer: bool = True, data_reduction: bool = True) -> list[Item]:
     """Every collective of one optimizer step, per rank (axes of size one send nothing);
     ``data_reduction`` False: the data axis's gradient reduction is not DeepSpeed's all-reduce
-    but ZeRO-topo's (``ds_ext.perf.zero`` models it)."""
+    but ZeRO-topo's (``ds_ext.zero_topo.perf`` models it)."""
     e, rows = elem_bytes, micro_batch * seq_len // grid.z
     out: list[Item] = []
 
@@ -238,9 +239,6 @@ def _ledger(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, s
     per call as the communicator does) an all-gather / reduce-scatter is split over the levels of its
     phases by ``ds_ext.perf.collectives`` (001 §6.2); a collective left to torch counts d - 1 messages
     (all-reduce 2 (d - 1)) at its axis's level, the ledger's convention."""
-    from ds_ext.comm.emulation import message_steps
-    from ds_ext.perf import collectives
-
     levels = grid.parallel_dims.spans(topology)
     groups = {a: grid.partition(a)[0] for a in AXES}  # rank 0's group; the others are congruent
     nbytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -311,8 +309,6 @@ def comm_time(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int,
     the latency of the level the axis spans, as ``ds_ext.comm.emulation`` charges it; small
     messages (a CPU emulation, or a small model) are latency-bound.
     """
-    from ds_ext.comm.emulation import message_steps
-
     beta = axis_bandwidths(grid, topology, bw)
     levels = grid.parallel_dims.spans(topology)
     total = 0.0
@@ -369,6 +365,19 @@ def factorizations(world: int) -> list[Grid]:
             if world % (x * y * z) == 0]
 
 
+def block_split_error(n: int, k: int, out_parts: int, in_parts: int, z_parts: int, out_chunks: int = 1) -> str | None:
+    """Why an ``[n, k]`` weight does not split into 3D-PMM shards (001 Algorithm 3): out-features
+    into ``out_chunks`` stacked blocks of ``out_parts`` each, in-features into ``in_parts``, the local
+    block into ``z_parts`` equal chunks; None if it does (``ds_ext.pmm.layout.LinearLayout``'s rule)."""
+    if n % (out_chunks * out_parts) or k % in_parts:
+        return (f"a [{n}, {k}] weight does not split into {out_parts} x {in_parts} blocks"
+                + (f" ({out_chunks} stacked out blocks)" if out_chunks > 1 else ""))
+    n_local, k_local = n // out_parts, k // in_parts
+    if (n_local * k_local) % z_parts:
+        return f"a {n_local} x {k_local} block does not split into {z_parts} Z chunks"
+    return None
+
+
 def unfit_reason(spec: ModelSpec, grid: Grid, micro_batch: int) -> str | None:
     """Why ``grid`` cannot run ``spec`` (divisibility), or None."""
     for key, heads in spec.heads.items():
@@ -378,17 +387,13 @@ def unfit_reason(spec: ModelSpec, grid: Grid, micro_batch: int) -> str | None:
         return f"z={grid.z} does not divide the micro-batch {micro_batch}"
     for L in spec.layers:
         o, i = _axes(L)
-        try:
-            LinearLayout(L.n, L.k, _size(grid, o), 0, _size(grid, i), 0, grid.z, 0, L.out_chunks)
-        except ValueError as err:
+        if err := block_split_error(L.n, L.k, _size(grid, o), _size(grid, i), grid.z, L.out_chunks):
             return f"{L.name}: {err}"
     for f in [N.features for N in spec.norms]:
         if f % grid.y:
             return f"y={grid.y} does not divide {f} hidden features"
     for T in spec.tables:
-        try:
-            LinearLayout(T.rows, T.features, grid.x, 0, grid.y, 0, grid.z, 0)
-        except ValueError as err:
+        if err := block_split_error(T.rows, T.features, grid.x, grid.y, grid.z):
             return f"table {T.name}: {err}"
     return None
 

@@ -106,9 +106,12 @@ def arch_from(ns: argparse.Namespace):
 
 
 def _write(out: str, payload: dict, plot) -> None:
-    from ds_ext.bench import write_json
+    import json
+    from pathlib import Path
 
-    path = write_json(out, payload)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
     plot(path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png')}")
 

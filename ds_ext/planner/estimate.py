@@ -6,7 +6,7 @@ Step time (α-β per level, compute at the machine's efficiency, no overlap)::
 
 with F the step's FLOPs (``ds_ext.perf.compute.step_flops``), W ranks, and bytes_L /
 messages_L what one rank sends over level L per optimizer step (the ledger's convention) by
-the plan's own analytic model (``ds_ext.perf.zero``, ``ds_ext.perf.pmm``, ``ds_ext.perf.ted``).
+the plan's own analytic model (``ds_ext.zero_topo.perf``, ``ds_ext.perf.pmm``, ``ds_ext.perf.ted``).
 Communication is not overlapped with compute: 003's ratios between ZeRO-3, ZeRO++ and
 ZeRO-topo show that it was not hidden on Frontier, and it is the bound ds_ext's engines reach
 without prefetch. TFLOPS per rank = F / (t_step W), GPT-NeoX's definition (spec A1).

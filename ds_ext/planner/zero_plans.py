@@ -1,12 +1,12 @@
-"""ZeRO-topo presets as planner candidates (003 §III-C, §V; ``ds_ext.perf.zero``).
+"""ZeRO-topo presets as planner candidates (003 §III-C, §V; ``ds_ext.zero_topo.perf``).
 
 Every preset of ``ds_ext.zero_topo.plan`` (zero3, zeropp, mics, zero_topo_paper, zero_topo,
 zero_topo_int8) is pure data parallelism over the W ranks: each rank runs its own micro-batch.
 The units are the ones ZeRO-topo's engine builds for a GPT (``units="auto"``: the root unit
 of tables, head and final norm first, then one unit per transformer block), laid out as the
-engine lays them out (``ds_ext.perf.zero.unit_spec``, per-parameter quantization groups
+engine lays them out (``ds_ext.zero_topo.perf.unit_spec``, per-parameter quantization groups
 included); bytes, messages and memory are
-``ds_ext.perf.zero.traffic`` / ``memory`` of those units, the functions the ledger tests hold
+``ds_ext.zero_topo.perf.traffic`` / ``memory`` of those units, the functions the ledger tests hold
 the engine to. Memory is rank 0's, the rank whose optimizer shard holds no padding.
 
 DeepSpeed's own ZeRO-3 / ZeRO++ (the baselines 003 measures, ``deepspeed=VERSION``) move the same
@@ -18,7 +18,7 @@ A GPT block is then its submodules holding a parameter above the threshold (QKV,
 out, FC1, FC2: 4 fetches for GPT-NeoX-20B), the root its tables. Gradients are reduced in
 buckets of ``reduce_bucket_size`` (GPT-NeoX 20B.yml: 1.26e9 elements, about one 20B block), so
 the per-block reduction stays. DeepSpeed 0.13.1 (003's version) also served no gather with
-grad enabled from hpZ's secondary (``ds_ext.perf.zero``'s ``secondary_serves_forward``).
+grad enabled from hpZ's secondary (``ds_ext.zero_topo.perf``'s ``secondary_serves_forward``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ds_ext.perf import zero as perf
+from ds_ext.zero_topo import perf
 from ds_ext.perf.compute import activation_bytes
 from ds_ext.planner import PlannerError
 from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ds_ext.errors import DsExtError
+from ds_ext.perf.pmm import block_split_error
 
 if TYPE_CHECKING:  # the planner imports this module without torch
     import torch
@@ -59,13 +60,9 @@ class LinearLayout:
     out_chunks: int = 1
 
     def __post_init__(self) -> None:
-        if self.n % (self.out_chunks * self.out_parts) or self.k % self.in_parts:
-            raise ValueError(
-                f"a [{self.n}, {self.k}] weight does not split into {self.out_parts} x {self.in_parts} blocks"
-                + (f" ({self.out_chunks} stacked out blocks)" if self.out_chunks > 1 else "")
-            )
-        if self.block_numel % self.z_parts:
-            raise ValueError(f"a {self.n_local} x {self.k_local} block does not split into {self.z_parts} Z chunks")
+        err = block_split_error(self.n, self.k, self.out_parts, self.in_parts, self.z_parts, self.out_chunks)
+        if err:
+            raise ValueError(err)
 
     @property
     def n_local(self) -> int:

@@ -18,6 +18,7 @@ The optimizer must be built on the converted parameters: pass it as a callable
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.pmm.config import KEY, Pmm3dConfig
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.grid import grid_axes
+from ds_ext.pmm.norm import owns
 from ds_ext.pmm.parallelize import parallelize
 from ds_ext.pmm.plans import ConversionError, plan_for
 
@@ -109,7 +111,7 @@ class Pmm3dPlugin(Plugin):
             parallelize(model, self.engine, plan)
         except ConversionError as err:
             raise DsExtConfigError(str(err)) from None
-        ds_pmm.mark_parameters(model, self.axes)
+        ds_pmm.mark_parameters(model, functools.partial(owns, axes=self.axes))
         self.model = model
         return model, optimizer, ds_config
 

@@ -7,7 +7,7 @@
   all-reduces of ``message_bytes`` at once; the bandwidth is the bytes one rank sends (ring
   convention) over the time. β_inter comes from one ring over one rank per node. Run on
   the ranks of a job (on one host, with alpha-beta emulation, it measures the emulated
-  machine).
+  machine: ``ds-ext tune --measure``, :func:`ds_ext.cli.tune_measure_on_rank`).
 """
 
 from __future__ import annotations
@@ -89,23 +89,3 @@ def bandwidths(topology: Topology, database: dict[str, Any] | None, links: str) 
         beta_inter = default(topology).beta_inter
     return perf.Bandwidths(intra, beta_inter, ring_sharing=links == "shared")  # type: ignore[arg-type]
 
-
-def measure_on_rank(topology_block: dict[str, Any], message_bytes: int, emulate_time: bool,
-                    time_scale: float) -> dict[str, Any]:
-    """:func:`measure_database` on this rank of a started job (``ds_ext.local_world`` or a launcher).
-
-    With emulation, link times are stretched by ``time_scale`` (so that they dominate gloo's
-    own time on one host) and the measured bandwidths are multiplied back by it: the
-    database then describes the emulated machine.
-    """
-    from ds_ext import config as cfgmod
-    from ds_ext.runtime import Runtime
-
-    block = {"topology": topology_block, "comm": {"emulate_time": emulate_time, "time_scale": time_scale}}
-    rt = Runtime.create(cfgmod.parse(block))
-    db = measure_database(rt.comm, rt.topology, message_bytes)
-    scale = time_scale if emulate_time else 1.0
-    db["intra"] = {k: v * scale for k, v in db["intra"].items()}
-    if db["beta_inter"] is not None:
-        db["beta_inter"] *= scale
-    return db

@@ -37,6 +37,7 @@ from ds_ext import log
 from ds_ext.comm.quantized import all_gather_int, all_to_all_reduce
 from ds_ext.errors import DsExtConfigError, DsExtError
 from ds_ext.zero_topo.layout import chunk, shard_count, shard_index, sub_chunk, to_shard_order
+from ds_ext.zero_topo.perf import UnitSpec
 from ds_ext.zero_topo.units import FlatUnit, ShardContext
 
 if TYPE_CHECKING:
@@ -350,9 +351,7 @@ class ShardedModel:
 
     def unit_specs(self, ctx: ShardContext | None = None):
         """The units of ``ctx`` (default: the dense parameters') as the analytic model sees them
-        (ds_ext.perf.zero.UnitSpec)."""
-        from ds_ext.perf.zero import UnitSpec
-
+        (ds_ext.zero_topo.perf.UnitSpec)."""
         ctx = ctx or self.ctx
         n_g = shard_count(ctx.topo, ctx.plan.gradients)
         return [UnitSpec(u.U, u.numel, u is self.root,

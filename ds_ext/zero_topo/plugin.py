@@ -37,6 +37,7 @@ from ds_ext.zero_topo.engine import ShardedModel, ZeroTopoOptimizer
 from ds_ext.zero_topo.pipeline import PipelineStage
 from ds_ext.zero_topo.plan import ZeroTopoConfig, resolve_plan
 from ds_ext.zero_topo.layout import shard_count, shard_index
+from ds_ext.zero_topo.perf import memory, traffic
 from ds_ext.zero_topo.agreement import UnitTrace
 from ds_ext.zero_topo.data_group import DataGroup
 from ds_ext.zero_topo.units import ShardContext
@@ -199,9 +200,7 @@ class ZeroTopoPlugin(Plugin):
             yield self.expert_plan, self.experts, self.sharded.expert_ctx
 
     def analytic_traffic(self, grad_accum: int):
-        """The analytic model (ds_ext.perf.zero) of this run's bytes per step."""
-        from ds_ext.perf.zero import traffic
-
+        """The analytic model (ds_ext.zero_topo.perf) of this run's bytes per step."""
         return functools.reduce(operator.add, (
             traffic(plan, self.sharded.unit_specs(ctx), grad_accum, self.dtype.itemsize,
                     algorithm=self.runtime.comm.algorithm, rank=group.rank,
@@ -209,8 +208,6 @@ class ZeroTopoPlugin(Plugin):
             for plan, group, ctx in self._parts()))
 
     def analytic_memory(self):
-        from ds_ext.perf.zero import memory
-
         parts = [memory(plan, self.sharded.unit_specs(ctx), group.rank, self.dtype.itemsize)
                  for plan, group, ctx in self._parts()]
         return {k: sum(part[k] for part in parts) for k in parts[0]}

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from ds_ext.comm.emulation import message_steps
 from ds_ext.perf import collectives
 from ds_ext.topology import Topology
+from ds_ext.zero_topo.layout import padded_numel, param_offsets, raw_block_mask, shard_count, shard_index
 from ds_ext.zero_topo.plan import ShardingPlan
 
 
@@ -73,8 +74,6 @@ def unit_spec(plan: ShardingPlan, params: list[tuple[int, int]], root: bool = Fa
     """The unit of trainable parameters ``params`` ((numel, ndim) each, in order) as the engine
     lays it out under ``plan`` (``ds_ext.zero_topo.layout``; with per-parameter quantization groups:
     block-aligned offsets, 1-D parameters' blocks unquantized in the gradient reduction)."""
-    from ds_ext.zero_topo.layout import padded_numel, param_offsets, raw_block_mask, shard_count
-
     B = plan.block_size
     offsets, end = param_offsets([n for n, _ in params], B, plan.aligned)
     U = padded_numel(end, plan.topology.world_size, B)
@@ -92,7 +91,7 @@ def unit_spec(plan: ShardingPlan, params: list[tuple[int, int]], root: bool = Fa
 class _Tally:
     def __init__(self, topology: Topology, algorithm: str = "native") -> None:
         if algorithm not in ("native", "ring", "pccl"):
-            raise ValueError(f"ds_ext.perf.zero models ds_ext.comm.algorithm native, ring or pccl; got {algorithm!r}")
+            raise ValueError(f"ds_ext.zero_topo.perf models ds_ext.comm.algorithm native, ring or pccl; got {algorithm!r}")
         self.topology = topology
         self.algorithm = algorithm
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -235,8 +234,6 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
 
 def _gradient_reduce(t: _Tally, plan: ShardingPlan, u: UnitSpec, e: int, times: int, rank: int,
                      phase: str = "backward") -> None:
-    from ds_ext.zero_topo.layout import shard_index
-
     U, g, B = u.U, plan.gradients, plan.block_size
     levels = list(range(g + 1))
     d = _group_size(plan, levels)
@@ -307,8 +304,6 @@ def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:
 def memory(plan: ShardingPlan, units: list[UnitSpec], rank: int, elem_bytes: int) -> dict[str, float]:
     """Bytes rank ``rank`` holds per state (003 Tables V/VI): primary, secondary (at its
     peak, before the step), gradients, optimizer (fp32 master + two Adam moments)."""
-    from ds_ext.zero_topo.layout import shard_index
-
     n = lambda lv: _group_size(plan, range(lv + 1))  # noqa: E731
     out = {"primary": 0.0, "secondary": 0.0, "gradients": 0.0, "optimizer": 0.0}
     for u in units:
