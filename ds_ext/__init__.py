@@ -16,6 +16,8 @@ from ds_ext.version import __version__
 if TYPE_CHECKING:
     import torch
 
+    from ds_ext.integration.initialize import Initialized
+
 
 def initialize(
     args: Any = None,
@@ -31,7 +33,7 @@ def initialize(
     config: str | dict[str, Any] | None = None,
     mesh_param: Any = None,
     config_params: str | dict[str, Any] | None = None,
-) -> tuple[Any, Any, Any, Any]:
+) -> Initialized:
     """Set ds_ext up from the ``"ds_ext"`` block of the ds_config, then call ``deepspeed.initialize``.
 
     Same arguments, in the same order, and the same returned tuple as ``deepspeed.initialize``
@@ -57,7 +59,8 @@ def initialize(
         config_params: same as ``config`` (DeepSpeed's older name).
 
     Returns:
-        ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed returns them;
+        ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed returns them, a
+        named tuple (:class:`ds_ext.integration.initialize.Initialized`: ``result.engine`` ...);
         ``engine.ds_ext`` is the :class:`ds_ext.runtime.Runtime` (topology, groups, ledger, plugins).
     """
     from ds_ext.integration.initialize import initialize as _initialize

@@ -45,7 +45,10 @@ def _train(use_ds_ext: bool, stage: int, bf16: bool, steps: int = 10):
     ds_cfg = _ds_config(stage, bf16)
     if use_ds_ext:
         ds_cfg["ds_ext"] = {}
-        engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=ds_cfg)
+        result = ds_ext.initialize(model=model, optimizer=opt, config=ds_cfg)
+        engine, wrapped, loader, scheduler = result  # DeepSpeed's order, and by name:
+        assert (result.engine, result.optimizer, result.training_dataloader, result.lr_scheduler) == (
+            engine, engine.optimizer, None, None) and wrapped is engine.optimizer
     else:
         ds_engine.disable_jit_builds()
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)

@@ -13,7 +13,7 @@ closes a ledger step at each optimizer step.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 from ds_ext import config as cfgmod
 from ds_ext import log
@@ -188,6 +188,17 @@ def _tag_pipeline_engine(engine: Any, in_phase, ledger) -> None:
     engine.train_batch = _marking_steps(engine, engine.train_batch, ledger)
 
 
+class Initialized(NamedTuple):
+    """What :func:`ds_ext.initialize` returns: ``deepspeed.initialize``'s four values in its order
+    (``engine, optimizer, training_dataloader, lr_scheduler = ...`` and ``engine, *_ = ...`` work
+    as with DeepSpeed), each also by name."""
+
+    engine: Any  # deepspeed.DeepSpeedEngine (a PipelineEngine for a PipelineModule)
+    optimizer: Any  # what DeepSpeed wrapped around the optimizer (e.g. DeepSpeedZeroOptimizer), or None
+    training_dataloader: Any  # DeepSpeed's loader of ``training_data``, or None
+    lr_scheduler: Any  # the scheduler, or None
+
+
 def initialize(
     args: Any = None,
     model: Any = None,
@@ -202,7 +213,7 @@ def initialize(
     config: Any = None,
     mesh_param: Any = None,
     config_params: Any = None,
-) -> tuple[Any, Any, Any, Any]:
+) -> Initialized:
     """Validate the ``"ds_ext"`` block, set ds_ext up, and call ``deepspeed.initialize``
     (:func:`ds_ext.initialize`: DeepSpeed's arguments, order and defaults).
 
@@ -247,4 +258,4 @@ def initialize(
     _tag_engine(engine, runtime)
     runtime.ledger.reset()
     log.banner(runtime.banner())
-    return engine, opt, loader, sched
+    return Initialized(engine, opt, loader, sched)
