@@ -168,11 +168,12 @@ def _state_bytes(engine, layout) -> dict[str, Any]:
     """16-bit parameter and gradient bytes, optimizer bytes (fp32 partitions + Adam m, v),
     and Eq 7.4 for this rank's expert / non-expert parameter counts."""
     import torch
+    from deepspeed.moe.utils import is_moe_param
 
     from ds_ext.perf.ted import eq_7_4
 
     params = list(engine.module.parameters())
-    n_exp = sum(p.numel() for p in params if getattr(p, "allreduce", True) is False)
+    n_exp = sum(p.numel() for p in params if is_moe_param(p))
     zero = engine.optimizer
     optim = sum(t.numel() * t.element_size() for t in zero.single_partition_of_fp32_groups) + sum(
         v.numel() * v.element_size() for s in zero.optimizer.state.values() for v in s.values()

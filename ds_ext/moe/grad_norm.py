@@ -22,12 +22,13 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+from deepspeed.moe.utils import is_moe_param
 
 from ds_ext.moe.context import TEDContext
 
 
 def _weight(p: torch.nn.Parameter, T: int, P: int) -> float:
-    expert = getattr(p, "allreduce", True) is False
+    expert = is_moe_param(p)
     sliced = getattr(p, "tensor_model_parallel", False) and T > 1
     return (1.0 if sliced else 1.0 / T) * (1.0 if expert else 1.0 / P)
 

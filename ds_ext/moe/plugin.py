@@ -25,6 +25,7 @@ import functools
 from typing import Any
 
 import torch
+from deepspeed.moe.utils import is_moe_param
 
 from ds_ext.errors import DsExtConfigError
 from ds_ext.moe.config import TEDConfig
@@ -62,7 +63,7 @@ def _check_param_groups(optimizer: Any, ds_config: dict) -> None:
     if stage == 0 or not isinstance(optimizer, torch.optim.Optimizer):
         return
     for group in optimizer.param_groups:
-        experts = [p for p in group["params"] if getattr(p, "allreduce", True) is False]
+        experts = [p for p in group["params"] if is_moe_param(p)]
         if experts and (not group.get("moe") or len(experts) != len(group["params"])):
             _refuse("ZeRO-1/2 need the expert parameters in their own param groups: build the optimizer from "
                     "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(...)")

@@ -31,6 +31,7 @@ import math
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
+from deepspeed.moe.utils import is_moe_param
 from torch import nn
 
 from ds_ext import log
@@ -133,13 +134,8 @@ def assign_parameters(
     return out
 
 
-def is_expert(param: nn.Parameter) -> bool:
-    """A MoE expert parameter (DeepSpeed-MoE's and TED's mark: ``allreduce=False``)."""
-    return getattr(param, "allreduce", True) is False
-
-
 def _split_experts(params: list[tuple[nn.Parameter, tuple[str, ...]]]) -> tuple[list, list]:
-    return [e for e in params if not is_expert(e[0])], [e for e in params if is_expert(e[0])]
+    return [e for e in params if not is_moe_param(e[0])], [e for e in params if is_moe_param(e[0])]
 
 
 STATE_DICT_WAIT_S = 120.0  # how long a state_dict() waits for the other ranks to ask too

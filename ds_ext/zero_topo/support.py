@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
+from deepspeed.moe.utils import is_moe_param
 from torch import nn
 
 from ds_ext.errors import DsExtConfigError
-from ds_ext.zero_topo.engine import is_expert
 
 KEY = "ds_ext.zero_topo"
 _DTYPE_NAMES = {torch.float32: ("fp32", "float32"), torch.float16: ("fp16", "float16"),
@@ -81,7 +81,7 @@ def check_model(model: nn.Module, experts: bool, pipeline: bool) -> None:
         _refuse("model", f"sequence parallelism: parameters such as {parallel[0]!r} are marked sequence_parallel, "
                 "their gradients partial sums over the tensor group that Megatron all-reduces outside DeepSpeed",
                 "tensor parallelism without --sequence-parallel", f"{len(parallel)} such parameters")
-    found = [n for n, p in model.named_parameters() if is_expert(p)]
+    found = [n for n, p in model.named_parameters() if is_moe_param(p)]
     if found and pipeline:
         _refuse("model", f"MoE expert parameters such as {found[0]!r} in a pipeline stage", "dense PipelineModules "
                 "in the pipeline form", f"{len(found)} expert parameters")
