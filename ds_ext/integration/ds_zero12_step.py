@@ -101,9 +101,11 @@ def install_tiled_zero_step(zero_opt, tiled, piecewise_loader: Loader, refuse_cl
             _refuse("Muon")
         fp32 = self.single_partition_of_fp32_groups[i]
         bit16 = self.parallel_partitioned_bit16_groups[i][partition_id]
-        load = piecewise_loader(
-            pieces, int(self.partition_size[i]), lambda buf: self.unscale_and_clip_grads([buf], norm)
-        )
+        # DeepSpeed's own unscale / clip, run once on a one: its factor 1 / combined_scale, exactly
+        # (1.0 times it), which every tile then multiplies by as unscale_and_clip_grads would
+        factor = torch.ones(1, dtype=torch.float32, device=self.single_partition_of_fp32_groups[i].device)
+        self.unscale_and_clip_grads([factor], norm)
+        load = piecewise_loader(pieces, int(self.partition_size[i]), lambda buf: buf.mul_(factor))
 
         def store(s: int, e: int) -> None:
             bit16.data[s:e].copy_(fp32.data[s:e])

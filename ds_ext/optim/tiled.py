@@ -38,6 +38,8 @@ step rule (:mod:`ds_ext.integration.ds_fused_adam`), also on tiles of whole cach
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import Any, Callable
 
 import torch
@@ -342,24 +344,21 @@ def piecewise_loader(
     ``total`` elements, without materialising the concatenation: the tile is up-cast piece
     by piece into the buffer, then ``scale(buf)`` unscales / clips it in place."""
     flat = [t.reshape(-1) for t in pieces]
-    starts = []
-    acc = 0
-    for t in flat:
-        starts.append(acc)
-        acc += t.numel()
-    if acc > total:
-        raise ValueError(f"pieces hold {acc} elements, more than the partition's {total}")
+    starts = list(itertools.accumulate((t.numel() for t in flat), initial=0))
+    if starts[-1] > total:
+        raise ValueError(f"pieces hold {starts[-1]} elements, more than the partition's {total}")
 
     def load(buf: torch.Tensor, s: int) -> None:
         e = s + buf.numel()
         covered = s
-        for t, a in zip(flat, starts):
-            b = a + t.numel()
-            if b <= s or a >= e:
-                continue
-            lo, hi = max(a, s), min(b, e)
-            buf[lo - s : hi - s].copy_(t[lo - a : hi - a])
-            covered = hi
+        k = bisect.bisect_right(starts, s) - 1  # the first piece that can overlap [s, e)
+        while k < len(flat) and starts[k] < e:
+            a, b = starts[k], starts[k + 1]
+            if b > s:
+                lo, hi = max(a, s), min(b, e)
+                buf[lo - s : hi - s].copy_(flat[k][lo - a : hi - a])
+                covered = hi
+            k += 1
         if covered < e:
             buf[covered - s :].zero_()
         if scale is not None:
