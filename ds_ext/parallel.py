@@ -51,25 +51,32 @@ class ParallelDims:
     axes: tuple[tuple[str, int], ...]
 
     @classmethod
-    def build(cls, degrees: Sequence[tuple[str, int | None]], world_size: int) -> "ParallelDims":
-        """Resolve at most one ``None`` degree from ``world_size`` and check the product."""
+    def build(cls, degrees: Sequence[tuple[str, int | None]], world_size: int, owner: str = "parallel",
+              keys: Mapping[str, str] | None = None, note: str = "",
+              error: type[GroupError] | None = None) -> "ParallelDims":
+        """Resolve at most one ``None`` degree from ``world_size`` and check the product: the one
+        validator of every layout (Megatron's mpu, TED, 3D-PMM). Errors are one line that names
+        ``owner`` and each degree by its config key (``keys``, default the axis name), then
+        ``note`` (the paper's equation), as ``error`` (default :class:`GroupError`)."""
+        error = error or GroupError
+        label = dict(keys or {})
         names = [n for n, _ in degrees]
         if len(set(names)) != len(names):
-            raise GroupError(f"parallel axis names must be unique, got {names}")
-        free = [n for n, s in degrees if s is None]
+            raise error(f"{owner}: parallel axis names must be unique, got {names}")
+        free = [label.get(n, n) for n, s in degrees if s is None]
         if len(free) > 1:
-            raise GroupError(f"at most one parallel degree may be inferred, got {free}")
+            raise error(f"{owner}: at most one parallel degree may be inferred, got {free}")
         for n, s in degrees:
             if s is not None and s < 1:
-                raise GroupError(f"parallel degree {n}={s} must be >= 1")
+                raise error(f"{owner}.{label.get(n, n)}={s} must be >= 1")
         fixed = math.prod(s for _, s in degrees if s is not None)
-        spec = " x ".join(f"{n}={s if s is not None else '?'}" for n, s in degrees)
+        given = " * ".join(f"{label.get(n, n)}={s}" for n, s in degrees if s is not None)
         if free:
             if world_size % fixed:
-                raise GroupError(f"world size {world_size} is not divisible by {spec}")
+                raise error(f"{owner}: world size {world_size} is not divisible by {given}{note}")
             degrees = [(n, world_size // fixed if s is None else s) for n, s in degrees]
         elif fixed != world_size:
-            raise GroupError(f"parallel degrees {spec} = {fixed} != world size {world_size}")
+            raise error(f"{owner}: {given} = {fixed} != world size {world_size}{note}")
         return cls(tuple((n, int(s)) for n, s in degrees))  # type: ignore[arg-type]
 
     @property
@@ -207,22 +214,10 @@ class TEDLayout(Layout):
     @classmethod
     def build(cls, world_size: int, tensor: int, expert: int, expert_data: int | None = None) -> "TEDLayout":
         """Check Eq 7.1 for ``world_size`` ranks; ``expert_data=None`` infers G_data^exp."""
-        for key, value in (("tensor_parallel", tensor), ("expert_parallel", expert)):
-            if value < 1:
-                raise GroupError(f"ds_ext.ted.{key}={value} must be >= 1")
-        if expert_data is None:
-            if world_size % (tensor * expert):
-                raise GroupError(
-                    f"ds_ext.ted: world size {world_size} is not divisible by tensor_parallel {tensor} "
-                    f"x expert_parallel {expert} (Eq 7.1: G_tensor x G_expert x G_data^exp = G)"
-                )
-            expert_data = world_size // (tensor * expert)
-        elif tensor * expert * expert_data != world_size:
-            raise GroupError(
-                f"ds_ext.ted: tensor_parallel {tensor} x expert_parallel {expert} x expert_data_parallel "
-                f"{expert_data} = {tensor * expert * expert_data} != world size {world_size} (Eq 7.1)"
-            )
-        return cls(ParallelDims((("tensor", tensor), ("expert", expert), ("expert_data", expert_data))))
+        return cls(ParallelDims.build(
+            (("tensor", tensor), ("expert", expert), ("expert_data", expert_data)), world_size, "ds_ext.ted",
+            keys={"tensor": "tensor_parallel", "expert": "expert_parallel", "expert_data": "expert_data_parallel"},
+            note=" (Eq 7.1: G_tensor x G_expert x G_data^exp = G)"))
 
     @property
     def tensor(self) -> int:
@@ -301,11 +296,8 @@ class Grid(Layout):
         return f"(x={self.x}, y={self.y}, z={self.z}, data={self.data})"
 
     def check_world(self, world_size: int) -> None:
-        if self.world_size != world_size:
-            raise GridError(
-                f"ds_ext.pmm3d.grid {self} has product {self.world_size} but the world has {world_size} ranks; "
-                "the product x*y*z*data must equal the world size"
-            )
+        """The product x * y * z * data must equal the world size (001 §5.1.2)."""
+        ParallelDims.build(self.parallel_dims.axes, world_size, "ds_ext.pmm3d.grid", error=GridError)
 
 
 # ---- the job's layout: every parallel axis of one job, stated once ------------------------

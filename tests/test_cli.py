@@ -82,8 +82,8 @@ def test_errors_are_one_line_with_status_2(argv, message, capsys, tmp_path, monk
 
 @pytest.mark.parametrize("refused, message", [
     (["--rank", "16"], "rank 16 outside world of 16"),
-    (["--grid", "2,2,2,3"], "ds_ext.pmm3d.grid (x=2, y=2, z=2, data=3) has product 24"),
-    (["--ted", "3,2"], "ds_ext.ted: world size 16 is not divisible by tensor_parallel 3"),
+    (["--grid", "2,2,2,3"], "ds_ext.pmm3d.grid: x=2 * y=2 * z=2 * data=3 = 24 != world size 16"),
+    (["--ted", "3,2"], "ds_ext.ted: world size 16 is not divisible by tensor_parallel=3"),
 ])
 def test_detect_checks_everything_before_printing(refused, message, capsys):
     assert main(["detect", "--preset", "frontier", "--world-size", "16", *refused]) == 2

@@ -367,7 +367,7 @@ def _initialize_error(grid, micro=None, instance=False, family="gpt", beside=Non
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"grid": (2, 2, 2, 2)}, r"ds_ext.pmm3d.grid \(x=2, y=2, z=2, data=2\) has product 16 but the world has 8 ranks"),
+    ({"grid": (2, 2, 2, 2)}, r"ds_ext.pmm3d.grid: x=2 \* y=2 \* z=2 \* data=2 = 16 != world size 8"),
     ({"grid": (8, 1, 1, 1), "family": "gpt_4heads"}, r"ds_ext.pmm3d.grid.x=8 does not divide the 4 attention heads"),
     ({"grid": (1, 1, 8, 1), "micro": 4}, r"ds_ext.pmm3d.grid.z=8 does not divide train_micro_batch_size_per_gpu=4"),
     ({"grid": (2, 2, 2, 1), "instance": True}, r"pass optimizer=lambda params: .* not an optimizer instance"),

@@ -34,7 +34,7 @@ def test_axis_levels_on_frontier_fastest_links_carry_x():
 
 
 def test_grid_product_must_equal_world_one_line():
-    with pytest.raises(GridError, match=r"ds_ext.pmm3d.grid .* product 16 .* 8 ranks") as err:
+    with pytest.raises(GridError, match=r"^ds_ext\.pmm3d\.grid: x=2 \* y=2 \* z=2 \* data=2 = 16 != world size 8$") as err:
         Grid(2, 2, 2, 2).check_world(8)
     assert "\n" not in str(err.value)
 

@@ -89,11 +89,11 @@ def test_local_experts_beyond_ted():
 
 
 def test_bad_degrees_one_line_each():
-    with pytest.raises(GroupError, match=r"^ds_ext\.ted: tensor_parallel 2 x expert_parallel 4 x expert_data_parallel 2 "
-                                         r"= 16 != world size 8 \(Eq 7\.1\)$"):
+    with pytest.raises(GroupError, match=r"^ds_ext\.ted: tensor_parallel=2 \* expert_parallel=4 \* expert_data_parallel=2 "
+                                         r"= 16 != world size 8 \(Eq 7\.1: G_tensor x G_expert x G_data\^exp = G\)$"):
         TEDLayout.build(8, 2, 4, 2)
-    with pytest.raises(GroupError, match=r"^ds_ext\.ted: world size 12 is not divisible by tensor_parallel 4 x "
-                                         r"expert_parallel 2"):
+    with pytest.raises(GroupError, match=r"^ds_ext\.ted: world size 12 is not divisible by tensor_parallel=4 \* "
+                                         r"expert_parallel=2"):
         TEDLayout.build(12, 4, 2)
     with pytest.raises(GroupError, match=r"^ds_ext\.ted\.tensor_parallel=16 would split tensor groups across nodes "
                                          r"of 8 ranks \(frontier\); allowed: a divisor of 8$"):
@@ -147,7 +147,7 @@ def test_cli_detect_shows_ted_groups_and_levels():
                           "--ted", "2,3"], capture_output=True, text=True)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
-        "ds-ext: error: ds_ext.ted: world size 16 is not divisible by tensor_parallel 2 x expert_parallel 3 "
+        "ds-ext: error: ds_ext.ted: world size 16 is not divisible by tensor_parallel=2 * expert_parallel=3 "
         "(Eq 7.1: G_tensor x G_expert x G_data^exp = G)"]
 
 
