@@ -21,10 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator, Mapping
+from typing import TYPE_CHECKING, Iterator, Mapping, Optional, overload
 
-from ds_ext.parallel import GroupError, Layout, Partition, member_group
+from ds_ext.parallel import Grid, GroupError, Layout, Partition, TEDLayout, member_group
 from ds_ext.topology import Topology, TopologyError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def topology_partition(topo: Topology, kind: str, level: str) -> Partition:
@@ -167,12 +170,76 @@ class ProcessGroups(Mapping[str, object]):
         return member_group(self.layout.partition(name), self.global_rank)
 
 
+class TEDGroups(ProcessGroups):
+    """TED's groups by name (001 §7.1): ``bundle.tensor`` is ``bundle["tensor"]``."""
+
+    @property
+    def tensor(self) -> Optional["ProcessGroup"]:
+        """G_tensor: the ranks that shard one expert's and one dense layer's weights."""
+        return self.groups["tensor"]
+
+    @property
+    def expert(self) -> Optional["ProcessGroup"]:
+        """G_expert: the ranks that hold different experts (the all-to-all group)."""
+        return self.groups["expert"]
+
+    @property
+    def expert_data(self) -> Optional["ProcessGroup"]:
+        """G_data^exp: the replicas of one expert shard (its gradient reduction)."""
+        return self.groups["expert_data"]
+
+    @property
+    def data(self) -> Optional["ProcessGroup"]:
+        """G_data^nonexp = expert x expert-data: the dense parameters' data-parallel group."""
+        return self.groups["data"]
+
+    @property
+    def expert_replicas(self) -> Optional["ProcessGroup"]:
+        """tensor x expert-data: the holders of an expert kept whole on every tensor rank."""
+        return self.groups["expert_replicas"]
+
+
+class GridGroups(ProcessGroups):
+    """3D-PMM's groups by name (001 §5.1.2); ``x``, ``y``, ``z`` are None at degree 1."""
+
+    @property
+    def x(self) -> Optional["ProcessGroup"]:
+        return self.groups["x"]
+
+    @property
+    def y(self) -> Optional["ProcessGroup"]:
+        return self.groups["y"]
+
+    @property
+    def z(self) -> Optional["ProcessGroup"]:
+        return self.groups["z"]
+
+    @property
+    def data(self) -> Optional["ProcessGroup"]:
+        return self.groups["data"]
+
+    @property
+    def tensor(self) -> Optional["ProcessGroup"]:
+        """X x Y x Z: DeepSpeed's model-parallel group."""
+        return self.groups["tensor"]
+
+
+BUNDLES: Mapping[type[Layout], type[ProcessGroups]] = {TEDLayout: TEDGroups, Grid: GridGroups}
+
+
+@overload
+def build_process_groups(registry: GroupRegistry, layout: TEDLayout, rank: int) -> TEDGroups: ...
+@overload
+def build_process_groups(registry: GroupRegistry, layout: Grid, rank: int) -> GridGroups: ...
+@overload
+def build_process_groups(registry: GroupRegistry, layout: Layout, rank: int) -> ProcessGroups: ...
 def build_process_groups(registry: GroupRegistry, layout: Layout, rank: int) -> ProcessGroups:
     """Create every named group of ``layout`` (collective: all ranks, in ``layout.GROUPS`` order;
-    an optional group of one rank is skipped) and return this rank's bundle."""
+    an optional group of one rank is skipped) and return this rank's bundle (:class:`TEDGroups`
+    for TED, :class:`GridGroups` for a 3D-PMM grid: the groups as typed fields)."""
     if layout.world_size != registry.topology.world_size:
         raise GroupError(f"{layout.NAME} layout of {layout.world_size} ranks on a topology of "
                          f"{registry.topology.world_size}")
     groups = {name: None if name in layout.OPTIONAL and layout.parallel_dims.size(*axes) == 1
               else registry.group(layout.partition(name)) for name, axes in layout.GROUPS.items()}
-    return ProcessGroups(layout, rank, groups)
+    return BUNDLES.get(type(layout), ProcessGroups)(layout, rank, groups)

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ds_ext.groups import ProcessGroups, build_process_groups
+from ds_ext.groups import GridGroups, ProcessGroups, TEDGroups, build_process_groups
 from ds_ext.mpu import MegatronMPU
 from ds_ext.parallel import Grid, GroupError, Layout, ParallelDims, TEDLayout, member_group
 from ds_ext.topology import Topology
@@ -81,6 +81,8 @@ def test_builder_creates_named_groups_in_order_and_hands_one_bundle():
     # rank 5 = x 1, y 0, z 0, data 1 (X innermost)
     assert [(bundle.size(n), bundle.rank(n)) for n in bundle] == [(2, 1), (1, 0), (2, 0), (2, 1), (4, 1)]
     assert bundle.ranks("tensor") == (4, 5, 6, 7) and bundle.ranks("data") == (1, 5)
+    assert isinstance(bundle, GridGroups) and (bundle.x, bundle.y, bundle.z, bundle.data, bundle.tensor) == tuple(
+        bundle[n] for n in ("x", "y", "z", "data", "tensor"))  # the same groups as typed fields
     mpu = MegatronMPU.over(bundle)  # what the plugin hands DeepSpeed
     assert (mpu.get_model_parallel_group(), mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank(),
             mpu.get_tensor_model_parallel_src_rank()) == ("pg3", 4, 1, 4)
@@ -91,6 +93,9 @@ def test_builder_creates_named_groups_in_order_and_hands_one_bundle():
     bundle = build_process_groups(registry, ted, rank=3)
     assert list(bundle) == ["tensor", "expert", "expert_data", "data", "expert_replicas"]
     assert all(bundle[n] is not None for n in bundle)  # TED hands every group to DeepSpeed
+    assert isinstance(bundle, TEDGroups) and (bundle.tensor, bundle.expert, bundle.expert_data, bundle.data,
+                                              bundle.expert_replicas) == tuple(bundle[n] for n in bundle)
+    assert len(set(map(id, tuple(bundle[n] for n in bundle)))) == 5  # five distinct groups, none swapped
     assert (bundle.rank("tensor"), bundle.rank("expert"), bundle.rank("data")) == (1, 1, 1)
     with pytest.raises(GroupError, match="TED layout of 8 ranks on a topology of 16"):
         build_process_groups(FakeRegistry(16), ted, rank=0)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ds_ext.comm import Communicator
-from ds_ext.groups import ProcessGroups, build_process_groups
+from ds_ext.groups import TEDGroups, build_process_groups
 from ds_ext.mpu import MegatronMPU
 from ds_ext.parallel import TEDLayout
 
@@ -33,7 +33,7 @@ class TEDContext:
 
     layout: TEDLayout
     comm: Communicator
-    groups: ProcessGroups
+    groups: TEDGroups
     rank: int
     dtd: bool = True
     cac: bool = True

@@ -45,8 +45,8 @@ class TokenDispatcher:
     def __init__(self, ted: TEDContext | None, num_experts: int) -> None:
         self.comm = None if ted is None else ted.comm
         self.num_experts = num_experts
-        self.expert_group = None if ted is None else ted.groups["expert"]
-        self.tensor_group = None if ted is None else ted.groups["tensor"]
+        self.expert_group = None if ted is None else ted.groups.expert
+        self.tensor_group = None if ted is None else ted.groups.tensor
         self.lean = ted is not None and ted.cac_lean
 
     def dispatch(self, x: torch.Tensor, routing: Routing, frame: Frame) -> tuple[torch.Tensor, torch.Tensor]:

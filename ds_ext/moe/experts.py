@@ -32,7 +32,7 @@ def run_mlp(mlp: nn.Module, x: torch.Tensor, tensor_parallel: TEDContext | None,
     if tensor_parallel is None:
         out = mlp(x)
         return out[0] if isinstance(out, tuple) else out
-    comm, group = tensor_parallel.comm, tensor_parallel.groups["tensor"]
+    comm, group = tensor_parallel.comm, tensor_parallel.groups.tensor
     y = reduce_from_region(mlp_partial(mlp, copy_to_region(x, comm, group)), comm, group, frame)
     return y if mlp[2].bias is None else y + mlp[2].bias
 
@@ -52,7 +52,7 @@ class Experts(nn.Module):
         if ted is None:
             # [P, C', H] contiguous: Megatron's linear layers view their input as [s, b, h]
             return torch.stack([run_mlp(e, x[:, i].contiguous(), None, frame) for i, e in enumerate(experts)], dim=1)
-        comm, group = ted.comm, ted.groups["tensor"]
+        comm, group = ted.comm, ted.groups.tensor
         x = copy_to_region(x, comm, group)
         partial = torch.stack([mlp_partial(e, x[:, i]) for i, e in enumerate(experts)], dim=1)
         y = reduce_from_region(partial, comm, group, frame)

@@ -174,7 +174,7 @@ class TEDMoE(ds_moe.MoEBase):
         gate.seed = ted.seed + _LAYER_STRIDE * index + _SHARD_STRIDE * ted.data_rank
         gate.tensor_parallel = T
         if ted.layout.expert > 1:
-            gate.agree_capacity = all_reduce_max(ted.comm, ted.groups["expert"])
+            gate.agree_capacity = all_reduce_max(ted.comm, ted.groups.expert)
         self.ted = ted
         self.ted_tape = Tape(f"TEDMoE[{index}]")
 
@@ -187,7 +187,7 @@ class TEDMoE(ds_moe.MoEBase):
         with torch.no_grad():
             for mlp in self._mlps():
                 for p in mlp.parameters():
-                    ted.comm.broadcast(p.data, src=src, group=ted.groups["tensor"])
+                    ted.comm.broadcast(p.data, src=src, group=ted.groups.tensor)
 
     def _client_partitioned(self) -> bool:
         """Experts the client built tensor-parallel (Megatron-DeepSpeed's ``ParallelMLP(moe=True,
@@ -215,7 +215,7 @@ class TEDMoE(ds_moe.MoEBase):
             raise TEDError("ds_ext.ted: use_data_before_expert_parallel_ is not supported; TED places expert "
                            "groups inside the non-expert data groups (001 §7.1); allowed: false")
         ted, kind = self.ted, self.expert_data_group_kind
-        ds_moe.register_expert_groups(self.expert_group_name, ted.groups["expert"], ted.ranks("expert"),
+        ds_moe.register_expert_groups(self.expert_group_name, ted.groups.expert, ted.ranks("expert"),
                                       ted.groups[kind], ted.ranks(kind),
                                       ted.layout.tensor if self.sliced(ted.layout.tensor) else 1)
 

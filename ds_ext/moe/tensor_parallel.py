@@ -79,7 +79,7 @@ class ColumnParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ted is not None:
-            x = copy_to_region(x, self.ted.comm, self.ted.groups["tensor"])
+            x = copy_to_region(x, self.ted.comm, self.ted.groups.tensor)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -101,7 +101,7 @@ class RowParallelLinear(nn.Linear):
         if self.ted is None:
             return F.linear(x, self.weight, self.bias)
         frame = self.ted_tape.frame(self.ted.cac)
-        out = reduce_from_region(F.linear(x, self.weight), self.ted.comm, self.ted.groups["tensor"], frame)
+        out = reduce_from_region(F.linear(x, self.weight), self.ted.comm, self.ted.groups.tensor, frame)
         return out if self.bias is None else out + self.bias
 
 
