@@ -1,5 +1,5 @@
 """Held-out loss of ZeRO-topo presets against the unquantized preset over several model seeds:
-the run of ``tests/test_zero_topo_convergence.py`` (8 gloo ranks, bf16, 200 steps) repeated per
+the run of ``tests/test_zero_topo_convergence.py`` (8 gloo ranks, bf16; 200 steps, the test's 50 with --steps 50) repeated per
 seed and quantization-group layout, one JSON line per run.
 
     python examples/convergence_seeds.py --seeds 1234,1,2 --variants unq zero3 zero_topo zeropp zero_topo_int8

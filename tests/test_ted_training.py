@@ -245,8 +245,8 @@ def test_checkpoint_round_trip(world, tmp_path):
 
 
 # ---- DeepSpeed-MoE at G_tensor = 1 -----------------------------------------------------------
-def _vs_deepspeed(k, steps=20):
-    """20 ZeRO-1 steps of the same GPT-MoE, same initialization and data: DeepSpeed's MoE layer
+def _vs_deepspeed(k, steps=10):
+    """10 ZeRO-1 steps of the same GPT-MoE, same initialization and data: DeepSpeed's MoE layer
     (its own groups and all-to-alls) and TEDMoE (TP 1, EP 4, expert data 2)."""
     import dataclasses
 
@@ -433,7 +433,7 @@ def test_bad_input_one_line_before_any_collective(world, case):
         assert new_groups == 0  # no process group was created: no collective ran
 
 
-# ---- convergence: 200 steps with DTD + CAC against the serial model ------------------------
+# ---- convergence: 100 steps with DTD + CAC against the serial model ------------------------
 HELD_OUT = range(10_000, 10_004)
 
 
@@ -445,7 +445,7 @@ def _held_out(loss_of, layout, data_rank):
 
 
 def _converge(steps):
-    """ZeRO-0 fp32 (the cheapest engine: the 200 steps are the point), torch activation
+    """ZeRO-0 fp32 (the cheapest engine: the 100 steps are the point), torch activation
     checkpointing so that CAC replays, RTS token dropping (capacity 10 < the 8 tokens a
     balanced expert gets x 1.25 when routing is skewed)."""
     import dataclasses
@@ -466,31 +466,46 @@ def _converge(steps):
     dist.all_reduce(mine)  # every shard, counted G_tensor times
     ours = mine.item() / dist.get_world_size()
     engine.destroy()
-    if dist.get_rank() != 0:
+    # the two serial runs side by side, rank 0 with the shards in order, rank 1 reversed (the same
+    # objective); each is one process's own computation, so where it runs does not change it
+    order = {0: 1, 1: -1}.get(dist.get_rank())
+    if order is None:
         return losses, ours, None
-    refs = []
-    for order in (1, -1):  # the shards in order, then reversed: the same objective
-        serial = ts.serial_model(dataclasses.replace(cfg, checkpoint="none"))
-        sopt = torch.optim.AdamW(serial.parameters(), lr=LR, weight_decay=WD)
-        for s in range(steps):
-            sopt.zero_grad()
-            ts.serial_loss(serial, ts.shards(ted.layout, s)[::order])[0].backward()
-            sopt.step()
-        serial.eval()
-        with torch.no_grad():
-            refs.append(sum(_held_out(lambda b: serial(b).item(), ted.layout, d)
-                            for d in range(ted.layout.nonexp_data)) / ted.layout.nonexp_data)
-    return losses, ours, refs
+    serial = ts.serial_model(dataclasses.replace(cfg, checkpoint="none"))
+    sopt = torch.optim.AdamW(serial.parameters(), lr=LR, weight_decay=WD)
+    for s in range(steps):
+        sopt.zero_grad()
+        ts.serial_loss(serial, ts.shards(ted.layout, s)[::order])[0].backward()
+        sopt.step()
+    serial.eval()
+    with torch.no_grad():
+        ref = sum(_held_out(lambda b: serial(b).item(), ted.layout, d)
+                  for d in range(ted.layout.nonexp_data)) / ted.layout.nonexp_data
+    return losses, ours, ref
 
 
-def test_converges_like_serial_reference_in_200_steps(world):
+# Held-out loss after STEPS steps of TED and of the two serial runs, per initialization seed of the
+# serial model (tests/ted_support.py serial_model; the test uses 0), 8 gloo ranks: seed 0 2.789 in
+# (2.733, 2.793), seed 1 2.744 in (2.713, 2.763), seed 2 2.679 against (2.682, 2.699), within 1 % of
+# the span. At 60 steps TED landed outside 1 % of the span for two seeds of three (seed 0 3.077
+# against (2.923, 2.982), seed 2 2.778 against (2.817, 2.835)): there the runs have not settled; at
+# 100 they have, and the bound is the 200-step test's, unchanged. Dense gradients averaged over the
+# tensor group instead of the data group (ds_ext.mpu) land at 2.943, 5 % above the span: it fails.
+# MoE-only breakage moves this small model less (DTD combining the tensor ranks' slot chunks in
+# reverse: 2.811, inside the bound); tests/test_ted_layer.py and test_ted_reference.py check DTD
+# and CAC exactly.
+STEPS = 100
+
+
+def test_converges_like_serial_reference(world):
     """TED lands where the serial model does, within 1 % of the span of two serial runs that
     differ only in the order of the global batch's shards (summation order and random token
-    selection's draws). 200 steps amplify such differences: on one host the two serial runs
-    ended 2.2 % apart (2.438, 2.493) with TED at 2.475 between them, so a fixed 1 % around one
-    of them failed there and passed on another host."""
-    res = world.run(_converge, 200, timeout=900)
-    losses, ours, refs = res[0]
+    selection's draws). Long runs amplify such differences: on one host the two serial runs
+    ended 2.2 % apart after 200 steps (2.438, 2.493) with TED at 2.475 between them, so a fixed
+    1 % around one of them failed there and passed on another host."""
+    res = world.run(_converge, STEPS, timeout=900)
+    losses, ours, _ = res[0]
+    refs = [res[0][2], res[1][2]]
     lo, hi = min(refs), max(refs)
     assert 0.99 * lo <= ours <= 1.01 * hi, (ours, refs)
     assert hi < losses[0] - 1.5  # all actually learned

@@ -1,4 +1,4 @@
-"""ZeRO-topo's quantized presets train like the unquantized one: 200 steps on 8 gloo ranks
+"""ZeRO-topo's quantized presets train like the unquantized one: 50 steps on 8 gloo ranks
 (2 nodes x 2 GPUs x 2 GCDs), in a world of its own (the longest ZeRO-topo test; a fresh world
 keeps it at its standalone time).
 
@@ -22,20 +22,25 @@ def _train_then_eval(ds_cfg, steps):
     return sum(held_out) / len(held_out)
 
 
-# Held-out loss of each quantized preset against the unquantized one, model seeds 1234 / 1 / 2
-# (python examples/convergence_seeds.py --seeds 1234,1,2 --variants unq zero3 zero_topo zeropp
-# zero_topo_int8, 2026-11-24, per-parameter quantization groups): zero_topo +3.4 / +1.2 / +4.0 %,
-# zeropp +2.9 / -2.8 / +1.3 %, zero_topo_int8 +1.1 / +2.2 / +2.0 %; the unquantized model reduced in
-# another order (zero3) +1.1 / +0.5 / -0.1 %. Rounding alone moves a 200-step trajectory by about
-# 1 % and int4 / int8 noise by up to 4 %, so one seed bounds breakage, not a 1 % bias: 5 %. The exact
-# claims (every parameter trains, each parameter's gradient within its int-b bound, ledger ==
-# model) are tests/test_zero_topo_hardening.py's and tests/test_zero_topo.py's.
-BOUND = 0.05
+# Held-out loss of each quantized preset against the unquantized one after STEPS steps, model
+# seeds 1234 / 1 / 2 (python examples/convergence_seeds.py --steps 50 --seeds 1234,1,2 --variants
+# unq zero_topo zeropp zero_topo_int8, per-parameter quantization groups): zero_topo +1.1 / +1.3 /
+# +1.2 %, zeropp -0.1 / -0.3 / +1.2 %, zero_topo_int8 +1.1 / +0.3 / +1.2 %. At 200 steps (the earlier
+# length, 4x the time) the same seeds spread up to 4.0 % (zero_topo +3.4 / +1.2 / +4.0 %, zeropp
+# +2.9 / -2.8 / +1.3 %, zero_topo_int8 +1.1 / +2.2 / +2.0 %; the unquantized model reduced in another
+# order, zero3, +1.1 / +0.5 / -0.1 %): rounding and int4 / int8 noise move a trajectory further the
+# longer it runs. By 50 steps the loss has fallen from ln(256) = 5.55 to about 2.7. One seed bounds
+# breakage, not a 1 % bias: 3 %, over twice the largest 50-step spread. A decoder that swaps the
+# two int4 halves of each gradient block lands 75 % off for zero_topo (seed 1234: 4.79 against
+# 2.73). The exact claims (every parameter trains, each parameter's gradient within its int-b
+# bound, ledger == model) are tests/test_zero_topo_hardening.py's and tests/test_zero_topo.py's.
+STEPS = 50
+BOUND = 0.03
 
 
-def test_quantized_presets_train_like_unquantized_after_200_steps(world):
+def test_quantized_presets_train_like_unquantized(world):
     """003 §V-B / ZeRO++: int8 weights and int4 gradients (per-parameter groups, the default)
-    train as the unquantized preset does: held-out loss within BOUND after 200 steps."""
+    train as the unquantized preset does: held-out loss within BOUND after STEPS steps."""
     final = {}
     for name, zt in {
         "unquantized": {"preset": "zero_topo", **UNQUANTIZED},
@@ -43,8 +48,8 @@ def test_quantized_presets_train_like_unquantized_after_200_steps(world):
         "zeropp": {"preset": "zeropp"},
         "zero_topo_int8": {"preset": "zero_topo_int8"},  # + int8 across nodes at the step boundary
     }.items():
-        final[name] = world.run(_train_then_eval, _ds_config(0, "bf16", accum=1, zero_topo=zt), 200)[0]
-    print("held-out loss after 200 steps:", final)
+        final[name] = world.run(_train_then_eval, _ds_config(0, "bf16", accum=1, zero_topo=zt), STEPS)[0]
+    print(f"held-out loss after {STEPS} steps:", final)
     assert final["unquantized"] < 3.0, final  # it learned: random init is ln(256) = 5.55
     for name in ("zero_topo", "zeropp", "zero_topo_int8"):
         assert abs(final[name] / final["unquantized"] - 1) <= BOUND, (name, final)
