@@ -27,7 +27,9 @@ emulated cluster (:func:`ds_ext.cluster.world.cluster_world`).
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import glob
 import multiprocessing as mp
 import os
 import queue
@@ -144,6 +146,7 @@ class World:
     def _start(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="ds_ext_world_")
         env = {**self.env, "MASTER_PORT": str(_free_port())}
+        self._rendezvous = f"_{env['MASTER_ADDR']}_{env['MASTER_PORT']}_"
         self._results = _CTX.Queue()
         self._tasks = [_CTX.Queue() for _ in range(self.world_size)]
         store = os.path.join(self._dir, "store")
@@ -215,6 +218,11 @@ class World:
                 p.join()
         self._procs = []
         shutil.rmtree(self._dir, ignore_errors=True)
+        # shared memory named after this world's rendezvous (DeepSpeed's CPU all-reduce buffers):
+        # the ranks end with os._exit, which skips the destructors that would unlink it
+        for path in glob.glob(f"/dev/shm/*{self._rendezvous}*"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def __enter__(self) -> "World":
         return self

@@ -45,3 +45,21 @@ def test_a_rank_starts_with_torch_and_deepspeed_only_where_preloaded():
         for found in world.run(_imported, ["torch", "torch._dynamo", "ds_ext.zero_topo.plugin", "deepspeed"]):
             assert found == {"torch": True, "torch._dynamo": True, "ds_ext.zero_topo.plugin": True,
                              "deepspeed": preloaded}
+
+
+def _shared_memory_named_after_the_rendezvous():
+    import os
+
+    path = f"/dev/shm/ds_ext_test_buffer_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_{os.environ['RANK']}"
+    with open(path, "wb") as f:  # as DeepSpeed's CPU all-reduce names its buffers; os._exit leaves them
+        f.write(b"x")
+    return path
+
+
+def test_closing_a_world_removes_the_shared_memory_its_ranks_left():
+    import os
+
+    with World(2) as world:
+        paths = world.run(_shared_memory_named_after_the_rendezvous)
+        assert all(os.path.exists(p) for p in paths)
+    assert not any(os.path.exists(p) for p in paths)
