@@ -144,7 +144,7 @@ def test_group_of_one_rank_is_the_identity(group):
 
 def _ted(tensor, expert, dtd=True):
     layout = SimpleNamespace(tensor=tensor, expert=expert)
-    return SimpleNamespace(layout=layout, comm=FakeComm(), groups={"expert": GROUP, "tensor": GROUP}, dtd=dtd,
+    return SimpleNamespace(layout=layout, comm=FakeComm(), groups=SimpleNamespace(expert=GROUP, tensor=GROUP), dtd=dtd,
                            cac_lean=False)
 
 

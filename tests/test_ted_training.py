@@ -396,7 +396,8 @@ def _layout(T, P):
 
 
 BAD = {
-    "product": "ds_ext.ted: tensor_parallel=2 * expert_parallel=4 * expert_data_parallel=2 = 16 != world size 8 (Eq 7.1",
+    "product": "ds_ext.ted: tensor_parallel=2 * expert_parallel=4 * expert_data_parallel=2 = 16 != world size 8 "
+               "(Eq 7.1: G_tensor x G_expert x G_data^exp = G)",
     "zero3": "ds_ext.ted: zero_optimization.stage 3 is not supported (DeepSpeed's MoE parameter groups need ZeRO <= 2; "
              "001 §7.1 uses ZeRO-1); allowed: 0, 1, 2",
     # ted's refusal comes first (the plugins that define the layout prepare first: ds_ext.plugin.HOOK_ORDER)

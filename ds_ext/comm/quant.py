@@ -41,10 +41,8 @@ from typing import Callable
 
 import torch
 
+from ds_ext.comm.quant_format import ALLOWED_BITS, NONFINITE
 from ds_ext.errors import DsExtError
-
-ALLOWED_BITS = (4, 8)
-NONFINITE = -1.0  # scale of a block that held a non-finite value (not encoded; decodes to NaN)
 COMPILE_MIN_NUMEL = 1 << 16  # compile=True on the CPU: tensors of fewer elements use the eager kernels (same bits)
 
 

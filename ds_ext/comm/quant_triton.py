@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds_ext.comm.quant import NONFINITE
+from ds_ext.comm.quant_format import NONFINITE
 
 TILE_ELEMENTS = 4096  # elements per program (ROWS blocks of B), a power of two
 _NONFINITE = tl.constexpr(NONFINITE)  # a kernel reads only constexpr globals
