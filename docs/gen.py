@@ -45,14 +45,23 @@ def _type(prop: dict[str, Any], defs: dict[str, Any]) -> str:
         return f"list of {_type(prop.get('items', {}), defs)}"
     if t == "object" and "additionalProperties" in prop and isinstance(prop["additionalProperties"], dict):
         return f"map to {_type(prop['additionalProperties'], defs)}"
-    return {"null": "null", "integer": "integer", "number": "number", "boolean": "boolean", "string": "string"}.get(t, t)
+    return {"null": "null", "integer": "integer", "number": "number", "boolean": "boolean", "string": "string"}.get(
+        t, t
+    )
 
 
 def _bounds(prop: dict[str, Any]) -> str:
-    marks = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<",
-             "minLength": "length >=", "maxLength": "length <="}
-    found = [f"{op} {prop[k]:,}" if isinstance(prop[k], int) else f"{op} {prop[k]}" for k, op in marks.items()
-             if k in prop]
+    marks = {
+        "minimum": ">=",
+        "exclusiveMinimum": ">",
+        "maximum": "<=",
+        "exclusiveMaximum": "<",
+        "minLength": "length >=",
+        "maxLength": "length <=",
+    }
+    found = [
+        f"{op} {prop[k]:,}" if isinstance(prop[k], int) else f"{op} {prop[k]}" for k, op in marks.items() if k in prop
+    ]
     for alt in prop.get("anyOf", []):
         found += [_bounds(alt)] if _bounds(alt) else []
     return ", ".join(found)
@@ -62,22 +71,28 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _section_rows(path: str, model: dict[str, Any], defs: dict[str, Any], rows: list[str],
-                  nested: list[tuple[str, dict[str, Any]]]) -> None:
+def _section_rows(
+    path: str, model: dict[str, Any], defs: dict[str, Any], rows: list[str], nested: list[tuple[str, dict[str, Any]]]
+) -> None:
     for name, prop in model.get("properties", {}).items():
         key = f"{path}.{name}"
         refs = [p["$ref"] for p in [prop, *prop.get("anyOf", [])] if "$ref" in p]
         items = [p.get("items", {}) for p in [prop, *prop.get("anyOf", [])] if p.get("type") == "array"]
         refs += [i["$ref"] for i in items if "$ref" in i]
-        default = "required" if "default" not in prop and name in model.get("required", []) else \
-            ("—" if "default" not in prop else f"`{json.dumps(prop['default'])}`")
+        default = (
+            "required"
+            if "default" not in prop and name in model.get("required", [])
+            else ("—" if "default" not in prop else f"`{json.dumps(prop['default'])}`")
+        )
         kind = _type(prop, defs)
         for ref in refs:
             sub = ref.split("/")[-1]
             kind = kind.replace("object", f"[{sub}](#{sub.lower()})", 1)
             nested.append((f"{key}[]" if items else key, defs[sub]))
-        rows.append(f"| `{key}` | {_cell(kind)} | {_cell(default)} | {_cell(_bounds(prop))} | "
-                    f"{_cell(prop.get('description', ''))} |")
+        rows.append(
+            f"| `{key}` | {_cell(kind)} | {_cell(default)} | {_cell(_bounds(prop))} | "
+            f"{_cell(prop.get('description', ''))} |"
+        )
 
 
 def config_reference() -> str:
@@ -85,11 +100,14 @@ def config_reference() -> str:
 
     schema = json_schema()
     defs = schema["$defs"]
-    out = [HEADER.format(source="ds_ext.config.json_schema (`ds-ext schema`)"), "# Configuration reference\n",
-           "Every key of the `\"ds_ext\"` block of a ds_config, as the schema that validates it states it "
-           "(`ds-ext schema` prints the JSON schema). Unknown keys are refused. The hand-written "
-           "introduction to the block is [The \"ds_ext\" block](../configuration.md); each plugin's page "
-           "explains its keys.\n"]
+    out = [
+        HEADER.format(source="ds_ext.config.json_schema (`ds-ext schema`)"),
+        "# Configuration reference\n",
+        'Every key of the `"ds_ext"` block of a ds_config, as the schema that validates it states it '
+        "(`ds-ext schema` prints the JSON schema). Unknown keys are refused. The hand-written "
+        'introduction to the block is [The "ds_ext" block](../configuration.md); each plugin\'s page '
+        "explains its keys.\n",
+    ]
     queue = [(f"ds_ext.{name}", defs[p["$ref"].split("/")[-1]]) for name, p in schema["properties"].items()]
     seen: set[str] = set()
     while queue:
@@ -126,9 +144,12 @@ def api_modules() -> list[str]:
 
 
 def api_reference() -> str:
-    out = [HEADER.format(source="the modules of ds_ext"), "# API reference\n",
-           "Rendered from the docstrings by mkdocstrings when the site is built; one section per module "
-           "of `ds_ext` (the list itself is generated, so a new module appears here).\n"]
+    out = [
+        HEADER.format(source="the modules of ds_ext"),
+        "# API reference\n",
+        "Rendered from the docstrings by mkdocstrings when the site is built; one section per module "
+        "of `ds_ext` (the list itself is generated, so a new module appears here).\n",
+    ]
     top = None
     for name in api_modules():
         group = ".".join(name.split(".")[:2])
@@ -170,9 +191,18 @@ def zero_table(name: str = "bench_zero.json") -> str:
     for r in recs:
         m = r["model_bytes"]
         model = r["analytic_bytes_per_step"]
-        rows.append([r["variant"], str(r["grad_accum"]), *_level_bytes(r["bytes_per_step"], m, "{:.3f}"),
-                     "—" if not model else f"{model['node'] / m:.3f}", f"{sum(r['calls_per_step'].values()):.0f}",
-                     f"{r['step_time_s']:.2f}", f"{r['step_time_emulated_s']:.2f}", f"{r['loss']:.3f}"])
+        rows.append(
+            [
+                r["variant"],
+                str(r["grad_accum"]),
+                *_level_bytes(r["bytes_per_step"], m, "{:.3f}"),
+                "—" if not model else f"{model['node'] / m:.3f}",
+                f"{sum(r['calls_per_step'].values()):.0f}",
+                f"{r['step_time_s']:.2f}",
+                f"{r['step_time_emulated_s']:.2f}",
+                f"{r['loss']:.3f}",
+            ]
+        )
     return _md(["variant", "GA", "gcd", "gpu", "node", "model node", "calls", "step s", "emulated s", "loss"], rows)
 
 
@@ -188,42 +218,102 @@ def zero_pipeline_table(name: str = "bench_zero_pp2.json") -> str:
         step = r["bytes_per_step_by_phase"].get("step", {})
         tied = r["bytes_per_step_by_phase"].get("tied_grads", {})
         err = pipe["step_vs_model_max_rel_err"].get(key)
-        rows.append([r["variant"], str(r["grad_accum"]), *_level_bytes(step, m, "{:.3f}"),
-                     f"{sum(tied.values()) / m:.3f}",
-                     f"{step.get(floor['level'], 0.0) / floor['bytes']:.3f}" if floor["bytes"] else "—",
-                     "—" if err is None else f"{err:.0e}".replace("0e+00", "0"),
-                     f"{pipe['tied_grads_vs_expected_max_rel_err'][key]:.0e}".replace("0e+00", "0"),
-                     f"{r['step_time_s']:.2f}", f"{r['step_time_emulated_s']:.2f}", f"{r['loss']:.3f}"])
-    return _md(["variant", "GA", "step gcd", "step gpu", "step node", "tied_grads (node)",
-                "step / floor", "step: ledger vs model", "tied_grads: ledger vs count", "step s", "emulated s",
-                "loss"], rows)
+        rows.append(
+            [
+                r["variant"],
+                str(r["grad_accum"]),
+                *_level_bytes(step, m, "{:.3f}"),
+                f"{sum(tied.values()) / m:.3f}",
+                f"{step.get(floor['level'], 0.0) / floor['bytes']:.3f}" if floor["bytes"] else "—",
+                "—" if err is None else f"{err:.0e}".replace("0e+00", "0"),
+                f"{pipe['tied_grads_vs_expected_max_rel_err'][key]:.0e}".replace("0e+00", "0"),
+                f"{r['step_time_s']:.2f}",
+                f"{r['step_time_emulated_s']:.2f}",
+                f"{r['loss']:.3f}",
+            ]
+        )
+    return _md(
+        [
+            "variant",
+            "GA",
+            "step gcd",
+            "step gpu",
+            "step node",
+            "tied_grads (node)",
+            "step / floor",
+            "step: ledger vs model",
+            "tied_grads: ledger vs count",
+            "step s",
+            "emulated s",
+            "loss",
+        ],
+        rows,
+    )
 
 
 def zero_netns_table() -> str:
     slow = _load("bench_zero_netns.json")["records"]
     fast = {r["variant"]: r for r in _load("bench_zero_netns_400mbit.json")["records"]}
     zeropp = next(r["step_time_s"] for r in slow if r["variant"] == "deepspeed_zeropp")
-    rows = [[r["variant"], *_level_bytes(r["bytes_per_step"], r["model_bytes"], "{:.3f}"),
-             f"{r['step_time_s']:.2f} / {fast[r['variant']]['step_time_s']:.2f}", f"{zeropp / r['step_time_s']:.2f}"]
-            for r in slow]
-    return _md(["variant", "gcd xM", "gpu xM", "node xM", "step s (100 / 400 Mbit/s)",
-                "DeepSpeed ZeRO++ / variant (100 Mbit/s)"], rows)
+    rows = [
+        [
+            r["variant"],
+            *_level_bytes(r["bytes_per_step"], r["model_bytes"], "{:.3f}"),
+            f"{r['step_time_s']:.2f} / {fast[r['variant']]['step_time_s']:.2f}",
+            f"{zeropp / r['step_time_s']:.2f}",
+        ]
+        for r in slow
+    ]
+    return _md(
+        [
+            "variant",
+            "gcd xM",
+            "gpu xM",
+            "node xM",
+            "step s (100 / 400 Mbit/s)",
+            "DeepSpeed ZeRO++ / variant (100 Mbit/s)",
+        ],
+        rows,
+    )
 
 
 def tiled_table() -> str:
     d = _load("bench_tiled.json")
     tile = min(r["tile_size"] for r in d["records"] if r["experts"] == min(x["experts"] for x in d["records"]))
-    rows = [[str(r["experts"]), f"{r['step_peak_bytes_untiled'] / 1e6:.1f}", f"{r['step_peak_bytes_ds_group_split'] / 1e6:.1f}",
-             f"{r['step_peak_bytes_tiled'] / 1e6:.1f}", f"{r['step_time_s_tiled'] / r['step_time_s_untiled']:.2f}",
-             f"{r['step_time_s_tiled'] / r['step_time_s_ds_group_split']:.2f}"]
-            for r in d["records"] if r["tile_size"] == tile]
+    rows = [
+        [
+            str(r["experts"]),
+            f"{r['step_peak_bytes_untiled'] / 1e6:.1f}",
+            f"{r['step_peak_bytes_ds_group_split'] / 1e6:.1f}",
+            f"{r['step_peak_bytes_tiled'] / 1e6:.1f}",
+            f"{r['step_time_s_tiled'] / r['step_time_s_untiled']:.2f}",
+            f"{r['step_time_s_tiled'] / r['step_time_s_ds_group_split']:.2f}",
+        ]
+        for r in d["records"]
+        if r["tile_size"] == tile
+    ]
     sweep = [r for r in d["records"] if r["tile_size"] != tile]
-    table = _md(["E", "untiled MB", "DeepSpeed `max_group_size` MB", "tiled MB", "time tiled / untiled",
-                 "time tiled / group split"], rows)
+    table = _md(
+        [
+            "E",
+            "untiled MB",
+            "DeepSpeed `max_group_size` MB",
+            "tiled MB",
+            "time tiled / untiled",
+            "time tiled / group split",
+        ],
+        rows,
+    )
     if sweep:
-        table += ("\n\nTile-size sweep at E=" + str(sweep[0]["experts"]) + " (tiled peak): " +
-                  "; ".join(f"{r['tile_size']:,}: {r['step_peak_bytes_tiled'] / 1e6:.1f} MB"
-                            for r in sorted(sweep, key=lambda r: r["tile_size"])))
+        table += (
+            "\n\nTile-size sweep at E="
+            + str(sweep[0]["experts"])
+            + " (tiled peak): "
+            + "; ".join(
+                f"{r['tile_size']:,}: {r['step_peak_bytes_tiled'] / 1e6:.1f} MB"
+                for r in sorted(sweep, key=lambda r: r["tile_size"])
+            )
+        )
     return table
 
 
@@ -237,22 +327,56 @@ def _ms(v: float | None) -> str:
 
 def pmm_table() -> str:
     recs = sorted(_load("bench_pmm.json")["records"], key=lambda r: r["step_time_emulated_s"])
-    rows = [[r["variant"], _grid(r), *_level_bytes(r["bytes_per_step"], 1e6),
-             {True: "yes", False: "**no**", None: "—"}[r.get("ledger_equals_model")],
-             _ms(r.get("predicted_comm_s")), _ms(r.get("predicted_alpha_beta_comm_s")),
-             f"{r['step_time_emulated_s']:.2f}", f"{r['step_time_s']:.2f}", f"{r['model_state_bytes'] / 1e6:.1f}"]
-            for r in recs]
-    return _md(["variant", "grid x,y,z,data", "gcd MB", "gpu MB", "node MB", "ledger = model", "predicted Eq 5.7 ms",
-                "predicted α-β ms", "emulated step s", "plain step s", "model state MB"], rows)
+    rows = [
+        [
+            r["variant"],
+            _grid(r),
+            *_level_bytes(r["bytes_per_step"], 1e6),
+            {True: "yes", False: "**no**", None: "—"}[r.get("ledger_equals_model")],
+            _ms(r.get("predicted_comm_s")),
+            _ms(r.get("predicted_alpha_beta_comm_s")),
+            f"{r['step_time_emulated_s']:.2f}",
+            f"{r['step_time_s']:.2f}",
+            f"{r['model_state_bytes'] / 1e6:.1f}",
+        ]
+        for r in recs
+    ]
+    return _md(
+        [
+            "variant",
+            "grid x,y,z,data",
+            "gcd MB",
+            "gpu MB",
+            "node MB",
+            "ledger = model",
+            "predicted Eq 5.7 ms",
+            "predicted α-β ms",
+            "emulated step s",
+            "plain step s",
+            "model state MB",
+        ],
+        rows,
+    )
 
 
 def pmm_netns_table() -> str:
     recs = sorted(_load("bench_pmm_netns.json")["records"], key=lambda r: r["step_time_s"])
-    rows = [[r["variant"], _grid(r), *_level_bytes(r["bytes_per_step"], 1e6),
-             "—" if r.get("predicted_measured_network_comm_s") is None else f"{r['predicted_measured_network_comm_s']:.2f}",
-             f"{r['step_time_s']:.2f}"] for r in recs]
-    return _md(["variant", "grid x,y,z,data", "gcd MB", "gpu MB", "node MB", "predicted comm s (measured network)",
-                "step s"], rows)
+    rows = [
+        [
+            r["variant"],
+            _grid(r),
+            *_level_bytes(r["bytes_per_step"], 1e6),
+            "—"
+            if r.get("predicted_measured_network_comm_s") is None
+            else f"{r['predicted_measured_network_comm_s']:.2f}",
+            f"{r['step_time_s']:.2f}",
+        ]
+        for r in recs
+    ]
+    return _md(
+        ["variant", "grid x,y,z,data", "gcd MB", "gpu MB", "node MB", "predicted comm s (measured network)", "step s"],
+        rows,
+    )
 
 
 def _block_calls(r: dict[str, Any]) -> str:
@@ -269,46 +393,120 @@ def ted_table() -> str:
     for r in _load("bench_ted.json")["records"]:
         a2a = sum(b for k, b in r["moe_block"]["bytes"].items() if k.split("/")[1] == "all_to_all")
         state = sum(r["state_bytes"][k] for k in ("params", "grads", "optimizer"))
-        rows.append([r["variant"], *_level_bytes(r["bytes_per_step"], 1e6), _block_calls(r), f"{a2a / 1e6:.3f}",
-                     f"{r['cac_stash_bytes_per_block'] / 1e6:.3f}" if r["cac_stash_bytes_per_block"] else "0",
-                     f"{r['link_time_per_step_s'] * 1e3:.2f}", f"{state / 1e6:.2f}", f"{r['losses'][-1]:.3f}"])
-    return _md(["variant", "gcd MB/step", "gpu MB/step", "node MB/step", "per MoE block: a2a / AR / AG calls", "a2a MB",
-                "CAC stash MB", "link time ms/step", "state MB/rank", f"loss ({len(r['losses'])} steps)"], rows)
+        rows.append(
+            [
+                r["variant"],
+                *_level_bytes(r["bytes_per_step"], 1e6),
+                _block_calls(r),
+                f"{a2a / 1e6:.3f}",
+                f"{r['cac_stash_bytes_per_block'] / 1e6:.3f}" if r["cac_stash_bytes_per_block"] else "0",
+                f"{r['link_time_per_step_s'] * 1e3:.2f}",
+                f"{state / 1e6:.2f}",
+                f"{r['losses'][-1]:.3f}",
+            ]
+        )
+    return _md(
+        [
+            "variant",
+            "gcd MB/step",
+            "gpu MB/step",
+            "node MB/step",
+            "per MoE block: a2a / AR / AG calls",
+            "a2a MB",
+            "CAC stash MB",
+            "link time ms/step",
+            "state MB/rank",
+            f"loss ({len(r['losses'])} steps)",
+        ],
+        rows,
+    )
 
 
 def ted_netns_table() -> str:
     recs = _load("bench_ted_netns.json")["records"]
     base = next(r["step_time_s"] for r in recs if r["variant"] == "ted_base")
-    rows = [[r["variant"], f"{r['bytes_per_step']['node'] / 1e6:.2f}", f"{r['step_time_s']:.2f}",
-             f"{base / r['step_time_s']:.2f}"] for r in recs]
+    rows = [
+        [
+            r["variant"],
+            f"{r['bytes_per_step']['node'] / 1e6:.2f}",
+            f"{r['step_time_s']:.2f}",
+            f"{base / r['step_time_s']:.2f}",
+        ]
+        for r in recs
+    ]
     return _md(["variant", "node MB/step", "step s", "ted_base / variant"], rows)
 
 
 def ted_sizes_table() -> str:
-    rows = [[str(r["G"]), str(r["E"]), *("—" if r[f"tensor_{t}"] is None else f"{r[f'tensor_{t}'] / 1e9:.1f}B"
-                                         for t in (1, 2, 4, 8))]
-            for r in _load("bench_ted.json")["eq_7_5_base_model_params_64GB"]]
-    return _md(["GCDs G", "experts E", "DeepSpeed-MoE (G_tensor 1)", "TED G_tensor 2", "TED G_tensor 4",
-                "TED G_tensor 8"], rows)
+    rows = [
+        [
+            str(r["G"]),
+            str(r["E"]),
+            *("—" if r[f"tensor_{t}"] is None else f"{r[f'tensor_{t}'] / 1e9:.1f}B" for t in (1, 2, 4, 8)),
+        ]
+        for r in _load("bench_ted.json")["eq_7_5_base_model_params_64GB"]
+    ]
+    return _md(
+        ["GCDs G", "experts E", "DeepSpeed-MoE (G_tensor 1)", "TED G_tensor 2", "TED G_tensor 4", "TED G_tensor 8"],
+        rows,
+    )
 
 
 def ledger_table() -> str:
     def us(v: float) -> str:
         return f"{v:,.0f}" if v >= 1000 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
 
-    rows = [[r["group"], f"{r['ranks']:,}", f"{r['first_call_us']:.1f}", f"{r['account_us']:.2f}",
-             f"{r['wrapper_us']:.2f}", us(r["uncached_us"])] for r in _load("bench_ledger.json")["records"]]
-    return _md(["group", "ranks", "first call µs", "then per call µs (`account`)", "whole torch.distributed wrapper µs",
-                "per-call level as before µs"], rows)
+    rows = [
+        [
+            r["group"],
+            f"{r['ranks']:,}",
+            f"{r['first_call_us']:.1f}",
+            f"{r['account_us']:.2f}",
+            f"{r['wrapper_us']:.2f}",
+            us(r["uncached_us"]),
+        ]
+        for r in _load("bench_ledger.json")["records"]
+    ]
+    return _md(
+        [
+            "group",
+            "ranks",
+            "first call µs",
+            "then per call µs (`account`)",
+            "whole torch.distributed wrapper µs",
+            "per-call level as before µs",
+        ],
+        rows,
+    )
 
 
 def quant_table() -> str:
-    rows = [[f"int{r['bits']}", f"{r['numel']:,}", f"{r['encode_s'] * 1e3:.2f} vs {r['deepspeed_encode_s'] * 1e3:.1f}",
-             f"{r['encode_vs_deepspeed']:.1f}x", f"{r['decode_s'] * 1e3:.2f} vs {r['deepspeed_decode_s'] * 1e3:.2f}",
-             f"{r['decode_vs_deepspeed']:.1f}x", f"{r['encode_vs_memcpy']:.1f}", f"{r['compile_s']:.1f}"]
-            for r in _load("bench_quant.json")["records"]]
-    return _md(["bits", "elements", "encode ms (ds_ext vs DeepSpeed)", "encode vs DeepSpeed", "decode ms (ds_ext vs DeepSpeed)",
-                "decode vs DeepSpeed", "encode / memcpy", "compile s"], rows)
+    rows = [
+        [
+            f"int{r['bits']}",
+            f"{r['numel']:,}",
+            f"{r['encode_s'] * 1e3:.2f} vs {r['deepspeed_encode_s'] * 1e3:.1f}",
+            f"{r['encode_vs_deepspeed']:.1f}x",
+            f"{r['decode_s'] * 1e3:.2f} vs {r['deepspeed_decode_s'] * 1e3:.2f}",
+            f"{r['decode_vs_deepspeed']:.1f}x",
+            f"{r['encode_vs_memcpy']:.1f}",
+            f"{r['compile_s']:.1f}",
+        ]
+        for r in _load("bench_quant.json")["records"]
+    ]
+    return _md(
+        [
+            "bits",
+            "elements",
+            "encode ms (ds_ext vs DeepSpeed)",
+            "encode vs DeepSpeed",
+            "decode ms (ds_ext vs DeepSpeed)",
+            "decode vs DeepSpeed",
+            "encode / memcpy",
+            "compile s",
+        ],
+        rows,
+    )
 
 
 def quant_cuda_table() -> str:
@@ -317,24 +515,49 @@ def quant_cuda_table() -> str:
         exp = r["numel"].bit_length() - 1
         n = f"2^{exp}" if r["numel"] == 2**exp else f"{r['numel']:,}"
         st = r["stream"]
-        rows.append([n, str(r["bits"]),
-                     f"{r['encode_vs_deepspeed']:.2f}x ({r['encode_s'] * 1e3:.3f} vs {r['deepspeed_encode_s'] * 1e3:.3f} ms)",
-                     f"{r['encode_checked_vs_deepspeed']:.2f}x",
-                     f"{r['decode_vs_deepspeed']:.2f}x ({r['decode_s'] * 1e3:.3f} vs {r['deepspeed_decode_s'] * 1e3:.3f} ms)",
-                     f"{st['encode_vs_deepspeed']:.2f}x / {st['decode_vs_deepspeed']:.2f}x (x{st['calls']})",
-                     f"{r['encode_vs_copy']:.2f}", f"{r['encode_vs_eager']:.1f}x"])
-    return _md(["elements", "bits", "encode vs DeepSpeed (gradient path, one call)", "weight path (checked)",
-                "decode vs DeepSpeed (one call)", "back to back: encode / decode vs DeepSpeed", "encode / copy",
-                "one launch vs eager encode"], rows)
+        rows.append(
+            [
+                n,
+                str(r["bits"]),
+                f"{r['encode_vs_deepspeed']:.2f}x ({r['encode_s'] * 1e3:.3f} vs {r['deepspeed_encode_s'] * 1e3:.3f} ms)",
+                f"{r['encode_checked_vs_deepspeed']:.2f}x",
+                f"{r['decode_vs_deepspeed']:.2f}x ({r['decode_s'] * 1e3:.3f} vs {r['deepspeed_decode_s'] * 1e3:.3f} ms)",
+                f"{st['encode_vs_deepspeed']:.2f}x / {st['decode_vs_deepspeed']:.2f}x (x{st['calls']})",
+                f"{r['encode_vs_copy']:.2f}",
+                f"{r['encode_vs_eager']:.1f}x",
+            ]
+        )
+    return _md(
+        [
+            "elements",
+            "bits",
+            "encode vs DeepSpeed (gradient path, one call)",
+            "weight path (checked)",
+            "decode vs DeepSpeed (one call)",
+            "back to back: encode / decode vs DeepSpeed",
+            "encode / copy",
+            "one launch vs eager encode",
+        ],
+        rows,
+    )
 
 
 def tiled_step_cuda_table() -> str:
     data = _load("gpu/bench_tiled_step_cuda.json")
-    rows = [[r["variant"], f"{r['step_s'] * 1e3:.2f}", f"{r['time_vs_untiled']:.3f}x",
-             f"{r['peak_bytes'] / 2**20:,.0f}", f"{r['peak_vs_untiled']:.3f}x",
-             "yes" if r["bit_identical_to_untiled"] else "NO"] for r in data["records"]]
-    return _md(["variant", "step ms (median)", "time vs untiled", "step peak MiB", "peak vs untiled",
-                "bits = untiled"], rows)
+    rows = [
+        [
+            r["variant"],
+            f"{r['step_s'] * 1e3:.2f}",
+            f"{r['time_vs_untiled']:.3f}x",
+            f"{r['peak_bytes'] / 2**20:,.0f}",
+            f"{r['peak_vs_untiled']:.3f}x",
+            "yes" if r["bit_identical_to_untiled"] else "NO",
+        ]
+        for r in data["records"]
+    ]
+    return _md(
+        ["variant", "step ms (median)", "time vs untiled", "step peak MiB", "peak vs untiled", "bits = untiled"], rows
+    )
 
 
 PCCL_SIZES = (4 << 10, 64 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20, 64 << 20)
@@ -367,12 +590,24 @@ def pccl_table() -> str:
             c = d["crossover"][layout][op]
             median = "none" if c["measured_size_median"] is None else _human(c["measured_size_median"])
             rows.append([layout.replace("x", " x "), label, *cells, _crossover(c), median])
-    return _md(["layout", "operation", *(_human(s) for s in PCCL_SIZES), "crossover measured / predicted",
-                "medians' crossover"], rows)
+    return _md(
+        [
+            "layout",
+            "operation",
+            *(_human(s) for s in PCCL_SIZES),
+            "crossover measured / predicted",
+            "medians' crossover",
+        ],
+        rows,
+    )
 
 
-PCCL_RUNS = (("committed", "bench_pccl_netns.json"), ("repeat", "bench_pccl_netns_repeat.json"),
-             ("repeat 2", "bench_pccl_netns_repeat2.json"), ("repeat 3", "bench_pccl_netns_repeat3.json"))
+PCCL_RUNS = (
+    ("committed", "bench_pccl_netns.json"),
+    ("repeat", "bench_pccl_netns_repeat.json"),
+    ("repeat 2", "bench_pccl_netns_repeat2.json"),
+    ("repeat 3", "bench_pccl_netns_repeat3.json"),
+)
 
 
 def pccl_repeats_table() -> str:
@@ -386,8 +621,9 @@ def pccl_repeats_table() -> str:
                 c = d["crossover"][lay][op]
                 cells.append(_crossover(c, short=True) + ("" if c["agrees"] else ", misses"))
         rows.append([label, lat, *cells])
-    head = ["run", "step latency 8 x 1 / 4 x 2"] + [f"{lay.replace('x', ' x ')} {label}" for lay in ("8x1", "4x2")
-                                                      for label in OPS.values()]
+    head = ["run", "step latency 8 x 1 / 4 x 2"] + [
+        f"{lay.replace('x', ' x ')} {label}" for lay in ("8x1", "4x2") for label in OPS.values()
+    ]
     return _md(head, rows)
 
 

@@ -65,9 +65,21 @@ def initialize(
     """
     from ds_ext.integration.initialize import initialize as _initialize
 
-    return _initialize(args, model, optimizer, model_parameters, training_data, lr_scheduler,
-                       config=config, config_params=config_params, dist_init_required=dist_init_required,
-                       distributed_port=distributed_port, mpu=mpu, collate_fn=collate_fn, mesh_param=mesh_param)
+    return _initialize(
+        args,
+        model,
+        optimizer,
+        model_parameters,
+        training_data,
+        lr_scheduler,
+        config=config,
+        config_params=config_params,
+        dist_init_required=dist_init_required,
+        distributed_port=distributed_port,
+        mpu=mpu,
+        collate_fn=collate_fn,
+        mesh_param=mesh_param,
+    )
 
 
 def patch_deepspeed() -> None:

@@ -30,8 +30,10 @@ from ds_ext.planner import command as planner_command
 from ds_ext.planner.command import ArgumentError
 from ds_ext.topology import PRESET_NAMES, Topology, detect_environment, preset_levels
 
-DESCRIPTION = ("Topology-aware extensions for DeepSpeed: show the topology and process groups, plan and simulate "
-               "parallel layouts, run a DeepSpeed script with ds_ext active, consolidate checkpoints, benchmark.")
+DESCRIPTION = (
+    "Topology-aware extensions for DeepSpeed: show the topology and process groups, plan and simulate "
+    "parallel layouts, run a DeepSpeed script with ds_ext active, consolidate checkpoints, benchmark."
+)
 EPILOG = "Run 'ds-ext COMMAND --help' for a command's options. Errors: one line on stderr, exit status 2."
 
 EMULATE_MESSAGE_MB = 16.0
@@ -56,12 +58,19 @@ def cmd_detect(ns: argparse.Namespace) -> int:
     from ds_ext.topology import resolve_topology
 
     job = detect_environment()
-    block = {"preset": ns.preset, "sizes": planner_command.parse_sizes(ns.size), "emulate": ns.emulate or ns.world_size is not None}
+    block = {
+        "preset": ns.preset,
+        "sizes": planner_command.parse_sizes(ns.size),
+        "emulate": ns.emulate or ns.world_size is not None,
+    }
     topo_cfg = cfgmod.parse({"topology": block}).topology
     world = ns.world_size or job.world_size
     topo = resolve_topology(topo_cfg, world, job)
-    lines = [topo.describe(), f"launcher: {job.source}, world {job.world_size}, rank {job.rank}, local size "
-             f"{job.local_size}, nodes {job.num_nodes}, visible devices {list(job.visible_devices)}"]
+    lines = [
+        topo.describe(),
+        f"launcher: {job.source}, world {job.world_size}, rank {job.rank}, local size "
+        f"{job.local_size}, nodes {job.num_nodes}, visible devices {list(job.visible_devices)}",
+    ]
     ranks = range(topo.world_size) if ns.all else [job.rank if ns.rank is None else ns.rank]
     for r in ranks:
         lines += _rank_lines(topo, r)
@@ -110,8 +119,9 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         return planner_command.run_tune(ns)
     given = [f"--{k.replace('_', '-')}" for k in planner_command.TUNE_RANKING[:-1] if getattr(ns, k) is not None]
     if given:
-        raise planner_command.ArgumentError(f"--measure: takes no {' '.join(given)} (they rank grids; --measure "
-                                            "writes the bandwidth database)")
+        raise planner_command.ArgumentError(
+            f"--measure: takes no {' '.join(given)} (they rank grids; --measure writes the bandwidth database)"
+        )
     if ns.network == "netns":
         return _tune_measure_netns(ns)
     from ds_ext.local_world import World
@@ -121,8 +131,9 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     block = {"preset": preset, "sizes": planner_command.parse_sizes(ns.size), "emulate": True}
     Topology.build(preset_levels(preset), ns.world, preset, block["sizes"])  # refuse a bad world before starting
     with World(ns.world) as world:
-        db = world.run(tune_measure_on_rank, block, int((ns.message_MB or EMULATE_MESSAGE_MB) * 2**20), True,
-                       ns.time_scale)[0]
+        db = world.run(
+            tune_measure_on_rank, block, int((ns.message_MB or EMULATE_MESSAGE_MB) * 2**20), True, ns.time_scale
+        )[0]
     print(json.dumps(db, indent=2))
     if ns.out:
         Path(ns.out).write_text(json.dumps(db, indent=2) + "\n")
@@ -173,8 +184,9 @@ def _checkpoint_dir(p: Path, tag: str | None) -> Path:
     if tag is None and (any(p.glob(ckpt.SHARD_FILE.replace("{rank:05d}", "*"))) or ckpt.model_parallel_parts(p)):
         return p
     if tag is None and not (p / ckpt.LATEST).is_file():
-        raise ckpt.CheckpointError(f"checkpoint directory {p} has no '{ckpt.LATEST}' file and no shards; "
-                                   "pass --tag TAG, or the tag directory")
+        raise ckpt.CheckpointError(
+            f"checkpoint directory {p} has no '{ckpt.LATEST}' file and no shards; pass --tag TAG, or the tag directory"
+        )
     return ckpt.resolve_tag_dir(p, tag)
 
 
@@ -196,16 +208,20 @@ def cmd_pmm_checkpoint(ns: argparse.Namespace, tag_dir: Path) -> int:
 
     record = pmm_ckpt.read_record(tag_dir)
     if ns.action == "inspect":
-        print(f"3D-PMM checkpoint {tag_dir}: grid {record['grid']}, {len(record['params'])} parameters, "
-              f"optimizer state: {record['optimizer']}, Hugging Face: {(record['hf'] or {}).get('class')}")
+        print(
+            f"3D-PMM checkpoint {tag_dir}: grid {record['grid']}, {len(record['params'])} parameters, "
+            f"optimizer state: {record['optimizer']}, Hugging Face: {(record['hf'] or {}).get('class')}"
+        )
         return 0
     state = pmm_ckpt.consolidate(tag_dir)
     torch.save(state, ns.out)
     if ns.hf_dir:
         pmm_ckpt.save_pretrained(tag_dir, state, ns.hf_dir)
     n = sum(t.numel() for t in state.values())
-    print(f"wrote {ns.out}: {len(state)} tensors, {n:,} parameters of the serial model from {tag_dir} "
-          f"(3D-PMM grid {record['grid']})" + (f"; Hugging Face save_pretrained in {ns.hf_dir}" if ns.hf_dir else ""))
+    print(
+        f"wrote {ns.out}: {len(state)} tensors, {n:,} parameters of the serial model from {tag_dir} "
+        f"(3D-PMM grid {record['grid']})" + (f"; Hugging Face save_pretrained in {ns.hf_dir}" if ns.hf_dir else "")
+    )
     return 0
 
 
@@ -261,8 +277,10 @@ def _ted_lines(topo: Topology, spec: str, rank: int) -> list[str]:
         raise ArgumentError(f"--ted expects TENSOR,EXPERT[,EXPERT_DATA], got {spec!r}")
     layout = TEDLayout.build(topo.world_size, *map(int, degrees))
     layout.check_placement(topo)
-    lines = [f"TED G_tensor={layout.tensor} x G_expert={layout.expert} x G_data^exp={layout.expert_data} "
-             f"(G_data^nonexp={layout.nonexp_data})"]
+    lines = [
+        f"TED G_tensor={layout.tensor} x G_expert={layout.expert} x G_data^exp={layout.expert_data} "
+        f"(G_data^nonexp={layout.nonexp_data})"
+    ]
     for kind, level in layout.levels(topo, rank).items():
         lines.append(f"  {kind:<11}  {list(member_group(layout.partition(kind), rank))}  {level or '-'}")
     return lines
@@ -289,23 +307,50 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     d.add_argument("--emulate", action="store_true", help="ignore the launcher's ranks per node")
     d.add_argument("--rank", type=_rank, default=None, help="show this rank instead of the caller")
     d.add_argument("--all", action="store_true", help="show every rank")
-    d.add_argument("--grid", type=_parse_grid, default=None, metavar="X,Y,Z,DATA",
-                   help="also show the topology level each 3D-PMM grid axis spans")
-    d.add_argument("--ted", default=None, metavar="T,P[,D]",
-                   help="also show the TED groups (tensor, expert, expert-data, data) and their levels")
+    d.add_argument(
+        "--grid",
+        type=_parse_grid,
+        default=None,
+        metavar="X,Y,Z,DATA",
+        help="also show the topology level each 3D-PMM grid axis spans",
+    )
+    d.add_argument(
+        "--ted",
+        default=None,
+        metavar="T,P[,D]",
+        help="also show the TED groups (tensor, expert, expert-data, data) and their levels",
+    )
     d.set_defaults(func=cmd_detect)
-    t = sub.add_parser("tune", help="rank the 3D-PMM grids of a model (001 §5.1.2) as plan --families pmm3d does; "
-                                     "--measure: bandwidth database")
+    t = sub.add_parser(
+        "tune",
+        help="rank the 3D-PMM grids of a model (001 §5.1.2) as plan --families pmm3d does; "
+        "--measure: bandwidth database",
+    )
     planner_command.add_tune_arguments(t)
-    t.add_argument("--measure", action="store_true",
-                   help="measure the database on --world local ranks with alpha-beta emulation of --machine's levels")
-    t.add_argument("--message-MB", type=float, default=None,
-                   help=f"--measure: message size (default {EMULATE_MESSAGE_MB:g} emulated, {NETNS_MESSAGE_MB:g} netns)")
-    t.add_argument("--time-scale", type=float, default=3000.0,
-                   help="--measure: stretch emulated link times so they dominate gloo's own (results are scaled back)")
-    t.add_argument("--network", choices=("emulate", "netns"), default="emulate",
-                   help="--measure on: emulate (alpha-beta sleeps of --machine's levels, local ranks) or netns (an emulated "
-                        "cluster of --nodes network namespaces with shaped links: measured, not modelled)")
+    t.add_argument(
+        "--measure",
+        action="store_true",
+        help="measure the database on --world local ranks with alpha-beta emulation of --machine's levels",
+    )
+    t.add_argument(
+        "--message-MB",
+        type=float,
+        default=None,
+        help=f"--measure: message size (default {EMULATE_MESSAGE_MB:g} emulated, {NETNS_MESSAGE_MB:g} netns)",
+    )
+    t.add_argument(
+        "--time-scale",
+        type=float,
+        default=3000.0,
+        help="--measure: stretch emulated link times so they dominate gloo's own (results are scaled back)",
+    )
+    t.add_argument(
+        "--network",
+        choices=("emulate", "netns"),
+        default="emulate",
+        help="--measure on: emulate (alpha-beta sleeps of --machine's levels, local ranks) or netns (an emulated "
+        "cluster of --nodes network namespaces with shaped links: measured, not modelled)",
+    )
     cluster_command.add_cluster_arguments(t, ranks_per_node=False)
     t.set_defaults(func=cmd_tune)
     pl = sub.add_parser("plan", help="memory, bytes per level and step time of every plan of a model; the best two")
@@ -314,28 +359,41 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     sm = sub.add_parser("simulate", help="sweep models x nodes x plans: predicted TFLOPS per GCD, scaling efficiency")
     planner_command.add_simulate_arguments(sm)
     sm.set_defaults(func=planner_command.run_simulate)
-    s = sub.add_parser("schema", help="print the JSON schema of the \"ds_ext\" block")
+    s = sub.add_parser("schema", help='print the JSON schema of the "ds_ext" block')
     s.set_defaults(func=cmd_schema)
-    sub.add_parser("run", help="run an unmodified DeepSpeed script with ds_ext active (python -m ds_ext.run); "
-                               "'ds-ext run --help' for its usage", add_help=False)
-    a = sub.add_parser("autoload-path", help="print the directory to put on PYTHONPATH to activate ds_ext in "
-                                            "every process (launchers that build the rank command themselves)")
+    sub.add_parser(
+        "run",
+        help="run an unmodified DeepSpeed script with ds_ext active (python -m ds_ext.run); "
+        "'ds-ext run --help' for its usage",
+        add_help=False,
+    )
+    a = sub.add_parser(
+        "autoload-path",
+        help="print the directory to put on PYTHONPATH to activate ds_ext in "
+        "every process (launchers that build the rank command themselves)",
+    )
     a.set_defaults(func=cmd_autoload_path)
     c = sub.add_parser("checkpoint", help="consolidate or inspect a ZeRO-topo or 3D-PMM checkpoint")
     csub = c.add_subparsers(dest="action", required=True)
     cc = csub.add_parser("consolidate", help="write the full fp32 state dict (torch.load(..., weights_only=True))")
     cc.add_argument("ckpt_dir", help="the save directory (uses its 'latest') or a tag directory")
     cc.add_argument("out", help="output file")
-    cc.add_argument("--hf-dir", default=None, help="3D-PMM checkpoint of a Hugging Face model: also write a "
-                                                   "save_pretrained directory here")
+    cc.add_argument(
+        "--hf-dir",
+        default=None,
+        help="3D-PMM checkpoint of a Hugging Face model: also write a save_pretrained directory here",
+    )
     ci = csub.add_parser("inspect", help="print what a checkpoint holds")
     ci.add_argument("ckpt_dir", help="the save directory (uses its 'latest') or a tag directory")
     for sp in (cc, ci):
         sp.add_argument("--tag", default=None, help="tag to use instead of 'latest'")
         sp.set_defaults(func=cmd_checkpoint)
-    cl = sub.add_parser("cluster", help="run a command on the ranks of an emulated cluster: nodes as network "
-                                        "namespaces with tc-shaped links", description=cluster_command.__doc__,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    cl = sub.add_parser(
+        "cluster",
+        help="run a command on the ranks of an emulated cluster: nodes as network namespaces with tc-shaped links",
+        description=cluster_command.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cluster_command.add_arguments(cl)
     cl.set_defaults(func=cluster_command.cmd_cluster)
     b = sub.add_parser("bench", help="run a benchmark (writes JSON and a PNG)")
@@ -347,8 +405,12 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
             bsub.add_parser(name)
             continue
         mod = importlib.import_module(f"ds_ext.bench.{name}")
-        bp = bsub.add_parser(name, help=mod.__doc__.splitlines()[0], description=mod.__doc__,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        bp = bsub.add_parser(
+            name,
+            help=mod.__doc__.splitlines()[0],
+            description=mod.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         mod.add_arguments(bp)
         bp.set_defaults(func=mod.run)
     return p

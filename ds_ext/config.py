@@ -71,9 +71,7 @@ class TopologyConfig(ConfigSection):
     levels: list[LevelConfig] | None = Field(
         None, description="Generic hierarchy, innermost first (instead of 'preset')."
     )
-    sizes: dict[str, int] = Field(
-        default_factory=dict, description="Override level sizes by name, e.g. {'gpu': 2}."
-    )
+    sizes: dict[str, int] = Field(default_factory=dict, description="Override level sizes by name, e.g. {'gpu': 2}.")
     emulate: bool = Field(
         False,
         description="Impose the hierarchy on the ranks by rank order (one host emulating many nodes) "
@@ -166,8 +164,15 @@ def _key_path(model: type[BaseModel], loc: tuple) -> tuple[list[str], type[BaseM
     for part in loc:
         members = _members(annotation)
         if len(members) > 1:  # ``part`` tags the member that failed: a section's name, 'list[str]', ...
-            annotation = next((m for m in members if (_is_model(m) and m.__name__ == part) or (
-                get_origin(m) in (list, dict) and str(part).startswith(f"{get_origin(m).__name__}["))), None)
+            annotation = next(
+                (
+                    m
+                    for m in members
+                    if (_is_model(m) and m.__name__ == part)
+                    or (get_origin(m) in (list, dict) and str(part).startswith(f"{get_origin(m).__name__}["))
+                ),
+                None,
+            )
             continue
         annotation = members[0]
         path.append(str(part))
@@ -205,7 +210,10 @@ def _format_error(model: type[BaseModel], err: ValidationError) -> str:
             key, text = "", f"unknown key; allowed keys: {allowed}"
         elif e["type"] == "model_type" and _is_model(annotation):
             got = e.get("input")
-            key, text = "", f"Input should be an object with keys {', '.join(sorted(annotation.model_fields))} (got {got!r})"
+            key, text = (
+                "",
+                f"Input should be an object with keys {', '.join(sorted(annotation.model_fields))} (got {got!r})",
+            )
         else:
             key, text = _message(e)
         found.setdefault(".".join([BLOCK, *path, *([key] if key else [])]), []).append(text)
@@ -253,7 +261,9 @@ def load_ds_config(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     except OSError:  # a base64 config longer than a file name may be
         exists = is_dir = False
     if is_dir:
-        raise DsExtConfigError(f"ds_config {str(path)!r} is a directory; allowed: a JSON file, a dict or a base64 JSON string")
+        raise DsExtConfigError(
+            f"ds_config {str(path)!r} is a directory; allowed: a JSON file, a dict or a base64 JSON string"
+        )
     if exists:
         source, text = f"ds_config file {str(path)!r}", path.read_text()
         if not text.strip():
@@ -320,8 +330,4 @@ def json_schema() -> dict[str, Any]:
 
 def plugin_configs(cfg: BaseModel) -> dict[str, PluginConfig]:
     """The plugin sections of a parsed block, by plugin name."""
-    return {
-        name: getattr(cfg, name)
-        for name in type(cfg).model_fields
-        if isinstance(getattr(cfg, name), PluginConfig)
-    }
+    return {name: getattr(cfg, name) for name in type(cfg).model_fields if isinstance(getattr(cfg, name), PluginConfig)}

@@ -53,8 +53,10 @@ class ByteCorpus:
                 break
         blob = b"".join(chunks)[:max_bytes]
         if len(blob) < 1024:
-            raise DsExtSetupError(f"found only {len(blob)} bytes of Python sources under {root}; pass root=, "
-                                  "a directory holding .py files")
+            raise DsExtSetupError(
+                f"found only {len(blob)} bytes of Python sources under {root}; pass root=, "
+                "a directory holding .py files"
+            )
         self.tokens = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
     def __len__(self) -> int:

@@ -34,5 +34,6 @@ def require_extra(module: str, what: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError:
-        raise MissingExtraError(f"{what}: {module.split('.')[0]} is not installed; it is an extra of ds_ext: pip "
-                                "install 'ds_ext[bench]'") from None
+        raise MissingExtraError(
+            f"{what}: {module.split('.')[0]} is not installed; it is an extra of ds_ext: pip install 'ds_ext[bench]'"
+        ) from None

@@ -49,6 +49,7 @@ class GroupRegistry:
 
     def __init__(self, topology: Topology, timeout_s: float | None = None) -> None:
         import torch.distributed as dist  # here, not at the top: the planner imports this module without torch
+
         if dist.is_initialized() and dist.get_world_size() != topology.world_size:
             raise TopologyError(
                 f"world size {dist.get_world_size()} does not match topology "
@@ -65,6 +66,7 @@ class GroupRegistry:
     def group(self, partition: Partition) -> object:
         """This rank's process group of ``partition`` (created collectively once)."""
         import torch.distributed as dist
+
         pg = self._by_partition.get(partition)
         if pg is not None:
             return pg
@@ -96,6 +98,7 @@ class GroupRegistry:
     def make_p2p_downward(self) -> object:
         """Make :meth:`p2p_downward` now (once). Collective over the world."""
         import torch.distributed as dist
+
         if self._downward is None:
             self._downward = dist.new_group(list(range(self.topology.world_size)), timeout=self.timeout)
         return self._downward
@@ -111,6 +114,7 @@ class GroupRegistry:
     def ranks(self, group: object | None) -> tuple[int, ...]:
         """Global ranks of ``group`` (None or WORLD: all ranks), ascending."""
         import torch.distributed as dist
+
         if group is None or group is dist.group.WORLD:
             return tuple(range(self.topology.world_size))
         ranks = self._ranks.get(group)
@@ -123,6 +127,7 @@ class GroupRegistry:
         """Outermost topology level the group crosses (None for one rank); computed once
         per group."""
         import torch.distributed as dist
+
         key = dist.group.WORLD if group is None else group
         try:
             return self._levels[key]
@@ -133,6 +138,7 @@ class GroupRegistry:
     def group_rank(self, group: object | None) -> int:
         """This rank's position in ``group`` (cached per group)."""
         import torch.distributed as dist
+
         key = dist.group.WORLD if group is None else group
         try:
             return self._group_rank[key]
@@ -238,8 +244,13 @@ def build_process_groups(registry: GroupRegistry, layout: Layout, rank: int) -> 
     an optional group of one rank is skipped) and return this rank's bundle (:class:`TEDGroups`
     for TED, :class:`GridGroups` for a 3D-PMM grid: the groups as typed fields)."""
     if layout.world_size != registry.topology.world_size:
-        raise GroupError(f"{layout.NAME} layout of {layout.world_size} ranks on a topology of "
-                         f"{registry.topology.world_size}")
-    groups = {name: None if name in layout.OPTIONAL and layout.parallel_dims.size(*axes) == 1
-              else registry.group(layout.partition(name)) for name, axes in layout.GROUPS.items()}
+        raise GroupError(
+            f"{layout.NAME} layout of {layout.world_size} ranks on a topology of {registry.topology.world_size}"
+        )
+    groups = {
+        name: None
+        if name in layout.OPTIONAL and layout.parallel_dims.size(*axes) == 1
+        else registry.group(layout.partition(name))
+        for name, axes in layout.GROUPS.items()
+    }
     return BUNDLES.get(type(layout), ProcessGroups)(layout, rank, groups)

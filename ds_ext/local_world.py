@@ -61,6 +61,8 @@ def mp_context():
     """The ``multiprocessing`` context World starts its ranks with: a forkserver that has
     imported torch (processes started by it skip that import)."""
     return _CTX
+
+
 PG_TIMEOUT_S = 90
 GRACE_AFTER_ERROR_S = 10
 GRACE_AFTER_DEATH_S = 2  # the others wait for the dead rank: no more answers will come
@@ -77,9 +79,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, env: dict[str, str], store: str, tasks, results,
-            setup: Callable[[], None] | None = None, parent_env: dict[str, str] | None = None,
-            backend: str = "gloo") -> None:
+def _worker(
+    rank: int,
+    world_size: int,
+    env: dict[str, str],
+    store: str,
+    tasks,
+    results,
+    setup: Callable[[], None] | None = None,
+    parent_env: dict[str, str] | None = None,
+    backend: str = "gloo",
+) -> None:
     if setup is not None:
         setup()
     # the objects inherited from the forkserver (modules: half a million objects once DeepSpeed
@@ -100,7 +110,10 @@ def _worker(rank: int, world_size: int, env: dict[str, str], store: str, tasks, 
         if env.get("DS_ACCELERATOR") == "cuda":  # every rank on one device when there are fewer devices than ranks
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
+            backend,
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=PG_TIMEOUT_S),
         )
         results.put((rank, "ready", None))
@@ -124,10 +137,16 @@ def _worker(rank: int, world_size: int, env: dict[str, str], store: str, tasks, 
 class World:
     """Persistent pool of ``world_size`` gloo ranks (see module docstring)."""
 
-    def __init__(self, world_size: int, env: dict[str, str] | None = None, timeout: float = 300,
-                 rank_env: list[dict[str, str]] | None = None,
-                 rank_setup: list[Callable[[], None] | None] | None = None,
-                 backend: str = "gloo", accelerator: str = "cpu") -> None:
+    def __init__(
+        self,
+        world_size: int,
+        env: dict[str, str] | None = None,
+        timeout: float = 300,
+        rank_env: list[dict[str, str]] | None = None,
+        rank_setup: list[Callable[[], None] | None] | None = None,
+        backend: str = "gloo",
+        accelerator: str = "cpu",
+    ) -> None:
         self.world_size = world_size
         self.backend = backend
         self.timeout = timeout
@@ -153,8 +172,17 @@ class World:
         self._procs = [
             _CTX.Process(
                 target=_worker,
-                args=(r, self.world_size, {**env, **self.rank_env[r]}, store, self._tasks[r], self._results,
-                      self.rank_setup[r], dict(os.environ), self.backend),
+                args=(
+                    r,
+                    self.world_size,
+                    {**env, **self.rank_env[r]},
+                    store,
+                    self._tasks[r],
+                    self._results,
+                    self.rank_setup[r],
+                    dict(os.environ),
+                    self.backend,
+                ),
                 daemon=True,
             )
             for r in range(self.world_size)
@@ -187,15 +215,20 @@ class World:
             self.close()
             if errors:
                 detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
-                raise RankError(f"{what} failed on ranks {sorted(errors)}"
-                                f"{f'; ranks {missing} did not answer' if missing else ''}\n{detail}")
+                raise RankError(
+                    f"{what} failed on ranks {sorted(errors)}"
+                    f"{f'; ranks {missing} did not answer' if missing else ''}\n{detail}"
+                )
             raise TimeoutError(f"{what}: ranks {missing} did not finish within {timeout:.0f} s")
         return [out[r] for r in range(self.world_size)]
 
     def _dead(self, answered: set[int]) -> dict[int, str]:
         """Ranks that have not answered and whose process has exited, with its exit code."""
-        return {r: f"process exited with code {p.exitcode} without answering (its stderr above)"
-                for r, p in enumerate(self._procs) if r not in answered and p.exitcode is not None}
+        return {
+            r: f"process exited with code {p.exitcode} without answering (its stderr above)"
+            for r, p in enumerate(self._procs)
+            if r not in answered and p.exitcode is not None
+        }
 
     def run(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank; per-rank results in rank order."""

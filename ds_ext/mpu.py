@@ -37,6 +37,7 @@ class MegatronMPU:
     @classmethod
     def over(cls, groups: "ProcessGroups", tensor: str = "tensor", data: str = "data") -> "MegatronMPU":
         """The mpu over two named groups of a plugin's bundle (:func:`ds_ext.groups.build_process_groups`)."""
+
         def side(name: str) -> ParallelGroup:
             return ParallelGroup(groups[name], groups.size(name), groups.rank(name), groups.ranks(name))
 
@@ -82,8 +83,10 @@ def model_parallel_sizes(mpu: Any) -> dict[str, Any]:
     size 1 when they run pure data parallelism); an mpu that reports none counts as
     model-parallel ('unknown')."""
     sizes: dict[str, Any] = {}
-    for name, getters in (("tensor parallel", ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")),
-                          ("pipeline parallel", ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size"))):
+    for name, getters in (
+        ("tensor parallel", ("get_tensor_model_parallel_world_size", "get_model_parallel_world_size")),
+        ("pipeline parallel", ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size")),
+    ):
         getter = next((getattr(mpu, g) for g in getters if callable(getattr(mpu, g, None))), None)
         if getter is not None:
             sizes[name] = getter()

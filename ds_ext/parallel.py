@@ -51,9 +51,15 @@ class ParallelDims:
     axes: tuple[tuple[str, int], ...]
 
     @classmethod
-    def build(cls, degrees: Sequence[tuple[str, int | None]], world_size: int, owner: str = "parallel",
-              keys: Mapping[str, str] | None = None, note: str = "",
-              error: type[GroupError] | None = None) -> "ParallelDims":
+    def build(
+        cls,
+        degrees: Sequence[tuple[str, int | None]],
+        world_size: int,
+        owner: str = "parallel",
+        keys: Mapping[str, str] | None = None,
+        note: str = "",
+        error: type[GroupError] | None = None,
+    ) -> "ParallelDims":
         """Resolve at most one ``None`` degree from ``world_size`` and check the product: the one
         validator of every layout (Megatron's mpu, TED, 3D-PMM). Errors are one line that names
         ``owner`` and each degree by its config key (``keys``, default the axis name), then
@@ -175,8 +181,7 @@ class Layout:
 
     def levels(self, topo: Topology, rank: int) -> dict[str, str | None]:
         """The outermost topology level each named group of ``rank`` spans (None: one rank)."""
-        return {g: topo.level_of(member_group(self.partition(g), rank)) for g in self.GROUPS
-                if g not in self.AUXILIARY}
+        return {g: topo.level_of(member_group(self.partition(g), rank)) for g in self.GROUPS if g not in self.AUXILIARY}
 
 
 # ---- TED: tensor x expert x data parallelism (001 §7.1) ---------------------------------
@@ -193,6 +198,7 @@ class Layout:
 # G_tensor divides it), and an expert group the G_expert ranks of stride G_tensor next to
 # it: the smallest domain the all-to-all can stay in once the tensor groups are placed.
 
+
 @dataclass(frozen=True)
 class TEDLayout(Layout):
     """Validated TED degrees (Eq 7.1) and their named groups.
@@ -206,18 +212,27 @@ class TEDLayout(Layout):
     NAME: ClassVar[str] = "TED"
     AUXILIARY: ClassVar[frozenset[str]] = frozenset({"expert_replicas"})
     GROUPS: ClassVar[Mapping[str, tuple[str, ...]]] = {
-        "tensor": ("tensor",), "expert": ("expert",), "expert_data": ("expert_data",),
-        "data": ("expert", "expert_data"), "expert_replicas": ("tensor", "expert_data")}
+        "tensor": ("tensor",),
+        "expert": ("expert",),
+        "expert_data": ("expert_data",),
+        "data": ("expert", "expert_data"),
+        "expert_replicas": ("tensor", "expert_data"),
+    }
 
     parallel_dims: ParallelDims
 
     @classmethod
     def build(cls, world_size: int, tensor: int, expert: int, expert_data: int | None = None) -> "TEDLayout":
         """Check Eq 7.1 for ``world_size`` ranks; ``expert_data=None`` infers G_data^exp."""
-        return cls(ParallelDims.build(
-            (("tensor", tensor), ("expert", expert), ("expert_data", expert_data)), world_size, "ds_ext.ted",
-            keys={"tensor": "tensor_parallel", "expert": "expert_parallel", "expert_data": "expert_data_parallel"},
-            note=" (Eq 7.1: G_tensor x G_expert x G_data^exp = G)"))
+        return cls(
+            ParallelDims.build(
+                (("tensor", tensor), ("expert", expert), ("expert_data", expert_data)),
+                world_size,
+                "ds_ext.ted",
+                keys={"tensor": "tensor_parallel", "expert": "expert_parallel", "expert_data": "expert_data_parallel"},
+                note=" (Eq 7.1: G_tensor x G_expert x G_data^exp = G)",
+            )
+        )
 
     @property
     def tensor(self) -> int:
@@ -253,6 +268,7 @@ class TEDLayout(Layout):
 
 # ---- 3D-PMM: the 4D grid X x Y x Z x data (001 §5.1.1, §5.1.2) ---------------------------
 
+
 class GridError(GroupError):
     """A grid that does not fit the world or the model; the message names the key."""
 
@@ -271,7 +287,12 @@ class Grid(Layout):
 
     NAME: ClassVar[str] = "3D-PMM"
     GROUPS: ClassVar[Mapping[str, tuple[str, ...]]] = {
-        "x": ("x",), "y": ("y",), "z": ("z",), "data": ("data",), "tensor": ("x", "y", "z")}
+        "x": ("x",),
+        "y": ("y",),
+        "z": ("z",),
+        "data": ("data",),
+        "tensor": ("x", "y", "z"),
+    }
     OPTIONAL: ClassVar[frozenset[str]] = frozenset({"x", "y", "z"})
 
     x: int = 1
@@ -301,6 +322,7 @@ class Grid(Layout):
 
 
 # ---- the job's layout: every parallel axis of one job, stated once ------------------------
+
 
 @dataclass(frozen=True)
 class JobLayout(Layout):
@@ -356,8 +378,14 @@ class JobLayout(Layout):
         """The job view of a plugin's layout: TED (tensor; data = expert x expert-data) or a
         3D-PMM grid (tensor = X x Y x Z; data)."""
         g = layout.GROUPS
-        return cls(layout.parallel_dims, tensor_axes=g["tensor"], data_axes=g["data"],
-                   expert_axes=g.get("expert", ()), expert_data_axes=g.get("expert_data", ()), source=source)
+        return cls(
+            layout.parallel_dims,
+            tensor_axes=g["tensor"],
+            data_axes=g["data"],
+            expert_axes=g.get("expert", ()),
+            expert_data_axes=g.get("expert_data", ()),
+            source=source,
+        )
 
     def check_groups(self, rank: int, groups: Mapping[str, Sequence[int]]) -> None:
         """Refuse an mpu whose groups (role -> this rank's member ranks) are not this layout's."""

@@ -42,7 +42,9 @@ def colours(names: Iterable[str]) -> dict[str, tuple[float, ...]]:
     return dict(zip(names, palette))
 
 
-def annotate_apart(ax: Axes, labels: Sequence[tuple[str, tuple[float, float]]], fontsize: float = 7) -> list[Annotation]:
+def annotate_apart(
+    ax: Axes, labels: Sequence[tuple[str, tuple[float, float]]], fontsize: float = 7
+) -> list[Annotation]:
     """Label points so that no two labels overlap: each label starts just above-right of its
     point and moves up until it is clear of the ones placed before (a thin line then joins it to
     its point). Call after the figure's layout is final (``tight_layout``): positions are
@@ -52,8 +54,14 @@ def annotate_apart(ax: Axes, labels: Sequence[tuple[str, tuple[float, float]]], 
     taken: list[Bbox] = []
     for text, xy in labels:
         for step in itertools.count():  # ends: high enough, a label clears every other
-            note = ax.annotate(text, xy, xytext=(3, 3 + LABEL_STEP_PT * step), textcoords="offset points",
-                               fontsize=fontsize, arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5") if step else None)
+            note = ax.annotate(
+                text,
+                xy,
+                xytext=(3, 3 + LABEL_STEP_PT * step),
+                textcoords="offset points",
+                fontsize=fontsize,
+                arrowprops=dict(arrowstyle="-", lw=0.4, color="0.5") if step else None,
+            )
             note.update_positions(renderer)
             box = Text.get_window_extent(note, renderer)  # the text alone, not its line
             if not any(box.overlaps(other) for other in taken):

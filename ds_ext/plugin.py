@@ -92,7 +92,11 @@ _REGISTRY: dict[str, type[Plugin]] = {}
 
 # Modules that register the built-in plugins when imported (one module per plugin).
 BUILTIN_PLUGIN_MODULES: tuple[str, ...] = (
-    "ds_ext.zero_topo.plugin", "ds_ext.optim.plugin", "ds_ext.pmm.plugin", "ds_ext.moe.plugin", "ds_ext.pccl.plugin"
+    "ds_ext.zero_topo.plugin",
+    "ds_ext.optim.plugin",
+    "ds_ext.pmm.plugin",
+    "ds_ext.moe.plugin",
+    "ds_ext.pccl.plugin",
 )
 # The order of the built-ins' hooks: the plugins that define the job's layout (3D-PMM, TED)
 # prepare first, so ZeRO-topo shards over the data axis of the model they converted, and attach
@@ -103,10 +107,11 @@ HOOK_ORDER: tuple[str, ...] = ("pmm3d", "ted", "zero_topo", "tiled_optimizer", "
 def register_plugin(cls: type[Plugin]) -> type[Plugin]:
     """Class decorator: make ``cls`` configurable as ``"ds_ext": {cls.name: {...}}``."""
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise PluginError(f"a ds_ext plugin named {cls.name!r} is already registered "
-                          f"({_REGISTRY[cls.name].__module__})")
+        raise PluginError(
+            f"a ds_ext plugin named {cls.name!r} is already registered ({_REGISTRY[cls.name].__module__})"
+        )
     if cls.name in ("topology", "comm"):
-        raise PluginError(f"plugin name {cls.name!r} is reserved (a section of the \"ds_ext\" block)")
+        raise PluginError(f'plugin name {cls.name!r} is reserved (a section of the "ds_ext" block)')
     _REGISTRY[cls.name] = cls
     return cls
 

@@ -6,9 +6,7 @@ from ds_ext.comm.ledger import Ledger
 from ds_ext.topology import GB, Topology
 
 
-def traffic_table(
-    ledger: Ledger, topology: Topology, model_bytes: int | None = None, skip: int = 0
-) -> str:
+def traffic_table(ledger: Ledger, topology: Topology, model_bytes: int | None = None, skip: int = 0) -> str:
     """Bytes and calls sent by this rank per optimizer step, one row per topology level.
 
     Means over the closed steps after the first ``skip``; the last column expresses the

@@ -50,8 +50,9 @@ class Runtime:
         for plugin in self.plugins:
             if plugin.name == name:
                 return plugin
-        raise cfgmod.DsExtConfigError(f"ds_ext.{name} is not enabled; enabled: "
-                                      f"{', '.join(p.name for p in self.plugins) or 'none'}")
+        raise cfgmod.DsExtConfigError(
+            f"ds_ext.{name} is not enabled; enabled: {', '.join(p.name for p in self.plugins) or 'none'}"
+        )
 
     @property
     def ledger(self) -> Ledger:
@@ -87,9 +88,15 @@ class Runtime:
         ledger.enabled = config.comm.ledger
         emulator = TimeEmulator(topology, config.comm.time_scale) if config.comm.emulate_time else None
         comm = Communicator(groups, ledger, emulator, config.comm.timeout_s, config.comm.algorithm, collectives)
-        runtime = cls(config, job, topology, groups, comm,
-                      initialize_kwargs=dict(initialize_kwargs or {}),
-                      parallel=JobLayout.data_parallel(topology.world_size))
+        runtime = cls(
+            config,
+            job,
+            topology,
+            groups,
+            comm,
+            initialize_kwargs=dict(initialize_kwargs or {}),
+            parallel=JobLayout.data_parallel(topology.world_size),
+        )
         sections = cfgmod.plugin_configs(config)
         for name, plugin in registered_plugins().items():  # in hook order
             if name in sections and sections[name].enabled:
@@ -105,15 +112,27 @@ class Runtime:
 
         cfg = self.config.comm
         plugins = [f"  {p.name}: {p.describe()}" for p in self.plugins] or ["  none enabled"]
-        spans = "; ".join(f"{name} {list(member_group(topology_partition(self.topology, 'span', name), self.rank))}"
-                          for name in self.topology.level_names)
-        comm = (f"ledger {'on' if cfg.ledger else 'off'}"
-                + (" (torch.distributed collectives counted too)" if cfg.ledger and cfg.count_torch_collectives else "")
-                + f", algorithm {cfg.algorithm}, timeout {cfg.timeout_s:g} s"
-                + (f", alpha-beta time emulation x{cfg.time_scale:g}" if cfg.emulate_time else ""))
+        spans = "; ".join(
+            f"{name} {list(member_group(topology_partition(self.topology, 'span', name), self.rank))}"
+            for name in self.topology.level_names
+        )
+        comm = (
+            f"ledger {'on' if cfg.ledger else 'off'}"
+            + (" (torch.distributed collectives counted too)" if cfg.ledger and cfg.count_torch_collectives else "")
+            + f", algorithm {cfg.algorithm}, timeout {cfg.timeout_s:g} s"
+            + (f", alpha-beta time emulation x{cfg.time_scale:g}" if cfg.emulate_time else "")
+        )
         layout = [f"parallel: {self.parallel.describe(self.topology)}"] if self.parallel else []
-        return "\n".join([f"ds_ext {__version__}: {self.topology.describe()}", *layout, "plugins:", *plugins,
-                          f"comm: {comm}", f"groups of rank {self.rank}: {spans}"])
+        return "\n".join(
+            [
+                f"ds_ext {__version__}: {self.topology.describe()}",
+                *layout,
+                "plugins:",
+                *plugins,
+                f"comm: {comm}",
+                f"groups of rank {self.rank}: {spans}",
+            ]
+        )
 
     def report(self, skip: int = 1) -> str:
         """The topology and the per-level traffic table (bytes per optimizer step)."""

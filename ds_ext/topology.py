@@ -87,9 +87,7 @@ def preset_levels(name: str) -> tuple[Level, ...]:
     try:
         return _PRESETS[name]
     except KeyError:
-        raise TopologyError(
-            f"unknown topology preset {name!r}; allowed: {', '.join(PRESET_NAMES)}"
-        ) from None
+        raise TopologyError(f"unknown topology preset {name!r}; allowed: {', '.join(PRESET_NAMES)}") from None
 
 
 @dataclass(frozen=True)
@@ -131,9 +129,7 @@ class Topology:
         known = {lv.name for lv in levels}
         for key in sizes or {}:
             if key not in known:
-                raise TopologyError(
-                    f"topology {name!r} has no level {key!r}; levels: {', '.join(known)}"
-                )
+                raise TopologyError(f"topology {name!r} has no level {key!r}; levels: {', '.join(known)}")
         levels = [replace(lv, size=(sizes or {}).get(lv.name, lv.size)) for lv in levels]
         inner = math.prod(lv.size or 1 for lv in levels[:-1])
         outer = levels[-1].size
@@ -156,9 +152,7 @@ class Topology:
         return cls(tuple(levels), name)
 
     @classmethod
-    def from_preset(
-        cls, name: str, world_size: int, sizes: Mapping[str, int] | None = None
-    ) -> "Topology":
+    def from_preset(cls, name: str, world_size: int, sizes: Mapping[str, int] | None = None) -> "Topology":
         return cls.build(preset_levels(name), world_size, name, sizes)
 
     # ---- queries --------------------------------------------------------------------
@@ -178,8 +172,7 @@ class Topology:
             return self._index[name]
         except KeyError:
             raise TopologyError(
-                f"topology {self.name!r} has no level {name!r}; "
-                f"levels: {', '.join(self.level_names)}"
+                f"topology {self.name!r} has no level {name!r}; levels: {', '.join(self.level_names)}"
             ) from None
 
     def domain_size(self, name: str) -> int:
@@ -229,8 +222,10 @@ class Topology:
         coords = [self.coords(r) for r in members]
         taken = [sorted({c[i] for c in coords}) for i in range(len(self.levels))]
         if math.prod(len(t) for t in taken) != len(members):
-            raise TopologyError(f"ranks {members} do not form a grid over the levels of topology {self.name!r}: "
-                                "a group must hold every combination of its members' positions")
+            raise TopologyError(
+                f"ranks {members} do not form a grid over the levels of topology {self.name!r}: "
+                "a group must hold every combination of its members' positions"
+            )
         levels = tuple(replace(lv, size=len(t)) for lv, t in zip(self.levels, taken) if len(t) > 1)
         return Topology(levels or (replace(self.levels[0], size=1),), name)
 
@@ -261,10 +256,7 @@ class Topology:
         return groups
 
     def describe(self) -> str:
-        parts = [
-            f"{lv.name}={lv.size} ({lv.bandwidth / GB:g} GB/s, {lv.latency / US:g} us)"
-            for lv in self.levels
-        ]
+        parts = [f"{lv.name}={lv.size} ({lv.bandwidth / GB:g} GB/s, {lv.latency / US:g} us)" for lv in self.levels]
         return f"{self.name}: world {self.world_size} = " + " x ".join(parts)
 
 
@@ -323,15 +315,24 @@ def detect_environment(env: Mapping[str, str] | None = None) -> JobEnvironment:
         if nodes is None and local_size:
             nodes = world // local_size if world % local_size == 0 else None
         return JobEnvironment(
-            world, _int_env(env, "RANK") or 0, _int_env(env, "LOCAL_RANK"),
-            local_size, nodes, visible, "launcher",
+            world,
+            _int_env(env, "RANK") or 0,
+            _int_env(env, "LOCAL_RANK"),
+            local_size,
+            nodes,
+            visible,
+            "launcher",
         )
     if "SLURM_NTASKS" in env:
         per_node = _slurm_tasks_per_node(env.get("SLURM_NTASKS_PER_NODE", ""))
         return JobEnvironment(
-            _int_env(env, "SLURM_NTASKS") or 1, _int_env(env, "SLURM_PROCID") or 0,
-            _int_env(env, "SLURM_LOCALID"), per_node, _int_env(env, "SLURM_NNODES"),
-            visible, "slurm",
+            _int_env(env, "SLURM_NTASKS") or 1,
+            _int_env(env, "SLURM_PROCID") or 0,
+            _int_env(env, "SLURM_LOCALID"),
+            per_node,
+            _int_env(env, "SLURM_NNODES"),
+            visible,
+            "slurm",
         )
     return JobEnvironment(1, 0, None, None, None, visible, "single-process")
 
@@ -378,9 +379,7 @@ class TopologyRequest(Protocol):
     emulate: bool
 
 
-def resolve_topology(
-    cfg: TopologyRequest, world_size: int, job: JobEnvironment
-) -> Topology:
+def resolve_topology(cfg: TopologyRequest, world_size: int, job: JobEnvironment) -> Topology:
     """Build the topology the config asks for and check it against the job."""
     if cfg.levels is not None:
         topo = Topology.build([lv.to_level() for lv in cfg.levels], world_size, "custom", cfg.sizes)
@@ -391,7 +390,9 @@ def resolve_topology(
         inner, outer = DETECTED_LEVELS
         topo = Topology.build(
             [replace(inner, size=local), outer],
-            world_size, "detected", cfg.sizes,
+            world_size,
+            "detected",
+            cfg.sizes,
         )
     if not cfg.emulate:
         check_fits_job(topo, job)

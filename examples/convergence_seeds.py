@@ -34,8 +34,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="1234", help="comma-separated model seeds")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--variants", nargs="+", default=["unq", "zero_topo:packed", "zero_topo:per_parameter"],
-                        help="'unq' or PRESET[:per_parameter|packed] (default per_parameter); the first is the reference")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["unq", "zero_topo:packed", "zero_topo:per_parameter"],
+        help="'unq' or PRESET[:per_parameter|packed] (default per_parameter); the first is the reference",
+    )
     args = parser.parse_args()
     world = World(8)
     try:
@@ -48,8 +52,12 @@ def main() -> None:
                     zt["quantization_groups"] = groups
                 loss = world.run(_held_out, zt, args.steps, seed, timeout=3600)[0]
                 reference = loss if reference is None else reference
-                print(json.dumps({"seed": seed, "variant": variant, "held_out_loss": loss,
-                                  "vs_reference": loss / reference - 1}), flush=True)
+                print(
+                    json.dumps(
+                        {"seed": seed, "variant": variant, "held_out_loss": loss, "vs_reference": loss / reference - 1}
+                    ),
+                    flush=True,
+                )
     finally:
         world.close()
 

@@ -48,10 +48,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-losses", action="store_true", help="print every step's loss (rank 0)")
-    p.add_argument("--model", choices=("gpt", "gpt-moe"), default=None,
-                   help="default: gpt-moe if the config enables ds_ext.ted, else gpt")
-    p.add_argument("--checkpoint", choices=("none", "torch", "torch-reentrant", "deepspeed"), default="none",
-                   help="gpt-moe: activation checkpointing of every block")
+    p.add_argument(
+        "--model",
+        choices=("gpt", "gpt-moe"),
+        default=None,
+        help="default: gpt-moe if the config enables ds_ext.ted, else gpt",
+    )
+    p.add_argument(
+        "--checkpoint",
+        choices=("none", "torch", "torch-reentrant", "deepspeed"),
+        default="none",
+        help="gpt-moe: activation checkpointing of every block",
+    )
     p.add_argument("--aux-loss-coef", type=float, default=0.01, help="gpt-moe: weight of the MoE load-balancing loss")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the DeepSpeed launcher")
     deepspeed.add_config_arguments(p)
@@ -67,12 +75,20 @@ def gpt_moe(args: argparse.Namespace):
 
     ted = cfgmod.parse(cfgmod.load_ds_config(args.deepspeed_config).get(cfgmod.BLOCK)).ted
     layer = {"num_experts": ted.num_experts, "top_k": ted.top_k, "capacity_factor": ted.capacity_factor}
-    cfg = GPTMoEConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                       ep_size=ted.expert_parallel if ted.enabled else 1, checkpoint=args.checkpoint,
-                       aux_loss_coef=args.aux_loss_coef, **{k: v for k, v in layer.items() if v is not None})
+    cfg = GPTMoEConfig(
+        seq_len=args.seq_len,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        ep_size=ted.expert_parallel if ted.enabled else 1,
+        checkpoint=args.checkpoint,
+        aux_loss_coef=args.aux_loss_coef,
+        **{k: v for k, v in layer.items() if v is not None},
+    )
     model = GPTMoE(cfg)
     groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "dense", "lr": args.lr, "weight_decay": 0.0})
+        {"params": list(model.parameters()), "name": "dense", "lr": args.lr, "weight_decay": 0.0}
+    )
     return cfg, model, groups
 
 
@@ -125,9 +141,11 @@ def main() -> None:
 
     runtime = engine.ds_ext
     if rank == 0:
-        print(f"\nfinal loss {sum(losses) / len(losses):.4f} after {args.steps} steps "
-              f"({elapsed / args.steps:.2f} s/step), {cfg.num_parameters:,} parameters, "
-              f"M = {runtime.model_bytes:,} bytes")
+        print(
+            f"\nfinal loss {sum(losses) / len(losses):.4f} after {args.steps} steps "
+            f"({elapsed / args.steps:.2f} s/step), {cfg.num_parameters:,} parameters, "
+            f"M = {runtime.model_bytes:,} bytes"
+        )
         print(runtime.report())
     engine.destroy()
     dist.destroy_process_group()  # as torch asks of every job: gloo's threads stop while Python still runs

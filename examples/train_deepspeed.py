@@ -67,8 +67,10 @@ def main() -> None:
             print(f"step {step}: loss {sum(losses) / len(losses):.6f}", flush=True)
     elapsed = time.perf_counter() - t0
     if rank == 0:
-        print(f"\nfinal loss {sum(losses) / len(losses):.4f} after {args.steps} steps "
-              f"({elapsed / args.steps:.2f} s/step), {cfg.num_parameters:,} parameters")
+        print(
+            f"\nfinal loss {sum(losses) / len(losses):.4f} after {args.steps} steps "
+            f"({elapsed / args.steps:.2f} s/step), {cfg.num_parameters:,} parameters"
+        )
 
 
 if __name__ == "__main__":

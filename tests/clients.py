@@ -23,8 +23,9 @@ def skip_reason(name: str) -> str:
 # examples/megatron_deepspeed_env.sh builds and prints, the lm losses that the client prints.
 MDS_ENV = {k: os.environ.get(k, "") for k in ("MDS", "DS0196", "EXTRA", "DATA")}
 MDS_READY = all(MDS_ENV.values()) and (Path(MDS_ENV["MDS"]) / "pretrain_gpt.py").is_file()
-MDS_SKIP = ("Megatron-DeepSpeed acceptance run: set MDS, DS0196, EXTRA and DATA as "
-            "examples/megatron_deepspeed_env.sh prints")
+MDS_SKIP = (
+    "Megatron-DeepSpeed acceptance run: set MDS, DS0196, EXTRA and DATA as examples/megatron_deepspeed_env.sh prints"
+)
 _LM_LOSS = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?\| lm loss: ([0-9.E+-]+) \|")
 
 

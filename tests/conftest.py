@@ -17,8 +17,12 @@ from ds_ext.local_world import World, preload
 warnings.filterwarnings("ignore", category=FutureWarning)
 # Hugging Face's classes, imported by the ranks of several modules (about 3 s of CPU per rank),
 # once in the forkserver the worlds' ranks are forked from
-preload("transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama",
-        "transformers.models.gpt_neox.modeling_gpt_neox", "transformers.trainer")
+preload(
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt_neox.modeling_gpt_neox",
+    "transformers.trainer",
+)
 # DeepSpeed with its CPU accelerator, unless test_tiled_optimizer_releases.py's ranks import
 # DeepSpeed 0.19.6 (DS0196) or a CUDA device is visible (the gpu tests' NCCL worlds pick CUDA's)
 if not os.environ.get("DS0196") and not torch.cuda.is_available():
@@ -39,7 +43,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def world(request):
     backend, accelerator = getattr(request.module, "WORLD_BACKEND", ("gloo", "cpu"))
-    w = World(getattr(request.module, "WORLD_SIZE", 2), getattr(request.module, "WORLD_ENV", None),
-              backend=backend, accelerator=accelerator)
+    w = World(
+        getattr(request.module, "WORLD_SIZE", 2),
+        getattr(request.module, "WORLD_ENV", None),
+        backend=backend,
+        accelerator=accelerator,
+    )
     yield w
     w.close()

@@ -41,9 +41,20 @@ class TorchCount:
     addressed to the other ranks. Level: the outermost one the group's ranks differ in, Frontier in
     miniature as the example script lays it out (rank = node x 4 + gpu x 2 + gcd)."""
 
-    OPS = ("all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather_single", "all_gather",
-           "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter", "reduce", "broadcast",
-           "all_to_all_single", "all_to_all")
+    OPS = (
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "all_gather",
+        "reduce_scatter_tensor",
+        "reduce_scatter_single",
+        "reduce_scatter",
+        "reduce",
+        "broadcast",
+        "all_to_all_single",
+        "all_to_all",
+    )
 
     def __init__(self) -> None:
         import threading
@@ -110,8 +121,7 @@ class TorchCount:
                 rows = inp.shape[0]
                 own = split[me] if split else rows // d
                 sent = nb(inp) - own * nb(inp) // rows
-        level = ("node" if len({r // 4 for r in ranks}) > 1 else
-                 "gpu" if len({r // 2 for r in ranks}) > 1 else "gcd")
+        level = "node" if len({r // 4 for r in ranks}) > 1 else "gpu" if len({r // 2 for r in ranks}) > 1 else "gcd"
         self.bytes[level] = self.bytes.get(level, 0.0) + sent
 
     def snapshot(self) -> dict[str, float]:
@@ -143,10 +153,12 @@ def _traffic(engine) -> dict:
     if runtime is None or not runtime.ledger.steps:
         return {}
     plugin = next(p for p in runtime.plugins if hasattr(p, "analytic_traffic"))
-    return {"measured": {ph: dict(v) for ph, v in runtime.ledger.steps[-1].by_phase().items()},
-            "analytic": plugin.analytic_traffic(1).bytes,
-            "padded_bytes": sum(u.U for u in plugin.sharded.all_units) * plugin.sharded.ctx.dtype.itemsize,
-            "banner": runtime.banner()}
+    return {
+        "measured": {ph: dict(v) for ph, v in runtime.ledger.steps[-1].by_phase().items()},
+        "analytic": plugin.analytic_traffic(1).bytes,
+        "padded_bytes": sum(u.U for u in plugin.sharded.all_units) * plugin.sharded.ctx.dtype.itemsize,
+        "banner": runtime.banner(),
+    }
 
 
 if __name__ == "__main__":
@@ -184,14 +196,23 @@ if __name__ == "__main__":
 
     from megatron.core import parallel_state
 
-    (engine, init), = engines
+    ((engine, init),) = engines
     totals = {}
     if starts:
-        (count_start, ledger_start), = starts
-        totals = {"ledger_total": _since(_ledger_total(engine), ledger_start),
-                  "torch_total": _since(count.snapshot(), count_start)}
-    torch.save({"tensor_rank": parallel_state.get_tensor_model_parallel_rank(),
-                "data_rank": parallel_state.get_data_parallel_rank(),
-                "init": init, "final": _params(engine), **_traffic(engine), **totals},
-               out / f"rank{torch.distributed.get_rank()}.pt")
+        ((count_start, ledger_start),) = starts
+        totals = {
+            "ledger_total": _since(_ledger_total(engine), ledger_start),
+            "torch_total": _since(count.snapshot(), count_start),
+        }
+    torch.save(
+        {
+            "tensor_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "data_rank": parallel_state.get_data_parallel_rank(),
+            "init": init,
+            "final": _params(engine),
+            **_traffic(engine),
+            **totals,
+        },
+        out / f"rank{torch.distributed.get_rank()}.pt",
+    )
     torch.distributed.destroy_process_group()  # as ds_ext.run does after a clean run (pytorch#190489)

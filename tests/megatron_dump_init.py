@@ -29,11 +29,20 @@ def dump(engine, out: Path) -> None:
 
     ted = next(m.ted for m in engine.module.modules() if getattr(m, "ted", None) is not None)
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    split = {n: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1)
-             for n, p in engine.module.named_parameters()}
-    torch.save({"tensor_rank": parallel_state.get_tensor_model_parallel_rank(), "expert_rank": ted.expert_rank,
-                "data_rank": ted.data_rank, "params": params, "split": split},
-               out / f"rank{torch.distributed.get_rank()}.pt")
+    split = {
+        n: (p.partition_dim if getattr(p, "tensor_model_parallel", False) else -1)
+        for n, p in engine.module.named_parameters()
+    }
+    torch.save(
+        {
+            "tensor_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "expert_rank": ted.expert_rank,
+            "data_rank": ted.data_rank,
+            "params": params,
+            "split": split,
+        },
+        out / f"rank{torch.distributed.get_rank()}.pt",
+    )
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def load_distributed_init(model: nn.Module, directory: Path) -> None:
                     continue
                 e, _, leaf = rest.removeprefix("experts.").partition(".")
                 local = f"{prefix}.mlp.deepspeed_moe.experts.deepspeed_experts."
-                k = len({n[len(local):].split(".")[0] for n in experts[0]["params"] if n.startswith(local)})
+                k = len({n[len(local) :].split(".")[0] for n in experts[0]["params"] if n.startswith(local)})
                 p.copy_(experts[int(e) // k]["params"][f"{local}{int(e) % k}.{leaf}"])
                 continue
             dim = shards[0]["split"][name]
@@ -97,17 +97,39 @@ class ReferenceMoE(nn.Module):
 
     built = 0
 
-    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
-                 capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
-                 use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
-                 use_rts: bool = True, use_tutel: bool = False, enable_expert_tensor_parallelism: bool = False,
-                 top2_2nd_expert_sampling: bool = True, **_) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        expert: nn.Module,
+        num_experts: int = 1,
+        ep_size: int = 1,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 4,
+        use_residual: bool = False,
+        noisy_gate_policy: str | None = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        use_tutel: bool = False,
+        enable_expert_tensor_parallelism: bool = False,
+        top2_2nd_expert_sampling: bool = True,
+        **_,
+    ) -> None:
         super().__init__()
         assert not use_residual and not use_tutel
         self.experts = nn.ModuleList(copy.deepcopy(expert) for _ in range(num_experts))
         self.wg = nn.Linear(hidden_size, num_experts, bias=False).float()
-        self.spec = ref.GateSpec(num_experts, k, capacity_factor, min_capacity, noisy_gate_policy, drop_tokens,
-                                 use_rts, top2_2nd_expert_sampling)
+        self.spec = ref.GateSpec(
+            num_experts,
+            k,
+            capacity_factor,
+            min_capacity,
+            noisy_gate_policy,
+            drop_tokens,
+            use_rts,
+            top2_2nd_expert_sampling,
+        )
         self.layer = ReferenceMoE.built
         ReferenceMoE.built += 1
         self.forwards = 0
@@ -116,6 +138,7 @@ class ReferenceMoE(nn.Module):
         def run(x: torch.Tensor) -> torch.Tensor:
             out = self.experts[e](x.unsqueeze(1))  # Megatron's linear layers take [s, b, h]
             return (out[0] if isinstance(out, tuple) else out).squeeze(1)
+
         return run
 
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):

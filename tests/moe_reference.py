@@ -76,9 +76,15 @@ class GateOut:
     local_capacity: int  # this shard's C before the group agreed
 
 
-def gate(x: torch.Tensor, wg: torch.Tensor, spec: GateSpec, gen: torch.Generator,
-         agree: Callable[[int], int] = lambda c: c, training: bool = True,
-         used_token: torch.Tensor | None = None) -> GateOut:
+def gate(
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    spec: GateSpec,
+    gen: torch.Generator,
+    agree: Callable[[int], int] = lambda c: c,
+    training: bool = True,
+    used_token: torch.Tensor | None = None,
+) -> GateOut:
     """The routing of ``x`` [S, H] with gate weight ``wg`` [E, H] (module docstring)."""
     E, k = spec.num_experts, spec.k
     S = x.shape[0]
@@ -120,8 +126,9 @@ def gate(x: torch.Tensor, wg: torch.Tensor, spec: GateSpec, gen: torch.Generator
         g1 = (probs * mask1).sum(-1)
         g2 = (probs * mask2).sum(-1)
         denom = (g1 + g2).clamp(min=torch.finfo(torch.float32).eps)
-        combine = ((g1 / denom)[:, None] * mask1).unsqueeze(-1) * _slot_onehot(loc1, mask1, C) + \
-                  ((g2 / denom)[:, None] * mask2).unsqueeze(-1) * _slot_onehot(loc2, mask2, C)
+        combine = ((g1 / denom)[:, None] * mask1).unsqueeze(-1) * _slot_onehot(loc1, mask1, C) + (
+            (g2 / denom)[:, None] * mask2
+        ).unsqueeze(-1) * _slot_onehot(loc2, mask2, C)
         return GateOut(combine, l_aux, counts, local)
     top_p, top_i = probs.topk(k, dim=-1)
     mask = torch.zeros_like(probs, dtype=torch.long).scatter(1, top_i, 1)
@@ -160,8 +167,15 @@ class Expert:
         return F.gelu(x @ self.w1.t() + self.b1) @ self.w2.t() + self.b2
 
 
-def moe(x: torch.Tensor, wg: torch.Tensor, experts: Sequence[Expert], spec: GateSpec, gen: torch.Generator,
-        agree: Callable[[int], int] = lambda c: c, training: bool = True) -> tuple[torch.Tensor, GateOut]:
+def moe(
+    x: torch.Tensor,
+    wg: torch.Tensor,
+    experts: Sequence[Expert],
+    spec: GateSpec,
+    gen: torch.Generator,
+    agree: Callable[[int], int] = lambda c: c,
+    training: bool = True,
+) -> tuple[torch.Tensor, GateOut]:
     """GShard's MoE layer on ``x`` [S, H]: dispatch by einsum, every expert on its C slots, combine."""
     routing = gate(x, wg, spec, gen, agree, training)
     dispatch = (routing.combine != 0).to(x.dtype)

@@ -13,8 +13,16 @@ WORLD_SIZE = 8
 TOPOLOGY = {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}
 GLOBAL_BATCH, SEQ, STEPS, LR = 8, 16, 5, 1e-3
 ADAM_EPS = 1e-6  # > the rounding noise of near-zero gradients, which Adam would amplify to O(lr)
-GPT_GRIDS = [(2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 2, 2), (4, 2, 1, 1), (2, 2, 1, 2), (8, 1, 1, 1), (1, 1, 8, 1),
-             (1, 1, 1, 8)]
+GPT_GRIDS = [
+    (2, 2, 2, 1),
+    (2, 1, 2, 2),
+    (1, 2, 2, 2),
+    (4, 2, 1, 1),
+    (2, 2, 1, 2),
+    (8, 1, 1, 1),
+    (1, 1, 8, 1),
+    (1, 1, 1, 8),
+]
 # fp32: atol relative to the tensor's largest magnitude; a wrong layout is off by O(1) of it.
 # Step 0 compares one forward/backward; later steps carry the drift of earlier Adam steps.
 FP32 = {"rtol": 1e-4, "atol": 1e-5}
@@ -37,8 +45,15 @@ def _neox(tied=False):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     torch.manual_seed(1234)
-    cfg = GPTNeoXConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128, max_position_embeddings=SEQ, tie_word_embeddings=tied)
+    cfg = GPTNeoXConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=tied,
+    )
     return GPTNeoXForCausalLM(cfg)
 
 
@@ -47,9 +62,16 @@ def _llama(tied=False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1234)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=SEQ,
-                      tie_word_embeddings=tied)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=tied,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -60,8 +82,15 @@ def _on_meta(family):
     return build_on_meta(MODELS[family])
 
 
-MODELS = {"gpt": gpt, "gpt_ckpt": lambda: gpt(checkpoint=True), "gpt_4heads": lambda: gpt(heads=4), "neox": _neox, "llama": _llama,
-          "neox_tied": lambda: _neox(tied=True), "llama_tied": lambda: _llama(tied=True)}
+MODELS = {
+    "gpt": gpt,
+    "gpt_ckpt": lambda: gpt(checkpoint=True),
+    "gpt_4heads": lambda: gpt(heads=4),
+    "neox": _neox,
+    "llama": _llama,
+    "neox_tied": lambda: _neox(tied=True),
+    "llama_tied": lambda: _llama(tied=True),
+}
 MODELS.update({f"{f}_meta": (lambda f=f: _on_meta(f)) for f in ("gpt", "llama_tied")})  # serial run: the family itself
 
 
@@ -98,8 +127,14 @@ def serial_run(family, clip=0.0):
             loss, logits = call(model, family, tokens(step))
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))
-            steps.append({"loss": loss.item(), "norm": float(norm), "logits": logits,
-                          "grads": {n: p.grad.clone() for n, p in model.named_parameters()}})
+            steps.append(
+                {
+                    "loss": loss.item(),
+                    "norm": float(norm),
+                    "logits": logits,
+                    "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                }
+            )
             opt.step()
             opt.zero_grad()
         _SERIAL[key] = (steps, {n: p.detach().clone() for n, p in model.named_parameters()})
@@ -108,8 +143,13 @@ def serial_run(family, clip=0.0):
 
 def ds_config(grid, stage=0, bf16=False, clip=0.0, overlap=None, tiled=False, tune=False, by_layer=False, accum=1):
     x, y, z, data = grid
-    pmm = {"enabled": True, "grid": {"x": x, "y": y, "z": z, "data": data}, "ledger_by_layer": by_layer,
-           "tune_matmul": tune, "overlap": overlap or {}}
+    pmm = {
+        "enabled": True,
+        "grid": {"x": x, "y": y, "z": z, "data": data},
+        "ledger_by_layer": by_layer,
+        "tune_matmul": tune,
+        "overlap": overlap or {},
+    }
     cfg = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // (data * accum),
         "gradient_accumulation_steps": accum,
@@ -130,8 +170,9 @@ def engine_for(family, cfg):
 
     import ds_ext
 
-    engine, *_ = ds_ext.initialize(model=MODELS[family](), optimizer=lambda p: torch.optim.AdamW(p, lr=LR, eps=ADAM_EPS),
-                                   config=cfg)
+    engine, *_ = ds_ext.initialize(
+        model=MODELS[family](), optimizer=lambda p: torch.optim.AdamW(p, lr=LR, eps=ADAM_EPS), config=cfg
+    )
     return engine
 
 
@@ -190,7 +231,11 @@ def train_and_compare(family, grid, clip=0.0, check=True, stage=0, no_grad_first
         if stage > 0:
             out["norms"].append(float(engine.get_global_grad_norm()))
         if check:
-            assert out["norms"][-1] == pytest.approx(ref["norm"], rel=tol["rtol"]), (step, out["norms"][-1], ref["norm"])
+            assert out["norms"][-1] == pytest.approx(ref["norm"], rel=tol["rtol"]), (
+                step,
+                out["norms"][-1],
+                ref["norm"],
+            )
     if check:
         # bf16: Adam turns gradients that are pure rounding noise (e.g. the key bias, whose exact
         # gradient is 0) into steps of up to LR, so parameters may differ by 2 STEPS LR more
@@ -224,8 +269,13 @@ def _close(got, want, tol, what, slack=0.0):
     import torch
 
     scale = float(want.abs().max()) or 1.0
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol["rtol"], atol=tol["atol"] * scale + slack,
-                               msg=lambda m: f"{what} (max |ref| {scale:.3g}): {m}")
+    torch.testing.assert_close(
+        got.float(),
+        want.float(),
+        rtol=tol["rtol"],
+        atol=tol["atol"] * scale + slack,
+        msg=lambda m: f"{what} (max |ref| {scale:.3g}): {m}",
+    )
 
 
 def parity(family, grid, **kw):

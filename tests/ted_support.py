@@ -28,8 +28,16 @@ def corpus():
 def config(**kw):
     from ds_ext.models.gpt_moe import GPTMoEConfig
 
-    base = dict(seq_len=SEQ, d_model=32, n_layers=2, n_heads=4, num_experts=4, min_capacity=0, use_rts=False,
-                top2_2nd_expert_sampling=False)
+    base = dict(
+        seq_len=SEQ,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        num_experts=4,
+        min_capacity=0,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+    )
     return GPTMoEConfig(**{**base, **kw})
 
 
@@ -87,8 +95,11 @@ class SerialGPTMoE:
         self.cfg = cfg
         self.params = {}
         for name, (shape, init) in serial_shapes(cfg).items():
-            t = 0.02 * torch.randn(shape, generator=gen) if init == "normal" else (
-                torch.ones(shape) if init == "ones" else torch.zeros(shape))
+            t = (
+                0.02 * torch.randn(shape, generator=gen)
+                if init == "normal"
+                else (torch.ones(shape) if init == "ones" else torch.zeros(shape))
+            )
             self.params[name] = t.requires_grad_()
         self.training = True
         self.forwards = {}  # MoE block -> forwards so far
@@ -114,18 +125,33 @@ class SerialGPTMoE:
         import moe_reference as ref
 
         cfg, W = self.cfg, self.params
-        spec = ref.GateSpec(num_experts=cfg.num_experts, k=cfg.top_k,
-                            capacity_factor=cfg.capacity_factor if self.training else cfg.eval_capacity_factor,
-                            min_capacity=cfg.min_capacity, noisy_gate_policy=cfg.noisy_gate_policy,
-                            drop_tokens=cfg.drop_tokens, use_rts=cfg.use_rts,
-                            top2_2nd_expert_sampling=cfg.top2_2nd_expert_sampling)
+        spec = ref.GateSpec(
+            num_experts=cfg.num_experts,
+            k=cfg.top_k,
+            capacity_factor=cfg.capacity_factor if self.training else cfg.eval_capacity_factor,
+            min_capacity=cfg.min_capacity,
+            noisy_gate_policy=cfg.noisy_gate_policy,
+            drop_tokens=cfg.drop_tokens,
+            use_rts=cfg.use_rts,
+            top2_2nd_expert_sampling=cfg.top2_2nd_expert_sampling,
+        )
         pre = f"blocks.{b}.{_EXPERTS}"
-        experts = [ref.Expert(W[f"{pre}.{e}.0.weight"], W[f"{pre}.{e}.0.bias"], W[f"{pre}.{e}.2.weight"],
-                              W[f"{pre}.{e}.2.bias"]) for e in range(cfg.num_experts)]
+        experts = [
+            ref.Expert(
+                W[f"{pre}.{e}.0.weight"], W[f"{pre}.{e}.0.bias"], W[f"{pre}.{e}.2.weight"], W[f"{pre}.{e}.2.bias"]
+            )
+            for e in range(cfg.num_experts)
+        ]
         n = self.forwards.get(b, 0)
         self.forwards[b] = n + 1
-        out, routing = ref.moe(x, W[f"blocks.{b}.ffn.deepspeed_moe.gate.wg.weight"], experts, spec,
-                               ref.generator(b, n), training=self.training)
+        out, routing = ref.moe(
+            x,
+            W[f"blocks.{b}.ffn.deepspeed_moe.gate.wg.weight"],
+            experts,
+            spec,
+            ref.generator(b, n),
+            training=self.training,
+        )
         self.exp_counts.append(routing.exp_counts)
         return out, routing.l_aux
 
@@ -147,8 +173,11 @@ class SerialGPTMoE:
         x = W["embed.weight"][inp] + W["pos.weight"][:S]
         l_aux = x.new_zeros(())
         for b in range(cfg.n_layers):
-            q, k, v = linear(f"blocks.{b}.attn.qkv", norm(f"blocks.{b}.ln1", x)).view(
-                B, S, heads, 3, d // heads).permute(3, 0, 2, 1, 4)
+            q, k, v = (
+                linear(f"blocks.{b}.attn.qkv", norm(f"blocks.{b}.ln1", x))
+                .view(B, S, heads, 3, d // heads)
+                .permute(3, 0, 2, 1, 4)
+            )
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + linear(f"blocks.{b}.attn.proj", a.transpose(1, 2).reshape(B, S, d))
             h = norm(f"blocks.{b}.ln2", x)
@@ -223,8 +252,9 @@ def serial_view(model, serial_tensors, layout, rank):
     k = next(m.num_local_experts for m in model.modules() if hasattr(m, "num_local_experts"))
     out = {}
     for name, p in model.named_parameters():
-        serial = serial_tensors[re.sub(r"(deepspeed_experts\.)(\d+)",
-                                       lambda m: f"{m.group(1)}{c['expert'] * k + int(m.group(2))}", name)]
+        serial = serial_tensors[
+            re.sub(r"(deepspeed_experts\.)(\d+)", lambda m: f"{m.group(1)}{c['expert'] * k + int(m.group(2))}", name)
+        ]
         split = [i for i, (a, b) in enumerate(zip(p.shape, serial.shape, strict=True)) if a != b]
         if split:
             (dim,) = split
@@ -247,10 +277,20 @@ def assert_close_to_serial(named, views, rtol=1e-5):
 def ds_config(T, P, stage=0, ted=None, plugins=None, **extra):
     """A ds_config with ``ds_ext.ted`` (T, P) (+ ``ted`` keys), other ``plugins`` sections and
     top-level DeepSpeed keys ``extra`` (``gradient_clipping`` 0 unless given: DeepSpeed's default is 1.0)."""
-    block = {"topology": TOPOLOGY, "ted": {"enabled": True, "tensor_parallel": T, "expert_parallel": P, **(ted or {})},
-             **(plugins or {})}
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
-            "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0, "ds_ext": block, **extra}
+    block = {
+        "topology": TOPOLOGY,
+        "ted": {"enabled": True, "tensor_parallel": T, "expert_parallel": P, **(ted or {})},
+        **(plugins or {}),
+    }
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**6,
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,
+        "ds_ext": block,
+        **extra,
+    }
 
 
 def average_gradients(model, ted):

@@ -145,15 +145,29 @@ def _shape(kind):
         ds_ext.patch_deepspeed()
         try:
             if kind == "neox":  # megatron/training.py: config in args.deepspeed_config as urlsafe base64
-                args = Namespace(deepspeed_config=base64.urlsafe_b64encode(json.dumps(CONFIG).encode()).decode(),
-                                 local_rank=int(os.environ["LOCAL_RANK"]))
-                engine, *_ = deepspeed.initialize(model=model, optimizer=opt, args=args, lr_scheduler=None,
-                                                  dist_init_required=False, model_parameters=model.parameters(),
-                                                  mpu=_DataParallelMpu())
+                args = Namespace(
+                    deepspeed_config=base64.urlsafe_b64encode(json.dumps(CONFIG).encode()).decode(),
+                    local_rank=int(os.environ["LOCAL_RANK"]),
+                )
+                engine, *_ = deepspeed.initialize(
+                    model=model,
+                    optimizer=opt,
+                    args=args,
+                    lr_scheduler=None,
+                    dist_init_required=False,
+                    model_parameters=model.parameters(),
+                    mpu=_DataParallelMpu(),
+                )
             else:  # Megatron-DeepSpeed: config dict, args.deepspeed_config cleared, an mpu
                 args = Namespace(deepspeed_config=None, local_rank=int(os.environ["LOCAL_RANK"]))
-                engine, *_ = deepspeed.initialize(model=model, optimizer=opt, args=args, lr_scheduler=None,
-                                                  mpu=_DataParallelMpu(), config=dict(CONFIG))
+                engine, *_ = deepspeed.initialize(
+                    model=model,
+                    optimizer=opt,
+                    args=args,
+                    lr_scheduler=None,
+                    mpu=_DataParallelMpu(),
+                    config=dict(CONFIG),
+                )
         finally:
             ds_ext.unpatch_deepspeed()
     assert engine.ds_ext.plugins[0].name == "zero_topo"
@@ -209,15 +223,34 @@ def test_an_ignored_ds_ext_block_is_reported(world):
 # whole output, which a rank count does not make more or less alike; the 4-rank world above covers
 # the call shapes, and each rank a launcher starts imports DeepSpeed and ds_ext anew
 LAUNCH_RANKS = 2
+
+
 def _launch(script, config, *extra):
     """Start the launcher on ``script``; returns a function that waits for it and returns its stdout."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = ["deepspeed", "--num_gpus", str(LAUNCH_RANKS), "--master_port", str(port), *extra, script,
-           "--deepspeed_config", str(config), "--steps", "3", "--d-model", "64", "--layers", "2",
-           "--seq-len", "32", "--log-losses"]
+    cmd = [
+        "deepspeed",
+        "--num_gpus",
+        str(LAUNCH_RANKS),
+        "--master_port",
+        str(port),
+        *extra,
+        script,
+        "--deepspeed_config",
+        str(config),
+        "--steps",
+        "3",
+        "--d-model",
+        "64",
+        "--layers",
+        "2",
+        "--seq-len",
+        "32",
+        "--log-losses",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def result():
@@ -245,8 +278,10 @@ def test_unmodified_script_under_ds_ext_run_matches_the_ds_ext_example(tmp_path)
     config = tmp_path / "cfg.json"
     config.write_text(json.dumps(CONFIG))
     # the two jobs are independent: run side by side (each waits on its launcher's 1 s polls and rendezvous)
-    ours, unmodified = _launch("examples/train.py", config), _launch("examples/train_deepspeed.py", config,
-                                                                     "--module", "ds_ext.run")
+    ours, unmodified = (
+        _launch("examples/train.py", config),
+        _launch("examples/train_deepspeed.py", config, "--module", "ds_ext.run"),
+    )
     try:
         ours = ours()
     finally:
@@ -278,8 +313,13 @@ def test_ds_ext_run_destroys_the_process_groups_after_a_clean_run_only(tmp_path,
         port = s.getsockname()[1]
     script = tmp_path / "exits.py"
     script.write_text(EXIT_SCRIPT.format(port=port))
-    done = subprocess.run([sys.executable, "-m", "ds_ext.run", str(script), str(status)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "ds_ext.run", str(script), str(status)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == status, done.stderr[-2000:]
     assert f"initialized at exit: {status != 0}" in done.stdout
 
@@ -291,9 +331,11 @@ def test_autoload_path_activates_ds_ext_in_every_process_without_importing_deeps
     path = subprocess.run(["ds-ext", "autoload-path"], capture_output=True, text=True, env=env, timeout=120)
     assert path.returncode == 0, path.stderr
     env["PYTHONPATH"] = path.stdout.strip() + os.pathsep + env.get("PYTHONPATH", "")
-    probe = ("import sys; before = ('deepspeed' in sys.modules, 'torch' in sys.modules); import deepspeed; "
-             "from ds_ext.integration import activation; "
-             "print(before, getattr(deepspeed.initialize, '__ds_ext_dispatcher__', False), activation.active())")
+    probe = (
+        "import sys; before = ('deepspeed' in sys.modules, 'torch' in sys.modules); import deepspeed; "
+        "from ds_ext.integration import activation; "
+        "print(before, getattr(deepspeed.initialize, '__ds_ext_dispatcher__', False), activation.active())"
+    )
     out = subprocess.run(["python", "-c", probe], capture_output=True, text=True, env=env, timeout=300, cwd="/")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "(False, False) True True"
@@ -301,7 +343,9 @@ def test_autoload_path_activates_ds_ext_in_every_process_without_importing_deeps
     ted.write_text(json.dumps(_ted_config(True)))
     probe = "import deepspeed.moe.layer as l; print(l.MoE.__module__)"
     for argv, want in (([], "deepspeed.moe.layer"), (["--deepspeed_config", str(ted)], "ds_ext.moe.layer")):
-        out = subprocess.run(["python", "-c", probe, *argv], capture_output=True, text=True, env=env, timeout=300, cwd="/")
+        out = subprocess.run(
+            ["python", "-c", probe, *argv], capture_output=True, text=True, env=env, timeout=300, cwd="/"
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip().splitlines()[-1] == want
 
@@ -394,11 +438,23 @@ engine.destroy()
 
 
 def _ted_config(dtd_cac):
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "zero_optimization": {"stage": 1}, "steps_per_print": 10**9,
-            "ds_ext": {"topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True},
-                       "ted": {"enabled": True, "tensor_parallel": 2, "expert_parallel": 2,
-                               "duplicate_token_dropping": dtd_cac, "comm_aware_checkpointing": dtd_cac}}}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9,
+        "ds_ext": {
+            "topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True},
+            "ted": {
+                "enabled": True,
+                "tensor_parallel": 2,
+                "expert_parallel": 2,
+                "duplicate_token_dropping": dtd_cac,
+                "comm_aware_checkpointing": dtd_cac,
+            },
+        },
+    }
 
 
 def _run_moe_script(script, config, out, explicit):
@@ -424,8 +480,11 @@ def test_megatron_deepspeed_moe_script_gets_tedmoe_from_the_config(world, tmp_pa
     script = tmp_path / "pretrain_moe.py"
     script.write_text(MEGATRON_MOE_SCRIPT)
     runs = {}
-    for name, dtd_cac, explicit in (("explicit", True, True), ("substituted", True, False),
-                                    ("substituted_off", False, False)):
+    for name, dtd_cac, explicit in (
+        ("explicit", True, True),
+        ("substituted", True, False),
+        ("substituted_off", False, False),
+    ):
         config = tmp_path / f"{name}.json"
         config.write_text(json.dumps(_ted_config(dtd_cac)))
         runs[name] = world.run(_run_moe_script, str(script), str(config), str(tmp_path / name), explicit)

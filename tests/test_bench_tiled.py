@@ -6,9 +6,14 @@ import argparse
 import json
 
 RECORD_KEYS = {
-    "experts", "tile_size",
-    "step_peak_bytes_tiled", "step_peak_bytes_untiled", "step_peak_bytes_ds_group_split",
-    "step_time_s_tiled", "step_time_s_untiled", "step_time_s_ds_group_split",
+    "experts",
+    "tile_size",
+    "step_peak_bytes_tiled",
+    "step_peak_bytes_untiled",
+    "step_peak_bytes_ds_group_split",
+    "step_time_s_tiled",
+    "step_time_s_untiled",
+    "step_time_s_ds_group_split",
 }
 
 

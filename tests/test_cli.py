@@ -54,21 +54,35 @@ assert not hooks, hooks
     assert run.returncode == 0, run.stderr[-2000:]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["detect", "--world-size", "0"], "argument --world-size: expects a positive integer, got '0'"),
-    (["detect", "--rank", "-1"], "argument --rank: expects a rank (an integer >= 0), got '-1'"),
-    (["detect", "--grid", "2,2"], "argument --grid: expects X,Y,Z,DATA (positive integers), got '2,2'"),
-    (["detect", "--ted", "2"], "ds-ext: error: --ted expects TENSOR,EXPERT[,EXPERT_DATA], got '2'"),
-    (["detect", "--preset", "frontier", "--world-size", "8", "--grid", "2,2,2,2"], "ds-ext: error: ds_ext.pmm3d.grid"),
-    (["run", "missing_script.py"], "ds-ext: error: script 'missing_script.py' does not exist"),
-    (["run"], "ds-ext: error: no script given; usage: python -m ds_ext.run SCRIPT"),
-    (["run", "-m", "no_such_package.train"], "ds-ext: error: module 'no_such_package.train' not found"),
-    (["tune", "--world", "8", "--database", "missing_db.json"], "ds-ext: error: No such file or directory: missing_db.json"),
-    (["plan", "--model", "gpt-5b", "--nodes", "2", "--ds-config", "missing.json"], "ds_config file 'missing.json' does not exist"),
-    (["plan", "--model", "gpt-5b", "--nodes", "2", "--families", "ted"],
-     "ds-ext: error: --families ted: none plans gpt-5b (a dense model); allowed: zero, pmm3d, megatron"),
-    (["simulate", "--nodes", "2", "--families", "ted"], "ds-ext: error: --families ted: none plans gpt-neox-20b"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["detect", "--world-size", "0"], "argument --world-size: expects a positive integer, got '0'"),
+        (["detect", "--rank", "-1"], "argument --rank: expects a rank (an integer >= 0), got '-1'"),
+        (["detect", "--grid", "2,2"], "argument --grid: expects X,Y,Z,DATA (positive integers), got '2,2'"),
+        (["detect", "--ted", "2"], "ds-ext: error: --ted expects TENSOR,EXPERT[,EXPERT_DATA], got '2'"),
+        (
+            ["detect", "--preset", "frontier", "--world-size", "8", "--grid", "2,2,2,2"],
+            "ds-ext: error: ds_ext.pmm3d.grid",
+        ),
+        (["run", "missing_script.py"], "ds-ext: error: script 'missing_script.py' does not exist"),
+        (["run"], "ds-ext: error: no script given; usage: python -m ds_ext.run SCRIPT"),
+        (["run", "-m", "no_such_package.train"], "ds-ext: error: module 'no_such_package.train' not found"),
+        (
+            ["tune", "--world", "8", "--database", "missing_db.json"],
+            "ds-ext: error: No such file or directory: missing_db.json",
+        ),
+        (
+            ["plan", "--model", "gpt-5b", "--nodes", "2", "--ds-config", "missing.json"],
+            "ds_config file 'missing.json' does not exist",
+        ),
+        (
+            ["plan", "--model", "gpt-5b", "--nodes", "2", "--families", "ted"],
+            "ds-ext: error: --families ted: none plans gpt-5b (a dense model); allowed: zero, pmm3d, megatron",
+        ),
+        (["simulate", "--nodes", "2", "--families", "ted"], "ds-ext: error: --families ted: none plans gpt-neox-20b"),
+    ],
+)
 def test_errors_are_one_line_with_status_2(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     try:
@@ -80,11 +94,14 @@ def test_errors_are_one_line_with_status_2(argv, message, capsys, tmp_path, monk
     assert message in err[-1] and "Traceback" not in "\n".join(err)
 
 
-@pytest.mark.parametrize("refused, message", [
-    (["--rank", "16"], "rank 16 outside world of 16"),
-    (["--grid", "2,2,2,3"], "ds_ext.pmm3d.grid: x=2 * y=2 * z=2 * data=3 = 24 != world size 16"),
-    (["--ted", "3,2"], "ds_ext.ted: world size 16 is not divisible by tensor_parallel=3"),
-])
+@pytest.mark.parametrize(
+    "refused, message",
+    [
+        (["--rank", "16"], "rank 16 outside world of 16"),
+        (["--grid", "2,2,2,3"], "ds_ext.pmm3d.grid: x=2 * y=2 * z=2 * data=3 = 24 != world size 16"),
+        (["--ted", "3,2"], "ds_ext.ted: world size 16 is not divisible by tensor_parallel=3"),
+    ],
+)
 def test_detect_checks_everything_before_printing(refused, message, capsys):
     assert main(["detect", "--preset", "frontier", "--world-size", "16", *refused]) == 2
     out, err = capsys.readouterr()
@@ -141,8 +158,13 @@ INTERNAL = {
     "ds_ext/pmm/tune.py": {"bandwidths"},  # --links is an argparse choice
     "ds_ext/zero_topo/perf.py": {"_Tally.__init__"},  # the algorithm comes validated by the config
     "ds_ext/perf/collectives.py": {"traffic"},  # the algorithm and groups come from the config and the topology
-    "ds_ext/comm/collectives.py": {"_same_dtype", "_flat", "Communicator.all_gather", "Communicator.reduce_scatter",
-                                   "Communicator.all_to_all"},  # tensor arguments, as torch.distributed checks them
+    "ds_ext/comm/collectives.py": {
+        "_same_dtype",
+        "_flat",
+        "Communicator.all_gather",
+        "Communicator.reduce_scatter",
+        "Communicator.all_to_all",
+    },  # tensor arguments, as torch.distributed checks them
     "ds_ext/comm/quantized.py": {"all_gather_quantized"},  # ds_ext quantizes whole blocks
     "ds_ext/cluster/measure.py": {"measured_topology"},  # the benchmark names the levels it measured
     "ds_ext/plotting.py": {"colours"},  # a benchmark's own variants
@@ -199,13 +221,14 @@ def _converted():
     from ds_ext.plugin import Plugin, PluginError, register_plugin
 
     reserved = type("CommPlugin", (Plugin,), {"name": "comm"})
-    return [(lambda: GPTConfig(d_model=10, n_heads=3), ModelConfigError, ValueError),
-            (lambda: register_plugin(reserved), PluginError, ValueError),
-            (lambda: refuse_closure(lambda: 0.0), DsExtConfigError, ValueError),
-            (lambda: ByteCorpus(root=ROOT / "configs"), DsExtSetupError, RuntimeError),
-            (lambda: _resolve_config(None, None, None), DsExtConfigError, ValueError),
-            (lambda: Frame("TEDMoE[0]", "replay", cac=True).decision("routing", lambda: None), ReplayError,
-             RuntimeError)]
+    return [
+        (lambda: GPTConfig(d_model=10, n_heads=3), ModelConfigError, ValueError),
+        (lambda: register_plugin(reserved), PluginError, ValueError),
+        (lambda: refuse_closure(lambda: 0.0), DsExtConfigError, ValueError),
+        (lambda: ByteCorpus(root=ROOT / "configs"), DsExtSetupError, RuntimeError),
+        (lambda: _resolve_config(None, None, None), DsExtConfigError, ValueError),
+        (lambda: Frame("TEDMoE[0]", "replay", cac=True).decision("routing", lambda: None), ReplayError, RuntimeError),
+    ]
 
 
 def test_converted_errors_keep_their_builtin_base():
@@ -250,9 +273,13 @@ def test_initialize_has_deepspeeds_signature_and_a_docstring():
 
 def test_figures_without_matplotlib_name_the_extra():
     """matplotlib and scipy are the ``bench`` extra: without them a figure fails in one line naming it."""
-    code = ("import sys; sys.modules['matplotlib'] = None\n"
-            "from ds_ext.errors import MissingExtraError\n"
-            "try:\n    import ds_ext.plotting\nexcept MissingExtraError as err:\n    print(err)\n")
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from ds_ext.errors import MissingExtraError\n"
+        "try:\n    import ds_ext.plotting\nexcept MissingExtraError as err:\n    print(err)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    assert out == ("ds_ext's figures (the planner's and the benchmarks' PNGs): matplotlib is not installed; it is an "
-                   "extra of ds_ext: pip install 'ds_ext[bench]'")
+    assert out == (
+        "ds_ext's figures (the planner's and the benchmarks' PNGs): matplotlib is not installed; it is an "
+        "extra of ds_ext: pip install 'ds_ext[bench]'"
+    )

@@ -59,17 +59,37 @@ def _neox_args(zero_topo, model_parallel=1, stage=0, clip=0.0, pipe=0):
     block = {"topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True}}
     if zero_topo is not None:
         block["zero_topo"] = {"enabled": True, **zero_topo}
-    args = NeoXArgs.from_ymls([str(NEOX / "configs" / "19M.yml")], overwrite_values=dict(
-        pipe_parallel_size=pipe, model_parallel_size=model_parallel, global_num_gpus=dist.get_world_size(),
-        gradient_accumulation_steps=ACCUM if pipe else 1,
-        use_cpu_initialization=True,
-        num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32,
-        tokenizer_type="CharLevelTokenizer", fp16={"enabled": False}, precision="fp32",
-        zero_optimization={"stage": stage}, checkpoint_activations=False, partition_activations=False,
-        gradient_clipping=clip, train_micro_batch_size_per_gpu=2, distributed_backend="gloo",
-        deepspeed_extra_args={"ds_ext": block}, train_iters=10, lr_decay_iters=10, wall_clock_breakdown=False,
-        log_interval=1000, steps_per_print=1000, user_script="train.py",
-    ))
+    args = NeoXArgs.from_ymls(
+        [str(NEOX / "configs" / "19M.yml")],
+        overwrite_values=dict(
+            pipe_parallel_size=pipe,
+            model_parallel_size=model_parallel,
+            global_num_gpus=dist.get_world_size(),
+            gradient_accumulation_steps=ACCUM if pipe else 1,
+            use_cpu_initialization=True,
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            seq_length=32,
+            max_position_embeddings=32,
+            tokenizer_type="CharLevelTokenizer",
+            fp16={"enabled": False},
+            precision="fp32",
+            zero_optimization={"stage": stage},
+            checkpoint_activations=False,
+            partition_activations=False,
+            gradient_clipping=clip,
+            train_micro_batch_size_per_gpu=2,
+            distributed_backend="gloo",
+            deepspeed_extra_args={"ds_ext": block},
+            train_iters=10,
+            lr_decay_iters=10,
+            wall_clock_breakdown=False,
+            log_interval=1000,
+            steps_per_print=1000,
+            user_script="train.py",
+        ),
+    )
     args.build_tokenizer()
     return args
 
@@ -108,8 +128,11 @@ def _neox_train(zero_topo, steps=5, model_parallel=1, stage=0, clip=0.0, offset=
     world = dist.get_world_size()
     mp = args.model_parallel_size if args.model_parallel_size >= 1 else 1  # megatron/initialize.py's topology
     pp = args.pipe_parallel_size if args.pipe_parallel_size >= 1 else 1
-    mpu.initialize_model_parallel(args.model_parallel_size, topology=PipeModelDataParallelTopology(
-        num_pp=pp, num_mp=mp, num_dp=world // (mp * pp)), fp32_allreduce=args.fp32_allreduce)
+    mpu.initialize_model_parallel(
+        args.model_parallel_size,
+        topology=PipeModelDataParallelTopology(num_pp=pp, num_mp=mp, num_dp=world // (mp * pp)),
+        fp32_allreduce=args.fp32_allreduce,
+    )
     setup_deepspeed_random_and_activation_checkpointing(neox_args=args)
     _set_random_seed(args.seed)
     mpu.model_parallel_cuda_manual_seed(args.seed)  # _set_random_seed does this where CUDA devices exist
@@ -119,7 +142,11 @@ def _neox_train(zero_topo, steps=5, model_parallel=1, stage=0, clip=0.0, offset=
     ds_ext.patch_deepspeed()
     try:  # megatron/training.py:1188, verbatim
         model, optimizer, _, lr_scheduler = deepspeed.initialize(
-            model=neox_model, optimizer=optimizer, args=args, lr_scheduler=lr_scheduler, dist_init_required=False,
+            model=neox_model,
+            optimizer=optimizer,
+            args=args,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
             model_parameters=param_groups if optimizer is None else None,
             mpu=mpu if not args.is_pipe_parallel else None,
         )
@@ -140,8 +167,10 @@ def _neox_train(zero_topo, steps=5, model_parallel=1, stage=0, clip=0.0, offset=
     losses, norms = [], []
     for step in range(steps):
         if args.is_pipe_parallel:  # train_step_pipe: the data iterator yields GPT-NeoX's {"text": ...} batches
-            micro = [{"text": corpus.micro_batch(step + offset, m, data_rank, data_size, 2, ACCUM, args.seq_length)}
-                     for m in range(ACCUM)]
+            micro = [
+                {"text": corpus.micro_batch(step + offset, m, data_rank, data_size, 2, ACCUM, args.seq_length)}
+                for m in range(ACCUM)
+            ]
             losses.append(float(model.train_batch(data_iter=iter(micro))))
             norms.append(model.get_global_grad_norm())
             continue
@@ -154,17 +183,25 @@ def _neox_train(zero_topo, steps=5, model_parallel=1, stage=0, clip=0.0, offset=
         losses.append(loss.item())
         norms.append(model.get_global_grad_norm())
     info = {
-        "config": type(args.deepspeed_config).__name__, "section": args.deepspeed_config.get("optimizer", {}).get("type"),
-        "optimizer": type(optimizer).__name__, "plugins": [p.name for p in model.ds_ext.plugins],
-        "inner": type(model.optimizer.inner if zero_topo else getattr(model.optimizer, "optimizer", model.optimizer)
-                      ).__name__,
-        "stage": model.zero_optimization_stage(), "wrapper": type(model.optimizer).__name__,
-        "data": (data_rank, data_size), "model": (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()),
+        "config": type(args.deepspeed_config).__name__,
+        "section": args.deepspeed_config.get("optimizer", {}).get("type"),
+        "optimizer": type(optimizer).__name__,
+        "plugins": [p.name for p in model.ds_ext.plugins],
+        "inner": type(
+            model.optimizer.inner if zero_topo else getattr(model.optimizer, "optimizer", model.optimizer)
+        ).__name__,
+        "stage": model.zero_optimization_stage(),
+        "wrapper": type(model.optimizer).__name__,
+        "data": (data_rank, data_size),
+        "model": (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()),
     }
     if params:
         end = parameters()
-        info |= {"params": end, "still": [n for n, p in end.items() if torch.equal(p, init[n])],
-                 "norms": [None if n is None else float(n) for n in norms]}
+        info |= {
+            "params": end,
+            "still": [n for n, p in end.items() if torch.equal(p, init[n])],
+            "norms": [None if n is None else float(n) for n in norms],
+        }
     model.destroy()
     mpu.destroy_model_parallel()
     dist.barrier()
@@ -182,7 +219,6 @@ def test_neox_trains_zero_topo_with_its_own_optimizer_and_config_section(world):
         assert info["plugins"] == ["zero_topo"] and info["inner"] == "FusedAdam"
         assert a == pytest.approx(b, rel=1e-6, abs=0)
     assert plain[0][0][-1] < plain[0][0][0] - 0.5
-
 
 
 TP2 = dict(model_parallel=2, clip=0.05, params=True)  # WORLD_SIZE 4: tensor 2 x data 2
@@ -232,8 +268,7 @@ def test_neox_pipeline_path_zero_topo_pipeline_form_equals_deepspeed_zero1(world
     global norms (clipping at 0.05 active) and every parameter of every rank, all of which moved."""
     run = dict(model_parallel=model_parallel, clip=0.05, params=True, pipe=pipe, steps=4)
     ref = world.run(_neox_train, None, stage=1, **run)
-    ours = world.run(_neox_train, {"preset": "zero_topo", "gradients": {"bits": 16, "hops": 1}},
-                     **run)
+    ours = world.run(_neox_train, {"preset": "zero_topo", "gradients": {"bits": 16, "hops": 1}}, **run)
     for (a, mine), (b, theirs) in zip(ours, ref):
         assert mine["stage"] == 0 and mine["plugins"] == ["zero_topo"] and theirs["stage"] == 1
         assert a == pytest.approx(b, rel=1e-6, abs=1e-6)

@@ -31,14 +31,19 @@ from ds_ext.cluster.measure import cross_group, level_partners, span_group
 from ds_ext.cluster.spec import ClusterError, ClusterSpec, LinkShape, parse_rate, spec_from_topology
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-       "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    "PYTHONWARNINGS": "ignore",
+    "PYTHONFAULTHANDLER": "1",
+}
 NODE_RATE_MBIT = 40
 TOLERANCE = 0.15
 START_TIMEOUT_S = 240  # a runner's start on a host loaded far beyond its cores (load 60 on 2 seen)
 
 
 # ---- pure logic ------------------------------------------------------------------------------
+
 
 def test_parse_rate():
     assert parse_rate("40mbit") == 40e6 and parse_rate("1.5Gbit") == 1.5e9 and parse_rate("800") == 800
@@ -63,9 +68,13 @@ def test_spec_levels_and_groups():
 
 def test_spec_from_topology_block():
     """A level's bandwidth is per rank: a node link carries ranks_per_node times it."""
-    block = {"levels": [{"name": "gcd", "size": 2, "bandwidth_GBps": 1.0},
-                        {"name": "gpu", "size": 2, "bandwidth_GBps": 0.1},
-                        {"name": "node", "bandwidth_GBps": 0.01}]}
+    block = {
+        "levels": [
+            {"name": "gcd", "size": 2, "bandwidth_GBps": 1.0},
+            {"name": "gpu", "size": 2, "bandwidth_GBps": 0.1},
+            {"name": "node", "bandwidth_GBps": 0.01},
+        ]
+    }
     spec = spec_from_topology(block, nodes=3, rate_scale=10, gpu_level=True)
     assert (spec.nodes, spec.ranks_per_node, spec.gpus_per_node) == (3, 4, 2)
     assert spec.node_link.rate_bps == pytest.approx(0.01e9 * 8 * 4 / 10)
@@ -89,6 +98,7 @@ def test_refuses_in_one_line_without_the_tcp_settings(capable, monkeypatch):
 
 
 # ---- real clusters ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def capable():
@@ -120,8 +130,14 @@ def _stale_runs() -> list[str]:
 def _measure(tmp_path: Path, *cluster_args: str) -> tuple[dict, str]:
     """``ds-ext tune --measure --network netns`` with 1 MB messages; its JSON and its table."""
     out = tmp_path / "net.json"
-    res = subprocess.run(_cli("tune", "--measure", "--network", "netns", "--message-MB", "1", "--out", str(out),
-                              *cluster_args), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=240)
+    res = subprocess.run(
+        _cli("tune", "--measure", "--network", "netns", "--message-MB", "1", "--out", str(out), *cluster_args),
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert _stale_runs() == []
     return json.loads(out.read_text()), res.stdout
@@ -148,9 +164,16 @@ def _measure_shaped(tmp_path: Path, checks: dict[tuple[str, str], float], *clust
 def test_measured_network(capable, tmp_path):
     """The acceptance test: 2 nodes x 2 ranks, the node link shaped to 40 Mbit/s."""
     rate = NODE_RATE_MBIT * 1e6 / 8
-    db, table = _measure_shaped(tmp_path, {("node", "p2p_bytes_per_s"): rate,
-                                           ("node", "allgather_span_bytes_per_s"): rate},
-                                "--world", "4", "--nodes", "2", "--node-rate", f"{NODE_RATE_MBIT}mbit")
+    db, table = _measure_shaped(
+        tmp_path,
+        {("node", "p2p_bytes_per_s"): rate, ("node", "allgather_span_bytes_per_s"): rate},
+        "--world",
+        "4",
+        "--nodes",
+        "2",
+        "--node-rate",
+        f"{NODE_RATE_MBIT}mbit",
+    )
     assert db["allgather_correct"] and db["step_latency_s"] > 0
     assert db["levels"]["node"]["shaped_bytes_per_s"] == rate
     assert db["levels"]["local"]["p2p_bytes_per_s"] > 3 * rate, table  # the shape is the node link's, not the host's
@@ -160,10 +183,23 @@ def test_measured_network(capable, tmp_path):
 
 def test_measured_network_two_levels(capable, tmp_path):
     """Nested links: 2 nodes x 2 GPUs x 1 rank, GPU links 80 Mbit/s inside a node's 40 Mbit/s."""
-    db, _ = _measure_shaped(tmp_path, {(level, "p2p_bytes_per_s"): mbit * 1e6 / 8
-                                       for level, mbit in (("gpu", 2 * NODE_RATE_MBIT), ("node", NODE_RATE_MBIT))},
-                            "--world", "4", "--nodes", "2", "--node-rate", f"{NODE_RATE_MBIT}mbit",
-                            "--gpus-per-node", "2", "--gpu-rate", f"{2 * NODE_RATE_MBIT}mbit")
+    db, _ = _measure_shaped(
+        tmp_path,
+        {
+            (level, "p2p_bytes_per_s"): mbit * 1e6 / 8
+            for level, mbit in (("gpu", 2 * NODE_RATE_MBIT), ("node", NODE_RATE_MBIT))
+        },
+        "--world",
+        "4",
+        "--nodes",
+        "2",
+        "--node-rate",
+        f"{NODE_RATE_MBIT}mbit",
+        "--gpus-per-node",
+        "2",
+        "--gpu-rate",
+        f"{2 * NODE_RATE_MBIT}mbit",
+    )
     assert db["allgather_correct"] and set(db["levels"]) == {"gpu", "node"}
 
 
@@ -178,9 +214,14 @@ def _as_foreground_job() -> None:
 def _start_sleeping_job() -> tuple[subprocess.Popen, str]:
     """A runner whose 4 ranks sleep; returns it and its run id once its ranks are up."""
     before = set(netns.list_namespaces())
-    runner = subprocess.Popen(_cluster("--nodes", "2", "--ranks-per-node", "2", "--node-rate", "10mbit",
-                                   "--", "sleep", "300"), env=ENV, cwd=REPO, stderr=subprocess.PIPE, text=True,
-                              preexec_fn=_as_foreground_job)
+    runner = subprocess.Popen(
+        _cluster("--nodes", "2", "--ranks-per-node", "2", "--node-rate", "10mbit", "--", "sleep", "300"),
+        env=ENV,
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_as_foreground_job,
+    )
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         new = set(netns.list_namespaces()) - before
@@ -245,8 +286,14 @@ def test_nothing_left_after_runner_killed(capable, sig):
             time.sleep(0.1)
         assert _holders(inodes) == [], "ranks outlived their SIGKILLed runner"
         assert rid in _stale_runs()  # left over: the next run finds and removes it
-        res = subprocess.run(_cluster("--nodes", "2", "--ranks-per-node", "1", "--node-rate", "10mbit", "--", "true"),
-                             env=ENV, cwd=REPO, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+        res = subprocess.run(
+            _cluster("--nodes", "2", "--ranks-per-node", "1", "--node-rate", "10mbit", "--", "true"),
+            env=ENV,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT_S,
+        )
         assert res.returncode == 0, res.stderr
     _assert_gone(rid, inodes)
 
@@ -255,9 +302,25 @@ def test_failing_rank_stops_the_job(capable):
     """Rank 1 exits 3: the runner stops the other ranks, exits 3 and removes everything."""
     before = set(netns.list_namespaces())
     t0 = time.monotonic()
-    res = subprocess.run(_cluster("--nodes", "2", "--ranks-per-node", "2", "--node-rate", "10mbit", "--",
-                                  "sh", "-c", 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 300'),
-                         env=ENV, cwd=REPO, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    res = subprocess.run(
+        _cluster(
+            "--nodes",
+            "2",
+            "--ranks-per-node",
+            "2",
+            "--node-rate",
+            "10mbit",
+            "--",
+            "sh",
+            "-c",
+            'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 300',
+        ),
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+    )
     assert res.returncode == 3, res.stderr
     assert time.monotonic() - t0 < START_TIMEOUT_S  # well before the other ranks' sleep would end
     assert set(netns.list_namespaces()) <= before and netns.host_interfaces() == []
@@ -345,10 +408,14 @@ def test_measured_topology_shares_links_among_their_ranks():
     from ds_ext.perf.pmm import Bandwidths
 
     spec = ClusterSpec(2, 4, LinkShape.of(40e6), 2, LinkShape.of(80e6))
-    db = {"cluster": spec.to_json(), "levels": {
-        "local": {"p2p_bytes_per_s": 2e8, "latency_s": 1e-4},
-        "gpu": {"p2p_bytes_per_s": 1e7, "latency_s": 2e-4},
-        "node": {"p2p_bytes_per_s": 5e6, "latency_s": 3e-4}}}
+    db = {
+        "cluster": spec.to_json(),
+        "levels": {
+            "local": {"p2p_bytes_per_s": 2e8, "latency_s": 1e-4},
+            "gpu": {"p2p_bytes_per_s": 1e7, "latency_s": 2e-4},
+            "node": {"p2p_bytes_per_s": 5e6, "latency_s": 3e-4},
+        },
+    }
     topo = measured_topology(db, ("gcd", "gpu", "node"))
     assert [(lv.name, lv.size) for lv in topo.levels] == [("gcd", 2), ("gpu", 2), ("node", 2)]
     assert [lv.bandwidth for lv in topo.levels] == [2e8, 1e7 / 2, 5e6 / 4]
@@ -358,8 +425,10 @@ def test_measured_topology_shares_links_among_their_ranks():
     busy = measured_topology({**db, "step_latency_s": 2.5e-4}, ("gcd", "gpu", "node"))
     assert [lv.latency for lv in busy.levels] == [2.5e-4, 2.5e-4, 3e-4]  # the job's step latency where longer
     # measured with every rank exchanging at once: that per-rank figure, below the link's share
-    shared = {**db, "levels": {lv: {**got, "shared_bytes_per_s": got["p2p_bytes_per_s"] / 5}
-                               for lv, got in db["levels"].items()}}
+    shared = {
+        **db,
+        "levels": {lv: {**got, "shared_bytes_per_s": got["p2p_bytes_per_s"] / 5} for lv, got in db["levels"].items()},
+    }
     topo = measured_topology(shared, ("gcd", "gpu", "node"))
     assert [lv.bandwidth for lv in topo.levels] == [2e8 / 5, 1e7 / 5, 5e6 / 5]
     assert [lv.link_bandwidth for lv in topo.levels] == [2e8, 1e7, 5e6]
@@ -378,8 +447,9 @@ def test_exchange_partner_is_the_same_position_in_the_partner_domain():
     assert [exchange_partner(spec, "gpu", r) for r in range(8)] == [2, 3, 0, 1, 6, 7, 4, 5]
     assert [exchange_partner(spec, "local", r) for r in range(4)] == [1, 0, 3, 2]
     for level in ("node", "gpu", "local"):
-        assert all(spec.level_of_pair(r, p) == level for r in range(12)
-                   if (p := exchange_partner(spec, level, r)) is not None)
+        assert all(
+            spec.level_of_pair(r, p) == level for r in range(12) if (p := exchange_partner(spec, level, r)) is not None
+        )
 
 
 def test_cli_wiring():
@@ -404,9 +474,31 @@ def test_bench_pccl_on_the_shaped_network(capable, tmp_path):
 
     out = tmp_path / "pccl.json"
     before = set(netns.list_namespaces())
-    subprocess.run(_cli("bench", "pccl", "--network", "netns", "--node-rate", "200mbit", "--gpu-rate", "400mbit",
-                        "--layouts", "4x2", "--min-size", "64K", "--max-size", "128K", "--repeats", "2",
-                        "--out", str(out)), env=ENV, check=True, timeout=START_TIMEOUT_S + 120)
+    subprocess.run(
+        _cli(
+            "bench",
+            "pccl",
+            "--network",
+            "netns",
+            "--node-rate",
+            "200mbit",
+            "--gpu-rate",
+            "400mbit",
+            "--layouts",
+            "4x2",
+            "--min-size",
+            "64K",
+            "--max-size",
+            "128K",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ),
+        env=ENV,
+        check=True,
+        timeout=START_TIMEOUT_S + 120,
+    )
     assert set(netns.list_namespaces()) <= before and netns.host_interfaces() == []
     payload = json.loads(out.read_text())
     assert payload["network"] == "netns" and payload["emulation"] is None

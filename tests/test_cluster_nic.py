@@ -46,17 +46,32 @@ def _frontier_like() -> ClusterSpec:
 
 # ---- pure logic ------------------------------------------------------------------------------
 
+
 def test_links_of_each_shape():
     """Per node: one link out of each node (its GPUs' links hang below it); per GPU: each GPU has
     its NIC straight to the switch and its link inside the node."""
     nested = ClusterSpec(2, 2, LinkShape.of(40e6), 2, LinkShape.of(80e6))
-    assert [(lk.name, lk.upper_ns.rsplit("-", 1)[1], lk.lower_bridge is None) for lk in cluster_links(nested, "abc123")] == [
-        ("node:n0", "sw", False), ("gpu:n0g0", "n0", True), ("gpu:n0g1", "n0", True),
-        ("node:n1", "sw", False), ("gpu:n1g0", "n1", True), ("gpu:n1g1", "n1", True)]
+    assert [
+        (lk.name, lk.upper_ns.rsplit("-", 1)[1], lk.lower_bridge is None) for lk in cluster_links(nested, "abc123")
+    ] == [
+        ("node:n0", "sw", False),
+        ("gpu:n0g0", "n0", True),
+        ("gpu:n0g1", "n0", True),
+        ("node:n1", "sw", False),
+        ("gpu:n1g0", "n1", True),
+        ("gpu:n1g1", "n1", True),
+    ]
     links = cluster_links(_frontier_like(), "abc123")
     assert [(lk.name, lk.upper_ns.rsplit("-", 1)[1], lk.lower_ns.rsplit("-", 1)[1]) for lk in links] == [
-        ("gpu:n0g0", "n0", "n0g0"), ("node:n0g0", "sw", "n0g0"), ("gpu:n0g1", "n0", "n0g1"), ("node:n0g1", "sw", "n0g1"),
-        ("gpu:n1g0", "n1", "n1g0"), ("node:n1g0", "sw", "n1g0"), ("gpu:n1g1", "n1", "n1g1"), ("node:n1g1", "sw", "n1g1")]
+        ("gpu:n0g0", "n0", "n0g0"),
+        ("node:n0g0", "sw", "n0g0"),
+        ("gpu:n0g1", "n0", "n0g1"),
+        ("node:n0g1", "sw", "n0g1"),
+        ("gpu:n1g0", "n1", "n1g0"),
+        ("node:n1g0", "sw", "n1g0"),
+        ("gpu:n1g1", "n1", "n1g1"),
+        ("node:n1g1", "sw", "n1g1"),
+    ]
     assert all(len(name) <= 15 for lk in links for name in (lk.upper_if, lk.lower_if))
     assert len({lk.upper_if for lk in links if lk.level == "node"}) == 4  # one switch port per NIC
 
@@ -70,8 +85,17 @@ def test_per_gpu_spec():
     assert spec_from_json(spec.to_json()) == spec
     for bad in ({"gpus_per_node": 1, "gpu_link": None}, {"nic": "per-rack"}):
         with pytest.raises(ClusterError) as err:
-            ClusterSpec(**{"nodes": 2, "ranks_per_node": 2, "node_link": LinkShape.of(1e8),
-                           "gpus_per_node": 2, "gpu_link": LinkShape.of(4e8), "nic": "per-gpu", **bad})
+            ClusterSpec(
+                **{
+                    "nodes": 2,
+                    "ranks_per_node": 2,
+                    "node_link": LinkShape.of(1e8),
+                    "gpus_per_node": 2,
+                    "gpu_link": LinkShape.of(4e8),
+                    "nic": "per-gpu",
+                    **bad,
+                }
+            )
         assert "\n" not in str(err.value)
 
 
@@ -91,8 +115,15 @@ def test_frontier_preset_gives_frontiers_ratios():
 def test_wire_diff_by_level_and_beside_ledger():
     levels = {"node:n0g0": "node", "gpu:n0g0": "gpu", "node:n0": "node"}
     before = WireSnapshot({k: {"up": 10, "down": 20} for k in levels}, levels, frozenset({"node:n0g0", "gpu:n0g0"}))
-    after = WireSnapshot({"node:n0g0": {"up": 1010, "down": 25}, "gpu:n0g0": {"up": 110, "down": 20},
-                          "node:n0": {"up": 510, "down": 20}}, levels, before.rank_links)
+    after = WireSnapshot(
+        {
+            "node:n0g0": {"up": 1010, "down": 25},
+            "gpu:n0g0": {"up": 110, "down": 20},
+            "node:n0": {"up": 510, "down": 20},
+        },
+        levels,
+        before.rank_links,
+    )
     moved = after - before
     assert moved.by_level() == {"node": {"up": 1500, "down": 5}, "gpu": {"up": 100, "down": 0}}
     assert moved.sent() == 1100  # node:n0 is a switch's uplink, not a link out of a rank's namespace
@@ -102,6 +133,7 @@ def test_wire_diff_by_level_and_beside_ledger():
 
 
 # ---- a real cluster --------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def world():
@@ -126,7 +158,9 @@ def _send(pairs: list[tuple[int, int]], nbytes: int) -> tuple[float, dict | None
     buf = torch.zeros(nbytes // 4)
     with wire_region() as region:
         t0 = time.perf_counter()
-        works = [dist.isend(buf, b) for a, b in pairs if a == rank] + [dist.irecv(buf, a) for a, b in pairs if b == rank]
+        works = [dist.isend(buf, b) for a, b in pairs if a == rank] + [
+            dist.irecv(buf, a) for a, b in pairs if b == rank
+        ]
         for w in works:
             w.wait()
         seconds = time.perf_counter() - t0
@@ -215,22 +249,50 @@ def test_runner_writes_the_wire_bytes(tmp_path):
     if problem is not None:
         pytest.skip(f"ds-ext cluster: {problem}")
     out = tmp_path / "wire.json"
-    script = ("import os, socket, time\n"
-              "r = int(os.environ['RANK']); peer = f\"10.77.0.{(r ^ 2) + 1}\"\n"
-              "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-              "if r < 2:\n"
-              "    for _ in range(200):\n"
-              "        try: s.connect((peer, 29600)); break\n"
-              "        except OSError: time.sleep(0.05)\n"
-              "    s.sendall(bytes(65536)); s.close()\n"
-              "else:\n"
-              "    s.bind(('', 29600)); s.listen(1); c, _ = s.accept(); n = 0\n"
-              "    while (b := c.recv(65536)): n += len(b)\n"
-              "    assert n == 65536, n\n")
-    res = subprocess.run([sys.executable, "-m", "ds_ext.cluster", "--nic", "per-gpu", "--nodes", "2", "--ranks-per-node",
-                          "2", "--gpus-per-node", "2", "--node-rate", "100mbit", "--gpu-rate", "400mbit",
-                          "--wire-out", str(out), "--", sys.executable, "-c", script],
-                         env=ENV, cwd=REPO, capture_output=True, text=True, timeout=START_TIMEOUT_S)
+    script = (
+        "import os, socket, time\n"
+        "r = int(os.environ['RANK']); peer = f\"10.77.0.{(r ^ 2) + 1}\"\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "if r < 2:\n"
+        "    for _ in range(200):\n"
+        "        try: s.connect((peer, 29600)); break\n"
+        "        except OSError: time.sleep(0.05)\n"
+        "    s.sendall(bytes(65536)); s.close()\n"
+        "else:\n"
+        "    s.bind(('', 29600)); s.listen(1); c, _ = s.accept(); n = 0\n"
+        "    while (b := c.recv(65536)): n += len(b)\n"
+        "    assert n == 65536, n\n"
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_ext.cluster",
+            "--nic",
+            "per-gpu",
+            "--nodes",
+            "2",
+            "--ranks-per-node",
+            "2",
+            "--gpus-per-node",
+            "2",
+            "--node-rate",
+            "100mbit",
+            "--gpu-rate",
+            "400mbit",
+            "--wire-out",
+            str(out),
+            "--",
+            sys.executable,
+            "-c",
+            script,
+        ],
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+    )
     assert res.returncode == 0, res.stderr
     wire = json.loads(out.read_text())
     assert wire["cluster"]["nic"] == "per-gpu" and len(wire["links"]) == 8

@@ -43,7 +43,7 @@ def _group(rt, name):
 def _single_record(rt):
     step = rt.ledger.mark_step()
     assert len(step.bytes) == 1, dict(step.bytes)
-    ((_, op, level), nbytes), = step.bytes.items()
+    (((_, op, level), nbytes),) = step.bytes.items()
     assert sum(step.calls.values()) == 1
     return op, level, nbytes
 

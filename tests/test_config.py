@@ -20,17 +20,28 @@ def test_defaults():
 @pytest.mark.parametrize(
     "block, message",
     [
-        ({"topology": {"preset": "summit"}},
-         "ds_ext.topology.preset: Input should be 'frontier' or 'dgx-a100' (got 'summit')"),
-        ({"topolgy": {}}, "ds_ext.topolgy: unknown key; allowed keys: comm, pccl, pmm3d, ted, tiled_optimizer, topology"),
-        ({"topology": {"emulte": True}},
-         "ds_ext.topology.emulte: unknown key; allowed keys: emulate, levels, preset, sizes"),
+        (
+            {"topology": {"preset": "summit"}},
+            "ds_ext.topology.preset: Input should be 'frontier' or 'dgx-a100' (got 'summit')",
+        ),
+        (
+            {"topolgy": {}},
+            "ds_ext.topolgy: unknown key; allowed keys: comm, pccl, pmm3d, ted, tiled_optimizer, topology",
+        ),
+        (
+            {"topology": {"emulte": True}},
+            "ds_ext.topology.emulte: unknown key; allowed keys: emulate, levels, preset, sizes",
+        ),
         ({"comm": {"time_scale": 0}}, "ds_ext.comm.time_scale: Input should be greater than 0 (got 0)"),
-        ({"tiled_optimizer": {"tile_size": 10**30}},
-         "ds_ext.tiled_optimizer.tile_size: Input should be less than or equal to 1073741824 (got 10000000"),
+        (
+            {"tiled_optimizer": {"tile_size": 10**30}},
+            "ds_ext.tiled_optimizer.tile_size: Input should be less than or equal to 1073741824 (got 10000000",
+        ),
         ({"topology": {"preset": "frontier", "levels": []}}, "give either 'preset' or 'levels'"),
-        ({"topology": {"levels": [{"name": "x", "size": 0, "bandwidth_GBps": 1}]}},
-         "ds_ext.topology.levels.0.size: Input should be greater than or equal to 1 (got 0)"),
+        (
+            {"topology": {"levels": [{"name": "x", "size": 0, "bandwidth_GBps": 1}]}},
+            "ds_ext.topology.levels.0.size: Input should be greater than or equal to 1 (got 0)",
+        ),
         ([1, 2], "ds_ext: must be a JSON object, got list"),
     ],
 )
@@ -56,7 +67,9 @@ def test_plugin_registers_its_section():
         cfg = cfgmod.parse({"demo_plugin": {"enabled": True, "level": "node"}})
         assert cfgmod.plugin_configs(cfg)["demo_plugin"].level == "node"
         assert "demo_plugin" in cfgmod.json_schema()["properties"]
-        with pytest.raises(cfgmod.DsExtConfigError, match="ds_ext.demo_plugin.bits: unknown key; allowed keys: enabled, level"):
+        with pytest.raises(
+            cfgmod.DsExtConfigError, match="ds_ext.demo_plugin.bits: unknown key; allowed keys: enabled, level"
+        ):
             cfgmod.parse({"demo_plugin": {"bits": 3}})
     finally:
         unregister_plugin("demo_plugin")
@@ -121,40 +134,69 @@ def test_every_section_has_the_one_strict_base():
 
     sections = _sections(cfgmod._schema_model())
     assert len(sections) >= 15
-    assert all(issubclass(s, ConfigSection) for s in sections), [s for s in sections if not issubclass(s, ConfigSection)]
+    assert all(issubclass(s, ConfigSection) for s in sections), [
+        s for s in sections if not issubclass(s, ConfigSection)
+    ]
 
 
-@pytest.mark.parametrize("block, message", [
-    ({"zero_topo": {"enabled": "yes"}}, "ds_ext.zero_topo.enabled: Input should be a valid boolean (got 'yes')"),
-    ({"comm": {"ledger": "off"}}, "ds_ext.comm.ledger: Input should be a valid boolean (got 'off')"),
-    ({"zero_topo": {"prefetch": "yes"}}, "ds_ext.zero_topo.prefetch: Input should be a valid boolean (got 'yes')"),
-    ({"zero_topo": {"quant_block_size": "512"}}, "ds_ext.zero_topo.quant_block_size: Input should be a valid integer (got '512')"),
-    ({"ted": {"enabled": 1}}, "ds_ext.ted.enabled: Input should be a valid boolean (got 1)"),
-    ({"tiled_optimizer": {"tile_size": 1.5}}, "ds_ext.tiled_optimizer.tile_size: Input should be a valid integer (got 1.5)"),
-    ({"comm": {"timeout_s": float("inf")}}, "ds_ext.comm.timeout_s: Input should be a finite number (got inf)"),
-    ({"comm": {"time_scale": float("nan")}}, "ds_ext.comm.time_scale: Input should be a finite number (got nan)"),
-    ({"topology": {"emulate": "true"}}, "ds_ext.topology.emulate: Input should be a valid boolean (got 'true')"),
-])
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ({"zero_topo": {"enabled": "yes"}}, "ds_ext.zero_topo.enabled: Input should be a valid boolean (got 'yes')"),
+        ({"comm": {"ledger": "off"}}, "ds_ext.comm.ledger: Input should be a valid boolean (got 'off')"),
+        ({"zero_topo": {"prefetch": "yes"}}, "ds_ext.zero_topo.prefetch: Input should be a valid boolean (got 'yes')"),
+        (
+            {"zero_topo": {"quant_block_size": "512"}},
+            "ds_ext.zero_topo.quant_block_size: Input should be a valid integer (got '512')",
+        ),
+        ({"ted": {"enabled": 1}}, "ds_ext.ted.enabled: Input should be a valid boolean (got 1)"),
+        (
+            {"tiled_optimizer": {"tile_size": 1.5}},
+            "ds_ext.tiled_optimizer.tile_size: Input should be a valid integer (got 1.5)",
+        ),
+        ({"comm": {"timeout_s": float("inf")}}, "ds_ext.comm.timeout_s: Input should be a finite number (got inf)"),
+        ({"comm": {"time_scale": float("nan")}}, "ds_ext.comm.time_scale: Input should be a finite number (got nan)"),
+        ({"topology": {"emulate": "true"}}, "ds_ext.topology.emulate: Input should be a valid boolean (got 'true')"),
+    ],
+)
 def test_every_section_refuses_coercion(block, message):
     with pytest.raises(cfgmod.DsExtConfigError) as err:
         cfgmod.parse(block)
     assert str(err.value) == message
 
 
-@pytest.mark.parametrize("block, message", [
-    ({"zero_topo": {"units": [1]}}, "ds_ext.zero_topo.units.0: Input should be a valid string (got 1)"),
-    ({"zero_topo": {"units": "blocks"}}, "ds_ext.zero_topo.units: Input should be a valid list or 'auto' (got 'blocks')"),
-    ({"pmm3d": {"grid": {"x": 0}}}, "ds_ext.pmm3d.grid.x: Input should be greater than or equal to 1 (got 0)"),
-    ({"pmm3d": {"grid": "best"}}, "ds_ext.pmm3d.grid: Input should be an object with keys data, x, y, z or 'auto' (got 'best')"),
-    ({"ted": {"num_experts": 6, "expert_parallel": 4}},
-     "ds_ext.ted: num_experts 6 is not a multiple of expert_parallel 4 (E = k x G_expert)"),
-    ({"topology": {"preset": "frontier", "sizes": {"gpus": 2}}},
-     "ds_ext.topology.sizes.gpus: unknown level; levels of preset 'frontier': gcd, gpu, node"),
-    ({"topology": {"sizes": {"gpu": 2}}}, "ds_ext.topology.sizes.gpu: unknown level; levels of the detected topology: local, node"),
-    ({"topology": {"levels": [{"name": "a", "bandwidth_GBps": 1}], "sizes": {"b": 1}}},
-     "ds_ext.topology.sizes.b: unknown level; levels of the given levels: a"),
-    ({"topology": {"preset": "frontier", "sizes": {"gpu": 0}}}, "ds_ext.topology.sizes.gpu: must be >= 1 (got 0)"),
-])
+@pytest.mark.parametrize(
+    "block, message",
+    [
+        ({"zero_topo": {"units": [1]}}, "ds_ext.zero_topo.units.0: Input should be a valid string (got 1)"),
+        (
+            {"zero_topo": {"units": "blocks"}},
+            "ds_ext.zero_topo.units: Input should be a valid list or 'auto' (got 'blocks')",
+        ),
+        ({"pmm3d": {"grid": {"x": 0}}}, "ds_ext.pmm3d.grid.x: Input should be greater than or equal to 1 (got 0)"),
+        (
+            {"pmm3d": {"grid": "best"}},
+            "ds_ext.pmm3d.grid: Input should be an object with keys data, x, y, z or 'auto' (got 'best')",
+        ),
+        (
+            {"ted": {"num_experts": 6, "expert_parallel": 4}},
+            "ds_ext.ted: num_experts 6 is not a multiple of expert_parallel 4 (E = k x G_expert)",
+        ),
+        (
+            {"topology": {"preset": "frontier", "sizes": {"gpus": 2}}},
+            "ds_ext.topology.sizes.gpus: unknown level; levels of preset 'frontier': gcd, gpu, node",
+        ),
+        (
+            {"topology": {"sizes": {"gpu": 2}}},
+            "ds_ext.topology.sizes.gpu: unknown level; levels of the detected topology: local, node",
+        ),
+        (
+            {"topology": {"levels": [{"name": "a", "bandwidth_GBps": 1}], "sizes": {"b": 1}}},
+            "ds_ext.topology.sizes.b: unknown level; levels of the given levels: a",
+        ),
+        ({"topology": {"preset": "frontier", "sizes": {"gpu": 0}}}, "ds_ext.topology.sizes.gpu: must be >= 1 (got 0)"),
+    ],
+)
 def test_errors_show_the_key_path_without_pydantic_internals(block, message):
     with pytest.raises(cfgmod.DsExtConfigError) as err:
         cfgmod.parse(block)

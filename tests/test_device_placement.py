@@ -12,8 +12,20 @@ import ast
 from collections import Counter
 from pathlib import Path
 
-FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint", "as_tensor",
-             "frombuffer", "linspace"}
+FACTORIES = {
+    "tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "randn",
+    "rand",
+    "randint",
+    "as_tensor",
+    "frombuffer",
+    "linspace",
+}
 ROOT = Path(__file__).resolve().parents[1]
 # gloo-only tools: the CPU benchmarks and the network-namespace cluster (its own processes)
 HOST_PACKAGES = ("ds_ext/bench/", "ds_ext/cluster/")
@@ -40,9 +52,14 @@ def _deviceless_calls() -> Counter:
         if rel.startswith(HOST_PACKAGES):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in FACTORIES
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
-                    and not any(k.arg == "device" for k in node.keywords)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in FACTORIES
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+                and not any(k.arg == "device" for k in node.keywords)
+            ):
                 found[(rel, node.func.attr)] += 1
     return found
 
@@ -53,7 +70,8 @@ def test_every_tensor_the_library_creates_names_its_device():
     unexpected = found - allowed
     assert not unexpected, (
         "torch factory calls without device= (a collective on NCCL refuses host tensors): "
-        + ", ".join(f"{f}: torch.{fn} x{n}" for (f, fn), n in sorted(unexpected.items())))
+        + ", ".join(f"{f}: torch.{fn} x{n}" for (f, fn), n in sorted(unexpected.items()))
+    )
     assert found == allowed, f"stale HOST_SIDE entries: {dict(allowed - found)}"
 
 

@@ -57,11 +57,19 @@ def test_readme_keeps_the_two_commands():
 
 
 def test_mkdocs_build_strict(tmp_path):
-    missing = [m for m in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
-               if importlib.util.find_spec(m.split(".")[0]) is None]
+    missing = [
+        m
+        for m in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
+        if importlib.util.find_spec(m.split(".")[0]) is None
+    ]
     if missing:
         pytest.skip(f"documentation tools not installed ({', '.join(missing)}): pip install -r requirements-dev.txt")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NODES, PER_NODE = 2, 8
 CLOSEST_GCD = [4, 5, 2, 3, 6, 7, 0, 1]  # Frontier: the GCD nearest to cores 8l+1 .. 8l+7
 
-FAKE_SRUN = r'''#!/usr/bin/env python3
+FAKE_SRUN = (
+    r"""#!/usr/bin/env python3
 import os, subprocess, sys
 args = sys.argv[1:]
 per_node = 1
@@ -38,21 +39,23 @@ for n in range(nodes):
         if per_node == 8:
             env["ROCR_VISIBLE_DEVICES"] = str(%s[l])
         subprocess.run(args, env=env, check=True)
-''' % CLOSEST_GCD
+"""
+    % CLOSEST_GCD
+)
 
-FAKE_PYTHON = r'''#!/usr/bin/env python3
+FAKE_PYTHON = r"""#!/usr/bin/env python3
 import json, os, sys
 keep = ("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "NCCL_", "FI_", "MIOPEN_", "ROCR_", "LD_LIBRARY_PATH",
         "OMP_NUM_THREADS", "FAKE_VENV")
 rec = {"argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k.startswith(keep)}}
 with open(os.path.join(os.environ["FAKE_OUT"], f"task{os.environ['SLURM_PROCID']}.json"), "w") as f:
     json.dump(rec, f)
-'''
+"""
 
-FAKE_SCONTROL = r'''#!/usr/bin/env bash
+FAKE_SCONTROL = r"""#!/usr/bin/env bash
 [[ "$1 $2" == "show hostnames" ]] || exit 1
 for ((n = 0; n < SLURM_NNODES; n++)); do printf 'frontier%05d\n' "$n"; done
-'''
+"""
 
 
 @pytest.fixture
@@ -67,15 +70,29 @@ def slurm(tmp_path):
     (venv / "bin" / "activate").write_text("export FAKE_VENV=active\n")
     (plugin / "lib" / "librccl-net.so").write_text("")
     env = {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "USER": "me", "FAKE_OUT": str(out),
-        "SLURM_JOB_NODELIST": "frontier[00000-00001]", "SLURM_NNODES": str(NODES), "SLURM_JOB_ID": "42",
-        "SLURM_SUBMIT_DIR": str(ROOT), "DS_EXT_VENV": str(venv), "DS_EXT_RCCL_PLUGIN_DIR": str(plugin),
-        "DS_EXT_MODULES": "", "MEGATRON_DS": "/opt/Megatron-DeepSpeed",
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "USER": "me",
+        "FAKE_OUT": str(out),
+        "SLURM_JOB_NODELIST": "frontier[00000-00001]",
+        "SLURM_NNODES": str(NODES),
+        "SLURM_JOB_ID": "42",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "DS_EXT_VENV": str(venv),
+        "DS_EXT_RCCL_PLUGIN_DIR": str(plugin),
+        "DS_EXT_MODULES": "",
+        "MEGATRON_DS": "/opt/Megatron-DeepSpeed",
     }
 
     def run(script, *args, **overrides):
-        return subprocess.run(["bash", str(ROOT / "launch" / script), *args], env={**env, **overrides},
-                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        return subprocess.run(
+            ["bash", str(ROOT / "launch" / script), *args],
+            env={**env, **overrides},
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
 
     def tasks():
         return [json.loads((out / f"task{r}.json").read_text()) for r in range(NODES * PER_NODE)]
@@ -112,8 +129,14 @@ def test_frontier_sbatch_starts_one_rank_per_gcd_node_major(slurm):
     tasks = tasks()
     _common_checks(tasks, plugin)
     for r, task in enumerate(tasks):
-        assert task["argv"] == ["-u", "examples/train.py", "--deepspeed_config", "configs/frontier_zero_topo.json",
-                                "--steps", "1000"]
+        assert task["argv"] == [
+            "-u",
+            "examples/train.py",
+            "--deepspeed_config",
+            "configs/frontier_zero_topo.json",
+            "--steps",
+            "1000",
+        ]
         derived = slurm_rank_variables(task["env"])  # what ds_ext.initialize derives in the task
         assert derived == {"WORLD_SIZE": "16", "RANK": str(r), "LOCAL_RANK": str(r % 8), "LOCAL_SIZE": "8"}
         job = detect_environment({**task["env"], **derived})
@@ -129,16 +152,27 @@ def test_megatron_sbatch_exports_torch_variables_and_runs_through_ds_ext(slurm):
     for r, task in enumerate(tasks):
         env = task["env"]
         assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_SIZE"]) == (str(r), "16", str(r % 8), "8")
-        assert task["argv"] == ["-u", "-m", "ds_ext.run", "/opt/Megatron-DeepSpeed/pretrain_gpt.py", "--deepspeed",
-                                "--deepspeed_config", "configs/frontier/gpt_175b_004.json",
-                                "--tensor-model-parallel-size", "4"]
+        assert task["argv"] == [
+            "-u",
+            "-m",
+            "ds_ext.run",
+            "/opt/Megatron-DeepSpeed/pretrain_gpt.py",
+            "--deepspeed",
+            "--deepspeed_config",
+            "configs/frontier/gpt_175b_004.json",
+            "--tensor-model-parallel-size",
+            "4",
+        ]
 
 
-@pytest.mark.parametrize("missing,message", [
-    ("DS_EXT_RCCL_PLUGIN_DIR", "set DS_EXT_RCCL_PLUGIN_DIR to the aws-ofi-rccl installation"),
-    ("DS_EXT_VENV", "set DS_EXT_VENV to the Python environment"),
-    ("plugin_file", "librccl-net.so: build aws-ofi-rccl (libfabric) first"),
-])
+@pytest.mark.parametrize(
+    "missing,message",
+    [
+        ("DS_EXT_RCCL_PLUGIN_DIR", "set DS_EXT_RCCL_PLUGIN_DIR to the aws-ofi-rccl installation"),
+        ("DS_EXT_VENV", "set DS_EXT_VENV to the Python environment"),
+        ("plugin_file", "librccl-net.so: build aws-ofi-rccl (libfabric) first"),
+    ],
+)
 def test_refuses_to_start_without_the_plugin_or_the_environment(slurm, missing, message):
     run, tasks, plugin = slurm
     if missing == "plugin_file":

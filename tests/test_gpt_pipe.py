@@ -24,14 +24,19 @@ def _losses():
     ref = gpt(tokens)
     ref.backward()
     n_pipe = sum(p.numel() for p in pipe.parameters())
-    return (float(ours), float(ref), n_pipe, cfg.num_parameters,
-            float((pipe.tied_modules.embed.weight.grad - gpt.embed.weight.grad).abs().max()))
+    return (
+        float(ours),
+        float(ref),
+        n_pipe,
+        cfg.num_parameters,
+        float((pipe.tied_modules.embed.weight.grad - gpt.embed.weight.grad).abs().max()),
+    )
 
 
 def test_gpt_pipeline_has_gpts_parameters_and_loss(world):
     """PP 1: the same parameter count, the same loss to the bit and the tied embedding's gradient
     (token embedding + LM head) equal to GPT's on the same weights."""
-    (ours, ref, n_pipe, n_gpt, grad_diff), = world.run(_losses)
+    ((ours, ref, n_pipe, n_gpt, grad_diff),) = world.run(_losses)
     assert ours == ref
     assert n_pipe == n_gpt
     assert grad_diff == 0.0

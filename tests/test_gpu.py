@@ -70,8 +70,11 @@ def test_fused_quantizer_is_one_launch_each_way_without_a_host_wait(bits):
     qz.dequantize(q, torch.bfloat16)
     qz.quantize(x)
     torch.cuda.synchronize()
-    for call in (lambda: qz.quantize(x, nonfinite="flag"), lambda: qz.dequantize(q, torch.bfloat16),
-                 lambda: qz.quantize(x)):
+    for call in (
+        lambda: qz.quantize(x, nonfinite="flag"),
+        lambda: qz.dequantize(q, torch.bfloat16),
+        lambda: qz.quantize(x),
+    ):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             call()
             torch.cuda.synchronize()
@@ -130,8 +133,14 @@ def _gpt(seed=1234):
 
 
 def _base(precision="fp32", stage=0, **extra):
-    cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": stage}, "steps_per_print": 10**6, **extra}
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**6,
+        **extra,
+    }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -211,8 +220,18 @@ def _ted_world1():
 
     from ds_ext.models.gpt_moe import GPTMoE, GPTMoEConfig
 
-    cfg = GPTMoEConfig(seq_len=SEQ, d_model=32, n_layers=2, n_heads=4, num_experts=4, min_capacity=0,
-                       use_rts=False, top2_2nd_expert_sampling=False, drop_tokens=False, checkpoint="torch")
+    cfg = GPTMoEConfig(
+        seq_len=SEQ,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        num_experts=4,
+        min_capacity=0,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+        drop_tokens=False,
+        checkpoint="torch",
+    )
     torch.manual_seed(0)
     state = GPTMoE(cfg).state_dict()
 
@@ -223,14 +242,20 @@ def _ted_world1():
 
     def opt(m):
         groups = split_params_into_different_moe_groups_for_optimizer(
-            {"params": list(m.parameters()), "name": "dense", "lr": 3e-3, "weight_decay": 0.01})
+            {"params": list(m.parameters()), "name": "dense", "lr": 3e-3, "weight_decay": 0.01}
+        )
         return torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.01)
 
     ds_model = model("deepspeed")
     engine, *_ = deepspeed.initialize(args=_args(), model=ds_model, optimizer=opt(ds_model), config=_base(stage=1))
     ref = _train(engine)
-    ted = {"enabled": True, "tensor_parallel": 1, "expert_parallel": 1, "duplicate_token_dropping": True,
-           "comm_aware_checkpointing": True}
+    ted = {
+        "enabled": True,
+        "tensor_parallel": 1,
+        "expert_parallel": 1,
+        "duplicate_token_dropping": True,
+        "comm_aware_checkpointing": True,
+    }
     ted_model = model("ted")
     ours = _train(_ds_ext(ted_model, _base(stage=1, ds_ext={"topology": TOPOLOGY, "ted": ted}), opt(ted_model)))
     return {"ref": ref, "ours": ours}
@@ -244,8 +269,11 @@ def _tiled_world1():
     for tile in (None, 1024):
         block = {"tiled_optimizer": {"enabled": True, "tile_size": tile}} if tile else {}
         engine = _ds_ext(_gpt(), _base("bf16", stage=1, optimizer=section, ds_ext=block), optimizer=None)
-        runs[tile] = {"losses": _train(engine), "params": _params(engine),
-                      "optimizer": type(engine.optimizer.optimizer).__name__}
+        runs[tile] = {
+            "losses": _train(engine),
+            "params": _params(engine),
+            "optimizer": type(engine.optimizer.optimizer).__name__,
+        }
     return {"ref": runs[None], "ours": runs[1024]}
 
 
@@ -253,10 +281,17 @@ def _pmm3d_world1():
     """3D-PMM on grid (1, 1, 1, 1) with every overlap and matmul tuning on (fp32) equals plain
     DeepSpeed on the serial model."""
     ref = _train(_deepspeed(_gpt(), _base()))
-    pmm = {"enabled": True, "grid": {"x": 1, "y": 1, "z": 1, "data": 1}, "tune_matmul": True,
-           "overlap": {"all_reduce": True, "reduce_scatter": True, "all_gather": True}}
-    engine = _ds_ext(_gpt(), _base(ds_ext={"topology": TOPOLOGY, "pmm3d": pmm}),
-                     optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01))
+    pmm = {
+        "enabled": True,
+        "grid": {"x": 1, "y": 1, "z": 1, "data": 1},
+        "tune_matmul": True,
+        "overlap": {"all_reduce": True, "reduce_scatter": True, "all_gather": True},
+    }
+    engine = _ds_ext(
+        _gpt(),
+        _base(ds_ext={"topology": TOPOLOGY, "pmm3d": pmm}),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01),
+    )
     ours = _train(engine)
     return {"ref": ref, "ours": ours, "tuned": len(engine.ds_ext.plugin("pmm3d").engine.tuner.choice)}
 

@@ -70,17 +70,37 @@ def _trainer(zero_topo, tmp):
     from hf_support import ByteWindows
     from transformers import Trainer, TrainingArguments
 
-    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-           "gradient_clipping": "auto", "zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
-           "ds_ext": {"topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**9,
+        "ds_ext": {"topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True}},
+    }
     if zero_topo:
-        cfg["ds_ext"]["zero_topo"] = {"enabled": True, "preset": "zero_topo", "units": ["LlamaDecoderLayer"],
-                                      **UNQUANTIZED}
+        cfg["ds_ext"]["zero_topo"] = {
+            "enabled": True,
+            "preset": "zero_topo",
+            "units": ["LlamaDecoderLayer"],
+            **UNQUANTIZED,
+        }
         cfg["ds_ext"]["tiled_optimizer"] = {"enabled": True, "tile_size": 4096}
     torch.manual_seed(1234)
-    args = TrainingArguments(output_dir=f"{tmp}/out{dist.get_rank()}", per_device_train_batch_size=2, max_steps=6,
-                             deepspeed=cfg, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no",
-                             max_grad_norm=0.0, learning_rate=3e-3, seed=1234, data_seed=1234)
+    args = TrainingArguments(
+        output_dir=f"{tmp}/out{dist.get_rank()}",
+        per_device_train_batch_size=2,
+        max_steps=6,
+        deepspeed=cfg,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        max_grad_norm=0.0,
+        learning_rate=3e-3,
+        seed=1234,
+        data_seed=1234,
+    )
     ds_ext.patch_deepspeed()
     try:
         trainer = Trainer(model=tiny_causal_lm("llama"), args=args, train_dataset=ByteWindows())

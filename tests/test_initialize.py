@@ -48,7 +48,11 @@ def _train(use_ds_ext: bool, stage: int, bf16: bool, steps: int = 10):
         result = ds_ext.initialize(model=model, optimizer=opt, config=ds_cfg)
         engine, wrapped, loader, scheduler = result  # DeepSpeed's order, and by name:
         assert (result.engine, result.optimizer, result.training_dataloader, result.lr_scheduler) == (
-            engine, engine.optimizer, None, None) and wrapped is engine.optimizer
+            engine,
+            engine.optimizer,
+            None,
+            None,
+        ) and wrapped is engine.optimizer
     else:
         ds_engine.disable_jit_builds()
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
@@ -97,15 +101,27 @@ def _initialize_error(block):
 @pytest.mark.parametrize(
     "block, kind, message",
     [
-        ({"topology": {"preset": "frontier", "emulat": True}}, "DsExtConfigError",
-         "ds_ext.topology.emulat: unknown key; allowed keys: emulate, levels, preset, sizes"),
-        ({"topology": {"preset": "titan"}}, "DsExtConfigError",
-         "ds_ext.topology.preset: Input should be 'frontier' or 'dgx-a100' (got 'titan')"),
-        ({"topology": {"preset": "frontier", "emulate": True}}, "TopologyError",
-         "world size 4 does not fit topology 'frontier' (2 gcd x 4 gpu = 8 ranks per node): "
-         "it must be a multiple of 8"),
-        ({"topology": {"preset": "frontier", "sizes": {"gpu": 1}}}, "TopologyError",
-         "the job runs 4 ranks per node (launcher variables) but topology 'frontier' needs 2"),
+        (
+            {"topology": {"preset": "frontier", "emulat": True}},
+            "DsExtConfigError",
+            "ds_ext.topology.emulat: unknown key; allowed keys: emulate, levels, preset, sizes",
+        ),
+        (
+            {"topology": {"preset": "titan"}},
+            "DsExtConfigError",
+            "ds_ext.topology.preset: Input should be 'frontier' or 'dgx-a100' (got 'titan')",
+        ),
+        (
+            {"topology": {"preset": "frontier", "emulate": True}},
+            "TopologyError",
+            "world size 4 does not fit topology 'frontier' (2 gcd x 4 gpu = 8 ranks per node): "
+            "it must be a multiple of 8",
+        ),
+        (
+            {"topology": {"preset": "frontier", "sizes": {"gpu": 1}}},
+            "TopologyError",
+            "the job runs 4 ranks per node (launcher variables) but topology 'frontier' needs 2",
+        ),
         ("frontier", "DsExtConfigError", "ds_ext: must be a JSON object, got str"),
     ],
 )
@@ -129,16 +145,22 @@ def _start_up_messages():
     import ds_ext
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-    cfg = {**_ds_config(0, True), "ds_ext": {"topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True},
-                                             "zero_topo": {"enabled": True}}}
+    cfg = {
+        **_ds_config(0, True),
+        "ds_ext": {
+            "topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True},
+            "zero_topo": {"enabled": True},
+        },
+    }
     out = io.StringIO()
     with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(out):
         warnings.simplefilter("default")
         engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
     engine.destroy()
     printed = out.getvalue()
-    return printed[printed.find("[Rank 0] ds_ext"):] if "ds_ext" in printed else "", \
-        [str(w.message) for w in caught if "ds_ext" in str(w.message)]
+    return printed[printed.find("[Rank 0] ds_ext") :] if "ds_ext" in printed else "", [
+        str(w.message) for w in caught if "ds_ext" in str(w.message)
+    ]
 
 
 def test_start_up_banner_and_warnings_once_on_rank_0(world):

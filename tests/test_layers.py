@@ -26,9 +26,19 @@ def _env() -> dict:
 
 def test_import_contracts_kept():
     run = subprocess.run(
-        [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command; "
-         "sys.exit(lint_imports_command())", "--no-cache", "--config", str(ROOT / ".importlinter")],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())",
+            "--no-cache",
+            "--config",
+            str(ROOT / ".importlinter"),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
 
@@ -43,8 +53,9 @@ def test_no_import_cycles():
         "        if back is not None:\n"
         "            print(' -> '.join((a,) + tuple(back)))\n"
     )
-    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout == "", "import cycles:\n" + run.stdout
 
@@ -66,6 +77,8 @@ def test_every_module_is_in_a_layer():
         name = f"ds_ext.{top.name}"
         if name in layered:
             continue
-        subs = [f"{name}.{m.name}" for m in pkgutil.iter_modules([str(ROOT / "ds_ext" / top.name)])] if top.ispkg else []
+        subs = (
+            [f"{name}.{m.name}" for m in pkgutil.iter_modules([str(ROOT / "ds_ext" / top.name)])] if top.ispkg else []
+        )
         missing += [s for s in subs if s not in layered] if subs and any(s in layered for s in subs) else [name]
     assert missing == [], f"not in any layer of .importlinter: {missing}"

@@ -17,10 +17,15 @@ def _nothing():
 def test_a_rank_that_dies_during_start_up_fails_the_start_at_once():
     # rank 1 exits before joining the process group (its network namespace does not exist);
     # rank 0 waits in the rendezvous for it
-    world = World(2, timeout=300, rank_setup=[None, functools.partial(enter_namespace, "ds_ext_test_no_such_namespace")])
+    world = World(
+        2, timeout=300, rank_setup=[None, functools.partial(enter_namespace, "ds_ext_test_no_such_namespace")]
+    )
     start = time.monotonic()
-    with pytest.raises(RankError, match=r"start failed on ranks \[1\]; ranks \[0\] did not answer(.|\n)*"
-                                        r"process exited with code 1 without answering"):
+    with pytest.raises(
+        RankError,
+        match=r"start failed on ranks \[1\]; ranks \[0\] did not answer(.|\n)*"
+        r"process exited with code 1 without answering",
+    ):
         world.run(_nothing)
     assert time.monotonic() - start < 60  # the full timeout is 300 s
     assert world._procs == []
@@ -43,8 +48,12 @@ def test_a_rank_starts_with_torch_and_deepspeed_only_where_preloaded():
     preloaded = not os.environ.get("DS0196") and not torch.cuda.is_available()
     with World(2) as world:
         for found in world.run(_imported, ["torch", "torch._dynamo", "ds_ext.zero_topo.plugin", "deepspeed"]):
-            assert found == {"torch": True, "torch._dynamo": True, "ds_ext.zero_topo.plugin": True,
-                             "deepspeed": preloaded}
+            assert found == {
+                "torch": True,
+                "torch._dynamo": True,
+                "ds_ext.zero_topo.plugin": True,
+                "deepspeed": preloaded,
+            }
 
 
 def _shared_memory_named_after_the_rendezvous():

@@ -118,12 +118,18 @@ def test_recorder_replay_skips_forward_collectives():
 
     comm, x = FakeComm(), _leaf(2, 4, 3)
     frame = Frame("t", "record", cac=True)
-    first = (m.reduce_from_region(x, comm, GROUP, frame), m.all_to_all(x, comm, GROUP, frame),
-             m.gather_from_region(x, comm, GROUP, frame))
+    first = (
+        m.reduce_from_region(x, comm, GROUP, frame),
+        m.all_to_all(x, comm, GROUP, frame),
+        m.gather_from_region(x, comm, GROUP, frame),
+    )
     n = len(comm.calls)
     frame.mode = "replay"
-    again = (m.reduce_from_region(x, comm, GROUP, frame), m.all_to_all(x, comm, GROUP, frame),
-             m.gather_from_region(x, comm, GROUP, frame))
+    again = (
+        m.reduce_from_region(x, comm, GROUP, frame),
+        m.all_to_all(x, comm, GROUP, frame),
+        m.gather_from_region(x, comm, GROUP, frame),
+    )
     assert n == 3 and len(comm.calls) == 3
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
@@ -135,8 +141,15 @@ def test_group_of_one_rank_is_the_identity(group):
             raise AssertionError(f"communicator used: {name}")
 
     comm, x = Untouchable(d=1), _leaf(2, 2, 2)
-    for op in (m.copy_to_region, m.reduce_from_region, m.reduce_both, m.mean_over, m.all_to_all,
-               m.split_to_region, m.gather_from_region):
+    for op in (
+        m.copy_to_region,
+        m.reduce_from_region,
+        m.reduce_both,
+        m.mean_over,
+        m.all_to_all,
+        m.split_to_region,
+        m.gather_from_region,
+    ):
         assert op(x, comm, group) is x
     assert m.copy_to_region_bucketed([x], comm, group) == (x,)
     assert comm.calls == []
@@ -144,18 +157,22 @@ def test_group_of_one_rank_is_the_identity(group):
 
 def _ted(tensor, expert, dtd=True):
     layout = SimpleNamespace(tensor=tensor, expert=expert)
-    return SimpleNamespace(layout=layout, comm=FakeComm(), groups=SimpleNamespace(expert=GROUP, tensor=GROUP), dtd=dtd,
-                           cac_lean=False)
+    return SimpleNamespace(
+        layout=layout, comm=FakeComm(), groups=SimpleNamespace(expert=GROUP, tensor=GROUP), dtd=dtd, cac_lean=False
+    )
 
 
-@pytest.mark.parametrize("tensor, expert, dtd, sliced, kind", [
-    (1, 4, True, True, "TokenDispatcher"),
-    (2, 4, True, True, "DTDDispatcher"),
-    (2, 4, False, True, "TokenDispatcher"),
-    (2, 1, True, True, "TokenDispatcher"),  # no all-to-all for DTD to shrink
-    (2, 4, True, False, "SlotShareDispatcher"),
-    (2, 1, True, False, "SlotShareDispatcher"),
-])
+@pytest.mark.parametrize(
+    "tensor, expert, dtd, sliced, kind",
+    [
+        (1, 4, True, True, "TokenDispatcher"),
+        (2, 4, True, True, "DTDDispatcher"),
+        (2, 4, False, True, "TokenDispatcher"),
+        (2, 1, True, True, "TokenDispatcher"),  # no all-to-all for DTD to shrink
+        (2, 4, True, False, "SlotShareDispatcher"),
+        (2, 1, True, False, "SlotShareDispatcher"),
+    ],
+)
 def test_dispatcher_follows_the_layout(tensor, expert, dtd, sliced, kind):
     from ds_ext.moe.dispatcher import token_dispatcher
 
@@ -169,8 +186,7 @@ def test_ted_moe_is_router_dispatcher_experts():
     from ds_ext.moe.layer import TEDMoE
 
     torch.manual_seed(0)
-    layer = TEDMoE(8, nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), num_experts=4, k=2,
-                   min_capacity=0)
+    layer = TEDMoE(8, nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), num_experts=4, k=2, min_capacity=0)
     x = torch.randn(3, 5, 8)
     draws = layer.gate.draws
     out, l_aux, counts = layer(x)

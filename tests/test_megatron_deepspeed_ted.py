@@ -28,25 +28,82 @@ from clients import MDS_ENV as ENV, MDS_READY, MDS_SKIP, lm_losses as _losses
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not MDS_READY, reason=MDS_SKIP)
 SERIAL_ARGS = [
-    "--tensor-model-parallel-size", "1", "--moe-expert-parallel-size", "1", "--num-experts", "2", "--topk", "1",
-    "--moe-train-capacity-factor", "1.0", "--moe-min-capacity", "0",
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-    "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "10",
-    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "constant", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "512", "--split", "98,2,0", "--deepspeed", "--no-pipeline-parallel",
-    "--distributed-backend", "gloo", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
-    "--seed", "1234", "--use-cpu-initialization",
+    "--tensor-model-parallel-size",
+    "1",
+    "--moe-expert-parallel-size",
+    "1",
+    "--num-experts",
+    "2",
+    "--topk",
+    "1",
+    "--moe-train-capacity-factor",
+    "1.0",
+    "--moe-min-capacity",
+    "0",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "2",
+    "--train-iters",
+    "10",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "constant",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "512",
+    "--split",
+    "98,2,0",
+    "--deepspeed",
+    "--no-pipeline-parallel",
+    "--distributed-backend",
+    "gloo",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "1000",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "1234",
+    "--use-cpu-initialization",
     # the vocabulary TP 2 pads to (128 x 2), so the serial run has the same embedding
-    "--make-vocab-size-divisible-by", "256", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--attention-dropout", "0",
-    "--hidden-dropout", "0",
+    "--make-vocab-size-divisible-by",
+    "256",
+    "--no-masked-softmax-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-gradient-accumulation-fusion",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
 ]
 
 
 def _ted(etp: int, recompute: int, mode: str, dump: Path | None = None) -> list[float]:
     env = {**os.environ, **ENV, **({"TED_INIT_DUMP": str(dump)} if dump else {})}
-    run = subprocess.run(["bash", str(REPO / "examples" / "megatron_deepspeed_ted.sh"), str(etp), str(recompute), mode],
-                         env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        ["bash", str(REPO / "examples" / "megatron_deepspeed_ted.sh"), str(etp), str(recompute), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return _losses(run.stdout)
 
@@ -54,15 +111,41 @@ def _ted(etp: int, recompute: int, mode: str, dump: Path | None = None) -> list[
 def _serial(directory: Path, **reference: str) -> list[float]:
     """lm losses of the serial reference run (one rank, plain DeepSpeed 0.19.6, no ds_ext)."""
     cfg = directory / "ds.json"
-    cfg.write_text('{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1, '
-                   '"zero_optimization": {"stage": 0}, "gradient_clipping": 1.0}')
-    env = {**os.environ, "PYTHONPATH": f"{ENV['DS0196']}:{ENV['EXTRA']}:{ENV['MDS']}", "OMP_NUM_THREADS": "1",
-           "DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-           "REFERENCE_DATA_SHARDS": "2", "REFERENCE_TENSOR_PARALLEL": "2", **reference}
-    run = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "1",
-                          str(REPO / "tests" / "megatron_serial_reference.py"), "pretrain_gpt.py", *SERIAL_ARGS,
-                          "--data-path", ENV["DATA"], "--deepspeed_config", str(cfg)],
-                         cwd=ENV["MDS"], env=env, capture_output=True, text=True, timeout=900)
+    cfg.write_text(
+        '{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1, '
+        '"zero_optimization": {"stage": 0}, "gradient_clipping": 1.0}'
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ENV['DS0196']}:{ENV['EXTRA']}:{ENV['MDS']}",
+        "OMP_NUM_THREADS": "1",
+        "DS_ACCELERATOR": "cpu",
+        "LOCAL_SIZE": "1",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "REFERENCE_DATA_SHARDS": "2",
+        "REFERENCE_TENSOR_PARALLEL": "2",
+        **reference,
+    }
+    run = subprocess.run(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node",
+            "1",
+            str(REPO / "tests" / "megatron_serial_reference.py"),
+            "pretrain_gpt.py",
+            *SERIAL_ARGS,
+            "--data-path",
+            ENV["DATA"],
+            "--deepspeed_config",
+            str(cfg),
+        ],
+        cwd=ENV["MDS"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return _losses(run.stdout)
 

@@ -59,8 +59,13 @@ def runs(tmp_path_factory):
         if name not in done:
             dump = tmp_path_factory.mktemp(name)
             env = {**os.environ, **MDS_ENV, "FINAL_DUMP": str(dump), **({"PP": str(pp)} if pp else {})}
-            proc = subprocess.run(["bash", str(REPO / "examples" / "megatron_deepspeed_zero_topo.sh"), mode, *args],
-                                  env=env, capture_output=True, text=True, timeout=900)
+            proc = subprocess.run(
+                ["bash", str(REPO / "examples" / "megatron_deepspeed_zero_topo.sh"), mode, *args],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=900,
+            )
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
             done[name] = (lm_losses(proc.stdout), [torch.load(dump / f"rank{r}.pt") for r in range(RANKS)])
         return done[name]
@@ -78,7 +83,10 @@ def _check_ledger(dump: dict, floor: bool) -> None:
     assert dump["ledger_total"] == dump["torch_total"]  # the whole run, per level: ds_ext's ledger = a count of its own
     for phase, levels in analytic.items():
         assert {lv: measured[phase].get(lv) for lv in levels} == levels, (phase, measured[phase])
-    for phase, levels in measured.items():  # the rest: Megatron's TP all-reduces within the GCD pair, its own collectives
+    for (
+        phase,
+        levels,
+    ) in measured.items():  # the rest: Megatron's TP all-reduces within the GCD pair, its own collectives
         extra = set(levels) - set(analytic.get(phase, {}))
         assert phase == "other" or extra <= ({"gcd"} if phase in ("forward", "backward") else set()), (phase, levels)
     if floor:
@@ -111,7 +119,9 @@ def test_unquantized_equals_zero1_adam(runs):
             key = _key_bias(name, p)
             if key is not None:  # rounding-noise gradient under Adam: checked apart
                 for side in (r, o):
-                    assert (_key_bias(name, side["final"][name]) - _key_bias(name, side["init"][name])).abs().max() < 1e-5
+                    assert (
+                        _key_bias(name, side["final"][name]) - _key_bias(name, side["init"][name])
+                    ).abs().max() < 1e-5
                 _key_bias(name, q).copy_(key)
             torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6, msg=name)
             assert not torch.equal(o["final"][name], o["init"][name]), name

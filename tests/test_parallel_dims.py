@@ -25,11 +25,13 @@ FRONTIER_32 = Topology.from_preset("frontier", 32)
 def test_ted_and_pmm_layouts_are_views_of_parallel_dims():
     ted = TEDLayout.build(16, 2, 4)
     assert isinstance(ted, Layout) and ted.parallel_dims == ParallelDims(
-        (("tensor", 2), ("expert", 4), ("expert_data", 2)))
+        (("tensor", 2), ("expert", 4), ("expert_data", 2))
+    )
     assert (ted.tensor, ted.expert, ted.expert_data, ted.nonexp_data) == (2, 4, 2, 8)
     grid = Grid(2, 1, 4, 2)
     assert isinstance(grid, Layout) and grid.parallel_dims == ParallelDims.build(
-        [("x", 2), ("y", 1), ("z", 4), ("data", None)], 16)
+        [("x", 2), ("y", 1), ("z", 4), ("data", None)], 16
+    )
     for layout in (ted, grid):
         for name, axes in layout.GROUPS.items():
             assert layout.partition(name) == layout.parallel_dims.groups(axes)
@@ -38,8 +40,9 @@ def test_ted_and_pmm_layouts_are_views_of_parallel_dims():
         ted.partition("pipe")
 
 
-@pytest.mark.parametrize("layout", [TEDLayout.build(32, 2, 4), TEDLayout.build(32, 1, 8, 4), Grid(2, 2, 2, 4),
-                                    Grid(1, 4, 1, 8)], ids=str)
+@pytest.mark.parametrize(
+    "layout", [TEDLayout.build(32, 2, 4), TEDLayout.build(32, 1, 8, 4), Grid(2, 2, 2, 4), Grid(1, 4, 1, 8)], ids=str
+)
 def test_group_rank_and_size_follow_from_the_dims(layout):
     """A rank's place in each named group is its position among the group's ascending ranks (torch's
     order), computed from its coordinates alone."""
@@ -51,15 +54,24 @@ def test_group_rank_and_size_follow_from_the_dims(layout):
             assert dims.size(*axes) == len(members)
 
 
-@pytest.mark.parametrize("dims", [ParallelDims.build([("tensor", 2), ("expert", 4), ("expert_data", None)], 32),
-                                  ParallelDims.build([("a", 4), ("b", 2), ("c", 4)], 32),
-                                  ParallelDims.build([("a", 1), ("b", 16), ("c", 2)], 32)], ids=str)
+@pytest.mark.parametrize(
+    "dims",
+    [
+        ParallelDims.build([("tensor", 2), ("expert", 4), ("expert_data", None)], 32),
+        ParallelDims.build([("a", 4), ("b", 2), ("c", 4)], 32),
+        ParallelDims.build([("a", 1), ("b", 16), ("c", 2)], 32),
+    ],
+    ids=str,
+)
 def test_spans_are_the_outermost_level_of_the_axis_groups(dims):
     for axis, level in dims.spans(FRONTIER_32).items():
         levels = {FRONTIER_32.level_of(g) for g in dims.groups([axis])} - {None}
         assert level == (max(levels, key=FRONTIER_32.index) if levels else None), axis
     assert TEDLayout.build(32, 2, 4).parallel_dims.spans(FRONTIER_32) == {
-        "tensor": "gcd", "expert": "gpu", "expert_data": "node"}
+        "tensor": "gcd",
+        "expert": "gpu",
+        "expert_data": "node",
+    }
 
 
 class FakeRegistry:
@@ -82,19 +94,33 @@ def test_builder_creates_named_groups_in_order_and_hands_one_bundle():
     assert [(bundle.size(n), bundle.rank(n)) for n in bundle] == [(2, 1), (1, 0), (2, 0), (2, 1), (4, 1)]
     assert bundle.ranks("tensor") == (4, 5, 6, 7) and bundle.ranks("data") == (1, 5)
     assert isinstance(bundle, GridGroups) and (bundle.x, bundle.y, bundle.z, bundle.data, bundle.tensor) == tuple(
-        bundle[n] for n in ("x", "y", "z", "data", "tensor"))  # the same groups as typed fields
+        bundle[n] for n in ("x", "y", "z", "data", "tensor")
+    )  # the same groups as typed fields
     mpu = MegatronMPU.over(bundle)  # what the plugin hands DeepSpeed
-    assert (mpu.get_model_parallel_group(), mpu.get_model_parallel_world_size(), mpu.get_model_parallel_rank(),
-            mpu.get_tensor_model_parallel_src_rank()) == ("pg3", 4, 1, 4)
-    assert (mpu.get_data_parallel_group(), mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank(),
-            mpu.get_data_parallel_group_ranks()) == ("pg2", 2, 1, [1, 5])
+    assert (
+        mpu.get_model_parallel_group(),
+        mpu.get_model_parallel_world_size(),
+        mpu.get_model_parallel_rank(),
+        mpu.get_tensor_model_parallel_src_rank(),
+    ) == ("pg3", 4, 1, 4)
+    assert (
+        mpu.get_data_parallel_group(),
+        mpu.get_data_parallel_world_size(),
+        mpu.get_data_parallel_rank(),
+        mpu.get_data_parallel_group_ranks(),
+    ) == ("pg2", 2, 1, [1, 5])
 
     registry, ted = FakeRegistry(8), TEDLayout.build(8, 2, 2)
     bundle = build_process_groups(registry, ted, rank=3)
     assert list(bundle) == ["tensor", "expert", "expert_data", "data", "expert_replicas"]
     assert all(bundle[n] is not None for n in bundle)  # TED hands every group to DeepSpeed
-    assert isinstance(bundle, TEDGroups) and (bundle.tensor, bundle.expert, bundle.expert_data, bundle.data,
-                                              bundle.expert_replicas) == tuple(bundle[n] for n in bundle)
+    assert isinstance(bundle, TEDGroups) and (
+        bundle.tensor,
+        bundle.expert,
+        bundle.expert_data,
+        bundle.data,
+        bundle.expert_replicas,
+    ) == tuple(bundle[n] for n in bundle)
     assert len(set(map(id, tuple(bundle[n] for n in bundle)))) == 5  # five distinct groups, none swapped
     assert (bundle.rank("tensor"), bundle.rank("expert"), bundle.rank("data")) == (1, 1, 1)
     with pytest.raises(GroupError, match="TED layout of 8 ranks on a topology of 16"):

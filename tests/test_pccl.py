@@ -70,6 +70,7 @@ def _input(rank, numel, dtype, salt):
 
 # ---- hand-written reduce-scatter references -------------------------------------------------
 
+
 def _ring_sum(values, b):
     """values[k] of d ranks, block b: ((v_{b+1} + v_{b+2}) + ...) + v_b."""
     d = len(values)
@@ -89,7 +90,7 @@ def _pccl_sum(x, nodes, i, j, c):
 
     def chunk(rank, node, local):
         g = node * M + local
-        return x[rank][g * c:(g + 1) * c]
+        return x[rank][g * c : (g + 1) * c]
 
     def y(m, node):
         return _ring_sum([chunk(nodes[m][l], node, j) for l in range(M)], j)
@@ -97,22 +98,23 @@ def _pccl_sum(x, nodes, i, j, c):
     K = math.ceil(math.log2(N)) if N > 1 else 0
 
     def T(k, r):
-        return y(r, i) if k == K else T(k + 1, r) + T(k + 1, r ^ 2 ** k)
+        return y(r, i) if k == K else T(k + 1, r) + T(k + 1, r ^ 2**k)
 
-    if 2 ** K == N:
+    if 2**K == N:
         return T(0, i)
 
     def S(k, r, q):
         if k == K:
             return y(r, (r + q) % N)
-        if q < min(2 ** k, N - 2 ** k):
-            return S(k + 1, r, q) + S(k + 1, (r - 2 ** k) % N, q + 2 ** k)
+        if q < min(2**k, N - 2**k):
+            return S(k + 1, r, q) + S(k + 1, (r - 2**k) % N, q + 2**k)
         return S(k + 1, r, q)
 
     return S(0, i, 0)
 
 
 # ---- distributed checks -----------------------------------------------------------------------
+
 
 def _exactness(topo_name, partition, dtype_name):
     import torch
@@ -136,8 +138,10 @@ def _exactness(topo_name, partition, dtype_name):
     want = torch.empty(d * c, dtype=dtype)
     torch_op("all_gather_into_tensor")(want, x, group=group)
     big = {r: _input(r, d * c, dtype, 2) for r in ranks}
-    nodes = [[r for r in ranks if r // comm.registry.topology.ranks_per_node == n]
-             for n in sorted({r // comm.registry.topology.ranks_per_node for r in ranks})]
+    nodes = [
+        [r for r in ranks if r // comm.registry.topology.ranks_per_node == n]
+        for n in sorted({r // comm.registry.topology.ranks_per_node for r in ranks})
+    ]
     for algo in algos:
         chosen = comm.choose(group, c * e, algo)
         got = torch.empty(d * c, dtype=dtype)
@@ -150,7 +154,7 @@ def _exactness(topo_name, partition, dtype_name):
             ref = torch.empty(c, dtype=dtype)
             torch_op("reduce_scatter_tensor")(ref, big[rank].clone(), group=group)
         elif chosen == "ring":
-            ref = _ring_sum([big[r][me * c:(me + 1) * c] for r in ranks], me)
+            ref = _ring_sum([big[r][me * c : (me + 1) * c] for r in ranks], me)
         else:
             i = next(k for k, n in enumerate(nodes) if rank in n)
             ref = _pccl_sum({r: big[r] for r in ranks}, nodes, i, nodes[i].index(rank), c)
@@ -203,8 +207,9 @@ def _pccl_refuses_uneven_group():
         msg = str(err)
     auto = comm.choose(group, 4, "auto")
     try:
-        comm.reduce_scatter(torch.empty(1), torch.ones(7), op=torch.distributed.ReduceOp.MAX, group=group,
-                            algorithm="ring")
+        comm.reduce_scatter(
+            torch.empty(1), torch.ones(7), op=torch.distributed.ReduceOp.MAX, group=group, algorithm="ring"
+        )
     except AlgorithmError as err:
         return msg, auto, str(err)
 
@@ -221,6 +226,7 @@ def test_pccl_refuses_uneven_group_and_other_reductions(world):
 
 
 # ---- pure logic: the model against hand-worked numbers ----------------------------------------
+
 
 def test_auto_needs_the_cost_model_passed_down():
     """comm sits below perf: a Communicator built without ``model`` (the runtime passes
@@ -275,11 +281,14 @@ def test_model_time_and_crossover():
     assert model.crossover(_topology("8x1"), world) is None
     # a measured node link: 2 ranks at once get 9 GB/s each, one flow alone 24 GB/s: the ring's
     # one flow per node moves at 24, pccl's node phase at 9
-    measured = Topology(tuple(replace(lv, bandwidth=9 * GB, link_bandwidth=24 * GB) if lv.name == "node" else lv
-                              for lv in t.levels), "measured")
+    measured = Topology(
+        tuple(replace(lv, bandwidth=9 * GB, link_bandwidth=24 * GB) if lv.name == "node" else lv for lv in t.levels),
+        "measured",
+    )
     assert model.time("ring", measured, world, c) == pytest.approx(7 * (15 * US + c / (24 * GB)))
     assert model.time("pccl", measured, world, c) == pytest.approx(
-        30 * US + 3 * c / (9 * GB) + 8 * US + 4 * c / (50 * GB))
+        30 * US + 3 * c / (9 * GB) + 8 * US + 4 * c / (50 * GB)
+    )
 
 
 def test_dissemination_steps_any_count():
@@ -289,7 +298,7 @@ def test_dissemination_steps_any_count():
         steps = dissemination_steps(n)
         assert len(steps) == (math.ceil(math.log2(n)) if n > 1 else 0)
         assert sum(m for _, m in steps) == n - 1
-        assert [dk for dk, _ in steps] == [2 ** k for k in range(len(steps))]
+        assert [dk for dk, _ in steps] == [2**k for k in range(len(steps))]
 
 
 def test_config_key_and_error():
@@ -303,8 +312,13 @@ def test_config_key_and_error():
 
 # ---- DeepSpeed ZeRO-3's own collectives through PCCL ("ds_ext": {"pccl": {"enabled": true}}) ---
 
-DS_TOPOLOGY = {"levels": [{"name": "local", "size": 2, "bandwidth_GBps": 50, "latency_us": 8},
-                          {"name": "node", "bandwidth_GBps": 12.5, "latency_us": 15}], "emulate": True}
+DS_TOPOLOGY = {
+    "levels": [
+        {"name": "local", "size": 2, "bandwidth_GBps": 50, "latency_us": 8},
+        {"name": "node", "bandwidth_GBps": 12.5, "latency_us": 15},
+    ],
+    "emulate": True,
+}
 
 
 def _zero3(pccl, steps=3):
@@ -318,8 +332,13 @@ def _zero3(pccl, steps=3):
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     block = {"topology": DS_TOPOLOGY, **({"pccl": {"enabled": True}} if pccl else {})}
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "ds_ext": block}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10_000,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "ds_ext": block,
+    }
     engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     losses = []
     for step in range(steps):
@@ -377,9 +396,14 @@ def _deepspeed_moe(pccl, steps=3):
 
     model = moe_model(16, 32, 4, 2)
     opt = torch.optim.AdamW(moe_param_groups(model), lr=1e-2)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
-           "gradient_clipping": 0.05, "zero_optimization": {"stage": 2},
-           "ds_ext": {"topology": DS_TOPOLOGY, **({"pccl": {"enabled": True}} if pccl else {})}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10_000,
+        "gradient_clipping": 0.05,
+        "zero_optimization": {"stage": 2},
+        "ds_ext": {"topology": DS_TOPOLOGY, **({"pccl": {"enabled": True}} if pccl else {})},
+    }
     engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     losses = []
     for step in range(steps):
@@ -412,6 +436,7 @@ def test_deepspeed_moe_through_pccl(world):
 
 # ---- ds_ext's zero3 / zeropp presets with comm.algorithm: the ledger == ds_ext.zero_topo.perf ------
 
+
 def _preset_ledger(preset, algorithm):
     import torch
     import torch.distributed as dist
@@ -422,10 +447,18 @@ def _preset_ledger(preset, algorithm):
     torch.manual_seed(7)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10_000,
-           "bf16": {"enabled": True}, "zero_optimization": {"stage": 0},
-           "ds_ext": {"topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True},
-                      "comm": {"algorithm": algorithm}, "zero_topo": {"enabled": True, "preset": preset}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10_000,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 0},
+        "ds_ext": {
+            "topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True},
+            "comm": {"algorithm": algorithm},
+            "zero_topo": {"enabled": True, "preset": preset},
+        },
+    }
     engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     for step in range(2):
         tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(100 * step + dist.get_rank()))
@@ -460,8 +493,10 @@ def test_bench_helpers(tmp_path):
     from ds_ext.cli import build_parser
 
     assert (_size("4K"), _size("64M"), _size("4096"), _size("1mb")) == (4096, 64 << 20, 4096, 1 << 20)
-    rows = [{"size": s, "speedup_pccl_over_ring": v, "tie_band": 0.05}
-            for s, v in [(1, 2.0), (2, 0.9), (4, 1.1), (8, 0.8), (16, 0.7)]]
+    rows = [
+        {"size": s, "speedup_pccl_over_ring": v, "tie_band": 0.05}
+        for s, v in [(1, 2.0), (2, 0.9), (4, 1.1), (8, 0.8), (16, 0.7)]
+    ]
     assert _crossover(rows) == 8  # ring ahead from 8 on; the dip at 2 is not a crossover
     assert _crossover([{"size": 1, "speedup_pccl_over_ring": 1.5, "tie_band": 0.0}]) is None
     ties = [dict(r, speedup_pccl_over_ring=v) for r, v in zip(rows, (2.0, 0.9, 0.8, 0.97, 0.96))]
@@ -501,8 +536,13 @@ def test_bench_keeps_freed_memory_like_a_caching_allocator():
     from ds_ext.bench.pccl import KEEP_FREED
 
     def probe(keep):
-        out = subprocess.run([sys.executable, "-c", f"KEEP = {keep}" + _KEEP_FREED_PROBE], capture_output=True,
-                             text=True, check=True, timeout=120).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", f"KEEP = {keep}" + _KEEP_FREED_PROBE],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout.split()
         return " ".join(out[:-1]), int(out[-1])
 
     setting, kept_mb = probe(False)
@@ -512,6 +552,7 @@ def test_bench_keeps_freed_memory_like_a_caching_allocator():
 
 
 # ---- 3D-PMM with its Z axis across nodes: serial-model parity, ledger == ds_ext.perf.pmm --------
+
 
 def _pmm_z_across_nodes(algorithm):
     import pmm_helpers as H
@@ -540,9 +581,14 @@ def _pmm_z_across_nodes(algorithm):
             messages[ph][lv] += m
     spec, plugin = model_spec(H.gpt(), plan_for(H.gpt())), engine.ds_ext.plugin("pmm3d")
     args = (spec, plugin.grid, engine.ds_ext.topology, H.GLOBAL_BATCH, H.SEQ, 4, 1, False, algorithm)
-    out = {"losses": losses, "bytes": {ph: lv for ph, lv in last.by_phase().items() if ph != "step"},
-           "messages": messages, "model_bytes": ledger_bytes(*args), "model_messages": ledger_messages(*args),
-           "z_levels": sorted({lv for (_, op, lv) in last.bytes if op in ("all_gather", "reduce_scatter")})}
+    out = {
+        "losses": losses,
+        "bytes": {ph: lv for ph, lv in last.by_phase().items() if ph != "step"},
+        "messages": messages,
+        "model_bytes": ledger_bytes(*args),
+        "model_messages": ledger_messages(*args),
+        "z_levels": sorted({lv for (_, op, lv) in last.bytes if op in ("all_gather", "reduce_scatter")}),
+    }
     engine.destroy()
     return out
 

@@ -25,8 +25,15 @@ UNQUANTIZED = {"weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops":
 
 
 def _arch(cfg) -> models.Arch:
-    return models.Arch(name="gpt", layers=cfg.n_layers, hidden=cfg.d_model, heads=cfg.n_heads, vocab=cfg.vocab_size,
-                       seq=cfg.seq_len, ffn_mult=cfg.ffn_mult)
+    return models.Arch(
+        name="gpt",
+        layers=cfg.n_layers,
+        hidden=cfg.d_model,
+        heads=cfg.n_heads,
+        vocab=cfg.vocab_size,
+        seq=cfg.seq_len,
+        ffn_mult=cfg.ffn_mult,
+    )
 
 
 def _zero_test_gpt(checkpoint=False):
@@ -55,8 +62,9 @@ def test_parameter_counts_equal_the_built_models_and_published_counts():
     assert models.lookup("gpt-175b").params == pytest.approx(175e9, rel=0.01)  # 004 Table I
     assert models.lookup("gpt-1t").params == pytest.approx(1e12, rel=0.01)
     moe = models.Arch(name="moe", layers=4, hidden=8, heads=2, vocab=10, seq=4, experts=4)
-    assert moe.params == models.Arch(name="d", layers=4, hidden=8, heads=2, vocab=10, seq=4).params + \
-        2 * (3 * moe.ffn_params + 8 * 4)
+    assert moe.params == models.Arch(name="d", layers=4, hidden=8, heads=2, vocab=10, seq=4).params + 2 * (
+        3 * moe.ffn_params + 8 * 4
+    )
     assert moe.expert_params == 2 * 4 * moe.ffn_params
 
 
@@ -70,7 +78,8 @@ def test_flops_formula_and_activations():
     assert full == L * t * h * 34 + L * 5 * 64 * s * t + 4 * t * V  # Korthikanti Eq 1 + fp32 logits
     split = ActivationSplit(rows=2, residual=1, tensor=4, vocab=4)
     assert activation_bytes(t, L, h, 64, s, V, split) == (
-        L * 2 * t / 2 * h + t / 2 * h * (10 + 24 / 4) + 4 * t / 2 * V / 4)
+        L * 2 * t / 2 * h + t / 2 * h * (10 + 24 / 4) + 4 * t / 2 * V / 4
+    )
 
 
 # ---- ZeRO-topo: the planner's units and numbers are zero_topo.perf's on the ledger-test runs ----------
@@ -83,7 +92,8 @@ def _engine_units(cfg, plan_):
     in_blocks = {id(p) for p in model.blocks.parameters()}
     root = [(p.numel(), p.dim()) for p in model.parameters() if id(p) not in in_blocks]
     return [perf_zero.unit_spec(plan_, root, True)] + [
-        perf_zero.unit_spec(plan_, [(p.numel(), p.dim()) for p in b.parameters()]) for b in model.blocks]
+        perf_zero.unit_spec(plan_, [(p.numel(), p.dim()) for p in b.parameters()]) for b in model.blocks
+    ]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -99,7 +109,11 @@ def test_zero_planner_equals_perf_zero_on_the_ledger_test_runs(preset, accum, qu
     assert zero_plans.traffic(plan_, _arch(cfg), accum, 2) == Traffic(t.by_level(), t.steps_by_level())
     m = perf_zero.memory(plan_, units, 0, 2)
     assert zero_plans.states(plan_, _arch(cfg), 2) == {
-        "weights": m["primary"], "secondary": m["secondary"], "gradients": m["gradients"], "optimizer": m["optimizer"]}
+        "weights": m["primary"],
+        "secondary": m["secondary"],
+        "gradients": m["gradients"],
+        "optimizer": m["optimizer"],
+    }
 
 
 def test_perf_zero_message_counts():
@@ -130,7 +144,10 @@ def test_hpz_as_deepspeed_0_13_1_gathers_the_primary_every_micro_batch():
         assert new.bytes["forward"]["node"] == one.bytes["forward"]["node"] > 0
         assert new.bytes["forward"]["gpu"] == (accum - 1) * two > 0 and "gpu" not in old.bytes["forward"]
     z3 = resolve_plan(ZeroTopoConfig(enabled=True, preset="zero3"), EMULATED)  # no secondary: no difference
-    assert perf_zero.traffic(z3, units, 3, 2, secondary_serves_forward=False).bytes == perf_zero.traffic(z3, units, 3, 2).bytes
+    assert (
+        perf_zero.traffic(z3, units, 3, 2, secondary_serves_forward=False).bytes
+        == perf_zero.traffic(z3, units, 3, 2).bytes
+    )
 
 
 # ---- 3D-PMM: the planner's numbers are perf.pmm's on the ledger-test runs -------------------------
@@ -138,8 +155,16 @@ def _factorizations_of(topology):
     return perf_pmm.factorizations(topology.world_size)
 
 
-@pytest.mark.parametrize("topology", [EMULATED, Topology.from_preset("frontier", 16), Topology.from_preset("frontier", 48),
-                                      Topology.from_preset("frontier", 96, {"gpu": 3})], ids=lambda t: str(t.world_size))
+@pytest.mark.parametrize(
+    "topology",
+    [
+        EMULATED,
+        Topology.from_preset("frontier", 16),
+        Topology.from_preset("frontier", 48),
+        Topology.from_preset("frontier", 96, {"gpu": 3}),
+    ],
+    ids=lambda t: str(t.world_size),
+)
 def test_fast_axis_spans_equal_the_groups_levels(topology):
     """ParallelDims.spans (O(levels) per axis) == the outermost level of any of the axis's groups."""
     for grid in _factorizations_of(topology):
@@ -162,8 +187,18 @@ def test_pmm_model_spec_equals_the_built_models(checkpoint):
         assert pmm_grids.model_spec(_arch(cfg), checkpoint) == model_spec(model, plan_for(model))
 
 
-LEDGER_GRIDS = [(2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 2, 2), (4, 2, 1, 1), (2, 2, 1, 2), (8, 1, 1, 1), (1, 1, 8, 1),
-                (1, 1, 1, 8), (1, 8, 1, 1), (1, 2, 4, 1)]  # tests/test_pmm_engine.py
+LEDGER_GRIDS = [
+    (2, 2, 2, 1),
+    (2, 1, 2, 2),
+    (1, 2, 2, 2),
+    (4, 2, 1, 1),
+    (2, 2, 1, 2),
+    (8, 1, 1, 1),
+    (1, 1, 8, 1),
+    (1, 1, 1, 8),
+    (1, 8, 1, 1),
+    (1, 2, 4, 1),
+]  # tests/test_pmm_engine.py
 
 
 @pytest.mark.parametrize("dims,accum,elem", [*[(g, 1, 2) for g in LEDGER_GRIDS], ((2, 2, 2, 1), 2, 4)], ids=str)
@@ -179,13 +214,27 @@ def test_pmm_planner_equals_perf_pmm_on_the_ledger_test_runs(dims, accum, elem):
             want[level] = want.get(level, 0.0) + b
     assert got.bytes == want
     seconds = sum(comm_seconds(got, EMULATED).values())
-    assert seconds == pytest.approx(perf_pmm.comm_time(spec, grid, EMULATED, micro, cfg.seq_len, elem, accum,
-                                                       bw=perf_pmm.Bandwidths.per_rank_links(EMULATED), latency=True),
-                                    rel=1e-12)
+    assert seconds == pytest.approx(
+        perf_pmm.comm_time(
+            spec,
+            grid,
+            EMULATED,
+            micro,
+            cfg.seq_len,
+            elem,
+            accum,
+            bw=perf_pmm.Bandwidths.per_rank_links(EMULATED),
+            latency=True,
+        ),
+        rel=1e-12,
+    )
     m = perf_pmm.memory(spec, grid, elem, zero_stage=1)
     assert pmm_grids.states(spec, grid, elem) == {
-        "weights": m["layer_params"] + m["replicated_params"], "secondary": m["gathered_weights"],
-        "gradients": m["layer_grads"] + m["replicated_grads"], "optimizer": m["optimizer"]}
+        "weights": m["layer_params"] + m["replicated_params"],
+        "secondary": m["gathered_weights"],
+        "gradients": m["layer_grads"] + m["replicated_grads"],
+        "optimizer": m["optimizer"],
+    }
 
 
 # ---- estimate: batch choice, fit, time ------------------------------------------------------------
@@ -199,10 +248,15 @@ def test_divisors_and_batch_options():
 
 
 def _toy(job, states_gb, act_gb_per_seq, data=16):
-    return Candidate("zero", "toy", {}, data, {"weights": states_gb * 1e9, "secondary": 0.0, "gradients": 0.0,
-                                               "optimizer": 0.0},
-                     lambda b: b * act_gb_per_seq * 1e9,
-                     lambda b, g: Traffic({"node": 1e9 * g, "gpu": 2e9}, {"node": 10.0 * g}))
+    return Candidate(
+        "zero",
+        "toy",
+        {},
+        data,
+        {"weights": states_gb * 1e9, "secondary": 0.0, "gradients": 0.0, "optimizer": 0.0},
+        lambda b: b * act_gb_per_seq * 1e9,
+        lambda b, g: Traffic({"node": 1e9 * g, "gpu": 2e9}, {"node": 10.0 * g}),
+    )
 
 
 def test_evaluate_fewest_micro_steps_that_fit_and_the_time_model():
@@ -255,13 +309,33 @@ def test_plan_cli_writes_table_json_png(tmp_path, capsys):
 def test_plan_reads_a_ds_config(tmp_path, capsys):
     from ds_ext.cli import main
 
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
-           "ds_ext": {"zero_topo": {"enabled": True, "preset": "zero_topo_paper", "secondary": {"level": "gpu"}}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 4,
+        "bf16": {"enabled": True},
+        "ds_ext": {"zero_topo": {"enabled": True, "preset": "zero_topo_paper", "secondary": {"level": "gpu"}}},
+    }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(cfg))
     out = tmp_path / "plan.json"
-    assert main(["plan", "--model", "gpt-5b", "--nodes", "2", "--ds-config", str(path), "--families", "zero",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "gpt-5b",
+                "--nodes",
+                "2",
+                "--ds-config",
+                str(path),
+                "--families",
+                "zero",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     assert data["job"]["global_batch"] == 2 * 4 * 16 and data["job"]["grad_accum"] == 4
     configured = next(p for p in data["plans"] if p["name"] == "configured zero_topo_paper")
@@ -270,33 +344,56 @@ def test_plan_reads_a_ds_config(tmp_path, capsys):
     assert "configured zero_topo_paper" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "gpt-7b", "--nodes", "2"], "--model: unknown model 'gpt-7b'; allowed: gpt-neox-20b, "),
-    (["--model", "gpt-5b", "--nodes", "0"], "--nodes: 0 does not fit frontier; allowed: 1 to 9408"),
-    (["--model", "gpt-5b", "--nodes", "9409"], "--nodes: 9409 does not fit frontier; allowed: 1 to 9408"),
-    (["--model", "gpt-5b", "--nodes", "2", "--machine", "summit"], "--machine: unknown machine 'summit'; allowed: frontier"),
-    (["--layers", "2", "--hidden", "64", "--nodes", "2"], "give --model NAME or the shape; missing --heads --vocab --seq"),
-    (["--layers", "2", "--hidden", "64", "--heads", "3", "--vocab", "9", "--seq", "8", "--nodes", "2"],
-     "--hidden 64 must be divisible by --heads 3"),
-    (["--model", "gpt-5b", "--layers", "2", "--nodes", "2"], "--model gpt-5b takes no --layers"),
-    (["--model", "gpt-5b", "--nodes", "2", "--bandwidth", "rack=3"], "--bandwidth: frontier has no level 'rack'; allowed: gcd, gpu, node"),
-    (["--model", "gpt-5b", "--nodes", "2", "--families", "fsdp"], "--families: unknown fsdp; allowed: zero, pmm3d"),
-    (["--model", "gpt-5b", "--nodes", "2", "--families", "zero", "zero"], "--families: zero given twice"),
-    (["--model", "gpt-5b", "--nodes", "2", "--ds-config", "/nonexistent/ds.json"],
-     "--ds-config /nonexistent/ds.json: ds_config file '/nonexistent/ds.json' does not exist"),
-    (["--model", "gpt-5b", "--nodes", "2", "--global-batch", "48", "--grad-accum", "5"],
-     "--grad-accum: 5 does not divide the global batch of 48 sequences"),
-    (["--model", "gpt-5b", "--nodes", "2", "--efficiency", "1.5"], "--efficiency: 1.5 must be in (0, 1]"),
-    (["--model", "gpt-5b", "--nodes", "2", "--global-batch", "0"], "--global-batch: 0 must be a positive integer"),
-    (["--model", "gpt-5b", "--nodes", "2", "--grad-accum", "-2"], "--grad-accum: -2 must be a positive integer"),
-    (["--model", "gpt-5b", "--nodes", "2", "--memory-GB", "-1"], "--memory-GB: -1 must be a positive number"),
-    (["--model", "gpt-5b", "--nodes", "2", "--peak-TFLOPS", "0"], "--peak-TFLOPS: 0 must be a positive number"),
-    (["--model", "gpt-5b", "--nodes", "2", "--top-k", "0"], "--top-k: 0 must be a positive integer"),
-    (["--model", "gpt-5b", "--nodes", "2", "--latency", "node=-1"], "--latency: node=-1.0 must be >= 0"),
-    (["--model", "gpt-5b", "--nodes", "2", "--bandwidth", "node=x"], "--bandwidth expects LEVEL=NUMBER, got 'node=x'"),
-    (["--model", "gpt-5b", "--nodes", "2", "--bandwidth", "node=1", "--bandwidth", "node=2"],
-     "--bandwidth: level 'node' given twice"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "gpt-7b", "--nodes", "2"], "--model: unknown model 'gpt-7b'; allowed: gpt-neox-20b, "),
+        (["--model", "gpt-5b", "--nodes", "0"], "--nodes: 0 does not fit frontier; allowed: 1 to 9408"),
+        (["--model", "gpt-5b", "--nodes", "9409"], "--nodes: 9409 does not fit frontier; allowed: 1 to 9408"),
+        (
+            ["--model", "gpt-5b", "--nodes", "2", "--machine", "summit"],
+            "--machine: unknown machine 'summit'; allowed: frontier",
+        ),
+        (
+            ["--layers", "2", "--hidden", "64", "--nodes", "2"],
+            "give --model NAME or the shape; missing --heads --vocab --seq",
+        ),
+        (
+            ["--layers", "2", "--hidden", "64", "--heads", "3", "--vocab", "9", "--seq", "8", "--nodes", "2"],
+            "--hidden 64 must be divisible by --heads 3",
+        ),
+        (["--model", "gpt-5b", "--layers", "2", "--nodes", "2"], "--model gpt-5b takes no --layers"),
+        (
+            ["--model", "gpt-5b", "--nodes", "2", "--bandwidth", "rack=3"],
+            "--bandwidth: frontier has no level 'rack'; allowed: gcd, gpu, node",
+        ),
+        (["--model", "gpt-5b", "--nodes", "2", "--families", "fsdp"], "--families: unknown fsdp; allowed: zero, pmm3d"),
+        (["--model", "gpt-5b", "--nodes", "2", "--families", "zero", "zero"], "--families: zero given twice"),
+        (
+            ["--model", "gpt-5b", "--nodes", "2", "--ds-config", "/nonexistent/ds.json"],
+            "--ds-config /nonexistent/ds.json: ds_config file '/nonexistent/ds.json' does not exist",
+        ),
+        (
+            ["--model", "gpt-5b", "--nodes", "2", "--global-batch", "48", "--grad-accum", "5"],
+            "--grad-accum: 5 does not divide the global batch of 48 sequences",
+        ),
+        (["--model", "gpt-5b", "--nodes", "2", "--efficiency", "1.5"], "--efficiency: 1.5 must be in (0, 1]"),
+        (["--model", "gpt-5b", "--nodes", "2", "--global-batch", "0"], "--global-batch: 0 must be a positive integer"),
+        (["--model", "gpt-5b", "--nodes", "2", "--grad-accum", "-2"], "--grad-accum: -2 must be a positive integer"),
+        (["--model", "gpt-5b", "--nodes", "2", "--memory-GB", "-1"], "--memory-GB: -1 must be a positive number"),
+        (["--model", "gpt-5b", "--nodes", "2", "--peak-TFLOPS", "0"], "--peak-TFLOPS: 0 must be a positive number"),
+        (["--model", "gpt-5b", "--nodes", "2", "--top-k", "0"], "--top-k: 0 must be a positive integer"),
+        (["--model", "gpt-5b", "--nodes", "2", "--latency", "node=-1"], "--latency: node=-1.0 must be >= 0"),
+        (
+            ["--model", "gpt-5b", "--nodes", "2", "--bandwidth", "node=x"],
+            "--bandwidth expects LEVEL=NUMBER, got 'node=x'",
+        ),
+        (
+            ["--model", "gpt-5b", "--nodes", "2", "--bandwidth", "node=1", "--bandwidth", "node=2"],
+            "--bandwidth: level 'node' given twice",
+        ),
+    ],
+)
 def test_bad_input_fails_in_one_line(args, message, capsys):
     from ds_ext.cli import main
 
@@ -385,10 +482,17 @@ def test_compute_rate_is_000s_measured_step_and_the_machines():
 # README states it: a row that leaves its band, starts holding or disappears fails here.
 # Between MI250X at 004 §III-A's 100 GB/s (issue 38): the 175B recipe's TP 4 all-reduces get faster and the row
 # leaves its band (+25 %; at 003 Table II's 50 GB/s it held at +19 %, the sensitivity row); so does 6.7B at 512 GCDs.
-TABLE_V_ROWS = {"gpt-175b Table V recipe": (False, 0.20, 0.30), "gpt-1t Table V recipe": (False, 0.30, 0.40),
-                "gpt-22b planner's Megatron layout": (True, 0.10, 0.20)}
-FIG_6_12_ROWS = {"gpt3-6.7b ZeRO-3 on 512 GCDs": (False, 0.15, 0.25), "gpt3-13b ZeRO-3 on 512 GCDs": (False, 0.5, 1.0),
-                 "gpt3-6.7b ZeRO-3 on 1024 GCDs": (True, 0.0, 0.15), "gpt3-13b ZeRO-3 on 1024 GCDs": (False, 0.3, 0.6)}
+TABLE_V_ROWS = {
+    "gpt-175b Table V recipe": (False, 0.20, 0.30),
+    "gpt-1t Table V recipe": (False, 0.30, 0.40),
+    "gpt-22b planner's Megatron layout": (True, 0.10, 0.20),
+}
+FIG_6_12_ROWS = {
+    "gpt3-6.7b ZeRO-3 on 512 GCDs": (False, 0.15, 0.25),
+    "gpt3-13b ZeRO-3 on 512 GCDs": (False, 0.5, 1.0),
+    "gpt3-6.7b ZeRO-3 on 1024 GCDs": (True, 0.0, 0.15),
+    "gpt3-13b ZeRO-3 on 1024 GCDs": (False, 0.3, 0.6),
+}
 
 
 def _acceptance(rows, expected, tolerance):
@@ -409,7 +513,9 @@ def test_004_table_v_rows():
     rows = validate.megatron_rows(FRONTIER, sensitivity=False)
     _acceptance(rows, TABLE_V_ROWS, 0.20)
     assert [r.published for r in rows if r.tolerance] == [69.2, 61.2, 73.5]
-    assert "megatron tp4 pp16 dp1 mb1, 1 x 640" in rows[0].claim and "megatron tp8 pp64 dp2 mb1, 1 x 1600" in rows[2].claim
+    assert (
+        "megatron tp4 pp16 dp1 mb1, 1 x 640" in rows[0].claim and "megatron tp8 pp64 dp2 mb1, 1 x 1600" in rows[2].claim
+    )
     # the setups 004 leaves unstated are labelled so, with the reading used
     assert all(r.unstated for r in rows if r.tolerance) and "GCD count" in rows[0].unstated
 
@@ -445,8 +551,10 @@ def test_fig_6_12_rows():
     assert "setup unstated" in validate.markdown(rows[:1])
     # every row's value is 1 - t_PCCL / t_RCCL of the two ZeRO-3 plans the planner builds
     job = make_job(models.lookup("gpt3-6.7b"), FRONTIER, 64, validate.FIG_6_12_BATCH)
-    r, p = (evaluate(job, zero_plans.candidate(job, {"preset": "zero3"}, deepspeed="0.19.8", collectives=c))
-            for c in ("rccl", "pccl"))
+    r, p = (
+        evaluate(job, zero_plans.candidate(job, {"preset": "zero3"}, deepspeed="0.19.8", collectives=c))
+        for c in ("rccl", "pccl")
+    )
     assert rows[0].predicted == 1 - p.step_s / r.step_s and (r.micro_batch, r.grad_accum) == (16, 1)
 
 
@@ -477,8 +585,15 @@ def _moe(**kw):
     from ted_support import config
 
     c = config(**kw)
-    return models.Arch(name="moe", layers=c.n_layers, hidden=c.d_model, heads=c.n_heads, vocab=c.vocab_size,
-                       seq=c.seq_len, experts=c.num_experts), c
+    return models.Arch(
+        name="moe",
+        layers=c.n_layers,
+        hidden=c.d_model,
+        heads=c.n_heads,
+        vocab=c.vocab_size,
+        seq=c.seq_len,
+        experts=c.num_experts,
+    ), c
 
 
 @pytest.mark.parametrize("T,P", [(1, 1), (2, 4), (2, 2), (1, 8), (4, 2)])
@@ -552,8 +667,12 @@ def test_ted_plan_for_an_moe_only_and_layout_constraints():
     assert all("(an MoE)" in d.reason for d in result.dropped if d.family in ("zero", "pmm3d"))  # listed, not silent
     assert {d.family for d in result.dropped} >= {"zero", "pmm3d"}
     built, dropped = ted_layouts.candidates(make_job(models.lookup("gpt3-6.7b"), FRONTIER, 16))
-    assert built == [] and [d.reason for d in dropped] == ["a dense model (no experts): the zero and pmm3d families plan it"]
-    _, dropped = ted_layouts.layouts(models.with_experts(models.lookup("gpt3-2.7b"), 32), Topology.from_preset("frontier", 16))
+    assert built == [] and [d.reason for d in dropped] == [
+        "a dense model (no experts): the zero and pmm3d families plan it"
+    ]
+    _, dropped = ted_layouts.layouts(
+        models.with_experts(models.lookup("gpt3-2.7b"), 32), Topology.from_preset("frontier", 16)
+    )
     assert {d.name: d.reason for d in dropped}["ted 8x32"] == "G_tensor x G_expert = 256 does not divide 16 ranks"
 
 
@@ -625,11 +744,13 @@ def test_planner_commands_import_no_torch_and_help_is_cheap():
     import sys
 
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    script = ("import sys, contextlib, io\nfrom ds_ext.cli import main\n"
-              f"for argv in {list(NO_TORCH_COMMANDS)!r}:\n"
-              "    with contextlib.redirect_stdout(io.StringIO()):\n"
-              "        assert main(argv) == 0, argv\n"
-              "    assert 'torch' not in sys.modules, f'{argv} imported torch'\n")
+    script = (
+        "import sys, contextlib, io\nfrom ds_ext.cli import main\n"
+        f"for argv in {list(NO_TORCH_COMMANDS)!r}:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        assert main(argv) == 0, argv\n"
+        "    assert 'torch' not in sys.modules, f'{argv} imported torch'\n"
+    )
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
 
@@ -669,8 +790,10 @@ def test_simulate_honours_bandwidth_and_latency(tmp_path, capsys):
     assert slow < base / 3 and late < base
     capsys.readouterr()
     assert main(["simulate", "--validate", "--nodes", "2"]) == 2
-    assert capsys.readouterr().err.strip() == ("ds-ext: error: --validate: takes no --nodes (the comparisons fix their "
-                                               "own models, nodes and batches); the machine flags apply")
+    assert capsys.readouterr().err.strip() == (
+        "ds-ext: error: --validate: takes no --nodes (the comparisons fix their "
+        "own models, nodes and batches); the machine flags apply"
+    )
     assert main(["simulate", "--nodes", "2", "0"]) == 2
     assert "--nodes: 0 does not fit frontier" in capsys.readouterr().err
 
@@ -775,8 +898,9 @@ def test_megatron_layouts_bubble_memory_and_the_published_recipe(capsys):
     stage = 24 // 4
     ckpt = mp.activations(arch, 2, 4, 1, 16, True)
     working = 2048 * 4096 * (10 + 24 / 2)
-    assert ckpt == pytest.approx(max(4 * stage * 2 * 2048 * 4096 + working,
-                                     stage * 2 * 2048 * 4096 + working + 4 * 2048 * 50304 / 2))
+    assert ckpt == pytest.approx(
+        max(4 * stage * 2 * 2048 * 4096 + working, stage * 2 * 2048 * 4096 + working + 4 * 2048 * 50304 / 2)
+    )
     assert mp.activations(arch, 2, 4, 1, 16, False) == pytest.approx(4 * stage * working)
     n = mp.stage_params(arch, 2, 4)
     assert e.memory["optimizer"] == 12 * n / 4 and e.memory["weights"] == 2 * n
@@ -851,12 +975,30 @@ def test_activation_checkpointing_is_read_from_the_ds_config(tmp_path, capsys):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(cfg))
         out = tmp_path / f"{name}_plan.json"
-        assert main(["plan", "--model", "gpt-5b", "--nodes", "2", "--ds-config", str(path), "--families", "zero",
-                     "--out", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "plan",
+                    "--model",
+                    "gpt-5b",
+                    "--nodes",
+                    "2",
+                    "--ds-config",
+                    str(path),
+                    "--families",
+                    "zero",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         assert f"activation checkpointing {word} (--ds-config {path}" in capsys.readouterr().out
         job = json.loads(out.read_text())["job"]
         assert job["checkpointing"] is (word == "on")
-    flops = [json.loads((tmp_path / f"{n}_plan.json").read_text())["job"]["flops_per_step"] for n in ("with", "without")]
+    flops = [
+        json.loads((tmp_path / f"{n}_plan.json").read_text())["job"]["flops_per_step"] for n in ("with", "without")
+    ]
     assert flops[0] == pytest.approx(flops[1] * 4 / 3)  # the recompute's forward: c = 4 against 3
 
 

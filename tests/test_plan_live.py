@@ -26,17 +26,29 @@ def _zero_topo_run(preset, accum):
     cfg = GPTConfig(seq_len=32, d_model=64, n_layers=3, n_heads=4)
     torch.manual_seed(0)
     model = GPT(cfg)
-    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accum, "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
-        "ds_ext": {"topology": TOPOLOGY, "zero_topo": {"enabled": True, "preset": preset}}})
+    engine, *_ = ds_ext.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": accum,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 0},
+            "steps_per_print": 10**9,
+            "ds_ext": {"topology": TOPOLOGY, "zero_topo": {"enabled": True, "preset": preset}},
+        },
+    )
     corpus = ByteCorpus(max_bytes=100_000)
     for step in range(2):
         for micro in range(accum):
             engine.backward(engine(corpus.micro_batch(step, micro, dist.get_rank(), 8, 2, accum, cfg.seq_len)))
             engine.step()
-    out = {"bytes": _by_level(engine.ds_ext.ledger.steps[-1].by_phase(), skip=("other",)),
-           "state": engine.ds_ext.plugins[0].state_bytes(), "rank": dist.get_rank(), "cfg": cfg}
+    out = {
+        "bytes": _by_level(engine.ds_ext.ledger.steps[-1].by_phase(), skip=("other",)),
+        "state": engine.ds_ext.plugins[0].state_bytes(),
+        "rank": dist.get_rank(),
+        "cfg": cfg,
+    }
     engine.destroy()
     return out
 
@@ -52,12 +64,18 @@ def test_zero_topo_ledger_equals_the_planner(world):
         plan = resolve_plan(ZeroTopoConfig(enabled=True, preset=preset), topo)
         for r in world.run(_zero_topo_run, preset, accum):
             c = r["cfg"]
-            arch = Arch(name="gpt", layers=c.n_layers, hidden=c.d_model, heads=c.n_heads, vocab=c.vocab_size, seq=c.seq_len)
+            arch = Arch(
+                name="gpt", layers=c.n_layers, hidden=c.d_model, heads=c.n_heads, vocab=c.vocab_size, seq=c.seq_len
+            )
             assert r["bytes"] == zero_plans.traffic(plan, arch, accum, 2, rank=r["rank"]).bytes, (preset, r["rank"])
             if r["rank"] == 0:  # the planner reports rank 0, whose optimizer shard has no padding
                 states = zero_plans.states(plan, arch, 2)
-                assert r["state"] == {"primary": states["weights"], "secondary": states["secondary"],
-                                      "gradients": states["gradients"], "optimizer": states["optimizer"]}
+                assert r["state"] == {
+                    "primary": states["weights"],
+                    "secondary": states["secondary"],
+                    "gradients": states["gradients"],
+                    "optimizer": states["optimizer"],
+                }
 
 
 def _pmm_run(dims):
@@ -69,12 +87,15 @@ def _pmm_run(dims):
     axes = engine.ds_ext.plugin("pmm3d").axes
     micro = GLOBAL_BATCH // axes["data"].size
     start = axes["data"].rank * micro
-    engine.backward(engine(tokens(0)[start:start + micro]))
+    engine.backward(engine(tokens(0)[start : start + micro]))
     engine.step()
     weights = sum(p.numel() * p.element_size() for p in engine.module.parameters())
     linear = sum(m.weight.numel() * m.weight.element_size() for m in engine.module.modules() if isinstance(m, Linear))
-    out = {"bytes": _by_level(engine.ds_ext.ledger.steps[-1].by_phase(), skip=("step",)), "weights": weights,
-           "linear": linear}
+    out = {
+        "bytes": _by_level(engine.ds_ext.ledger.steps[-1].by_phase(), skip=("step",)),
+        "weights": weights,
+        "linear": linear,
+    }
     engine.destroy()
     return out
 
@@ -117,9 +138,13 @@ def _ted_run(T, P, checkpoint):
     layout = TEDLayout.build(dist.get_world_size(), T, P)
     model = ts.ted_model(cfg, ts.serial_model(cfg).state_dict(), layout, dist.get_rank())
     groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "dense", "lr": 1e-3})
-    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3),
-                                   config=ts.ds_config(T, P, 1, bf16={"enabled": True}, gradient_accumulation_steps=2))
+        {"params": list(model.parameters()), "name": "dense", "lr": 1e-3}
+    )
+    engine, *_ = ds_ext.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(groups, lr=1e-3),
+        config=ts.ds_config(T, P, 1, bf16={"enabled": True}, gradient_accumulation_steps=2),
+    )
     ted = next(p for p in engine.ds_ext.plugins if p.name == "ted").ted
     for micro in range(2):  # one optimizer step; ZeRO-1 keeps whole 16-bit gradients between its micro-steps
         engine.backward(engine(ts.shards(ted.layout, micro)[ted.data_rank]))
@@ -128,11 +153,19 @@ def _ted_run(T, P, checkpoint):
         engine.step()
     zero = engine.optimizer
     optimizer = sum(t.numel() * t.element_size() for t in zero.single_partition_of_fp32_groups) + sum(
-        v.numel() * v.element_size() for s in zero.optimizer.state.values() for v in s.values()
-        if torch.is_tensor(v) and v.dim() > 0)
-    out = {"phases": engine.ds_ext.ledger.steps[-1].by_phase(), "rank": dist.get_rank(), "cfg": cfg,
-           "weights": sum(p.numel() * p.element_size() for p in engine.module.parameters()),
-           "gradients": grads, "optimizer": optimizer}
+        v.numel() * v.element_size()
+        for s in zero.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
+    out = {
+        "phases": engine.ds_ext.ledger.steps[-1].by_phase(),
+        "rank": dist.get_rank(),
+        "cfg": cfg,
+        "weights": sum(p.numel() * p.element_size() for p in engine.module.parameters()),
+        "gradients": grads,
+        "optimizer": optimizer,
+    }
     engine.destroy()
     return out
 
@@ -151,12 +184,25 @@ def test_ted_ledger_and_memory_equal_the_planner(world):
     layout = TEDLayout.build(8, 2, 4)
     for r in world.run(_ted_run, 2, 4, "torch"):
         c = r["cfg"]
-        arch = Arch(name="moe", layers=c.n_layers, hidden=c.d_model, heads=c.n_heads, vocab=c.vocab_size,
-                    seq=c.seq_len, experts=c.num_experts)
+        arch = Arch(
+            name="moe",
+            layers=c.n_layers,
+            hidden=c.d_model,
+            heads=c.n_heads,
+            vocab=c.vocab_size,
+            seq=c.seq_len,
+            experts=c.num_experts,
+        )
         planned = ted_layouts.traffic(arch, layout, topo, 2, 2, 2).bytes
         measured = _by_level(r["phases"], skip=("other",))
-        assert measured.keys() == planned.keys() and all(0 <= measured[k] - planned[k] <= 16 for k in planned), \
-            (r["rank"], measured, planned)
+        assert measured.keys() == planned.keys() and all(0 <= measured[k] - planned[k] <= 16 for k in planned), (
+            r["rank"],
+            measured,
+            planned,
+        )
         states = ted_layouts.states(arch, layout)
-        assert (r["weights"], r["gradients"], r["optimizer"]) == (states["weights"], states["gradients"],
-                                                                  states["optimizer"]), r["rank"]
+        assert (r["weights"], r["gradients"], r["optimizer"]) == (
+            states["weights"],
+            states["gradients"],
+            states["optimizer"],
+        ), r["rank"]

@@ -16,8 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("config", ["configs/pmm3d_cpu8.json"])  # pmm3d.json: same launcher path, 40 s more
 def test_pmm3d_config_trains_through_the_launcher(config):
-    cmd = ["launch/local_cpu.sh", "8", config, "--steps", "2", "--d-model", "64", "--layers", "2", "--seq-len", "32",
-           "--log-losses"]
+    cmd = [
+        "launch/local_cpu.sh",
+        "8",
+        config,
+        "--steps",
+        "2",
+        "--d-model",
+        "64",
+        "--layers",
+        "2",
+        "--seq-len",
+        "32",
+        "--log-losses",
+    ]
     run = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     losses = [float(v) for v in re.findall(r"step \d+: loss ([0-9.]+)", run.stdout)]

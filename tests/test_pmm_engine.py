@@ -72,7 +72,7 @@ def _uneven_lengths(tune):
     micro = GLOBAL_BATCH // data.size
     losses = []
     for step in range(3):
-        rows = tokens(step)[data.rank * micro:(data.rank + 1) * micro]
+        rows = tokens(step)[data.rank * micro : (data.rank + 1) * micro]
         if (step, data.rank) in ((0, 1), (2, 0)):
             rows = rows[:, : SEQ // 2 + 1]
         loss = engine(rows)
@@ -90,7 +90,9 @@ def test_matmul_tuning_with_uneven_sequence_lengths(world):
     tuned, plain = world.run(_uneven_lengths, True), world.run(_uneven_lengths, False)
     for (losses, modes), (want, _) in zip(tuned, plain):
         assert losses == pytest.approx(want, rel=1e-5)
-        assert modes == tuned[0][1] and len(modes) == 2 * 27  # both lengths (8 layers + the head, 3 sites each), agreed by every rank
+        assert (
+            modes == tuned[0][1] and len(modes) == 2 * 27
+        )  # both lengths (8 layers + the head, 3 sites each), agreed by every rank
 
 
 def _train_steps(engine, family, steps):
@@ -175,8 +177,11 @@ def _hf_checkpoint(tmp):
     engine.save_checkpoint(tmp, tag="hf")
     want = _train_steps(engine, "llama", range(1, 2))[0]
     engine.destroy()
-    rc = main(["checkpoint", "consolidate", tmp, f"{tmp}/full.pt", "--tag", "hf", "--hf-dir", f"{tmp}/hf"]) \
-        if dist.get_rank() == 0 else 0
+    rc = (
+        main(["checkpoint", "consolidate", tmp, f"{tmp}/full.pt", "--tag", "hf", "--hf-dir", f"{tmp}/hf"])
+        if dist.get_rank() == 0
+        else 0
+    )
     dist.barrier()
     with torch.no_grad():
         hf_loss = call(LlamaForCausalLM.from_pretrained(f"{tmp}/hf"), "llama", tokens(1))[0].item()
@@ -205,29 +210,51 @@ def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None):
     for step in range(1):
         for m in range(accum):
             start = (axes["data"].rank * accum + m) * micro
-            engine.backward(engine(tokens(step)[start:start + micro]))
+            engine.backward(engine(tokens(step)[start : start + micro]))
             engine.step()
     measured = {ph: lv for ph, lv in engine.ds_ext.ledger.steps[-1].by_phase().items() if ph != "step"}
     serial = gpt()
-    spec, pmm_grid, topology = model_spec(serial, plan_for(serial)), engine.ds_ext.plugin("pmm3d").grid, engine.ds_ext.topology
+    spec, pmm_grid, topology = (
+        model_spec(serial, plan_for(serial)),
+        engine.ds_ext.plugin("pmm3d").grid,
+        engine.ds_ext.topology,
+    )
     model = ledger_bytes(spec, pmm_grid, topology, micro, SEQ, 2 if bf16 else 4, accum)
     # all-reduces in backward at Z's level (the gradients of Z-replicated parameters): ledger and model
     z_level = pmm_grid.parallel_dims.spans(topology)["z"]
     calls = engine.ds_ext.ledger.steps[-1].calls.get(("backward", "all_reduce", z_level), 0)
-    model_calls = sum(i.calls for i in items(spec, pmm_grid, micro, SEQ, 2 if bf16 else 4, accum)
-                      if (i.phase, i.op, i.axis) == ("backward", "all_reduce", "z"))
+    model_calls = sum(
+        i.calls
+        for i in items(spec, pmm_grid, micro, SEQ, 2 if bf16 else 4, accum)
+        if (i.phase, i.op, i.axis) == ("backward", "all_reduce", "z")
+    )
     engine.destroy()
     return measured, model, (calls, model_calls)
 
 
-LEDGER_GRIDS = [(2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 2, 2), (4, 2, 1, 1), (2, 2, 1, 2), (8, 1, 1, 1), (1, 1, 8, 1),
-                (1, 1, 1, 8), (1, 8, 1, 1), (1, 2, 4, 1)]  # ds-ext bench pmm checks all 20 factorizations
+LEDGER_GRIDS = [
+    (2, 2, 2, 1),
+    (2, 1, 2, 2),
+    (1, 2, 2, 2),
+    (4, 2, 1, 1),
+    (2, 2, 1, 2),
+    (8, 1, 1, 1),
+    (1, 1, 8, 1),
+    (1, 1, 1, 8),
+    (1, 8, 1, 1),
+    (1, 2, 4, 1),
+]  # ds-ext bench pmm checks all 20 factorizations
 
 
-@pytest.mark.parametrize("grid,accum,bf16,overlap", [
-    *[(g, 1, True, None) for g in LEDGER_GRIDS],
-    ((2, 2, 2, 1), 2, False, None), ((1, 2, 2, 2), 2, True, ALL_ON),
-], ids=str)
+@pytest.mark.parametrize(
+    "grid,accum,bf16,overlap",
+    [
+        *[(g, 1, True, None) for g in LEDGER_GRIDS],
+        ((2, 2, 2, 1), 2, False, None),
+        ((1, 2, 2, 2), 2, True, ALL_ON),
+    ],
+    ids=str,
+)
 def test_ledger_equals_model_per_layer_and_level(world, grid, accum, bf16, overlap):
     for measured, model, (calls, model_calls) in world.run(_ledger_vs_model, grid, accum, bf16, overlap):
         assert measured == model  # exact: {"forward/<layer>": {level: bytes}, ..., "backward": {...}}
@@ -250,7 +277,7 @@ def _memory(stage):
     engine = engine_for("gpt", ds_config(grid, stage=stage, bf16=True))
     micro = GLOBAL_BATCH // grid[3]
     start = engine.ds_ext.plugin("pmm3d").axes["data"].rank * micro
-    engine.backward(engine(tokens(0)[start:start + micro]))
+    engine.backward(engine(tokens(0)[start : start + micro]))
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     linear = [m for m in engine.module.modules() if isinstance(m, Linear)]
     weights = {id(m.weight) for m in linear}
@@ -311,8 +338,14 @@ def _trainer_step_gradients(grid):
 
     def step(model):
         with tempfile.TemporaryDirectory() as tmp:
-            args = TrainingArguments(output_dir=tmp, gradient_accumulation_steps=2, per_device_train_batch_size=half,
-                                     use_cpu=True, report_to=[], average_tokens_across_devices=False)
+            args = TrainingArguments(
+                output_dir=tmp,
+                gradient_accumulation_steps=2,
+                per_device_train_batch_size=half,
+                use_cpu=True,
+                report_to=[],
+                average_tokens_across_devices=False,
+            )
             trainer = Trainer(model=model, args=args)
             samples, items = trainer.get_batch_samples(iter(batches), 2, torch.device("cpu"))
             assert items is not None  # the model accepts loss kwargs: Trainer counts the items
@@ -366,16 +399,29 @@ def _initialize_error(grid, micro=None, instance=False, family="gpt", beside=Non
     return None
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"grid": (2, 2, 2, 2)}, r"ds_ext.pmm3d.grid: x=2 \* y=2 \* z=2 \* data=2 = 16 != world size 8"),
-    ({"grid": (8, 1, 1, 1), "family": "gpt_4heads"}, r"ds_ext.pmm3d.grid.x=8 does not divide the 4 attention heads"),
-    ({"grid": (1, 1, 8, 1), "micro": 4}, r"ds_ext.pmm3d.grid.z=8 does not divide train_micro_batch_size_per_gpu=4"),
-    ({"grid": (2, 2, 2, 1), "instance": True}, r"pass optimizer=lambda params: .* not an optimizer instance"),
-    ({"grid": (2, 1, 2, 2), "beside": "ted"}, r"^ds_ext.pmm3d with ds_ext.ted: each builds the job's model-parallel "
-                                              r"groups and hands DeepSpeed its mpu; allowed: one of the two$"),
-    ({"grid": (2, 1, 2, 2), "beside": "moe"}, r"^ds_ext.pmm3d: blocks.1.moe is a DeepSpeed-MoE layer "
-                                              r"\(deepspeed.moe.layer.MoE\), whose experts 3D-PMM does not partition"),
-], ids=["product", "heads", "micro-batch", "optimizer", "ted", "deepspeed-moe"])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"grid": (2, 2, 2, 2)}, r"ds_ext.pmm3d.grid: x=2 \* y=2 \* z=2 \* data=2 = 16 != world size 8"),
+        (
+            {"grid": (8, 1, 1, 1), "family": "gpt_4heads"},
+            r"ds_ext.pmm3d.grid.x=8 does not divide the 4 attention heads",
+        ),
+        ({"grid": (1, 1, 8, 1), "micro": 4}, r"ds_ext.pmm3d.grid.z=8 does not divide train_micro_batch_size_per_gpu=4"),
+        ({"grid": (2, 2, 2, 1), "instance": True}, r"pass optimizer=lambda params: .* not an optimizer instance"),
+        (
+            {"grid": (2, 1, 2, 2), "beside": "ted"},
+            r"^ds_ext.pmm3d with ds_ext.ted: each builds the job's model-parallel "
+            r"groups and hands DeepSpeed its mpu; allowed: one of the two$",
+        ),
+        (
+            {"grid": (2, 1, 2, 2), "beside": "moe"},
+            r"^ds_ext.pmm3d: blocks.1.moe is a DeepSpeed-MoE layer "
+            r"\(deepspeed.moe.layer.MoE\), whose experts 3D-PMM does not partition",
+        ),
+    ],
+    ids=["product", "heads", "micro-batch", "optimizer", "ted", "deepspeed-moe"],
+)
 def test_bad_input_one_line_before_training(world, kwargs, message):
     import re
 
@@ -388,8 +434,7 @@ def test_tune_measure_database_reads_the_emulated_machine(world):
     from ds_ext.topology import Topology
 
     scale, message = 3000.0, 2 << 20  # emulated link time >> gloo's own time on this host
-    dbs = world.run(measure_on_rank, {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}, message, True,
-                    scale)
+    dbs = world.run(measure_on_rank, {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}, message, True, scale)
     db = dbs[0]
     assert all(d == db for d in dbs) and db["ranks_per_node"] == 4
     topo = Topology.from_preset("frontier", 8, {"gpu": 2})
@@ -482,14 +527,16 @@ def _vocab_vs_serial(grids):
                 dist.all_reduce(total, group=axes["z"].group)
 
             def shard(full):  # block (vocab x, features y) of a [V, d] tensor, flattened, Z chunk z
-                block = full[cx * V // gx:(cx + 1) * V // gx, cy * d // gy:(cy + 1) * d // gy].reshape(-1)
+                block = full[cx * V // gx : (cx + 1) * V // gx, cy * d // gy : (cy + 1) * d // gy].reshape(-1)
                 n = block.numel() // gz
-                return block[cz * n:(cz + 1) * n]
+                return block[cz * n : (cz + 1) * n]
 
             vocab = slice(cx * V // gx, (cx + 1) * V // gx)
-            diffs = {"loss": abs(total.item() - loss.item()) / loss.item(),
-                     "logits": float((par_logits - logits[rows][..., vocab]).detach().abs().max()),
-                     "embed_grad": float((emb.weight.grad - shard(table.weight.grad)).abs().max())}
+            diffs = {
+                "loss": abs(total.item() - loss.item()) / loss.item(),
+                "logits": float((par_logits - logits[rows][..., vocab]).detach().abs().max()),
+                "embed_grad": float((emb.weight.grad - shard(table.weight.grad)).abs().max()),
+            }
             if not tied:
                 diffs["head_grad"] = float((par_head.weight.grad - shard(head.weight.grad)).abs().max())
             params = {id(p): p for p in (*emb.parameters(), *par_head.parameters())}.values()

@@ -34,7 +34,9 @@ def test_axis_levels_on_frontier_fastest_links_carry_x():
 
 
 def test_grid_product_must_equal_world_one_line():
-    with pytest.raises(GridError, match=r"^ds_ext\.pmm3d\.grid: x=2 \* y=2 \* z=2 \* data=2 = 16 != world size 8$") as err:
+    with pytest.raises(
+        GridError, match=r"^ds_ext\.pmm3d\.grid: x=2 \* y=2 \* z=2 \* data=2 = 16 != world size 8$"
+    ) as err:
         Grid(2, 2, 2, 2).check_world(8)
     assert "\n" not in str(err.value)
 
@@ -44,8 +46,11 @@ def test_config_section_rejects_unknown_keys_and_bad_degrees():
 
     assert parse({"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 2}}}).pmm3d.grid.x == 2
     assert parse({"pmm3d": {"enabled": True}}).pmm3d.grid == "auto"
-    with pytest.raises(DsExtConfigError, match=r"ds_ext.pmm3d.overlap.all_gathers: unknown key; allowed keys: "
-                                               r"all_gather, all_reduce, reduce_scatter"):
+    with pytest.raises(
+        DsExtConfigError,
+        match=r"ds_ext.pmm3d.overlap.all_gathers: unknown key; allowed keys: "
+        r"all_gather, all_reduce, reduce_scatter",
+    ):
         parse({"pmm3d": {"overlap": {"all_gathers": True}}})
     with pytest.raises(DsExtConfigError, match=r"ds_ext.pmm3d.grid.*x"):
         parse({"pmm3d": {"grid": {"x": 0}}})
@@ -81,16 +86,22 @@ def _gpt(**kw):
 
 
 def test_heads_not_divisible_one_line():
-    with pytest.raises(ConversionError, match=r"ds_ext.pmm3d.grid.x=3 does not divide the 4 attention heads .*"
-                                              r"allowed x: 1, 2, 4") as err:
+    with pytest.raises(
+        ConversionError,
+        match=r"ds_ext.pmm3d.grid.x=3 does not divide the 4 attention heads .*"
+        r"allowed x: 1, 2, 4",
+    ) as err:
         parallelize(_gpt(), _engine(x=3))
     assert "\n" not in str(err.value)
 
 
 def test_hidden_not_divisible_one_line():
-    with pytest.raises(ConversionError, match=r"ds_ext.pmm3d.grid \(x=1, y=5, z=1\) does not fit the "
-                                              r"vocabulary-parallel table embed .* \[256, 48\] weight does not split "
-                                              r"into 1 x 5 blocks") as err:
+    with pytest.raises(
+        ConversionError,
+        match=r"ds_ext.pmm3d.grid \(x=1, y=5, z=1\) does not fit the "
+        r"vocabulary-parallel table embed .* \[256, 48\] weight does not split "
+        r"into 1 x 5 blocks",
+    ) as err:
         parallelize(_gpt(), _engine(y=5))
     assert "\n" not in str(err.value)
 
@@ -103,8 +114,11 @@ def test_z_must_divide_weight_blocks():
 def test_unconvertible_layer_type_one_line_and_nothing_converted():
     model = _gpt()
     model.blocks[0].extra = nn.Conv1d(4, 4, 1)
-    with pytest.raises(ConversionError, match=r"cannot convert blocks.0.extra \(Conv1d\); convertible: nn.Linear "
-                                              r"named qkv, proj, fc1, fc2") as err:
+    with pytest.raises(
+        ConversionError,
+        match=r"cannot convert blocks.0.extra \(Conv1d\); convertible: nn.Linear "
+        r"named qkv, proj, fc1, fc2",
+    ) as err:
         parallelize(model, _engine(x=2))
     assert "\n" not in str(err.value)
     assert type(model.blocks[0].qkv) is nn.Linear  # checked before anything was converted
@@ -148,8 +162,9 @@ def _block_spec():
 
 
 def _layer_bytes(spec, grid, e=2):
-    return sum(i.nbytes * i.calls for i in perf.items(spec, grid, 8, 16, e) if i.equation[:3] in
-               ("5.1", "5.2", "5.3", "5.4"))
+    return sum(
+        i.nbytes * i.calls for i in perf.items(spec, grid, 8, 16, e) if i.equation[:3] in ("5.1", "5.2", "5.3", "5.4")
+    )
 
 
 def test_eqs_5_1_to_5_5_by_hand_for_one_layer():
@@ -207,6 +222,7 @@ def test_tied_hugging_face_head_stays_tied(kind):
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert sum(p.numel() for p in model.parameters()) == serial_count
 
+
 @pytest.mark.parametrize("transposed,chunks", [(False, 1), (True, 1), (False, 3)])
 def test_checkpoint_full_tensor_inverts_every_ranks_shard(transposed, chunks):
     from ds_ext.pmm.checkpoint import full_tensor
@@ -228,13 +244,15 @@ def test_checkpoint_full_tensor_inverts_every_ranks_shard(transposed, chunks):
     assert torch.equal(full_tensor({"kind": "linear_weight", **rec}, grid, weights), w)
     assert torch.equal(full_tensor({"kind": "linear_bias", **rec}, grid, biases), b)
 
+
 # ---- OAG prefetch (001 §5.1.4; issue 20 defect 1) -----------------------------------------
 def _oag_gpt():
     from ds_ext.pmm.config import OverlapConfig
 
     sizes = {"x": 1, "y": 1, "z": 1, "data": 1, "tensor": 1}
-    engine = PMMEngine({n: Axis(n, None, s, 0) for n, s in sizes.items()}, comm=None,
-                       overlap=OverlapConfig(all_gather=True))
+    engine = PMMEngine(
+        {n: Axis(n, None, s, 0) for n, s in sizes.items()}, comm=None, overlap=OverlapConfig(all_gather=True)
+    )
     return parallelize(_gpt(), engine), engine.prefetcher
 
 
@@ -245,8 +263,15 @@ def test_prefetch_order_records_only_grad_enabled_passes():
         model(tokens)  # an evaluation pass before training is not a training step's order
     model(tokens).backward()
     # the vocabulary-parallel tables gather their blocks too; the tied head gathers embed again
-    assert [layer.name for layer in prefetcher.order] == ["embed", "pos", "blocks.0.qkv", "blocks.0.proj",
-                                                          "blocks.0.fc1", "blocks.0.fc2", "embed"]
+    assert [layer.name for layer in prefetcher.order] == [
+        "embed",
+        "pos",
+        "blocks.0.qkv",
+        "blocks.0.proj",
+        "blocks.0.fc1",
+        "blocks.0.fc2",
+        "embed",
+    ]
 
 
 def test_prefetch_of_a_weight_changed_since_is_not_used():
@@ -270,6 +295,7 @@ def test_every_forward_drops_prefetches_in_flight():
     assert prefetcher._inflight
     model.pmm_engine.begin_forward([])
     assert not prefetcher._inflight
+
 
 # ---- matmul modes (001 §5.1.3) ------------------------------------------------------------
 def test_every_matmul_mode_gives_identical_results():
@@ -323,8 +349,10 @@ def test_cli_detect_shows_the_level_each_axis_spans(capsys):
     from ds_ext.cli import main
 
     assert main(["detect", "--preset", "frontier", "--world-size", "16", "--grid", "2,4,1,2"]) == 0
-    assert "pmm3d grid (x=2, y=4, z=1, data=2): x=2 spans gcd, y=4 spans gpu, z=1 spans -, data=2 spans node" \
+    assert (
+        "pmm3d grid (x=2, y=4, z=1, data=2): x=2 spans gcd, y=4 spans gpu, z=1 spans -, data=2 spans node"
         in capsys.readouterr().out
+    )
 
 
 def test_cli_tune_prints_and_writes_the_top_k(tmp_path, capsys):
@@ -337,8 +365,26 @@ def test_cli_tune_prints_and_writes_the_top_k(tmp_path, capsys):
     from ds_ext.planner.models import lookup
 
     out = tmp_path / "tune.json"
-    assert main(["tune", "--model", "gpt-20b", "--world", "32", "--memory-GB", "40", "--top-k", "4",
-                 "--global-batch", "1024", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "tune",
+                "--model",
+                "gpt-20b",
+                "--world",
+                "32",
+                "--memory-GB",
+                "40",
+                "--top-k",
+                "4",
+                "--global-batch",
+                "1024",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     top = json.loads(out.read_text())["top"]
     assert len(top) == 4 and [r["step_s"] for r in top] == sorted(r["step_s"] for r in top)
     assert all(r["total_memory_bytes"] <= 40e9 and r["fits"] for r in top)
@@ -347,12 +393,32 @@ def test_cli_tune_prints_and_writes_the_top_k(tmp_path, capsys):
 
     spec = pmm_grids.model_spec(lookup("gpt-20b"))
     topo = MACHINES["frontier"].build_topology(4)  # the planner's Frontier: RCCL's α per inter-node ring step
-    for links, flags, bw, latency in (("shared", ["--links", "shared"], perf.Bandwidths.from_topology(topo), True),
-                                      ("shared", ["--links", "shared", "--no-latency"],
-                                       perf.Bandwidths.from_topology(topo), False),
-                                      ("per-rank", [], perf.Bandwidths.per_rank_links(topo), True)):
-        assert main(["tune", "--model", "gpt-20b", "--world", "32", "--memory-GB", "40", "--top-k", "4",
-                     "--global-batch", "1024", "--out", str(out), *flags]) == 0
+    for links, flags, bw, latency in (
+        ("shared", ["--links", "shared"], perf.Bandwidths.from_topology(topo), True),
+        ("shared", ["--links", "shared", "--no-latency"], perf.Bandwidths.from_topology(topo), False),
+        ("per-rank", [], perf.Bandwidths.per_rank_links(topo), True),
+    ):
+        assert (
+            main(
+                [
+                    "tune",
+                    "--model",
+                    "gpt-20b",
+                    "--world",
+                    "32",
+                    "--memory-GB",
+                    "40",
+                    "--top-k",
+                    "4",
+                    "--global-batch",
+                    "1024",
+                    "--out",
+                    str(out),
+                    *flags,
+                ]
+            )
+            == 0
+        )
         got = json.loads(out.read_text())
         assert (got["links"], got["latency"]) == (links, latency)
         r = got["top"][0]
@@ -386,8 +452,12 @@ def test_bench_pmm_checks_rank_with_the_emulated_machines_model():
         r = {"variant": "pmm3d", "grid": list(grid), "ledger_equals_model": True, "step_time_emulated_s": measured}
         return {**r, **{k: eq57 for k in PREDICTORS}, RANKING_MODEL: alpha_beta}
 
-    records = [rec((1, 1, 1, 8), 4.0, 4e-3, 1e-3), rec((4, 1, 1, 2), 1.0, 1e-3, 3e-3),
-               rec((1, 8, 1, 1), 9.0, 9e-3, 2e-3), rec((2, 2, 1, 2), 2.0, 3e-3, 4e-3)]
+    records = [
+        rec((1, 1, 1, 8), 4.0, 4e-3, 1e-3),
+        rec((4, 1, 1, 2), 1.0, 1e-3, 3e-3),
+        rec((1, 8, 1, 1), 9.0, 9e-3, 2e-3),
+        rec((2, 2, 1, 2), 2.0, 3e-3, 4e-3),
+    ]
     out = checks(records)
     assert out["ranking_model"] == RANKING_MODEL and out["fastest_measured_grid"] == [4, 1, 1, 2]
     assert out[f"spearman[{RANKING_MODEL}]"] == pytest.approx(1.0)  # same order as measured
@@ -410,8 +480,10 @@ def test_example_model_and_optimizer_follow_the_config():
     spec = importlib.util.spec_from_file_location("example_train", root / "examples" / "train.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
-    config = {name: json.loads((root / "configs" / name).read_text())
-              for name in ("demo.json", "ted_moe.json", "pmm3d.json", "pmm3d_cpu8.json")}
+    config = {
+        name: json.loads((root / "configs" / name).read_text())
+        for name in ("demo.json", "ted_moe.json", "pmm3d.json", "pmm3d_cpu8.json")
+    }
     assert train.model_kind(config["ted_moe.json"]) == "gpt-moe" and train.model_kind(config["demo.json"]) == "gpt"
     params = [nn.Parameter(torch.zeros(2))]
     assert isinstance(train.optimizer_for(config["demo.json"], params, 1e-3), torch.optim.AdamW)  # ZeRO-topo
@@ -430,13 +502,28 @@ def test_real_size_tables_shard_over_the_tensor_grid(family):
 
     with torch.device("meta"):
         if family == "llama3-8b":
-            model = LlamaForCausalLM(LlamaConfig(
-                vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False))
+            model = LlamaForCausalLM(
+                LlamaConfig(
+                    vocab_size=128256,
+                    hidden_size=4096,
+                    intermediate_size=14336,
+                    num_hidden_layers=32,
+                    num_attention_heads=32,
+                    num_key_value_heads=8,
+                    tie_word_embeddings=False,
+                )
+            )
         else:
-            model = GPTNeoXForCausalLM(GPTNeoXConfig(
-                vocab_size=50432, hidden_size=6144, intermediate_size=24576, num_hidden_layers=44,
-                num_attention_heads=64, tie_word_embeddings=False))
+            model = GPTNeoXForCausalLM(
+                GPTNeoXConfig(
+                    vocab_size=50432,
+                    hidden_size=6144,
+                    intermediate_size=24576,
+                    num_hidden_layers=44,
+                    num_attention_heads=64,
+                    tie_word_embeddings=False,
+                )
+            )
     grid = Grid(8, 1, 8, 1)
     spec = model_spec(model, plan_for(model))
     serial = sum(p.numel() for p in model.parameters())

@@ -72,19 +72,24 @@ def _shards_vs_serial(cases):
             parallelize(model, _engine(grid, rank))
             got = dict(model.named_parameters())
             buffers = dict(serial.named_buffers())
-            out.append({
-                "case": (family, grid, rank),
-                "names": sorted(set(got) ^ set(want)),
-                "differ": [n for n in want if n in got and not torch.equal(got[n], want[n])]
-                + [n for n, b in model.named_buffers() if not torch.equal(b, buffers[n])],
-                "tied": (_tied(model), _tied(serial)),
-                "rng": same_rng,
-            })
+            out.append(
+                {
+                    "case": (family, grid, rank),
+                    "names": sorted(set(got) ^ set(want)),
+                    "differ": [n for n in want if n in got and not torch.equal(got[n], want[n])]
+                    + [n for n, b in model.named_buffers() if not torch.equal(b, buffers[n])],
+                    "tied": (_tied(model), _tied(serial)),
+                    "rng": same_rng,
+                }
+            )
     return out
 
 
-CASES = [(f, g) for f in ("gpt", "llama_tied") for g in GRIDS] + [("llama", GRIDS[0]), ("neox", GRIDS[1]),
-                                                                  ("neox_tied", GRIDS[0])]
+CASES = [(f, g) for f in ("gpt", "llama_tied") for g in GRIDS] + [
+    ("llama", GRIDS[0]),
+    ("neox", GRIDS[1]),
+    ("neox_tied", GRIDS[0]),
+]
 
 
 def test_meta_shards_equal_slicing_the_serial_init(world):
@@ -117,8 +122,11 @@ def _checkpoint_shards(tmp):
     dist.barrier()
     out = {}
     for family, path in paths.items():
-        loaded = torch.load(path, weights_only=True) if family == "gpt" else \
-            dict(AutoModelForCausalLM.from_pretrained(path).named_parameters())
+        loaded = (
+            torch.load(path, weights_only=True)
+            if family == "gpt"
+            else dict(AutoModelForCausalLM.from_pretrained(path).named_parameters())
+        )
         for rank in _grid_ranks():
             init = MODELS[family]()
             parallelize(init, _engine((2, 2, 2, 1), rank))
@@ -127,8 +135,11 @@ def _checkpoint_shards(tmp):
             want, seed = local_shards(model, loaded), dict(init.named_parameters())
             got = dict(model.named_parameters())
             assert set(got) == set(want), family
-            out[family, rank] = ([n for n in got if not torch.equal(got[n], want[n])],
-                                 [n for n in got if got[n].numel() > 1 and torch.equal(got[n], seed[n])], _tied(model))
+            out[family, rank] = (
+                [n for n in got if not torch.equal(got[n], want[n])],
+                [n for n in got if got[n].numel() > 1 and torch.equal(got[n], seed[n])],
+                _tied(model),
+            )
     return out
 
 
@@ -205,8 +216,10 @@ def test_peak_memory_per_rank_stays_near_its_shard(world, tmp_path):
     for rank, result in enumerate(results):
         for how, (peak, shard, largest, serial) in zip(("init", "safetensors"), result):
             assert serial > 200e6 and shard < serial / 7, (shard, serial)  # (2,2,2,1): layers / 8, norms / 2
-            assert peak <= _bound(shard, largest), (f"rank {rank}, {how}: peak {peak / MiB:.1f} MiB > "
-                                                    f"{_bound(shard, largest) / MiB:.1f} MiB (shard {shard / MiB:.1f})")
+            assert peak <= _bound(shard, largest), (
+                f"rank {rank}, {how}: peak {peak / MiB:.1f} MiB > "
+                f"{_bound(shard, largest) / MiB:.1f} MiB (shard {shard / MiB:.1f})"
+            )
     (_, shard, largest, serial), _, (old_peak, *_) = results[0]
     assert old_peak > serial > _bound(shard, largest), (old_peak, serial)  # the bound catches a full build
 
@@ -231,11 +244,17 @@ def test_unsupported_on_meta_fails_in_one_line(tmp_path):
         def reset_parameters(self):
             nn.init.trunc_normal_(self.weight)  # on meta, torch returns at once
 
-    with pytest.raises(MetaBuildError, match=r"^ds_ext.pmm.build_on_meta: the initial value of w cannot be "
-                                             r"replayed: it is computed by aten.mul.Tensor from other tensors$"):
+    with pytest.raises(
+        MetaBuildError,
+        match=r"^ds_ext.pmm.build_on_meta: the initial value of w cannot be "
+        r"replayed: it is computed by aten.mul.Tensor from other tensors$",
+    ):
         materialize(build_on_meta(Scaled))
-    with pytest.raises(MetaBuildError, match=r"^ds_ext.pmm.build_on_meta: torch.nn.init.trunc_normal_ skips meta "
-                                             r"tensors, so its values .* cannot be recorded; build the model normally"):
+    with pytest.raises(
+        MetaBuildError,
+        match=r"^ds_ext.pmm.build_on_meta: torch.nn.init.trunc_normal_ skips meta "
+        r"tensors, so its values .* cannot be recorded; build the model normally",
+    ):
         build_on_meta(lambda: Truncated(4, 4))
     gpt = MODELS["gpt"]
     state = gpt().state_dict()
@@ -248,9 +267,13 @@ def test_unsupported_on_meta_fails_in_one_line(tmp_path):
     with torch.device("meta"):
         plain = gpt()
     engine = PMMEngine({n: Axis(n, None, 1, 0) for n in ("x", "y", "z", "data")}, comm=None)
-    with pytest.raises(ConversionError, match=r"^ds_ext.pmm.parallelize: parameter embed.weight is on the meta "
-                                              r"device with no recorded initialisation .*build_on_meta"):
+    with pytest.raises(
+        ConversionError,
+        match=r"^ds_ext.pmm.parallelize: parameter embed.weight is on the meta "
+        r"device with no recorded initialisation .*build_on_meta",
+    ):
         parallelize(plain, engine)
+
     def with_conv():
         model = gpt()
         model.blocks[0].extra = nn.Conv1d(2, 2, 1)  # a module type no rule converts

@@ -20,9 +20,16 @@ def test_gpt_parity(world, grid):
     assert all(r[0] == losses for r in results)  # every rank reports the whole model's loss
 
 
-@pytest.mark.parametrize("family,grid", [("neox", (2, 2, 2, 1)), ("neox", (2, 1, 2, 2)),
-                                         ("llama", (2, 2, 2, 1)), ("llama", (1, 2, 2, 2)),
-                                         ("llama_tied", (2, 2, 2, 1))])  # tied: neox in test_pmm_logic
+@pytest.mark.parametrize(
+    "family,grid",
+    [
+        ("neox", (2, 2, 2, 1)),
+        ("neox", (2, 1, 2, 2)),
+        ("llama", (2, 2, 2, 1)),
+        ("llama", (1, 2, 2, 2)),
+        ("llama_tied", (2, 2, 2, 1)),
+    ],
+)  # tied: neox in test_pmm_logic
 def test_hf_parity(world, family, grid):
     world.run(parity, family, grid)
 

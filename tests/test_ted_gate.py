@@ -60,8 +60,19 @@ def _ted_gate(spec, wg, seed, draws):
     from ds_ext.moe.cac import Frame
     from ds_ext.moe.gate import TopKGate
 
-    g = TopKGate(wg.shape[1], spec.num_experts, spec.k, spec.capacity_factor, spec.capacity_factor, spec.min_capacity,
-                 spec.noisy_gate_policy, spec.drop_tokens, spec.use_rts, spec.top2_2nd_expert_sampling, spec.drop_policy)
+    g = TopKGate(
+        wg.shape[1],
+        spec.num_experts,
+        spec.k,
+        spec.capacity_factor,
+        spec.capacity_factor,
+        spec.min_capacity,
+        spec.noisy_gate_policy,
+        spec.drop_tokens,
+        spec.use_rts,
+        spec.top2_2nd_expert_sampling,
+        spec.drop_policy,
+    )
     with torch.no_grad():
         g.wg.weight.copy_(wg)
     g.seed, g.draws = seed, draws
@@ -72,19 +83,39 @@ def _deepspeed(spec, logits, used=None):
     from deepspeed.moe import sharded_moe as sm
 
     if spec.k == 1:
-        return sm.top1gating(logits, spec.capacity_factor, spec.min_capacity, used, spec.noisy_gate_policy,
-                             spec.drop_tokens, spec.use_rts)
+        return sm.top1gating(
+            logits,
+            spec.capacity_factor,
+            spec.min_capacity,
+            used,
+            spec.noisy_gate_policy,
+            spec.drop_tokens,
+            spec.use_rts,
+        )
     if spec.k == 2:
-        return sm.top2gating(logits, spec.capacity_factor, spec.min_capacity, spec.drop_tokens,
-                             top2_2nd_expert_sampling=spec.top2_2nd_expert_sampling)
-    return sm.topkgating(logits, spec.k, spec.capacity_factor, spec.min_capacity, spec.drop_tokens,
-                         drop_policy=spec.drop_policy)
+        return sm.top2gating(
+            logits,
+            spec.capacity_factor,
+            spec.min_capacity,
+            spec.drop_tokens,
+            top2_2nd_expert_sampling=spec.top2_2nd_expert_sampling,
+        )
+    return sm.topkgating(
+        logits, spec.k, spec.capacity_factor, spec.min_capacity, spec.drop_tokens, drop_policy=spec.drop_policy
+    )
 
 
 SPECS = [
-    dict(k=1, use_rts=True), dict(k=1, use_rts=True, noisy_gate_policy="RSample"), dict(k=1, drop_tokens=False),
-    dict(k=2), dict(k=2, top2_2nd_expert_sampling=True), dict(k=2, drop_tokens=False),
-    dict(k=3), dict(k=3, drop_policy="position"), dict(k=4, drop_tokens=False), dict(k=3, capacity_factor=0.7),
+    dict(k=1, use_rts=True),
+    dict(k=1, use_rts=True, noisy_gate_policy="RSample"),
+    dict(k=1, drop_tokens=False),
+    dict(k=2),
+    dict(k=2, top2_2nd_expert_sampling=True),
+    dict(k=2, drop_tokens=False),
+    dict(k=3),
+    dict(k=3, drop_policy="position"),
+    dict(k=4, drop_tokens=False),
+    dict(k=3, capacity_factor=0.7),
 ]
 
 
@@ -118,9 +149,16 @@ def test_gate_equals_deepspeed_and_reference(kw):
         assert combine.count_nonzero() > 0
 
 
-TOP1_DROP = [(24, 4, 1.0, None, False), (40, 8, 0.5, None, False), (64, 4, 0.5, None, True),
-             (100, 6, 0.75, None, False), (256, 8, 1.0, None, True), (17, 3, 0.5, "RSample", False),
-             (128, 4, 0.25, "RSample", True), (512, 16, 1.0, None, False)]
+TOP1_DROP = [
+    (24, 4, 1.0, None, False),
+    (40, 8, 0.5, None, False),
+    (64, 4, 0.5, None, True),
+    (100, 6, 0.75, None, False),
+    (256, 8, 1.0, None, True),
+    (17, 3, 0.5, "RSample", False),
+    (128, 4, 0.25, "RSample", True),
+    (512, 16, 1.0, None, False),
+]
 
 
 @pytest.mark.parametrize("S, E, cf, noise, with_used", TOP1_DROP)
@@ -144,17 +182,23 @@ def test_top1_drop_without_rts_keeps_deepspeeds_tokens(S, E, cf, noise, with_use
     torch.testing.assert_close(mine.combine, combine, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("kw, msg", [
-    (dict(capacity_factor=-1.0), "ds_ext.ted: capacity_factor must be a finite number > 0, got -1.0"),
-    (dict(eval_capacity_factor=0.0), "ds_ext.ted: eval_capacity_factor must be a finite number > 0, got 0.0"),
-    (dict(capacity_factor=float("nan")), "ds_ext.ted: capacity_factor must be a finite number > 0, got nan"),
-    (dict(k=0), "ds_ext.ted: top_k (k) must be an integer in 1..num_experts (4), got 0"),
-    (dict(k=5), "ds_ext.ted: top_k (k) must be an integer in 1..num_experts (4), got 5"),
-    (dict(min_capacity=-1), "ds_ext.ted: min_capacity must be an integer >= 0, got -1"),
-    (dict(drop_policy="random"), "ds_ext.ted: drop_policy must be one of 'probs', 'position'; got 'random'"),
-    (dict(k=3, noisy_gate_policy="RSample"), "ds_ext.ted: noisy_gate_policy 'RSample' applies to top-1 gating only "
-     "(DeepSpeed silently ignores it with k=3); allowed with k > 1: None, 'Jitter'"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        (dict(capacity_factor=-1.0), "ds_ext.ted: capacity_factor must be a finite number > 0, got -1.0"),
+        (dict(eval_capacity_factor=0.0), "ds_ext.ted: eval_capacity_factor must be a finite number > 0, got 0.0"),
+        (dict(capacity_factor=float("nan")), "ds_ext.ted: capacity_factor must be a finite number > 0, got nan"),
+        (dict(k=0), "ds_ext.ted: top_k (k) must be an integer in 1..num_experts (4), got 0"),
+        (dict(k=5), "ds_ext.ted: top_k (k) must be an integer in 1..num_experts (4), got 5"),
+        (dict(min_capacity=-1), "ds_ext.ted: min_capacity must be an integer >= 0, got -1"),
+        (dict(drop_policy="random"), "ds_ext.ted: drop_policy must be one of 'probs', 'position'; got 'random'"),
+        (
+            dict(k=3, noisy_gate_policy="RSample"),
+            "ds_ext.ted: noisy_gate_policy 'RSample' applies to top-1 gating only "
+            "(DeepSpeed silently ignores it with k=3); allowed with k > 1: None, 'Jitter'",
+        ),
+    ],
+)
 def test_bad_gate_arguments_refused_where_the_layer_is_built(kw, msg):
     from torch import nn
 

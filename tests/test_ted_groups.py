@@ -24,14 +24,18 @@ def test_rank_formula_and_group_products(world, T, P):
     for r in range(world):
         c = lay.coords(r)
         assert _rank(c["tensor"], c["expert"], c["expert_data"], T, P) == r
-        assert member_group(lay.partition("tensor"), r) == tuple(_rank(t, c["expert"], c["expert_data"], T, P)
-                                                                 for t in range(T))
-        assert member_group(lay.partition("expert"), r) == tuple(_rank(c["tensor"], e, c["expert_data"], T, P)
-                                                                 for e in range(P))
-        assert member_group(lay.partition("expert_data"), r) == tuple(_rank(c["tensor"], c["expert"], d, T, P)
-                                                                      for d in range(D))
-        assert member_group(lay.partition("data"), r) == tuple(sorted(
-            _rank(c["tensor"], e, d, T, P) for e in range(P) for d in range(D)))
+        assert member_group(lay.partition("tensor"), r) == tuple(
+            _rank(t, c["expert"], c["expert_data"], T, P) for t in range(T)
+        )
+        assert member_group(lay.partition("expert"), r) == tuple(
+            _rank(c["tensor"], e, c["expert_data"], T, P) for e in range(P)
+        )
+        assert member_group(lay.partition("expert_data"), r) == tuple(
+            _rank(c["tensor"], c["expert"], d, T, P) for d in range(D)
+        )
+        assert member_group(lay.partition("data"), r) == tuple(
+            sorted(_rank(c["tensor"], e, d, T, P) for e in range(P) for d in range(D))
+        )
     for kind, size in (("tensor", T), ("expert", P), ("expert_data", D), ("data", P * D)):
         part = lay.partition(kind)
         assert len(part) == world // size and all(len(g) == size for g in part)
@@ -89,31 +93,47 @@ def test_local_experts_beyond_ted():
 
 
 def test_bad_degrees_one_line_each():
-    with pytest.raises(GroupError, match=r"^ds_ext\.ted: tensor_parallel=2 \* expert_parallel=4 \* expert_data_parallel=2 "
-                                         r"= 16 != world size 8 \(Eq 7\.1: G_tensor x G_expert x G_data\^exp = G\)$"):
+    with pytest.raises(
+        GroupError,
+        match=r"^ds_ext\.ted: tensor_parallel=2 \* expert_parallel=4 \* expert_data_parallel=2 "
+        r"= 16 != world size 8 \(Eq 7\.1: G_tensor x G_expert x G_data\^exp = G\)$",
+    ):
         TEDLayout.build(8, 2, 4, 2)
-    with pytest.raises(GroupError, match=r"^ds_ext\.ted: world size 12 is not divisible by tensor_parallel=4 \* "
-                                         r"expert_parallel=2"):
+    with pytest.raises(
+        GroupError,
+        match=r"^ds_ext\.ted: world size 12 is not divisible by tensor_parallel=4 \* "
+        r"expert_parallel=2",
+    ):
         TEDLayout.build(12, 4, 2)
-    with pytest.raises(GroupError, match=r"^ds_ext\.ted\.tensor_parallel=16 would split tensor groups across nodes "
-                                         r"of 8 ranks \(frontier\); allowed: a divisor of 8$"):
+    with pytest.raises(
+        GroupError,
+        match=r"^ds_ext\.ted\.tensor_parallel=16 would split tensor groups across nodes "
+        r"of 8 ranks \(frontier\); allowed: a divisor of 8$",
+    ):
         TEDLayout.build(32, 16, 2).check_placement(Topology.from_preset("frontier", 32))
     from ds_ext import config
 
-    for block, msg in [({"tensor_parallel": 0}, r"ds_ext\.ted\.tensor_parallel: Input should be greater than or equal to 1"),
-                       ({"top_k": 0}, r"ds_ext\.ted\.top_k: Input should be greater than or equal to 1"),
-                       ({"dtd": True}, r"ds_ext\.ted\.dtd: unknown key; allowed keys: .*duplicate_token_dropping")]:
+    for block, msg in [
+        ({"tensor_parallel": 0}, r"ds_ext\.ted\.tensor_parallel: Input should be greater than or equal to 1"),
+        ({"top_k": 0}, r"ds_ext\.ted\.top_k: Input should be greater than or equal to 1"),
+        ({"dtd": True}, r"ds_ext\.ted\.dtd: unknown key; allowed keys: .*duplicate_token_dropping"),
+    ]:
         with pytest.raises(DsExtConfigError, match=msg):
             config.parse({"ted": {"enabled": True, **block}})
 
 
-@pytest.mark.parametrize("block, msg", [
-    ({"seed": -5}, r"^ds_ext\.ted\.seed: Input should be greater than or equal to 0 \(got -5\)$"),
-    ({"seed": 2**70}, r"^ds_ext\.ted\.seed: Input should be less than 4294967296 \(got 1180591620717411303424\)$"),
-    ({"seed": 2**32}, r"^ds_ext\.ted\.seed: Input should be less than 4294967296"),
-    ({"top_k": 9, "num_experts": 4},
-     r"^ds_ext\.ted: top_k 9 exceeds num_experts 4 \(each route picks a distinct expert\); allowed top_k: 1\.\.4$"),
-])
+@pytest.mark.parametrize(
+    "block, msg",
+    [
+        ({"seed": -5}, r"^ds_ext\.ted\.seed: Input should be greater than or equal to 0 \(got -5\)$"),
+        ({"seed": 2**70}, r"^ds_ext\.ted\.seed: Input should be less than 4294967296 \(got 1180591620717411303424\)$"),
+        ({"seed": 2**32}, r"^ds_ext\.ted\.seed: Input should be less than 4294967296"),
+        (
+            {"top_k": 9, "num_experts": 4},
+            r"^ds_ext\.ted: top_k 9 exceeds num_experts 4 \(each route picks a distinct expert\); allowed top_k: 1\.\.4$",
+        ),
+    ],
+)
 def test_seed_and_top_k_out_of_range_refused_in_one_line(block, msg):
     from ds_ext import config
 
@@ -134,8 +154,24 @@ def test_cli_detect_shows_ted_groups_and_levels():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "ds_ext.cli", "detect", "--preset", "frontier", "--world-size", "16",
-                          "--rank", "9", "--ted", "2,4"], capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ds_ext.cli",
+            "detect",
+            "--preset",
+            "frontier",
+            "--world-size",
+            "16",
+            "--rank",
+            "9",
+            "--ted",
+            "2,4",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "TED G_tensor=2 x G_expert=4 x G_data^exp=2 (G_data^nonexp=8)" in lines
@@ -143,12 +179,16 @@ def test_cli_detect_shows_ted_groups_and_levels():
     assert "  expert       [9, 11, 13, 15]  gpu" in lines
     assert "  expert_data  [1, 9]  node" in lines
     assert "  data         [1, 3, 5, 7, 9, 11, 13, 15]  node" in lines
-    bad = subprocess.run([sys.executable, "-m", "ds_ext.cli", "detect", "--preset", "frontier", "--world-size", "16",
-                          "--ted", "2,3"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "ds_ext.cli", "detect", "--preset", "frontier", "--world-size", "16", "--ted", "2,3"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
         "ds-ext: error: ds_ext.ted: world size 16 is not divisible by tensor_parallel=2 * expert_parallel=3 "
-        "(Eq 7.1: G_tensor x G_expert x G_data^exp = G)"]
+        "(Eq 7.1: G_tensor x G_expert x G_data^exp = G)"
+    ]
 
 
 # ---- analytic models (ds_ext/perf/ted.py) --------------------------------------------------
@@ -168,11 +208,17 @@ def test_per_layer_call_counts_6_plus_6_and_4_plus_4():
     base = dict(dtd=False, cac=False)
     agree = 1  # the capacity agreement over the expert group
     assert _counts(moe_block_traffic(lay, topo, 0, shape, checkpointing=False, **base)) == {
-        "all_to_all": 4, "all_reduce": 4 + agree}
+        "all_to_all": 4,
+        "all_reduce": 4 + agree,
+    }
     assert _counts(moe_block_traffic(lay, topo, 0, shape, checkpointing=True, **base)) == {
-        "all_to_all": 6, "all_reduce": 6 + agree}
+        "all_to_all": 6,
+        "all_reduce": 6 + agree,
+    }
     assert _counts(moe_block_traffic(lay, topo, 0, shape, checkpointing=True, dtd=False, cac=True)) == {
-        "all_to_all": 4, "all_reduce": 4 + agree}
+        "all_to_all": 4,
+        "all_reduce": 4 + agree,
+    }
     on = moe_block_traffic(lay, topo, 0, shape, checkpointing=True, dtd=True, cac=True)
     off = moe_block_traffic(lay, topo, 0, shape, checkpointing=True, dtd=False, cac=True)
     assert _counts(on) == {"all_to_all": 4, "all_reduce": 4 + agree, "all_gather": 4}
@@ -246,6 +292,9 @@ def test_ted_refuses_a_model_without_tedmoe_and_deepspeed_moe_layers_in_one_line
     with pytest.raises(DsExtConfigError, match=r"^ds_ext.ted: is enabled but the model has no ds_ext.moe.TEDMoE layer"):
         TEDPlugin(cfg, runtime).prepare(dense, torch.optim.SGD(dense.parameters(), lr=0.1), {})
     moe = nn.Sequential(MoE(8, nn.Linear(8, 8), num_experts=2, ep_size=1))
-    with pytest.raises(DsExtConfigError, match=r"^ds_ext.ted: 0 is a deepspeed.moe.layer.MoE; replace it by "
-                                               r"ds_ext.moe.TEDMoE \(same arguments\)"):
+    with pytest.raises(
+        DsExtConfigError,
+        match=r"^ds_ext.ted: 0 is a deepspeed.moe.layer.MoE; replace it by "
+        r"ds_ext.moe.TEDMoE \(same arguments\)",
+    ):
         TEDPlugin(cfg, runtime).prepare(moe, torch.optim.SGD(moe.parameters(), lr=0.1), {})

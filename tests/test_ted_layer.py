@@ -46,8 +46,9 @@ def _parity(T, P):
         want = losses[ted.data_rank]
         assert abs(loss.item() - want) <= 1e-6 * abs(want), (loss.item(), want)
         named = {n: p.grad for n, p in engine.module.named_parameters()}
-        out.append((ts.assert_close_to_serial(named, ts.serial_view(engine.module, grads, layout, rank)),
-                    ted.ranks("expert")))
+        out.append(
+            (ts.assert_close_to_serial(named, ts.serial_view(engine.module, grads, layout, rank)), ted.ranks("expert"))
+        )
         engine.destroy()
     return out
 
@@ -76,8 +77,9 @@ def _variants(T, P, modes, dropless=False, capacity_factor=1.0, capacity=None):
     rank = dist.get_rank()
     runtime, ted = ts.context(T, P)
     layout = ted.layout
-    cfg = ts.config(n_layers=1, moe_every=1, capacity_factor=capacity_factor,
-                    **(dict(drop_tokens=False) if dropless else {}))  # one MoE block
+    cfg = ts.config(
+        n_layers=1, moe_every=1, capacity_factor=capacity_factor, **(dict(drop_tokens=False) if dropless else {})
+    )  # one MoE block
     batches = ts.shards(layout)
     serial, _, _ = ts.serial(cfg, batches)
     counts = serial.exp_counts  # exp_counts of each shard (one MoE block), from the serial model
@@ -88,12 +90,18 @@ def _variants(T, P, modes, dropless=False, capacity_factor=1.0, capacity=None):
         C = -(-max(int(counts[e + P * c["expert_data"]].max()) for e in range(P)) // T) * T
     else:
         C = MICRO * SEQ // cfg.num_experts
-    shape = MoEBlockShape(tokens=MICRO * SEQ, hidden=cfg.d_model, num_experts=cfg.num_experts, capacity=C,
-                          element_bytes=4)
+    shape = MoEBlockShape(
+        tokens=MICRO * SEQ, hidden=cfg.d_model, num_experts=cfg.num_experts, capacity=C, element_bytes=4
+    )
     results, stash = {}, {}
     for mode in modes:
-        for dtd, cac, lean in ((False, False, False), (False, True, False), (True, False, False), (True, True, False),
-                               (True, True, True)):
+        for dtd, cac, lean in (
+            (False, False, False),
+            (False, True, False),
+            (True, False, False),
+            (True, True, False),
+            (True, True, True),
+        ):
             if lean and mode == "none":
                 continue
             model = ts.ted_model(dataclasses.replace(cfg, checkpoint=mode), serial.state_dict(), layout, rank)
@@ -102,13 +110,15 @@ def _variants(T, P, modes, dropless=False, capacity_factor=1.0, capacity=None):
             ledger.reset()
             with ledger.phase("forward"):
                 loss = model(batches[d])
-            stash[(mode, dtd, "lean" if lean else cac)] = sum(m.ted_tape.stash_bytes() for m in model.modules()
-                                                              if hasattr(m, "ted_tape"))
+            stash[(mode, dtd, "lean" if lean else cac)] = sum(
+                m.ted_tape.stash_bytes() for m in model.modules() if hasattr(m, "ted_tape")
+            )
             with ledger.phase("backward"):
                 loss.backward()
             assert all(len(m.ted_tape) == 0 for m in model.modules() if isinstance(m, TEDMoE))
-            want = moe_block_traffic(layout, runtime.topology, rank, shape, dtd=dtd, cac=cac,
-                                     checkpointing=mode != "none")
+            want = moe_block_traffic(
+                layout, runtime.topology, rank, shape, dtd=dtd, cac=cac, checkpointing=mode != "none"
+            )
             got = ledger.current
             assert dict(got.bytes) == dict(want.bytes), (mode, dtd, cac, dict(got.bytes), dict(want.bytes))
             assert dict(got.calls) == dict(want.calls), (mode, dtd, cac)
@@ -116,7 +126,9 @@ def _variants(T, P, modes, dropless=False, capacity_factor=1.0, capacity=None):
             for (_, op, _), n in got.calls.items():
                 calls[op] = calls.get(op, 0) + n
             results[(mode, dtd, "lean" if lean else cac)] = (
-                {n: p.grad.clone() for n, p in model.named_parameters()}, calls)
+                {n: p.grad.clone() for n, p in model.named_parameters()},
+                calls,
+            )
     base = results[(modes[0], False, False)][0]
     for key, (grads, _) in results.items():
         for n, g in grads.items():
@@ -159,13 +171,21 @@ def _default_stash(T, P):
     runs = {}
     for stash in (None, "full"):
         model = ts.ted_model(cfg, state, layout, rank)
-        engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
-                                       config=ts.ds_config(T, P, ted={} if stash is None else {"cac_stash": stash}))
+        engine, *_ = ds_ext.initialize(
+            model=model,
+            optimizer=torch.optim.AdamW(model.parameters()),
+            config=ts.ds_config(T, P, ted={} if stash is None else {"cac_stash": stash}),
+        )
         ted = engine.ds_ext.plugins[0].ted
         loss = engine(ts.shards(layout)[ted.data_rank])
         held = sum(m.ted_tape.stash_bytes() for m in engine.module.modules() if hasattr(m, "ted_tape"))
         engine.backward(loss)
-        runs[stash] = (ted.cac_lean, held, loss.item(), {n: p.grad.clone() for n, p in engine.module.named_parameters()})
+        runs[stash] = (
+            ted.cac_lean,
+            held,
+            loss.item(),
+            {n: p.grad.clone() for n, p in engine.module.named_parameters()},
+        )
         engine.destroy()
     (lean, held, loss, grads), (full_lean, full_held, full_loss, full_grads) = runs[None], runs["full"]
     assert lean and not full_lean and 0 < held < full_held
@@ -252,10 +272,14 @@ def _megatron_attention(T, P):
     init = torch.nn.init.zeros_
     d = cfg.d_model
     for i, block in enumerate(model.blocks):
-        block.attn.qkv = Megatron(ColumnParallelLinear(d, 3 * d, config=mp, init_method=init, bias=True,
-                                                       gather_output=False, tp_group=tp))
-        block.attn.proj = Megatron(RowParallelLinear(d, d, config=mp, init_method=init, bias=True,
-                                                     input_is_parallel=True, skip_bias_add=False, tp_group=tp))
+        block.attn.qkv = Megatron(
+            ColumnParallelLinear(d, 3 * d, config=mp, init_method=init, bias=True, gather_output=False, tp_group=tp)
+        )
+        block.attn.proj = Megatron(
+            RowParallelLinear(
+                d, d, config=mp, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=False, tp_group=tp
+            )
+        )
         with torch.no_grad():
             for part in ("qkv", "proj"):
                 for kind, p in getattr(block.attn, part).layer.named_parameters():
@@ -287,8 +311,10 @@ def _residual_reference(W, x, gen):
     import moe_reference as ref
 
     pre = "deepspeed_moe.experts.deepspeed_experts"
-    experts = [ref.Expert(W[f"{pre}.{e}.0.weight"], W[f"{pre}.{e}.0.bias"], W[f"{pre}.{e}.2.weight"],
-                          W[f"{pre}.{e}.2.bias"]) for e in range(4)]
+    experts = [
+        ref.Expert(W[f"{pre}.{e}.0.weight"], W[f"{pre}.{e}.0.bias"], W[f"{pre}.{e}.2.weight"], W[f"{pre}.{e}.2.bias"])
+        for e in range(4)
+    ]
     spec = ref.GateSpec(num_experts=4, k=2, capacity_factor=2.0, min_capacity=0)
     out, routing = ref.moe(x, W["deepspeed_moe.gate.wg.weight"], experts, spec, gen)
     mlp = ref.Expert(W["mlp.0.weight"], W["mlp.0.bias"], W["mlp.2.weight"], W["mlp.2.bias"])
@@ -308,11 +334,20 @@ def _residual_layer(T, P):
     from ds_ext.moe import TEDMoE
     from ds_ext.moe.reference import local_expert_state
 
-    shapes = {"deepspeed_moe.gate.wg.weight": (4, 16), "mlp.0.weight": (32, 16), "mlp.0.bias": (32,),
-              "mlp.2.weight": (16, 32), "mlp.2.bias": (16,), "coefficient.weight": (2, 16), "coefficient.bias": (2,)}
+    shapes = {
+        "deepspeed_moe.gate.wg.weight": (4, 16),
+        "mlp.0.weight": (32, 16),
+        "mlp.0.bias": (32,),
+        "mlp.2.weight": (16, 32),
+        "mlp.2.bias": (16,),
+        "coefficient.weight": (2, 16),
+        "coefficient.bias": (2,),
+    }
     for e in range(4):
-        shapes |= {f"deepspeed_moe.experts.deepspeed_experts.{e}.{k}": shapes[f"mlp.{k}"]
-                   for k in ("0.weight", "0.bias", "2.weight", "2.bias")}
+        shapes |= {
+            f"deepspeed_moe.experts.deepspeed_experts.{e}.{k}": shapes[f"mlp.{k}"]
+            for k in ("0.weight", "0.bias", "2.weight", "2.bias")
+        }
     g = torch.Generator().manual_seed(0)
     W = {n: (0.3 * torch.randn(shape, generator=g)).requires_grad_() for n, shape in shapes.items()}  # distinct experts
     _, ted = ts.context(T, P)
@@ -320,9 +355,18 @@ def _residual_layer(T, P):
     xs = torch.randn(D, 24, 16, generator=torch.Generator().manual_seed(1))
     outs = [_residual_reference(W, x, ref.generator(0, d)) for d, x in enumerate(xs)]
     torch.stack([o.sum() + aux for o, aux, _ in outs]).mean().backward()
-    model = TEDMoE(16, nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), num_experts=4, ep_size=P,
-                   k=2, capacity_factor=2.0, min_capacity=0, use_residual=True, top2_2nd_expert_sampling=False,
-                   enable_expert_tensor_parallelism=True)
+    model = TEDMoE(
+        16,
+        nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)),
+        num_experts=4,
+        ep_size=P,
+        k=2,
+        capacity_factor=2.0,
+        min_capacity=0,
+        use_residual=True,
+        top2_2nd_expert_sampling=False,
+        enable_expert_tensor_parallelism=True,
+    )
     model.load_state_dict(local_expert_state({n: w.detach() for n, w in W.items()}, ted.expert_rank, 4 // P))
     ts.bind(model, ted)
     out, aux, counts = model(xs[ted.data_rank])

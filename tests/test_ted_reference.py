@@ -27,15 +27,18 @@ from pathlib import Path
 import pytest
 
 WORLD_SIZE = 4
-CLIENT = Path(os.environ.get("DS_EXT_CLIENTS") or Path(__file__).resolve().parents[1].parent / "shared" / "clients",
-              "megatron-deepspeed")
+CLIENT = Path(
+    os.environ.get("DS_EXT_CLIENTS") or Path(__file__).resolve().parents[1].parent / "shared" / "clients",
+    "megatron-deepspeed",
+)
 LAYOUTS = [(1, 1, 4), (1, 2, 2), (1, 4, 1), (2, 1, 2), (2, 2, 1), (4, 1, 1)]
 H, FFN, E = 16, 32, 4
 MODES = {
     "top1-drop-rts-rsample": dict(k=1, capacity_factor=1.0, use_rts=True, noisy_gate_policy="RSample"),
     "top1-dropless-jitter": dict(k=1, drop_tokens=False, noisy_gate_policy="Jitter"),
-    "top2-drop-sampling-jitter": dict(k=2, capacity_factor=1.0, top2_2nd_expert_sampling=True,
-                                      noisy_gate_policy="Jitter"),
+    "top2-drop-sampling-jitter": dict(
+        k=2, capacity_factor=1.0, top2_2nd_expert_sampling=True, noisy_gate_policy="Jitter"
+    ),
     "top3-drop-probs": dict(k=3, capacity_factor=0.8),
 }
 
@@ -48,7 +51,7 @@ def _weights():
     import torch
 
     g = torch.Generator().manual_seed(5)
-    w = lambda *s: (0.3 * torch.randn(*s, generator=g))  # noqa: E731
+    w = lambda *s: 0.3 * torch.randn(*s, generator=g)  # noqa: E731
     return {"wg": w(E, H), "w1": w(E, FFN, H), "b1": w(E, FFN), "w2": w(E, H, FFN), "b2": w(E, H)}
 
 
@@ -82,8 +85,11 @@ def _reference(mode, W, seeds, P):
 
 def _fc(expert):
     """(fc1, fc2) of an ``nn.Sequential`` expert or of Megatron-DeepSpeed's ``ParallelMLP``."""
-    return (expert[0], expert[2]) if isinstance(expert, __import__("torch").nn.Sequential) else (
-        expert.dense_h_to_4h, expert.dense_4h_to_h)
+    return (
+        (expert[0], expert[2])
+        if isinstance(expert, __import__("torch").nn.Sequential)
+        else (expert.dense_h_to_4h, expert.dense_4h_to_h)
+    )
 
 
 def _ted_layer(mode, W, ted, P, etp=True, megatron=None):
@@ -101,8 +107,9 @@ def _ted_layer(mode, W, ted, P, etp=True, megatron=None):
         from megatron.model.transformer import ParallelMLP
 
         expert, T = ParallelMLP(megatron, moe=True, enable_expert_tensor_parallelism=etp), ted.layout.tensor
-    layer = TEDMoE(H, expert, num_experts=E, ep_size=P, min_capacity=0, enable_expert_tensor_parallelism=etp,
-                   **MODES[mode])
+    layer = TEDMoE(
+        H, expert, num_experts=E, ep_size=P, min_capacity=0, enable_expert_tensor_parallelism=etp, **MODES[mode]
+    )
     k, t = E // P, ted.tensor_rank
     F = FFN // T if etp else FFN
     t = t if etp and T > 1 else 0
@@ -111,9 +118,9 @@ def _ted_layer(mode, W, ted, P, etp=True, megatron=None):
         for i, expert in enumerate(layer.local_experts):
             e = ted.expert_rank * k + i
             fc1, fc2 = _fc(expert)
-            fc1.weight.copy_(W["w1"][e][t * F:(t + 1) * F])
-            fc1.bias.copy_(W["b1"][e][t * F:(t + 1) * F])
-            fc2.weight.copy_(W["w2"][e][:, t * F:(t + 1) * F])
+            fc1.weight.copy_(W["w1"][e][t * F : (t + 1) * F])
+            fc1.bias.copy_(W["b1"][e][t * F : (t + 1) * F])
+            fc2.weight.copy_(W["w2"][e][:, t * F : (t + 1) * F])
             fc2.bias.copy_(W["b2"][e])
             if not etp and ted.tensor_rank > 0:  # whole copies start apart, as Megatron-DeepSpeed initializes them
                 for p in expert.parameters():
@@ -152,7 +159,10 @@ def _run(T, P, etp=True, modes=tuple(MODES), megatron=False):
     checked = 0
     for mode in modes:
         runs = {}
-        variants = [("plain", False, False)] * etp + [("dtd", True, False), ("dtd+cac", True, True)]  # whole: DTD needed
+        variants = [("plain", False, False)] * etp + [
+            ("dtd", True, False),
+            ("dtd+cac", True, True),
+        ]  # whole: DTD needed
         for name, dtd, checkpointed in variants:
             ted = dataclasses.replace(base, dtd=dtd, cac=True)
             layer = _ted_layer(mode, W, ted, P, etp, config)
@@ -176,10 +186,18 @@ def _run(T, P, etp=True, modes=tuple(MODES), megatron=False):
             for i, expert in enumerate(layer.local_experts):
                 e = ted.expert_rank * (E // P) + i
                 fc1, fc2 = _fc(expert)
-                got |= {f"w1.{i}": fc1.weight.grad, f"b1.{i}": fc1.bias.grad,
-                        f"w2.{i}": fc2.weight.grad, f"b2.{i}": fc2.bias.grad}
-                views |= {f"w1.{i}": grads["w1"][e][t * F:(t + 1) * F], f"b1.{i}": grads["b1"][e][t * F:(t + 1) * F],
-                          f"w2.{i}": grads["w2"][e][:, t * F:(t + 1) * F], f"b2.{i}": grads["b2"][e]}
+                got |= {
+                    f"w1.{i}": fc1.weight.grad,
+                    f"b1.{i}": fc1.bias.grad,
+                    f"w2.{i}": fc2.weight.grad,
+                    f"b2.{i}": fc2.bias.grad,
+                }
+                views |= {
+                    f"w1.{i}": grads["w1"][e][t * F : (t + 1) * F],
+                    f"b1.{i}": grads["b1"][e][t * F : (t + 1) * F],
+                    f"w2.{i}": grads["w2"][e][:, t * F : (t + 1) * F],
+                    f"b2.{i}": grads["b2"][e],
+                }
             ts.assert_close_to_serial(got, views)
             decision = seen[0]
             route = torch.stack([decision.indices, decision.locations])
@@ -301,8 +319,9 @@ def _megatron(T):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(1234)  # what pretrain_gpt.py's initialize_megatron does
-    return TransformerConfig(num_layers=1, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=1,
-                             add_bias_linear=True)
+    return TransformerConfig(
+        num_layers=1, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=1, add_bias_linear=True
+    )
 
 
 @pytest.mark.skipif(not CLIENT.is_dir(), reason=f"Megatron-DeepSpeed client not found at {CLIENT}")

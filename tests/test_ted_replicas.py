@@ -50,9 +50,18 @@ def _replicas(skip=()):
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
-            self.moe = TEDMoE(H, ParallelMLP(config, moe=True, enable_expert_tensor_parallelism=False),
-                              num_experts=E, ep_size=P, min_capacity=0, k=1, capacity_factor=1.0,
-                              use_rts=True, noisy_gate_policy="RSample", enable_expert_tensor_parallelism=False)
+            self.moe = TEDMoE(
+                H,
+                ParallelMLP(config, moe=True, enable_expert_tensor_parallelism=False),
+                num_experts=E,
+                ep_size=P,
+                min_capacity=0,
+                k=1,
+                capacity_factor=1.0,
+                use_rts=True,
+                noisy_gate_policy="RSample",
+                enable_expert_tensor_parallelism=False,
+            )
 
         def forward(self, x, w):
             out, aux, _ = self.moe(x)
@@ -67,7 +76,8 @@ def _replicas(skip=()):
                 if getattr(p, "allreduce", True) is False:
                     p.add_(1.0)
     groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "dense", "lr": 1e-2, "weight_decay": 0.01})
+        {"params": list(model.parameters()), "name": "dense", "lr": 1e-2, "weight_decay": 0.01}
+    )
     optimizer = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.01)
     from deepspeed.runtime.engine import DeepSpeedEngine
 

@@ -19,7 +19,8 @@ def _optimizer(model, lr=LR, sgd=False):
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "dense", "lr": lr, "weight_decay": WD})
+        {"params": list(model.parameters()), "name": "dense", "lr": lr, "weight_decay": WD}
+    )
     if sgd:
         return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
     return torch.optim.AdamW(groups, lr=lr, weight_decay=WD)
@@ -34,8 +35,9 @@ def _engine(cfg, serial_state, T, P, stage, plugins=None, sgd=False, **ds_extra)
 
     layout = TEDLayout.build(dist.get_world_size(), T, P)
     model = ts.ted_model(cfg, serial_state, layout, dist.get_rank())
-    engine, *_ = ds_ext.initialize(model=model, optimizer=_optimizer(model, sgd=sgd),
-                                   config=ts.ds_config(T, P, stage, plugins=plugins, **ds_extra))
+    engine, *_ = ds_ext.initialize(
+        model=model, optimizer=_optimizer(model, sgd=sgd), config=ts.ds_config(T, P, stage, plugins=plugins, **ds_extra)
+    )
     return engine, next(p for p in engine.ds_ext.plugins if p.name == "ted").ted
 
 
@@ -72,12 +74,22 @@ def _zero_topo_run(zero_topo, steps=4):
     import ted_support as ts
 
     cfg = ts.config(drop_tokens=False)
-    plugins = {"comm": {"count_torch_collectives": False}, "zero_topo": {"enabled": True, **zero_topo}} \
-        if zero_topo else None
+    plugins = (
+        {"comm": {"count_torch_collectives": False}, "zero_topo": {"enabled": True, **zero_topo}} if zero_topo else None
+    )
     # SGD moves each parameter in proportion to its gradient, so a wrong scale shows in every one
     # (Adam normalises it away and turns rounding noise into full steps)
-    engine, ted = _engine(cfg, ts.serial_model(cfg).state_dict(), 2, 2, 0 if zero_topo else 1, plugins=plugins,
-                          sgd=True, gradient_clipping=0.05, zero_allow_untested_optimizer=True)
+    engine, ted = _engine(
+        cfg,
+        ts.serial_model(cfg).state_dict(),
+        2,
+        2,
+        0 if zero_topo else 1,
+        plugins=plugins,
+        sgd=True,
+        gradient_clipping=0.05,
+        zero_allow_untested_optimizer=True,
+    )
     losses, norms = [], []
     for step in range(steps):
         losses.append(_step(engine, ted, step))
@@ -87,8 +99,11 @@ def _zero_topo_run(zero_topo, steps=4):
     out = {"losses": losses, "norms": norms, "params": params}
     if zero_topo:
         plugin = engine.ds_ext.plugin("zero_topo")
-        out |= {"describe": plugin.describe(), "analytic": plugin.analytic_traffic(1).bytes,
-                "measured": {ph: dict(v) for ph, v in engine.ds_ext.ledger.steps[-1].by_phase().items()}}
+        out |= {
+            "describe": plugin.describe(),
+            "analytic": plugin.analytic_traffic(1).bytes,
+            "measured": {ph: dict(v) for ph, v in engine.ds_ext.ledger.steps[-1].by_phase().items()},
+        }
     engine.destroy()
     dist.barrier()
     return out
@@ -169,10 +184,14 @@ def _zero_vs_serial(stage, clip, steps=5):
         sopt.step()
         out.append((loss, slosses[ted.data_rank], float(engine.get_global_grad_norm()), norm.item()))
     named = {n: p.detach() for n, p in engine.module.named_parameters()}
-    n = ts.assert_close_to_serial(named, ts.serial_view(engine.module, dict(serial.named_parameters()),
-                                                       ted.layout, dist.get_rank()), rtol=5e-4)
-    replicated = {name: p.detach() for name, p in engine.module.named_parameters()
-                  if not getattr(p, "tensor_model_parallel", False)}
+    n = ts.assert_close_to_serial(
+        named, ts.serial_view(engine.module, dict(serial.named_parameters()), ted.layout, dist.get_rank()), rtol=5e-4
+    )
+    replicated = {
+        name: p.detach()
+        for name, p in engine.module.named_parameters()
+        if not getattr(p, "tensor_model_parallel", False)
+    }
     differ = [name for name, p in replicated.items() if not _equal_over(ted.groups["tensor"], p)]
     engine.destroy()
     return out, n, differ, sum("gate.wg" in name for name in replicated)
@@ -197,8 +216,9 @@ def _tiled(tile):
 
     cfg = ts.config(drop_tokens=False)
     plugins = {"tiled_optimizer": {"enabled": True, "tile_size": tile}} if tile else None
-    engine, ted = _engine(cfg, ts.serial_model(cfg).state_dict(), 2, 4, 2, plugins=plugins,
-                          bf16={"enabled": True}, gradient_clipping=1.0)
+    engine, ted = _engine(
+        cfg, ts.serial_model(cfg).state_dict(), 2, 4, 2, plugins=plugins, bf16={"enabled": True}, gradient_clipping=1.0
+    )
     losses = [_step(engine, ted, s) for s in range(6)]
     masters = [t.detach().clone() for t in engine.optimizer.single_partition_of_fp32_groups]
     weights = [p.detach().clone() for p in engine.module.parameters()]
@@ -303,8 +323,9 @@ def _state_bytes():
     from ds_ext.perf.ted import eq_7_4
 
     cfg = ts.config(d_model=64, drop_tokens=False)
-    engine, ted = _engine(cfg, ts.serial_model(cfg).state_dict(), 2, 4, 1, bf16={"enabled": True},
-                          gradient_accumulation_steps=2)
+    engine, ted = _engine(
+        cfg, ts.serial_model(cfg).state_dict(), 2, 4, 1, bf16={"enabled": True}, gradient_accumulation_steps=2
+    )
     params = list(engine.module.parameters())
     for micro in range(2):
         engine.backward(engine(ts.shards(ted.layout, 0)[ted.data_rank]))
@@ -313,8 +334,11 @@ def _state_bytes():
         engine.step()
     zero = engine.optimizer
     optim = sum(t.numel() * t.element_size() for t in zero.single_partition_of_fp32_groups) + sum(
-        v.numel() * v.element_size() for s in zero.optimizer.state.values() for v in s.values()
-        if torch.is_tensor(v) and v.dim() > 0)
+        v.numel() * v.element_size()
+        for s in zero.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
     measured = (sum(p.numel() * p.element_size() for p in params), grads, optim)
     n_exp = sum(p.numel() for p in params if getattr(p, "allreduce", True) is False)
     model = eq_7_4(sum(p.numel() for p in params) - n_exp, n_exp, ted.layout)
@@ -338,8 +362,13 @@ def _bad(case):
     from ds_ext.moe import ColumnParallelLinear, TEDMoE
 
     def moe(**kw):
-        args = dict(hidden_size=32, expert=nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)),
-                    num_experts=4, ep_size=4, enable_expert_tensor_parallelism=True)
+        args = dict(
+            hidden_size=32,
+            expert=nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)),
+            num_experts=4,
+            ep_size=4,
+            enable_expert_tensor_parallelism=True,
+        )
         return nn.ModuleDict({"moe": TEDMoE(**{**args, **kw})})
 
     T, P, model, ds_kw = 2, 4, None, {}
@@ -353,8 +382,9 @@ def _bad(case):
         elif case == "clip_stage0_bf16":
             ds_kw = dict(gradient_clipping=1.0, bf16={"enabled": True})
         elif case == "heads":
-            model = ts.ted_model(ts.config(n_heads=2), ts.serial_model(ts.config(n_heads=2)).state_dict(),
-                                 *_layout(4, 2))
+            model = ts.ted_model(
+                ts.config(n_heads=2), ts.serial_model(ts.config(n_heads=2)).state_dict(), *_layout(4, 2)
+            )
             T, P = 4, 2
         elif case == "hidden":
             T, P, model = 4, 2, moe(ep_size=2)
@@ -397,28 +427,28 @@ def _layout(T, P):
 
 BAD = {
     "product": "ds_ext.ted: tensor_parallel=2 * expert_parallel=4 * expert_data_parallel=2 = 16 != world size 8 "
-               "(Eq 7.1: G_tensor x G_expert x G_data^exp = G)",
+    "(Eq 7.1: G_tensor x G_expert x G_data^exp = G)",
     "zero3": "ds_ext.ted: zero_optimization.stage 3 is not supported (DeepSpeed's MoE parameter groups need ZeRO <= 2; "
-             "001 §7.1 uses ZeRO-1); allowed: 0, 1, 2",
+    "001 §7.1 uses ZeRO-1); allowed: 0, 1, 2",
     # ted's refusal comes first (the plugins that define the layout prepare first: ds_ext.plugin.HOOK_ORDER)
     "zero_topo": "ds_ext.ted: expert_data_parallel 1 (tensor 2 x expert 4 fill the world) with ds_ext.zero_topo: no "
-                 "expert-data group to shard the experts over; allowed: expert_data_parallel >= 2",
+    "expert-data group to shard the experts over; allowed: expert_data_parallel >= 2",
     "clip_stage0_bf16": "ds_ext.ted: gradient_clipping 1.0 with zero_optimization.stage 0 and bf16: DeepSpeed's bf16 "
-                        "optimizer clips with its own norm, which does not count expert parameters once (DeepSpeed "
-                        "clips at 1.0 when the key is absent); allowed: stage 0 in fp32, stage 1 or 2, or "
-                        "gradient_clipping 0",
+    "optimizer clips with its own norm, which does not count expert parameters once (DeepSpeed "
+    "clips at 1.0 when the key is absent); allowed: stage 0 in fp32, stage 1 or 2, or "
+    "gradient_clipping 0",
     "heads": "ds_ext.ted: blocks.0.attn n_heads 2 is not divisible by tensor_parallel 4",
     "hidden": "ds_ext.ted: fc.out_features 30 is not divisible by tensor_parallel 4",
     "expert_hidden": "ds_ext.ted: moe expert hidden size 30 is not divisible by tensor_parallel 4",
     "whole_experts_zero_topo": "ds_ext.ted: moe keeps its experts whole on every tensor rank "
-                               "(enable_expert_tensor_parallelism=False) at tensor_parallel 2 with ds_ext.zero_topo, "
-                               "which shards experts over their expert-data group only; allowed: "
-                               "enable_expert_tensor_parallelism=True (Megatron-DeepSpeed: "
-                               "--enable-expert-tensor-parallelism) or tensor_parallel 1",
+    "(enable_expert_tensor_parallelism=False) at tensor_parallel 2 with ds_ext.zero_topo, "
+    "which shards experts over their expert-data group only; allowed: "
+    "enable_expert_tensor_parallelism=True (Megatron-DeepSpeed: "
+    "--enable-expert-tensor-parallelism) or tensor_parallel 1",
     "whole_experts_without_dtd": "ds_ext.ted: moe keeps its experts whole on every tensor rank "
-                                 "(enable_expert_tensor_parallelism=False) at tensor_parallel 2, so each tensor rank "
-                                 "must run only its share of the tokens: duplicate_token_dropping must be true "
-                                 "(DeepSpeed drops them too); allowed: true",
+    "(enable_expert_tensor_parallelism=False) at tensor_parallel 2, so each tensor rank "
+    "must run only its share of the tokens: duplicate_token_dropping must be true "
+    "(DeepSpeed drops them too); allowed: true",
     "ep_size": "ds_ext.ted: moe has ep_size 2 but ds_ext.ted.expert_parallel is 4; allowed: ep_size == expert_parallel",
     "config_experts": "ds_ext.ted: num_experts is 8 but layer moe has 4",
     "num_experts": "ds_ext.ted: num_experts 6 must be a multiple of the expert-parallel size ep_size 4",
@@ -458,8 +488,9 @@ def _converge(steps):
 
     cfg = ts.config(capacity_factor=1.25, use_rts=True, checkpoint="torch")
     serial = ts.serial_model(dataclasses.replace(cfg, checkpoint="none"))
-    engine, ted = _engine(cfg, serial.state_dict(), 2, 4, 0,
-                          ted={"duplicate_token_dropping": True, "comm_aware_checkpointing": True})
+    engine, ted = _engine(
+        cfg, serial.state_dict(), 2, 4, 0, ted={"duplicate_token_dropping": True, "comm_aware_checkpointing": True}
+    )
     losses = [_step(engine, ted, s) for s in range(steps)]
     engine.eval()
     with torch.no_grad():
@@ -480,8 +511,10 @@ def _converge(steps):
         sopt.step()
     serial.eval()
     with torch.no_grad():
-        ref = sum(_held_out(lambda b: serial(b).item(), ted.layout, d)
-                  for d in range(ted.layout.nonexp_data)) / ted.layout.nonexp_data
+        ref = (
+            sum(_held_out(lambda b: serial(b).item(), ted.layout, d) for d in range(ted.layout.nonexp_data))
+            / ted.layout.nonexp_data
+        )
     return losses, ours, ref
 
 

@@ -67,8 +67,10 @@ def fused_adam_tiles_match(adam_w_mode, bias_correction, tile, device):
     ref_opt = FusedAdam([{"params": ref[:2]}, {"params": ref[2:]}], **kw)
     our_opt = FusedAdam([{"params": ours[:2]}, {"params": ours[2:]}], **kw)
     tiled = TiledAdam(our_opt, tile)
-    grads = [[None if (step == 2 and i == 3) else torch.randn(p.numel()).to(device) for i, p in enumerate(ref)]
-             for step in range(5)]
+    grads = [
+        [None if (step == 2 and i == 3) else torch.randn(p.numel()).to(device) for i, p in enumerate(ref)]
+        for step in range(5)
+    ]
     # one run after the other: the CPU kernel keeps beta^t of its last call in a process-wide
     # static (cpu_adam.h IncrementStep), so interleaving two optimizers changes their bits
     for params, step in ((ref, ref_opt.step), (ours, tiled.step_fp32_params)):
@@ -79,7 +81,7 @@ def fused_adam_tiles_match(adam_w_mode, bias_correction, tile, device):
     for r, o in zip(ref, ours):
         assert torch.equal(r, o)
         for k, v in ref_opt.state[r].items():
-            assert (torch.equal(v, our_opt.state[o][k]) if torch.is_tensor(v) else v == our_opt.state[o][k]), k
+            assert torch.equal(v, our_opt.state[o][k]) if torch.is_tensor(v) else v == our_opt.state[o][k], k
     assert [our_opt.state[p]["step"] for p in ours] == [0, 5, 1, 4]  # FusedAdam's own counters
     assert tiled.buffer.nbytes == 0
 
@@ -100,8 +102,9 @@ def _tiles_match(cls, kw, tile):
             g16 = torch.randn(r.numel()).bfloat16()
             r.grad = g16.float() / scale
             # pieces split at an odd offset: tiles cross piece boundaries
-            tiled.update(o, our_opt.param_groups[0],
-                         piecewise_loader([g16[:11], g16[11:]], o.numel(), lambda b: b.div_(scale)))
+            tiled.update(
+                o, our_opt.param_groups[0], piecewise_loader([g16[:11], g16[11:]], o.numel(), lambda b: b.div_(scale))
+            )
         ref_opt.step()
     for r, o in zip(ref, ours):
         assert torch.equal(r, o)
@@ -153,9 +156,12 @@ def test_forked_steps_refuse_a_deepspeed_whose_step_source_differs():
     assert deepspeed.__version__ == "0.19.8"
     assert forked_release(DeepSpeedZeroOptimizer.step, ds_zero12_step.ZERO12_STEP_SHA256, "x") == "0.19.8"
     assert forked_release(FP16_UnfusedOptimizer.step, ds_zero12_step.UNFUSED_STEP_SHA256, "x") == "0.19.8"
-    with pytest.raises(DeepSpeedVersionError, match=r"^ds_ext.tiled_optimizer: deepspeed .*'s "
-                       r"ZeROOptimizer.backward matches none of .*tested releases: deepspeed==0.19.8, "
-                       r"deepspeed==0.19.6; "):
+    with pytest.raises(
+        DeepSpeedVersionError,
+        match=r"^ds_ext.tiled_optimizer: deepspeed .*'s "
+        r"ZeROOptimizer.backward matches none of .*tested releases: deepspeed==0.19.8, "
+        r"deepspeed==0.19.6; ",
+    ):
         forked_release(DeepSpeedZeroOptimizer.backward, ds_zero12_step.ZERO12_STEP_SHA256, "ds_ext.tiled_optimizer")
 
 
@@ -182,11 +188,17 @@ def test_untiled_optimizer_types_are_refused():
 
     p = [torch.nn.Parameter(torch.zeros(3))]
     for opt in (torch.optim.SGD(p, lr=0.1), torch.optim.Adagrad(p)):
-        with pytest.raises(DsExtConfigError, match=r"ds_ext\.tiled_optimizer: .*allowed types: torch\.optim\.Adam, torch\.optim\.AdamW, "
-                           r"deepspeed\.ops\.adam\.FusedAdam"):
+        with pytest.raises(
+            DsExtConfigError,
+            match=r"ds_ext\.tiled_optimizer: .*allowed types: torch\.optim\.Adam, torch\.optim\.AdamW, "
+            r"deepspeed\.ops\.adam\.FusedAdam",
+        ):
             check_tileable(opt)
-    with pytest.raises(DsExtConfigError, match=r"^ds_ext\.tiled_optimizer\.tile_size: param group 0 is fused \(.*"
-                       r"allowed: a multiple of 16 \(got 100\)"):
+    with pytest.raises(
+        DsExtConfigError,
+        match=r"^ds_ext\.tiled_optimizer\.tile_size: param group 0 is fused \(.*"
+        r"allowed: a multiple of 16 \(got 100\)",
+    ):
         check_tileable(torch.optim.AdamW(p, fused=True), 100)
     with pytest.raises(DsExtConfigError, match="capturable=True"):
         check_tileable(torch.optim.AdamW(p, capturable=True))
@@ -194,18 +206,24 @@ def test_untiled_optimizer_types_are_refused():
         _check_ds_config({"zero_optimization": {"stage": 2, "zenflow": {"topk_ratio": 0.1}}}, torch.optim.AdamW(p))
     with pytest.raises(DsExtConfigError, match=r"tile_size: a fused optimizer \(FusedAdam or fused=True\).*got 100"):
         _check_ds_config({"optimizer": {"type": "Adam", "params": {}}}, None, 100)
-    with pytest.raises(DsExtConfigError, match=r"^ds_ext\.tiled_optimizer: DeepSpeed wraps FusedAdam in its fused "
-                       r"FP16_Optimizer at zero_optimization\.stage 0 with fp16/bf16, which is not tiled; allowed: "):
+    with pytest.raises(
+        DsExtConfigError,
+        match=r"^ds_ext\.tiled_optimizer: DeepSpeed wraps FusedAdam in its fused "
+        r"FP16_Optimizer at zero_optimization\.stage 0 with fp16/bf16, which is not tiled; allowed: ",
+    ):
         _check_ds_config({"optimizer": {"type": "AdamW", "params": {}}, "bf16": {"enabled": True}}, None)
-    _check_ds_config({"optimizer": {"type": "Adam", "params": {}}, "zero_optimization": {"stage": 1},
-                      "fp16": {"enabled": True}}, None)  # DeepSpeed's FusedAdam under ZeRO-1: tiled
+    _check_ds_config(
+        {"optimizer": {"type": "Adam", "params": {}}, "zero_optimization": {"stage": 1}, "fp16": {"enabled": True}},
+        None,
+    )  # DeepSpeed's FusedAdam under ZeRO-1: tiled
     with pytest.raises(DsExtConfigError, match="allowed types"):
         _check_ds_config({"optimizer": {"type": "Lamb", "params": {"torch_adam": True}}}, None)
     with pytest.raises(DsExtConfigError, match=r"zero_optimization\.stage 3 .*allowed: 0, 1, 2"):
         _check_ds_config({"zero_optimization": {"stage": 3}}, torch.optim.AdamW(p))
     with pytest.raises(DsExtConfigError, match="offload_optimizer"):
-        _check_ds_config({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-                         torch.optim.AdamW(p))
+        _check_ds_config(
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, torch.optim.AdamW(p)
+        )
     _check_ds_config({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}, None)
 
 
@@ -227,8 +245,18 @@ def _train(stage, precision, tile, overflow=False, clip=0.05, experts=4, optimiz
 
     if precision == "fp16":
         _allow_fp16_on_cpu()
-    engine = moe_engine(experts, "tiled" if tile else "untiled", tile, HIDDEN, FFN,
-                        stage=stage, precision=precision, clip=clip, lr=3e-2, optimizer=optimizer)
+    engine = moe_engine(
+        experts,
+        "tiled" if tile else "untiled",
+        tile,
+        HIDDEN,
+        FFN,
+        stage=stage,
+        precision=precision,
+        clip=clip,
+        lr=3e-2,
+        optimizer=optimizer,
+    )
     dtype = next(engine.module.parameters()).dtype
     losses, skipped = [], []
     for step in range(STEPS):
@@ -328,8 +356,13 @@ def _zero_topo_engine(precision, tile, fused=False):
         "steps_per_print": 10**9,
         "ds_ext": {
             "topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True},
-            "zero_topo": {"enabled": True, "preset": "zero_topo", "weights": {"gather_bits": 16},
-                          "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}},
+            "zero_topo": {
+                "enabled": True,
+                "preset": "zero_topo",
+                "weights": {"gather_bits": 16},
+                "gradients": {"bits": 16, "hops": 1},
+                "secondary": {"bits": 16},
+            },
         },
     }
     if precision == "bf16":
@@ -373,8 +406,10 @@ def _train_zero_topo(precision, tile, overflow=False, fused=False):
     return out
 
 
-@pytest.mark.parametrize("precision,overflow,fused", [("fp32", False, False), ("bf16", False, False),
-                                                     ("fp16", True, False), ("bf16", False, True)])
+@pytest.mark.parametrize(
+    "precision,overflow,fused",
+    [("fp32", False, False), ("bf16", False, False), ("fp16", True, False), ("bf16", False, True)],
+)
 def test_zero_topo_tiled_is_bit_identical(world, precision, overflow, fused):
     """(b) inside ZeRO-topo's sharded step, with the overlapped weight all-gather: same bits,
     and the same bytes per level and phase as the untiled step; also with torch's fused
@@ -420,8 +455,8 @@ def test_zero_topo_weight_gather_overlaps_the_next_update(world):
     """(b) untiled: every step all-gather is synchronous; tiled: the same number of
     all-gathers, all async, and the gathers of every unit but the last are still in
     flight while a later unit's tiles are updated."""
-    (ref, units), = world.run(_step_events, None)[:1]
-    (ours, _), = world.run(_step_events, 333)[:1]
+    ((ref, units),) = world.run(_step_events, None)[:1]
+    ((ours, _),) = world.run(_step_events, 333)[:1]
     issues = [e for e in ours if e[0] == "issue"]
     assert len(issues) == sum(e[0] == "issue" for e in ref) >= units
     assert all(not e[2] for e in ref if e[0] == "issue") and all(e[2] for e in issues)
@@ -440,8 +475,11 @@ def _initialize_with(optimizer_name):
 
     model = moe_model(HIDDEN, FFN, 4, 4)
     opt = {"sgd": torch.optim.SGD(model.parameters(), lr=0.1)}[optimizer_name]
-    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
-           "ds_ext": {"tiled_optimizer": {"enabled": True}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 1},
+        "ds_ext": {"tiled_optimizer": {"enabled": True}},
+    }
     try:
         ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     except DsExtConfigError as err:
@@ -451,6 +489,9 @@ def _initialize_with(optimizer_name):
 
 def test_unsupported_optimizer_fails_on_every_rank_before_deepspeed(world):
     msgs = world.run(_initialize_with, "sgd")
-    assert all(m is not None and m.startswith("ds_ext.tiled_optimizer: optimizer type torch.optim.sgd.SGD")
-               and "allowed types: torch.optim.Adam, torch.optim.AdamW" in m for m in msgs), msgs
-
+    assert all(
+        m is not None
+        and m.startswith("ds_ext.tiled_optimizer: optimizer type torch.optim.sgd.SGD")
+        and "allowed types: torch.optim.Adam, torch.optim.AdamW" in m
+        for m in msgs
+    ), msgs

@@ -28,8 +28,11 @@ def _step_peak(experts, tile):
         peak, _, _ = measure_peak(engine.step)
         if step >= 1:
             peaks.append(peak)
-    out = {"peak": median(peaks), "max_param": max(p.numel() for p in engine.module.parameters()),
-           "buffers": engine.ds_ext.plugins[-1].tiled.buffer.allocations if tile else 0}
+    out = {
+        "peak": median(peaks),
+        "max_param": max(p.numel() for p in engine.module.parameters()),
+        "buffers": engine.ds_ext.plugins[-1].tiled.buffer.allocations if tile else 0,
+    }
     engine.destroy()
     return out
 

@@ -107,8 +107,13 @@ def test_detect_launcher_and_slurm_environments():
     assert (job.world_size, job.rank, job.local_rank, job.local_size, job.num_nodes) == (16, 9, 1, 8, 2)
     assert job.visible_devices == ("0", "1") and job.source == "launcher"
     slurm = detect_environment(
-        {"SLURM_NTASKS": "384", "SLURM_PROCID": "17", "SLURM_LOCALID": "1",
-         "SLURM_NTASKS_PER_NODE": "8(x48)", "SLURM_NNODES": "48"}
+        {
+            "SLURM_NTASKS": "384",
+            "SLURM_PROCID": "17",
+            "SLURM_LOCALID": "1",
+            "SLURM_NTASKS_PER_NODE": "8(x48)",
+            "SLURM_NNODES": "48",
+        }
     )
     assert (slurm.world_size, slurm.rank, slurm.local_size, slurm.num_nodes) == (384, 17, 8, 48)
     torchrun = detect_environment({"WORLD_SIZE": "4", "RANK": "0", "LOCAL_WORLD_SIZE": "4"})
@@ -123,16 +128,20 @@ def test_real_job_must_match_ranks_per_node():
         check_fits_job(frontier(8, gpu=2), job)
     emulated = resolve_topology(TopologyConfig(preset="frontier", sizes={"gpu": 2}, emulate=True), 8, job)
     assert emulated.ranks_per_node == 4
-    detected = resolve_topology(TopologyConfig(), 16, detect_environment(
-        {"WORLD_SIZE": "16", "RANK": "0", "LOCAL_SIZE": "4"}))
+    detected = resolve_topology(
+        TopologyConfig(), 16, detect_environment({"WORLD_SIZE": "16", "RANK": "0", "LOCAL_SIZE": "4"})
+    )
     assert detected.level_names == ("local", "node") and detected.ranks_per_node == 4
 
 
 def test_generic_levels():
-    cfg = TopologyConfig(levels=[
-        {"name": "socket", "size": 2, "bandwidth_GBps": 100},
-        {"name": "rack", "bandwidth_GBps": 10, "latency_us": 20},
-    ], emulate=True)
+    cfg = TopologyConfig(
+        levels=[
+            {"name": "socket", "size": 2, "bandwidth_GBps": 100},
+            {"name": "rack", "bandwidth_GBps": 10, "latency_us": 20},
+        ],
+        emulate=True,
+    )
     t = resolve_topology(cfg, 6, detect_environment({}))
     assert t.level_names == ("socket", "rack") and t.world_size == 6
     assert t.level("rack").latency == pytest.approx(20e-6)
@@ -141,8 +150,13 @@ def test_generic_levels():
 def test_slurm_rank_variables_for_srun_tasks():
     from ds_ext.topology import slurm_rank_variables
 
-    srun = {"SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1",
-            "SLURM_NTASKS_PER_NODE": "8(x2)", "SLURM_NNODES": "2"}
+    srun = {
+        "SLURM_NTASKS": "16",
+        "SLURM_PROCID": "9",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS_PER_NODE": "8(x2)",
+        "SLURM_NNODES": "2",
+    }
     assert slurm_rank_variables(srun) == {"WORLD_SIZE": "16", "RANK": "9", "LOCAL_RANK": "1", "LOCAL_SIZE": "8"}
     # a launcher that already set the variables wins; outside Slurm nothing is set
     assert slurm_rank_variables({**srun, "WORLD_SIZE": "16", "RANK": "9"}) == {}

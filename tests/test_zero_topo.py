@@ -229,9 +229,14 @@ def _int8_boundary(accum):
     own = [(u.name, lo, hi, m.clone(), opt._own_slice(u)[lo:hi].clone()) for u, lo, hi, m in opt.segments]
     node = engine.ds_ext.ledger.mean_by_level(skip=1)["node"]
     m_bytes = sum(u.numel for u in plugin.sharded.all_units) * 2
-    out = {"shard": shard_index(ctx.topo, ctx.rank, plan_level := plugin.plan.weights), "level": plan_level,
-           "primaries": primaries, "own": own, "node_over_M": node / m_bytes,
-           "describe": plugin.plan.describe()}
+    out = {
+        "shard": shard_index(ctx.topo, ctx.rank, plan_level := plugin.plan.weights),
+        "level": plan_level,
+        "primaries": primaries,
+        "own": own,
+        "node_over_M": node / m_bytes,
+        "describe": plugin.plan.describe(),
+    }
     engine.destroy()
     return out
 

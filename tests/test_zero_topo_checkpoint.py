@@ -191,12 +191,18 @@ def _load_broken(tmp, what):
     return error, alive
 
 
-@pytest.mark.parametrize("what,expected", [
-    ("truncated", "checkpoint shard {dir}/t/ds_ext_zero_topo_rank00005.pt is unreadable (truncated or corrupt)"),
-    ("corrupt", "checkpoint shard {dir}/t/ds_ext_zero_topo_rank00005.pt is unreadable (truncated or corrupt)"),
-    ("other_model", "checkpoint {dir}/t has units ['<root>', 'blocks.0', 'blocks.1', 'blocks.2']..., this model "
-                    "['<root>', 'blocks.0', 'blocks.1']..."),
-])
+@pytest.mark.parametrize(
+    "what,expected",
+    [
+        ("truncated", "checkpoint shard {dir}/t/ds_ext_zero_topo_rank00005.pt is unreadable (truncated or corrupt)"),
+        ("corrupt", "checkpoint shard {dir}/t/ds_ext_zero_topo_rank00005.pt is unreadable (truncated or corrupt)"),
+        (
+            "other_model",
+            "checkpoint {dir}/t has units ['<root>', 'blocks.0', 'blocks.1', 'blocks.2']..., this model "
+            "['<root>', 'blocks.0', 'blocks.1']...",
+        ),
+    ],
+)
 def test_a_bad_checkpoint_is_refused_on_every_rank_with_one_line(world, tmp_path, what, expected):
     results = world.run(_load_broken, str(tmp_path), what)
     errors = {e for e, _ in results}
@@ -278,8 +284,13 @@ def test_consolidate_equals_the_masters_of_the_running_job_and_loads_into_the_pl
     full, steps = world.run(_masters_in_job, str(tmp_path))[0]
     out = tmp_path / "fp32.pt"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    run = subprocess.run([sys.executable, "-m", "ds_ext.cli", "checkpoint", "consolidate", str(tmp_path), str(out)],
-                         capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "ds_ext.cli", "checkpoint", "consolidate", str(tmp_path), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     state = torch.load(out, weights_only=True)
     assert set(state) == set(full)
@@ -289,15 +300,29 @@ def test_consolidate_equals_the_masters_of_the_running_job_and_loads_into_the_pl
 
     model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=3, n_heads=4))
     model.load_state_dict(state)
-    info = subprocess.run([sys.executable, "-m", "ds_ext.cli", "checkpoint", "inspect", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    info = subprocess.run(
+        [sys.executable, "-m", "ds_ext.cli", "checkpoint", "inspect", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert info.returncode == 0, info.stderr
-    for line in (f"step {steps}", "world       8 ranks, topology frontier: gcd=2 x gpu=2 x node=2",
-                 "plan        weights gcd (gather 8-bit), secondary gcd int8", "optimizer   AdamW, 1 param groups",
-                 "8 x ds_ext_zero_topo_rankNNNNN.pt"):
+    for line in (
+        f"step {steps}",
+        "world       8 ranks, topology frontier: gcd=2 x gpu=2 x node=2",
+        "plan        weights gcd (gather 8-bit), secondary gcd int8",
+        "optimizer   AdamW, 1 param groups",
+        "8 x ds_ext_zero_topo_rankNNNNN.pt",
+    ):
         assert line in info.stdout, info.stdout
-    bad = subprocess.run([sys.executable, "-m", "ds_ext.cli", "checkpoint", "inspect", str(tmp_path / "nope")],
-                         capture_output=True, text=True, env=env, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "ds_ext.cli", "checkpoint", "inspect", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("ds-ext: error: checkpoint directory")
 
 
@@ -307,14 +332,21 @@ def _partial_loads(tmp):
     engine.save_checkpoint(tmp, tag="t")
     engine.destroy()
     out = {}
-    for kind, kwargs in {"no_optimizer": {"load_optimizer_states": False},
-                         "module_only": {"load_module_only": True}, "full": {}}.items():
+    for kind, kwargs in {
+        "no_optimizer": {"load_optimizer_states": False},
+        "module_only": {"load_module_only": True},
+        "full": {},
+    }.items():
         fresh = _engine(_cfg({"preset": "zero_topo"}), seed=99)
         fresh.load_checkpoint(tmp, tag="t", **kwargs)
         opt = fresh.ds_ext.plugins[0].optimizer
         masters_are_weights = all(torch.equal(m, opt._own_slice(u)[lo:hi].float()) for u, lo, hi, m in opt.segments)
-        out[kind] = {"state": len(opt.inner.state), "masters_are_weights": masters_are_weights,
-                     "steps": fresh.global_steps, "loss": _steps(fresh, 1, start=3)[0]}
+        out[kind] = {
+            "state": len(opt.inner.state),
+            "masters_are_weights": masters_are_weights,
+            "steps": fresh.global_steps,
+            "loss": _steps(fresh, 1, start=3)[0],
+        }
         fresh.destroy()
     return out
 

@@ -43,9 +43,18 @@ CONFIG = {
 
 def _job(rank, port, tmp, name, kill, resume_from, branch=None):
     """One rank of a training job; writes its losses (or its error) to ``tmp``."""
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(RANKS),
-                       "LOCAL_SIZE": str(RANKS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(RANKS),
+            "LOCAL_SIZE": str(RANKS),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     out = os.path.join(tmp, f"{name}.{rank}")
     try:
         import warnings
@@ -63,8 +72,13 @@ def _job(rank, port, tmp, name, kill, resume_from, branch=None):
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         config = CONFIG
         if branch is not None:  # (step, rank): that rank skips block 1 in that step's first forward
-            config = {**CONFIG, "ds_ext": {**CONFIG["ds_ext"], "zero_topo": {**CONFIG["ds_ext"]["zero_topo"],
-                                                                              "agreement_check_s": AGREEMENT_S}}}
+            config = {
+                **CONFIG,
+                "ds_ext": {
+                    **CONFIG["ds_ext"],
+                    "zero_topo": {**CONFIG["ds_ext"]["zero_topo"], "agreement_check_s": AGREEMENT_S},
+                },
+            }
         engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=config)
         if resume_from:
             engine.load_checkpoint(os.path.join(tmp, resume_from))
@@ -154,16 +168,20 @@ def _read(tmp, name, rank, suffix=""):
 def _failures(tmp, name, codes):
     """Exit code and error of every rank that did not exit 0 (for assertion messages)."""
     path = lambda r: os.path.join(tmp, f"{name}.{r}.error")  # noqa: E731
-    return {r: (c, _read(tmp, name, r, ".error") if os.path.exists(path(r)) else "no .error file")
-            for r, c in enumerate(codes) if c}
+    return {
+        r: (c, _read(tmp, name, r, ".error") if os.path.exists(path(r)) else "no .error file")
+        for r, c in enumerate(codes)
+        if c
+    }
 
 
 def test_kill_9_ends_every_rank_with_a_timeout_error_and_restart_reproduces_the_run(tmp_path):
     tmp = str(tmp_path)
     # the uninterrupted run and the one that loses a rank are independent jobs: side by side
     whole_port, killed_port = _free_ports(2)
-    (codes, _), (killed_codes, ended) = _wait(_start(tmp, "whole", port=whole_port),
-                                              _start(tmp, "killed", kill=KILL, port=killed_port))
+    (codes, _), (killed_codes, ended) = _wait(
+        _start(tmp, "whole", port=whole_port), _start(tmp, "killed", kill=KILL, port=killed_port)
+    )
     assert codes == [0] * RANKS, _failures(tmp, "whole", codes)
     whole = [json.loads(_read(tmp, "whole", r)) for r in range(RANKS)]
 
@@ -177,7 +195,9 @@ def test_kill_9_ends_every_rank_with_a_timeout_error_and_restart_reproduces_the_
         assert codes[r] == 1, (r, codes)
         assert ended[r] - killed_at < TIMEOUT_S + 10, (r, ended[r] - killed_at)
         error = _read(tmp, "killed", r, ".error").strip().splitlines()[-1]
-        assert f"ds_ext.comm.timeout_s = {TIMEOUT_S} s" in error and "a peer rank died or did not answer" in error, error
+        assert f"ds_ext.comm.timeout_s = {TIMEOUT_S} s" in error and "a peer rank died or did not answer" in error, (
+            error
+        )
 
     codes, _ = _launch(tmp, "resumed", resume_from="ckpt_killed")
     assert codes == [0] * RANKS, _failures(tmp, "resumed", codes)

@@ -190,9 +190,9 @@ def _released_and_gathered(tmp):
     engine.save_16bit_model(tmp, "model16.pt")
     dist.barrier()
     saved = torch.load(f"{tmp}/model16.pt", weights_only=True)
-    out["saved16_equal"] = all(
-        torch.equal(saved[k], inside[k]) for k in inside if k != "blocks.0.fc1.weight"
-    ) and bool((saved["blocks.0.fc1.weight"] == 0.5).all())
+    out["saved16_equal"] = all(torch.equal(saved[k], inside[k]) for k in inside if k != "blocks.0.fc1.weight") and bool(
+        (saved["blocks.0.fc1.weight"] == 0.5).all()
+    )
     out["ema_len"] = len(ema)
     engine.backward(engine(_tokens(2, 0, 1)))  # training goes on
     engine.step()
@@ -259,9 +259,14 @@ def test_unit_names_that_match_nothing_and_models_without_blocks():
     "extra,key",
     [
         ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage"),
-        ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
-         "zero_optimization.offload_optimizer.device"),
-        ({"zero_optimization": {"stage": 0, "offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
+        (
+            {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+            "zero_optimization.offload_optimizer.device",
+        ),
+        (
+            {"zero_optimization": {"stage": 0, "offload_param": {"device": "nvme"}}},
+            "zero_optimization.offload_param.device",
+        ),
         ({"prescale_gradients": True}, "prescale_gradients"),
         ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
         ({"communication_data_type": "fp32"}, "communication_data_type"),
@@ -285,8 +290,12 @@ def test_unsupported_settings_are_refused_naming_the_key(extra, key):
 def test_honoured_settings_are_accepted():
     from ds_ext.zero_topo import support
 
-    cfg = _cfg({"preset": "zero_topo"}, precision="fp16", fp16={"hysteresis": 4, "consecutive_hysteresis": True},
-               data_types={"grad_accum_dtype": "fp16"})
+    cfg = _cfg(
+        {"preset": "zero_topo"},
+        precision="fp16",
+        fp16={"hysteresis": 4, "consecutive_hysteresis": True},
+        data_types={"grad_accum_dtype": "fp16"},
+    )
     support.check_ds_config(cfg, support.precision(cfg))
 
 
@@ -353,14 +362,26 @@ def _refused_in_initialize(case):
     return None
 
 
-@pytest.mark.parametrize("case,expected", [
-    ("stage3", "zero_optimization.stage: not supported with ds_ext.zero_topo (it replaces DeepSpeed's ZeRO); "
-               "allowed: 0 (got 3)"),
-    ("mpu", "the caller's mpu= argument reports tensor parallel 2, pipeline parallel 1 but no "
-            "get_tensor_model_parallel_group / get_data_parallel_group; allowed: a Megatron-style mpu"),
-    ("pipeline", "ds_ext.zero_topo.form 'sharded' with a deepspeed.pipe.PipelineModule: DeepSpeed's PipelineEngine "
-                 "keeps every stage's weights whole"),
-])
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        (
+            "stage3",
+            "zero_optimization.stage: not supported with ds_ext.zero_topo (it replaces DeepSpeed's ZeRO); "
+            "allowed: 0 (got 3)",
+        ),
+        (
+            "mpu",
+            "the caller's mpu= argument reports tensor parallel 2, pipeline parallel 1 but no "
+            "get_tensor_model_parallel_group / get_data_parallel_group; allowed: a Megatron-style mpu",
+        ),
+        (
+            "pipeline",
+            "ds_ext.zero_topo.form 'sharded' with a deepspeed.pipe.PipelineModule: DeepSpeed's PipelineEngine "
+            "keeps every stage's weights whole",
+        ),
+    ],
+)
 def test_refused_in_initialize_on_every_rank(world, case, expected):
     for msg in world.run(_refused_in_initialize, case):
         assert msg is not None and msg.startswith(expected), msg
@@ -516,8 +537,13 @@ def test_gradient_clipping_default_is_deepspeeds():
     from ds_ext.zero_topo.plugin import ZeroTopoPlugin
     from ds_ext.zero_topo.plan import ZeroTopoConfig
 
-    runtime = SimpleNamespace(topology=Topology.from_preset("frontier", 8, {"gpu": 2}), initialize_kwargs={}, rank=0,
-                              plugins=[], parallel=JobLayout.data_parallel(8))
+    runtime = SimpleNamespace(
+        topology=Topology.from_preset("frontier", 8, {"gpu": 2}),
+        initialize_kwargs={},
+        rank=0,
+        plugins=[],
+        parallel=JobLayout.data_parallel(8),
+    )
     model = nn.Linear(4, 4)
     for cfg, clip in (({}, 1.0), ({"gradient_clipping": 0.0}, 0.0), ({"gradient_clipping": 0.3}, 0.3)):
         plugin = ZeroTopoPlugin(ZeroTopoConfig(enabled=True), runtime)
@@ -547,8 +573,11 @@ def _moved_parameters(preset, steps=1):
 
     model = _demo_gpt()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
-                                   config=_cfg({"preset": preset, **EAGER}, accum=1, clip=1.0))
+    engine, *_ = ds_ext.initialize(
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+        config=_cfg({"preset": preset, **EAGER}, accum=1, clip=1.0),
+    )
     for step in range(steps):
         engine.backward(engine(_tokens(step, 0, 1)))
         engine.step()
@@ -606,8 +635,12 @@ def _gradient_errors(preset):
             got = full[off : off + shape.numel()].view(shape)
             # int-b codes: |error| <= s / 2 per rank and hop, s = block absmax / qmax: d ranks
             # on one hop, plus the requantized partial sums of the second hop (<= d M / qmax)
-            out[names[0]] = ((got - exact).abs().max().item(), dist.get_world_size(group) * peak.item() / qmax,
-                             len(shape) <= 1, exact.abs().max().item())
+            out[names[0]] = (
+                (got - exact).abs().max().item(),
+                dist.get_world_size(group) * peak.item() / qmax,
+                len(shape) <= 1,
+                exact.abs().max().item(),
+            )
     engine.destroy()
     return out
 
@@ -636,10 +669,18 @@ def test_client_optimizer_over_a_config_section_is_a_warning():
     from ds_ext.zero_topo.plan import ZeroTopoConfig
     from ds_ext.zero_topo.plugin import ZeroTopoPlugin
 
-    runtime = SimpleNamespace(topology=Topology.from_preset("frontier", 8, {"gpu": 2}), initialize_kwargs={}, rank=0,
-                              plugins=[], parallel=JobLayout.data_parallel(8))
+    runtime = SimpleNamespace(
+        topology=Topology.from_preset("frontier", 8, {"gpu": 2}),
+        initialize_kwargs={},
+        rank=0,
+        plugins=[],
+        parallel=JobLayout.data_parallel(8),
+    )
     model = nn.Linear(4, 4)
     plugin = ZeroTopoPlugin(ZeroTopoConfig(enabled=True), runtime)
     with pytest.warns(UserWarning, match=r"client optimizer \(AdamW\) is used and the ds_config 'optimizer' section"):
-        plugin.prepare(model, torch.optim.AdamW(model.parameters()),
-                       {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+        plugin.prepare(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}},
+        )

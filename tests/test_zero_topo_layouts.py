@@ -17,8 +17,12 @@ from pathlib import Path
 import pytest
 
 WORLD_SIZE = 8
-CLIENT = Path(os.environ.get("DS_EXT_CLIENTS") or Path(__file__).resolve().parents[1].parent / "shared" / "clients",
-              ) / "megatron-deepspeed"
+CLIENT = (
+    Path(
+        os.environ.get("DS_EXT_CLIENTS") or Path(__file__).resolve().parents[1].parent / "shared" / "clients",
+    )
+    / "megatron-deepspeed"
+)
 TOPOLOGY = {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}
 UNQUANTIZED = {"weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}}
 SEQ, VOCAB, STEPS = 16, 128, 4
@@ -39,12 +43,38 @@ def _client_gpt(tensor: int):
     from megatron.core.enums import ModelType
     from megatron.model import GPTModel
 
-    argv = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ), "--micro-batch-size", "1",
-            "--tensor-model-parallel-size", str(tensor), "--use-cpu-initialization", "--attention-dropout", "0",
-            "--hidden-dropout", "0", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
-            "--no-bias-dropout-fusion", "--no-gradient-accumulation-fusion", "--seed", "1234",
-            "--deepspeed", "--no-pipeline-parallel", "--distributed-backend", "gloo"]
+    argv = [
+        "pretrain_gpt.py",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        str(SEQ),
+        "--max-position-embeddings",
+        str(SEQ),
+        "--micro-batch-size",
+        "1",
+        "--tensor-model-parallel-size",
+        str(tensor),
+        "--use-cpu-initialization",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--no-masked-softmax-fusion",
+        "--no-bias-gelu-fusion",
+        "--no-bias-dropout-fusion",
+        "--no-gradient-accumulation-fusion",
+        "--seed",
+        "1234",
+        "--deepspeed",
+        "--no-pipeline-parallel",
+        "--distributed-backend",
+        "gloo",
+    ]
     with mock.patch.object(sys, "argv", argv):
         args = validate_args(parse_args())  # as initialize_megatron does
     args.padded_vocab_size = VOCAB
@@ -57,8 +87,13 @@ def _client_gpt(tensor: int):
     mpu.initialize_model_parallel(tensor)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
-    model = GPTModel(core_transformer_config_from_args(args), num_tokentypes=0, parallel_output=True,
-                     pre_process=True, post_process=True)
+    model = GPTModel(
+        core_transformer_config_from_args(args),
+        num_tokentypes=0,
+        parallel_output=True,
+        pre_process=True,
+        post_process=True,
+    )
     return model, mpu
 
 
@@ -108,16 +143,27 @@ def _engine(zero_topo, tensor=2, perturb=False, plain=False, adam=False, ds_ext_
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.5)
-    cfg = {"train_batch_size": 8 // tensor, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.05,
-           "zero_optimization": {"stage": 0 if zero_topo else 1}, "zero_allow_untested_optimizer": True,
-           "steps_per_print": 10**6}
+    cfg = {
+        "train_batch_size": 8 // tensor,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 0.05,
+        "zero_optimization": {"stage": 0 if zero_topo else 1},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+    }
     # SGD moves each parameter in proportion to its gradient, so a wrong scale shows in every one
     # (Adam normalises it away, and turns the key bias's rounding-noise gradient into full steps)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if adam else torch.optim.SGD(model.parameters(), lr=0.5,
-                                                                                         momentum=0.9)
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if adam
+        else torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    )
     if zero_topo:
-        cfg["ds_ext"] = {"topology": TOPOLOGY, "comm": {"count_torch_collectives": False},
-                         "zero_topo": {"enabled": True, **zero_topo}}
+        cfg["ds_ext"] = {
+            "topology": TOPOLOGY,
+            "comm": {"count_torch_collectives": False},
+            "zero_topo": {"enabled": True, **zero_topo},
+        }
         for key, value in (ds_ext_extra or {}).items():
             cfg["ds_ext"][key] = {**cfg["ds_ext"].get(key, {}), **value}
         engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg, mpu=mpu)
@@ -157,15 +203,23 @@ def _train(zero_topo, seed=0):
     init = _params(engine)
     losses, norms = _steps(engine, mpu, STEPS, seed=seed)
     params = _params(engine)
-    out = {"losses": losses, "norms": norms, "params": params, "rank": dist.get_rank(),
-           "still": [n for n, p in params.items() if torch.equal(p, init[n])]}
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "params": params,
+        "rank": dist.get_rank(),
+        "still": [n for n, p in params.items() if torch.equal(p, init[n])],
+    }
     if zero_topo:
         plugin = engine.ds_ext.plugins[0]
         last = engine.ds_ext.ledger.steps[-1]
-        out |= {"describe": plugin.describe(), "banner": engine.ds_ext.banner(),
-                "measured": {ph: dict(v) for ph, v in last.by_phase().items() if ph != "other"},
-                "analytic": plugin.analytic_traffic(1).bytes,
-                "padded_bytes": sum(u.U for u in plugin.sharded.all_units) * 4}
+        out |= {
+            "describe": plugin.describe(),
+            "banner": engine.ds_ext.banner(),
+            "measured": {ph: dict(v) for ph, v in last.by_phase().items() if ph != "other"},
+            "analytic": plugin.analytic_traffic(1).bytes,
+            "padded_bytes": sum(u.U for u in plugin.sharded.all_units) * 4,
+        }
     engine.destroy()
     mpu.destroy_model_parallel()
     dist.barrier()
@@ -241,14 +295,17 @@ def _refused(case):
         from ds_ext.models import GPT, GPTConfig
 
         model = GPT(GPTConfig(seq_len=16, d_model=64, n_layers=2, n_heads=8))
-        pmm = {"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 2, "data": 2},
-                         "overlap": {"reduce_scatter": True}}}
+        pmm = {
+            "pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 2, "data": 2}, "overlap": {"reduce_scatter": True}}
+        }
         kwargs = kwargs if case == "pmm3d_mpu" else {}
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(2, 2 if case == "pipeline" else 1)
-    cfg = {"train_batch_size": 8 // mpu.get_tensor_model_parallel_world_size() // (2 if case == "pipeline" else 1),
-           "ds_ext": {"topology": TOPOLOGY, **({} if case == "pmm3d_mpu" else {"zero_topo": zero_topo}), **pmm}}
+    cfg = {
+        "train_batch_size": 8 // mpu.get_tensor_model_parallel_world_size() // (2 if case == "pipeline" else 1),
+        "ds_ext": {"topology": TOPOLOGY, **({} if case == "pmm3d_mpu" else {"zero_topo": zero_topo}), **pmm},
+    }
     groups = c10d._world.group_count
     try:
         ds_ext.initialize(model=model, optimizer=lambda params: torch.optim.SGD(params, lr=0.1), config=cfg, **kwargs)
@@ -260,16 +317,28 @@ def _refused(case):
     return msg
 
 
-@pytest.mark.parametrize("case,expected", [
-    ("gcd", "ds_ext.zero_topo.weights.level: topology 'frontier, data-parallel group of tensor 2 x pipeline 1 x "
-            "data 4' has no level 'gcd'; allowed: gpu, node"),
-    ("pipeline", "ds_ext.zero_topo: pipeline parallel size 2 (from the caller's mpu= argument) with a model that is "
-                 "no deepspeed.pipe.PipelineModule; allowed: 1, or a PipelineModule (the pipeline form)"),
-    ("pmm3d", "ds_ext.pmm3d.overlap.reduce_scatter with ds_ext.zero_topo: not supported"),
-    ("pmm3d_mpu", "ds_ext.pmm3d with the caller's mpu= argument (tensor parallel 2, pipeline parallel 1): 3D-PMM "
-                  "builds its own tensor grid and hands DeepSpeed its mpu; allowed: no mpu, or one of tensor and "
-                  "pipeline parallel 1"),
-])
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        (
+            "gcd",
+            "ds_ext.zero_topo.weights.level: topology 'frontier, data-parallel group of tensor 2 x pipeline 1 x "
+            "data 4' has no level 'gcd'; allowed: gpu, node",
+        ),
+        (
+            "pipeline",
+            "ds_ext.zero_topo: pipeline parallel size 2 (from the caller's mpu= argument) with a model that is "
+            "no deepspeed.pipe.PipelineModule; allowed: 1, or a PipelineModule (the pipeline form)",
+        ),
+        ("pmm3d", "ds_ext.pmm3d.overlap.reduce_scatter with ds_ext.zero_topo: not supported"),
+        (
+            "pmm3d_mpu",
+            "ds_ext.pmm3d with the caller's mpu= argument (tensor parallel 2, pipeline parallel 1): 3D-PMM "
+            "builds its own tensor grid and hands DeepSpeed its mpu; allowed: no mpu, or one of tensor and "
+            "pipeline parallel 1",
+        ),
+    ],
+)
 def test_layouts_zero_topo_cannot_serve_are_refused_in_one_line(world, case, expected):
     """A level the data-parallel group does not cross (TP 2 fills the GCD pair), named explicitly,
     a pipeline degree without a PipelineModule and 3D-PMM's ORS beside ZeRO-topo: one line on every
@@ -347,7 +416,8 @@ def test_checkpoint_round_trip_under_tensor_parallelism(world, tmp_path):
     parts = sorted(p.name for p in (tmp_path / "t2").iterdir() if p.is_dir())
     assert parts == ["ds_ext_zero_topo_mp00", "ds_ext_zero_topo_mp01"]
     assert sorted(p.name for p in (tmp_path / "t2" / parts[1]).iterdir()) == [
-        f"ds_ext_zero_topo_rank{r:05d}.pt" for r in range(4)]
+        f"ds_ext_zero_topo_rank{r:05d}.pt" for r in range(4)
+    ]
 
 
 # ---- ZeRO-topo over 3D-PMM's data axis (000 §V-B) ---------------------------------------------
@@ -369,8 +439,9 @@ def _pmm(zero_topo):
     cfg["zero_allow_untested_optimizer"] = True
     if zero_topo:
         cfg["ds_ext"] |= {"comm": {"count_torch_collectives": False}, "zero_topo": {"enabled": True, **zero_topo}}
-    engine, *_ = ds_ext.initialize(model=gpt(), optimizer=lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9),
-                                   config=cfg)
+    engine, *_ = ds_ext.initialize(
+        model=gpt(), optimizer=lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9), config=cfg
+    )
     axes = engine.ds_ext.plugin("pmm3d").axes
     rows, _ = _rows(engine)
     init = _params(engine)
@@ -382,8 +453,12 @@ def _pmm(zero_topo):
         losses.append(_data_mean(loss.detach().float(), axes["data"]))
         norms.append(float(engine.get_global_grad_norm()))
     params = _params(engine)
-    out = {"losses": losses, "norms": norms, "params": params,
-           "still": [n for n, p in params.items() if torch.equal(p, init[n])]}
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "params": params,
+        "still": [n for n, p in params.items() if torch.equal(p, init[n])],
+    }
     if zero_topo:
         from ds_ext.perf.pmm import ledger_bytes
         from ds_ext.pmm.plans import plan_for
@@ -391,14 +466,24 @@ def _pmm(zero_topo):
 
         plugin, serial = engine.ds_ext.plugin("zero_topo"), gpt()
         # 3D-PMM's own collectives (001 Eqs 5.1-5.5) and ZeRO-topo's (003) in one ledger
-        model = ledger_bytes(model_spec(serial, plan_for(serial)), engine.ds_ext.plugin("pmm3d").grid,
-                             engine.ds_ext.topology, rows.stop - rows.start, SEQ_PMM, 4, by_layer=False,
-                             data_reduction=False)
+        model = ledger_bytes(
+            model_spec(serial, plan_for(serial)),
+            engine.ds_ext.plugin("pmm3d").grid,
+            engine.ds_ext.topology,
+            rows.stop - rows.start,
+            SEQ_PMM,
+            4,
+            by_layer=False,
+            data_reduction=False,
+        )
         for phase, levels in plugin.analytic_traffic(1).bytes.items():
             for level, nbytes in levels.items():
                 model.setdefault(phase, {})[level] = model.get(phase, {}).get(level, 0) + nbytes
-        out |= {"describe": plugin.describe(), "analytic": model,
-                "measured": {ph: dict(v) for ph, v in engine.ds_ext.ledger.steps[-1].by_phase().items()}}
+        out |= {
+            "describe": plugin.describe(),
+            "analytic": model,
+            "measured": {ph: dict(v) for ph, v in engine.ds_ext.ledger.steps[-1].by_phase().items()},
+        }
     engine.destroy()
     dist.barrier()
     return out

@@ -38,8 +38,12 @@ def _pipe(stages):
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
     torch.manual_seed(1234)
-    layers = [TiedLayerSpec("embed", nn.Embedding, VOCAB, HIDDEN), *[LayerSpec(Block) for _ in range(4)],
-              LayerSpec(nn.LayerNorm, HIDDEN), TiedLayerSpec("embed", nn.Embedding, VOCAB, HIDDEN, forward_fn=head)]
+    layers = [
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, HIDDEN),
+        *[LayerSpec(Block) for _ in range(4)],
+        LayerSpec(nn.LayerNorm, HIDDEN),
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, HIDDEN, forward_fn=head),
+    ]
     return PipelineModule(layers, num_stages=stages, loss_fn=loss_fn, partition_method="uniform")
 
 
@@ -65,17 +69,25 @@ def _run(stages, zero_topo, extra=None, seed=0, adam=False):
     ds_engine.init_distributed()  # as the clients do before building a PipelineModule (its groups)
     model = _pipe(stages)
     dp = dist.get_world_size() // stages
-    cfg = {"train_batch_size": MICRO * ACCUM * dp, "train_micro_batch_size_per_gpu": MICRO,
-           "gradient_clipping": 0.05, "zero_optimization": {"stage": 0 if zero_topo else 1},
-           "zero_allow_untested_optimizer": True, "steps_per_print": 10**6,
-           "ds_ext": {"topology": TOPOLOGY, "comm": {"count_torch_collectives": False}}}
+    cfg = {
+        "train_batch_size": MICRO * ACCUM * dp,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.05,
+        "zero_optimization": {"stage": 0 if zero_topo else 1},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+        "ds_ext": {"topology": TOPOLOGY, "comm": {"count_torch_collectives": False}},
+    }
     for key, value in (extra or {}).items():
         cfg["ds_ext"][key] = {**cfg["ds_ext"].get(key, {}), **value}
     if zero_topo:
         cfg["ds_ext"]["zero_topo"] = {"enabled": True, **zero_topo}
     # SGD moves each parameter in proportion to its gradient, so a wrong scale shows in every one
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if adam else torch.optim.SGD(model.parameters(), lr=0.5,
-                                                                                         momentum=0.9)
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if adam
+        else torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    )
     engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     init = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     losses, norms = [], []
@@ -85,15 +97,23 @@ def _run(stages, zero_topo, extra=None, seed=0, adam=False):
         norms.append(float(engine.get_global_grad_norm()))
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     steps = engine.ds_ext.ledger.steps
-    out = {"losses": losses, "norms": norms, "params": params, "rank": dist.get_rank(),
-           "still": [n for n, p in params.items() if torch.equal(p, init[n])],
-           "ledger_bytes": sum(sum(v.values()) for v in steps[-1].by_phase().values()) if steps else 0}
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "params": params,
+        "rank": dist.get_rank(),
+        "still": [n for n, p in params.items() if torch.equal(p, init[n])],
+        "ledger_bytes": sum(sum(v.values()) for v in steps[-1].by_phase().values()) if steps else 0,
+    }
     if zero_topo:
         plugin = engine.ds_ext.plugin("zero_topo")
-        out |= {"describe": plugin.describe(), "banner": engine.ds_ext.banner(),
-                "analytic": plugin.analytic_traffic(ACCUM).bytes,
-                "measured": {ph: dict(v) for ph, v in engine.ds_ext.ledger.steps[-1].by_phase().items()},
-                "padded_bytes": sum(u.U for u in plugin.sharded.all_units) * 4}
+        out |= {
+            "describe": plugin.describe(),
+            "banner": engine.ds_ext.banner(),
+            "analytic": plugin.analytic_traffic(ACCUM).bytes,
+            "measured": {ph: dict(v) for ph, v in engine.ds_ext.ledger.steps[-1].by_phase().items()},
+            "padded_bytes": sum(u.U for u in plugin.sharded.all_units) * 4,
+        }
     engine.destroy()
     dist.barrier()
     return out
@@ -148,8 +168,9 @@ def test_tiled_optimizer_and_pccl_under_the_pipeline_engine(world):
     for zero_topo, pccl in ((UNQUANTIZED, {"comm": {"algorithm": "pccl"}}), (None, {"pccl": {"enabled": True}})):
         base = world.run(_run, 2, zero_topo, None, 0, True)
         for extra, exact in ((tiled, True), (pccl, False)):
-            for (losses, params), other in zip(((r["losses"], r["params"]) for r in base),
-                                               world.run(_run, 2, zero_topo, extra, 0, True)):
+            for (losses, params), other in zip(
+                ((r["losses"], r["params"]) for r in base), world.run(_run, 2, zero_topo, extra, 0, True)
+            ):
                 if exact:
                     assert other["losses"] == losses, (zero_topo, extra)
                     assert all(torch.equal(other["params"][n], p) for n, p in params.items()), (zero_topo, extra)
@@ -173,9 +194,14 @@ def _engine(stages, zero_topo, perturb=False):
             for p in model.parameters():
                 p.add_(0.5)
     dp = 8 // stages
-    cfg = {"train_batch_size": MICRO * ACCUM * dp, "train_micro_batch_size_per_gpu": MICRO,
-           "gradient_clipping": 0.05, "zero_optimization": {"stage": 0}, "steps_per_print": 10**6,
-           "ds_ext": {"topology": TOPOLOGY, "zero_topo": {"enabled": True, **zero_topo}}}
+    cfg = {
+        "train_batch_size": MICRO * ACCUM * dp,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.05,
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**6,
+        "ds_ext": {"topology": TOPOLOGY, "zero_topo": {"enabled": True, **zero_topo}},
+    }
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     return engine
@@ -235,11 +261,13 @@ def _refused(case):
 
     ds_engine.init_distributed()
     model = _pipe(2) if case != "pipeline_form_plain_model" else torch.nn.Linear(4, 4)
-    block = {"weights_set": {"zero_topo": {"enabled": True, "weights": {"level": "gcd"}}},
-             "pipeline_form_plain_model": {"zero_topo": {"enabled": True, "form": "pipeline"}},
-             "ted": {"ted": {"enabled": True, "tensor_parallel": 1, "expert_parallel": 2}},
-             "pmm3d": {"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 1, "data": 4}}},
-             "fp16": {"zero_topo": {"enabled": True}}}[case]
+    block = {
+        "weights_set": {"zero_topo": {"enabled": True, "weights": {"level": "gcd"}}},
+        "pipeline_form_plain_model": {"zero_topo": {"enabled": True, "form": "pipeline"}},
+        "ted": {"ted": {"enabled": True, "tensor_parallel": 1, "expert_parallel": 2}},
+        "pmm3d": {"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 1, "data": 4}}},
+        "fp16": {"zero_topo": {"enabled": True}},
+    }[case]
     cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "ds_ext": {"topology": TOPOLOGY, **block}}
     if case == "fp16":
         cfg["fp16"] = {"enabled": True}
@@ -255,20 +283,38 @@ def _refused(case):
     return msg
 
 
-@pytest.mark.parametrize("case,expected", [
-    ("weights_set", "ds_ext.zero_topo.weights.level: the pipeline form keeps weights whole on every rank; allowed: "
-                    "gradients, optimizer and step settings only"),
-    ("pipeline_form_plain_model", "ds_ext.zero_topo.form 'pipeline' needs a deepspeed.pipe.PipelineModule (got "
-                                  "Linear); allowed: 'sharded' or 'auto'"),
-    ("ted", "ds_ext.ted: with a deepspeed.pipe.PipelineModule: TED's layout (tensor x expert x expert-data) spans the "
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        (
+            "weights_set",
+            "ds_ext.zero_topo.weights.level: the pipeline form keeps weights whole on every rank; allowed: "
+            "gradients, optimizer and step settings only",
+        ),
+        (
+            "pipeline_form_plain_model",
+            "ds_ext.zero_topo.form 'pipeline' needs a deepspeed.pipe.PipelineModule (got "
+            "Linear); allowed: 'sharded' or 'auto'",
+        ),
+        (
+            "ted",
+            "ds_ext.ted: with a deepspeed.pipe.PipelineModule: TED's layout (tensor x expert x expert-data) spans the "
             "whole world and has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: "
-            "--no-pipeline-parallel; GPT-NeoX: pipe_parallel_size 0)"),
-    ("fp16", "ds_ext.zero_topo: fp16 in the pipeline form: the PipelineEngine calls DeepSpeed's backward for the last "
-             "stage's loss directly, past the loss scaling ZeRO-topo adds; allowed: bf16 or fp32"),
-    ("pmm3d", "ds_ext.pmm3d with a deepspeed.pipe.PipelineModule: 3D-PMM's grid (x, y, z, data) spans the whole world "
-              "and has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: --no-pipeline-parallel; "
-              "GPT-NeoX: pipe_parallel_size 0)"),
-])
+            "--no-pipeline-parallel; GPT-NeoX: pipe_parallel_size 0)",
+        ),
+        (
+            "fp16",
+            "ds_ext.zero_topo: fp16 in the pipeline form: the PipelineEngine calls DeepSpeed's backward for the last "
+            "stage's loss directly, past the loss scaling ZeRO-topo adds; allowed: bf16 or fp32",
+        ),
+        (
+            "pmm3d",
+            "ds_ext.pmm3d with a deepspeed.pipe.PipelineModule: 3D-PMM's grid (x, y, z, data) spans the whole world "
+            "and has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: --no-pipeline-parallel; "
+            "GPT-NeoX: pipe_parallel_size 0)",
+        ),
+    ],
+)
 def test_settings_refused_in_one_line_on_the_pipeline_engine(world, case, expected):
     """Pipeline-form settings it has no use for, the form asked for without a PipelineModule, and
     TED / 3D-PMM (no pipeline axis in their layouts) with one: one line on every rank."""

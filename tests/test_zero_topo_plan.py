@@ -31,7 +31,11 @@ def test_presets_resolve_to_003_levels():
     assert plan("zero_topo").step == "hierarchical"
     zpp = plan("zeropp")
     assert (zpp.name(zpp.weights), zpp.name(zpp.secondary), zpp.secondary_bits, zpp.gradient_hops) == (
-        "node", "gpu", 16, 2)
+        "node",
+        "gpu",
+        16,
+        2,
+    )
     z3 = plan("zero3")
     assert z3.secondary is None and z3.gather_bits == 16 and z3.gradient_bits == 16
     sec8 = plan("zero_topo_paper", secondary={"level": "gpu"})
@@ -42,11 +46,15 @@ def test_presets_resolve_to_003_levels():
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(weights={"level": "node"}, gradients={"level": "gpu"}),
-         "dependency rule needs optimizer level >= gradients level >= weights level"),
+        (
+            dict(weights={"level": "node"}, gradients={"level": "gpu"}),
+            "dependency rule needs optimizer level >= gradients level >= weights level",
+        ),
         (dict(optimizer={"level": "gcd"}), "got weights=gcd, gradients=gpu, optimizer=gcd"),
-        (dict(weights={"level": "rack"}),
-         "ds_ext.zero_topo.weights.level: topology 'frontier' has no level 'rack'; allowed: gcd, gpu, node"),
+        (
+            dict(weights={"level": "rack"}),
+            "ds_ext.zero_topo.weights.level: topology 'frontier' has no level 'rack'; allowed: gcd, gpu, node",
+        ),
         (dict(secondary={"bits": 4}), "ds_ext.zero_topo.secondary.bits: allowed values are 8 and 16"),
         (dict(gradients={"level": "gcd", "hops": 2}), "gradients.hops: 2 needs a quantized gradient reduction"),
         (dict(quant_block_size=511), "quant_block_size: must be even"),
@@ -60,7 +68,9 @@ def test_plan_errors(kw, message):
 def test_bits_other_than_4_8_16_rejected_by_schema():
     from ds_ext import config as cfgmod
 
-    with pytest.raises(cfgmod.DsExtConfigError, match=r"ds_ext.zero_topo.gradients.bits: Input should be 4, 8 or 16 \(got 2\)"):
+    with pytest.raises(
+        cfgmod.DsExtConfigError, match=r"ds_ext.zero_topo.gradients.bits: Input should be 4, 8 or 16 \(got 2\)"
+    ):
         cfgmod.parse({"zero_topo": {"gradients": {"bits": 2}}})
     with pytest.raises(cfgmod.DsExtConfigError, match="ds_ext.zero_topo.preset: Input should be"):
         cfgmod.parse({"zero_topo": {"preset": "zero4"}})
@@ -156,8 +166,9 @@ def test_tables_v_vi_memory():
     assert m["primary"] + m["secondary"] == pytest.approx(1.5 * PSI, rel=1e-4)
     assert m["gradients"] == pytest.approx(PSI / 4)
     assert m["optimizer"] == pytest.approx(12 * PSI / 384)
-    sec8 = memory(plan("zero_topo_paper", quant_block_size=BIG_BLOCK, secondary={"level": "gpu"}),
-                  [UnitSpec(PSI, PSI)], 5, 2)
+    sec8 = memory(
+        plan("zero_topo_paper", quant_block_size=BIG_BLOCK, secondary={"level": "gpu"}), [UnitSpec(PSI, PSI)], 5, 2
+    )
     assert sec8["primary"] + sec8["secondary"] == pytest.approx(1.125 * PSI, rel=1e-4)
     z3 = memory(plan("zero3"), [UnitSpec(PSI, PSI)], 5, 2)
     assert sum(z3.values()) == pytest.approx(16 * PSI / 384)

@@ -15,12 +15,20 @@ UNQUANTIZED = {"weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops":
 # The Hugging Face documentation's DeepSpeed template (optimizer and scheduler sections,
 # "auto" values filled in by the Trainer), with ZeRO stage 0: ZeRO-topo replaces DeepSpeed's ZeRO.
 HF_TEMPLATE = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1,
+    },
     "bf16": {"enabled": "auto"},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto"}},
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
     "zero_optimization": {"stage": 0},
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
@@ -44,14 +52,31 @@ def _hf_template_trainer(zero_topo, tmp):
 
     cfg = {**HF_TEMPLATE, "ds_ext": {"topology": TOPOLOGY}}
     if zero_topo:
-        cfg["ds_ext"]["zero_topo"] = {"enabled": True, "preset": "zero_topo", "units": ["LlamaDecoderLayer"],
-                                      **UNQUANTIZED}
+        cfg["ds_ext"]["zero_topo"] = {
+            "enabled": True,
+            "preset": "zero_topo",
+            "units": ["LlamaDecoderLayer"],
+            **UNQUANTIZED,
+        }
     torch.manual_seed(1234)
     out = f"{tmp}/{'zt' if zero_topo else 'plain'}"
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             max_steps=6, deepspeed=cfg, use_cpu=True, report_to=[], logging_steps=1,
-                             save_strategy="no", max_grad_norm=0.0, learning_rate=3e-3, warmup_steps=2,
-                             weight_decay=0.01, seed=1234, data_seed=1234)
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=6,
+        deepspeed=cfg,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        max_grad_norm=0.0,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        weight_decay=0.01,
+        seed=1234,
+        data_seed=1234,
+    )
     ds_ext.patch_deepspeed()
     try:
         trainer = Trainer(model=tiny_causal_lm("llama"), args=args, train_dataset=ByteWindows())
@@ -65,8 +90,11 @@ def _hf_template_trainer(zero_topo, tmp):
     with engine.ds_ext.gathered_parameters():
         weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     inner = engine.optimizer.inner if zero_topo else engine.optimizer
-    info = {"plugins": [p.name for p in engine.ds_ext.plugins], "optimizer": type(inner).__name__,
-            "scheduler": type(engine.lr_scheduler).__name__}
+    info = {
+        "plugins": [p.name for p in engine.ds_ext.plugins],
+        "optimizer": type(inner).__name__,
+        "scheduler": type(engine.lr_scheduler).__name__,
+    }
     engine.destroy()
     dist.barrier()
     loaded = AutoModelForCausalLM.from_pretrained(f"{out}/saved")
@@ -97,12 +125,17 @@ def _gpt_engine(zero_topo=None, **cfg_extra):
 
     torch.manual_seed(1234)
     model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=4))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-           "zero_optimization": {"stage": 0}, "ds_ext": {"topology": TOPOLOGY}, **cfg_extra}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 0},
+        "ds_ext": {"topology": TOPOLOGY},
+        **cfg_extra,
+    }
     if zero_topo is not None:
         cfg["ds_ext"]["zero_topo"] = {"enabled": True, **zero_topo}
-    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                   config=cfg)
+    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
     return engine, model
 
 
@@ -229,9 +262,14 @@ def _compiled_losses(form, steps=3):
             block.compile()
     elif form == "model":
         model = torch.compile(model)
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": 0}, "steps_per_print": 10**9,
-           "ds_ext": {"topology": TOPOLOGY, "zero_topo": {"enabled": True, "preset": "zero_topo", **UNQUANTIZED}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**9,
+        "ds_ext": {"topology": TOPOLOGY, "zero_topo": {"enabled": True, "preset": "zero_topo", **UNQUANTIZED}},
+    }
     engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
     if form == "engine":
         engine.compile()

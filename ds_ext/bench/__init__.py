@@ -45,16 +45,24 @@ def megatron_tensor_parallel(net: Any, tensor: int) -> Any:
             return self.layer(x)[0]
 
     d, heads, f = net.cfg.d_model, net.cfg.n_heads, net.cfg.ffn_mult * net.cfg.d_model
-    cfg = TransformerConfig(num_layers=1, hidden_size=d, num_attention_heads=heads, use_cpu_initialization=True,
-                            tensor_model_parallel_size=tensor)
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=d,
+        num_attention_heads=heads,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tensor,
+    )
     init = nn.init.xavier_normal_
 
     def column(n_in: int, n_out: int) -> nn.Module:
         return Unpack(ColumnParallelLinear(n_in, n_out, config=cfg, init_method=init, bias=True, gather_output=False))
 
     def row(n_in: int, n_out: int) -> nn.Module:
-        return Unpack(RowParallelLinear(n_in, n_out, config=cfg, init_method=init, bias=True, input_is_parallel=True,
-                                        skip_bias_add=False))
+        return Unpack(
+            RowParallelLinear(
+                n_in, n_out, config=cfg, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=False
+            )
+        )
 
     for block in net.blocks:
         block.qkv, block.fc1 = column(d, 3 * d), column(d, f)

@@ -89,16 +89,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         uncached_calls = max(3, min(args.calls, 200_000 // len(ranks)))
         uncached = _per_call_us(lambda: _level_by_coordinates(topo, ranks), uncached_calls, 3) + account
         rec = {
-            "group": name, "ranks": len(ranks), "level": registry.level(handle), "world": world,
-            "first_call_us": first, "account_us": account, "wrapper_us": wrapper, "uncached_us": uncached,
+            "group": name,
+            "ranks": len(ranks),
+            "level": registry.level(handle),
+            "world": world,
+            "first_call_us": first,
+            "account_us": account,
+            "wrapper_us": wrapper,
+            "uncached_us": uncached,
             "speedup_vs_uncached": uncached / account,
         }
         records.append(rec)
-        print(f"{name:<24} {len(ranks):>6} ranks ({rec['level']:>4}): first call {first:9.1f} us, then "
-              f"account {account:5.2f} us, torch.distributed wrapper {wrapper:5.2f} us per call "
-              f"(per-call level as before: {uncached:10.1f} us, {rec['speedup_vs_uncached']:,.0f}x)")
-    payload = {"benchmark": "ledger", "preset": "frontier", "world": world, "calls": args.calls,
-               "records": records}
+        print(
+            f"{name:<24} {len(ranks):>6} ranks ({rec['level']:>4}): first call {first:9.1f} us, then "
+            f"account {account:5.2f} us, torch.distributed wrapper {wrapper:5.2f} us per call "
+            f"(per-call level as before: {uncached:10.1f} us, {rec['speedup_vs_uncached']:,.0f}x)"
+        )
+    payload = {"benchmark": "ledger", "preset": "frontier", "world": world, "calls": args.calls, "records": records}
     out = write_json(args.out, payload)
     print(f"wrote {out}")
     return payload

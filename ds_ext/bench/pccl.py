@@ -74,7 +74,9 @@ def _size(text: str) -> int:
 def _repeats(text: str) -> int:
     n = int(text)
     if n < 2:
-        raise argparse.ArgumentTypeError(f"--repeats needs at least 2 calls (the tie band compares the two fastest), got {n}")
+        raise argparse.ArgumentTypeError(
+            f"--repeats needs at least 2 calls (the tie band compares the two fastest), got {n}"
+        )
     return n
 
 
@@ -82,19 +84,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="JSON file to write (the PNG goes next to it)")
     p.add_argument("--min-size", type=_size, default=4 << 10, help="smallest per-rank buffer (4K, 1M, ...)")
     p.add_argument("--max-size", type=_size, default=64 << 20, help="largest per-rank buffer (4K, 1M, ...)")
-    p.add_argument("--repeats", type=_repeats, default=5,
-                   help="calls per algorithm and size, at least 2 (the second-fastest bounds the tie band)")
-    p.add_argument("--time-scale", type=float, default=100.0,
-                   help="multiply emulated times so that they dominate gloo's own cost on one host")
+    p.add_argument(
+        "--repeats",
+        type=_repeats,
+        default=5,
+        help="calls per algorithm and size, at least 2 (the second-fastest bounds the tie band)",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=100.0,
+        help="multiply emulated times so that they dominate gloo's own cost on one host",
+    )
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per layout before the world is killed")
-    p.add_argument("--network", choices=("emulate", "netns"), default="emulate",
-                   help="emulate: alpha-beta holds on one host's loopback; netns: no emulation, each layout's "
-                        "nodes as network namespaces with shaped links (--node-rate, --gpu-rate)")
+    p.add_argument(
+        "--network",
+        choices=("emulate", "netns"),
+        default="emulate",
+        help="emulate: alpha-beta holds on one host's loopback; netns: no emulation, each layout's "
+        "nodes as network namespaces with shaped links (--node-rate, --gpu-rate)",
+    )
     p.add_argument("--node-rate", default=None, metavar="RATE", help="netns: each node's link, e.g. 200mbit")
-    p.add_argument("--gpu-rate", default=None, metavar="RATE",
-                   help="netns: each GPU's link inside a node of the 4x2 layout (one rank per GPU), e.g. 400mbit; "
-                        "without it the node's 2 ranks share its loopback")
+    p.add_argument(
+        "--gpu-rate",
+        default=None,
+        metavar="RATE",
+        help="netns: each GPU's link inside a node of the 4x2 layout (one rank per GPU), e.g. 400mbit; "
+        "without it the node's 2 ranks share its loopback",
+    )
 
 
 def _sizes(lo: int, hi: int) -> list[int]:
@@ -106,8 +124,13 @@ def _sizes(lo: int, hi: int) -> list[int]:
 
 
 def _topology_block(per_node: int) -> dict[str, Any]:
-    return {"levels": [{"name": "local", "size": per_node, "bandwidth_GBps": INTRA[0], "latency_us": INTRA[1]},
-                       {"name": "node", "bandwidth_GBps": INTER[0], "latency_us": INTER[1]}], "emulate": True}
+    return {
+        "levels": [
+            {"name": "local", "size": per_node, "bandwidth_GBps": INTRA[0], "latency_us": INTRA[1]},
+            {"name": "node", "bandwidth_GBps": INTER[0], "latency_us": INTER[1]},
+        ],
+        "emulate": True,
+    }
 
 
 # glibc's mallopt parameters (malloc.h)
@@ -142,8 +165,14 @@ def _measure(per_node: int, sizes: list[int], repeats: int, time_scale: float | 
     from ds_ext.runtime import Runtime
 
     allocator = keep_freed_memory()
-    rt = Runtime.create(cfgmod.parse({"topology": _topology_block(per_node), "comm": {
-        "emulate_time": time_scale is not None, "time_scale": time_scale or 1.0}}))
+    rt = Runtime.create(
+        cfgmod.parse(
+            {
+                "topology": _topology_block(per_node),
+                "comm": {"emulate_time": time_scale is not None, "time_scale": time_scale or 1.0},
+            }
+        )
+    )
     comm = rt.comm
     out = []
     for op in OPS:
@@ -168,13 +197,22 @@ def _measure(per_node: int, sizes: list[int], repeats: int, time_scale: float | 
                         times[algo].append(dt)
                     step = comm.ledger.mark_step()
                     ledger[algo] = {lv: (b, step.messages_by_level()[lv]) for lv, b in step.by_level().items()}
-            out.append({"op": op, "size": chunk * WORLD * 4, "chunk_bytes": chunk * 4, "times": times,
-                        "ledger": ledger, "allocator": allocator})
+            out.append(
+                {
+                    "op": op,
+                    "size": chunk * WORLD * 4,
+                    "chunk_bytes": chunk * 4,
+                    "times": times,
+                    "ledger": ledger,
+                    "allocator": allocator,
+                }
+            )
     return out
 
 
-def _crossover(records: list[dict[str, Any]], key: str = "speedup_pccl_over_ring",
-               band: str | None = "tie_band") -> float | None:
+def _crossover(
+    records: list[dict[str, Any]], key: str = "speedup_pccl_over_ring", band: str | None = "tie_band"
+) -> float | None:
     """Smallest buffer size from which the ring is ahead of pccl at every larger size: its
     ``key`` speedup below 1 by more than the row's ``band`` (no band: by any margin)."""
     cross = None
@@ -206,9 +244,13 @@ def plot(payload: dict[str, Any], path) -> None:
         for r in payload["records"]:
             if r["op"] == op:
                 grid[sizes.index(r["size"]), layouts.index(r["layout"])] = r["speedup_pccl_over_ring"]
-        im = ax.imshow(grid, origin="lower", cmap="RdYlGn", aspect="auto",
-                       norm=TwoSlopeNorm(vcenter=1.0, vmin=min(0.5, np.nanmin(grid)),
-                                          vmax=max(2.0, np.nanmax(grid))))
+        im = ax.imshow(
+            grid,
+            origin="lower",
+            cmap="RdYlGn",
+            aspect="auto",
+            norm=TwoSlopeNorm(vcenter=1.0, vmin=min(0.5, np.nanmin(grid)), vmax=max(2.0, np.nanmax(grid))),
+        )
         for (i, j), v in np.ndenumerate(grid):
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
         for j, lay in enumerate(layouts):
@@ -252,8 +294,9 @@ def _layout_run(args: argparse.Namespace, per_node: int, sizes: list[int]):
     from ds_ext.topology import detect_environment, resolve_topology
 
     if args.network == "emulate":
-        topo = resolve_topology(cfgmod.parse({"topology": _topology_block(per_node)}).topology, WORLD,
-                                detect_environment({}))
+        topo = resolve_topology(
+            cfgmod.parse({"topology": _topology_block(per_node)}).topology, WORLD, detect_environment({})
+        )
         with World(WORLD, {"LOCAL_SIZE": str(WORLD)}, timeout=args.timeout) as world:
             return world.run(_measure, per_node, sizes, args.repeats, args.time_scale), topo, None
     from ds_ext.cluster.measure import measure, measured_topology
@@ -286,16 +329,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             calls = {a: [max(r[k]["times"][a][i] for r in per_rank) for i in range(args.repeats)] for a in ALGOS}
             med = {a: median(c) for a, c in calls.items()}
             fast = {a: min(c) for a, c in calls.items()}
-            predicted = {a: scale * model.time(a, topo, tuple(range(WORLD)), rec["chunk_bytes"])
-                         for a in ("ring", "pccl")}
-            rows.append({"layout": layout, "op": rec["op"], "size": rec["size"], "chunk_bytes": rec["chunk_bytes"],
-                         "calls_s": calls, "median_s": med, "fastest_s": fast, "predicted_s": predicted,
-                         "ledger": rec["ledger"],
-                         "speedup_pccl_over_ring": fast["ring"] / fast["pccl"],
-                         "tie_band": max(_resolution(calls["ring"]), _resolution(calls["pccl"])),
-                         "speedup_pccl_over_native": fast["native"] / fast["pccl"],
-                         "median_speedup_pccl_over_ring": med["ring"] / med["pccl"],
-                         "predicted_speedup_pccl_over_ring": predicted["ring"] / predicted["pccl"]})
+            predicted = {
+                a: scale * model.time(a, topo, tuple(range(WORLD)), rec["chunk_bytes"]) for a in ("ring", "pccl")
+            }
+            rows.append(
+                {
+                    "layout": layout,
+                    "op": rec["op"],
+                    "size": rec["size"],
+                    "chunk_bytes": rec["chunk_bytes"],
+                    "calls_s": calls,
+                    "median_s": med,
+                    "fastest_s": fast,
+                    "predicted_s": predicted,
+                    "ledger": rec["ledger"],
+                    "speedup_pccl_over_ring": fast["ring"] / fast["pccl"],
+                    "tie_band": max(_resolution(calls["ring"]), _resolution(calls["pccl"])),
+                    "speedup_pccl_over_native": fast["native"] / fast["pccl"],
+                    "median_speedup_pccl_over_ring": med["ring"] / med["pccl"],
+                    "predicted_speedup_pccl_over_ring": predicted["ring"] / predicted["pccl"],
+                }
+            )
         records += rows
         crossover[layout] = {}
         star = model.crossover(topo, tuple(range(WORLD)))
@@ -305,30 +359,56 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             predicted = None if star is None else star * WORLD
             ratio = None if measured is None or predicted is None else measured / predicted
             agrees = (measured is None) if predicted is None else (ratio is not None and 0.5 <= ratio <= 2)
-            crossover[layout][op] = {"predicted_size": predicted, "measured_size": measured, "ratio": ratio,
-                                     "agrees": agrees,
-                                     "measured_size_median": _crossover(of_op, "median_speedup_pccl_over_ring", None)}
+            crossover[layout][op] = {
+                "predicted_size": predicted,
+                "measured_size": measured,
+                "ratio": ratio,
+                "agrees": agrees,
+                "measured_size_median": _crossover(of_op, "median_speedup_pccl_over_ring", None),
+            }
     label = NETNS_LABEL if netns else EMULATE_LABEL
-    payload = {"benchmark": "pccl", "network": args.network, "emulation": None if netns else label, "world": WORLD,
-               "repeats": args.repeats, "layouts": list(args.layouts), "sizes": sizes, "records": records,
-               "crossover": crossover, "label": label, "allocator": sorted(allocators),
-               **({"node_rate": args.node_rate, "gpu_rate": args.gpu_rate, "measured_network": networks} if netns else
-                  {"intra_node": {"GBps": INTRA[0], "us": INTRA[1]}, "inter_node": {"GBps": INTER[0], "us": INTER[1]},
-                   "time_scale": args.time_scale})}
+    payload = {
+        "benchmark": "pccl",
+        "network": args.network,
+        "emulation": None if netns else label,
+        "world": WORLD,
+        "repeats": args.repeats,
+        "layouts": list(args.layouts),
+        "sizes": sizes,
+        "records": records,
+        "crossover": crossover,
+        "label": label,
+        "allocator": sorted(allocators),
+        **(
+            {"node_rate": args.node_rate, "gpu_rate": args.gpu_rate, "measured_network": networks}
+            if netns
+            else {
+                "intra_node": {"GBps": INTRA[0], "us": INTRA[1]},
+                "inter_node": {"GBps": INTER[0], "us": INTER[1]},
+                "time_scale": args.time_scale,
+            }
+        ),
+    }
     out = write_json(args.out, payload)
     plot(payload, out.with_suffix(".png"))
     print("fastest call of each (slowest rank); median speedup beside it")
-    print(f"{'layout':<6} {'op':<15} {'size':>8} {'ring ms':>9} {'pccl ms':>9} {'native ms':>9} "
-          f"{'pccl/ring':>9} {'tie band':>8} {'predicted':>9} {'median':>7}")
+    print(
+        f"{'layout':<6} {'op':<15} {'size':>8} {'ring ms':>9} {'pccl ms':>9} {'native ms':>9} "
+        f"{'pccl/ring':>9} {'tie band':>8} {'predicted':>9} {'median':>7}"
+    )
     for r in records:
         m = r["fastest_s"]
-        print(f"{r['layout']:<6} {r['op']:<15} {_human(r['size']):>8} {m['ring'] * 1e3:9.2f} {m['pccl'] * 1e3:9.2f} "
-              f"{m['native'] * 1e3:9.2f} {r['speedup_pccl_over_ring']:9.2f} {r['tie_band']:8.3f} "
-              f"{r['predicted_speedup_pccl_over_ring']:9.2f} {r['median_speedup_pccl_over_ring']:7.2f}")
+        print(
+            f"{r['layout']:<6} {r['op']:<15} {_human(r['size']):>8} {m['ring'] * 1e3:9.2f} {m['pccl'] * 1e3:9.2f} "
+            f"{m['native'] * 1e3:9.2f} {r['speedup_pccl_over_ring']:9.2f} {r['tie_band']:8.3f} "
+            f"{r['predicted_speedup_pccl_over_ring']:9.2f} {r['median_speedup_pccl_over_ring']:7.2f}"
+        )
     for layout, ops in crossover.items():
         for op, c in ops.items():
-            print(f"crossover {layout} {op}: predicted {c['predicted_size']}, measured {c['measured_size']} "
-                  f"(medians: {c['measured_size_median']}), ratio {c['ratio']}, agrees {c['agrees']}")
+            print(
+                f"crossover {layout} {op}: predicted {c['predicted_size']}, measured {c['measured_size']} "
+                f"(medians: {c['measured_size_median']}), ratio {c['ratio']}, agrees {c['agrees']}"
+            )
     print(f"allocator: {'; '.join(sorted(allocators))}")
     print(f"wrote {out} and {out.with_suffix('.png')} ({label})")
     return payload

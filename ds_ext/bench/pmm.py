@@ -51,8 +51,12 @@ ANCHORS = ("deepspeed_zero3", "megatron_tp8")
 # with every rank on its own share of each level's links; and that with α per message. The last is
 # the machine ds_ext.comm.emulation emulates (``ds-ext tune``, its default): the model
 # the ranking acceptance is checked with; the others show what each assumption costs here.
-PREDICTORS = ("predicted_paper_comm_s", "predicted_comm_s", "predicted_per_rank_links_comm_s",
-              "predicted_alpha_beta_comm_s")
+PREDICTORS = (
+    "predicted_paper_comm_s",
+    "predicted_comm_s",
+    "predicted_per_rank_links_comm_s",
+    "predicted_alpha_beta_comm_s",
+)
 RANKING_MODEL = "predicted_alpha_beta_comm_s"
 NETNS_PREDICTOR = "predicted_measured_network_comm_s"
 QUICK_GRIDS = ["2,2,2,1", "8,1,1,1", "1,1,1,8", "2,1,1,4"]
@@ -64,12 +68,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, default=8, help="samples per optimizer step (all variants)")
     p.add_argument("--warmup", type=int, default=1, help="optimizer steps before measuring")
     p.add_argument("--steps", type=int, default=5, help="measured emulated steps (and half as many plain ones)")
-    p.add_argument("--time-scale", type=float, default=1000.0,
-                   help="multiply emulated link times: one CPU core computes ~1000x slower than a GCD")
-    p.add_argument("--overlap-grids", nargs="*", default=["2,2,2,1", "1,1,8,1", "1,2,4,1", "8,1,1,1"],
-                   metavar="X,Y,Z,D", help="grids also measured with OAR + ORS + OAG on")
-    p.add_argument("--grids", nargs="*", default=None, metavar="X,Y,Z,D",
-                   help="only these grids (default: every factorization of 8 that divides the model)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1000.0,
+        help="multiply emulated link times: one CPU core computes ~1000x slower than a GCD",
+    )
+    p.add_argument(
+        "--overlap-grids",
+        nargs="*",
+        default=["2,2,2,1", "1,1,8,1", "1,2,4,1", "8,1,1,1"],
+        metavar="X,Y,Z,D",
+        help="grids also measured with OAR + ORS + OAG on",
+    )
+    p.add_argument(
+        "--grids",
+        nargs="*",
+        default=None,
+        metavar="X,Y,Z,D",
+        help="only these grids (default: every factorization of 8 that divides the model)",
+    )
     p.add_argument("--anchors", nargs="*", default=list(ANCHORS), choices=ANCHORS)
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--quick", action="store_true", help="tiny model, 4 grids, no anchors / overlap, 2 steps")
@@ -93,8 +111,7 @@ def _config(micro: int, time_scale: float | None, block: dict) -> dict[str, Any]
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
-        "ds_ext": {"topology": TOPOLOGY,
-                   "comm": _comm_block(time_scale), **block},
+        "ds_ext": {"topology": TOPOLOGY, "comm": _comm_block(time_scale), **block},
         **({"zero_optimization": {"stage": 0}} if "pmm3d" in block else {}),
     }
 
@@ -129,8 +146,15 @@ def _nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
-def _measure_pmm(grid: tuple[int, int, int, int], overlap: bool, model: str, global_batch: int, warmup: int,
-                 steps: int, time_scale: float | None) -> dict[str, Any]:
+def _measure_pmm(
+    grid: tuple[int, int, int, int],
+    overlap: bool,
+    model: str,
+    global_batch: int,
+    warmup: int,
+    steps: int,
+    time_scale: float | None,
+) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -144,12 +168,19 @@ def _measure_pmm(grid: tuple[int, int, int, int], overlap: bool, model: str, glo
     x, y, z, data = grid
     micro, seq = global_batch // data, MODELS[model][3]
     flags = {"all_reduce": overlap, "reduce_scatter": overlap, "all_gather": overlap}
-    block = {"pmm3d": {"enabled": True, "grid": {"x": x, "y": y, "z": z, "data": data}, "overlap": flags,
-                       "ledger_by_layer": True}}
+    block = {
+        "pmm3d": {
+            "enabled": True,
+            "grid": {"x": x, "y": y, "z": z, "data": data},
+            "overlap": flags,
+            "ledger_by_layer": True,
+        }
+    }
     serial = _gpt(model)
     spec = model_spec(serial, plan_for(serial))
-    engine, *_ = ds_ext.initialize(model=_gpt(model), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
-                                   config=_config(micro, time_scale, block))
+    engine, *_ = ds_ext.initialize(
+        model=_gpt(model), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), config=_config(micro, time_scale, block)
+    )
     rt = engine.ds_ext
     plugin = rt.plugin("pmm3d")
     corpus = ByteCorpus(max_bytes=300_000)
@@ -181,8 +212,11 @@ def _measure_pmm(grid: tuple[int, int, int, int], overlap: bool, model: str, glo
         "step_time_emulated_s": times["emulated"],
         "step_time_s": times["plain"],
         "model_state_bytes": _nbytes(engine.module.parameters()) + state["grads"] + optimizer_state_bytes(engine),
-        "model_state_bytes_predicted": mem["layer_params"] + mem["layer_grads"] + mem["replicated_params"]
-        + mem["replicated_grads"] + mem["optimizer"],
+        "model_state_bytes_predicted": mem["layer_params"]
+        + mem["layer_grads"]
+        + mem["replicated_params"]
+        + mem["replicated_grads"]
+        + mem["optimizer"],
         "losses": _mean_over_data(losses, plugin.axes["data"]),
         "prefetch_hits": plugin.engine.prefetcher.hits if plugin.engine.prefetcher else 0,
     }
@@ -212,8 +246,7 @@ def _by_level(d: dict[str, float]) -> dict[str, float]:
     return {lv: float(d.get(lv, 0.0)) for lv in LEVELS}
 
 
-def _measure_zero3(model: str, global_batch: int, warmup: int, steps: int,
-                   time_scale: float | None) -> dict[str, Any]:
+def _measure_zero3(model: str, global_batch: int, warmup: int, steps: int, time_scale: float | None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -236,10 +269,15 @@ def _measure_zero3(model: str, global_batch: int, warmup: int, steps: int,
         return loss.item()
 
     times, losses, state = _timed_steps(step, rt.comm, warmup, steps)
-    record = {"variant": "deepspeed_zero3", "grid": [1, 1, WORLD, 1],
-              "bytes_per_step": _by_level(rt.ledger.steps[-1].by_level()),
-              "step_time_emulated_s": times["emulated"], "step_time_s": times["plain"],
-              "model_state_bytes": sum(state.values()), "losses": _mean_over_world(losses)}
+    record = {
+        "variant": "deepspeed_zero3",
+        "grid": [1, 1, WORLD, 1],
+        "bytes_per_step": _by_level(rt.ledger.steps[-1].by_level()),
+        "step_time_emulated_s": times["emulated"],
+        "step_time_s": times["plain"],
+        "model_state_bytes": sum(state.values()),
+        "losses": _mean_over_world(losses),
+    }
     engine.destroy()
     return record
 
@@ -253,8 +291,9 @@ def _mean_over_world(losses: list[float]) -> list[float]:
     return (t / dist.get_world_size()).tolist()
 
 
-def _measure_megatron(model: str, global_batch: int, warmup: int, steps: int,
-                      time_scale: float | None) -> dict[str, Any]:
+def _measure_megatron(
+    model: str, global_batch: int, warmup: int, steps: int, time_scale: float | None
+) -> dict[str, Any]:
     """megatron-core tensor parallelism over 8 ranks, counted by a ds_ext ledger."""
     import torch
     import warnings
@@ -287,10 +326,15 @@ def _measure_megatron(model: str, global_batch: int, warmup: int, steps: int,
         with instrument_torch_distributed(rt.comm):
             times, losses, state = _timed_steps(step, rt.comm, warmup, steps)
         opt_bytes = _nbytes(v for st in opt.state.values() for v in st.values() if v.dim())
-        return {"variant": "megatron_tp8", "grid": [WORLD, 1, 1, 1],
-                "bytes_per_step": _by_level(rt.ledger.steps[-1].by_level()),
-                "step_time_emulated_s": times["emulated"], "step_time_s": times["plain"],
-                "model_state_bytes": _nbytes(net.parameters()) + state["grads"] + opt_bytes, "losses": losses}
+        return {
+            "variant": "megatron_tp8",
+            "grid": [WORLD, 1, 1, 1],
+            "bytes_per_step": _by_level(rt.ledger.steps[-1].by_level()),
+            "step_time_emulated_s": times["emulated"],
+            "step_time_s": times["plain"],
+            "model_state_bytes": _nbytes(net.parameters()) + state["grads"] + opt_bytes,
+            "losses": losses,
+        }
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -310,8 +354,9 @@ def _rank_of(values: list[float]) -> list[float]:
     return list(rankdata(values))
 
 
-def checks(records: list[dict[str, Any]], time_key: str = "step_time_emulated_s",
-           ranking_model: str = RANKING_MODEL) -> dict[str, Any]:
+def checks(
+    records: list[dict[str, Any]], time_key: str = "step_time_emulated_s", ranking_model: str = RANKING_MODEL
+) -> dict[str, Any]:
     """The acceptance numbers of issue 10 (issue 21 with ``--network netns``: ``time_key``
     "step_time_s", ``ranking_model`` the model fed the measured network), from the records."""
     require_extra("scipy", "the grid ranking's Spearman coefficients")
@@ -319,8 +364,11 @@ def checks(records: list[dict[str, Any]], time_key: str = "step_time_emulated_s"
 
     grids = [r for r in records if r["variant"] == "pmm3d"]
     measured = [r[time_key] for r in grids]
-    out: dict[str, Any] = {"ledger_equals_model_all_grids": all(r["ledger_equals_model"] for r in grids),
-                           "ranking_model": ranking_model, "ranked_time": time_key}
+    out: dict[str, Any] = {
+        "ledger_equals_model_all_grids": all(r["ledger_equals_model"] for r in grids),
+        "ranking_model": ranking_model,
+        "ranked_time": time_key,
+    }
     for key in [k for k in (*PREDICTORS, NETNS_PREDICTOR) if k in grids[0]]:
         predicted = [r[key] for r in grids]
         first = min(range(len(grids)), key=lambda i: predicted[i])
@@ -333,7 +381,9 @@ def checks(records: list[dict[str, Any]], time_key: str = "step_time_emulated_s"
     suffix = "emulated" if time_key == "step_time_emulated_s" else "network"
     out[f"overlap_step_time_ratio_{suffix}"] = {
         "x{}y{}z{}d{}".format(*r["grid"]): r[time_key] / by_grid[tuple(r["grid"])][time_key]
-        for r in records if r["variant"] == "pmm3d+overlap"}
+        for r in records
+        if r["variant"] == "pmm3d+overlap"
+    }
     best = min(grids, key=lambda r: r[time_key])
     for r in records:
         if r["variant"] in ANCHORS:
@@ -343,8 +393,10 @@ def checks(records: list[dict[str, Any]], time_key: str = "step_time_emulated_s"
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    head = (f"{'variant':<18}{'grid':>10}{'gcd MB':>9}{'gpu MB':>9}{'node MB':>9}{'=model':>7}{'pred ms':>9}"
-            f"{'emul s':>8}{'step s':>8}{'state MB':>9}{'loss':>7}")
+    head = (
+        f"{'variant':<18}{'grid':>10}{'gcd MB':>9}{'gpu MB':>9}{'node MB':>9}{'=model':>7}{'pred ms':>9}"
+        f"{'emul s':>8}{'step s':>8}{'state MB':>9}{'loss':>7}"
+    )
     lines = [head, "-" * len(head)]
     predictor = NETNS_PREDICTOR if any(NETNS_PREDICTOR in r for r in records) else RANKING_MODEL
     for r in records:
@@ -353,11 +405,16 @@ def table(records: list[dict[str, Any]]) -> str:
             f"{r['variant']:<18}{'x'.join(map(str, r['grid'])):>10}{b['gcd'] / 1e6:>9.2f}{b['gpu'] / 1e6:>9.2f}"
             f"{b['node'] / 1e6:>9.2f}{str(r.get('ledger_equals_model', '-')):>7}"
             f"{1e3 * r.get(predictor, float('nan')):>9.3f}{r['step_time_emulated_s'] or float('nan'):>8.3f}"
-            f"{r['step_time_s']:>8.3f}{r['model_state_bytes'] / 1e6:>9.2f}{r['losses'][-1]:>7.3f}")
-    lines.append("bytes sent per rank per step; grid = x*y*z*data; 'pred ms' = Eqs 5.1-5.6 + ds_ext terms + alpha, "
-                 + ("Eq 5.7 with the measured network's bandwidths and latencies; 'step s' = step on the shaped "
-                    "network" if predictor == NETNS_PREDICTOR else
-                    "per-rank links (the emulated machine, unscaled); 'emul s' = step with alpha-beta emulation"))
+            f"{r['step_time_s']:>8.3f}{r['model_state_bytes'] / 1e6:>9.2f}{r['losses'][-1]:>7.3f}"
+        )
+    lines.append(
+        "bytes sent per rank per step; grid = x*y*z*data; 'pred ms' = Eqs 5.1-5.6 + ds_ext terms + alpha, "
+        + (
+            "Eq 5.7 with the measured network's bandwidths and latencies; 'step s' = step on the shaped network"
+            if predictor == NETNS_PREDICTOR
+            else "per-rank links (the emulated machine, unscaled); 'emul s' = step with alpha-beta emulation"
+        )
+    )
     return "\n".join(lines)
 
 
@@ -369,14 +426,22 @@ def figure(records: list[dict[str, Any]], time_key: str = "step_time_emulated_s"
     grids = [r for r in records if r["variant"] == "pmm3d"]
     fig = plotting.figure(figsize=(14, 5))
     ax1, ax2 = fig.subplots(1, 2)
-    series = ((NETNS_PREDICTOR, "Eq 5.7 + α, the measured network"),) if NETNS_PREDICTOR in grids[0] else (
-        (RANKING_MODEL, "α-β, per-rank links (the emulated machine)"), ("predicted_comm_s", "Eq 5.7 bandwidths, no α"))
+    series = (
+        ((NETNS_PREDICTOR, "Eq 5.7 + α, the measured network"),)
+        if NETNS_PREDICTOR in grids[0]
+        else (
+            (RANKING_MODEL, "α-β, per-rank links (the emulated machine)"),
+            ("predicted_comm_s", "Eq 5.7 bandwidths, no α"),
+        )
+    )
     for key, label in series:
         ax1.scatter([1e3 * r[key] for r in grids], [r[time_key] for r in grids], label=label)
     ax1.legend(fontsize=8, loc="lower right")
     ax1.set_xlabel("predicted communication per step, ms (ds_ext.perf.pmm, unscaled)")
-    ax1.set_ylabel("measured step time, s" + (" (alpha-beta emulation)" if time_key == "step_time_emulated_s"
-                                              else " (shaped network)"))
+    ax1.set_ylabel(
+        "measured step time, s"
+        + (" (alpha-beta emulation)" if time_key == "step_time_emulated_s" else " (shaped network)")
+    )
     ax1.set_title("grids (x y z data) of 8 ranks")
     rows = sorted(records, key=lambda r: r[time_key])
     bottom = [0.0] * len(rows)
@@ -389,8 +454,13 @@ def figure(records: list[dict[str, Any]], time_key: str = "step_time_emulated_s"
     ax2.set_ylabel("MB sent per rank per step (fastest first)")
     ax2.legend(title="level")
     fig.tight_layout()
-    plotting.annotate_apart(ax1, [(plotting.grid_label(r["grid"]), (1e3 * r[series[0][0]], r[time_key]))
-                                  for r in sorted(grids, key=lambda r: r[time_key])])
+    plotting.annotate_apart(
+        ax1,
+        [
+            (plotting.grid_label(r["grid"]), (1e3 * r[series[0][0]], r[time_key]))
+            for r in sorted(grids, key=lambda r: r[time_key])
+        ],
+    )
     return fig
 
 
@@ -399,8 +469,9 @@ def plot(records: list[dict[str, Any]], path, time_key: str = "step_time_emulate
     figure(records, time_key).savefig(path, dpi=120)
 
 
-def _predict_on_network(records: list[dict[str, Any]], network: dict[str, Any], spec, model: str,
-                        global_batch: int) -> None:
+def _predict_on_network(
+    records: list[dict[str, Any]], network: dict[str, Any], spec, model: str, global_batch: int
+) -> None:
     """Add Eqs 5.1-5.7 + α fed the measured network (:func:`ds_ext.cluster.measure.measured_topology`)
     to every pmm3d record."""
     from ds_ext.cluster.measure import measured_topology
@@ -412,8 +483,9 @@ def _predict_on_network(records: list[dict[str, Any]], network: dict[str, Any], 
     for r in records:
         if r["variant"].startswith("pmm3d"):
             g = Grid(*r["grid"])
-            r[NETNS_PREDICTOR] = perf.comm_time(spec, g, topo, global_batch // g.data, MODELS[model][3], 4,
-                                                bw=bw, latency=True)
+            r[NETNS_PREDICTOR] = perf.comm_time(
+                spec, g, topo, global_batch // g.data, MODELS[model][3], 4, bw=bw, latency=True
+            )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -454,10 +526,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     time_key, ranking = ("step_time_s", NETNS_PREDICTOR) if netns else ("step_time_emulated_s", RANKING_MODEL)
     if netns:
         _predict_on_network(records, network, spec, args.model, args.global_batch)
-    payload = {"benchmark": "pmm", "world_size": WORLD, "model": args.model, "model_dims": MODELS[args.model],
-               "global_batch": args.global_batch, "network": args.network, "measured_network": network,
-               "time_scale": None if netns else args.time_scale, "quick": args.quick, "records": records,
-               "checks": checks(records, time_key, ranking)}
+    payload = {
+        "benchmark": "pmm",
+        "world_size": WORLD,
+        "model": args.model,
+        "model_dims": MODELS[args.model],
+        "global_batch": args.global_batch,
+        "network": args.network,
+        "measured_network": network,
+        "time_scale": None if netns else args.time_scale,
+        "quick": args.quick,
+        "records": records,
+        "checks": checks(records, time_key, ranking),
+    }
     out = write_json(args.out, payload)
     plot(records, out.with_suffix(".png"), time_key)
     print(table(records))

@@ -38,16 +38,30 @@ DEVICES = ("cpu", "cuda")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="JSON file to write")
-    p.add_argument("--device", choices=DEVICES, default="cpu",
-                   help="cpu: DeepSpeed's pure-torch quantizer; cuda: its CUDA kernels (ZeRO++)")
-    p.add_argument("--numel", type=int, nargs="+", default=None,
-                   help="elements per call, one record each (default: 2^22 on cpu; 2^20, 2^22, 2^24 and 2^28 on "
-                        "cuda, where up to 2^22 elements take about as long as a kernel launch)")
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="cpu: DeepSpeed's pure-torch quantizer; cuda: its CUDA kernels (ZeRO++)",
+    )
+    p.add_argument(
+        "--numel",
+        type=int,
+        nargs="+",
+        default=None,
+        help="elements per call, one record each (default: 2^22 on cpu; 2^20, 2^22, 2^24 and 2^28 on "
+        "cuda, where up to 2^22 elements take about as long as a kernel launch)",
+    )
     p.add_argument("--block-size", type=int, default=512)
     p.add_argument("--repeats", type=int, default=21)
-    p.add_argument("--geometry", nargs="*", default=[], metavar="TILE:WARPS",
-                   help="cuda: also time the Triton kernels alone at the largest size for each launch geometry "
-                        "(elements per program : warps), beside the default 4096:4")
+    p.add_argument(
+        "--geometry",
+        nargs="*",
+        default=[],
+        metavar="TILE:WARPS",
+        help="cuda: also time the Triton kernels alone at the largest size for each launch geometry "
+        "(elements per program : warps), beside the default 4096:4",
+    )
 
 
 def _times(fns: list[Callable[[], Any]], repeats: int, device: str, calls: int = 1) -> list[float]:
@@ -118,13 +132,21 @@ def environment(device: str) -> dict[str, Any]:
     import deepspeed
     import torch
 
-    env: dict[str, Any] = {"device": device, "torch": torch.__version__, "deepspeed": deepspeed.__version__,
-                           "python": platform.python_version()}
+    env: dict[str, Any] = {
+        "device": device,
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "python": platform.python_version(),
+    }
     if device == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, check=False)
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         env["driver"] = smi.stdout.strip() or None
     else:
         env["cpu"] = platform.processor() or platform.machine()
@@ -174,12 +196,16 @@ def _geometry(args: argparse.Namespace, n: int) -> list[dict[str, Any]]:
         encoded = [k.encode(x, n // block, False) for k in kernels]
         target = torch.empty(n, dtype=torch.bfloat16, device="cuda")
         enc = _times([lambda k=k: k.encode(x, n // block, False) for k in kernels], args.repeats, "cuda")
-        dec = _times([lambda k=k, e=e: k.decode(e[0], e[1], target) for k, e in zip(kernels, encoded)],
-                     args.repeats, "cuda")
+        dec = _times(
+            [lambda k=k, e=e: k.decode(e[0], e[1], target) for k, e in zip(kernels, encoded)], args.repeats, "cuda"
+        )
         for (tile, warps), e, d in zip(shapes, enc, dec):
-            out.append({"bits": bits, "numel": n, "tile_elements": tile, "num_warps": warps, "encode_s": e,
-                        "decode_s": d})
-            print(f"geometry int{bits} x {n}: tile {tile} warps {warps}: encode {e * 1e3:.3f} ms, decode {d * 1e3:.3f} ms")
+            out.append(
+                {"bits": bits, "numel": n, "tile_elements": tile, "num_warps": warps, "encode_s": e, "decode_s": d}
+            )
+            print(
+                f"geometry int{bits} x {n}: tile {tile} warps {warps}: encode {e * 1e3:.3f} ms, decode {d * 1e3:.3f} ms"
+            )
     return out
 
 
@@ -210,32 +236,54 @@ def _records(args: argparse.Namespace, device: str, n: int, ds_encode_fn, ds_dec
         compile_s = time.perf_counter() - t0
         ds_encode = lambda: ds_encode_fn(x16, groups, bits)  # noqa: E731
         ds_q, ds_scales = ds_encode()
-        encoders = [lambda: x.clone(), ds_encode, lambda: fused.quantize(x, nonfinite="flag"), lambda: fused.quantize(x)]
+        encoders = [
+            lambda: x.clone(),
+            ds_encode,
+            lambda: fused.quantize(x, nonfinite="flag"),
+            lambda: fused.quantize(x),
+        ]
         decoders = [lambda: ds_decode_fn(ds_q, ds_scales, groups, bits), lambda: fused.dequantize(q, torch.bfloat16)]
         # the peers interleaved; ds_ext's eager kernels (many launches, large temporaries) apart,
         # so that what they leave behind does not land on a peer's call
         copy, ds_enc, enc, enc_checked = _times(encoders, args.repeats, device)
         ds_dec, dec = _times(decoders, args.repeats, device)
-        enc_eager, dec_eager = _times([lambda: eager.quantize(x), lambda: eager.dequantize(q, torch.bfloat16)],
-                                      args.repeats, device)
+        enc_eager, dec_eager = _times(
+            [lambda: eager.quantize(x), lambda: eager.dequantize(q, torch.bfloat16)], args.repeats, device
+        )
         rec = {
-            "bits": bits, "numel": n, "block_size": block, "copy_s": copy,
-            "deepspeed_encode_s": ds_enc, "deepspeed_decode_s": ds_dec,
-            "encode_eager_s": enc_eager, "encode_s": enc, "encode_checked_s": enc_checked,
-            "decode_eager_s": dec_eager, "decode_s": dec,
+            "bits": bits,
+            "numel": n,
+            "block_size": block,
+            "copy_s": copy,
+            "deepspeed_encode_s": ds_enc,
+            "deepspeed_decode_s": ds_dec,
+            "encode_eager_s": enc_eager,
+            "encode_s": enc,
+            "encode_checked_s": enc_checked,
+            "decode_eager_s": dec_eager,
+            "decode_s": dec,
             "compile_s": compile_s,
             "error": _worst_error(x, fused.dequantize(fused.quantize(x), torch.float32), block),
             "error_bound": 1 / (2 * eager.qmax),
-            "deepspeed_error": (_worst_error(x16, ds_decode_fn(ds_q, ds_scales, groups, 8), block)
-                                if bits == 8 else None),
+            "deepspeed_error": (
+                _worst_error(x16, ds_decode_fn(ds_q, ds_scales, groups, 8), block) if bits == 8 else None
+            ),
         }
         if device == "cuda":  # back to back: the time per call in a busy stream
             calls = max(1, (1 << 24) // n)
             s_copy, s_ds_enc, s_enc, s_enc_checked = _times(encoders, args.repeats, device, calls)
             s_ds_dec, s_dec = _times(decoders, args.repeats, device, calls)
-            rec["stream"] = {"calls": calls, "copy_s": s_copy, "deepspeed_encode_s": s_ds_enc, "encode_s": s_enc,
-                             "encode_checked_s": s_enc_checked, "deepspeed_decode_s": s_ds_dec, "decode_s": s_dec,
-                             "encode_vs_deepspeed": s_ds_enc / s_enc, "decode_vs_deepspeed": s_ds_dec / s_dec}
+            rec["stream"] = {
+                "calls": calls,
+                "copy_s": s_copy,
+                "deepspeed_encode_s": s_ds_enc,
+                "encode_s": s_enc,
+                "encode_checked_s": s_enc_checked,
+                "deepspeed_decode_s": s_ds_dec,
+                "decode_s": s_dec,
+                "encode_vs_deepspeed": s_ds_enc / s_enc,
+                "decode_vs_deepspeed": s_ds_dec / s_dec,
+            }
         rec["encode_vs_deepspeed"] = rec["deepspeed_encode_s"] / rec["encode_s"]
         rec["encode_checked_vs_deepspeed"] = rec["deepspeed_encode_s"] / rec["encode_checked_s"]
         rec["decode_vs_deepspeed"] = rec["deepspeed_decode_s"] / rec["decode_s"]
@@ -245,11 +293,18 @@ def _records(args: argparse.Namespace, device: str, n: int, ds_encode_fn, ds_dec
         saved = rec["encode_eager_s"] - rec["encode_s"] + rec["decode_eager_s"] - rec["decode_s"]
         rec["calls_to_amortize_compile"] = compile_s / saved if saved > 0 else None
         records.append(rec)
-        print(f"int{bits} x {n}: encode {rec['encode_s'] * 1e3:.3f} ms ({rec['encode_vs_deepspeed']:.2f}x DeepSpeed's "
-              f"{rec['deepspeed_encode_s'] * 1e3:.3f} ms, {rec['encode_vs_copy']:.2f}x a copy, eager "
-              f"{rec['encode_eager_s'] * 1e3:.3f} ms, checked {rec['encode_checked_vs_deepspeed']:.2f}x); decode "
-              f"{rec['decode_s'] * 1e3:.3f} ms ({rec['decode_vs_deepspeed']:.2f}x DeepSpeed's); compile "
-              f"{compile_s:.1f} s once" + (f"; stream x{rec['stream']['calls']}: encode "
-                                           f"{rec['stream']['encode_vs_deepspeed']:.2f}x, decode "
-                                           f"{rec['stream']['decode_vs_deepspeed']:.2f}x" if "stream" in rec else ""))
+        print(
+            f"int{bits} x {n}: encode {rec['encode_s'] * 1e3:.3f} ms ({rec['encode_vs_deepspeed']:.2f}x DeepSpeed's "
+            f"{rec['deepspeed_encode_s'] * 1e3:.3f} ms, {rec['encode_vs_copy']:.2f}x a copy, eager "
+            f"{rec['encode_eager_s'] * 1e3:.3f} ms, checked {rec['encode_checked_vs_deepspeed']:.2f}x); decode "
+            f"{rec['decode_s'] * 1e3:.3f} ms ({rec['decode_vs_deepspeed']:.2f}x DeepSpeed's); compile "
+            f"{compile_s:.1f} s once"
+            + (
+                f"; stream x{rec['stream']['calls']}: encode "
+                f"{rec['stream']['encode_vs_deepspeed']:.2f}x, decode "
+                f"{rec['stream']['decode_vs_deepspeed']:.2f}x"
+                if "stream" in rec
+                else ""
+            )
+        )
     return records

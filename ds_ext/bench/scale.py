@@ -50,8 +50,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ---- the runs (each in a fresh process) ------------------------------------------------------
 def _start(world: int, rank: int) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", OMP_NUM_THREADS="1")
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+        OMP_NUM_THREADS="1",
+    )
     from ds_ext.comm import mirror
 
     mirror.init(world, rank)
@@ -77,20 +84,35 @@ def zero_topo_rank(world: int, rank: int, scheme: str) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2))
-    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config={
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-        "bf16": {"enabled": True}, "zero_optimization": {"stage": 0},
-        "ds_ext": {"topology": _topology(), "zero_topo": {"enabled": True, "preset": scheme}}})
+    engine, *_ = ds_ext.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "steps_per_print": 10**9,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 0},
+            "ds_ext": {"topology": _topology(), "zero_topo": {"enabled": True, "preset": scheme}},
+        },
+    )
     for _ in range(STEPS):
         engine.backward(engine(torch.randint(0, 64, (1, 17))))
         engine.step()
     plugin = engine.ds_ext.plugins[0]
     model_traffic = plugin.analytic_traffic(1)
     units = plugin.sharded.unit_specs()
-    out = {"case": "zero_topo", "scheme": scheme, "world": world, "rank": rank, "ledger": _ledger(engine),
-           "model_bytes": model_traffic.bytes, "model_calls": model_traffic.calls_by_level(),
-           "model_messages": model_traffic.steps_by_level(),
-           "table_vii": table_vii(scheme, [u.U for u in units], plugin.plan.block_size, world, engine.ds_ext.topology)}
+    out = {
+        "case": "zero_topo",
+        "scheme": scheme,
+        "world": world,
+        "rank": rank,
+        "ledger": _ledger(engine),
+        "model_bytes": model_traffic.bytes,
+        "model_calls": model_traffic.calls_by_level(),
+        "model_messages": model_traffic.steps_by_level(),
+        "table_vii": table_vii(scheme, [u.U for u in units], plugin.plan.block_size, world, engine.ds_ext.topology),
+    }
     engine.destroy()
     return out
 
@@ -118,24 +140,52 @@ def ted_rank(world: int, rank: int, tensor: int, expert: int) -> dict[str, Any]:
     import ds_ext
     from ds_ext.models.gpt_moe import GPTMoE, GPTMoEConfig
 
-    cfg = GPTMoEConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4, num_experts=expert,
-                       min_capacity=0, use_rts=False, top2_2nd_expert_sampling=False, ep_size=expert,
-                       checkpoint="torch")
+    cfg = GPTMoEConfig(
+        vocab_size=64,
+        seq_len=16,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        num_experts=expert,
+        min_capacity=0,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+        ep_size=expert,
+        checkpoint="torch",
+    )
     torch.manual_seed(0)
     model = GPTMoE(cfg)
     groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "dense", "lr": 1e-3})
-    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config={
-        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**9,
-        "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "gradient_clipping": 0.0,
-        "ds_ext": {"topology": _topology(),
-                   "ted": {"enabled": True, "tensor_parallel": tensor, "expert_parallel": expert}}})
+        {"params": list(model.parameters()), "name": "dense", "lr": 1e-3}
+    )
+    engine, *_ = ds_ext.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(groups, lr=1e-3),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "steps_per_print": 10**9,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 1},
+            "gradient_clipping": 0.0,
+            "ds_ext": {
+                "topology": _topology(),
+                "ted": {"enabled": True, "tensor_parallel": tensor, "expert_parallel": expert},
+            },
+        },
+    )
     for _ in range(STEPS * 2):
         engine.backward(engine(torch.randint(0, 64, (2, cfg.seq_len + 1))))
         engine.step()
-    out = {"case": "ted", "world": world, "rank": dist.get_rank(), "tensor": tensor, "expert": expert,
-           "ledger": _ledger(engine), "model": [cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.vocab_size, cfg.seq_len,
-                                                cfg.num_experts]}
+    out = {
+        "case": "ted",
+        "world": world,
+        "rank": dist.get_rank(),
+        "tensor": tensor,
+        "expert": expert,
+        "ledger": _ledger(engine),
+        "model": [cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.vocab_size, cfg.seq_len, cfg.num_experts],
+    }
     engine.destroy()
     return out
 
@@ -154,10 +204,18 @@ def pccl_rank(world: int, rank: int, algorithm: str | None) -> dict[str, Any]:
     block: dict[str, Any] = {"topology": _topology()}
     if algorithm is not None:
         block["pccl"] = {"enabled": True, "algorithm": algorithm}
-    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config={
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-        "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "ds_ext": block})
+    engine, *_ = ds_ext.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        config={
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "steps_per_print": 10**9,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "ds_ext": block,
+        },
+    )
     for _ in range(STEPS):
         engine.backward(engine(torch.randint(0, 64, (1, 17))))
         engine.step()
@@ -194,8 +252,11 @@ def zero_topo_check(r: dict[str, Any]) -> dict[str, Any]:
         if ph != "other":
             by_phase.setdefault(ph, {})
             by_phase[ph][lv] = by_phase[ph].get(lv, 0.0) + b
-    measured = {"bytes": by_phase, "calls": _sum(r["ledger"]["calls"], lambda ph, op: ph != "other"),
-                "messages": _sum(r["ledger"]["messages"], lambda ph, op: ph != "other")}
+    measured = {
+        "bytes": by_phase,
+        "calls": _sum(r["ledger"]["calls"], lambda ph, op: ph != "other"),
+        "messages": _sum(r["ledger"]["messages"], lambda ph, op: ph != "other"),
+    }
     model = {"bytes": r["model_bytes"], "calls": r["model_calls"], "messages": r["model_messages"]}
     forward = _sum(r["ledger"]["bytes"], lambda ph, op: ph == "forward" and op == "all_gather")
     return {"measured": measured, "model": model, "forward_all_gather": forward, "table_vii": r["table_vii"]}
@@ -218,14 +279,20 @@ def ted_check(r: dict[str, Any]) -> dict[str, Any]:
     layout = TEDLayout.build(r["world"], r["tensor"], r["expert"])
     levels = layout.levels(topo, r["rank"])
     data = {levels["data"], levels["expert_data"]} - {levels["tensor"]}  # the ZeRO-1 all-reduce's levels, not TP's
-    zero1 = lambda ph, op, lv: (ph == "backward" and op == "all_reduce" and lv in data) or (ph, op) == ("step", "all_gather")  # noqa: E731
+
+    def zero1(ph, op, lv):
+        return (ph == "backward" and op == "all_reduce" and lv in data) or (ph, op) == ("step", "all_gather")
+
     rows = r["ledger"]["bytes"]
     micro = ted_layouts.micro_traffic(arch, layout, topo, 2, 2)
     step = ted_layouts.step_traffic(arch, layout, topo, 2)
-    return {"micro": _sum([x for x in rows if x[0] in ("forward", "backward") and not zero1(*x[:3])]),
-            "model_micro": {lv: 2 * b for lv, b in micro.bytes.items()},
-            "zero1": _sum([x for x in rows if zero1(*x[:3])]), "model_zero1": dict(step.bytes),
-            "scalars": _sum([x for x in rows if x[0] == "step" and x[1] == "all_reduce"])}
+    return {
+        "micro": _sum([x for x in rows if x[0] in ("forward", "backward") and not zero1(*x[:3])]),
+        "model_micro": {lv: 2 * b for lv, b in micro.bytes.items()},
+        "zero1": _sum([x for x in rows if zero1(*x[:3])]),
+        "model_zero1": dict(step.bytes),
+        "scalars": _sum([x for x in rows if x[0] == "step" and x[1] == "all_reduce"]),
+    }
 
 
 def pccl_check(ring: dict[str, Any], pccl: dict[str, Any]) -> dict[str, Any]:
@@ -246,8 +313,10 @@ def pccl_check(ring: dict[str, Any], pccl: dict[str, Any]) -> dict[str, Any]:
             "calls": calls,
             "ring": {"bytes": _sum(ring["ledger"]["bytes"], keep), "messages": _sum(ring["ledger"]["messages"], keep)},
             "pccl": {"bytes": _sum(pccl["ledger"]["bytes"], keep), "messages": _sum(pccl["ledger"]["messages"], keep)},
-            "model": {"bytes": {lv: b * chunks for lv, (b, _) in unit.items()},
-                      "messages": {lv: m * calls for lv, (_, m) in unit.items()}},
+            "model": {
+                "bytes": {lv: b * chunks for lv, (b, _) in unit.items()},
+                "messages": {lv: m * calls for lv, (_, m) in unit.items()},
+            },
             "messages_per_call": {"ring": world - 1, "pccl": sum(m for _, m in unit.values())},
         }
     return out
@@ -257,8 +326,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     for scheme in ZERO_SCHEMES:
         r = in_process(zero_topo_rank, args.world, args.rank, scheme)
-        records.append({"case": "zero_topo", "scheme": scheme, "world": args.world, "rank": args.rank,
-                        **zero_topo_check(r)})
+        records.append(
+            {"case": "zero_topo", "scheme": scheme, "world": args.world, "rank": args.rank, **zero_topo_check(r)}
+        )
     r = in_process(ted_rank, args.world, args.rank, *TED_LAYOUT)
     records.append({"case": "ted", "world": args.world, "rank": args.rank, "layout": list(TED_LAYOUT), **ted_check(r)})
     for world in args.pccl_world:
@@ -278,13 +348,19 @@ def table(records: list[dict[str, Any]]) -> str:
         if r["case"] == "pccl":
             for op in ("all_gather", "reduce_scatter"):
                 c = r[op]
-                lines.append(f"pccl {r['world']:>5} GCDs {op:<14} {c['calls']:.0f} calls; messages per call ring "
-                             f"{c['messages_per_call']['ring']}, pccl {c['messages_per_call']['pccl']}; pccl ledger "
-                             f"{c['pccl']['messages']} model {c['model']['messages']}")
+                lines.append(
+                    f"pccl {r['world']:>5} GCDs {op:<14} {c['calls']:.0f} calls; messages per call ring "
+                    f"{c['messages_per_call']['ring']}, pccl {c['messages_per_call']['pccl']}; pccl ledger "
+                    f"{c['pccl']['messages']} model {c['model']['messages']}"
+                )
         elif r["case"] == "ted":
-            lines.append(f"ted  {r['world']:>5} GCDs T x P {r['layout']}: micro-steps ledger {r['micro']} model "
-                         f"{r['model_micro']}; ZeRO-1 ledger {r['zero1']} model {r['model_zero1']}")
+            lines.append(
+                f"ted  {r['world']:>5} GCDs T x P {r['layout']}: micro-steps ledger {r['micro']} model "
+                f"{r['model_micro']}; ZeRO-1 ledger {r['zero1']} model {r['model_zero1']}"
+            )
         else:
-            lines.append(f"zero {r['world']:>5} GCDs {r['scheme']:<15} forward all-gather {r['forward_all_gather']} "
-                         f"Table VII {r['table_vii']}")
+            lines.append(
+                f"zero {r['world']:>5} GCDs {r['scheme']:<15} forward all-gather {r['forward_all_gather']} "
+                f"Table VII {r['table_vii']}"
+            )
     return "\n".join(lines)

@@ -68,11 +68,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="moe6m")
     p.add_argument("--warmup", type=int, default=2, help="optimizer steps before measuring")
     p.add_argument("--steps", type=int, default=4, help="measured steps per timing mode")
-    p.add_argument("--time-scale", type=float, default=300.0,
-                   help="multiply emulated link times by this factor (a CPU core computes ~1000x slower than a GCD)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=300.0,
+        help="multiply emulated link times by this factor (a CPU core computes ~1000x slower than a GCD)",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per variant before giving up")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model, ted_base / ted_dtd_cac / deepspeed_ep / deepspeed_ep_tp, 1 step")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny model, ted_base / ted_dtd_cac / deepspeed_ep / deepspeed_ep_tp, 1 step",
+    )
     add_network_arguments(p)
 
 
@@ -81,21 +88,43 @@ def _model_config(model: str):
     from ds_ext.models.gpt_moe import GPTMoEConfig
 
     d, layers, heads, seq, _ = MODELS[model]
-    return GPTMoEConfig(seq_len=seq, d_model=d, n_layers=layers, n_heads=heads, num_experts=EXPERTS, top_k=1,
-                        capacity_factor=1.25, min_capacity=0, checkpoint="torch")
+    return GPTMoEConfig(
+        seq_len=seq,
+        d_model=d,
+        n_layers=layers,
+        n_heads=heads,
+        num_experts=EXPERTS,
+        top_k=1,
+        capacity_factor=1.25,
+        min_capacity=0,
+        checkpoint="torch",
+    )
 
 
 def _ds_config(variant: str, micro: int, time_scale: float | None) -> dict[str, Any]:
     impl, T, dtd, cac, lean = VARIANTS[variant]
-    block: dict[str, Any] = {"topology": TOPOLOGY, "comm": {"ledger": True, "emulate_time": time_scale is not None,
-                                                          "time_scale": time_scale or 1.0}}
+    block: dict[str, Any] = {
+        "topology": TOPOLOGY,
+        "comm": {"ledger": True, "emulate_time": time_scale is not None, "time_scale": time_scale or 1.0},
+    }
     if impl == "ted":
-        block["ted"] = {"enabled": True, "tensor_parallel": T, "expert_parallel": EXPERT_PARALLEL,
-                        "duplicate_token_dropping": dtd, "comm_aware_checkpointing": cac,
-                        "cac_stash": "lean" if lean else "full"}
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-            "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
-            "ds_ext": block}
+        block["ted"] = {
+            "enabled": True,
+            "tensor_parallel": T,
+            "expert_parallel": EXPERT_PARALLEL,
+            "duplicate_token_dropping": dtd,
+            "comm_aware_checkpointing": cac,
+            "cac_stash": "lean" if lean else "full",
+        }
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**6,
+        "ds_ext": block,
+    }
 
 
 def _deepspeed_tp_model(cfg, state, layout):
@@ -118,11 +147,19 @@ def _deepspeed_tp_model(cfg, state, layout):
     for block in model.blocks:
         if block.moe:
             expert = nn.Sequential(ColumnParallelLinear(d, f), nn.GELU(), RowParallelLinear(f, d))
-            block.ffn = MoE(d, expert, num_experts=cfg.num_experts, ep_size=EXPERT_PARALLEL, k=cfg.top_k,
-                            capacity_factor=cfg.capacity_factor, min_capacity=cfg.min_capacity,
-                            enable_expert_tensor_parallelism=True)
-    model.load_state_dict(local_expert_state(state, layout.coords(dist.get_rank())["expert"],
-                                             cfg.num_experts // EXPERT_PARALLEL))
+            block.ffn = MoE(
+                d,
+                expert,
+                num_experts=cfg.num_experts,
+                ep_size=EXPERT_PARALLEL,
+                k=cfg.top_k,
+                capacity_factor=cfg.capacity_factor,
+                min_capacity=cfg.min_capacity,
+                enable_expert_tensor_parallelism=True,
+            )
+    model.load_state_dict(
+        local_expert_state(state, layout.coords(dist.get_rank())["expert"], cfg.num_experts // EXPERT_PARALLEL)
+    )
     runtime = Runtime.create(cfgmod.parse({"topology": TOPOLOGY}))
     ted = TEDContext.create(layout, runtime.comm, dtd=False, cac=False)
     for i, m in enumerate(m for m in model.modules() if hasattr(m, "ted_bind")):
@@ -152,12 +189,18 @@ def _build(variant: str, cfg, micro: int, time_scale: float | None):
         side.append(comm)
     else:
         model = GPTMoE(dataclasses.replace(cfg, moe_impl=impl, ep_size=EXPERT_PARALLEL))
-        model.load_state_dict(local_expert_state(state, layout.coords(dist.get_rank())["expert"],
-                                                 cfg.num_experts // EXPERT_PARALLEL))
+        model.load_state_dict(
+            local_expert_state(state, layout.coords(dist.get_rank())["expert"], cfg.num_experts // EXPERT_PARALLEL)
+        )
     groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "dense", "lr": 1e-3, "weight_decay": 0.0})
-    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3),
-                                   config=_ds_config(variant, micro, time_scale), mpu=mpu)
+        {"params": list(model.parameters()), "name": "dense", "lr": 1e-3, "weight_decay": 0.0}
+    )
+    engine, *_ = ds_ext.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(groups, lr=1e-3),
+        config=_ds_config(variant, micro, time_scale),
+        mpu=mpu,
+    )
     for comm in side:
         comm.ledger, comm.emulator = engine.ds_ext.comm.ledger, engine.ds_ext.comm.emulator
     d = layout.coords(dist.get_rank())
@@ -176,12 +219,19 @@ def _state_bytes(engine, layout) -> dict[str, Any]:
     n_exp = sum(p.numel() for p in params if is_moe_param(p))
     zero = engine.optimizer
     optim = sum(t.numel() * t.element_size() for t in zero.single_partition_of_fp32_groups) + sum(
-        v.numel() * v.element_size() for s in zero.optimizer.state.values() for v in s.values()
-        if torch.is_tensor(v) and v.dim() > 0)
+        v.numel() * v.element_size()
+        for s in zero.optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
     model = eq_7_4(sum(p.numel() for p in params) - n_exp, n_exp, layout)
     pbytes = sum(p.numel() * p.element_size() for p in params)
-    return {"params": pbytes, "grads": pbytes, "optimizer": optim,
-            "eq_7_4": {"params": model.params, "grads": model.grads, "optimizer": model.optimizer}}
+    return {
+        "params": pbytes,
+        "grads": pbytes,
+        "optimizer": optim,
+        "eq_7_4": {"params": model.params, "grads": model.grads, "optimizer": model.optimizer},
+    }
 
 
 def _moe_block(engine, cfg, tokens) -> tuple[dict[str, Any], int]:
@@ -206,8 +256,13 @@ def _moe_block(engine, cfg, tokens) -> tuple[dict[str, Any], int]:
     engine.zero_grad()
     traffic = ledger.current
     ledger.reset()
-    return ({"bytes": {f"{ph}/{op}/{lv}": b for (ph, op, lv), b in traffic.bytes.items()},
-             "calls": {f"{ph}/{op}/{lv}": c for (ph, op, lv), c in traffic.calls.items()}}, stash)
+    return (
+        {
+            "bytes": {f"{ph}/{op}/{lv}": b for (ph, op, lv), b in traffic.bytes.items()},
+            "calls": {f"{ph}/{op}/{lv}": c for (ph, op, lv), c in traffic.calls.items()},
+        },
+        stash,
+    )
 
 
 def _moe_block_model(variant: str, cfg, micro: int, layout, topology) -> dict[str, Any]:
@@ -218,8 +273,10 @@ def _moe_block_model(variant: str, cfg, micro: int, layout, topology) -> dict[st
     capacity = -(-tokens * cfg.top_k * cfg.capacity_factor // cfg.num_experts)
     shape = MoEBlockShape(tokens, cfg.d_model, cfg.num_experts, int(capacity), element_bytes=2)
     traffic = moe_block_traffic(layout, topology, 0, shape, dtd=dtd, cac=cac, checkpointing=True)
-    return {"bytes": {f"{ph}/{op}/{lv}": b for (ph, op, lv), b in traffic.bytes.items()},
-            "calls": {f"{ph}/{op}/{lv}": c for (ph, op, lv), c in traffic.calls.items()}}
+    return {
+        "bytes": {f"{ph}/{op}/{lv}": b for (ph, op, lv), b in traffic.bytes.items()},
+        "calls": {f"{ph}/{op}/{lv}": c for (ph, op, lv), c in traffic.calls.items()},
+    }
 
 
 class _LinkClock:
@@ -248,8 +305,7 @@ def _measure(variant: str, model: str, warmup: int, steps: int, time_scale: floa
         return _train_and_measure(variant, model, warmup, steps, time_scale)
 
 
-def _train_and_measure(variant: str, model: str, warmup: int, steps: int,
-                       time_scale: float | None) -> dict[str, Any]:
+def _train_and_measure(variant: str, model: str, warmup: int, steps: int, time_scale: float | None) -> dict[str, Any]:
     """Build, train ``warmup + 2 steps`` steps, measure. ``time_scale`` None (a real network,
     ``--network netns``): every step plain, no emulated or link time."""
     import torch.distributed as dist
@@ -287,10 +343,13 @@ def _train_and_measure(variant: str, model: str, warmup: int, steps: int,
         return {"variant": variant, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}
     for comm in comms:
         comm.emulator = None
-    per_step = {"bytes_per_step": {lv: rt.ledger.mean_by_level(warmup).get(lv, 0.0) for lv in LEVELS},
-                "calls_per_step": {lv: rt.ledger.mean_calls_by_level(warmup).get(lv, 0.0) for lv in LEVELS}}
-    block, stash = _moe_block(engine, cfg, corpus.micro_batch(10**6, 0, data_rank, layout.nonexp_data, micro, 1,
-                                                              cfg.seq_len))
+    per_step = {
+        "bytes_per_step": {lv: rt.ledger.mean_by_level(warmup).get(lv, 0.0) for lv in LEVELS},
+        "calls_per_step": {lv: rt.ledger.mean_calls_by_level(warmup).get(lv, 0.0) for lv in LEVELS},
+    }
+    block, stash = _moe_block(
+        engine, cfg, corpus.micro_batch(10**6, 0, data_rank, layout.nonexp_data, micro, 1, cfg.seq_len)
+    )
     record = {
         "variant": variant,
         "error": None,
@@ -305,8 +364,9 @@ def _train_and_measure(variant: str, model: str, warmup: int, steps: int,
         "state_bytes": _state_bytes(engine, layout),
         "moe_block": block,
         "cac_stash_bytes_per_block": stash,
-        "moe_block_model": (_moe_block_model(variant, cfg, micro, layout, rt.topology)
-                            if VARIANTS[variant][0] == "ted" else None),
+        "moe_block_model": (
+            _moe_block_model(variant, cfg, micro, layout, rt.topology) if VARIANTS[variant][0] == "ted" else None
+        ),
     }
     engine.destroy()
     gc.collect()
@@ -336,38 +396,54 @@ def _per_op(block: dict[str, Any], what: str) -> dict[str, float]:
 def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Ledger == model per MoE block; DTD / CAC ratios; TED vs DeepSpeed step times."""
     by = {r["variant"]: r for r in records if r["error"] is None}
-    out: dict[str, Any] = {"moe_block_ledger_equals_model": {}, "moe_block_calls": {},
-                           "a2a_bytes_dtd_over_base": None, "a2a_bytes_over_ted_base": {},
-                           "cac_stash_bytes_per_block": {}, "cac_stash_lean_over_full": None,
-                           "link_time_ratio": {}, "step_time_emulated_ratio": {}, "step_time_ratio": {}}
+    out: dict[str, Any] = {
+        "moe_block_ledger_equals_model": {},
+        "moe_block_calls": {},
+        "a2a_bytes_dtd_over_base": None,
+        "a2a_bytes_over_ted_base": {},
+        "cac_stash_bytes_per_block": {},
+        "cac_stash_lean_over_full": None,
+        "link_time_ratio": {},
+        "step_time_emulated_ratio": {},
+        "step_time_ratio": {},
+    }
     for v, r in by.items():
         out["moe_block_calls"][v] = _per_op(r["moe_block"], "calls")
         out["cac_stash_bytes_per_block"][v] = r["cac_stash_bytes_per_block"]
         if "ted_base" in by:
-            out["a2a_bytes_over_ted_base"][v] = (_per_op(r["moe_block"], "bytes")["all_to_all"]
-                                                 / _per_op(by["ted_base"]["moe_block"], "bytes")["all_to_all"])
+            out["a2a_bytes_over_ted_base"][v] = (
+                _per_op(r["moe_block"], "bytes")["all_to_all"]
+                / _per_op(by["ted_base"]["moe_block"], "bytes")["all_to_all"]
+            )
         if r["moe_block_model"] is not None:
             out["moe_block_ledger_equals_model"][v] = r["moe_block"] == r["moe_block_model"]
     if "ted_base" in by and "ted_dtd" in by:
-        out["a2a_bytes_dtd_over_base"] = (_per_op(by["ted_dtd"]["moe_block"], "bytes")["all_to_all"]
-                                          / _per_op(by["ted_base"]["moe_block"], "bytes")["all_to_all"])
+        out["a2a_bytes_dtd_over_base"] = (
+            _per_op(by["ted_dtd"]["moe_block"], "bytes")["all_to_all"]
+            / _per_op(by["ted_base"]["moe_block"], "bytes")["all_to_all"]
+        )
     if "ted_dtd_cac" in by and "ted_dtd_cac_lean" in by:
-        out["cac_stash_lean_over_full"] = (by["ted_dtd_cac_lean"]["cac_stash_bytes_per_block"]
-                                           / by["ted_dtd_cac"]["cac_stash_bytes_per_block"])
+        out["cac_stash_lean_over_full"] = (
+            by["ted_dtd_cac_lean"]["cac_stash_bytes_per_block"] / by["ted_dtd_cac"]["cac_stash_bytes_per_block"]
+        )
     for v in by:
         if v != "ted_base" and "ted_base" in by:
             if by[v]["link_time_per_step_s"] is not None:
-                out["link_time_ratio"][f"ted_base/{v}"] = (by["ted_base"]["link_time_per_step_s"]
-                                                           / by[v]["link_time_per_step_s"])
-                out["step_time_emulated_ratio"][f"ted_base/{v}"] = (by["ted_base"]["step_time_emulated_s"]
-                                                                    / by[v]["step_time_emulated_s"])
+                out["link_time_ratio"][f"ted_base/{v}"] = (
+                    by["ted_base"]["link_time_per_step_s"] / by[v]["link_time_per_step_s"]
+                )
+                out["step_time_emulated_ratio"][f"ted_base/{v}"] = (
+                    by["ted_base"]["step_time_emulated_s"] / by[v]["step_time_emulated_s"]
+                )
             out["step_time_ratio"][f"ted_base/{v}"] = by["ted_base"]["step_time_s"] / by[v]["step_time_s"]
     return out
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    head = (f"{'variant':<17}{'gcd MB':>8}{'gpu MB':>8}{'node MB':>8}{'a2a':>5}{'AR':>5}{'AG':>5}{'a2a MB':>8}"
-            f"{'stash MB':>9}{'link ms':>9}{'step s':>8}{'emul s':>8}{'state MB':>10}{'loss':>7}")
+    head = (
+        f"{'variant':<17}{'gcd MB':>8}{'gpu MB':>8}{'node MB':>8}{'a2a':>5}{'AR':>5}{'AG':>5}{'a2a MB':>8}"
+        f"{'stash MB':>9}{'link ms':>9}{'step s':>8}{'emul s':>8}{'state MB':>10}{'loss':>7}"
+    )
     lines = [head, "-" * len(head)]
     for r in records:
         if r["error"] is not None:
@@ -384,9 +460,11 @@ def table(records: list[dict[str, Any]]) -> str:
             f"{r['step_time_s']:>8.2f}{r['step_time_emulated_s'] or float('nan'):>8.2f}"
             f"{(state['params'] + state['grads'] + state['optimizer']) / 1e6:>10.2f}{r['losses'][-1]:>7.3f}"
         )
-    lines.append("MB per rank per optimizer step by level; a2a / AR / AG calls and a2a MB of one checkpointed MoE "
-                 "block (forward + backward + recompute); 'stash MB': what CAC keeps of that block's forward collectives for its recompute; 'link ms': alpha-beta link time of a step's collectives "
-                 "at Frontier's latencies and bandwidths; 'emul s': wall time with that link time x time_scale held")
+    lines.append(
+        "MB per rank per optimizer step by level; a2a / AR / AG calls and a2a MB of one checkpointed MoE "
+        "block (forward + backward + recompute); 'stash MB': what CAC keeps of that block's forward collectives for its recompute; 'link ms': alpha-beta link time of a step's collectives "
+        "at Frontier's latencies and bandwidths; 'emul s': wall time with that link time x time_scale held"
+    )
     return "\n".join(lines)
 
 
@@ -409,8 +487,9 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     key = "step_time_s" if network else "link_time_per_step_s"
     ax2.bar(range(len(rows)), [r[key] * 1e3 for r in rows])
     ax2.set_xticks(range(len(rows)), names, rotation=30, ha="right")
-    ax2.set_ylabel("step time on the shaped network (ms)" if network
-                   else "alpha-beta link time per step on Frontier (ms)")
+    ax2.set_ylabel(
+        "step time on the shaped network (ms)" if network else "alpha-beta link time per step on Frontier (ms)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -427,13 +506,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     for variant in tqdm(args.variants, desc="bench ted", unit="variant"):
         with bench_world(args, WORLD, {"LOCAL_SIZE": str(RANKS_PER_NODE)}) as world:
-            records.append(_merge_ranks(world.run(_measure, variant, args.model, args.warmup, args.steps,
-                                                  time_scale)))
+            records.append(_merge_ranks(world.run(_measure, variant, args.model, args.warmup, args.steps, time_scale)))
     from ds_ext.perf.ted import base_model_table
 
-    payload = {"benchmark": "ted", "world_size": WORLD, "model": args.model, "network": args.network,
-               "quick": args.quick, "records": records,
-               "checks": checks(records), "eq_7_5_base_model_params_64GB": base_model_table()}
+    payload = {
+        "benchmark": "ted",
+        "world_size": WORLD,
+        "model": args.model,
+        "network": args.network,
+        "quick": args.quick,
+        "records": records,
+        "checks": checks(records),
+        "eq_7_5_base_model_params_64GB": base_model_table(),
+    }
     out = write_json(args.out, payload)
     plot(records, out.with_suffix(".png"))
     print(table(records))

@@ -97,8 +97,9 @@ def moe_model(hidden: int, ffn: int, experts: int, ep_size: int, seed: int = 123
             super().__init__()
             self.inp = nn.Linear(hidden, hidden)
             expert = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden))
-            self.moe = MoE(hidden, expert, num_experts=experts, ep_size=ep_size, k=1,
-                           capacity_factor=2.0, min_capacity=4)
+            self.moe = MoE(
+                hidden, expert, num_experts=experts, ep_size=ep_size, k=1, capacity_factor=2.0, min_capacity=4
+            )
             self.out = nn.Linear(hidden, hidden)
 
         def forward(self, x, y):
@@ -150,9 +151,18 @@ def ds_config(stage: int, precision: str, clip: float, tiled: int | None) -> dic
     return cfg
 
 
-def moe_engine(experts: int, variant: str, tile_size: int, hidden: int, ffn: int,
-               stage: int = 1, precision: str = "bf16", clip: float = 1.0, lr: float = 1e-3,
-               optimizer: str = "torch"):
+def moe_engine(
+    experts: int,
+    variant: str,
+    tile_size: int,
+    hidden: int,
+    ffn: int,
+    stage: int = 1,
+    precision: str = "bf16",
+    clip: float = 1.0,
+    lr: float = 1e-3,
+    optimizer: str = "torch",
+):
     """A DeepSpeed engine (through ``ds_ext.initialize``) for one benchmark variant;
     ``optimizer``: torch's AdamW or DeepSpeed's FusedAdam (``"ds_fused"``), same hyper-parameters."""
     import torch
@@ -172,8 +182,17 @@ def moe_engine(experts: int, variant: str, tile_size: int, hidden: int, ffn: int
     return engine
 
 
-def _measure_moe(experts: int, variant: str, tile_size: int, hidden: int, ffn: int,
-                 tokens: int, warmup: int, steps: int, memory: bool) -> dict[str, Any]:
+def _measure_moe(
+    experts: int,
+    variant: str,
+    tile_size: int,
+    hidden: int,
+    ffn: int,
+    tokens: int,
+    warmup: int,
+    steps: int,
+    memory: bool,
+) -> dict[str, Any]:
     """Median step peak bytes (``memory``: this world is in memory mode) or median step
     seconds (a world with the steady-state allocator) of one variant on this rank."""
     import torch
@@ -201,8 +220,9 @@ def _measure_moe(experts: int, variant: str, tile_size: int, hidden: int, ffn: i
 
 
 # ---- ZeRO-topo: step + weight all-gather, tiled-and-overlapped vs untiled ---------------
-def _measure_zero_topo(tiled: int | None, d_model: int, n_layers: int, time_scale: float,
-                       warmup: int, steps: int) -> dict[str, Any]:
+def _measure_zero_topo(
+    tiled: int | None, d_model: int, n_layers: int, time_scale: float, warmup: int, steps: int
+) -> dict[str, Any]:
     """Median seconds of ZeRO-topo's ``engine.step()`` (gradient reduction, update and the
     weight all-gather from the world-sharded optimizer shard down to the GCD-pair primary
     shard, time-emulated) and the step's ledger bytes per level."""
@@ -224,8 +244,13 @@ def _measure_zero_topo(tiled: int | None, d_model: int, n_layers: int, time_scal
         "ds_ext": {
             "topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True},
             "comm": {"emulate_time": True, "time_scale": time_scale},
-            "zero_topo": {"enabled": True, "preset": "zero_topo", "weights": {"gather_bits": 16},
-                          "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}},
+            "zero_topo": {
+                "enabled": True,
+                "preset": "zero_topo",
+                "weights": {"gather_bits": 16},
+                "gradients": {"bits": 16, "hops": 1},
+                "secondary": {"bits": 16},
+            },
         },
     }
     if tiled is not None:
@@ -252,21 +277,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="JSON file to write (a PNG is written next to it)")
     p.add_argument("--experts", type=int, nargs="+", default=[4, 8, 16, 32])
     p.add_argument("--tile-size", type=int, default=1_800_000)
-    p.add_argument("--sweep", type=int, nargs="+", default=[100_000, 450_000, 1_800_000, 7_200_000],
-                   help="tile sizes swept at the largest E")
+    p.add_argument(
+        "--sweep",
+        type=int,
+        nargs="+",
+        default=[100_000, 450_000, 1_800_000, 7_200_000],
+        help="tile sizes swept at the largest E",
+    )
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--ffn", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank per step")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="measured steps (medians)")
-    p.add_argument("--zero-topo-time-scale", type=float, default=300.0,
-                   help="emulated link-time factor for the ZeRO-topo part (weight all-gathers "
-                   "of about the update's duration, where overlap matters most)")
+    p.add_argument(
+        "--zero-topo-time-scale",
+        type=float,
+        default=300.0,
+        help="emulated link-time factor for the ZeRO-topo part (weight all-gathers "
+        "of about the update's duration, where overlap matters most)",
+    )
     p.add_argument("--zero-topo-steps", type=int, default=20)
-    p.add_argument("--zero-topo-repeats", type=int, default=2,
-                   help="alternating untiled / tiled runs; the median over all measured steps")
-    p.add_argument("--quick", action="store_true",
-                   help="small model, E = 4 and 16, no tile-size sweep (for tests)")
+    p.add_argument(
+        "--zero-topo-repeats",
+        type=int,
+        default=2,
+        help="alternating untiled / tiled runs; the median over all measured steps",
+    )
+    p.add_argument("--quick", action="store_true", help="small model, E = 4 and 16, no tile-size sweep (for tests)")
     p.add_argument("--timeout", type=float, default=3600)
 
 
@@ -288,7 +325,9 @@ def checks(records: list[dict[str, Any]], tile_size: int) -> dict[str, Any]:
         "tiled_peak_max_over_min": max(tiled) / max(min(tiled), 1),
         "untiled_peak_largest_E_over_smallest_E": untiled[-1] / max(untiled[0], 1),
         "tiled_le_group_split": all(r["step_peak_bytes_tiled"] <= r["step_peak_bytes_ds_group_split"] for r in main),
-        "time_ratio_tiled_over_untiled": {r["experts"]: r["step_time_s_tiled"] / r["step_time_s_untiled"] for r in main},
+        "time_ratio_tiled_over_untiled": {
+            r["experts"]: r["step_time_s_tiled"] / r["step_time_s_untiled"] for r in main
+        },
         "time_ratio_tiled_over_group_split": {
             r["experts"]: r["step_time_s_tiled"] / r["step_time_s_ds_group_split"] for r in main
         },
@@ -299,8 +338,10 @@ def checks(records: list[dict[str, Any]], tile_size: int) -> dict[str, Any]:
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    head = (f"{'E':>3} {'tile':>9} {'peak untiled MB':>16} {'group split MB':>15} {'tiled MB':>9} "
-            f"{'t untiled s':>12} {'t split s':>10} {'t tiled s':>10}")
+    head = (
+        f"{'E':>3} {'tile':>9} {'peak untiled MB':>16} {'group split MB':>15} {'tiled MB':>9} "
+        f"{'t untiled s':>12} {'t split s':>10} {'t tiled s':>10}"
+    )
     lines = [head, "-" * len(head)]
     for r in records:
         lines.append(
@@ -319,8 +360,11 @@ def plot(records: list[dict[str, Any]], tile_size: int, path: Path) -> None:
     es = [r["experts"] for r in main]
     fig = plotting.figure(figsize=(6, 4))
     ax = fig.subplots()
-    for key, label in (("untiled", "DeepSpeed untiled"), ("ds_group_split", "DeepSpeed max_group_size"),
-                       ("tiled", "ds_ext tiled")):
+    for key, label in (
+        ("untiled", "DeepSpeed untiled"),
+        ("ds_group_split", "DeepSpeed max_group_size"),
+        ("tiled", "ds_ext tiled"),
+    ):
         ax.plot(es, [r[f"step_peak_bytes_{key}"] / 1e6 for r in main], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(es, [str(e) for e in es])
@@ -338,8 +382,15 @@ def _zero_topo_part(world, args: argparse.Namespace) -> dict[str, Any]:
     zt_times: dict[str, list[float]] = {"untiled": [], "tiled": []}
     for _ in range(args.zero_topo_repeats):
         for name, ts in (("untiled", None), ("tiled", args.tile_size)):
-            per_rank = world.run(_measure_zero_topo, ts, 128 if args.quick else 256, 4,
-                                 args.zero_topo_time_scale, args.warmup, args.zero_topo_steps)
+            per_rank = world.run(
+                _measure_zero_topo,
+                ts,
+                128 if args.quick else 256,
+                4,
+                args.zero_topo_time_scale,
+                args.warmup,
+                args.zero_topo_steps,
+            )
             zt_times[name].append(max(r["time"] for r in per_rank))
             zt[f"step_bytes_by_level_{name}"] = per_rank[0]["step_bytes"]
     for name, times in zt_times.items():
@@ -362,8 +413,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with World(WORLD, env, timeout=args.timeout) as world:
             for rec in records:
                 for variant in VARIANTS:
-                    per_rank = world.run(_measure_moe, rec["experts"], variant, rec["tile_size"], args.hidden,
-                                         args.ffn, args.tokens, args.warmup, args.steps, memory)
+                    per_rank = world.run(
+                        _measure_moe,
+                        rec["experts"],
+                        variant,
+                        rec["tile_size"],
+                        args.hidden,
+                        args.ffn,
+                        args.tokens,
+                        args.warmup,
+                        args.steps,
+                        memory,
+                    )
                     value = max(r["value"] for r in per_rank)
                     if memory:
                         rec[f"step_peak_bytes_{variant}"] = int(value)
@@ -377,8 +438,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     payload = {
         "benchmark": "tiled",
         "world_size": WORLD,
-        "model": {"hidden": args.hidden, "ffn": args.ffn, "tokens_per_rank": args.tokens, "ep_size": WORLD,
-                  "zero_stage": 1, "precision": "bf16"},
+        "model": {
+            "hidden": args.hidden,
+            "ffn": args.ffn,
+            "tokens_per_rank": args.tokens,
+            "ep_size": WORLD,
+            "zero_stage": 1,
+            "precision": "bf16",
+        },
         "local_expert_params_per_rank": local_expert_params,
         "records": records,
         "zero_topo": {"preset": "zero_topo (unquantized)", "time_scale": args.zero_topo_time_scale, **zt},
@@ -387,7 +454,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = write_json(args.out, payload)
     plot(records, args.tile_size, out.with_suffix(".png"))
     print(table(records))
-    print(f"zero_topo step+all-gather: untiled {zt['step_time_s_untiled']:.4f} s, "
-          f"tiled+overlapped {zt['step_time_s_tiled']:.4f} s")
+    print(
+        f"zero_topo step+all-gather: untiled {zt['step_time_s_untiled']:.4f} s, "
+        f"tiled+overlapped {zt['step_time_s_tiled']:.4f} s"
+    )
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return payload

@@ -34,8 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--width", type=int, default=4096, help="Linear width (parameters per layer: width^2)")
     p.add_argument("--layers", type=int, default=16, help="Linear layers (default 16 x 4096^2 = 2^28 parameters)")
-    p.add_argument("--tiles", type=int, nargs="+", default=[PAPER_TILE, 1 << 23, 1 << 24, 1 << 25],
-                   help="tile sizes, one tiled variant each (default: the paper's 1.8M and 2^23..2^25)")
+    p.add_argument(
+        "--tiles",
+        type=int,
+        nargs="+",
+        default=[PAPER_TILE, 1 << 23, 1 << 24, 1 << 25],
+        help="tile sizes, one tiled variant each (default: the paper's 1.8M and 2^23..2^25)",
+    )
     p.add_argument("--steps", type=int, default=12, help="measured steps (after 3 warm-up steps)")
     p.add_argument("--batch", type=int, default=64, help="rows of the random input")
 
@@ -48,8 +53,12 @@ def _engine(args: argparse.Namespace, tile: int | None, device: str):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers)])
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-        "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}, "steps_per_print": 10**9,
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
     }
     if tile is not None:
@@ -94,10 +103,18 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 times[name].append(seconds)
                 peaks[name].append(peak)
     ref = [p.detach() for p in engines["untiled"].module.parameters()]
-    identical = {name: all(torch.equal(a, b.detach()) for a, b in zip(ref, engine.module.parameters()))
-                 for name, engine in engines.items() if name != "untiled"}
-    return {"optimizer": optimizer, "times": times, "peaks": peaks, "identical": identical,
-            "parameters": sum(p.numel() for p in ref)}
+    identical = {
+        name: all(torch.equal(a, b.detach()) for a, b in zip(ref, engine.module.parameters()))
+        for name, engine in engines.items()
+        if name != "untiled"
+    }
+    return {
+        "optimizer": optimizer,
+        "times": times,
+        "peaks": peaks,
+        "identical": identical,
+        "parameters": sum(p.numel() for p in ref),
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -118,19 +135,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     records = []
     for name in r["times"]:
         t = median(r["times"][name])
-        rec = {"variant": name, "tile_size": None if name == "untiled" else int(name.split("=")[1]),
-               "step_s": t, "step_s_per_step": r["times"][name], "time_vs_untiled": t / base_t,
-               "peak_bytes": max(r["peaks"][name]) if peaks_known else None,
-               "bit_identical_to_untiled": r["identical"].get(name, True)}
+        rec = {
+            "variant": name,
+            "tile_size": None if name == "untiled" else int(name.split("=")[1]),
+            "step_s": t,
+            "step_s_per_step": r["times"][name],
+            "time_vs_untiled": t / base_t,
+            "peak_bytes": max(r["peaks"][name]) if peaks_known else None,
+            "bit_identical_to_untiled": r["identical"].get(name, True),
+        }
         rec["peak_vs_untiled"] = rec["peak_bytes"] / base_p if peaks_known and base_p else None
         records.append(rec)
-        peak = f", step peak {rec['peak_bytes'] / 2**20:,.0f} MiB ({rec['peak_vs_untiled']:.3f}x)" if peaks_known else ""
-        print(f"{name:>14}: step {t * 1e3:8.3f} ms ({rec['time_vs_untiled']:.3f}x untiled){peak}, "
-              f"bits {'identical' if rec['bit_identical_to_untiled'] else 'DIFFER'}")
+        peak = (
+            f", step peak {rec['peak_bytes'] / 2**20:,.0f} MiB ({rec['peak_vs_untiled']:.3f}x)" if peaks_known else ""
+        )
+        print(
+            f"{name:>14}: step {t * 1e3:8.3f} ms ({rec['time_vs_untiled']:.3f}x untiled){peak}, "
+            f"bits {'identical' if rec['bit_identical_to_untiled'] else 'DIFFER'}"
+        )
     env = environment(args.device)
-    payload = {"benchmark": "tiled_step", "environment": env, "optimizer": r["optimizer"],
-               "parameters": r["parameters"], "width": args.width, "layers": args.layers, "batch": args.batch,
-               "measured_steps": args.steps, "records": records}
+    payload = {
+        "benchmark": "tiled_step",
+        "environment": env,
+        "optimizer": r["optimizer"],
+        "parameters": r["parameters"],
+        "width": args.width,
+        "layers": args.layers,
+        "batch": args.batch,
+        "measured_steps": args.steps,
+        "records": records,
+    }
     out = write_json(args.out, payload)
     print(f"wrote {out}")
     return payload

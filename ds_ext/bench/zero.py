@@ -69,9 +69,11 @@ MODELS = {  # name -> (d_model, n_layers, n_heads, seq_len)
     "tiny": (64, 2, 4, 32),
 }
 WORLD, RANKS_PER_NODE = 8, 4
-HPZ_UNDER_TP = ("hpZ off: DeepSpeed 0.19.8 builds the hpZ group from consecutive world ranks "
-                "(utils/groups.py _create_zero_param_parallel_group ignores the mpu), so under tensor "
-                "parallelism it would all-gather secondary shards of different tensor ranks' parameters")
+HPZ_UNDER_TP = (
+    "hpZ off: DeepSpeed 0.19.8 builds the hpZ group from consecutive world ranks "
+    "(utils/groups.py _create_zero_param_parallel_group ignores the mpu), so under tensor "
+    "parallelism it would all-gather secondary shards of different tensor ranks' parameters"
+)
 # DeepSpeed's counterpart of a ds_ext preset, for the "same inter-node bytes" check
 DEEPSPEED_TWIN = {"ds_ext_zero3": "deepspeed_zero3", "ds_ext_zeropp": "deepspeed_zeropp"}
 
@@ -84,23 +86,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="optimizer steps before measuring")
     p.add_argument("--steps", type=int, default=3, help="measured steps per timing mode")
     p.add_argument(
-        "--time-scale", type=float, default=100.0,
+        "--time-scale",
+        type=float,
+        default=100.0,
         help="multiply emulated link times (latency and bytes/bandwidth) by this factor: one CPU "
         "core computes ~1000x slower than a GCD, so unscaled link times vanish in the noise",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per variant before giving up")
     p.add_argument("--quick", action="store_true", help="tiny model, GA 1, 3 variants, 1 step")
-    p.add_argument("--tensor-parallel", type=int, choices=(1, 2), default=1,
-                   help="Megatron tensor-parallel degree (megatron-core's parallel_state as the mpu)")
-    p.add_argument("--pipeline-parallel", type=int, choices=(0, 1, 2), default=0,
-                   help="0: the plain GPT; N: the GPT as a deepspeed.pipe.PipelineModule of N stages on "
-                        f"DeepSpeed's PipelineEngine (variants {', '.join(PIPELINE_VARIANTS)})")
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="Megatron tensor-parallel degree (megatron-core's parallel_state as the mpu)",
+    )
+    p.add_argument(
+        "--pipeline-parallel",
+        type=int,
+        choices=(0, 1, 2),
+        default=0,
+        help="0: the plain GPT; N: the GPT as a deepspeed.pipe.PipelineModule of N stages on "
+        f"DeepSpeed's PipelineEngine (variants {', '.join(PIPELINE_VARIANTS)})",
+    )
     add_network_arguments(p)
 
 
 # ---- one rank ---------------------------------------------------------------------------
-def _ds_config(variant: str, grad_accum: int, time_scale: float | None, tensor: int = 1,
-               pipeline: int = 0) -> dict[str, Any]:
+def _ds_config(
+    variant: str, grad_accum: int, time_scale: float | None, tensor: int = 1, pipeline: int = 0
+) -> dict[str, Any]:
     """The variant's ds_config; ``time_scale`` None: no alpha-beta emulation (a real network)."""
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
@@ -130,8 +145,11 @@ def _ds_config(variant: str, grad_accum: int, time_scale: float | None, tensor: 
             "stage3_max_reuse_distance": 0,
         }
         if variant == "deepspeed_zeropp":
-            zero.update(zero_hpz_partition_size=RANKS_PER_NODE if tensor == 1 else 1, zero_quantized_weights=True,
-                        zero_quantized_gradients=True)
+            zero.update(
+                zero_hpz_partition_size=RANKS_PER_NODE if tensor == 1 else 1,
+                zero_quantized_weights=True,
+                zero_quantized_gradients=True,
+            )
         cfg["zero_optimization"] = zero
         cfg["ds_ext"]["comm"]["count_torch_collectives"] = True
     else:
@@ -219,11 +237,13 @@ def _tensor_parallel_gpt(cfg, tensor: int) -> tuple[Any, Any]:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor)
 
     def side(group) -> ParallelGroup:
-        return ParallelGroup(group, dist.get_world_size(group), dist.get_rank(group),
-                             tuple(dist.get_process_group_ranks(group)))
+        return ParallelGroup(
+            group, dist.get_world_size(group), dist.get_rank(group), tuple(dist.get_process_group_ranks(group))
+        )
 
-    mpu = MegatronMPU(side(parallel_state.get_tensor_model_parallel_group()),
-                      side(parallel_state.get_data_parallel_group()))
+    mpu = MegatronMPU(
+        side(parallel_state.get_tensor_model_parallel_group()), side(parallel_state.get_data_parallel_group())
+    )
     return megatron_tensor_parallel(GPT(cfg), tensor), mpu
 
 
@@ -267,8 +287,13 @@ def data_group_floor(topology, data_ranks: list[int], model_bytes: float) -> dic
     outer = group.levels[-1]
     n, p = outer.size, len(data_ranks) // outer.size
     floor = 2 * (model_bytes / p) * (n - 1) / n if len(data_ranks) > 1 else 0.0
-    return {"level": outer.name if n > 1 else None, "domains": n, "ranks_per_domain": p, "bytes": floor,
-            "inter_node": floor if outer.name == topology.levels[-1].name and n > 1 else 0.0}
+    return {
+        "level": outer.name if n > 1 else None,
+        "domains": n,
+        "ranks_per_domain": p,
+        "bytes": floor,
+        "inter_node": floor if outer.name == topology.levels[-1].name and n > 1 else 0.0,
+    }
 
 
 def _pipeline_gpt(cfg, pipeline: int) -> Any:
@@ -281,12 +306,25 @@ def _pipeline_gpt(cfg, pipeline: int) -> Any:
 
 
 def _rel_err(measured: dict[str, float], model: dict[str, float]) -> float:
-    return max((abs(measured.get(lv, 0.0) - model.get(lv, 0.0)) / max(model.get(lv, 0.0), 1.0)
-                for lv in set(measured) | set(model)), default=0.0)
+    return max(
+        (
+            abs(measured.get(lv, 0.0) - model.get(lv, 0.0)) / max(model.get(lv, 0.0), 1.0)
+            for lv in set(measured) | set(model)
+        ),
+        default=0.0,
+    )
 
 
-def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, steps: int,
-             time_scale: float | None, tensor: int = 1, pipeline: int = 0) -> list[dict[str, Any]]:
+def _measure(
+    variant: str,
+    grad_accums: list[int],
+    model: str,
+    warmup: int,
+    steps: int,
+    time_scale: float | None,
+    tensor: int = 1,
+    pipeline: int = 0,
+) -> list[dict[str, Any]]:
     """Runs on every rank: train ``warmup + 2 * steps`` steps per grad_accum and measure."""
     import torch
     import torch.distributed as dist
@@ -307,17 +345,20 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
         cfg = GPTConfig(seq_len=seq, d_model=d, n_layers=layers, n_heads=heads)
         net, mpu = (_pipeline_gpt(cfg, pipeline), None) if pipeline else _tensor_parallel_gpt(cfg, tensor)
         grid = net.mpu() if pipeline else mpu
-        data_rank, data_world = (rank, world) if grid is None else (grid.get_data_parallel_rank(),
-                                                                    grid.get_data_parallel_world_size())
-        data_ranks = list(range(world)) if grid is None else \
-            sorted(dist.get_process_group_ranks(grid.get_data_parallel_group()))
+        data_rank, data_world = (
+            (rank, world) if grid is None else (grid.get_data_parallel_rank(), grid.get_data_parallel_world_size())
+        )
+        data_ranks = (
+            list(range(world)) if grid is None else sorted(dist.get_process_group_ranks(grid.get_data_parallel_group()))
+        )
         rank_bytes = sum(p.numel() for p in net.parameters()) * 2  # bf16; this rank's share under TP
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.0)
         if variant in TORCH_VARIANTS:
             engine = _TorchEngine(variant, net, ga, _ds_config(variant, ga, time_scale))
         else:
-            engine, *_ = ds_ext.initialize(model=net, optimizer=opt, mpu=mpu,
-                                           config=_ds_config(variant, ga, time_scale, tensor, pipeline))
+            engine, *_ = ds_ext.initialize(
+                model=net, optimizer=opt, mpu=mpu, config=_ds_config(variant, ga, time_scale, tensor, pipeline)
+            )
         rt = engine.ds_ext
         emulator = rt.comm.emulator
         times: dict[bool, list[float]] = {False: [], True: []}
@@ -372,16 +413,21 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
         if pipeline:
             tied, tied_calls = _tied_traffic(engine, rt.topology)
             by_phase = led.mean_by_phase(warmup)
-            record.update(stage=grid.get_stage_id(), data_ranks=data_ranks, expected_tied_grads_bytes=tied,
-                          tied_grads_vs_expected_rel_err=_rel_err(by_phase.get("tied_grads", {}), tied))
+            record.update(
+                stage=grid.get_stage_id(),
+                data_ranks=data_ranks,
+                expected_tied_grads_bytes=tied,
+                tied_grads_vs_expected_rel_err=_rel_err(by_phase.get("tied_grads", {}), tied),
+            )
         if variant.startswith("ds_ext_") and pipeline:
             plugin = rt.plugins[0]
             model_traffic = plugin.analytic_traffic(ga)
             step_model = model_traffic.bytes.get("step", {})
             record.update(
                 analytic_bytes_per_step={lv: step_model.get(lv, 0.0) + tied.get(lv, 0.0) for lv in LEVELS},
-                analytic_calls_per_step={lv: model_traffic.calls_by_level().get(lv, 0) + tied_calls.get(lv, 0)
-                                         for lv in LEVELS},
+                analytic_calls_per_step={
+                    lv: model_traffic.calls_by_level().get(lv, 0) + tied_calls.get(lv, 0) for lv in LEVELS
+                },
                 analytic_bytes_per_step_by_phase={"step": step_model, "tied_grads": tied},
                 step_vs_model_rel_err=_rel_err(by_phase.get("step", {}), step_model),
                 plan=plugin.describe(),
@@ -393,10 +439,12 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
             model_traffic = plugin.analytic_traffic(ga)
             tp_bytes, tp_calls = _tensor_parallel_traffic(cfg, ga, tensor, 2)
             record.update(
-                analytic_bytes_per_step={lv: model_traffic.by_level().get(lv, 0.0) + (tp_bytes if lv == "gcd" else 0)
-                                         for lv in LEVELS},
-                analytic_calls_per_step={lv: model_traffic.calls_by_level().get(lv, 0) + (tp_calls if lv == "gcd" else 0)
-                                         for lv in LEVELS},
+                analytic_bytes_per_step={
+                    lv: model_traffic.by_level().get(lv, 0.0) + (tp_bytes if lv == "gcd" else 0) for lv in LEVELS
+                },
+                analytic_calls_per_step={
+                    lv: model_traffic.calls_by_level().get(lv, 0) + (tp_calls if lv == "gcd" else 0) for lv in LEVELS
+                },
                 peak_state_bytes=plugin.state_bytes(),
                 analytic_state_bytes=plugin.analytic_memory(),
             )
@@ -413,8 +461,17 @@ def _measure(variant: str, grad_accums: list[int], model: str, warmup: int, step
 
 
 # ---- driver -----------------------------------------------------------------------------
-STAGE_FIELDS = ("stage", "model_bytes", "data_ranks", "data_parallel_floor", "bytes_per_step", "calls_per_step",
-                "bytes_per_step_by_phase", "analytic_bytes_per_step", "analytic_bytes_per_step_by_phase")
+STAGE_FIELDS = (
+    "stage",
+    "model_bytes",
+    "data_ranks",
+    "data_parallel_floor",
+    "bytes_per_step",
+    "calls_per_step",
+    "bytes_per_step_by_phase",
+    "analytic_bytes_per_step",
+    "analytic_bytes_per_step_by_phase",
+)
 
 
 def _merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -441,27 +498,39 @@ def _merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The acceptance numbers of issue 3, computed from the records."""
     by = {(r["variant"], r["grad_accum"]): r for r in records}
-    out: dict[str, Any] = {"model_vs_measured_max_rel_err": {}, "inter_node_vs_deepspeed": {},
-                           "zero_topo_vs_floor": {}, "step_time_ratio_emulated": {}, "step_time_ratio": {},
-                           "inter_node_x_M": {}}
+    out: dict[str, Any] = {
+        "model_vs_measured_max_rel_err": {},
+        "inter_node_vs_deepspeed": {},
+        "zero_topo_vs_floor": {},
+        "step_time_ratio_emulated": {},
+        "step_time_ratio": {},
+        "inter_node_x_M": {},
+    }
     for (v, ga), r in by.items():
         if r["analytic_bytes_per_step"] is not None:
             measured = r["bytes_per_step"]
             if r.get("pipeline_parallel"):  # the modelled phases (not DeepSpeed's loss reporting, phase "other")
                 phases = [r["bytes_per_step_by_phase"].get(ph, {}) for ph in ("step", "tied_grads")]
                 measured = {lv: sum(ph.get(lv, 0.0) for ph in phases) for lv in LEVELS}
-            errs = [abs(measured[lv] - r["analytic_bytes_per_step"][lv]) / max(r["analytic_bytes_per_step"][lv], 1.0)
-                    for lv in LEVELS]
+            errs = [
+                abs(measured[lv] - r["analytic_bytes_per_step"][lv]) / max(r["analytic_bytes_per_step"][lv], 1.0)
+                for lv in LEVELS
+            ]
             out["model_vs_measured_max_rel_err"][f"{v}@GA{ga}"] = max(errs)
         twin = DEEPSPEED_TWIN.get(v)
         if twin and (twin, ga) in by:
-            out["inter_node_vs_deepspeed"][f"{v}@GA{ga}"] = r["bytes_per_step"]["node"] / by[twin, ga]["bytes_per_step"]["node"]
+            out["inter_node_vs_deepspeed"][f"{v}@GA{ga}"] = (
+                r["bytes_per_step"]["node"] / by[twin, ga]["bytes_per_step"]["node"]
+            )
         out["inter_node_x_M"][f"{v}@GA{ga}"] = r["bytes_per_step"]["node"] / r["model_bytes"]
         floor = r["data_parallel_floor"]["inter_node"]  # one exact 16-bit gradient synchronisation
         if v in ("ds_ext_zero_topo", "ds_ext_zero_topo_int8") and floor > 0:
             out["zero_topo_vs_floor"][f"{v}@GA{ga}"] = r["bytes_per_step"]["node"] / floor
         if v == "ds_ext_zero3" and ("torch_fsdp2", ga) in by:
-            for key, field in (("step_time_ratio", "step_time_s"), ("step_time_ratio_emulated", "step_time_emulated_s")):
+            for key, field in (
+                ("step_time_ratio", "step_time_s"),
+                ("step_time_ratio_emulated", "step_time_emulated_s"),
+            ):
                 if r[field] is not None:
                     out[key][f"ds_ext_zero3/torch_fsdp2@GA{ga}"] = r[field] / by["torch_fsdp2", ga][field]
         for ours in ("ds_ext_zero_topo", "ds_ext_zero_topo_paper", "ds_ext_zero_topo_int8"):
@@ -469,8 +538,9 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
                 if v == ours and (theirs, ga) in by:
                     key = f"{theirs}/{ours}@GA{ga}"
                     if r["step_time_emulated_s"] is not None:
-                        out["step_time_ratio_emulated"][key] = (by[theirs, ga]["step_time_emulated_s"]
-                                                                / r["step_time_emulated_s"])
+                        out["step_time_ratio_emulated"][key] = (
+                            by[theirs, ga]["step_time_emulated_s"] / r["step_time_emulated_s"]
+                        )
                     out["step_time_ratio"][key] = by[theirs, ga]["step_time_s"] / r["step_time_s"]
     if any(r.get("pipeline_parallel") for r in records):
         out["pipeline"] = pipeline_checks(records)
@@ -482,8 +552,13 @@ def pipeline_checks(records: list[dict[str, Any]]) -> dict[str, Any]:
     DeepSpeed's tied-weight all-reduce against its own count (largest error over all ranks), and each
     variant's step-phase bytes at the data-parallel group's outermost level against its floor there
     (per stage: the first rank of each)."""
-    out: dict[str, Any] = {"step_vs_model_max_rel_err": {}, "tied_grads_vs_expected_max_rel_err": {},
-                           "data_parallel_floor": {}, "step_vs_floor": {}, "step_bytes_vs_deepspeed_zero1": {}}
+    out: dict[str, Any] = {
+        "step_vs_model_max_rel_err": {},
+        "tied_grads_vs_expected_max_rel_err": {},
+        "data_parallel_floor": {},
+        "step_vs_floor": {},
+        "step_bytes_vs_deepspeed_zero1": {},
+    }
     zero1 = {r["grad_accum"]: r for r in records if r["variant"] == "deepspeed_zero1"}
     for r in records:
         key = f"{r['variant']}@GA{r['grad_accum']}"
@@ -499,14 +574,17 @@ def pipeline_checks(records: list[dict[str, Any]]) -> dict[str, Any]:
         base = zero1.get(r["grad_accum"])
         if base is not None and r is not base:
             mine, theirs = r["bytes_per_step_by_phase"].get("step", {}), base["bytes_per_step_by_phase"].get("step", {})
-            out["step_bytes_vs_deepspeed_zero1"][key] = {lv: mine.get(lv, 0.0) / theirs[lv] for lv in LEVELS
-                                                          if theirs.get(lv)}
+            out["step_bytes_vs_deepspeed_zero1"][key] = {
+                lv: mine.get(lv, 0.0) / theirs[lv] for lv in LEVELS if theirs.get(lv)
+            }
     return out
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    head = (f"{'variant':<24}{'GA':>3}{'gcd xM':>9}{'gpu xM':>9}{'node xM':>9}{'model node':>11}"
-            f"{'calls':>7}{'step s':>8}{'emul s':>8}{'loss':>8}")
+    head = (
+        f"{'variant':<24}{'GA':>3}{'gcd xM':>9}{'gpu xM':>9}{'node xM':>9}{'model node':>11}"
+        f"{'calls':>7}{'step s':>8}{'emul s':>8}{'loss':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in records:
         m = r["model_bytes"]
@@ -517,8 +595,10 @@ def table(records: list[dict[str, Any]]) -> str:
             f"{(model['node'] / m if model else float('nan')):>11.3f}{sum(r['calls_per_step'].values()):>7.0f}"
             f"{r['step_time_s']:>8.2f}{r['step_time_emulated_s'] or float('nan'):>8.2f}{r['loss']:>8.3f}"
         )
-    lines.append("bytes sent per rank per optimizer step in units of M = model bytes (bf16); "
-                 "'emul s' with alpha-beta time emulation")
+    lines.append(
+        "bytes sent per rank per optimizer step in units of M = model bytes (bf16); "
+        "'emul s' with alpha-beta time emulation"
+    )
     return "\n".join(lines)
 
 
@@ -535,8 +615,12 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
             vals = [r["bytes_per_step"][lv] / r["model_bytes"] for r in rows]
             ax.bar(range(len(rows)), vals, bottom=bottom, label=lv)
             bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_xticks(range(len(rows)), [r["variant"].replace("deepspeed_", "DS ").replace("ds_ext_", "")
-                                         for r in rows], rotation=35, ha="right")
+        ax.set_xticks(
+            range(len(rows)),
+            [r["variant"].replace("deepspeed_", "DS ").replace("ds_ext_", "") for r in rows],
+            rotation=35,
+            ha="right",
+        )
         ax.set_ylabel("bytes per rank per step (x model bytes)")
         ax.set_title(f"grad accumulation {ga}")
         ax.legend(title="level")
@@ -551,14 +635,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.pipeline_parallel:
         if args.tensor_parallel > 1:
-            raise SystemExit("ds-ext bench zero: --pipeline-parallel with --tensor-parallel 2 is not supported; "
-                             "allowed: one of them")
+            raise SystemExit(
+                "ds-ext bench zero: --pipeline-parallel with --tensor-parallel 2 is not supported; allowed: one of them"
+            )
         if args.variants == list(ALL_VARIANTS):
             args.variants = list(PIPELINE_VARIANTS)
         other = [v for v in args.variants if v not in PIPELINE_VARIANTS]
         if other:
-            raise SystemExit(f"ds-ext bench zero: {', '.join(other)} cannot run on DeepSpeed's PipelineEngine "
-                             f"(ZeRO stage 0 or 1 only); allowed with --pipeline-parallel: {', '.join(PIPELINE_VARIANTS)}")
+            raise SystemExit(
+                f"ds-ext bench zero: {', '.join(other)} cannot run on DeepSpeed's PipelineEngine "
+                f"(ZeRO stage 0 or 1 only); allowed with --pipeline-parallel: {', '.join(PIPELINE_VARIANTS)}"
+            )
     if args.quick:
         args.model, args.grad_accum, args.warmup, args.steps = "tiny", [1], 1, 1
         if args.variants == list(ALL_VARIANTS):
@@ -567,14 +654,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     for variant in tqdm(args.variants, desc="bench zero", unit="variant"):
         with bench_world(args, WORLD, {"LOCAL_SIZE": str(RANKS_PER_NODE)}) as world:
-            per_rank = world.run(_measure, variant, args.grad_accum, args.model, args.warmup,
-                                 args.steps, time_scale, args.tensor_parallel, args.pipeline_parallel)
+            per_rank = world.run(
+                _measure,
+                variant,
+                args.grad_accum,
+                args.model,
+                args.warmup,
+                args.steps,
+                time_scale,
+                args.tensor_parallel,
+                args.pipeline_parallel,
+            )
         records.extend(_merge_ranks(per_rank))
     records.sort(key=lambda r: (r["grad_accum"], ALL_VARIANTS.index(r["variant"])))
-    payload = {"benchmark": "zero", "world_size": WORLD, "model": args.model, "network": args.network,
-               "quick": args.quick, "tensor_parallel": args.tensor_parallel,
-               "pipeline_parallel": args.pipeline_parallel, "records": records,
-               "checks": checks(records)}
+    payload = {
+        "benchmark": "zero",
+        "world_size": WORLD,
+        "model": args.model,
+        "network": args.network,
+        "quick": args.quick,
+        "tensor_parallel": args.tensor_parallel,
+        "pipeline_parallel": args.pipeline_parallel,
+        "records": records,
+        "checks": checks(records),
+    }
     if args.tensor_parallel > 1 and "deepspeed_zeropp" in args.variants:
         payload["deepspeed_zeropp"] = HPZ_UNDER_TP
     out = write_json(args.out, payload)

@@ -33,23 +33,36 @@ def add_cluster_arguments(p: argparse.ArgumentParser, ranks_per_node: bool = Tru
     g = p.add_argument_group("emulated cluster (network namespaces, tc tbf links)")
     g.add_argument("--nodes", type=int, default=2, help="emulated nodes")
     if ranks_per_node:
-        g.add_argument("--ranks-per-node", type=int, default=None,
-                       help="ranks per node (default 2; from --config when given)")
-    g.add_argument("--node-rate", default=None, metavar="RATE",
-                   help="each link out of a node (the node's, or with --nic per-gpu each GPU's NIC), both "
-                        "directions, e.g. 40mbit (or from --config)")
+        g.add_argument(
+            "--ranks-per-node", type=int, default=None, help="ranks per node (default 2; from --config when given)"
+        )
+    g.add_argument(
+        "--node-rate",
+        default=None,
+        metavar="RATE",
+        help="each link out of a node (the node's, or with --nic per-gpu each GPU's NIC), both "
+        "directions, e.g. 40mbit (or from --config)",
+    )
     g.add_argument("--node-burst", type=int, default=None, metavar="BYTES", help="tbf bucket of a node link")
     g.add_argument("--gpus-per-node", type=int, default=1, help="> 1: a second shaped level, one link per GPU")
     g.add_argument("--gpu-rate", default=None, metavar="RATE", help="each GPU's link inside a node")
     g.add_argument("--gpu-burst", type=int, default=None, metavar="BYTES")
-    g.add_argument("--nic", choices=NIC_SHAPES, default=None,
-                   help="per-node (default): one link out of each node, shared by its GPUs; per-gpu: a link out "
-                        "of the node for each GPU (Frontier: a NIC per MI250X), GPUs of a node joined by "
-                        "their --gpu-rate links")
+    g.add_argument(
+        "--nic",
+        choices=NIC_SHAPES,
+        default=None,
+        help="per-node (default): one link out of each node, shared by its GPUs; per-gpu: a link out "
+        "of the node for each GPU (Frontier: a NIC per MI250X), GPUs of a node joined by "
+        "their --gpu-rate links",
+    )
     g.add_argument("--config", default=None, help="ds_config JSON whose ds_ext.topology block gives the levels")
     g.add_argument("--gpu-level", action="store_true", help="--config: also shape the 'gpu' level")
-    g.add_argument("--rate-scale", type=float, default=1.0,
-                   help="--config: divide the topology's bandwidths by this (fit them to one host's CPU)")
+    g.add_argument(
+        "--rate-scale",
+        type=float,
+        default=1.0,
+        help="--config: divide the topology's bandwidths by this (fit them to one host's CPU)",
+    )
 
 
 def spec_from_args(ns: argparse.Namespace, ranks_per_node: int | None = None) -> ClusterSpec:
@@ -69,8 +82,9 @@ def spec_from_args(ns: argparse.Namespace, ranks_per_node: int | None = None) ->
     if ns.node_rate is None:
         raise ClusterError("give --node-rate (e.g. 40mbit) or --config with a ds_ext.topology block")
     gpu = LinkShape.of(parse_rate(ns.gpu_rate), ns.gpu_burst) if ns.gpu_rate else None
-    return ClusterSpec(ns.nodes, per_node or 2, LinkShape.of(parse_rate(ns.node_rate), ns.node_burst),
-                       ns.gpus_per_node, gpu, nic)
+    return ClusterSpec(
+        ns.nodes, per_node or 2, LinkShape.of(parse_rate(ns.node_rate), ns.node_burst), ns.gpus_per_node, gpu, nic
+    )
 
 
 def require_capability() -> None:
@@ -84,6 +98,7 @@ def require_capability() -> None:
 def signals_unwind() -> Iterator[None]:
     """SIGTERM and SIGHUP raise ``SystemExit`` (as Ctrl-C raises KeyboardInterrupt) so that
     the cluster's cleanup runs; the previous handlers come back afterwards."""
+
     def _raise(signum: int, _frame: Any) -> None:
         raise SystemExit(128 + signum)
 
@@ -95,15 +110,24 @@ def signals_unwind() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def run_on_cluster(spec: ClusterSpec, command: list[str], timeout: float | None = None,
-                   local_rank_arg: bool = False, wire_out: Path | None = None) -> int:
+def run_on_cluster(
+    spec: ClusterSpec,
+    command: list[str],
+    timeout: float | None = None,
+    local_rank_arg: bool = False,
+    wire_out: Path | None = None,
+) -> int:
     """Build the cluster, run ``command`` on every rank, remove the cluster; the job's exit code.
     With ``wire_out``, the bytes every link carried during the job (:mod:`ds_ext.cluster.wire`)
     are written there as JSON, whatever the exit code."""
     require_capability()
     with signals_unwind(), netns.NetnsCluster(spec) as cluster:
-        print(f"ds-ext cluster {cluster.rid}: {spec.describe()}; ranks in "
-              f"{', '.join(leaf.namespace for leaf in cluster.leaves)}", file=sys.stderr, flush=True)
+        print(
+            f"ds-ext cluster {cluster.rid}: {spec.describe()}; ranks in "
+            f"{', '.join(leaf.namespace for leaf in cluster.leaves)}",
+            file=sys.stderr,
+            flush=True,
+        )
         counters = None if wire_out is None else WireCounters.of(cluster)
         before = None if counters is None else counters.snapshot()
         try:
@@ -118,8 +142,11 @@ def measure_network(spec: ClusterSpec, message_bytes: int, timeout: float = 300)
     """Run :mod:`ds_ext.cluster.measure` on the cluster; its JSON."""
     with tempfile.TemporaryDirectory(prefix="ds_ext_cluster_") as tmp:
         out = Path(tmp) / "measure.json"
-        code = run_on_cluster(spec, [sys.executable, "-m", "ds_ext.cluster.measure", "--out", str(out),
-                                     "--message-bytes", str(message_bytes)], timeout)
+        code = run_on_cluster(
+            spec,
+            [sys.executable, "-m", "ds_ext.cluster.measure", "--out", str(out), "--message-bytes", str(message_bytes)],
+            timeout,
+        )
         if code:
             raise ClusterError(f"the measuring ranks failed with exit code {code}")
         return json.loads(out.read_text())
@@ -127,17 +154,22 @@ def measure_network(spec: ClusterSpec, message_bytes: int, timeout: float = 300)
 
 def format_measurement(db: dict[str, Any]) -> str:
     """The measured network as a table: per level, shaped rate and the measured figures."""
+
     def mbit(bps: float | None) -> str:
         return "-" if bps is None else f"{bps * 8 / 1e6:.1f}"
 
-    lines = [f"{'level':<6} {'pair':>5} {'shaped':>7} {'p2p':>7} {'shared':>7} {'all-gather span':>16} "
-             f"{'all-gather cross':>17} {'latency us':>11}   (Mbit/s; shared: per rank, all exchanging at once; "
-             f"all-gather = ring bus bandwidth)"]
+    lines = [
+        f"{'level':<6} {'pair':>5} {'shaped':>7} {'p2p':>7} {'shared':>7} {'all-gather span':>16} "
+        f"{'all-gather cross':>17} {'latency us':>11}   (Mbit/s; shared: per rank, all exchanging at once; "
+        f"all-gather = ring bus bandwidth)"
+    ]
     for name, lv in db["levels"].items():
-        lines.append(f"{name:<6} {'%d-%d' % tuple(lv['pair']):>5} {mbit(lv['shaped_bytes_per_s']):>7} "
-                     f"{mbit(lv['p2p_bytes_per_s']):>7} {mbit(lv.get('shared_bytes_per_s')):>7} "
-                     f"{mbit(lv['allgather_span_bytes_per_s']):>16} "
-                     f"{mbit(lv['allgather_cross_bytes_per_s']):>17} {lv['latency_s'] * 1e6:>11.0f}")
+        lines.append(
+            f"{name:<6} {'%d-%d' % tuple(lv['pair']):>5} {mbit(lv['shaped_bytes_per_s']):>7} "
+            f"{mbit(lv['p2p_bytes_per_s']):>7} {mbit(lv.get('shared_bytes_per_s')):>7} "
+            f"{mbit(lv['allgather_span_bytes_per_s']):>16} "
+            f"{mbit(lv['allgather_cross_bytes_per_s']):>17} {lv['latency_s'] * 1e6:>11.0f}"
+        )
     if db.get("step_latency_s") is not None:
         lines.append(f"step latency (every rank exchanging at once): {db['step_latency_s'] * 1e6:.0f} us per message")
     lines.append(f"all-gather correct on every rank: {db['allgather_correct']}")
@@ -158,8 +190,13 @@ def cmd_cluster(ns: argparse.Namespace) -> int:
         command = ns.job[1:] if ns.job[:1] == ["--"] else ns.job
         if not command:
             raise ClusterError("no command to run: ds-ext cluster [flags] -- COMMAND ...")
-        return run_on_cluster(spec_from_args(ns), command, ns.timeout, ns.local_rank_arg,
-                              None if ns.wire_out is None else Path(ns.wire_out))
+        return run_on_cluster(
+            spec_from_args(ns),
+            command,
+            ns.timeout,
+            ns.local_rank_arg,
+            None if ns.wire_out is None else Path(ns.wire_out),
+        )
     except ClusterError as err:
         print(f"ds-ext cluster: {err}", file=sys.stderr)
         return 2
@@ -174,16 +211,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true", help="only say whether this host can build a cluster")
     p.add_argument("--clean", action="store_true", help="only remove the leftovers of killed runs")
     p.add_argument("--timeout", type=float, default=None, help="stop the job after this many seconds")
-    p.add_argument("--local-rank-arg", action="store_true",
-                   help="append --local_rank=N to the command, as the deepspeed launcher does")
-    p.add_argument("--wire-out", default=None, metavar="FILE",
-                   help="write the bytes each link carried during the job, per direction and level (JSON)")
+    p.add_argument(
+        "--local-rank-arg",
+        action="store_true",
+        help="append --local_rank=N to the command, as the deepspeed launcher does",
+    )
+    p.add_argument(
+        "--wire-out",
+        default=None,
+        metavar="FILE",
+        help="write the bytes each link carried during the job, per direction and level (JSON)",
+    )
     p.add_argument("job", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...] run on every rank")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ds_ext.cluster``: ``ds-ext cluster`` alone."""
-    p = argparse.ArgumentParser(prog="python -m ds_ext.cluster", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m ds_ext.cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p)
     return cmd_cluster(p.parse_args(argv))

@@ -36,19 +36,29 @@ def rank_env(cluster: NetnsCluster, rank: int, base: dict[str, str]) -> dict[str
     node, local = divmod(rank, spec.ranks_per_node)
     leaf = cluster.leaves[spec.leaf_of(rank)]
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **base}
-    env.update({
-        "RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(spec.world_size),
-        "LOCAL_SIZE": str(spec.ranks_per_node), "LOCAL_WORLD_SIZE": str(spec.ranks_per_node),
-        "NODE_RANK": str(node), "GROUP_RANK": str(node), "CROSS_RANK": str(node),
-        "CROSS_SIZE": str(spec.nodes), "MASTER_ADDR": cluster.leaves[0].address,
-        "MASTER_PORT": str(MASTER_PORT), "GLOO_SOCKET_IFNAME": leaf.ifname,
-        "DS_EXT_CLUSTER": json.dumps({**spec.to_json(), "run_id": cluster.rid}),
-    })
+    env.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local),
+            "WORLD_SIZE": str(spec.world_size),
+            "LOCAL_SIZE": str(spec.ranks_per_node),
+            "LOCAL_WORLD_SIZE": str(spec.ranks_per_node),
+            "NODE_RANK": str(node),
+            "GROUP_RANK": str(node),
+            "CROSS_RANK": str(node),
+            "CROSS_SIZE": str(spec.nodes),
+            "MASTER_ADDR": cluster.leaves[0].address,
+            "MASTER_PORT": str(MASTER_PORT),
+            "GLOO_SOCKET_IFNAME": leaf.ifname,
+            "DS_EXT_CLUSTER": json.dumps({**spec.to_json(), "run_id": cluster.rid}),
+        }
+    )
     return env
 
 
-def start_ranks(cluster: NetnsCluster, command: Sequence[str], local_rank_arg: bool = False,
-                env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+def start_ranks(
+    cluster: NetnsCluster, command: Sequence[str], local_rank_arg: bool = False, env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
     """Start every rank of ``command``; the processes in rank order."""
     base = dict(os.environ if env is None else env)
     procs = []
@@ -58,8 +68,14 @@ def start_ranks(cluster: NetnsCluster, command: Sequence[str], local_rank_arg: b
             if local_rank_arg:
                 argv.append(f"--local_rank={rank % cluster.spec.ranks_per_node}")
             ns = cluster.leaves[cluster.spec.leaf_of(rank)].namespace
-            procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=rank_env(cluster, rank, base),
-                                          preexec_fn=die_with_parent, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", ns, *argv],
+                    env=rank_env(cluster, rank, base),
+                    preexec_fn=die_with_parent,
+                    start_new_session=True,
+                )
+            )
     except BaseException:
         stop(procs)
         raise
@@ -100,7 +116,12 @@ def wait_ranks(procs: list[subprocess.Popen], timeout: float | None = None) -> i
         stop(procs)
 
 
-def run_job(cluster: NetnsCluster, command: Sequence[str], timeout: float | None = None,
-            local_rank_arg: bool = False, env: dict[str, str] | None = None) -> int:
+def run_job(
+    cluster: NetnsCluster,
+    command: Sequence[str],
+    timeout: float | None = None,
+    local_rank_arg: bool = False,
+    env: dict[str, str] | None = None,
+) -> int:
     """Start ``command`` on every rank of ``cluster`` and wait (:func:`wait_ranks`)."""
     return wait_ranks(start_ranks(cluster, command, local_rank_arg, env), timeout)

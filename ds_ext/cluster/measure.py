@@ -66,8 +66,14 @@ def spec_from_env() -> ClusterSpec:
 def spec_from_json(d: dict[str, Any]) -> ClusterSpec:
     """The inverse of :meth:`ClusterSpec.to_json`."""
     gpu = LinkShape(d["gpu_rate_bps"], d["gpu_burst_bytes"]) if "gpu_rate_bps" in d else None
-    return ClusterSpec(d["nodes"], d["ranks_per_node"], LinkShape(d["node_rate_bps"], d["node_burst_bytes"]),
-                       d["gpus_per_node"], gpu, d.get("nic", "per-node"))
+    return ClusterSpec(
+        d["nodes"],
+        d["ranks_per_node"],
+        LinkShape(d["node_rate_bps"], d["node_burst_bytes"]),
+        d["gpus_per_node"],
+        gpu,
+        d.get("nic", "per-node"),
+    )
 
 
 def level_partners(spec: ClusterSpec) -> dict[str, int]:
@@ -146,14 +152,19 @@ def measure(message_bytes: int) -> dict[str, Any]:
         t_p2p = _timed(lambda: _pair(rank, 0, b, big, small), REPEATS)
         rate = spec.path_rate_bps(level)
         levels[level] = {
-            "pair": [0, b], "latency_s": rtt / 2, "p2p_bytes_per_s": message_bytes / t_p2p,
+            "pair": [0, b],
+            "latency_s": rtt / 2,
+            "p2p_bytes_per_s": message_bytes / t_p2p,
             "shaped_bytes_per_s": None if rate is None else rate / 8,
         }
         span, cross = span_group(spec, level), cross_group(spec, level)
         span_bw = _allgather_bandwidth(rank, span, big)
-        levels[level].update(allgather_span_group=span, allgather_span_bytes_per_s=span_bw,
-                             allgather_cross_group=cross, allgather_cross_bytes_per_s=(
-                                 span_bw if cross == span else _allgather_bandwidth(rank, cross, big)))
+        levels[level].update(
+            allgather_span_group=span,
+            allgather_span_bytes_per_s=span_bw,
+            allgather_cross_group=cross,
+            allgather_cross_bytes_per_s=(span_bw if cross == span else _allgather_bandwidth(rank, cross, big)),
+        )
         partner = exchange_partner(spec, level, rank)
         back = torch.empty_like(big)
         _exchange(rank, partner, big, back, downward)  # warm-up: the pairs' second connections
@@ -164,8 +175,13 @@ def measure(message_bytes: int) -> dict[str, Any]:
     if world > 1:
         _ring_steps(rank, world, small, small.clone())  # warm-up
         step = _timed(lambda: _ring_steps(rank, world, small, small.clone()), STEP_REPEATS) / (world - 1)
-    return {"network": "netns", "cluster": spec.to_json(), "message_bytes": message_bytes, "levels": levels,
-            "step_latency_s": step}
+    return {
+        "network": "netns",
+        "cluster": spec.to_json(),
+        "message_bytes": message_bytes,
+        "levels": levels,
+        "step_latency_s": step,
+    }
 
 
 def exchange_partner(spec: ClusterSpec, level: str, rank: int) -> int | None:
@@ -185,8 +201,10 @@ def _exchange(rank: int, partner: int | None, send, recv, downward) -> None:
 
     if partner is None:
         return
-    works = [dist.isend(send, partner, group=None if partner > rank else downward),
-             dist.irecv(recv, partner, group=None if rank > partner else downward)]
+    works = [
+        dist.isend(send, partner, group=None if partner > rank else downward),
+        dist.irecv(recv, partner, group=None if rank > partner else downward),
+    ]
     for w in works:
         w.wait()
 
@@ -273,7 +291,9 @@ def measured_topology(db: dict[str, Any], names: tuple[str, ...]) -> Topology:
     for name, lv in zip(names, present):
         got = db["levels"][lv]
         shared = got.get("shared_bytes_per_s") or got["p2p_bytes_per_s"] / sharing[lv]
-        levels.append(Level(name, sizes[lv], shared, max(got["latency_s"], step), link_bandwidth=got["p2p_bytes_per_s"]))
+        levels.append(
+            Level(name, sizes[lv], shared, max(got["latency_s"], step), link_bandwidth=got["p2p_bytes_per_s"])
+        )
     return Topology(tuple(levels), "measured-netns")
 
 

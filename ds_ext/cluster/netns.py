@@ -47,8 +47,11 @@ TBF_LATENCY = "30ms"  # tbf queue bound, not an added delay
 #   and behind a queue of its own data they held each exchange's sender; the modelled link is
 #   full duplex.
 # The measurements behind each setting: docs/benchmarks/network.md.
-TCP_SETTINGS = {"net.ipv4.tcp_slow_start_after_idle": "0", "net.ipv4.tcp_congestion_control": "reno",
-                "net.ipv4.tcp_limit_output_bytes": "8192"}
+TCP_SETTINGS = {
+    "net.ipv4.tcp_slow_start_after_idle": "0",
+    "net.ipv4.tcp_congestion_control": "reno",
+    "net.ipv4.tcp_limit_output_bytes": "8192",
+}
 LOCK_DIR = Path("/run/ds_ext_cluster")
 _NS_RE = re.compile(rf"^{re.escape(NS_PREFIX)}([0-9a-f]{{6}})-\S+")
 _CMD_TIMEOUT_S = 30
@@ -152,8 +155,11 @@ def sweep_leftovers() -> list[str]:
 
 def host_interfaces() -> list[str]:
     """Interfaces named like ds_ext's in the host's namespace (there should never be any)."""
-    return [line.split()[0].split("@")[0] for line in run_cmd("ip", "-br", "link").splitlines()
-            if line.startswith(IF_PREFIX)]
+    return [
+        line.split()[0].split("@")[0]
+        for line in run_cmd("ip", "-br", "link").splitlines()
+        if line.startswith(IF_PREFIX)
+    ]
 
 
 def ns_name(rid: str, suffix: str) -> str:
@@ -198,15 +204,52 @@ def cluster_links(spec: ClusterSpec, rid: str) -> list[Link]:
         node_ns = ns_name(rid, f"n{node}")
         node_br = if_name(rid, "b", node + 1) if spec.gpus_per_node > 1 else None
         if spec.nic == "per-node":
-            links.append(Link(f"node:n{node}", "node", node, 0, switch, top, if_name(rid, "np", node), node_ns,
-                              if_name(rid, "nl", node), spec.node_link, node_br))
+            links.append(
+                Link(
+                    f"node:n{node}",
+                    "node",
+                    node,
+                    0,
+                    switch,
+                    top,
+                    if_name(rid, "np", node),
+                    node_ns,
+                    if_name(rid, "nl", node),
+                    spec.node_link,
+                    node_br,
+                )
+            )
         for gpu in range(spec.gpus_per_node if node_br is not None else 0):
             leaf, leaf_ns = node * spec.gpus_per_node + gpu, ns_name(rid, f"n{node}g{gpu}")
-            links.append(Link(f"gpu:n{node}g{gpu}", "gpu", node, gpu, node_ns, node_br, if_name(rid, "gp", leaf), leaf_ns,
-                              if_name(rid, "gl", leaf), spec.gpu_link))
+            links.append(
+                Link(
+                    f"gpu:n{node}g{gpu}",
+                    "gpu",
+                    node,
+                    gpu,
+                    node_ns,
+                    node_br,
+                    if_name(rid, "gp", leaf),
+                    leaf_ns,
+                    if_name(rid, "gl", leaf),
+                    spec.gpu_link,
+                )
+            )
             if spec.nic == "per-gpu":
-                links.append(Link(f"node:n{node}g{gpu}", "node", node, gpu, switch, top, if_name(rid, "np", leaf), leaf_ns,
-                                  if_name(rid, "nl", leaf), spec.node_link))
+                links.append(
+                    Link(
+                        f"node:n{node}g{gpu}",
+                        "node",
+                        node,
+                        gpu,
+                        switch,
+                        top,
+                        if_name(rid, "np", leaf),
+                        leaf_ns,
+                        if_name(rid, "nl", leaf),
+                        spec.node_link,
+                    )
+                )
     return links
 
 
@@ -274,15 +317,47 @@ class NetnsCluster:
     @staticmethod
     def _link(link: Link) -> None:
         """The veth of ``link``, shaped on both ends (each end's egress: both directions)."""
-        run_cmd("ip", "-n", link.upper_ns, "link", "add", link.upper_if, "mtu", str(MTU), "type", "veth",
-                "peer", "name", link.lower_if, "mtu", str(MTU), "netns", link.lower_ns)
+        run_cmd(
+            "ip",
+            "-n",
+            link.upper_ns,
+            "link",
+            "add",
+            link.upper_if,
+            "mtu",
+            str(MTU),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            link.lower_if,
+            "mtu",
+            str(MTU),
+            "netns",
+            link.lower_ns,
+        )
         run_cmd("ip", "-n", link.upper_ns, "link", "set", link.upper_if, "master", link.bridge, "up")
         if link.lower_bridge is not None:
             run_cmd("ip", "-n", link.lower_ns, "link", "set", link.lower_if, "master", link.lower_bridge)
         run_cmd("ip", "-n", link.lower_ns, "link", "set", link.lower_if, "up")
         for ns, dev in ((link.upper_ns, link.upper_if), (link.lower_ns, link.lower_if)):
-            run_cmd("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(link.shape.rate_bps)}bit",
-                    "burst", str(link.shape.burst_bytes), "latency", TBF_LATENCY)
+            run_cmd(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{int(link.shape.rate_bps)}bit",
+                "burst",
+                str(link.shape.burst_bytes),
+                "latency",
+                TBF_LATENCY,
+            )
 
     def _build(self) -> None:
         spec, rid = self.spec, self.rid
@@ -316,8 +391,18 @@ class NetnsCluster:
         for leaf in self.leaves:
             for peer in self.leaves:
                 if peer.node == leaf.node and peer is not leaf:
-                    run_cmd("ip", "-n", leaf.namespace, "route", "add", f"{peer.address}/32",
-                            "dev", inner[leaf.namespace], "src", leaf.address)
+                    run_cmd(
+                        "ip",
+                        "-n",
+                        leaf.namespace,
+                        "route",
+                        "add",
+                        f"{peer.address}/32",
+                        "dev",
+                        inner[leaf.namespace],
+                        "src",
+                        leaf.address,
+                    )
 
     def remove(self) -> None:
         """Kill what runs inside, delete the namespaces, drop the lock; errors raise after all of it."""
@@ -376,12 +461,46 @@ def capability_problem() -> str | None:
         run_cmd("ip", "netns", "add", ns)
         for what, argv in (
             ("create a bridge", ("ip", "-n", ns, "link", "add", f"{IF_PREFIX}{rid}b", "type", "bridge")),
-            ("create a veth pair", ("ip", "-n", ns, "link", "add", f"{IF_PREFIX}{rid}a", "type", "veth",
-                                    "peer", "name", f"{IF_PREFIX}{rid}z")),
-            ("create tc tbf", ("tc", "-n", ns, "qdisc", "add", "dev", f"{IF_PREFIX}{rid}a", "root", "tbf",
-                               "rate", "1mbit", "burst", "32768", "latency", TBF_LATENCY)),
-            *((f"set {key}={value} in a namespace", _tcp_setting_argv(ns, key, value))
-              for key, value in TCP_SETTINGS.items()),
+            (
+                "create a veth pair",
+                (
+                    "ip",
+                    "-n",
+                    ns,
+                    "link",
+                    "add",
+                    f"{IF_PREFIX}{rid}a",
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    f"{IF_PREFIX}{rid}z",
+                ),
+            ),
+            (
+                "create tc tbf",
+                (
+                    "tc",
+                    "-n",
+                    ns,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    f"{IF_PREFIX}{rid}a",
+                    "root",
+                    "tbf",
+                    "rate",
+                    "1mbit",
+                    "burst",
+                    "32768",
+                    "latency",
+                    TBF_LATENCY,
+                ),
+            ),
+            *(
+                (f"set {key}={value} in a namespace", _tcp_setting_argv(ns, key, value))
+                for key, value in TCP_SETTINGS.items()
+            ),
         ):
             try:
                 run_cmd(*argv)

@@ -108,13 +108,18 @@ class ClusterSpec:
         if self.nic not in NIC_SHAPES:
             raise ClusterError(f"nic shape {self.nic!r}: expected one of {', '.join(NIC_SHAPES)}")
         if self.nic == "per-gpu" and self.gpus_per_node < 2:
-            raise ClusterError("a NIC per GPU needs more than one GPU per node (with one, the node's link is its GPU's)")
+            raise ClusterError(
+                "a NIC per GPU needs more than one GPU per node (with one, the node's link is its GPU's)"
+            )
         if self.nodes < 1 or self.ranks_per_node < 1 or self.gpus_per_node < 1:
-            raise ClusterError(f"nodes, ranks per node and GPUs per node must be >= 1, got "
-                               f"{self.nodes}, {self.ranks_per_node}, {self.gpus_per_node}")
+            raise ClusterError(
+                f"nodes, ranks per node and GPUs per node must be >= 1, got "
+                f"{self.nodes}, {self.ranks_per_node}, {self.gpus_per_node}"
+            )
         if self.ranks_per_node % self.gpus_per_node:
-            raise ClusterError(f"{self.ranks_per_node} ranks per node do not split over "
-                               f"{self.gpus_per_node} GPUs per node")
+            raise ClusterError(
+                f"{self.ranks_per_node} ranks per node do not split over {self.gpus_per_node} GPUs per node"
+            )
         if (self.gpus_per_node > 1) != (self.gpu_link is not None):
             raise ClusterError("a GPU link rate is needed exactly when there is more than one GPU per node")
         if self.leaves > MAX_LEAVES:
@@ -155,25 +160,32 @@ class ClusterSpec:
 
     def describe(self) -> str:
         if self.nic == "per-gpu":
-            return (f"{self.nodes} nodes x {self.ranks_per_node} ranks, {self.gpus_per_node} GPUs per node, "
-                    f"a NIC per GPU {self.node_link.describe()}, GPU links inside a node {self.gpu_link.describe()}")
+            return (
+                f"{self.nodes} nodes x {self.ranks_per_node} ranks, {self.gpus_per_node} GPUs per node, "
+                f"a NIC per GPU {self.node_link.describe()}, GPU links inside a node {self.gpu_link.describe()}"
+            )
         text = f"{self.nodes} nodes x {self.ranks_per_node} ranks, node links {self.node_link.describe()}"
         if self.gpu_link is not None:
             text += f", {self.gpus_per_node} GPUs per node on links {self.gpu_link.describe()}"
         return text
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
-                               "node_rate_bps": self.node_link.rate_bps,
-                               "node_burst_bytes": self.node_link.burst_bytes,
-                               "gpus_per_node": self.gpus_per_node, "nic": self.nic}
+        out: dict[str, Any] = {
+            "nodes": self.nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "node_rate_bps": self.node_link.rate_bps,
+            "node_burst_bytes": self.node_link.burst_bytes,
+            "gpus_per_node": self.gpus_per_node,
+            "nic": self.nic,
+        }
         if self.gpu_link is not None:
             out.update(gpu_rate_bps=self.gpu_link.rate_bps, gpu_burst_bytes=self.gpu_link.burst_bytes)
         return out
 
 
-def spec_from_topology(block: Mapping[str, Any], nodes: int, rate_scale: float = 1.0,
-                       gpu_level: bool = False, nic: str = "per-node") -> ClusterSpec:
+def spec_from_topology(
+    block: Mapping[str, Any], nodes: int, rate_scale: float = 1.0, gpu_level: bool = False, nic: str = "per-node"
+) -> ClusterSpec:
     """A cluster of ``nodes`` nodes from a ``ds_ext.topology`` block: ranks per node from its
     inner levels, the node link from the ``node`` level (and, with ``gpu_level``, the GPU links
     from the ``gpu`` level), rates divided by ``rate_scale``. With ``nic="per-gpu"`` (which needs
@@ -201,5 +213,11 @@ def spec_from_topology(block: Mapping[str, Any], nodes: int, rate_scale: float =
         return ClusterSpec(nodes, per_node, LinkShape.of(node.bandwidth * 8 * per_node / rate_scale))
     per_gpu = topo.domain_size("gpu") // (gpu.size or 1)
     behind_nic = per_gpu if nic == "per-gpu" else per_node
-    return ClusterSpec(nodes, per_node, LinkShape.of(node.bandwidth * 8 * behind_nic / rate_scale), per_node // per_gpu,
-                       LinkShape.of(gpu.bandwidth * 8 * per_gpu / rate_scale), nic)
+    return ClusterSpec(
+        nodes,
+        per_node,
+        LinkShape.of(node.bandwidth * 8 * behind_nic / rate_scale),
+        per_node // per_gpu,
+        LinkShape.of(gpu.bandwidth * 8 * per_gpu / rate_scale),
+        nic,
+    )

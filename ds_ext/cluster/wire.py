@@ -74,11 +74,21 @@ class WireBytes:
         between ranks of one namespace go over loopback, which has no counter here."""
         levels = self.by_level()
         ledger = sum(ledger_by_level.values())
-        return {"levels": {lv: {"ledger": ledger_by_level.get(lv, 0.0), "wire_up": levels.get(lv, {}).get("up", 0),
-                                "wire_down": levels.get(lv, {}).get("down", 0)}
-                           for lv in sorted(set(levels) | set(ledger_by_level))},
-                "total": {"ledger": ledger, "wire_sent": self.sent(),
-                          "wire_over_ledger": self.sent() / ledger if ledger else None}}
+        return {
+            "levels": {
+                lv: {
+                    "ledger": ledger_by_level.get(lv, 0.0),
+                    "wire_up": levels.get(lv, {}).get("up", 0),
+                    "wire_down": levels.get(lv, {}).get("down", 0),
+                }
+                for lv in sorted(set(levels) | set(ledger_by_level))
+            },
+            "total": {
+                "ledger": ledger,
+                "wire_sent": self.sent(),
+                "wire_over_ledger": self.sent() / ledger if ledger else None,
+            },
+        }
 
 
 @dataclass(frozen=True)
@@ -90,8 +100,11 @@ class WireSnapshot:
     rank_links: frozenset[str]
 
     def __sub__(self, before: "WireSnapshot") -> WireBytes:
-        return WireBytes({name: {d: now[d] - before.counters[name][d] for d in DIRECTIONS}
-                          for name, now in self.counters.items()}, self.levels, self.rank_links)
+        return WireBytes(
+            {name: {d: now[d] - before.counters[name][d] for d in DIRECTIONS} for name, now in self.counters.items()},
+            self.levels,
+            self.rank_links,
+        )
 
 
 class WireCounters:
@@ -129,7 +142,9 @@ class WireCounters:
         (the switch, and each node with a GPU level)."""
         counters = {}
         for ns, links in self._by_ns.items():
-            stats = {dev["ifname"]: dev["stats64"] for dev in json.loads(run_cmd("ip", "-n", ns, "-j", "-s", "link", "show"))}
+            stats = {
+                dev["ifname"]: dev["stats64"] for dev in json.loads(run_cmd("ip", "-n", ns, "-j", "-s", "link", "show"))
+            }
             for link in links:
                 if link.upper_if not in stats:
                     raise ClusterError(f"link {link.name}: no interface {link.upper_if} in {ns} (cluster gone?)")

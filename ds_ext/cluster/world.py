@@ -29,9 +29,13 @@ def cluster_world(spec: ClusterSpec, env: dict[str, str] | None = None, timeout:
     require_capability()
     with signals_unwind(), NetnsCluster(spec) as cluster:
         ranks = range(spec.world_size)
-        with World(spec.world_size, env, timeout, rank_env=[launch.rank_env(cluster, r, {}) for r in ranks],
-                   rank_setup=[functools.partial(enter_namespace, cluster.leaves[spec.leaf_of(r)].namespace)
-                               for r in ranks]) as world:
+        with World(
+            spec.world_size,
+            env,
+            timeout,
+            rank_env=[launch.rank_env(cluster, r, {}) for r in ranks],
+            rank_setup=[functools.partial(enter_namespace, cluster.leaves[spec.leaf_of(r)].namespace) for r in ranks],
+        ) as world:
             yield world
 
 
@@ -42,11 +46,15 @@ BENCH_MESSAGE_BYTES = 2**20  # the benchmarks' network measurement message: 0.1 
 
 def add_network_arguments(p: argparse.ArgumentParser) -> None:
     """``--network emulate|netns`` and the cluster flags, for a benchmark."""
-    p.add_argument("--network", choices=("emulate", "netns"), default="emulate",
-                   help="emulate: alpha-beta sleeps on local ranks; netns: no emulation, ranks on an emulated "
-                        f"cluster of {BENCH_NODES} nodes x {BENCH_GPUS_PER_NODE} GPUs with shaped links "
-                        f"(--node-rate, --gpus-per-node {BENCH_GPUS_PER_NODE} --gpu-rate; --nic per-gpu: a link "
-                        "out of the node per GPU, Frontier's shape)")
+    p.add_argument(
+        "--network",
+        choices=("emulate", "netns"),
+        default="emulate",
+        help="emulate: alpha-beta sleeps on local ranks; netns: no emulation, ranks on an emulated "
+        f"cluster of {BENCH_NODES} nodes x {BENCH_GPUS_PER_NODE} GPUs with shaped links "
+        f"(--node-rate, --gpus-per-node {BENCH_GPUS_PER_NODE} --gpu-rate; --nic per-gpu: a link "
+        "out of the node per GPU, Frontier's shape)",
+    )
     add_cluster_arguments(p, ranks_per_node=False)
 
 
@@ -54,8 +62,10 @@ def bench_cluster_spec(args: argparse.Namespace, world_size: int) -> ClusterSpec
     """The cluster of ``--network netns`` for ``world_size`` ranks, as the benchmarks' topology says."""
     spec = spec_from_args(args, world_size // BENCH_NODES)
     if (spec.nodes, spec.gpus_per_node) != (BENCH_NODES, BENCH_GPUS_PER_NODE):
-        raise ClusterError(f"--network netns runs the benchmarks' {BENCH_NODES} nodes x {BENCH_GPUS_PER_NODE} "
-                           f"GPUs: --nodes {BENCH_NODES} --gpus-per-node {BENCH_GPUS_PER_NODE} --gpu-rate RATE")
+        raise ClusterError(
+            f"--network netns runs the benchmarks' {BENCH_NODES} nodes x {BENCH_GPUS_PER_NODE} "
+            f"GPUs: --nodes {BENCH_NODES} --gpus-per-node {BENCH_GPUS_PER_NODE} --gpu-rate RATE"
+        )
     return spec
 
 
@@ -67,8 +77,10 @@ def refuse_link_flags_when_emulating(args: argparse.Namespace) -> None:
     setting silently replaced by the emulated topology."""
     given = ["--" + f.replace("_", "-") for f in LINK_FLAGS if getattr(args, f, None) is not None]
     if args.network == "emulate" and given:
-        raise ClusterError(f"{' and '.join(given)} only apply to --network netns (its shaped links); "
-                           "--network emulate runs the emulated topology's links")
+        raise ClusterError(
+            f"{' and '.join(given)} only apply to --network netns (its shaped links); "
+            "--network emulate runs the emulated topology's links"
+        )
 
 
 def bench_world(args: argparse.Namespace, world_size: int, env: dict[str, str]):

@@ -127,8 +127,9 @@ Exchange = Callable[..., None]
 Then = tuple[torch.Tensor, int] | None
 
 
-def p2p_exchange(group: object | None, tally: Tally, level: str | None, downward: object | None = None,
-                 posted: list | None = None) -> Exchange:
+def p2p_exchange(
+    group: object | None, tally: Tally, level: str | None, downward: object | None = None, posted: list | None = None
+) -> Exchange:
     """send(t, dst) and recv(into, src) at once over ``group`` (global ranks), counted in ``tally``.
 
     Both directions of a pair run at once (full duplex, as the model assumes), also where a step
@@ -163,8 +164,9 @@ def p2p_exchange(group: object | None, tally: Tally, level: str | None, downward
 
     def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, then: Then = None) -> None:
         if downward is None:
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, dst, group),
-                                            dist.P2POp(dist.irecv, recv, src, group)])
+            works = dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, send, dst, group), dist.P2POp(dist.irecv, recv, src, group)]
+            )
         else:
             if early:
                 into, from_, posted = early.pop()
@@ -184,6 +186,7 @@ def p2p_exchange(group: object | None, tally: Tally, level: str | None, downward
 
 
 # ---- ring (one ring over `ranks`, this rank at position g) --------------------------------
+
 
 def ring_all_gather(blocks: torch.Tensor, ranks: tuple[int, ...], g: int, exchange: Exchange) -> None:
     """``blocks`` (d, c) holds this rank's block at row g; fill the others. Step s: send block
@@ -216,6 +219,7 @@ def ring_reduce_scatter(
 
 # ---- recursive doubling / halving, dissemination form (rank r of n in `ranks`) -------------
 
+
 def dissemination_steps(n: int) -> list[tuple[int, int]]:
     """(distance 2^k, chunks m_k = min(2^k, n - 2^k)) for k = 0 .. ceil(log2 n) - 1."""
     return [(1 << k, min(1 << k, n - (1 << k))) for k in range(math.ceil(math.log2(n)) if n > 1 else 0)]
@@ -242,12 +246,16 @@ def recursive_doubling_all_gather(
 
         def theirs(dist_k: int) -> tuple[torch.Tensor, int]:
             start = (r ^ dist_k) & ~(dist_k - 1)
-            return out[start:start + dist_k], ranks[r ^ dist_k]
+            return out[start : start + dist_k], ranks[r ^ dist_k]
 
         for k, (dist_k, _) in enumerate(steps):
             mine = r & ~(dist_k - 1)
-            exchange(out[mine:mine + dist_k], ranks[r ^ dist_k], *theirs(dist_k),
-                     theirs(steps[k + 1][0]) if k + 1 < len(steps) else then)
+            exchange(
+                out[mine : mine + dist_k],
+                ranks[r ^ dist_k],
+                *theirs(dist_k),
+                theirs(steps[k + 1][0]) if k + 1 < len(steps) else then,
+            )
         return
     work = torch.empty_like(out)
     work[0].copy_(chunk)
@@ -255,10 +263,10 @@ def recursive_doubling_all_gather(
         following = then
         if k + 1 < len(steps):
             d2, m2 = steps[k + 1]
-            following = (work[d2:d2 + m2], ranks[(r + d2) % n])
-        exchange(work[:m], ranks[(r - dist_k) % n], work[dist_k:dist_k + m], ranks[(r + dist_k) % n], following)
-    out[r:].copy_(work[:n - r])  # the rotation, in one pass: row b is position b - r (mod n)
-    out[:r].copy_(work[n - r:])
+            following = (work[d2 : d2 + m2], ranks[(r + d2) % n])
+        exchange(work[:m], ranks[(r - dist_k) % n], work[dist_k : dist_k + m], ranks[(r + dist_k) % n], following)
+    out[r:].copy_(work[: n - r])  # the rotation, in one pass: row b is position b - r (mod n)
+    out[:r].copy_(work[n - r :])
 
 
 def halving_first(blocks: torch.Tensor, ranks: tuple[int, ...], r: int) -> tuple[torch.Tensor, Then]:
@@ -277,7 +285,11 @@ def halving_first(blocks: torch.Tensor, ranks: tuple[int, ...], r: int) -> tuple
 
 
 def recursive_halving_reduce_scatter(
-    blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], r: int, exchange: Exchange,
+    blocks: torch.Tensor,
+    out: torch.Tensor,
+    ranks: tuple[int, ...],
+    r: int,
+    exchange: Exchange,
     first: torch.Tensor | None = None,
 ) -> None:
     """``out`` (c) = sum over ``ranks`` of their ``blocks`` (n, c) row r: the transpose of
@@ -303,13 +315,14 @@ def recursive_halving_reduce_scatter(
         if i + 1 < len(steps):
             d2, m2 = steps[i + 1]
             then = (recvs[(i + 1) % 2][:m2], ranks[(r - d2) % n])
-        exchange(work[dist_k:dist_k + m], ranks[(r + dist_k) % n], recvs[i % 2][:m], ranks[(r - dist_k) % n], then)
+        exchange(work[dist_k : dist_k + m], ranks[(r + dist_k) % n], recvs[i % 2][:m], ranks[(r - dist_k) % n], then)
         work[:m] += recvs[i % 2][:m]
     out.copy_(work[0])
 
 
-def _pairwise_halving(blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], r: int,
-                      exchange: Exchange, first: torch.Tensor) -> None:
+def _pairwise_halving(
+    blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int, ...], r: int, exchange: Exchange, first: torch.Tensor
+) -> None:
     """Recursive halving for n = 2^K ranks. ``part`` holds the partial sums of the rows
     [base, base + 2^(k+1)) this rank is left with before step k: ``blocks`` itself before the
     first step; the first step's n / 2 rows are received into a buffer that then holds the
@@ -324,23 +337,31 @@ def _pairwise_halving(blocks: torch.Tensor, out: torch.Tensor, ranks: tuple[int,
     steps = [dist_k for dist_k, _ in reversed(dissemination_steps(n))]
 
     def receive(i: int) -> tuple[torch.Tensor, int]:
-        return (first if i == 0 else spare[i % 2][:steps[i]]), ranks[r ^ steps[i]]
+        return (first if i == 0 else spare[i % 2][: steps[i]]), ranks[r ^ steps[i]]
 
     part, base = blocks, 0
     for i, dist_k in enumerate(steps):
         mine, theirs = (r & ~(dist_k - 1)) - base, ((r ^ dist_k) & ~(dist_k - 1)) - base
         recv, peer = receive(i)
-        exchange(part[theirs:theirs + dist_k], peer, recv, peer, receive(i + 1) if i + 1 < len(steps) else None)
-        dest = out.view(1, *out.shape) if dist_k == 1 else recv if i == 0 else part[mine:mine + dist_k]
-        torch.add(part[mine:mine + dist_k], recv, out=dest)
+        exchange(part[theirs : theirs + dist_k], peer, recv, peer, receive(i + 1) if i + 1 < len(steps) else None)
+        dest = out.view(1, *out.shape) if dist_k == 1 else recv if i == 0 else part[mine : mine + dist_k]
+        torch.add(part[mine : mine + dist_k], recv, out=dest)
         part, base = dest, base + mine
 
 
 # ---- the collectives -----------------------------------------------------------------------
 
+
 def all_gather(
-    algorithm: str, output: torch.Tensor, input: torch.Tensor, ranks: tuple[int, ...], me: int,
-    topology: Topology, group: object | None, tally: Tally, downward: object | None = None,
+    algorithm: str,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    ranks: tuple[int, ...],
+    me: int,
+    topology: Topology,
+    group: object | None,
+    tally: Tally,
+    downward: object | None = None,
 ) -> None:
     """``output`` (d c) = every group rank's ``input`` (c), by ``ring`` or ``pccl`` (flat tensors);
     ``downward``: see :func:`p2p_exchange`."""
@@ -360,15 +381,23 @@ def all_gather(
         return
     local = torch.empty(h.M, h.N * c, dtype=input.dtype, device=input.device)
     node = h.nodes[i]
-    recursive_doubling_all_gather(input, local[j].view(h.N, c), inter, i, across_nodes,
-                                  (local[(j - 1) % h.M], node[(j - 1) % h.M]))  # the ring's first receive
+    recursive_doubling_all_gather(
+        input, local[j].view(h.N, c), inter, i, across_nodes, (local[(j - 1) % h.M], node[(j - 1) % h.M])
+    )  # the ring's first receive
     ring_all_gather(local, node, j, p2p_exchange(group, tally, topology.level_of(node), downward, posted))
     output.view(h.N, h.M, c).copy_(local.view(h.M, h.N, c).transpose(0, 1))
 
 
 def reduce_scatter(
-    algorithm: str, output: torch.Tensor, input: torch.Tensor, ranks: tuple[int, ...], me: int,
-    topology: Topology, group: object | None, tally: Tally, downward: object | None = None,
+    algorithm: str,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    ranks: tuple[int, ...],
+    me: int,
+    topology: Topology,
+    group: object | None,
+    tally: Tally,
+    downward: object | None = None,
 ) -> None:
     """``output`` (c) = sum over the group of chunk ``me`` of ``input`` (d c), by ``ring`` or
     ``pccl`` in the summation order of the module docstring (flat tensors); ``downward``: see
@@ -376,7 +405,9 @@ def reduce_scatter(
     d, c = len(ranks), output.numel()
     if algorithm == "ring":
         g = ranks.index(me)
-        ring_reduce_scatter(input.view(d, c), output, ranks, g, p2p_exchange(group, tally, topology.level_of(ranks), downward))
+        ring_reduce_scatter(
+            input.view(d, c), output, ranks, g, p2p_exchange(group, tally, topology.level_of(ranks), downward)
+        )
         return
     h = require_hierarchy(topology, ranks)
     i, j = h.position(me)
@@ -386,7 +417,14 @@ def reduce_scatter(
     first, then = halving_first(partial, inter, i)
     if h.M > 1:
         by_local = input.view(h.N, h.M, c).transpose(0, 1).contiguous()  # (M, N, c)
-        ring_reduce_scatter(by_local.view(h.M, h.N * c), partial.view(-1), h.nodes[i], j,
-                            p2p_exchange(group, tally, topology.level_of(h.nodes[i]), downward, posted), then)
-    recursive_halving_reduce_scatter(partial, output, inter, i,
-                                     p2p_exchange(group, tally, topology.level_of(inter), downward, posted), first)
+        ring_reduce_scatter(
+            by_local.view(h.M, h.N * c),
+            partial.view(-1),
+            h.nodes[i],
+            j,
+            p2p_exchange(group, tally, topology.level_of(h.nodes[i]), downward, posted),
+            then,
+        )
+    recursive_halving_reduce_scatter(
+        partial, output, inter, i, p2p_exchange(group, tally, topology.level_of(inter), downward, posted), first
+    )

@@ -344,8 +344,17 @@ class Communicator:
         start = time.perf_counter()
         run = algorithms.all_gather if op == "all_gather" else algorithms.reduce_scatter
         with self.guard(op, group):
-            run(algorithm, _flat(output), _flat(input), ranks, dist.get_rank(), self.registry.topology, group, tally,
-                self._downward(group, ranks))
+            run(
+                algorithm,
+                _flat(output),
+                _flat(input),
+                ranks,
+                dist.get_rank(),
+                self.registry.topology,
+                group,
+                tally,
+                self._downward(group, ranks),
+            )
         for level, nbytes in tally.bytes.items():
             self.ledger.record(op, level, nbytes, tally.messages[level])
         deadline = start
@@ -379,22 +388,26 @@ class Communicator:
 
     # ---- collectives ------------------------------------------------------------------
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        group=None,
+        async_op: bool = False,
         algorithm: str | None = None,
     ) -> Handle | None:
         """Concatenate every rank's ``input`` into ``output`` in group-rank order."""
         d = self.size(group)
         _same_dtype("all_gather", output, input)
         if output.numel() != input.numel() * d:
-            raise ValueError(
-                f"all_gather output has {output.numel()} elements, needs {input.numel()} x {d}"
-            )
+            raise ValueError(f"all_gather output has {output.numel()} elements, needs {input.numel()} x {d}")
         algorithm = self.choose(group, _nbytes(input), algorithm)
         if algorithm != "native" and d > 1:
             return self._p2p("all_gather", algorithm, output, input, group, async_op)
         deadline = self.account("all_gather", group, all_gather_bytes(_nbytes(input), d))
         with self.guard("all_gather", group):
-            work = torch_op("all_gather_into_tensor")(_flat(output), _flat(input), group=group, async_op=self._async(async_op, group))
+            work = torch_op("all_gather_into_tensor")(
+                _flat(output), _flat(input), group=group, async_op=self._async(async_op, group)
+            )
         return self._finish("all_gather", group, work, deadline, async_op)
 
     def reduce_scatter(
@@ -410,9 +423,7 @@ class Communicator:
         d = self.size(group)
         _same_dtype("reduce_scatter", output, input)
         if input.numel() != output.numel() * d:
-            raise ValueError(
-                f"reduce_scatter input has {input.numel()} elements, needs {output.numel()} x {d}"
-            )
+            raise ValueError(f"reduce_scatter input has {input.numel()} elements, needs {output.numel()} x {d}")
         algorithm = self.choose(group, _nbytes(output), algorithm, op)
         if algorithm != "native" and d > 1:
             return self._p2p("reduce_scatter", algorithm, output, input, group, async_op)
@@ -467,9 +478,7 @@ class Communicator:
             )
         return self._finish("all_to_all", group, work, deadline, async_op)
 
-    def broadcast(
-        self, tensor: torch.Tensor, src: int, group=None, async_op: bool = False
-    ) -> Handle | None:
+    def broadcast(self, tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Handle | None:
         """Copy global rank ``src``'s ``tensor`` to every rank of the group."""
         d = self.size(group)
         deadline = self.account("broadcast", group, broadcast_bytes(_nbytes(tensor), d))

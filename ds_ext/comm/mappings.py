@@ -41,16 +41,18 @@ from ds_ext.comm.collectives import Communicator
 class Recorder(Protocol):
     """Where a forward collective's output is recorded and replayed (CAC)."""
 
-    def collective(self, kind: str, run: Callable[[], torch.Tensor], like: torch.Size,
-                   stash: bool = True) -> torch.Tensor: ...
+    def collective(
+        self, kind: str, run: Callable[[], torch.Tensor], like: torch.Size, stash: bool = True
+    ) -> torch.Tensor: ...
 
 
 def _alone(comm: Communicator, group: object | None) -> bool:
     return group is None or comm.size(group) == 1
 
 
-def _recorded(recorder: Recorder | None, kind: str, run: Callable[[], torch.Tensor], like: torch.Size,
-              stash: bool = True) -> torch.Tensor:
+def _recorded(
+    recorder: Recorder | None, kind: str, run: Callable[[], torch.Tensor], like: torch.Size, stash: bool = True
+) -> torch.Tensor:
     return run() if recorder is None else recorder.collective(kind, run, like, stash)
 
 
@@ -92,8 +94,9 @@ class _CopyToRegion(torch.autograd.Function):
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group: object,
-                recorder: Recorder | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, comm: Communicator, group: object, recorder: Recorder | None
+    ) -> torch.Tensor:
         return _recorded(recorder, "all_reduce", lambda: _summed(comm, x, group), x.shape)
 
     @staticmethod
@@ -147,8 +150,9 @@ class _CopyToRegionBucketed(torch.autograd.Function):
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group: object, recorder: Recorder | None,
-                stash: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, comm: Communicator, group: object, recorder: Recorder | None, stash: bool
+    ) -> torch.Tensor:
         ctx.comm, ctx.group = comm, group
         return _recorded(recorder, "all_to_all", lambda: _exchanged(comm, x, group), x.shape, stash)
 
@@ -170,8 +174,9 @@ class _SplitToRegion(torch.autograd.Function):
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, group: object,
-                recorder: Recorder | None) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, comm: Communicator, group: object, recorder: Recorder | None
+    ) -> torch.Tensor:
         ctx.rank, ctx.size = comm.registry.group_rank(group), comm.size(group)
         like = torch.Size((x.shape[0], x.shape[1] * ctx.size, *x.shape[2:]))
         return _recorded(recorder, "all_gather", lambda: _gathered(comm, x, group, ctx.size), like)
@@ -185,8 +190,9 @@ def copy_to_region(x: torch.Tensor, comm: Communicator, group: object | None) ->
     return x if _alone(comm, group) else _CopyToRegion.apply(x, comm, group)
 
 
-def reduce_from_region(x: torch.Tensor, comm: Communicator, group: object | None,
-                       recorder: Recorder | None = None) -> torch.Tensor:
+def reduce_from_region(
+    x: torch.Tensor, comm: Communicator, group: object | None, recorder: Recorder | None = None
+) -> torch.Tensor:
     return x if _alone(comm, group) else _ReduceFromRegion.apply(x, comm, group, recorder)
 
 
@@ -198,13 +204,15 @@ def mean_over(x: torch.Tensor, comm: Communicator, group: object | None) -> torc
     return x if _alone(comm, group) else _MeanOver.apply(x, comm, group)
 
 
-def copy_to_region_bucketed(xs: list[torch.Tensor], comm: Communicator,
-                            group: object | None) -> tuple[torch.Tensor, ...]:
+def copy_to_region_bucketed(
+    xs: list[torch.Tensor], comm: Communicator, group: object | None
+) -> tuple[torch.Tensor, ...]:
     return tuple(xs) if _alone(comm, group) else _CopyToRegionBucketed.apply(comm, group, *xs)
 
 
-def all_to_all(x: torch.Tensor, comm: Communicator, group: object | None, recorder: Recorder | None = None,
-               stash: bool = True) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, comm: Communicator, group: object | None, recorder: Recorder | None = None, stash: bool = True
+) -> torch.Tensor:
     """``stash=False``: a CAC recorder need not keep the output (it only feeds a recorded
     gather: :mod:`ds_ext.moe.cac`'s lean stash)."""
     return x if _alone(comm, group) else _AllToAll.apply(x, comm, group, recorder, stash)
@@ -215,7 +223,8 @@ def split_to_region(x: torch.Tensor, comm: Communicator, group: object | None) -
     return x if _alone(comm, group) else _SplitToRegion.apply(x, comm, group)
 
 
-def gather_from_region(x: torch.Tensor, comm: Communicator, group: object | None,
-                       recorder: Recorder | None = None) -> torch.Tensor:
+def gather_from_region(
+    x: torch.Tensor, comm: Communicator, group: object | None, recorder: Recorder | None = None
+) -> torch.Tensor:
     """The group's ``[A, C/d, ...]`` chunks -> ``[A, C, ...]`` replicated over it."""
     return x if _alone(comm, group) else _GatherFromRegion.apply(x, comm, group, recorder)

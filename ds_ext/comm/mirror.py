@@ -184,7 +184,8 @@ def init(world: int, rank: int) -> None:
     if not 0 <= rank < world:
         raise DsExtSetupError(f"rank {rank} is not in a world of {world} ranks")
     if dist.is_initialized():
-        raise DsExtSetupError("torch.distributed is already initialized in this process; the mirror world "
-                              "needs a process of its own")
+        raise DsExtSetupError(
+            "torch.distributed is already initialized in this process; the mirror world needs a process of its own"
+        )
     register()
     dist.init_process_group(BACKEND, store=FakeStore(), rank=rank, world_size=world)

@@ -43,6 +43,7 @@ import torch
 
 from ds_ext.comm.quant_format import ALLOWED_BITS, NONFINITE
 from ds_ext.errors import DsExtError
+
 COMPILE_MIN_NUMEL = 1 << 16  # compile=True on the CPU: tensors of fewer elements use the eager kernels (same bits)
 
 
@@ -87,8 +88,9 @@ def _encode(blocks: torch.Tensor, qmax: int, pack4: bool, flag: bool) -> tuple[t
     return codes.to(torch.int8).reshape(-1), scales.reshape(-1)
 
 
-def _decode(payload: torch.Tensor, scales: torch.Tensor, block_size: int, pack4: bool,
-            dtype: torch.dtype) -> torch.Tensor:
+def _decode(
+    payload: torch.Tensor, scales: torch.Tensor, block_size: int, pack4: bool, dtype: torch.dtype
+) -> torch.Tensor:
     """(payload, scales) -> values of the padded blocks, computed in fp32 and cast to ``dtype``
     inside the fused region (one pass writes the result)."""
     if pack4:
@@ -115,8 +117,9 @@ def _kernels(compile: bool) -> tuple[Callable, Callable]:
             torch._dynamo.maybe_mark_dynamic(blocks, 0)
             return encode(blocks, qmax, pack4, flag)
 
-        def compiled_decode(payload: torch.Tensor, scales: torch.Tensor, block_size: int, pack4: bool,
-                            dtype: torch.dtype):
+        def compiled_decode(
+            payload: torch.Tensor, scales: torch.Tensor, block_size: int, pack4: bool, dtype: torch.dtype
+        ):
             torch._dynamo.maybe_mark_dynamic(payload, 0)
             torch._dynamo.maybe_mark_dynamic(scales, 0)
             return decode(payload, scales, block_size, pack4, dtype)

@@ -42,9 +42,22 @@ def _rint(p):
 
 
 @triton.jit(do_not_specialize=["numel", "n_blocks", "call_id"])
-def _encode_kernel(x_ptr, payload_ptr, scales_ptr, flag_ptr, numel, n_blocks, call_id,
-                   B: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, ROWS: tl.constexpr,
-                   QMAX: tl.constexpr, PACK4: tl.constexpr, CHECK: tl.constexpr):
+def _encode_kernel(
+    x_ptr,
+    payload_ptr,
+    scales_ptr,
+    flag_ptr,
+    numel,
+    n_blocks,
+    call_id,
+    B: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    QMAX: tl.constexpr,
+    PACK4: tl.constexpr,
+    CHECK: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, HALF_P2)
     row_ok = rows < n_blocks
@@ -60,8 +73,10 @@ def _encode_kernel(x_ptr, payload_ptr, scales_ptr, flag_ptr, numel, n_blocks, ca
         hi = tl.load(x_ptr + hi_idx, mask=hi_ok & (hi_idx < numel), other=0.0).to(tl.float32)
     # one reduction per half gives absmax and non-finiteness: NaN and inf count as inf
     inf = float("inf")
-    top = tl.maximum(tl.max(tl.where(tl.abs(lo) < inf, tl.abs(lo), inf), axis=1),
-                     tl.max(tl.where(tl.abs(hi) < inf, tl.abs(hi), inf), axis=1))
+    top = tl.maximum(
+        tl.max(tl.where(tl.abs(lo) < inf, tl.abs(lo), inf), axis=1),
+        tl.max(tl.where(tl.abs(hi) < inf, tl.abs(hi), inf), axis=1),
+    )
     bad = top == inf
     amax = tl.where(bad, 0.0, top)
     lo = tl.where(bad[:, None], 0.0, lo)
@@ -83,9 +98,18 @@ def _encode_kernel(x_ptr, payload_ptr, scales_ptr, flag_ptr, numel, n_blocks, ca
 
 
 @triton.jit(do_not_specialize=["numel", "n_blocks"])
-def _decode_kernel(payload_ptr, scales_ptr, out_ptr, numel, n_blocks,
-                   B: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, ROWS: tl.constexpr,
-                   PACK4: tl.constexpr):
+def _decode_kernel(
+    payload_ptr,
+    scales_ptr,
+    out_ptr,
+    numel,
+    n_blocks,
+    B: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    ROWS: tl.constexpr,
+    PACK4: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, HALF_P2)
     row_ok = rows < n_blocks
@@ -153,8 +177,11 @@ class TritonQuantKernels:
         """1-D ``flat`` -> (payload, scales, any non-finite block); the last is read from the
         device only with ``check`` (one wait), else False without waiting."""
         dev = flat.device
-        payload = torch.empty(n_blocks * self.block_size // (2 if self.pack4 else 1),
-                              dtype=torch.uint8 if self.pack4 else torch.int8, device=dev)
+        payload = torch.empty(
+            n_blocks * self.block_size // (2 if self.pack4 else 1),
+            dtype=torch.uint8 if self.pack4 else torch.int8,
+            device=dev,
+        )
         scales = torch.empty(n_blocks, dtype=torch.float32, device=dev)
         if n_blocks == 0:
             return payload, scales, False
@@ -164,9 +191,12 @@ class TritonQuantKernels:
         self._calls = self._calls % (2**31 - 1) + 1  # a 32-bit argument
         numel = flat.numel()
         key = ("encode", dev, flat.dtype, _aligned(flat), numel >= 2**31, check)
-        self._launch(_encode_kernel, key, (-(-n_blocks // self.rows), 1, 1),
-                     (flat, payload, scales, flag, numel, n_blocks, self._calls, *self.meta, self.qmax, self.pack4,
-                      check))
+        self._launch(
+            _encode_kernel,
+            key,
+            (-(-n_blocks // self.rows), 1, 1),
+            (flat, payload, scales, flag, numel, n_blocks, self._calls, *self.meta, self.qmax, self.pack4, check),
+        )
         return payload, scales, check and int(flag.item()) == self._calls
 
     def decode(self, payload: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -175,6 +205,10 @@ class TritonQuantKernels:
         if numel == 0:
             return out
         key = ("decode", out.device, out.dtype, _aligned(payload), _aligned(scales), _aligned(out), numel >= 2**31)
-        self._launch(_decode_kernel, key, (-(-n_blocks // self.rows), 1, 1),
-                     (payload, scales, out, numel, n_blocks, *self.meta, self.pack4))
+        self._launch(
+            _decode_kernel,
+            key,
+            (-(-n_blocks // self.rows), 1, 1),
+            (payload, scales, out, numel, n_blocks, *self.meta, self.pack4),
+        )
         return out

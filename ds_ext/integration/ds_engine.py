@@ -45,9 +45,7 @@ def rebind_backend_collectives() -> None:
     cdb.reduce_scatter_function = type(cdb).get_reduce_scatter_function()
 
 
-def init_distributed(
-    dist_init_required: bool | None = None, timeout_s: float | None = None
-) -> None:
+def init_distributed(dist_init_required: bool | None = None, timeout_s: float | None = None) -> None:
     """``deepspeed.init_distributed`` on the accelerator's backend, without JIT builds."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -145,8 +143,13 @@ def tag_pipeline_instructions(engine, in_phase: Callable[[str, Callable], Callab
     a phase of its own, ``tied_grads``, so that ``step`` holds the data-parallel step alone."""
     from deepspeed.runtime.pipe import schedule
 
-    phases = {schedule.ForwardPass: "forward", schedule.BackwardPass: "backward",
-              schedule.ReduceTiedGrads: "tied_grads", schedule.ReduceGrads: "step", schedule.OptimizerStep: "step"}
+    phases = {
+        schedule.ForwardPass: "forward",
+        schedule.BackwardPass: "backward",
+        schedule.ReduceTiedGrads: "tied_grads",
+        schedule.ReduceGrads: "step",
+        schedule.OptimizerStep: "step",
+    }
     table = dict(type(engine)._INSTRUCTION_MAP)
     for cmd, phase in phases.items():
         table[cmd] = in_phase(phase, table[cmd])

@@ -34,12 +34,23 @@ def state(optimizer: Any, p: torch.Tensor, group: dict) -> dict:
     return st
 
 
-def apply(optimizer: Any, group: dict, step: int, grad: torch.Tensor, p: torch.Tensor, m: torch.Tensor,
-          v: torch.Tensor) -> None:
+def apply(
+    optimizer: Any, group: dict, step: int, grad: torch.Tensor, p: torch.Tensor, m: torch.Tensor, v: torch.Tensor
+) -> None:
     """One FusedAdam kernel call on a tile (fp32 ``grad``, ``p``, ``m``, ``v`` of equal length)."""
     from deepspeed.ops.adam.fused_adam import multi_tensor_applier
 
     beta1, beta2 = group["betas"]
-    multi_tensor_applier(optimizer.multi_tensor_adam, optimizer._dummy_overflow_buf, [[grad], [p], [m], [v]],
-                         group["lr"], beta1, beta2, group["eps"], step, optimizer.adam_w_mode,
-                         1 if group["bias_correction"] else 0, group["weight_decay"])
+    multi_tensor_applier(
+        optimizer.multi_tensor_adam,
+        optimizer._dummy_overflow_buf,
+        [[grad], [p], [m], [v]],
+        group["lr"],
+        beta1,
+        beta2,
+        group["eps"],
+        step,
+        optimizer.adam_w_mode,
+        1 if group["bias_correction"] else 0,
+        group["weight_decay"],
+    )

@@ -26,8 +26,16 @@ check_version()
 
 from deepspeed.moe.layer import MoE as MoEBase  # noqa: E402  (after the version gate)
 
-__all__ = ["MoEBase", "expert_group_name", "mark_expert_params", "register_expert_groups",
-           "release_groups", "checkpoint_function_codes", "is_megatron_checkpoint", "flat_gather_tokens"]
+__all__ = [
+    "MoEBase",
+    "expert_group_name",
+    "mark_expert_params",
+    "register_expert_groups",
+    "release_groups",
+    "checkpoint_function_codes",
+    "is_megatron_checkpoint",
+    "flat_gather_tokens",
+]
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -73,8 +81,12 @@ def release_groups(group_names: Iterable[str], expert_group: object, mpu: object
     for name in group_names:
         if groups._EXPERT_PARALLEL_GROUP.get(name) is not expert_group:
             continue
-        for registry in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
-                         groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+        for registry in (
+            groups._EXPERT_PARALLEL_GROUP,
+            groups._EXPERT_PARALLEL_GROUP_RANKS,
+            groups._EXPERT_DATA_PARALLEL_GROUP,
+            groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
+        ):
             registry.pop(name, None)
         groups.expert_tensor_parallel_world_size = 1
     if groups.mpu is mpu:
@@ -100,8 +112,12 @@ def checkpoint_function_codes() -> frozenset[CodeType]:
     import torch.utils.checkpoint as torch_ckpt
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
-    fns = (torch_ckpt.checkpoint, torch_ckpt.CheckpointFunction.forward, ds_ckpt.checkpoint,
-           ds_ckpt.CheckpointFunction.forward)
+    fns = (
+        torch_ckpt.checkpoint,
+        torch_ckpt.CheckpointFunction.forward,
+        ds_ckpt.checkpoint,
+        ds_ckpt.CheckpointFunction.forward,
+    )
     return frozenset(inspect.unwrap(f).__code__ for f in fns)
 
 

@@ -38,8 +38,9 @@ def route_backend_collectives(comm: Communicator, algorithm: str) -> Callable[[]
         return comm.all_gather(output_tensor, input_tensor, group=group, async_op=async_op, algorithm=algorithm)
 
     def reduce_scatter_function(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        return comm.reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op,
-                                   algorithm=algorithm)
+        return comm.reduce_scatter(
+            output_tensor, input_tensor, op=op, group=group, async_op=async_op, algorithm=algorithm
+        )
 
     cdb.all_gather_function = all_gather_function
     cdb.reduce_scatter_function = reduce_scatter_function

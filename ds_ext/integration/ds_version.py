@@ -38,9 +38,7 @@ def check_version() -> str:
     v = Version(deepspeed.__version__.split("+")[0])
     lo, hi = SUPPORTED
     if not lo <= v < hi:
-        raise DeepSpeedVersionError(
-            f"ds_ext supports deepspeed>={lo},<{hi}; found deepspeed {deepspeed.__version__}"
-        )
+        raise DeepSpeedVersionError(f"ds_ext supports deepspeed>={lo},<{hi}; found deepspeed {deepspeed.__version__}")
     return deepspeed.__version__
 
 

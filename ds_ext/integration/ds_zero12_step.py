@@ -191,7 +191,9 @@ def install_tiled_zero_step(zero_opt, tiled, piecewise_loader: Loader, refuse_cl
     zero_opt.step = step
 
 
-def install_tiled_unfused_step(fp16_opt, tiled, piecewise_loader: Loader, refuse_closure: Callable[[Any], None]) -> None:
+def install_tiled_unfused_step(
+    fp16_opt, tiled, piecewise_loader: Loader, refuse_closure: Callable[[Any], None]
+) -> None:
     """Replace ``FP16_UnfusedOptimizer.step`` (stage 0 with fp16 or bf16) by the tiled step.
 
     Mirrors ``fp16/unfused_optimizer.py:step`` (0.19.8 l.197-241, 0.19.6 l.190-239): overflow
@@ -246,4 +248,3 @@ def install_tiled_unfused_step(fp16_opt, tiled, piecewise_loader: Loader, refuse
         return self.overflow
 
     fp16_opt.step = step
-

@@ -17,14 +17,10 @@ def deepspeed_zero3_state_bytes(engine) -> dict[str, int]:
     opt = engine.optimizer
     nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
     params = list(engine.module.parameters())
-    inner = sum(
-        nbytes(v) for st in opt.optimizer.state.values() for v in st.values() if getattr(v, "dim", lambda: 0)()
-    )
+    inner = sum(nbytes(v) for st in opt.optimizer.state.values() for v in st.values() if getattr(v, "dim", lambda: 0)())
     return {
         "primary": sum(nbytes(p.ds_tensor) for p in params),
         "secondary": sum(nbytes(getattr(p, "ds_secondary_tensor", None)) for p in params),
         "gradients": nbytes(opt.grad_partitions_flat_buffer),
         "optimizer": sum(nbytes(t) for t in opt.fp32_partitioned_groups_flat) + inner,
     }
-
-

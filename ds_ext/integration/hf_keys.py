@@ -32,8 +32,10 @@ def model_names(model: nn.Module, keys: Iterable[str], where: str) -> dict[str, 
     for key in keys:
         name, converter = rename_source_key(key, renamings, converters, model.base_model_prefix, names)
         if converter is not None:
-            raise DsExtError(f"checkpoint {where}: {key} needs transformers' tensor conversion '{converter}' "
-                             "(tensors merged or split), which ds_ext does not apply; convert it with from_pretrained "
-                             "and save_pretrained once")
+            raise DsExtError(
+                f"checkpoint {where}: {key} needs transformers' tensor conversion '{converter}' "
+                "(tensors merged or split), which ds_ext does not apply; convert it with from_pretrained "
+                "and save_pretrained once"
+            )
         out[name] = key
     return out

@@ -36,9 +36,7 @@ def _resolve_config(args: Any, config: Any, config_params: Any) -> Any:
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
     if config is None:
-        raise DsExtConfigError(
-            "no ds_config: pass config=... or args with --deepspeed_config to ds_ext.initialize"
-        )
+        raise DsExtConfigError("no ds_config: pass config=... or args with --deepspeed_config to ds_ext.initialize")
     return config
 
 
@@ -72,10 +70,16 @@ def _with_plugin_mpu(runtime: Runtime, kwargs: dict) -> dict:
     """``kwargs`` with the mpu a plugin provides; refuse two sources of one."""
     sources = [(p, p.mpu()) for p in runtime.plugins]
     sources = [(p, m) for p, m in sources if m is not None]
-    if kwargs.get("mpu") is not None and sources and not (len(sources) == 1 and _same_groups(kwargs["mpu"], sources[0][1])):
+    if (
+        kwargs.get("mpu") is not None
+        and sources
+        and not (len(sources) == 1 and _same_groups(kwargs["mpu"], sources[0][1]))
+    ):
         names = " and ".join(["the caller's mpu= argument"] + [f"ds_ext.{p.name}" for p, _ in sources])
-        raise cfgmod.DsExtConfigError(f"two model-parallel units for DeepSpeed with different groups: {names}; "
-                                      "allowed: an mpu with the plugin's tensor and data groups, or only one")
+        raise cfgmod.DsExtConfigError(
+            f"two model-parallel units for DeepSpeed with different groups: {names}; "
+            "allowed: an mpu with the plugin's tensor and data groups, or only one"
+        )
     if len(sources) > 1:
         names = " and ".join(f"ds_ext.{p.name}" for p, _ in sources)
         raise cfgmod.DsExtConfigError(f"two model-parallel units for DeepSpeed: {names}; allowed: one")
@@ -105,7 +109,8 @@ def _caller_layout(world_size: int, rank: int, mpu: Any, source: str = "the call
                 shown = ", ".join(f"{k} {v}" for k, v in sizes.items())
                 raise cfgmod.DsExtConfigError(
                     f"the caller's mpu= argument reports {shown} but no get_tensor_model_parallel_group / "
-                    "get_data_parallel_group; allowed: a Megatron-style mpu (megatron.core.mpu) or none")
+                    "get_data_parallel_group; allowed: a Megatron-style mpu (megatron.core.mpu) or none"
+                )
     except (cfgmod.DsExtConfigError, GroupError) as err:
         error = str(err)
     errors: list[str | None] = [None] * world_size
@@ -231,7 +236,9 @@ def initialize(
     if mpu is not None:
         runtime.parallel = _caller_layout(runtime.topology.world_size, runtime.rank, mpu)
     elif (grid := ds_engine.pipeline_grid(model)) is not None:  # DeepSpeed's PipelineEngine takes it as the mpu
-        runtime.parallel = _caller_layout(runtime.topology.world_size, runtime.rank, grid, "the PipelineModule's topology")
+        runtime.parallel = _caller_layout(
+            runtime.topology.world_size, runtime.rank, grid, "the PipelineModule's topology"
+        )
     if parsed.comm.ledger and parsed.comm.count_torch_collectives:
         instrument.install(runtime.comm)
         ds_engine.rebind_backend_collectives()

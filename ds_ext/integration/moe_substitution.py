@@ -32,7 +32,7 @@ def config_from_argv(argv: Sequence[str]) -> str | None:
             if arg == flag and i + 1 < len(argv):
                 found = argv[i + 1]
             elif arg.startswith(flag + "="):
-                found = arg[len(flag) + 1:]
+                found = arg[len(flag) + 1 :]
     return found
 
 

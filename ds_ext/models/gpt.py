@@ -61,9 +61,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = rearrange(self.qkv(self.ln1(x)), "b s (t h e) -> t b h s e", t=3, h=self.n_heads)
-        a = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         x = x + self.proj(rearrange(a, "b h s e -> b s (h e)"))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
@@ -104,6 +102,4 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens``: [batch, seq_len + 1] int64; loss over positions 1..seq_len."""
         logits = self.logits(tokens[:, :-1])
-        return F.cross_entropy(
-            rearrange(logits, "b s v -> (b s) v").float(), tokens[:, 1:].reshape(-1)
-        )
+        return F.cross_entropy(rearrange(logits, "b s v -> (b s) v").float(), tokens[:, 1:].reshape(-1))

@@ -111,11 +111,18 @@ class DenseMLP(nn.Module):
 def moe_layer(cfg: GPTMoEConfig) -> nn.Module:
     """The MoE feed-forward: TEDMoE, or DeepSpeed's MoE with the same arguments."""
     d, f = cfg.d_model, cfg.ffn_mult * cfg.d_model
-    kwargs = dict(num_experts=cfg.num_experts, ep_size=cfg.ep_size, k=cfg.top_k,
-                  capacity_factor=cfg.capacity_factor, eval_capacity_factor=cfg.eval_capacity_factor,
-                  min_capacity=cfg.min_capacity, noisy_gate_policy=cfg.noisy_gate_policy,
-                  drop_tokens=cfg.drop_tokens, use_rts=cfg.use_rts,
-                  top2_2nd_expert_sampling=cfg.top2_2nd_expert_sampling)
+    kwargs = dict(
+        num_experts=cfg.num_experts,
+        ep_size=cfg.ep_size,
+        k=cfg.top_k,
+        capacity_factor=cfg.capacity_factor,
+        eval_capacity_factor=cfg.eval_capacity_factor,
+        min_capacity=cfg.min_capacity,
+        noisy_gate_policy=cfg.noisy_gate_policy,
+        drop_tokens=cfg.drop_tokens,
+        use_rts=cfg.use_rts,
+        top2_2nd_expert_sampling=cfg.top2_2nd_expert_sampling,
+    )
     expert = nn.Sequential(nn.Linear(d, f), nn.GELU(), nn.Linear(f, d))
     if cfg.moe_impl == "deepspeed":
         from deepspeed.moe.layer import MoE

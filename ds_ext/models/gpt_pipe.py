@@ -72,19 +72,29 @@ class _Loss:
         return F.cross_entropy(logits.reshape(-1, self.vocab_size).float(), labels.reshape(-1))
 
 
-def gpt_pipeline(cfg: GPTConfig, num_stages: int | None = None, topology: Any = None,
-                 partition_method: str = "uniform") -> Any:
+def gpt_pipeline(
+    cfg: GPTConfig, num_stages: int | None = None, topology: Any = None, partition_method: str = "uniform"
+) -> Any:
     """A ``deepspeed.pipe.PipelineModule`` of ``cfg``'s GPT over ``num_stages`` stages (or DeepSpeed's
     ``topology``); needs ``deepspeed.init_distributed`` first. ``cfg.checkpoint``: every layer's
     activations recomputed in backward (``activation_checkpoint_interval`` 1)."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-    layers = [TiedLayerSpec("embed", TokenEmbedding, cfg), LayerSpec(Positions, cfg),
-              *[LayerSpec(PipeBlock, cfg) for _ in range(cfg.n_layers)], LayerSpec(FinalNorm, cfg),
-              TiedLayerSpec("embed", TokenEmbedding, cfg, forward_fn=lm_head)]
-    return PipelineModule(layers, num_stages=num_stages, topology=topology, loss_fn=_Loss(cfg.vocab_size),
-                          partition_method=partition_method,
-                          activation_checkpoint_interval=1 if cfg.checkpoint else 0)
+    layers = [
+        TiedLayerSpec("embed", TokenEmbedding, cfg),
+        LayerSpec(Positions, cfg),
+        *[LayerSpec(PipeBlock, cfg) for _ in range(cfg.n_layers)],
+        LayerSpec(FinalNorm, cfg),
+        TiedLayerSpec("embed", TokenEmbedding, cfg, forward_fn=lm_head),
+    ]
+    return PipelineModule(
+        layers,
+        num_stages=num_stages,
+        topology=topology,
+        loss_fn=_Loss(cfg.vocab_size),
+        partition_method=partition_method,
+        activation_checkpoint_interval=1 if cfg.checkpoint else 0,
+    )
 
 
 def gpt_weights_for_pipe(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:

@@ -14,11 +14,24 @@ def tiny_causal_lm(kind: str, layers: int = 2, hidden: int = 64, heads: int = 4,
     from ds_ext.models.gpt import ModelConfigError
 
     if kind == "gpt-neox":
-        cfg = GPTNeoXConfig(vocab_size=256, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                            intermediate_size=4 * hidden, max_position_embeddings=seq)
+        cfg = GPTNeoXConfig(
+            vocab_size=256,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=4 * hidden,
+            max_position_embeddings=seq,
+        )
         return GPTNeoXForCausalLM(cfg)
     if kind == "llama":
-        cfg = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=seq)
+        cfg = LlamaConfig(
+            vocab_size=256,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads // 2,
+            max_position_embeddings=seq,
+        )
         return LlamaForCausalLM(cfg)
     raise ModelConfigError(f"model kind must be 'gpt-neox' or 'llama', got {kind!r}")

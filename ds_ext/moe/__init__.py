@@ -18,7 +18,12 @@ class TEDError(DsExtError, ValueError):
     checks as :class:`~ds_ext.errors.DsExtConfigError`)."""
 
 
-_EXPORTS = {"ColumnParallelLinear": "ds_ext.moe.tensor_parallel", "RowParallelLinear": "ds_ext.moe.tensor_parallel",
-            "TEDContext": "ds_ext.moe.context", "TEDMoE": "ds_ext.moe.layer", "clear_tapes": "ds_ext.moe.cac"}
+_EXPORTS = {
+    "ColumnParallelLinear": "ds_ext.moe.tensor_parallel",
+    "RowParallelLinear": "ds_ext.moe.tensor_parallel",
+    "TEDContext": "ds_ext.moe.context",
+    "TEDMoE": "ds_ext.moe.layer",
+    "clear_tapes": "ds_ext.moe.cac",
+}
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

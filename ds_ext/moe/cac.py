@@ -87,12 +87,14 @@ class Frame:
     def _value(self, kind: str, compute: Callable[[], Any], keep: bool = True) -> Any:
         if self.mode == "replay":
             if not self._items:
-                raise ReplayError(f"{self.owner}: the recompute asks for {kind!r} but its first forward "
-                                  "recorded nothing more")
+                raise ReplayError(
+                    f"{self.owner}: the recompute asks for {kind!r} but its first forward recorded nothing more"
+                )
             got_kind, sig, value = self._items.popleft()
             if got_kind != kind:
-                raise ReplayError(f"{self.owner}: the recompute asks for {kind!r} where the first "
-                                  f"forward recorded {got_kind!r}")
+                raise ReplayError(
+                    f"{self.owner}: the recompute asks for {kind!r} where the first forward recorded {got_kind!r}"
+                )
             return value, sig
         value = compute()
         if self.mode == "record":
@@ -104,8 +106,9 @@ class Frame:
         """A routing decision: computed in the first forward, replayed in the recompute."""
         return self._value(kind, compute)[0]
 
-    def collective(self, kind: str, run: Callable[[], torch.Tensor], like: torch.Size,
-                   stash: bool = True) -> torch.Tensor:
+    def collective(
+        self, kind: str, run: Callable[[], torch.Tensor], like: torch.Size, stash: bool = True
+    ) -> torch.Tensor:
         """A forward collective's output; with CAC the recompute returns the recorded one.
 
         ``like``: the output shape the caller expects (checked against the record).
@@ -120,8 +123,9 @@ class Frame:
                 self.stash_bytes += value.numel() * value.element_size()
             return value
         if sig[0] != tuple(like):
-            raise ReplayError(f"{self.owner}: recompute of {kind} expects shape {tuple(like)}, the first "
-                              f"forward recorded {sig[0]}")
+            raise ReplayError(
+                f"{self.owner}: recompute of {kind} expects shape {tuple(like)}, the first forward recorded {sig[0]}"
+            )
         return torch.zeros((), dtype=sig[1], device=sig[2]).expand(like) if value is None else value
 
 

@@ -41,8 +41,15 @@ class TEDContext:
     cac_lean: bool = True
 
     @classmethod
-    def create(cls, layout: TEDLayout, comm: Communicator, dtd: bool = True, cac: bool = True,
-               seed: int = 0, cac_lean: bool = True) -> "TEDContext":
+    def create(
+        cls,
+        layout: TEDLayout,
+        comm: Communicator,
+        dtd: bool = True,
+        cac: bool = True,
+        seed: int = 0,
+        cac_lean: bool = True,
+    ) -> "TEDContext":
         """Create the TED process groups (collective over the world) and the context."""
         layout.check_placement(comm.registry.topology)
         rank = dist.get_rank()

@@ -104,10 +104,20 @@ class TopKGate(nn.Module):
     ``tensor_parallel`` is the multiple the buffer is padded to (both set by the owning layer).
     """
 
-    def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
-                 eval_capacity_factor: float = 1.0, min_capacity: int = 8,
-                 noisy_gate_policy: str | None = None, drop_tokens: bool = True, use_rts: bool = True,
-                 top2_2nd_expert_sampling: bool = True, drop_policy: str = "probs") -> None:
+    def __init__(
+        self,
+        model_dim: int,
+        num_experts: int,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 8,
+        noisy_gate_policy: str | None = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        top2_2nd_expert_sampling: bool = True,
+        drop_policy: str = "probs",
+    ) -> None:
         super().__init__()
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
             raise TEDError(f"ds_ext.ted: top_k (k) must be an integer in 1..num_experts ({num_experts}), got {k!r}")
@@ -116,11 +126,14 @@ class TopKGate(nn.Module):
         if isinstance(min_capacity, bool) or not isinstance(min_capacity, int) or min_capacity < 0:
             raise TEDError(f"ds_ext.ted: min_capacity must be an integer >= 0, got {min_capacity!r}")
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
-            raise TEDError(f"ds_ext.ted: noisy_gate_policy must be one of None, 'Jitter', 'RSample'; "
-                           f"got {noisy_gate_policy!r}")
+            raise TEDError(
+                f"ds_ext.ted: noisy_gate_policy must be one of None, 'Jitter', 'RSample'; got {noisy_gate_policy!r}"
+            )
         if k > 1 and noisy_gate_policy == "RSample":
-            raise TEDError(f"ds_ext.ted: noisy_gate_policy 'RSample' applies to top-1 gating only (DeepSpeed "
-                           f"silently ignores it with k={k}); allowed with k > 1: None, 'Jitter'")
+            raise TEDError(
+                f"ds_ext.ted: noisy_gate_policy 'RSample' applies to top-1 gating only (DeepSpeed "
+                f"silently ignores it with k={k}); allowed with k > 1: None, 'Jitter'"
+            )
         if drop_policy not in DROP_POLICIES:
             raise TEDError(f"ds_ext.ted: drop_policy must be one of 'probs', 'position'; got {drop_policy!r}")
         self.wg = nn.Linear(model_dim, num_experts, bias=False)
@@ -150,8 +163,9 @@ class TopKGate(nn.Module):
         x32 = x.float()
         gen = None if frame.mode == "replay" else self.next_generator(x.device)
         if self.noisy_gate_policy == "Jitter" and self.training:
-            noise = frame.decision("jitter", lambda: 1.0 + JITTER_EPS * (
-                2 * torch.rand(x32.shape, generator=gen, device=x.device) - 1))
+            noise = frame.decision(
+                "jitter", lambda: 1.0 + JITTER_EPS * (2 * torch.rand(x32.shape, generator=gen, device=x.device) - 1)
+            )
             x32 = x32 * noise
         logits = F.linear(x32, self.wg.weight.float())
         decision = frame.decision("routing", lambda: self._decide(logits.detach(), used_token, gen))
@@ -174,20 +188,22 @@ class TopKGate(nn.Module):
         """(C routes kept per expert, buffer slots = C padded to a multiple of G_tensor)."""
         if self.drop_tokens:
             factor = self.capacity_factor if self.training else self.eval_capacity_factor
-            local = torch.tensor([drop_capacity(S, self.num_experts, factor, self.k, self.min_capacity)],
-                                 device=exp_counts.device)
+            local = torch.tensor(
+                [drop_capacity(S, self.num_experts, factor, self.k, self.min_capacity)], device=exp_counts.device
+            )
         else:
             local = exp_counts.max().reshape(1)
         C = int(self.agree_capacity(local.to(torch.int64)).item())
         T = self.tensor_parallel
         return C, -(-C // T) * T
 
-    def _decide(self, logits: torch.Tensor, used_token: torch.Tensor | None,
-                gen: torch.Generator | None) -> Decision:
+    def _decide(self, logits: torch.Tensor, used_token: torch.Tensor | None, gen: torch.Generator | None) -> Decision:
         S, E = logits.shape
         if S < self.min_capacity and self.drop_tokens:
-            raise TEDError(f"ds_ext.ted: {S} tokens per rank < min_capacity {self.min_capacity}; "
-                           "lower min_capacity or raise the micro-batch")
+            raise TEDError(
+                f"ds_ext.ted: {S} tokens per rank < min_capacity {self.min_capacity}; "
+                "lower min_capacity or raise the micro-batch"
+            )
         if self.k == 1:
             return self._top1(logits, used_token, gen)
         if self.k == 2:

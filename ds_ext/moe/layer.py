@@ -84,16 +84,31 @@ class TEDMoE(ds_moe.MoEBase):
     ``enable_expert_tensor_parallelism=False``, ``duplicate_token_dropping`` off.
     """
 
-    def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1,
-                 k: int = 1, capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0,
-                 min_capacity: int = 4, use_residual: bool = False, noisy_gate_policy: str | None = None,
-                 drop_tokens: bool = True, use_rts: bool = True, use_tutel: bool = False,
-                 enable_expert_tensor_parallelism: bool = False, top2_2nd_expert_sampling: bool = True,
-                 drop_policy: str = "probs") -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        expert: nn.Module,
+        num_experts: int = 1,
+        ep_size: int = 1,
+        k: int = 1,
+        capacity_factor: float = 1.0,
+        eval_capacity_factor: float = 1.0,
+        min_capacity: int = 4,
+        use_residual: bool = False,
+        noisy_gate_policy: str | None = None,
+        drop_tokens: bool = True,
+        use_rts: bool = True,
+        use_tutel: bool = False,
+        enable_expert_tensor_parallelism: bool = False,
+        top2_2nd_expert_sampling: bool = True,
+        drop_policy: str = "probs",
+    ) -> None:
         nn.Module.__init__(self)
         if ep_size < 1 or num_experts % ep_size:
-            raise TEDError(f"ds_ext.ted: num_experts {num_experts} must be a multiple of the expert-parallel "
-                           f"size ep_size {ep_size}")
+            raise TEDError(
+                f"ds_ext.ted: num_experts {num_experts} must be a multiple of the expert-parallel "
+                f"size ep_size {ep_size}"
+            )
         if use_tutel:
             raise TEDError("ds_ext.ted: use_tutel=True is not supported (Tutel kernels are CUDA-only); allowed: False")
         self.hidden_size = hidden_size
@@ -103,11 +118,28 @@ class TEDMoE(ds_moe.MoEBase):
         self.expert_group_name = ds_moe.expert_group_name(ep_size)
         self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         self.use_residual = use_residual
-        gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
-                        noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling, drop_policy)
+        gate = TopKGate(
+            hidden_size,
+            num_experts,
+            k,
+            capacity_factor,
+            eval_capacity_factor,
+            min_capacity,
+            noisy_gate_policy,
+            drop_tokens,
+            use_rts,
+            top2_2nd_expert_sampling,
+            drop_policy,
+        )
         # Megatron's tensor-parallel marks of a client-built expert (a deep copy loses them)
-        self._client_marks = [(getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1),
-                               getattr(p, "partition_stride", 1)) for p in expert.parameters()]
+        self._client_marks = [
+            (
+                getattr(p, "tensor_model_parallel", False),
+                getattr(p, "partition_dim", -1),
+                getattr(p, "partition_stride", 1),
+            )
+            for p in expert.parameters()
+        ]
         self.deepspeed_moe = MoEBody(gate, Experts(expert, self.num_local_experts, self.expert_group_name))
         if use_residual:
             self.mlp = expert
@@ -132,30 +164,41 @@ class TEDMoE(ds_moe.MoEBase):
     def ted_validate(self, layout: TEDLayout, name: str) -> None:
         """Pure checks against the layout, before any process group exists."""
         if self.ep_size != layout.expert:
-            raise TEDError(f"ds_ext.ted: {name} has ep_size {self.ep_size} but ds_ext.ted.expert_parallel is "
-                           f"{layout.expert}; allowed: ep_size == expert_parallel")
+            raise TEDError(
+                f"ds_ext.ted: {name} has ep_size {self.ep_size} but ds_ext.ted.expert_parallel is "
+                f"{layout.expert}; allowed: ep_size == expert_parallel"
+            )
         if layout.tensor == 1 or not self.enable_expert_tensor_parallelism or self._client_partitioned():
             return
         for i, mlp in enumerate(self._mlps()):
             check_tensor_parallel_mlp(mlp, f"{name} expert {i}")
             if mlp[0].out_features % layout.tensor:
-                raise TEDError(f"ds_ext.ted: {name} expert hidden size {mlp[0].out_features} is not divisible by "
-                               f"tensor_parallel {layout.tensor}")
+                raise TEDError(
+                    f"ds_ext.ted: {name} expert hidden size {mlp[0].out_features} is not divisible by "
+                    f"tensor_parallel {layout.tensor}"
+                )
 
     def check_token_dropping(self, tensor: int, dtd: bool, name: str) -> None:
         """Whole experts beside tensor parallelism need DTD (module docstring)."""
         if tensor > 1 and not dtd and not self.enable_expert_tensor_parallelism:
-            raise TEDError(f"ds_ext.ted: {name} keeps its experts whole on every tensor rank "
-                           f"(enable_expert_tensor_parallelism=False) at tensor_parallel {tensor}, so each tensor rank "
-                           "must run only its share of the tokens: duplicate_token_dropping must be true (DeepSpeed "
-                           "drops them too); allowed: true")
+            raise TEDError(
+                f"ds_ext.ted: {name} keeps its experts whole on every tensor rank "
+                f"(enable_expert_tensor_parallelism=False) at tensor_parallel {tensor}, so each tensor rank "
+                "must run only its share of the tokens: duplicate_token_dropping must be true (DeepSpeed "
+                "drops them too); allowed: true"
+            )
 
     def ted_bind(self, ted: TEDContext, index: int) -> None:
         """Slice the experts for this tensor rank and attach the TED groups."""
         T = ted.layout.tensor
         self.check_token_dropping(T, ted.dtd, f"TEDMoE[{index}]")
-        self.expert_partitioning = ("whole" if T == 1 or not self.enable_expert_tensor_parallelism else
-                                    "client" if self._client_partitioned() else "ted")
+        self.expert_partitioning = (
+            "whole"
+            if T == 1 or not self.enable_expert_tensor_parallelism
+            else "client"
+            if self._client_partitioned()
+            else "ted"
+        )
         if self.expert_partitioning == "whole":
             _mark_whole(self._mlps())
             if T > 1:
@@ -209,23 +252,34 @@ class TEDMoE(ds_moe.MoEBase):
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
         """Called by DeepSpeed's engine: register TED's expert groups under DeepSpeed's name."""
         if self.ted is None:
-            raise DsExtSetupError("ds_ext.ted: TEDMoE reached deepspeed.initialize unbound; build the engine with "
-                                  "ds_ext.initialize and \"ds_ext\": {\"ted\": {\"enabled\": true, ...}}")
+            raise DsExtSetupError(
+                "ds_ext.ted: TEDMoE reached deepspeed.initialize unbound; build the engine with "
+                'ds_ext.initialize and "ds_ext": {"ted": {"enabled": true, ...}}'
+            )
         if use_data_before_expert_parallel_:
-            raise TEDError("ds_ext.ted: use_data_before_expert_parallel_ is not supported; TED places expert "
-                           "groups inside the non-expert data groups (001 §7.1); allowed: false")
+            raise TEDError(
+                "ds_ext.ted: use_data_before_expert_parallel_ is not supported; TED places expert "
+                "groups inside the non-expert data groups (001 §7.1); allowed: false"
+            )
         ted, kind = self.ted, self.expert_data_group_kind
-        ds_moe.register_expert_groups(self.expert_group_name, ted.groups.expert, ted.ranks("expert"),
-                                      ted.groups[kind], ted.ranks(kind),
-                                      ted.layout.tensor if self.sliced(ted.layout.tensor) else 1)
+        ds_moe.register_expert_groups(
+            self.expert_group_name,
+            ted.groups.expert,
+            ted.ranks("expert"),
+            ted.groups[kind],
+            ted.ranks(kind),
+            ted.layout.tensor if self.sliced(ted.layout.tensor) else 1,
+        )
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
         """``hidden_states`` ``[..., H]`` -> ``(output [..., H], l_aux, exp_counts)``."""
         ted = self.ted
         if ted is None and self.ep_size > 1:
-            raise DsExtSetupError(f"ds_ext.ted: TEDMoE(ep_size={self.ep_size}) runs only once bound by "
-                                  "ds_ext.initialize with \"ted\" enabled")
+            raise DsExtSetupError(
+                f"ds_ext.ted: TEDMoE(ep_size={self.ep_size}) runs only once bound by "
+                'ds_ext.initialize with "ted" enabled'
+            )
         x = hidden_states.reshape(-1, self.hidden_size)
         frame = self.ted_tape.frame(ted.cac if ted is not None else False)
         routing = self.gate(x, used_token, frame)  # router

@@ -45,16 +45,20 @@ def _refuse(msg: str) -> None:
 def _check_ds_config(ds_config: dict) -> None:
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (0, 1, 2):
-        _refuse(f"zero_optimization.stage {stage} is not supported (DeepSpeed's MoE parameter groups need "
-                "ZeRO <= 2; 001 §7.1 uses ZeRO-1); allowed: 0, 1, 2")
+        _refuse(
+            f"zero_optimization.stage {stage} is not supported (DeepSpeed's MoE parameter groups need "
+            "ZeRO <= 2; 001 §7.1 uses ZeRO-1); allowed: 0, 1, 2"
+        )
     from ds_ext.integration.ds_engine import gradient_clipping
 
     clip = gradient_clipping(ds_config)  # DeepSpeed's default is 1.0, not 0
     half = [k for k in ("fp16", "bf16") if (ds_config.get(k) or {}).get("enabled")]
     if stage == 0 and clip > 0 and half:
-        _refuse(f"gradient_clipping {clip} with zero_optimization.stage 0 and {half[0]}: DeepSpeed's {half[0]} optimizer "
-                "clips with its own norm, which does not count expert parameters once (DeepSpeed clips at 1.0 when the "
-                "key is absent); allowed: stage 0 in fp32, stage 1 or 2, or gradient_clipping 0")
+        _refuse(
+            f"gradient_clipping {clip} with zero_optimization.stage 0 and {half[0]}: DeepSpeed's {half[0]} optimizer "
+            "clips with its own norm, which does not count expert parameters once (DeepSpeed clips at 1.0 when the "
+            "key is absent); allowed: stage 0 in fp32, stage 1 or 2, or gradient_clipping 0"
+        )
 
 
 def _check_param_groups(optimizer: Any, ds_config: dict) -> None:
@@ -65,24 +69,30 @@ def _check_param_groups(optimizer: Any, ds_config: dict) -> None:
     for group in optimizer.param_groups:
         experts = [p for p in group["params"] if is_moe_param(p)]
         if experts and (not group.get("moe") or len(experts) != len(group["params"])):
-            _refuse("ZeRO-1/2 need the expert parameters in their own param groups: build the optimizer from "
-                    "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(...)")
+            _refuse(
+                "ZeRO-1/2 need the expert parameters in their own param groups: build the optimizer from "
+                "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(...)"
+            )
 
 
 def _check_beside_zero_topo(layout: TEDLayout, layers: list[tuple[str, Any]]) -> None:
     """ZeRO-topo shards experts over their expert-data group only: it needs one of two ranks or more,
     and experts split over the tensor group (whole ones would need tensor x expert-data)."""
     if layout.expert_data == 1:
-        _refuse(f"expert_data_parallel 1 (tensor {layout.tensor} x expert {layout.expert} fill the world) with "
-                "ds_ext.zero_topo: no expert-data group to shard the experts over; allowed: expert_data_parallel >= 2")
+        _refuse(
+            f"expert_data_parallel 1 (tensor {layout.tensor} x expert {layout.expert} fill the world) with "
+            "ds_ext.zero_topo: no expert-data group to shard the experts over; allowed: expert_data_parallel >= 2"
+        )
     from ds_ext.moe.layer import TEDMoE  # imports DeepSpeed: kept out of ``ds-ext schema``
 
     for name, module in layers:
         if isinstance(module, TEDMoE) and layout.tensor > 1 and not module.enable_expert_tensor_parallelism:
-            _refuse(f"{name} keeps its experts whole on every tensor rank (enable_expert_tensor_parallelism=False) "
-                    f"at tensor_parallel {layout.tensor} with ds_ext.zero_topo, which shards experts over their "
-                    "expert-data group only; allowed: enable_expert_tensor_parallelism=True (Megatron-DeepSpeed: "
-                    "--enable-expert-tensor-parallelism) or tensor_parallel 1")
+            _refuse(
+                f"{name} keeps its experts whole on every tensor rank (enable_expert_tensor_parallelism=False) "
+                f"at tensor_parallel {layout.tensor} with ds_ext.zero_topo, which shards experts over their "
+                "expert-data group only; allowed: enable_expert_tensor_parallelism=True (Megatron-DeepSpeed: "
+                "--enable-expert-tensor-parallelism) or tensor_parallel 1"
+            )
 
 
 @register_plugin
@@ -99,16 +109,19 @@ class TEDPlugin(Plugin):
         from ds_ext.integration.ds_engine import pipeline_grid
 
         if pipeline_grid(model) is not None:
-            _refuse("with a deepspeed.pipe.PipelineModule: TED's layout (tensor x expert x expert-data) spans the whole "
-                    "world and has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: "
-                    "--no-pipeline-parallel; GPT-NeoX: pipe_parallel_size 0)")
+            _refuse(
+                "with a deepspeed.pipe.PipelineModule: TED's layout (tensor x expert x expert-data) spans the whole "
+                "world and has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: "
+                "--no-pipeline-parallel; GPT-NeoX: pipe_parallel_size 0)"
+            )
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         cfg, rt = self.config, self.runtime
         _check_ds_config(ds_config)
         try:
-            layout = TEDLayout.build(rt.topology.world_size, cfg.tensor_parallel, cfg.expert_parallel,
-                                     cfg.expert_data_parallel)
+            layout = TEDLayout.build(
+                rt.topology.world_size, cfg.tensor_parallel, cfg.expert_parallel, cfg.expert_data_parallel
+            )
             layout.check_placement(rt.topology)
         except GroupError as err:
             raise DsExtConfigError(str(err)) from None
@@ -116,8 +129,14 @@ class TEDPlugin(Plugin):
         if any(p.name == "zero_topo" for p in rt.plugins):
             _check_beside_zero_topo(layout, layers)
         _check_param_groups(optimizer, ds_config)
-        self.ted = TEDContext.create(layout, rt.comm, cfg.duplicate_token_dropping, cfg.comm_aware_checkpointing,
-                                     cfg.seed, cfg.cac_stash == "lean")
+        self.ted = TEDContext.create(
+            layout,
+            rt.comm,
+            cfg.duplicate_token_dropping,
+            cfg.comm_aware_checkpointing,
+            cfg.seed,
+            cfg.cac_stash == "lean",
+        )
         for index, (_, module) in enumerate(layers):
             module.ted_bind(self.ted, index)
         self.layers = [m for _, m in layers]
@@ -149,9 +168,11 @@ class TEDPlugin(Plugin):
             except ValueError as err:
                 raise DsExtConfigError(str(err)) from None
             gate = module.gate
-            for key, want, got in (("num_experts", cfg.num_experts, module.num_experts),
-                                   ("top_k", cfg.top_k, gate.k),
-                                   ("capacity_factor", cfg.capacity_factor, gate.capacity_factor)):
+            for key, want, got in (
+                ("num_experts", cfg.num_experts, module.num_experts),
+                ("top_k", cfg.top_k, gate.k),
+                ("capacity_factor", cfg.capacity_factor, gate.capacity_factor),
+            ):
                 if want is not None and want != got:
                     _refuse(f"{key} is {want} but layer {name} has {got}")
         return [(n, m) for n, m in modules if hasattr(m, "ted_bind")]

@@ -25,8 +25,9 @@ def serial_name(name: str, expert_rank: int, num_local_experts: int) -> str:
     return f"{m.group(1)}{expert_rank * num_local_experts + int(m.group(2))}{m.group(3)}"
 
 
-def local_expert_state(state: Mapping[str, torch.Tensor], expert_rank: int,
-                       num_local_experts: int) -> dict[str, torch.Tensor]:
+def local_expert_state(
+    state: Mapping[str, torch.Tensor], expert_rank: int, num_local_experts: int
+) -> dict[str, torch.Tensor]:
     """A serial state dict cut to the experts of ``expert_rank`` (what a model built with
     ``ep_size = G_expert`` loads before ``ds_ext.initialize`` slices it for the tensor group)."""
     out = {}

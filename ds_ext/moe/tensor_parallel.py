@@ -35,8 +35,7 @@ if TYPE_CHECKING:
     from ds_ext.parallel import TEDLayout
 
 # Parameter-free elementwise activations: applying them to a column shard is exact.
-ELEMENTWISE_ACTIVATIONS = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU,
-                           nn.Mish, nn.ELU)
+ELEMENTWISE_ACTIVATIONS = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU, nn.Mish, nn.ELU)
 
 
 def check_divisible(what: str, size: int, tensor: int) -> None:
@@ -107,8 +106,13 @@ class RowParallelLinear(nn.Linear):
 
 def check_tensor_parallel_mlp(expert: nn.Module, name: str) -> None:
     """Refuse an expert TED cannot split column- then row-wise."""
-    ok = (isinstance(expert, nn.Sequential) and len(expert) == 3 and isinstance(expert[0], nn.Linear)
-          and isinstance(expert[1], ELEMENTWISE_ACTIVATIONS) and isinstance(expert[2], nn.Linear))
+    ok = (
+        isinstance(expert, nn.Sequential)
+        and len(expert) == 3
+        and isinstance(expert[0], nn.Linear)
+        and isinstance(expert[1], ELEMENTWISE_ACTIVATIONS)
+        and isinstance(expert[2], nn.Linear)
+    )
     if not ok:
         raise TEDError(
             f"ds_ext.ted: with tensor_parallel > 1 the expert {name} must be nn.Sequential(nn.Linear, "

@@ -39,8 +39,15 @@ import torch
 from ds_ext.errors import DsExtConfigError
 from ds_ext.integration import ds_fused_adam
 from ds_ext.optim.config import DEFAULT_TILE_SIZE, TiledOptimizerConfig
-from ds_ext.optim.tiled import (ALLOWED_TYPES, FUSED_TILE_MULTIPLE, KEY, TiledAdam, check_tileable, piecewise_loader,
-                               refuse_closure)
+from ds_ext.optim.tiled import (
+    ALLOWED_TYPES,
+    FUSED_TILE_MULTIPLE,
+    KEY,
+    TiledAdam,
+    check_tileable,
+    piecewise_loader,
+    refuse_closure,
+)
 from ds_ext.plugin import Plugin, register_plugin
 
 
@@ -55,13 +62,13 @@ def _check_ds_config(ds_config: dict, optimizer: Any, tile_size: int = DEFAULT_T
     for key in ("offload_optimizer", "offload_param"):
         dev = (zero.get(key) or {}).get("device", "none")
         if dev not in (None, "none"):
-            raise DsExtConfigError(
-                f"{KEY}: zero_optimization.{key}.device {dev!r} is not tiled; allowed: 'none'"
-            )
+            raise DsExtConfigError(f"{KEY}: zero_optimization.{key}.device {dev!r} is not tiled; allowed: 'none'")
     if zero.get("zenflow"):
         raise DsExtConfigError(f"{KEY}: zero_optimization.zenflow is not tiled; allowed: no zenflow section")
     if (ds_config.get("torch_autocast") or {}).get("enabled"):
-        raise DsExtConfigError(f"{KEY}: torch_autocast.enabled is not tiled; allowed: false (use the bf16/fp16 sections)")
+        raise DsExtConfigError(
+            f"{KEY}: torch_autocast.enabled is not tiled; allowed: false (use the bf16/fp16 sections)"
+        )
     if optimizer is None:
         section = ds_config.get("optimizer")
         if section is None:

@@ -283,10 +283,23 @@ class TiledAdam:
             buf = self.buffer.view(e - s, param.device)
             load(buf, s)
             p, m, v = (t[s:e] for t in flat)
-            kernel([p], [buf], [m], [v], [vmax[s:e]] if vmax is not None else [], [state["step"]],
-                   amsgrad=group["amsgrad"], lr=group["lr"], beta1=beta1, beta2=beta2,
-                   weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                   grad_scale=None, found_inf=None)
+            kernel(
+                [p],
+                [buf],
+                [m],
+                [v],
+                [vmax[s:e]] if vmax is not None else [],
+                [state["step"]],
+                amsgrad=group["amsgrad"],
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=group["maximize"],
+                grad_scale=None,
+                found_inf=None,
+            )
             self.buffer.tiles_processed += 1
             if store is not None:
                 store(s, e)
@@ -326,8 +339,10 @@ class TiledAdam:
                 self.step_holders[id(group)] = with_grad[-1]
             for p in with_grad:
                 if p.dtype != torch.float32:
-                    raise DsExtConfigError(f"{KEY}: a stage-0 fp32 engine holds a {p.dtype} parameter; enable the "
-                                           "ds_config 'bf16' or 'fp16' section for 16-bit parameters")
+                    raise DsExtConfigError(
+                        f"{KEY}: a stage-0 fp32 engine holds a {p.dtype} parameter; enable the "
+                        "ds_config 'bf16' or 'fp16' section for 16-bit parameters"
+                    )
                 flat_g = p.grad.view(-1)
 
                 def load(buf: torch.Tensor, s: int, flat_g=flat_g) -> None:

@@ -84,8 +84,10 @@ def traffic(algorithm: str, topology: Topology, ranks: Sequence[int], chunk_byte
 def time(algorithm: str, topology: Topology, ranks: Sequence[int], chunk_bytes: float) -> float:
     """Predicted seconds of one all-gather / reduce-scatter (docstring's time model)."""
     if algorithm == "pccl":
-        return sum(m * topology.level(lv).latency + b / topology.level(lv).bandwidth
-                   for lv, (b, m) in traffic("pccl", topology, ranks, chunk_bytes).items())
+        return sum(
+            m * topology.level(lv).latency + b / topology.level(lv).bandwidth
+            for lv, (b, m) in traffic("pccl", topology, ranks, chunk_bytes).items()
+        )
     d = len(ranks)
     if d == 1:
         return 0.0

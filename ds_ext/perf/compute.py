@@ -45,9 +45,17 @@ class ActivationSplit:
     vocab: int = 1
 
 
-def activation_bytes(tokens: int, layers: int, hidden: int, heads: int, seq: int, vocab: int,
-                     split: ActivationSplit = ActivationSplit(), checkpointing: bool = True,
-                     flash_attention: bool = True) -> float:
+def activation_bytes(
+    tokens: int,
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq: int,
+    vocab: int,
+    split: ActivationSplit = ActivationSplit(),
+    checkpointing: bool = True,
+    flash_attention: bool = True,
+) -> float:
     """Peak activation bytes of one rank for ``tokens`` tokens of one micro-step (module docstring)."""
     t = tokens / split.rows
     layer = t * hidden * (10 / split.residual + 24 / split.tensor)

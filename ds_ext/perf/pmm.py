@@ -116,8 +116,16 @@ def _ar(nbytes: float, d: int) -> float:
     return 2 * nbytes * (d - 1) / d
 
 
-def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_bytes: int,
-          grad_accum: int = 1, by_layer: bool = True, data_reduction: bool = True) -> list[Item]:
+def items(
+    spec: ModelSpec,
+    grid: Grid,
+    micro_batch: int,
+    seq_len: int,
+    elem_bytes: int,
+    grad_accum: int = 1,
+    by_layer: bool = True,
+    data_reduction: bool = True,
+) -> list[Item]:
     """Every collective of one optimizer step, per rank (axes of size one send nothing);
     ``data_reduction`` False: the data axis's gradient reduction is not DeepSpeed's all-reduce
     but ZeRO-topo's (``ds_ext.zero_topo.perf`` models it)."""
@@ -127,8 +135,11 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
     def add(phase: str, op: str, axis: str, per_call: float, calls: int, eq: str) -> None:
         d = _size(grid, axis)
         if d > 1 and calls:
-            nbytes = {"all_gather": per_call * (d - 1), "reduce_scatter": per_call * (d - 1) / d,
-                      "all_reduce": _ar(per_call, d)}[op]
+            nbytes = {
+                "all_gather": per_call * (d - 1),
+                "reduce_scatter": per_call * (d - 1) / d,
+                "all_reduce": _ar(per_call, d),
+            }[op]
             out.append(Item(phase, op, axis, nbytes, calls, eq))
 
     same: dict[tuple, list[Item]] = {}  # by_layer=False: identical layers give identical items
@@ -167,8 +178,14 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
         add("forward", "all_reduce", "x", rows * STATS_BYTES, grad_accum, "vocab CE max")
         add("forward", "all_reduce", "x", 2 * rows * STATS_BYTES, grad_accum, "vocab CE sums")
     add("forward", "all_reduce", "z", STATS_BYTES, grad_accum, "loss mean")
-    add("backward", "all_reduce", "z", sum(replicated_numels(spec, grid)) * e, grad_accum,
-        "replicated grads (one bucket)")
+    add(
+        "backward",
+        "all_reduce",
+        "z",
+        sum(replicated_numels(spec, grid)) * e,
+        grad_accum,
+        "replicated grads (one bucket)",
+    )
     layers = sharded_numel(spec, grid)
     if data_reduction:
         add("backward", "all_reduce", "data", layers * e, 1, "5.5 (DeepSpeed, one bucket with the rest)")
@@ -178,9 +195,15 @@ def items(spec: ModelSpec, grid: Grid, micro_batch: int, seq_len: int, elem_byte
 
 # GPT models of 001 Table 5.1 (= 000 Table II): name -> (layers, hidden, heads)
 TABLE_5_1: dict[str, tuple[int, int, int]] = {
-    "gpt-5b": (24, 4096, 32), "gpt-10b": (32, 5120, 40), "gpt-20b": (32, 7168, 56), "gpt-40b": (38, 9216, 72),
-    "gpt-60b": (56, 9216, 72), "gpt-80b": (42, 12288, 96), "gpt-160b": (84, 12288, 96),
-    "gpt-320b": (96, 16384, 128), "gpt-640b": (192, 16384, 128),
+    "gpt-5b": (24, 4096, 32),
+    "gpt-10b": (32, 5120, 40),
+    "gpt-20b": (32, 7168, 56),
+    "gpt-40b": (38, 9216, 72),
+    "gpt-60b": (56, 9216, 72),
+    "gpt-80b": (42, 12288, 96),
+    "gpt-160b": (84, 12288, 96),
+    "gpt-320b": (96, 16384, 128),
+    "gpt-640b": (192, 16384, 128),
 }
 
 
@@ -192,13 +215,16 @@ def gpt_spec(d_model: int, n_layers: int, n_heads: int, vocab: int, seq_len: int
     layers, norms = [], []
     for b in range(n_layers):
         p = f"blocks.{b}."
-        layers += [LayerSpec(p + "qkv", d, 3 * d, False, True, 3), LayerSpec(p + "proj", d, d, True, True),
-                   LayerSpec(p + "fc1", d, f, False, True), LayerSpec(p + "fc2", f, d, True, True)]
+        layers += [
+            LayerSpec(p + "qkv", d, 3 * d, False, True, 3),
+            LayerSpec(p + "proj", d, d, True, True),
+            LayerSpec(p + "fc1", d, f, False, True),
+            LayerSpec(p + "fc2", f, d, True, True),
+        ]
         norms += [NormSpec(p + "ln1", d, 2, 2), NormSpec(p + "ln2", d, 2, 2)]
     norms.append(NormSpec("ln_f", d, 2, 2))
     tables = (TableSpec("embed", vocab, d), TableSpec("pos", seq_len, d, per_position=True))
-    return ModelSpec(tuple(layers), tuple(norms), tables, LayerSpec("embed", d, vocab),
-                     {"GPTConfig.n_heads": n_heads})
+    return ModelSpec(tuple(layers), tuple(norms), tables, LayerSpec("embed", d, vocab), {"GPTConfig.n_heads": n_heads})
 
 
 def replicated_numels(spec: ModelSpec, grid: Grid) -> list[int]:
@@ -219,22 +245,54 @@ def local_numel(spec: ModelSpec, grid: Grid) -> int:
     return sharded_numel(spec, grid) + sum(replicated_numels(spec, grid))
 
 
-def ledger_bytes(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, seq_len: int,
-                 elem_bytes: int, grad_accum: int = 1, by_layer: bool = True,
-                 algorithm: str = "native", data_reduction: bool = True) -> dict[str, dict[str, float]]:
+def ledger_bytes(
+    spec: ModelSpec,
+    grid: Grid,
+    topology: Topology,
+    micro_batch: int,
+    seq_len: int,
+    elem_bytes: int,
+    grad_accum: int = 1,
+    by_layer: bool = True,
+    algorithm: str = "native",
+    data_reduction: bool = True,
+) -> dict[str, dict[str, float]]:
     """``{phase: {level: bytes}}`` per optimizer step, as the ledger records it."""
-    return _ledger(spec, grid, topology, micro_batch, seq_len, elem_bytes, grad_accum, by_layer, algorithm, data_reduction)[0]
+    return _ledger(
+        spec, grid, topology, micro_batch, seq_len, elem_bytes, grad_accum, by_layer, algorithm, data_reduction
+    )[0]
 
 
-def ledger_messages(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, seq_len: int,
-                    elem_bytes: int, grad_accum: int = 1, by_layer: bool = True,
-                    algorithm: str = "native", data_reduction: bool = True) -> dict[str, dict[str, float]]:
+def ledger_messages(
+    spec: ModelSpec,
+    grid: Grid,
+    topology: Topology,
+    micro_batch: int,
+    seq_len: int,
+    elem_bytes: int,
+    grad_accum: int = 1,
+    by_layer: bool = True,
+    algorithm: str = "native",
+    data_reduction: bool = True,
+) -> dict[str, dict[str, float]]:
     """``{phase: {level: messages}}`` per optimizer step, as the ledger counts them."""
-    return _ledger(spec, grid, topology, micro_batch, seq_len, elem_bytes, grad_accum, by_layer, algorithm, data_reduction)[1]
+    return _ledger(
+        spec, grid, topology, micro_batch, seq_len, elem_bytes, grad_accum, by_layer, algorithm, data_reduction
+    )[1]
 
 
-def _ledger(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, seq_len: int, elem_bytes: int,
-            grad_accum: int, by_layer: bool, algorithm: str, data_reduction: bool = True) -> tuple[dict, dict]:
+def _ledger(
+    spec: ModelSpec,
+    grid: Grid,
+    topology: Topology,
+    micro_batch: int,
+    seq_len: int,
+    elem_bytes: int,
+    grad_accum: int,
+    by_layer: bool,
+    algorithm: str,
+    data_reduction: bool = True,
+) -> tuple[dict, dict]:
     """Bytes and messages per phase and level. With ``ds_ext.comm.algorithm`` pccl (or auto, chosen
     per call as the communicator does) an all-gather / reduce-scatter is split over the levels of its
     phases by ``ds_ext.perf.collectives`` (001 §6.2); a collective left to torch counts d - 1 messages
@@ -299,9 +357,18 @@ def axis_bandwidths(grid: Grid, topology: Topology, bw: Bandwidths | None = None
     return out
 
 
-def comm_time(spec: ModelSpec, grid: Grid, topology: Topology, micro_batch: int, seq_len: int,
-              elem_bytes: int, grad_accum: int = 1, bw: Bandwidths | None = None,
-              paper_terms_only: bool = False, latency: bool = False) -> float:
+def comm_time(
+    spec: ModelSpec,
+    grid: Grid,
+    topology: Topology,
+    micro_batch: int,
+    seq_len: int,
+    elem_bytes: int,
+    grad_accum: int = 1,
+    bw: Bandwidths | None = None,
+    paper_terms_only: bool = False,
+    latency: bool = False,
+) -> float:
     """Predicted seconds of communication per step, Eq 5.6 summed over layers.
 
     ``paper_terms_only``: only Eqs 5.1-5.5 of the linear layers. ``latency``: drop
@@ -361,8 +428,9 @@ def model_state_bytes(spec: ModelSpec, grid: Grid, elem_bytes: int, zero_stage: 
 def factorizations(world: int) -> list[Grid]:
     """Every ordered (G_x, G_y, G_z, G_data) with product ``world``."""
     divs = [d for d in range(1, world + 1) if world % d == 0]
-    return [Grid(x, y, z, world // (x * y * z)) for x, y, z in itertools.product(divs, repeat=3)
-            if world % (x * y * z) == 0]
+    return [
+        Grid(x, y, z, world // (x * y * z)) for x, y, z in itertools.product(divs, repeat=3) if world % (x * y * z) == 0
+    ]
 
 
 def block_split_error(n: int, k: int, out_parts: int, in_parts: int, z_parts: int, out_chunks: int = 1) -> str | None:
@@ -370,8 +438,9 @@ def block_split_error(n: int, k: int, out_parts: int, in_parts: int, z_parts: in
     into ``out_chunks`` stacked blocks of ``out_parts`` each, in-features into ``in_parts``, the local
     block into ``z_parts`` equal chunks; None if it does (``ds_ext.pmm.layout.LinearLayout``'s rule)."""
     if n % (out_chunks * out_parts) or k % in_parts:
-        return (f"a [{n}, {k}] weight does not split into {out_parts} x {in_parts} blocks"
-                + (f" ({out_chunks} stacked out blocks)" if out_chunks > 1 else ""))
+        return f"a [{n}, {k}] weight does not split into {out_parts} x {in_parts} blocks" + (
+            f" ({out_chunks} stacked out blocks)" if out_chunks > 1 else ""
+        )
     n_local, k_local = n // out_parts, k // in_parts
     if (n_local * k_local) % z_parts:
         return f"a {n_local} x {k_local} block does not split into {z_parts} Z chunks"
@@ -407,9 +476,18 @@ class Candidate:
     bytes_by_level: dict[str, float]
 
 
-def rank_grids(spec: ModelSpec, world: int, topology: Topology, micro_batch: int, seq_len: int,
-               elem_bytes: int, grad_accum: int = 1, zero_stage: int = 0, memory_limit: float | None = None,
-               bw: Bandwidths | None = None) -> list[Candidate]:
+def rank_grids(
+    spec: ModelSpec,
+    world: int,
+    topology: Topology,
+    micro_batch: int,
+    seq_len: int,
+    elem_bytes: int,
+    grad_accum: int = 1,
+    zero_stage: int = 0,
+    memory_limit: float | None = None,
+    bw: Bandwidths | None = None,
+) -> list[Candidate]:
     """Factorizations that fit the model and memory, fastest predicted first."""
     out = []
     for grid in factorizations(world):
@@ -423,8 +501,9 @@ def rank_grids(spec: ModelSpec, world: int, topology: Topology, micro_batch: int
         for per in ledger_bytes(*args).values():
             for lv, b in per.items():
                 levels[lv] += b
-        out.append(Candidate(grid, comm_time(*args, bw=bw), comm_time(*args, bw=bw, paper_terms_only=True),
-                             mem, dict(levels)))
+        out.append(
+            Candidate(grid, comm_time(*args, bw=bw), comm_time(*args, bw=bw, paper_terms_only=True), mem, dict(levels))
+        )
     return sorted(out, key=lambda c: (c.time, c.grid.dims))
 
 
@@ -448,8 +527,27 @@ def ddp_bytes(layers: list[LayerSpec], g: int, e: int) -> float:
 
 
 __all__ = [
-    "Bandwidths", "Candidate", "Item", "LayerSpec", "ModelSpec", "NormSpec", "TableSpec", "axis_bandwidths",
-    "comm_time", "ddp_bytes", "factorizations", "fsdp_bytes", "items", "ledger_bytes", "ledger_messages", "local_numel",
-    "megatron_bytes", "memory", "model_state_bytes", "rank_grids", "replicated_numels", "sharded_numel",
+    "Bandwidths",
+    "Candidate",
+    "Item",
+    "LayerSpec",
+    "ModelSpec",
+    "NormSpec",
+    "TableSpec",
+    "axis_bandwidths",
+    "comm_time",
+    "ddp_bytes",
+    "factorizations",
+    "fsdp_bytes",
+    "items",
+    "ledger_bytes",
+    "ledger_messages",
+    "local_numel",
+    "megatron_bytes",
+    "memory",
+    "model_state_bytes",
+    "rank_grids",
+    "replicated_numels",
+    "sharded_numel",
     "unfit_reason",
 ]

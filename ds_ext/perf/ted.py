@@ -46,8 +46,9 @@ class MoEBlockShape:
     element_bytes: int  # b
 
 
-def moe_block_traffic(layout: TEDLayout, topology: Topology, rank: int, shape: MoEBlockShape, *,
-                      dtd: bool, cac: bool, checkpointing: bool) -> Traffic:
+def moe_block_traffic(
+    layout: TEDLayout, topology: Topology, rank: int, shape: MoEBlockShape, *, dtd: bool, cac: bool, checkpointing: bool
+) -> Traffic:
     """Bytes and calls ``rank`` sends in forward + backward of one MoE block (module docstring)."""
     T, P = layout.tensor, layout.expert
     levels = layout.levels(topology, rank)
@@ -119,9 +120,12 @@ FRONTIER_GCD_BYTES = 64e9
 BASE_MODEL_GRID = ((64, 16), (256, 16), (256, 64), (1024, 64), (4096, 128))  # (G, E)
 
 
-def base_model_table(memory: float = FRONTIER_GCD_BYTES, grid=BASE_MODEL_GRID,
-                     tensors=(1, 2, 4, 8)) -> list[dict[str, float | int | None]]:
+def base_model_table(
+    memory: float = FRONTIER_GCD_BYTES, grid=BASE_MODEL_GRID, tensors=(1, 2, 4, 8)
+) -> list[dict[str, float | int | None]]:
     """Largest base model (Eq 7.5) per (G, E) and G_tensor; None where G_tensor x E > G
     (G_expert = E needs G_data^exp = G / (G_tensor E) >= 1). G_tensor = 1 is DeepSpeed-MoE."""
-    return [{"G": G, "E": E, **{f"tensor_{T}": (max_base_params(memory, E, G, T) if T * E <= G else None)
-                                for T in tensors}} for G, E in grid]
+    return [
+        {"G": G, "E": E, **{f"tensor_{T}": (max_base_params(memory, E, G, T) if T * E <= G else None) for T in tensors}}
+        for G, E in grid
+    ]

@@ -8,7 +8,6 @@ time of one plan), ``zero_plans`` / ``pmm_grids`` / ``ted_layouts`` / ``megatron
 papers), ``report`` and ``command`` (CLI: plan, simulate, tune). Nothing here imports torch.
 """
 
-
 from ds_ext.errors import DsExtError
 
 

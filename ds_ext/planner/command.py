@@ -37,12 +37,16 @@ def _level_values(items: list[str], flag: str) -> dict[str, float]:
 
 def check_numbers(ns: argparse.Namespace) -> None:
     """Refuse a flag whose number the planner cannot use (one line naming the flag)."""
-    rules = (("global_batch", "a positive integer", lambda v: v >= 1),
-             ("grad_accum", "a positive integer", lambda v: v >= 1), ("top_k", "a positive integer", lambda v: v >= 1),
-             ("ffn_mult", "a positive integer", lambda v: v >= 1), ("experts", "a positive integer", lambda v: v >= 1),
-             ("memory_GB", "a positive number", lambda v: 0 < v < math.inf),
-             ("peak_TFLOPS", "a positive number", lambda v: 0 < v < math.inf),
-             ("efficiency", "in (0, 1]", lambda v: 0 < v <= 1))
+    rules = (
+        ("global_batch", "a positive integer", lambda v: v >= 1),
+        ("grad_accum", "a positive integer", lambda v: v >= 1),
+        ("top_k", "a positive integer", lambda v: v >= 1),
+        ("ffn_mult", "a positive integer", lambda v: v >= 1),
+        ("experts", "a positive integer", lambda v: v >= 1),
+        ("memory_GB", "a positive number", lambda v: 0 < v < math.inf),
+        ("peak_TFLOPS", "a positive number", lambda v: 0 < v < math.inf),
+        ("efficiency", "in (0, 1]", lambda v: 0 < v <= 1),
+    )
     for key, allowed, ok in rules:
         values = getattr(ns, key, None)
         for v in values if isinstance(values, list) else [values]:
@@ -55,7 +59,9 @@ def add_machine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-GB", type=float, default=None, help="device memory per rank instead of the preset's")
     p.add_argument("--peak-TFLOPS", type=float, default=None, help="16-bit peak per rank instead of the preset's")
     p.add_argument("--efficiency", type=float, default=None, help="fraction of the peak compute reaches")
-    p.add_argument("--bandwidth", action="append", default=[], metavar="LEVEL=GBps", help="per-rank bandwidth of a level")
+    p.add_argument(
+        "--bandwidth", action="append", default=[], metavar="LEVEL=GBps", help="per-rank bandwidth of a level"
+    )
     p.add_argument("--latency", action="append", default=[], metavar="LEVEL=us", help="per-message latency of a level")
 
 
@@ -64,14 +70,21 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     for key in SHAPE:
         p.add_argument(f"--{key}", type=int, default=None)
     p.add_argument("--ffn-mult", type=int, default=4)
-    p.add_argument("--experts", type=int, default=1, help="MoE: experts of every alternate layer (001 §7.1.1); with --model, an MoE built on that base")
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=1,
+        help="MoE: experts of every alternate layer (001 §7.1.1); with --model, an MoE built on that base",
+    )
     p.add_argument("--untied", action="store_true", help="separate LM head (GPT-NeoX no-weight-tying)")
     p.add_argument("--rotary", action="store_true", help="no learned position table")
     p.add_argument("--nodes", type=int, required=True)
     add_machine_arguments(p)
     p.add_argument("--ds-config", default=None, help="read batch, precision and the configured plan from it")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the model's recipe)")
-    p.add_argument("--grad-accum", type=int, default=None, help="micro-steps per step (default: recipe, else fewest that fit)")
+    p.add_argument(
+        "--grad-accum", type=int, default=None, help="micro-steps per step (default: recipe, else fewest that fit)"
+    )
     p.add_argument("--families", nargs="+", default=None, help="plan families to enumerate (default: all)")
     p.add_argument("--top-k", type=int, default=5, help="3D-PMM grids shown in full (the others are listed)")
     p.add_argument("--out", default=None, help="write JSON here and a PNG next to it")
@@ -83,9 +96,15 @@ def machine_from(ns: argparse.Namespace):
 
     check_numbers(ns)
     m = machines.lookup(ns.machine)
-    update = {k: v for k, v in (("device_memory", None if ns.memory_GB is None else ns.memory_GB * 1e9),
-                                ("peak_flops", None if ns.peak_TFLOPS is None else ns.peak_TFLOPS * 1e12),
-                                ("efficiency", ns.efficiency)) if v is not None}
+    update = {
+        k: v
+        for k, v in (
+            ("device_memory", None if ns.memory_GB is None else ns.memory_GB * 1e9),
+            ("peak_flops", None if ns.peak_TFLOPS is None else ns.peak_TFLOPS * 1e12),
+            ("efficiency", ns.efficiency),
+        )
+        if v is not None
+    }
     m = m.model_copy(update=update)
     return m.with_links(_level_values(ns.bandwidth, "--bandwidth"), _level_values(ns.latency, "--latency"))
 
@@ -101,8 +120,13 @@ def arch_from(ns: argparse.Namespace):
     if len(given) < len(SHAPE):
         missing = [f"--{k}" for k in SHAPE if k not in given]
         raise models.ModelError(f"give --model NAME or the shape; missing {' '.join(missing)}")
-    return models.custom(**{k: getattr(ns, k) for k in SHAPE}, ffn_mult=ns.ffn_mult, experts=ns.experts,
-                         tied_embeddings=not ns.untied, learned_positions=not ns.rotary)
+    return models.custom(
+        **{k: getattr(ns, k) for k in SHAPE},
+        ffn_mult=ns.ffn_mult,
+        experts=ns.experts,
+        tied_embeddings=not ns.untied,
+        learned_positions=not ns.rotary,
+    )
 
 
 def _write(out: str, payload: dict, plot) -> None:
@@ -130,8 +154,12 @@ def run_plan(ns: argparse.Namespace) -> int:
     if ds:
         from dataclasses import replace
 
-        job = replace(job, checkpointing=ds.checkpointing, checkpointing_source=f"--ds-config {ns.ds_config}: "
-                      + ("its activation_checkpointing section" if ds.checkpointing else "no activation_checkpointing section"))
+        job = replace(
+            job,
+            checkpointing=ds.checkpointing,
+            checkpointing_source=f"--ds-config {ns.ds_config}: "
+            + ("its activation_checkpointing section" if ds.checkpointing else "no activation_checkpointing section"),
+        )
     extra = ds.candidates(job) if ds else []
     families = ns.families or tuple(plan.FAMILIES)
     result = plan.plan(job, families, extra)
@@ -144,15 +172,23 @@ def run_plan(ns: argparse.Namespace) -> int:
 
 
 def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", nargs="+", default=None, help=f"catalogue models to sweep (default {' '.join(SWEEP_MODELS)})")
-    p.add_argument("--nodes", nargs="+", type=int, default=None,
-                   help="node counts (default 2..48: 16..384 GCDs on Frontier)")
+    p.add_argument(
+        "--models", nargs="+", default=None, help=f"catalogue models to sweep (default {' '.join(SWEEP_MODELS)})"
+    )
+    p.add_argument(
+        "--nodes", nargs="+", type=int, default=None, help="node counts (default 2..48: 16..384 GCDs on Frontier)"
+    )
     add_machine_arguments(p)
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per step for every point (default: recipes)")
+    p.add_argument(
+        "--global-batch", type=int, default=None, help="sequences per step for every point (default: recipes)"
+    )
     p.add_argument("--grad-accum", type=int, default=None, help="micro-steps per step for every point")
     p.add_argument("--families", nargs="+", default=None, help="plan families (default: all)")
-    p.add_argument("--validate", action="store_true",
-                   help="instead of the sweep: predictions beside 003's and 000's published numbers")
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="instead of the sweep: predictions beside 003's and 000's published numbers",
+    )
     p.add_argument("--out", default=None, help="write JSON here and a PNG next to it")
 
 
@@ -166,8 +202,10 @@ def run_validate(ns: argparse.Namespace) -> int:
 
     given = [f"--{k.replace('_', '-')}" for k in SWEEP_ONLY if getattr(ns, k) is not None]
     if given:
-        raise ArgumentError(f"--validate: takes no {' '.join(given)} (the comparisons fix their own models, nodes "
-                            "and batches); the machine flags apply")
+        raise ArgumentError(
+            f"--validate: takes no {' '.join(given)} (the comparisons fix their own models, nodes "
+            "and batches); the machine flags apply"
+        )
     machine = machine_from(ns)
     rows = validate.validate(machine)
     print("hardware figures (ds_ext.planner.hardware; --bandwidth / --latency / --memory-GB override them):")
@@ -202,12 +240,24 @@ def run_simulate(ns: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     print(simulate.table(records))
     for arch in archs:
-        print(f"batch of {arch.name}: " + (f"{ns.global_batch} sequences (--global-batch)" if ns.global_batch
-                                            else f"its recipe: {arch.recipe.source}"))
+        print(
+            f"batch of {arch.name}: "
+            + (
+                f"{ns.global_batch} sequences (--global-batch)"
+                if ns.global_batch
+                else f"its recipe: {arch.recipe.source}"
+            )
+        )
     print(f"sweep: {len(records)} points in {seconds:.2f} s")
     if ns.out:
-        payload = {"machine": machine.model_dump(), "models": [a.model_dump() for a in archs], "nodes": nodes,
-                   "families": list(families), "sweep_seconds": seconds, "records": records}
+        payload = {
+            "machine": machine.model_dump(),
+            "models": [a.model_dump() for a in archs],
+            "nodes": nodes,
+            "families": list(families),
+            "sweep_seconds": seconds,
+            "records": records,
+        }
         _write(ns.out, payload, lambda png: simulate.plot(records, png))
     return 0
 
@@ -224,14 +274,26 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", action="append", default=[], metavar="LEVEL=N", help="ranks per domain of an inner level")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: the model's recipe)")
     p.add_argument("--grad-accum", type=int, default=None, help="micro-steps per step (default: fewest that fit)")
-    p.add_argument("--memory-GB", type=float, default=None,
-                   help="device memory per rank (model states + activations, as plan counts it)")
+    p.add_argument(
+        "--memory-GB",
+        type=float,
+        default=None,
+        help="device memory per rank (model states + activations, as plan counts it)",
+    )
     p.add_argument("--database", default=None, help="bandwidth database JSON from 'ds-ext tune --measure' (Eq 5.7)")
-    p.add_argument("--links", choices=("shared", "per-rank"), default=None,
-                   help="per-rank (default): the planner's alpha-beta per level, every rank its own share; shared: "
-                        "Eq 5.7, rings across nodes share a node's NICs")
-    p.add_argument("--no-latency", action="store_true", default=None,
-                   help="no latency per ring message (001's bandwidth-bound Assumption 3)")
+    p.add_argument(
+        "--links",
+        choices=("shared", "per-rank"),
+        default=None,
+        help="per-rank (default): the planner's alpha-beta per level, every rank its own share; shared: "
+        "Eq 5.7, rings across nodes share a node's NICs",
+    )
+    p.add_argument(
+        "--no-latency",
+        action="store_true",
+        default=None,
+        help="no latency per ring message (001's bandwidth-bound Assumption 3)",
+    )
     p.add_argument("--top-k", type=int, default=None, help="grids shown (default 10; the others are listed)")
     p.add_argument("--out", default=None, help="write the result as JSON")
 
@@ -277,7 +339,18 @@ def run_tune(ns: argparse.Namespace) -> int:
     print(report.table(result, top_k))
     if ns.out:
         records = [report.record(e) for e in result.ranked[:top_k]]
-        Path(ns.out).write_text(json.dumps({"model": arch.name, "world": ns.world, "links": links,
-                                            "latency": job.latency, "global_batch": job.global_batch,
-                                            "top": records}, indent=2) + "\n")
+        Path(ns.out).write_text(
+            json.dumps(
+                {
+                    "model": arch.name,
+                    "world": ns.world,
+                    "links": links,
+                    "latency": job.latency,
+                    "global_batch": job.global_batch,
+                    "top": records,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     return 0

@@ -53,7 +53,9 @@ GEMM_EFFICIENCY = GEMM_FLOPS / PEAK_FLOPS  # the earlier constant, shown as a se
 
 def markdown() -> str:
     """The derivation's one line for the README."""
-    return (f"rate = F(GPT-320B, {RUN_BATCH:,} sequences) / {RUN_GCDS:,} GCDs / {TUNED_S} s = "
-            f"{rate() / 1e12:.1f} Tflop/s per GCD = {STEP_EFFICIENCY:.3f} of the peak "
-            f"({rate() / GEMM_FLOPS:.3f} of the single GEMM); untuned ({UNTUNED_S} s): "
-            f"{rate(UNTUNED_S) / 1e12:.1f} Tflop/s")
+    return (
+        f"rate = F(GPT-320B, {RUN_BATCH:,} sequences) / {RUN_GCDS:,} GCDs / {TUNED_S} s = "
+        f"{rate() / 1e12:.1f} Tflop/s per GCD = {STEP_EFFICIENCY:.3f} of the peak "
+        f"({rate() / GEMM_FLOPS:.3f} of the single GEMM); untuned ({UNTUNED_S} s): "
+        f"{rate(UNTUNED_S) / 1e12:.1f} Tflop/s"
+    )

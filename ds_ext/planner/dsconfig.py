@@ -52,8 +52,10 @@ class DsConfig:
         if grid != "auto":
             g = Grid(**grid)
             if g.world_size != job.world:
-                raise DsConfigError(f"--ds-config {self.path}: ds_ext.pmm3d.grid {g} has product {g.world_size}, "
-                                    f"but --nodes gives {job.world} ranks")
+                raise DsConfigError(
+                    f"--ds-config {self.path}: ds_ext.pmm3d.grid {g} has product {g.world_size}, "
+                    f"but --nodes gives {job.world} ranks"
+                )
             out.append(pmm_grids.candidate(job, g))
         return [replace(c, name=f"{CONFIGURED} {c.name}") for c in out]
 
@@ -74,8 +76,15 @@ def read(path: str) -> DsConfig:
     except cfgmod.DsExtConfigError as err:
         raise DsConfigError(f"--ds-config {path}: {err}") from None
     half = any(isinstance(cfg.get(k), dict) and cfg[k].get("enabled") for k in ("bf16", "fp16"))
-    sections = {name: sec.model_dump(exclude_unset=True) for name, sec in cfgmod.plugin_configs(block).items()
-                if sec.enabled}
-    return DsConfig(path, _positive(cfg, "train_batch_size", path), _positive(cfg, "train_micro_batch_size_per_gpu", path),
-                    _positive(cfg, "gradient_accumulation_steps", path), 2 if half else 4,
-                    isinstance(cfg.get("activation_checkpointing"), dict), sections)
+    sections = {
+        name: sec.model_dump(exclude_unset=True) for name, sec in cfgmod.plugin_configs(block).items() if sec.enabled
+    }
+    return DsConfig(
+        path,
+        _positive(cfg, "train_batch_size", path),
+        _positive(cfg, "train_micro_batch_size_per_gpu", path),
+        _positive(cfg, "gradient_accumulation_steps", path),
+        2 if half else 4,
+        isinstance(cfg.get("activation_checkpointing"), dict),
+        sections,
+    )

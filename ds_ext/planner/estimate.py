@@ -161,7 +161,8 @@ def unsplittable(job: Job, cand: Candidate) -> str:
         return f"--grad-accum {job.grad_accum} does not divide the {per} sequences per replica"
     if cand.micro is not None and not batch_options(job, cand.data, cand.micro):
         return f"micro-batch {cand.micro} does not divide the {per} sequences per replica" + (
-            "" if job.grad_accum is None or job.recipe_accum else f" into --grad-accum {job.grad_accum} micro-steps")
+            "" if job.grad_accum is None or job.recipe_accum else f" into --grad-accum {job.grad_accum} micro-steps"
+        )
     reasons = [r for r in (cand.unfit(b) for b, _ in batch_options(job, cand.data)) if r]
     return reasons[0] + (f", nor any of its {len(reasons) - 1} smaller splits" if len(reasons) > 1 else "")
 
@@ -184,5 +185,19 @@ def evaluate(job: Job, cand: Candidate) -> Estimate | None:
     step = compute + sum(comm.values())
     fits = total <= limit
     reason = "" if fits else f"needs {total / 1e9:.1f} GB per rank > {limit / 1e9:.1f} GB"
-    return Estimate(cand.family, cand.name, cand.config, b, g, memory, traffic, compute, comm,
-                    job.flops / (step * job.world), fits, reason, limit * job.arch.params / states, cand.notes)
+    return Estimate(
+        cand.family,
+        cand.name,
+        cand.config,
+        b,
+        g,
+        memory,
+        traffic,
+        compute,
+        comm,
+        job.flops / (step * job.world),
+        fits,
+        reason,
+        limit * job.arch.params / states,
+        cand.notes,
+    )

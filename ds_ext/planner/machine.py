@@ -55,8 +55,12 @@ class Machine(BaseModel):
                     raise MachineError(f"{key}: {self.name} has no level {name!r}; allowed: {', '.join(names)}")
                 if value < 0 or (key == "--bandwidth" and value == 0):
                     raise MachineError(f"{key}: {name}={value} must be {'> 0' if key == '--bandwidth' else '>= 0'}")
-        return self.model_copy(update={"bandwidth_GBps": {**self.bandwidth_GBps, **bandwidth_GBps},
-                                       "latency_us": {**self.latency_us, **latency_us}})
+        return self.model_copy(
+            update={
+                "bandwidth_GBps": {**self.bandwidth_GBps, **bandwidth_GBps},
+                "latency_us": {**self.latency_us, **latency_us},
+            }
+        )
 
     def with_sizes(self, sizes: dict[str, int]) -> "Machine":
         """This machine with ``sizes`` ranks per domain of its inner levels (an emulated node)."""
@@ -76,10 +80,15 @@ class Machine(BaseModel):
         """The topology of ``nodes`` nodes, with this machine's per-level overrides."""
         if not 1 <= nodes <= self.max_nodes:
             raise MachineError(f"--nodes: {nodes} does not fit {self.name}; allowed: 1 to {self.max_nodes}")
-        levels = [replace(lv, bandwidth=self.bandwidth_GBps.get(lv.name, lv.bandwidth / GB) * GB,
-                          latency=self.latency_us.get(lv.name, lv.latency / US) * US,
-                          size=self.level_sizes.get(lv.name, lv.size))
-                  for lv in preset_levels(self.topology)]
+        levels = [
+            replace(
+                lv,
+                bandwidth=self.bandwidth_GBps.get(lv.name, lv.bandwidth / GB) * GB,
+                latency=self.latency_us.get(lv.name, lv.latency / US) * US,
+                size=self.level_sizes.get(lv.name, lv.size),
+            )
+            for lv in preset_levels(self.topology)
+        ]
         inner = 1
         for lv in levels[:-1]:
             inner *= lv.size  # type: ignore[operator]
@@ -89,25 +98,31 @@ class Machine(BaseModel):
 MACHINES: dict[str, Machine] = {
     "frontier": Machine(
         bandwidth_GBps={lv: hardware.value(f"{lv}_bandwidth") for lv in ("gcd", "gpu", "node")},
-        latency_us={"gcd": hardware.value("gcd_latency"), "gpu": hardware.value("gpu_latency"),
-                    "node": rccl.RING_STEP_ALPHA_S * 1e6},
-        name="frontier", topology="frontier", device_memory=hardware.value("device_memory"),
-        peak_flops=compute_rate.PEAK_FLOPS, efficiency=compute_rate.STEP_EFFICIENCY,
+        latency_us={
+            "gcd": hardware.value("gcd_latency"),
+            "gpu": hardware.value("gpu_latency"),
+            "node": rccl.RING_STEP_ALPHA_S * 1e6,
+        },
+        name="frontier",
+        topology="frontier",
+        device_memory=hardware.value("device_memory"),
+        peak_flops=compute_rate.PEAK_FLOPS,
+        efficiency=compute_rate.STEP_EFFICIENCY,
         max_nodes=int(hardware.value("max_nodes")),
         sources={
             "levels": "ds_ext.planner.hardware: GCD pair 200 GB/s (003 §IV, 004 §III-A), between MI250X 100 GB/s "
-                      "(004 §III-A: half the in-die bandwidth; 003 §IV's two-link adjacent pairs), Slingshot "
-                      "4 x 25 GB/s per node = 12.5 GB/s per GCD (003 §IV, 004 §III-A); latencies 5 / 8 us assumed "
-                      "inside a node (no paper gives them)",
+            "(004 §III-A: half the in-die bandwidth; 003 §IV's two-link adjacent pairs), Slingshot "
+            "4 x 25 GB/s per node = 12.5 GB/s per GCD (003 §IV, 004 §III-A); latencies 5 / 8 us assumed "
+            "inside a node (no paper gives them)",
             "latency_us": "node: RCCL's latency per inter-node ring step, derived from 001 §6.3.1's PCCL / RCCL "
-                          "speedups at 2,048 and 32 GCDs (ds_ext.planner.rccl)",
+            "speedups at 2,048 and 32 GCDs (ds_ext.planner.rccl)",
             "device_memory": "64 GB HBM2e per GCD (003 §IV, 000 §VI-A) in binary units, as 003 §II-A's 68B ZeRO-3 "
-                             "figure counts it (64 GiB / 16 B per parameter x 16 GCDs)",
+            "figure counts it (64 GiB / 16 B per parameter x 16 GCDs)",
             "peak_flops": "191.5 Tflop/s 16-bit per GCD (000 §VI-C, 004 §V-B)",
             "efficiency": f"a training step's computation: GPT-320B's {compute_rate.TUNED_S} s per batch on "
-                          f"{compute_rate.RUN_GCDS:,} GCDs (000 §V-C, Table III, Table I) = "
-                          f"{compute_rate.rate() / 1e12:.1f} Tflop/s per GCD (ds_ext.planner.compute_rate); the best "
-                          "single GEMM, 125 Tflop/s (000 §VI-C), is an upper bound",
+            f"{compute_rate.RUN_GCDS:,} GCDs (000 §V-C, Table III, Table I) = "
+            f"{compute_rate.rate() / 1e12:.1f} Tflop/s per GCD (ds_ext.planner.compute_rate); the best "
+            "single GEMM, 125 Tflop/s (000 §VI-C), is an upper bound",
             "max_nodes": "9,408 nodes = 75,264 GCDs (004 abstract)",
         },
     ),

@@ -72,9 +72,11 @@ def stage_params(arch: Arch, tp: int, pp: int) -> int:
 def _levels(topology: Topology, tp: int, pp: int, dp: int) -> dict[str, str | None]:
     """The level each group of rank 0 spans (TP innermost, then DP, then PP); the pipeline's is
     its slowest boundary's (the whole group's level)."""
-    return {"tensor": topology.level_of(range(tp)) if tp > 1 else None,
-            "data": topology.level_of(range(0, tp * dp, tp)) if dp > 1 else None,
-            "pipeline": topology.level_of(range(0, tp * dp * pp, tp * dp)) if pp > 1 else None}
+    return {
+        "tensor": topology.level_of(range(tp)) if tp > 1 else None,
+        "data": topology.level_of(range(0, tp * dp, tp)) if dp > 1 else None,
+        "pipeline": topology.level_of(range(0, tp * dp * pp, tp * dp)) if pp > 1 else None,
+    }
 
 
 def micro_traffic(arch: Arch, job: Job, tp: int, pp: int, dp: int, micro: int, m: int) -> Traffic:
@@ -128,8 +130,10 @@ def activations(arch: Arch, tp: int, pp: int, micro: int, m: int, checkpointing:
 
 
 def _sum(x: Traffic, y: Traffic) -> Traffic:
-    return Traffic({k: x.bytes.get(k, 0.0) + y.bytes.get(k, 0.0) for k in {*x.bytes, *y.bytes}},
-                   {k: x.messages.get(k, 0.0) + y.messages.get(k, 0.0) for k in {*x.messages, *y.messages}})
+    return Traffic(
+        {k: x.bytes.get(k, 0.0) + y.bytes.get(k, 0.0) for k in {*x.bytes, *y.bytes}},
+        {k: x.messages.get(k, 0.0) + y.messages.get(k, 0.0) for k in {*x.messages, *y.messages}},
+    )
 
 
 def seconds(job: Job, tp: int, pp: int, dp: int, micro: int, m: int) -> dict[str, float]:
@@ -144,10 +148,16 @@ def candidate(job: Job, tp: int, pp: int, dp: int, micro: int = 1) -> Candidate:
     a = job.arch
     n = stage_params(a, tp, pp)
     return Candidate(
-        family="megatron", name=name(tp, pp, dp, micro), micro=micro,
-        config={"zero_optimization": {"stage": 1}, "train_micro_batch_size_per_gpu": micro,
-                "megatron": {"tensor-model-parallel-size": tp, "pipeline-model-parallel-size": pp}},
-        data=dp, states={"weights": 2.0 * n, "secondary": 0.0, "gradients": 2.0 * n, "optimizer": 12.0 * n / dp},
+        family="megatron",
+        name=name(tp, pp, dp, micro),
+        micro=micro,
+        config={
+            "zero_optimization": {"stage": 1},
+            "train_micro_batch_size_per_gpu": micro,
+            "megatron": {"tensor-model-parallel-size": tp, "pipeline-model-parallel-size": pp},
+        },
+        data=dp,
+        states={"weights": 2.0 * n, "secondary": 0.0, "gradients": 2.0 * n, "optimizer": 12.0 * n / dp},
         activations=lambda b: activations(a, tp, pp, b, job.global_batch // (dp * b), job.checkpointing),
         traffic=lambda b, g: _sum(micro_traffic(a, job, tp, pp, dp, b, g), step_traffic(a, job, tp, pp, dp)),
         seconds=lambda b, g: seconds(job, tp, pp, dp, b, g),

@@ -30,7 +30,9 @@ class Recipe(_Frozen):
     global_batch: PositiveInt | None = Field(None, description="Sequences per optimizer step.")
     batch_per_rank: PositiveInt | None = Field(None, description="Sequences per rank per optimizer step.")
     grad_accum: PositiveInt | None = Field(None, description="Micro-steps per optimizer step; None = fewest that fit.")
-    megatron: tuple[PositiveInt, PositiveInt] | None = Field(None, description="Published (TP, PP) of a Megatron recipe.")
+    megatron: tuple[PositiveInt, PositiveInt] | None = Field(
+        None, description="Published (TP, PP) of a Megatron recipe."
+    )
     micro_batch: PositiveInt | None = Field(None, description="The Megatron recipe's micro-batch.")
     source: str = "ds_ext default: one sequence per rank"
 
@@ -88,7 +90,11 @@ class Arch(_Frozen):
     def root_params(self) -> int:
         """Parameters outside the blocks: tables, head, final LayerNorm."""
         h = self.hidden
-        return self.vocab * h * (1 if self.tied_embeddings else 2) + (self.seq * h if self.learned_positions else 0) + 2 * h
+        return (
+            self.vocab * h * (1 if self.tied_embeddings else 2)
+            + (self.seq * h if self.learned_positions else 0)
+            + 2 * h
+        )
 
     @property
     def moe_layers(self) -> int:
@@ -109,7 +115,9 @@ class Arch(_Frozen):
 
 def _gpt3_like(name: str, layers: int, hidden: int, heads: int, source: str, recipe: Recipe) -> Arch:
     """Megatron / LitGPT GPT-3 style: GPT-2 vocabulary padded to 50304, 2048 tokens, tied head, learned positions."""
-    return Arch(name=name, layers=layers, hidden=hidden, heads=heads, vocab=50304, seq=2048, source=source, recipe=recipe)
+    return Arch(
+        name=name, layers=layers, hidden=hidden, heads=heads, vocab=50304, seq=2048, source=source, recipe=recipe
+    )
 
 
 _NEOX = dict(tied_embeddings=False, learned_positions=False)
@@ -117,32 +125,93 @@ _000_BATCH = Recipe(global_batch=8192, source="000 Table I: 16.8M tokens per bat
 
 CATALOGUE: dict[str, Arch] = {
     "gpt-neox-20b": Arch(
-        name="gpt-neox-20b", layers=44, hidden=6144, heads=64, vocab=50432, seq=2048, **_NEOX,
+        name="gpt-neox-20b",
+        layers=44,
+        hidden=6144,
+        heads=64,
+        vocab=50432,
+        seq=2048,
+        **_NEOX,
         source="003 Figs 7, 9 (GPT-NeoX-20B); shape from GPT-NeoX configs/20B.yml",
-        recipe=Recipe(batch_per_rank=128, grad_accum=32, megatron=(2, 4), micro_batch=4,
-                      source="GPT-NeoX configs/20B.yml's per-GPU keys, micro-batch 4 x 32 accumulation steps on "
-                             "every rank (49,152 sequences at 384 GCDs); 20B.yml's own run is 1,536 sequences "
-                             "(96 A100, pipeline 4 x tensor 2, 12 replicas); 003 states no batch"),
+        recipe=Recipe(
+            batch_per_rank=128,
+            grad_accum=32,
+            megatron=(2, 4),
+            micro_batch=4,
+            source="GPT-NeoX configs/20B.yml's per-GPU keys, micro-batch 4 x 32 accumulation steps on "
+            "every rank (49,152 sequences at 384 GCDs); 20B.yml's own run is 1,536 sequences "
+            "(96 A100, pipeline 4 x tensor 2, 12 replicas); 003 states no batch",
+        ),
     ),
     "gpt-neox-10b": Arch(
-        name="gpt-neox-10b", layers=192, hidden=2048, heads=16, vocab=50432, seq=4096, **_NEOX,
+        name="gpt-neox-10b",
+        layers=192,
+        hidden=2048,
+        heads=16,
+        vocab=50432,
+        seq=4096,
+        **_NEOX,
         source="003 Figs 8, 10 (shape not given); GPT-NeoX configs/10B-pp-scaling.yml, the repository's 10B",
         recipe=Recipe(batch_per_rank=1, grad_accum=1, source="GPT-NeoX configs/10B-pp-scaling.yml: micro-batch 1"),
     ),
-    "gpt-22b": _gpt3_like("gpt-22b", 48, 6144, 48, "004 Table I", Recipe(global_batch=640, source="004 gives no 22B batch: 175B's Table V GBS 640 (an assumption)")),
-    "gpt-175b": _gpt3_like("gpt-175b", 96, 12288, 96, "004 Table I",
-                           Recipe(global_batch=640, megatron=(4, 16), micro_batch=1, source="004 Table V: GBS 640, TP 4, PP 16, MBS 1")),
-    "gpt-1t": _gpt3_like("gpt-1t", 128, 25600, 128, "004 Table I",
-                         Recipe(global_batch=1600, megatron=(8, 64), micro_batch=1, replica_ranks=512,
-                                source="004 Table V: GBS 1600, TP 8, PP 64, MBS 1, per 512-GCD replica (004 §V-C1: "
-                                       "3,200 / 6,400 / 9,600 at 1,024 / 2,048 / 3,072 GCDs)")),
-    **{name: _gpt3_like(name, L, h, a, "000 Table II / 001 Table 5.1", _000_BATCH)
-       for name, (L, h, a) in TABLE_5_1.items()},
+    "gpt-22b": _gpt3_like(
+        "gpt-22b",
+        48,
+        6144,
+        48,
+        "004 Table I",
+        Recipe(global_batch=640, source="004 gives no 22B batch: 175B's Table V GBS 640 (an assumption)"),
+    ),
+    "gpt-175b": _gpt3_like(
+        "gpt-175b",
+        96,
+        12288,
+        96,
+        "004 Table I",
+        Recipe(global_batch=640, megatron=(4, 16), micro_batch=1, source="004 Table V: GBS 640, TP 4, PP 16, MBS 1"),
+    ),
+    "gpt-1t": _gpt3_like(
+        "gpt-1t",
+        128,
+        25600,
+        128,
+        "004 Table I",
+        Recipe(
+            global_batch=1600,
+            megatron=(8, 64),
+            micro_batch=1,
+            replica_ranks=512,
+            source="004 Table V: GBS 1600, TP 8, PP 64, MBS 1, per 512-GCD replica (004 §V-C1: "
+            "3,200 / 6,400 / 9,600 at 1,024 / 2,048 / 3,072 GCDs)",
+        ),
+    ),
+    **{
+        name: _gpt3_like(name, L, h, a, "000 Table II / 001 Table 5.1", _000_BATCH)
+        for name, (L, h, a) in TABLE_5_1.items()
+    },
     # 001 Table 4.1 (GPT-3 shapes from Brown et al. 2020 Table 2.1): the MoE base models of Fig 7.9
-    "gpt3-1.3b": _gpt3_like("gpt3-1.3b", 24, 2048, 16, "001 Table 4.1 (GPT-3 XL; Brown et al. print 24 heads of 128, which is not 2048)", Recipe(global_batch=512, source="001 Table 4.1")),
-    "gpt3-2.7b": _gpt3_like("gpt3-2.7b", 32, 2560, 32, "001 Table 4.1", Recipe(global_batch=512, source="001 Table 4.1")),
-    "gpt3-6.7b": _gpt3_like("gpt3-6.7b", 32, 4096, 32, "001 Table 4.1", Recipe(global_batch=1024, source="001 Table 4.1")),
-    "gpt3-13b": _gpt3_like("gpt3-13b", 40, 5120, 40, "001 Table 4.1 (Brown et al. print 5140, not divisible by 40 heads)", Recipe(global_batch=2048, source="001 Table 4.1")),
+    "gpt3-1.3b": _gpt3_like(
+        "gpt3-1.3b",
+        24,
+        2048,
+        16,
+        "001 Table 4.1 (GPT-3 XL; Brown et al. print 24 heads of 128, which is not 2048)",
+        Recipe(global_batch=512, source="001 Table 4.1"),
+    ),
+    "gpt3-2.7b": _gpt3_like(
+        "gpt3-2.7b", 32, 2560, 32, "001 Table 4.1", Recipe(global_batch=512, source="001 Table 4.1")
+    ),
+    "gpt3-6.7b": _gpt3_like(
+        "gpt3-6.7b", 32, 4096, 32, "001 Table 4.1", Recipe(global_batch=1024, source="001 Table 4.1")
+    ),
+    "gpt3-13b": _gpt3_like(
+        "gpt3-13b",
+        40,
+        5120,
+        40,
+        "001 Table 4.1 (Brown et al. print 5140, not divisible by 40 heads)",
+        Recipe(global_batch=2048, source="001 Table 4.1"),
+    ),
 }
 
 
@@ -173,4 +242,6 @@ def custom(**shape) -> Arch:
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
-        raise ModelError(f"--{where.replace('_', '-')}: {first['msg']}" if where else first["msg"].removeprefix("Value error, ")) from None
+        raise ModelError(
+            f"--{where.replace('_', '-')}: {first['msg']}" if where else first["msg"].removeprefix("Value error, ")
+        ) from None

@@ -43,12 +43,21 @@ def check_families_apply(arch: Arch, families: list[str]) -> None:
     moe = arch.experts > 1
     if not any((f in MOE_FAMILIES) == moe for f in families):
         allowed = [f for f in FAMILIES if (f in MOE_FAMILIES) == moe]
-        raise PlanInputError(f"--families {' '.join(families)}: none plans {arch.name} "
-                             f"({'an MoE' if moe else 'a dense model'}); allowed: {', '.join(allowed)}")
+        raise PlanInputError(
+            f"--families {' '.join(families)}: none plans {arch.name} "
+            f"({'an MoE' if moe else 'a dense model'}); allowed: {', '.join(allowed)}"
+        )
 
 
-def make_job(arch: Arch, machine: Machine, nodes: int, global_batch: int | None = None, grad_accum: int | None = None,
-             elem_bytes: int = 2, batch_source: str = "--global-batch") -> Job:
+def make_job(
+    arch: Arch,
+    machine: Machine,
+    nodes: int,
+    global_batch: int | None = None,
+    grad_accum: int | None = None,
+    elem_bytes: int = 2,
+    batch_source: str = "--global-batch",
+) -> Job:
     """The job of ``arch`` on ``nodes`` nodes; the batch defaults to the model's recipe, and the
     job says where its batch comes from (``batch_source`` for a given one)."""
     topology = machine.build_topology(nodes)
@@ -56,9 +65,16 @@ def make_job(arch: Arch, machine: Machine, nodes: int, global_batch: int | None 
     accum = grad_accum if global_batch or grad_accum else arch.recipe.grad_accum
     if accum is not None and batch % accum:
         raise PlanInputError(f"--grad-accum: {accum} does not divide the global batch of {batch} sequences")
-    return Job(arch, machine, topology, batch, accum, elem_bytes, batch_source=batch_source if global_batch
-               else f"{arch.name}'s recipe: {arch.recipe.source}",
-               recipe_accum=global_batch is None and grad_accum is None and accum is not None)
+    return Job(
+        arch,
+        machine,
+        topology,
+        batch,
+        accum,
+        elem_bytes,
+        batch_source=batch_source if global_batch else f"{arch.name}'s recipe: {arch.recipe.source}",
+        recipe_accum=global_batch is None and grad_accum is None and accum is not None,
+    )
 
 
 @dataclass(frozen=True)

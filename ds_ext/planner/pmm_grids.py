@@ -38,12 +38,18 @@ def model_spec(arch: Arch, checkpointing: bool = True) -> perf.ModelSpec:
         tables.append(perf.TableSpec("head", arch.vocab, arch.hidden, lookup=False))
         head = replace(head, name="head")
     block = lambda x: checkpointing and x.name.startswith("blocks.")  # noqa: E731
-    return replace(spec, tables=tuple(tables), head=head, layers=tuple(replace(L, recomputed=block(L)) for L in spec.layers),
-                   norms=tuple(replace(N, recomputed=block(N)) for N in spec.norms))
+    return replace(
+        spec,
+        tables=tuple(tables),
+        head=head,
+        layers=tuple(replace(L, recomputed=block(L)) for L in spec.layers),
+        norms=tuple(replace(N, recomputed=block(N)) for N in spec.norms),
+    )
 
 
-def traffic(spec: perf.ModelSpec, grid: Grid, topology: Topology, micro: int, seq: int, elem_bytes: int,
-            grad_accum: int) -> Traffic:
+def traffic(
+    spec: perf.ModelSpec, grid: Grid, topology: Topology, micro: int, seq: int, elem_bytes: int, grad_accum: int
+) -> Traffic:
     levels = grid.parallel_dims.spans(topology)
     nbytes: dict[str, float] = defaultdict(float)
     calls: dict[tuple[str, str], int] = defaultdict(int)
@@ -56,8 +62,17 @@ def traffic(spec: perf.ModelSpec, grid: Grid, topology: Topology, micro: int, se
     return Traffic(dict(nbytes), dict(messages))
 
 
-def eq_5_7_seconds(spec: perf.ModelSpec, grid: Grid, topology: Topology, micro: int, seq: int, elem_bytes: int,
-                   grad_accum: int, bw: perf.Bandwidths, latency: bool) -> dict[str, float]:
+def eq_5_7_seconds(
+    spec: perf.ModelSpec,
+    grid: Grid,
+    topology: Topology,
+    micro: int,
+    seq: int,
+    elem_bytes: int,
+    grad_accum: int,
+    bw: perf.Bandwidths,
+    latency: bool,
+) -> dict[str, float]:
     """Seconds per level with every axis at its Eq 5.7 bandwidth (and α per ring step with ``latency``):
     ``perf.pmm.comm_time``'s sum, kept per level."""
     levels = grid.parallel_dims.spans(topology)
@@ -73,8 +88,12 @@ def eq_5_7_seconds(spec: perf.ModelSpec, grid: Grid, topology: Topology, micro: 
 
 def states(spec: perf.ModelSpec, grid: Grid, elem_bytes: int) -> dict[str, float]:
     m = perf.memory(spec, grid, elem_bytes, zero_stage=1)
-    return {"weights": m["layer_params"] + m["replicated_params"], "secondary": m["gathered_weights"],
-            "gradients": m["layer_grads"] + m["replicated_grads"], "optimizer": m["optimizer"]}
+    return {
+        "weights": m["layer_params"] + m["replicated_params"],
+        "secondary": m["gathered_weights"],
+        "gradients": m["layer_grads"] + m["replicated_grads"],
+        "optimizer": m["optimizer"],
+    }
 
 
 def candidate(job: Job, grid: Grid, spec: perf.ModelSpec | None = None) -> Candidate:
@@ -82,16 +101,22 @@ def candidate(job: Job, grid: Grid, spec: perf.ModelSpec | None = None) -> Candi
     spec = spec or model_spec(a, job.checkpointing)
     split = ActivationSplit(rows=grid.z, residual=grid.y, tensor=grid.x * grid.y, vocab=grid.x)
     return Candidate(
-        family="pmm3d", name=f"pmm3d {grid.x}x{grid.y}x{grid.z}x{grid.data}",
-        config={"zero_optimization": {"stage": 1}, "ds_ext": {"pmm3d": {
-            "enabled": True, "grid": {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data}}}},
-        data=grid.data, states=states(spec, grid, e),
-        activations=lambda b: activation_bytes(b * a.seq, a.layers, a.hidden, a.heads, a.seq, a.vocab, split,
-                                               job.checkpointing),
+        family="pmm3d",
+        name=f"pmm3d {grid.x}x{grid.y}x{grid.z}x{grid.data}",
+        config={
+            "zero_optimization": {"stage": 1},
+            "ds_ext": {"pmm3d": {"enabled": True, "grid": {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data}}},
+        },
+        data=grid.data,
+        states=states(spec, grid, e),
+        activations=lambda b: activation_bytes(
+            b * a.seq, a.layers, a.hidden, a.heads, a.seq, a.vocab, split, job.checkpointing
+        ),
         traffic=lambda b, g: traffic(spec, grid, job.topology, b, a.seq, e, g),
         unfit=lambda b: None if b % grid.z == 0 else f"z={grid.z} does not divide the micro-batch {b}",
-        seconds=None if job.eq_5_7 is None else
-        lambda b, g: eq_5_7_seconds(spec, grid, job.topology, b, a.seq, e, g, job.eq_5_7, job.latency),  # type: ignore[arg-type]
+        seconds=None
+        if job.eq_5_7 is None
+        else lambda b, g: eq_5_7_seconds(spec, grid, job.topology, b, a.seq, e, g, job.eq_5_7, job.latency),  # type: ignore[arg-type]
     )
 
 
@@ -117,6 +142,9 @@ def candidates(job: Job) -> tuple[list[Candidate], list[Dropped]]:
         if states <= limit:
             out.append(c)
         else:
-            dropped.append(Dropped("pmm3d", c.name, f"model states alone need {states / 1e9:.1f} GB per rank > "
-                                                    f"{limit / 1e9:.1f} GB"))
+            dropped.append(
+                Dropped(
+                    "pmm3d", c.name, f"model states alone need {states / 1e9:.1f} GB per rank > {limit / 1e9:.1f} GB"
+                )
+            )
     return out, dropped

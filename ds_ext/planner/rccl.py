@@ -65,8 +65,12 @@ class Point:
     alpha_s: float = 0.0  # α per ring step
 
 
-PUBLISHED = (Point("all-gather", 512 * MiB, 11.4, 0.52), Point("all-gather", 1024 * MiB, 7.0, 0.52),
-             Point("reduce-scatter", 512 * MiB, 11.4, 0.55), Point("reduce-scatter", 1024 * MiB, 6.2, 0.55))
+PUBLISHED = (
+    Point("all-gather", 512 * MiB, 11.4, 0.52),
+    Point("all-gather", 1024 * MiB, 7.0, 0.52),
+    Point("reduce-scatter", 512 * MiB, 11.4, 0.55),
+    Point("reduce-scatter", 1024 * MiB, 6.2, 0.55),
+)
 
 
 def pccl_seconds(p: int, size: float, ring_bandwidth: float = NODE_RING_BANDWIDTH) -> float:
@@ -79,13 +83,18 @@ def pccl_seconds(p: int, size: float, ring_bandwidth: float = NODE_RING_BANDWIDT
     return inter + intra
 
 
-def derive(ring_bandwidth: float = NODE_RING_BANDWIDTH, points: tuple[Point, ...] = PUBLISHED, p: int = 2048,
-           p_small: int = 32) -> list[Point]:
+def derive(
+    ring_bandwidth: float = NODE_RING_BANDWIDTH, points: tuple[Point, ...] = PUBLISHED, p: int = 2048, p_small: int = 32
+) -> list[Point]:
     """Each published point with T_PCCL, the implied RCCL time, B and α (module docstring)."""
     out = []
     big = 1024 * MiB
     for pt in points:
-        a1, b1, y1 = big * (p_small - 1) / p_small, p_small - 1, pt.speedup_32 * pccl_seconds(p_small, big, ring_bandwidth)
+        a1, b1, y1 = (
+            big * (p_small - 1) / p_small,
+            p_small - 1,
+            pt.speedup_32 * pccl_seconds(p_small, big, ring_bandwidth),
+        )
         t = pccl_seconds(p, pt.size, ring_bandwidth)
         a2, b2, y2 = pt.size * (p - 1) / p, p - 1, pt.speedup * t
         det = a1 * b2 - a2 * b1
@@ -106,14 +115,20 @@ TABLE_II = derive(TABLE_II_BANDWIDTH)  # the sensitivity reading (module docstri
 
 def markdown() -> str:
     """The derivation's table for the README."""
-    lines = ["| collective | S | ρ (2,048) | ρ (32, 1 GiB) | T_PCCL ms | T_RCCL ms | B GB/s | α µs |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| collective | S | ρ (2,048) | ρ (32, 1 GiB) | T_PCCL ms | T_RCCL ms | B GB/s | α µs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for p in DERIVED:
-        lines.append(f"| {p.collective} | {p.size // MiB} MiB | {p.speedup:g} | {p.speedup_32:g} | "
-                     f"{p.pccl_s * 1e3:.2f} | {p.rccl_s * 1e3:.1f} | {p.ring_bandwidth / 1e9:.1f} | "
-                     f"{p.alpha_s * 1e6:.1f} |")
+        lines.append(
+            f"| {p.collective} | {p.size // MiB} MiB | {p.speedup:g} | {p.speedup_32:g} | "
+            f"{p.pccl_s * 1e3:.2f} | {p.rccl_s * 1e3:.1f} | {p.ring_bandwidth / 1e9:.1f} | "
+            f"{p.alpha_s * 1e6:.1f} |"
+        )
     lo, hi = ALPHA_BAND_S
-    lines.append(f"\nα per inter-node ring step: mean {RING_STEP_ALPHA_S * 1e6:.1f} µs, band {lo * 1e6:.1f}-{hi * 1e6:.1f} µs; "
-                 f"with Table II's 50 GB/s node ring: mean {mean_alpha(TABLE_II) * 1e6:.1f} µs, "
-                 f"{min(p.alpha_s for p in TABLE_II) * 1e6:.1f}-{max(p.alpha_s for p in TABLE_II) * 1e6:.1f} µs")
+    lines.append(
+        f"\nα per inter-node ring step: mean {RING_STEP_ALPHA_S * 1e6:.1f} µs, band {lo * 1e6:.1f}-{hi * 1e6:.1f} µs; "
+        f"with Table II's 50 GB/s node ring: mean {mean_alpha(TABLE_II) * 1e6:.1f} µs, "
+        f"{min(p.alpha_s for p in TABLE_II) * 1e6:.1f}-{max(p.alpha_s for p in TABLE_II) * 1e6:.1f} µs"
+    )
     return "\n".join(lines)

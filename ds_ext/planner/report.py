@@ -15,8 +15,12 @@ MANY = ("pmm3d", "megatron")  # families with many layouts: the top_k fastest sh
 def published(result: PlanResult, e: Estimate) -> bool:
     """The layout of the model's published recipe (004 Table V): always shown, never steered away from silently."""
     recipe = result.job.arch.recipe
-    return (recipe.megatron is not None and e.family == "megatron" and e.micro_batch == recipe.micro_batch
-            and e.name.startswith(f"megatron tp{recipe.megatron[0]} pp{recipe.megatron[1]} "))
+    return (
+        recipe.megatron is not None
+        and e.family == "megatron"
+        and e.micro_batch == recipe.micro_batch
+        and e.name.startswith(f"megatron tp{recipe.megatron[0]} pp{recipe.megatron[1]} ")
+    )
 
 
 def shown(result: PlanResult, top_k: int) -> list[Estimate]:
@@ -31,9 +35,17 @@ def not_shown(result: PlanResult, top_k: int) -> list[Dropped]:
     """Every candidate the table leaves out, with the reason: the families' and the batch's
     drops, and the 3D-PMM grids past ``--top-k``."""
     kept = {id(e) for e in shown(result, top_k)}
-    past = [Dropped(e.family, e.name, f"fit, slower than the --top-k {top_k} shown (fastest first)" if e.fits
-                    else f"past --top-k {top_k}; does not fit: {e.reason}")
-            for e in result.estimates if id(e) not in kept]
+    past = [
+        Dropped(
+            e.family,
+            e.name,
+            f"fit, slower than the --top-k {top_k} shown (fastest first)"
+            if e.fits
+            else f"past --top-k {top_k}; does not fit: {e.reason}",
+        )
+        for e in result.estimates
+        if id(e) not in kept
+    ]
     return list(result.dropped) + past
 
 
@@ -56,47 +68,78 @@ def table(result: PlanResult, top_k: int = 5) -> str:
     job = result.job
     levels = job.topology.level_names
     a = job.arch
-    head = (f"{a.name}: {a.params / 1e9:.2f}B parameters ({a.layers} layers, hidden {a.hidden}, {a.heads} heads, "
-            f"vocab {a.vocab}, seq {a.seq}{f', {a.experts} experts' if a.experts > 1 else ''}) on "
-            f"{job.topology.describe()}\n"
-            f"batch {job.global_batch} sequences per step ({job.batch_source}); activation checkpointing "
-            f"{'on' if job.checkpointing else 'off'} ({job.checkpointing_source}); "
-            f"{job.machine.device_memory / 1e9:.1f} GB per rank; "
-            f"compute at {job.machine.flops / 1e12:.1f} TFLOP/s per rank; "
-            f"{job.flops / 1e15:.1f} PFLOP per step (GPT-NeoX formula)")
-    cols = (["#", "plan", "mb x GA"] + [SHORT[s] for s in STATES] + ["total", "fits"]
-            + [f"{lv} GB" for lv in levels] + ["comp s", "comm s", "step s", "TFLOPS", "max B"])
+    head = (
+        f"{a.name}: {a.params / 1e9:.2f}B parameters ({a.layers} layers, hidden {a.hidden}, {a.heads} heads, "
+        f"vocab {a.vocab}, seq {a.seq}{f', {a.experts} experts' if a.experts > 1 else ''}) on "
+        f"{job.topology.describe()}\n"
+        f"batch {job.global_batch} sequences per step ({job.batch_source}); activation checkpointing "
+        f"{'on' if job.checkpointing else 'off'} ({job.checkpointing_source}); "
+        f"{job.machine.device_memory / 1e9:.1f} GB per rank; "
+        f"compute at {job.machine.flops / 1e12:.1f} TFLOP/s per rank; "
+        f"{job.flops / 1e15:.1f} PFLOP per step (GPT-NeoX formula)"
+    )
+    cols = (
+        ["#", "plan", "mb x GA"]
+        + [SHORT[s] for s in STATES]
+        + ["total", "fits"]
+        + [f"{lv} GB" for lv in levels]
+        + ["comp s", "comm s", "step s", "TFLOPS", "max B"]
+    )
     rows = []
     rank = {id(e): i for i, e in enumerate(result.ranked, 1)}
     for e in shown(result, top_k):
-        rows.append([str(rank.get(id(e), "-")), e.name, f"{e.micro_batch} x {e.grad_accum}"]
-                    + [_gb(e.memory[s]) for s in STATES] + [_gb(e.total_memory), "yes" if e.fits else "no"]
-                    + [_gb(e.traffic.bytes.get(lv, 0.0)) for lv in levels]
-                    + [f"{e.compute_s:.2f}", f"{sum(e.comm_s.values()):.2f}", f"{e.step_s:.2f}",
-                       f"{e.tflops / 1e12:.1f}", f"{e.max_params / 1e9:.1f}"])
+        rows.append(
+            [str(rank.get(id(e), "-")), e.name, f"{e.micro_batch} x {e.grad_accum}"]
+            + [_gb(e.memory[s]) for s in STATES]
+            + [_gb(e.total_memory), "yes" if e.fits else "no"]
+            + [_gb(e.traffic.bytes.get(lv, 0.0)) for lv in levels]
+            + [
+                f"{e.compute_s:.2f}",
+                f"{sum(e.comm_s.values()):.2f}",
+                f"{e.step_s:.2f}",
+                f"{e.tflops / 1e12:.1f}",
+                f"{e.max_params / 1e9:.1f}",
+            ]
+        )
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
     fmt = lambda r: "  ".join(v.ljust(w) if i == 1 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))  # noqa: E731
     lines = [head, "", fmt(cols), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
-    lines.append("wts / sec / grad / opt / act: GB per rank of weights, secondary, gradients, optimizer states, "
-                 "activations; <level> GB: bytes one rank sends per optimizer step; max B: billions of parameters "
-                 "whose model states fill the device at this plan's bytes per parameter")
+    lines.append(
+        "wts / sec / grad / opt / act: GB per rank of weights, secondary, gradients, optimizer states, "
+        "activations; <level> GB: bytes one rank sends per optimizer step; max B: billions of parameters "
+        "whose model states fill the device at this plan's bytes per parameter"
+    )
     hidden = not_shown(result, top_k)
     if hidden:
         lines.append(f"not shown ({len(hidden)}), by reason:")
         lines += _reason_lines(hidden)
     for label, e in (("best", result.best), ("runner-up", result.runner_up)):
-        lines.append(f"{label}: " + (f"{e.name} ({e.step_s:.2f} s per step, {e.tflops / 1e12:.1f} TFLOPS per rank)"
-                                     if e else "no plan fits"))
+        lines.append(
+            f"{label}: "
+            + (f"{e.name} ({e.step_s:.2f} s per step, {e.tflops / 1e12:.1f} TFLOPS per rank)" if e else "no plan fits")
+        )
     return "\n".join(lines)
 
 
 def record(e: Estimate) -> dict[str, Any]:
     return {
-        "family": e.family, "name": e.name, "config": e.config, "micro_batch": e.micro_batch,
-        "grad_accum": e.grad_accum, "memory_bytes": e.memory, "total_memory_bytes": e.total_memory,
-        "fits": e.fits, "reason": e.reason, "bytes_per_level": e.traffic.bytes,
-        "messages_per_level": e.traffic.messages, "compute_s": e.compute_s, "comm_s_per_level": e.comm_s,
-        "step_s": e.step_s, "tflops_per_rank": e.tflops, "max_params": e.max_params, "notes": list(e.notes),
+        "family": e.family,
+        "name": e.name,
+        "config": e.config,
+        "micro_batch": e.micro_batch,
+        "grad_accum": e.grad_accum,
+        "memory_bytes": e.memory,
+        "total_memory_bytes": e.total_memory,
+        "fits": e.fits,
+        "reason": e.reason,
+        "bytes_per_level": e.traffic.bytes,
+        "messages_per_level": e.traffic.messages,
+        "compute_s": e.compute_s,
+        "comm_s_per_level": e.comm_s,
+        "step_s": e.step_s,
+        "tflops_per_rank": e.tflops,
+        "max_params": e.max_params,
+        "notes": list(e.notes),
     }
 
 

@@ -32,8 +32,15 @@ def representatives(result: PlanResult) -> dict[str, Estimate]:
     return out
 
 
-def sweep(archs: Iterable[Arch], nodes: Iterable[int], machine: Machine, families: Iterable[str] = tuple(FAMILIES),
-          global_batch: int | None = None, grad_accum: int | None = None, progress: bool = False) -> list[dict[str, Any]]:
+def sweep(
+    archs: Iterable[Arch],
+    nodes: Iterable[int],
+    machine: Machine,
+    families: Iterable[str] = tuple(FAMILIES),
+    global_batch: int | None = None,
+    grad_accum: int | None = None,
+    progress: bool = False,
+) -> list[dict[str, Any]]:
     """One record per (model, nodes, plan label)."""
     from tqdm import tqdm
 
@@ -42,13 +49,25 @@ def sweep(archs: Iterable[Arch], nodes: Iterable[int], machine: Machine, familie
     for arch, n in tqdm(jobs, desc="simulate", unit="point", disable=not progress):
         result = plan(make_job(arch, machine, n, global_batch, grad_accum), families)
         for label, e in representatives(result).items():
-            records.append({
-                "model": arch.name, "nodes": n, "gcds": result.job.world, "plan": label, "name": e.name,
-                "fits": e.fits, "micro_batch": e.micro_batch, "grad_accum": e.grad_accum,
-                "global_batch": result.job.global_batch, "step_s": e.step_s, "compute_s": e.compute_s,
-                "comm_s": sum(e.comm_s.values()), "tflops_per_gcd": e.tflops / 1e12,
-                "memory_GB": e.total_memory / 1e9, "bytes_per_level": e.traffic.bytes,
-            })
+            records.append(
+                {
+                    "model": arch.name,
+                    "nodes": n,
+                    "gcds": result.job.world,
+                    "plan": label,
+                    "name": e.name,
+                    "fits": e.fits,
+                    "micro_batch": e.micro_batch,
+                    "grad_accum": e.grad_accum,
+                    "global_batch": result.job.global_batch,
+                    "step_s": e.step_s,
+                    "compute_s": e.compute_s,
+                    "comm_s": sum(e.comm_s.values()),
+                    "tflops_per_gcd": e.tflops / 1e12,
+                    "memory_GB": e.total_memory / 1e9,
+                    "bytes_per_level": e.traffic.bytes,
+                }
+            )
     _add_efficiency(records)
     return records
 
@@ -69,14 +88,21 @@ def table(records: list[dict[str, Any]]) -> str:
     for r in records:
         rows[(r["model"], r["plan"])][r["gcds"]] = r
     width = 14
-    lines = [f"{'model':<14}{'plan':<17}" + "".join(f"{g:>{width}}" for g in gcds),
-             "TFLOPS per GCD (scaling efficiency); '-' = does not fit"]
+    lines = [
+        f"{'model':<14}{'plan':<17}" + "".join(f"{g:>{width}}" for g in gcds),
+        "TFLOPS per GCD (scaling efficiency); '-' = does not fit",
+    ]
     for (model, label), per in rows.items():
         cells = []
         for g in gcds:
             r = per.get(g)
-            cells.append("" if r is None else "-" if not r["fits"] else
-                         f"{r['tflops_per_gcd']:.1f} ({r['scaling_efficiency']:.2f})")
+            cells.append(
+                ""
+                if r is None
+                else "-"
+                if not r["fits"]
+                else f"{r['tflops_per_gcd']:.1f} ({r['scaling_efficiency']:.2f})"
+            )
         lines.append(f"{model:<14}{label:<17}" + "".join(f"{c:>{width}}" for c in cells))
     return "\n".join(lines)
 

@@ -64,16 +64,18 @@ def block_shape(arch: Arch, micro: int, elem_bytes: int) -> MoEBlockShape:
     return MoEBlockShape(tokens, arch.hidden, arch.experts, -(-tokens // arch.experts), elem_bytes)
 
 
-def micro_traffic(arch: Arch, layout: TEDLayout, topology: Topology, micro: int, elem_bytes: int,
-                  checkpointing: bool = True) -> Traffic:
+def micro_traffic(
+    arch: Arch, layout: TEDLayout, topology: Topology, micro: int, elem_bytes: int, checkpointing: bool = True
+) -> Traffic:
     """Bytes and messages rank 0 sends in forward + backward of one micro-step, per level:
     the MoE blocks (``perf.ted``) and the dense blocks' tensor-parallel all-reduces."""
     levels = layout.levels(topology, 0)
     group = {"all_to_all": layout.expert, "all_reduce": layout.tensor, "all_gather": layout.tensor}
     nbytes: dict[str, float] = defaultdict(float)
     messages: dict[str, float] = defaultdict(float)
-    block = moe_block_traffic(layout, topology, 0, block_shape(arch, micro, elem_bytes), dtd=DTD, cac=CAC,
-                              checkpointing=checkpointing)
+    block = moe_block_traffic(
+        layout, topology, 0, block_shape(arch, micro, elem_bytes), dtd=DTD, cac=CAC, checkpointing=checkpointing
+    )
     for key, b in block.bytes.items():
         _, op, level = key
         nbytes[level] += b * arch.moe_layers
@@ -101,14 +103,22 @@ def step_traffic(arch: Arch, layout: TEDLayout, topology: Topology, elem_bytes: 
     return Traffic(dict(nbytes), dict(messages))
 
 
-def traffic(arch: Arch, layout: TEDLayout, topology: Topology, micro: int, grad_accum: int, elem_bytes: int,
-            checkpointing: bool = True) -> Traffic:
+def traffic(
+    arch: Arch,
+    layout: TEDLayout,
+    topology: Topology,
+    micro: int,
+    grad_accum: int,
+    elem_bytes: int,
+    checkpointing: bool = True,
+) -> Traffic:
     """Per optimizer step: ``grad_accum`` micro-steps and the step (module docstring)."""
     m = micro_traffic(arch, layout, topology, micro, elem_bytes, checkpointing)
     s = step_traffic(arch, layout, topology, elem_bytes)
-    return Traffic({lv: m.bytes.get(lv, 0.0) * grad_accum + s.bytes.get(lv, 0.0) for lv in {*m.bytes, *s.bytes}},
-                   {lv: m.messages.get(lv, 0.0) * grad_accum + s.messages.get(lv, 0.0)
-                    for lv in {*m.messages, *s.messages}})
+    return Traffic(
+        {lv: m.bytes.get(lv, 0.0) * grad_accum + s.bytes.get(lv, 0.0) for lv in {*m.bytes, *s.bytes}},
+        {lv: m.messages.get(lv, 0.0) * grad_accum + s.messages.get(lv, 0.0) for lv in {*m.messages, *s.messages}},
+    )
 
 
 def layouts(arch: Arch, topology: Topology) -> tuple[list[TEDLayout], list[Dropped]]:
@@ -136,13 +146,26 @@ def candidate(job: Job, layout: TEDLayout) -> Candidate:
     a, e = job.arch, job.elem_bytes
     split = ActivationSplit(tensor=layout.tensor)
     return Candidate(
-        family="ted", name=f"ted {layout.tensor}x{layout.expert}x{layout.expert_data}",
-        config={"zero_optimization": {"stage": 1}, "ds_ext": {"ted": {
-            "enabled": True, "tensor_parallel": layout.tensor, "expert_parallel": layout.expert,
-            "num_experts": a.experts, "duplicate_token_dropping": DTD, "comm_aware_checkpointing": CAC}}},
-        data=layout.nonexp_data, states=states(a, layout),
-        activations=lambda b: activation_bytes(b * a.seq, a.layers, a.hidden, a.heads, a.seq, a.vocab, split,
-                                               job.checkpointing),
+        family="ted",
+        name=f"ted {layout.tensor}x{layout.expert}x{layout.expert_data}",
+        config={
+            "zero_optimization": {"stage": 1},
+            "ds_ext": {
+                "ted": {
+                    "enabled": True,
+                    "tensor_parallel": layout.tensor,
+                    "expert_parallel": layout.expert,
+                    "num_experts": a.experts,
+                    "duplicate_token_dropping": DTD,
+                    "comm_aware_checkpointing": CAC,
+                }
+            },
+        },
+        data=layout.nonexp_data,
+        states=states(a, layout),
+        activations=lambda b: activation_bytes(
+            b * a.seq, a.layers, a.hidden, a.heads, a.seq, a.vocab, split, job.checkpointing
+        ),
         traffic=lambda b, g: traffic(a, layout, job.topology, b, g, e, job.checkpointing),
     )
 

@@ -64,91 +64,160 @@ T = TypeVar("T")
 def _fits(found: T | None, what: str) -> T:
     """``found``, else a one-line refusal: on this machine ``what`` has no plan that fits."""
     if found is None:
-        raise PlanInputError(f"--validate: {what} fits no plan on this machine; the comparisons need the papers' "
-                             "setups to fit, and the machine flags (--memory-GB, --size, ...) changed them")
+        raise PlanInputError(
+            f"--validate: {what} fits no plan on this machine; the comparisons need the papers' "
+            "setups to fit, and the machine flags (--memory-GB, --size, ...) changed them"
+        )
     return found
 
 
 ZERO_003 = ("zero3", "zeropp", "zero_topo_paper")  # 003's three, each as DeepSpeed runs it
 
 
-def _zero(machine: Machine, nodes: int, global_batch: int | None = None, grad_accum: int | None = None,
-          deepspeed: str | None = "0.13.1") -> dict[str, Estimate]:
+def _zero(
+    machine: Machine,
+    nodes: int,
+    global_batch: int | None = None,
+    grad_accum: int | None = None,
+    deepspeed: str | None = "0.13.1",
+) -> dict[str, Estimate]:
     """003's three plans on GPT-NeoX-20B, gathered as ``deepspeed`` (003's 0.13.1 by default,
     None: ds_ext's engine) does (``zero_plans``)."""
     job = make_job(lookup("gpt-neox-20b"), machine, nodes, global_batch, grad_accum)
     out = {}
     for name in ZERO_003:
-        out[name] = _fits(evaluate(job, zero_plans.candidate(job, {"preset": name}, deepspeed=deepspeed)),
-                          f"gpt-neox-20b {name} on {nodes} nodes")
+        out[name] = _fits(
+            evaluate(job, zero_plans.candidate(job, {"preset": name}, deepspeed=deepspeed)),
+            f"gpt-neox-20b {name} on {nodes} nodes",
+        )
     return out
 
 
-DS_NOTE = ("DeepSpeed 0.13.1 (003's, Table IX): per-submodule gathers (4 per GPT-NeoX-20B block, 2 collectives "
-           "each when quantized), hpZ serving no gather with grad enabled; RCCL α per ring step from 001 §6.3.1")
+DS_NOTE = (
+    "DeepSpeed 0.13.1 (003's, Table IX): per-submodule gathers (4 per GPT-NeoX-20B block, 2 collectives "
+    "each when quantized), hpZ serving no gather with grad enabled; RCCL α per ring step from 001 §6.3.1"
+)
 
 
 def zero_rows(machine: Machine) -> list[Row]:
     """003: max model sizes, 384-GCD ratios, ZeRO-topo's efficiency; plus the sensitivity rows
     (α band, today's DeepSpeed, ds_ext's per-block gathers, micro-batch and accumulation)."""
     s16, s384 = _zero(machine, 2), _zero(machine, 48)
-    ratios = lambda est: (est["zeropp"].tflops / est["zero3"].tflops,  # noqa: E731
-                          est["zero_topo_paper"].tflops / est["zeropp"].tflops)
+
+    def ratios(est):
+        return (est["zeropp"].tflops / est["zero3"].tflops, est["zero_topo_paper"].tflops / est["zeropp"].tflops)
+
     zz, tz = ratios(s384)
     world = machine.build_topology(48).world_size
     rows = [
-        Row("largest model, ZeRO-3, 16 GCDs (B params)", "003 §II-A", 68, s16["zero3"].max_params / 1e9, 0.05,
-            "model states only, 64 GiB per GCD"),
-        Row("largest model, ZeRO++, 16 GCDs (B params)", "003 §II-A", 55, s16["zeropp"].max_params / 1e9, 0.05,
-            "model states only, 64 GiB per GCD"),
-        Row("largest model, ZeRO-topo (Sec-Degree 2), 384 GCDs (B params)", "003 §VII-B", 36,
-            s384["zero_topo_paper"].max_params / 1e9 * 64e9 / machine.device_memory, 0.05,
-            "model states only, 64e9 bytes per GCD: 003's 36B counts decimal GB, its 68B / 55B binary GiB"),
-        Row(f"TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs (batch {s384['zero3'].micro_batch} x "
-            f"{s384['zero3'].grad_accum} per GCD)", "003 §VI, Fig 7", 1.405, zz, 0.15, DS_NOTE),
+        Row(
+            "largest model, ZeRO-3, 16 GCDs (B params)",
+            "003 §II-A",
+            68,
+            s16["zero3"].max_params / 1e9,
+            0.05,
+            "model states only, 64 GiB per GCD",
+        ),
+        Row(
+            "largest model, ZeRO++, 16 GCDs (B params)",
+            "003 §II-A",
+            55,
+            s16["zeropp"].max_params / 1e9,
+            0.05,
+            "model states only, 64 GiB per GCD",
+        ),
+        Row(
+            "largest model, ZeRO-topo (Sec-Degree 2), 384 GCDs (B params)",
+            "003 §VII-B",
+            36,
+            s384["zero_topo_paper"].max_params / 1e9 * 64e9 / machine.device_memory,
+            0.05,
+            "model states only, 64e9 bytes per GCD: 003's 36B counts decimal GB, its 68B / 55B binary GiB",
+        ),
+        Row(
+            f"TFLOPS per GCD ZeRO++ / ZeRO-3, 384 GCDs (batch {s384['zero3'].micro_batch} x "
+            f"{s384['zero3'].grad_accum} per GCD)",
+            "003 §VI, Fig 7",
+            1.405,
+            zz,
+            0.15,
+            DS_NOTE,
+        ),
         Row("TFLOPS per GCD ZeRO-topo / ZeRO++, 384 GCDs", "003 §VI, Fig 7", 1.707, tz, 0.15, DS_NOTE),
         Row("TFLOPS per GCD ZeRO-topo / ZeRO-3, 384 GCDs", "003 §VI", 2.398, zz * tz),
-        Row("scaling efficiency ZeRO-topo, 16 -> 384 GCDs", "003 abstract, Fig 7", 0.94,
-            s384["zero_topo_paper"].tflops / s16["zero_topo_paper"].tflops),
+        Row(
+            "scaling efficiency ZeRO-topo, 16 -> 384 GCDs",
+            "003 abstract, Fig 7",
+            0.94,
+            s384["zero_topo_paper"].tflops / s16["zero_topo_paper"].tflops,
+        ),
     ]
     lo, hi = rccl.ALPHA_BAND_S
     ring_b = sum(p.ring_bandwidth for p in rccl.DERIVED) / len(rccl.DERIVED) / 1e9
-    cases = [(f"α {lo * 1e6:.0f} µs (band's low end)", _zero(machine.with_links({}, {"node": lo * 1e6}), 48)),
-             (f"α {hi * 1e6:.0f} µs (band's high end)", _zero(machine.with_links({}, {"node": hi * 1e6}), 48)),
-             ("α 15 µs (the earlier assumed value)", _zero(machine.with_links({}, {"node": 15.0}), 48)),
-             (f"α {rccl.mean_alpha(rccl.TABLE_II) * 1e6:.0f} µs (node ring at Table II's 50 GB/s)",
-              _zero(machine.with_links({}, {"node": rccl.mean_alpha(rccl.TABLE_II) * 1e6}), 48)),
-             (f"node rings at the derived RCCL ring bandwidth B = {ring_b:.0f} GB/s per rank (not the NIC share)",
-              _zero(machine.with_links({"node": ring_b}, {}), 48)),
-             ("today's DeepSpeed 0.19.8 (hpZ serves forwards)", _zero(machine, 48, deepspeed="0.19.8")),
-             ("one collective per block (ds_ext's engine)", _zero(machine, 48, deepspeed=None))]
-    cases += [(f"micro-batch {mb} x {ga} steps per GCD", _zero(machine, 48, mb * ga * world, ga))
-              for mb, ga in ((1, 32), (8, 32), (4, 1), (4, 8))]
+    cases = [
+        (f"α {lo * 1e6:.0f} µs (band's low end)", _zero(machine.with_links({}, {"node": lo * 1e6}), 48)),
+        (f"α {hi * 1e6:.0f} µs (band's high end)", _zero(machine.with_links({}, {"node": hi * 1e6}), 48)),
+        ("α 15 µs (the earlier assumed value)", _zero(machine.with_links({}, {"node": 15.0}), 48)),
+        (
+            f"α {rccl.mean_alpha(rccl.TABLE_II) * 1e6:.0f} µs (node ring at Table II's 50 GB/s)",
+            _zero(machine.with_links({}, {"node": rccl.mean_alpha(rccl.TABLE_II) * 1e6}), 48),
+        ),
+        (
+            f"node rings at the derived RCCL ring bandwidth B = {ring_b:.0f} GB/s per rank (not the NIC share)",
+            _zero(machine.with_links({"node": ring_b}, {}), 48),
+        ),
+        ("today's DeepSpeed 0.19.8 (hpZ serves forwards)", _zero(machine, 48, deepspeed="0.19.8")),
+        ("one collective per block (ds_ext's engine)", _zero(machine, 48, deepspeed=None)),
+    ]
+    cases += [
+        (f"micro-batch {mb} x {ga} steps per GCD", _zero(machine, 48, mb * ga * world, ga))
+        for mb, ga in ((1, 32), (8, 32), (4, 1), (4, 8))
+    ]
     for label, est in cases:
         z, t = ratios(est)
-        rows += [Row(f"  sensitivity, {label}: ZeRO++ / ZeRO-3", "003 §VI", 1.405, z, None, "not the prediction"),
-                 Row(f"  sensitivity, {label}: ZeRO-topo / ZeRO++", "003 §VI", 1.707, t, None, "not the prediction")]
+        rows += [
+            Row(f"  sensitivity, {label}: ZeRO++ / ZeRO-3", "003 §VI", 1.405, z, None, "not the prediction"),
+            Row(f"  sensitivity, {label}: ZeRO-topo / ZeRO++", "003 §VI", 1.707, t, None, "not the prediction"),
+        ]
     return rows
 
 
 # 000 Table III, Frontier: (GCDs, model, total Pflop/s)
-TABLE_III = ((512, "gpt-5b", 40.4), (1024, "gpt-10b", 77.3), (2048, "gpt-20b", 145.7), (4096, "gpt-40b", 295.9),
-             (8192, "gpt-80b", 571.4))
+TABLE_III = (
+    (512, "gpt-5b", 40.4),
+    (1024, "gpt-10b", 77.3),
+    (2048, "gpt-20b", 145.7),
+    (4096, "gpt-40b", 295.9),
+    (8192, "gpt-80b", 571.4),
+)
 
 
 def pmm_rows(machine: Machine, table=TABLE_III) -> list[Row]:
     """000 Table III: the best 3D-PMM grid's TFLOPS per GCD and weak-scaling efficiency."""
     rows, base = [], None
     for gcds, model, pflops in table:
-        best = _fits(plan(make_job(lookup(model), machine, gcds // 8), ["pmm3d"]).best,
-                     f"{model} 3D-PMM on {gcds} GCDs")
+        best = _fits(
+            plan(make_job(lookup(model), machine, gcds // 8), ["pmm3d"]).best, f"{model} 3D-PMM on {gcds} GCDs"
+        )
         published = pflops * 1e3 / gcds
         base = base or (published, best.tflops)
-        rows.append(Row(f"{model} on {gcds} GCDs, TFLOPS per GCD (best grid {best.name.split()[1]})", "000 Table III",
-                        published, best.tflops / 1e12))
+        rows.append(
+            Row(
+                f"{model} on {gcds} GCDs, TFLOPS per GCD (best grid {best.name.split()[1]})",
+                "000 Table III",
+                published,
+                best.tflops / 1e12,
+            )
+        )
         if gcds != table[0][0]:
-            rows.append(Row(f"  weak-scaling efficiency {table[0][0]} -> {gcds} GCDs", "000 Table III, §VII-A",
-                            published / base[0], best.tflops / base[1]))
+            rows.append(
+                Row(
+                    f"  weak-scaling efficiency {table[0][0]} -> {gcds} GCDs",
+                    "000 Table III, §VII-A",
+                    published / base[0],
+                    best.tflops / base[1],
+                )
+            )
     return rows
 
 
@@ -159,12 +228,18 @@ def pmm_rows(machine: Machine, table=TABLE_III) -> list[Row]:
 TABLE_V = (("gpt-175b", 8, None, 69.2), ("gpt-1t", 128, None, 61.2))  # None: the recipe's batch, as plan
 TABLE_V_1T_LITERAL = ("gpt-1t", 128, 1600, 61.2)  # the other reading: Table V's GBS 1,600 over the two replicas
 MEGATRON_22B = (8, None, 73.5)  # 22B: nodes, GBS (the recipe's: 175B's GBS; 004 gives none), published
-TABLE_V_NOTE = ("compute at 000's measured step rate (ds_ext.planner.compute_rate), 1F1B bubble and "
-                "the last stage's head (004 §II-C, §V-A)")
-TABLE_V_UNSTATED = {"gpt-175b": "004 gives no GCD count for Table V's 175B run; read as one 64-GCD replica",
-                    "gpt-1t": "004 gives no GCD count; 1,024 from 000 §II, also tried: GBS 1,600 there (sensitivity row)"}
-TABLE_V_SETUP = {"gpt-175b": "one replica: 004 states no GCD count",
-                 "gpt-1t": "1,024 GCDs (000 §II), GBS 3,200 (004 §V-C1; Table V's 1,600 per replica)"}
+TABLE_V_NOTE = (
+    "compute at 000's measured step rate (ds_ext.planner.compute_rate), 1F1B bubble and "
+    "the last stage's head (004 §II-C, §V-A)"
+)
+TABLE_V_UNSTATED = {
+    "gpt-175b": "004 gives no GCD count for Table V's 175B run; read as one 64-GCD replica",
+    "gpt-1t": "004 gives no GCD count; 1,024 from 000 §II, also tried: GBS 1,600 there (sensitivity row)",
+}
+TABLE_V_SETUP = {
+    "gpt-175b": "one replica: 004 states no GCD count",
+    "gpt-1t": "1,024 GCDs (000 §II), GBS 3,200 (004 §V-C1; Table V's 1,600 per replica)",
+}
 
 
 def _megatron(machine: Machine, model: str, nodes: int, batch: int | None = None):
@@ -184,39 +259,94 @@ def megatron_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
     for model, nodes, batch, measured in TABLE_V:
         result, recipe = _megatron(machine, model, nodes, batch)
         recipe = _fits(recipe, f"{model}'s Table V recipe")
-        rows.append(Row(f"{model} Table V recipe ({recipe.name}, {recipe.micro_batch} x {recipe.grad_accum}), "
-                        "TFLOPS per GCD", "004 §V-B, Table V", measured, recipe.tflops / 1e12, 0.20,
-                        f"{TABLE_V_SETUP[model]}; {TABLE_V_NOTE}", TABLE_V_UNSTATED.get(model, "")))
+        rows.append(
+            Row(
+                f"{model} Table V recipe ({recipe.name}, {recipe.micro_batch} x {recipe.grad_accum}), TFLOPS per GCD",
+                "004 §V-B, Table V",
+                measured,
+                recipe.tflops / 1e12,
+                0.20,
+                f"{TABLE_V_SETUP[model]}; {TABLE_V_NOTE}",
+                TABLE_V_UNSTATED.get(model, ""),
+            )
+        )
         if result.best is not None and result.best is not recipe:
-            rows.append(Row(f"  {model}: planner's first choice {result.best.name}, TFLOPS per GCD", "004 §V-B",
-                            measured, result.best.tflops / 1e12, None, "shown beside the recipe, not the prediction"))
+            rows.append(
+                Row(
+                    f"  {model}: planner's first choice {result.best.name}, TFLOPS per GCD",
+                    "004 §V-B",
+                    measured,
+                    result.best.tflops / 1e12,
+                    None,
+                    "shown beside the recipe, not the prediction",
+                )
+            )
     nodes, batch, measured = MEGATRON_22B
     result, _ = _megatron(machine, "gpt-22b", nodes, batch)
     best = _fits(result.best, f"gpt-22b Megatron on {nodes} nodes")
-    rows.append(Row(f"gpt-22b planner's Megatron layout ({best.name}, GBS {result.job.global_batch}), TFLOPS per GCD", "004 §V-B",
-                    measured, best.tflops / 1e12, 0.20,
-                    "004 gives no 22B recipe: the planner's first choice at 175B's replica size and GBS",
-                    "004 gives no 22B layout, batch or GCD count; read as 175B's 64 GCDs and GBS 640"))
+    rows.append(
+        Row(
+            f"gpt-22b planner's Megatron layout ({best.name}, GBS {result.job.global_batch}), TFLOPS per GCD",
+            "004 §V-B",
+            measured,
+            best.tflops / 1e12,
+            0.20,
+            "004 gives no 22B recipe: the planner's first choice at 175B's replica size and GBS",
+            "004 gives no 22B layout, batch or GCD count; read as 175B's 64 GCDs and GBS 640",
+        )
+    )
     if sensitivity:
         model, nodes, batch, measured = TABLE_V_1T_LITERAL
         recipe = _fits(_megatron(machine, model, nodes, batch)[1], f"{model}'s recipe at Table V's GBS {batch:,}")
-        rows.append(Row(f"  sensitivity, Table V's GBS {batch:,} on the 1,024 GCDs ({recipe.grad_accum} micro-batches "
-                        f"per replica): {model} recipe", "004 §V-B", measured, recipe.tflops / 1e12, None,
-                        "the other reading of 004 §V-B and 000 §II; not the prediction"))
+        rows.append(
+            Row(
+                f"  sensitivity, Table V's GBS {batch:,} on the 1,024 GCDs ({recipe.grad_accum} micro-batches "
+                f"per replica): {model} recipe",
+                "004 §V-B",
+                measured,
+                recipe.tflops / 1e12,
+                None,
+                "the other reading of 004 §V-B and 000 §II; not the prediction",
+            )
+        )
         table_ii = machine.with_links({"gpu": hardware.value("gpu_bandwidth_table_ii")}, {})
         for model, nodes, batch, measured in TABLE_V:
             recipe = _fits(_megatron(table_ii, model, nodes, batch)[1], f"{model}'s Table V recipe")
-            rows.append(Row(f"  sensitivity, MI250X-to-MI250X at 003 Table II's 50 GB/s (not 004 §III-A's 100): "
-                            f"{model} recipe", "004 §V-B", measured, recipe.tflops / 1e12, None, "not the prediction"))
-        for label, eff in ((f"compute at the single-GEMM rate ({compute_rate.GEMM_FLOPS / 1e12:.0f} Tflop/s, "
-                            "000 §VI-C, the earlier constant)", compute_rate.GEMM_EFFICIENCY),
-                           (f"compute at 000's untuned rate ({compute_rate.rate(compute_rate.UNTUNED_S) / 1e12:.0f} "
-                            "Tflop/s, no matmul tuning, 000 §V-C)", compute_rate.UNTUNED_EFFICIENCY)):
+            rows.append(
+                Row(
+                    f"  sensitivity, MI250X-to-MI250X at 003 Table II's 50 GB/s (not 004 §III-A's 100): {model} recipe",
+                    "004 §V-B",
+                    measured,
+                    recipe.tflops / 1e12,
+                    None,
+                    "not the prediction",
+                )
+            )
+        for label, eff in (
+            (
+                f"compute at the single-GEMM rate ({compute_rate.GEMM_FLOPS / 1e12:.0f} Tflop/s, "
+                "000 §VI-C, the earlier constant)",
+                compute_rate.GEMM_EFFICIENCY,
+            ),
+            (
+                f"compute at 000's untuned rate ({compute_rate.rate(compute_rate.UNTUNED_S) / 1e12:.0f} "
+                "Tflop/s, no matmul tuning, 000 §V-C)",
+                compute_rate.UNTUNED_EFFICIENCY,
+            ),
+        ):
             other = machine.model_copy(update={"efficiency": eff})
             for model, nodes, batch, measured in TABLE_V:
                 recipe = _fits(_megatron(other, model, nodes, batch)[1], f"{model}'s Table V recipe")
-                rows.append(Row(f"  sensitivity, {label}: {model} recipe", "004 §V-B", measured,
-                                recipe.tflops / 1e12, None, "not the prediction"))
+                rows.append(
+                    Row(
+                        f"  sensitivity, {label}: {model} recipe",
+                        "004 §V-B",
+                        measured,
+                        recipe.tflops / 1e12,
+                        None,
+                        "not the prediction",
+                    )
+                )
     return rows
 
 
@@ -224,19 +354,25 @@ def megatron_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
 FIG_6_12 = (("gpt3-6.7b", 512, 0.30), ("gpt3-13b", 512, 0.16), ("gpt3-6.7b", 1024, 0.60), ("gpt3-13b", 1024, 0.39))
 FIG_6_12_2048 = "70-80 % for the two models"  # 001 §6.3.2 at 2,048 GCDs, no value per model
 FIG_6_12_BATCH = 8192  # 000 Table I: the authors' Frontier batch, 16.8M tokens (the figure's is not given)
-FIG_6_12_NOTE = ("batch 8,192: 000 Table I's Frontier batch (the figure's is not stated; Table 4.1's 1,024 cannot "
-                 "run 6.7B on the figure's 2,048 GCDs); DeepSpeed's per-submodule gathers; RCCL α from 001 §6.3.1")
+FIG_6_12_NOTE = (
+    "batch 8,192: 000 Table I's Frontier batch (the figure's is not stated; Table 4.1's 1,024 cannot "
+    "run 6.7B on the figure's 2,048 GCDs); DeepSpeed's per-submodule gathers; RCCL α from 001 §6.3.1"
+)
 
 
-FIG_6_12_UNSTATED = ("001 gives no batch for the figure; read at 8,192, also tried: Table 4.1's 1,024 / 2,048, "
-                     "2,048, 13B at 16,384 (sensitivity rows below)")
+FIG_6_12_UNSTATED = (
+    "001 gives no batch for the figure; read at 8,192, also tried: Table 4.1's 1,024 / 2,048, "
+    "2,048, 13B at 16,384 (sensitivity rows below)"
+)
 
 
 def _zero3_pair(machine: Machine, model: str, gcds: int, batch: int | None) -> tuple[Estimate, Estimate]:
     """DeepSpeed ZeRO-3 (0.19.8's gathers) on ``gcds`` GCDs with RCCL's ring and with PCCL."""
     job = make_job(lookup(model), machine, gcds // 8, batch)
-    rccl_e, pccl_e = (evaluate(job, zero_plans.candidate(job, {"preset": "zero3"}, deepspeed="0.19.8",
-                                                         collectives=c)) for c in ("rccl", "pccl"))
+    rccl_e, pccl_e = (
+        evaluate(job, zero_plans.candidate(job, {"preset": "zero3"}, deepspeed="0.19.8", collectives=c))
+        for c in ("rccl", "pccl")
+    )
     return _fits(rccl_e, f"{model} ZeRO-3 on {gcds} GCDs"), _fits(pccl_e, f"{model} ZeRO-3 with PCCL on {gcds} GCDs")
 
 
@@ -247,8 +383,9 @@ def less_batch_time(machine: Machine, model: str, gcds: int, batch: int | None =
     return 1 - pccl_e.step_s / rccl_e.step_s
 
 
-def implied_compute_multiple(machine: Machine, model: str, gcds: int, published: float,
-                             batch: int | None = FIG_6_12_BATCH) -> float:
+def implied_compute_multiple(
+    machine: Machine, model: str, gcds: int, published: float, batch: int | None = FIG_6_12_BATCH
+) -> float:
     """The factor k on the planner's compute time C at which 1 - t_PCCL / t_RCCL equals
     ``published`` with the communication as modelled (R with RCCL, P with PCCL, the same compute
     under both): ``(R - P) / (k C + R) = published``, so ``k = ((R - P) / published - R) / C``.
@@ -264,33 +401,72 @@ def pccl_rows(machine: Machine, sensitivity: bool = True) -> list[Row]:
     512 GCDs and "speedup" at 1,024; both are read as less batch time (README: the only reading
     under which PCCL "continues to scale efficiently" while RCCL's time grows). ``sensitivity``:
     the rows at other batches, RCCL's ring at the derived bandwidth and the single-GEMM compute."""
-    rows = [Row(f"{model} ZeRO-3 on {gcds} GCDs, PCCL over RCCL: less batch time", "001 §6.3.2, Fig 6.12",
-                published, less_batch_time(machine, model, gcds), 0.15, FIG_6_12_NOTE, FIG_6_12_UNSTATED)
-            for model, gcds, published in FIG_6_12]
-    rows += [Row(f"  {model} ZeRO-3 on 2048 GCDs, PCCL over RCCL: less batch time", "001 §6.3.2", None,
-                 less_batch_time(machine, model, 2048), None, f"published {FIG_6_12_2048}")
-             for model in ("gpt3-6.7b", "gpt3-13b")]
+    rows = [
+        Row(
+            f"{model} ZeRO-3 on {gcds} GCDs, PCCL over RCCL: less batch time",
+            "001 §6.3.2, Fig 6.12",
+            published,
+            less_batch_time(machine, model, gcds),
+            0.15,
+            FIG_6_12_NOTE,
+            FIG_6_12_UNSTATED,
+        )
+        for model, gcds, published in FIG_6_12
+    ]
+    rows += [
+        Row(
+            f"  {model} ZeRO-3 on 2048 GCDs, PCCL over RCCL: less batch time",
+            "001 §6.3.2",
+            None,
+            less_batch_time(machine, model, 2048),
+            None,
+            f"published {FIG_6_12_2048}",
+        )
+        for model in ("gpt3-6.7b", "gpt3-13b")
+    ]
     if not sensitivity:
         return rows
     ring_b = sum(p.ring_bandwidth for p in rccl.DERIVED) / len(rccl.DERIVED) / 1e9
     recipe = {"gpt3-6.7b": None, "gpt3-13b": None}  # None: the model's recipe (001 Table 4.1)
-    cases = [("001 Table 4.1's batch (1,024 / 2,048)", machine, recipe),
-             ("2,048 sequences (the least the figure's 2,048 GCDs admit)", machine,
-              {"gpt3-6.7b": 2048, "gpt3-13b": 2048}),
-             ("13B at twice 6.7B's batch (16,384: Table 4.1's ratio)", machine, {"gpt3-13b": 16384}),
-             (f"RCCL's ring bytes at the derived B = {ring_b:.0f} GB/s per rank",
-              machine.with_links({"node": ring_b}, {}), {m: FIG_6_12_BATCH for m in recipe}),
-             (f"compute at the single-GEMM rate ({compute_rate.GEMM_FLOPS / 1e12:.0f} Tflop/s)",
-              machine.model_copy(update={"efficiency": compute_rate.GEMM_EFFICIENCY}),
-              {m: FIG_6_12_BATCH for m in recipe})]
+    cases = [
+        ("001 Table 4.1's batch (1,024 / 2,048)", machine, recipe),
+        ("2,048 sequences (the least the figure's 2,048 GCDs admit)", machine, {"gpt3-6.7b": 2048, "gpt3-13b": 2048}),
+        ("13B at twice 6.7B's batch (16,384: Table 4.1's ratio)", machine, {"gpt3-13b": 16384}),
+        (
+            f"RCCL's ring bytes at the derived B = {ring_b:.0f} GB/s per rank",
+            machine.with_links({"node": ring_b}, {}),
+            {m: FIG_6_12_BATCH for m in recipe},
+        ),
+        (
+            f"compute at the single-GEMM rate ({compute_rate.GEMM_FLOPS / 1e12:.0f} Tflop/s)",
+            machine.model_copy(update={"efficiency": compute_rate.GEMM_EFFICIENCY}),
+            {m: FIG_6_12_BATCH for m in recipe},
+        ),
+    ]
     for label, m, batches in cases:
-        rows += [Row(f"  sensitivity, {label}: {model}, {gcds} GCDs", "001 Fig 6.12", published,
-                     less_batch_time(m, model, gcds, batches[model]), None, "not the prediction")
-                 for model, gcds, published in FIG_6_12 if model in batches]
-    rows += [Row(f"  diagnostic, compute x k at which the published value comes out: {model}, {gcds} GCDs",
-                 "001 Fig 6.12", None, implied_compute_multiple(machine, model, gcds, published), None,
-                 f"batch {FIG_6_12_BATCH:,}, communication as modelled; not a prediction")
-             for model, gcds, published in FIG_6_12]
+        rows += [
+            Row(
+                f"  sensitivity, {label}: {model}, {gcds} GCDs",
+                "001 Fig 6.12",
+                published,
+                less_batch_time(m, model, gcds, batches[model]),
+                None,
+                "not the prediction",
+            )
+            for model, gcds, published in FIG_6_12
+            if model in batches
+        ]
+    rows += [
+        Row(
+            f"  diagnostic, compute x k at which the published value comes out: {model}, {gcds} GCDs",
+            "001 Fig 6.12",
+            None,
+            implied_compute_multiple(machine, model, gcds, published),
+            None,
+            f"batch {FIG_6_12_BATCH:,}, communication as modelled; not a prediction",
+        )
+        for model, gcds, published in FIG_6_12
+    ]
     return rows
 
 
@@ -325,20 +501,36 @@ def ted_rows() -> list[Row]:
     for gpus in FIG_7_9_GPUS:
         ted, ds = largest_moe(gpus, FIG_7_9_TENSOR), largest_moe(gpus, (1,))
         assert ted is not None and ds is not None
-        rows.append(Row(f"largest MoE TED / DeepSpeed-MoE, {gpus} V100 ({ted.name} / {ds.name})", "001 Fig 7.9",
-                        FIG_7_9_PUBLISHED.get(gpus), ted.params / ds.params, None,
-                        "model states only (Eq 7.4); the figure's runs also hold activations"))
+        rows.append(
+            Row(
+                f"largest MoE TED / DeepSpeed-MoE, {gpus} V100 ({ted.name} / {ds.name})",
+                "001 Fig 7.9",
+                FIG_7_9_PUBLISHED.get(gpus),
+                ted.params / ds.params,
+                None,
+                "model states only (Eq 7.4); the figure's runs also hold activations",
+            )
+        )
     return rows
 
 
 def hardware_table() -> str:
     """Every hardware figure the rows rest on (``ds_ext.planner.hardware``) and the two the planner derives."""
     lo, hi = rccl.ALPHA_BAND_S
-    return hardware.markdown((
-        ("RCCL latency per inter-node ring step", f"{rccl.RING_STEP_ALPHA_S * 1e6:.1f} µs (band {lo * 1e6:.1f}-"
-         f"{hi * 1e6:.1f})", "derived from 001 §6.3.1's speedups (ds_ext.planner.rccl)"),
-        ("compute rate of a training step", f"{compute_rate.rate() / 1e12:.1f} TFLOP/s per GCD",
-         "derived from 000 §V-C's GPT-320B run (ds_ext.planner.compute_rate)")))
+    return hardware.markdown(
+        (
+            (
+                "RCCL latency per inter-node ring step",
+                f"{rccl.RING_STEP_ALPHA_S * 1e6:.1f} µs (band {lo * 1e6:.1f}-{hi * 1e6:.1f})",
+                "derived from 001 §6.3.1's speedups (ds_ext.planner.rccl)",
+            ),
+            (
+                "compute rate of a training step",
+                f"{compute_rate.rate() / 1e12:.1f} TFLOP/s per GCD",
+                "derived from 000 §V-C's GPT-320B run (ds_ext.planner.compute_rate)",
+            ),
+        )
+    )
 
 
 def validate(machine: Machine) -> list[Row]:
@@ -355,8 +547,10 @@ def markdown(rows: list[Row]) -> str:
         holds = {True: "yes", False: "**no**", None: "—"}[r.holds]
         if r.unstated and r.holds is not None:
             holds = f"{holds} at this reading; setup unstated: {r.unstated}"
-        lines.append(f"| {r.claim.strip()}{f' ({r.note})' if r.note else ''} | {r.source} | {pub} | {r.predicted:.3g} | "
-                     f"{err} | {tol} | {holds} |")
+        lines.append(
+            f"| {r.claim.strip()}{f' ({r.note})' if r.note else ''} | {r.source} | {pub} | {r.predicted:.3g} | "
+            f"{err} | {tol} | {holds} |"
+        )
     return "\n".join(lines)
 
 

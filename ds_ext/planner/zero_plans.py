@@ -42,8 +42,10 @@ def _fetches(largest: list[int]) -> int:
     """DeepSpeed's fetches of a unit: its submodules whose largest parameter is above the threshold."""
     n = sum(1 for numel in largest if numel > PERSISTENCE_THRESHOLD)
     if n == 0:
-        raise PlannerError("every parameter of a unit stays resident under DeepSpeed's persistence threshold; "
-                           "the planner does not model that")
+        raise PlannerError(
+            "every parameter of a unit stays resident under DeepSpeed's persistence threshold; "
+            "the planner does not model that"
+        )
     return n
 
 
@@ -59,10 +61,24 @@ def _params(arch: Arch) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     """(root, block) parameters as (numel, ndim), in ``ds_ext.models.GPT``'s order: tables, final
     LayerNorm; LayerNorm, QKV, attention out, LayerNorm, FC1, FC2 (weights then biases)."""
     h, f = arch.hidden, arch.ffn_mult * arch.hidden
-    tables = [(arch.vocab * h, 2)] * (1 if arch.tied_embeddings else 2) + ([(arch.seq * h, 2)] if arch.learned_positions else [])
+    tables = [(arch.vocab * h, 2)] * (1 if arch.tied_embeddings else 2) + (
+        [(arch.seq * h, 2)] if arch.learned_positions else []
+    )
     root = tables + [(h, 1), (h, 1)]
-    block = [(h, 1), (h, 1), (3 * h * h, 2), (3 * h, 1), (h * h, 2), (h, 1), (h, 1), (h, 1), (f * h, 2), (f, 1),
-             (f * h, 2), (h, 1)]
+    block = [
+        (h, 1),
+        (h, 1),
+        (3 * h * h, 2),
+        (3 * h, 1),
+        (h * h, 2),
+        (h, 1),
+        (h, 1),
+        (h, 1),
+        (f * h, 2),
+        (f, 1),
+        (f * h, 2),
+        (h, 1),
+    ]
     return root, block
 
 
@@ -102,23 +118,41 @@ def pccl(t: perf.Traffic, plan: ShardingPlan) -> Traffic:
     return Traffic(out_b, out_m)
 
 
-def traffic(plan: ShardingPlan, arch: Arch, grad_accum: int, elem_bytes: int, deepspeed: str | None = None,
-            collectives: str = "rccl", rank: int = 0) -> Traffic:
+def traffic(
+    plan: ShardingPlan,
+    arch: Arch,
+    grad_accum: int,
+    elem_bytes: int,
+    deepspeed: str | None = None,
+    collectives: str = "rccl",
+    rank: int = 0,
+) -> Traffic:
     """Bytes and ring messages per level of rank ``rank``; ``deepspeed``: as that DeepSpeed version
     gathers (module docstring); ``collectives="pccl"``: ZeRO-3's world collectives by PCCL (:func:`pccl`)."""
-    t = perf.traffic(plan, units(arch, plan, deepspeed is not None),
-                     grad_accum, elem_bytes, secondary_serves_forward=deepspeed != "0.13.1", rank=rank)
+    t = perf.traffic(
+        plan,
+        units(arch, plan, deepspeed is not None),
+        grad_accum,
+        elem_bytes,
+        secondary_serves_forward=deepspeed != "0.13.1",
+        rank=rank,
+    )
     return pccl(t, plan) if collectives == "pccl" else Traffic(t.by_level(), t.steps_by_level())
 
 
 def states(plan: ShardingPlan, arch: Arch, elem_bytes: int) -> dict[str, float]:
     m = perf.memory(plan, units(arch, plan), 0, elem_bytes)
-    return {"weights": m["primary"], "secondary": m["secondary"], "gradients": m["gradients"],
-            "optimizer": m["optimizer"]}
+    return {
+        "weights": m["primary"],
+        "secondary": m["secondary"],
+        "gradients": m["gradients"],
+        "optimizer": m["optimizer"],
+    }
 
 
-def candidate(job: Job, section: dict[str, Any], name: str | None = None, deepspeed: str | None = None,
-              collectives: str = "rccl") -> Candidate:
+def candidate(
+    job: Job, section: dict[str, Any], name: str | None = None, deepspeed: str | None = None, collectives: str = "rccl"
+) -> Candidate:
     """The plan of one ``ds_ext.zero_topo`` section (a preset name and its overrides) in ds_ext's
     engine, or with ``deepspeed`` (one of ``DEEPSPEED_VERSIONS``) as that DeepSpeed runs it, its
     collectives by ``collectives`` (``COLLECTIVES``)."""
@@ -130,10 +164,14 @@ def candidate(job: Job, section: dict[str, Any], name: str | None = None, deepsp
     plan = resolve_plan(cfg, job.topology)
     a, e = job.arch, job.elem_bytes
     return Candidate(
-        family="zero", name=name or cfg.preset, config={"zero_optimization": {"stage": 0}, "ds_ext": {"zero_topo": {"enabled": True, **section}}}, data=job.world,
+        family="zero",
+        name=name or cfg.preset,
+        config={"zero_optimization": {"stage": 0}, "ds_ext": {"zero_topo": {"enabled": True, **section}}},
+        data=job.world,
         states=states(plan, a, e),
-        activations=lambda b: activation_bytes(b * a.seq, a.layers, a.hidden, a.heads, a.seq, a.vocab,
-                                               checkpointing=job.checkpointing),
+        activations=lambda b: activation_bytes(
+            b * a.seq, a.layers, a.hidden, a.heads, a.seq, a.vocab, checkpointing=job.checkpointing
+        ),
         traffic=lambda b, g: traffic(plan, a, g, e, deepspeed, collectives),
         notes=(plan.describe(),),
     )
@@ -142,6 +180,7 @@ def candidate(job: Job, section: dict[str, Any], name: str | None = None, deepsp
 def candidates(job: Job) -> tuple[list[Candidate], list[Dropped]]:
     """Every preset; none for an MoE (ZeRO-topo refuses expert parameters)."""
     if job.arch.experts > 1:
-        return [], [Dropped("zero", p, "ZeRO-topo refuses expert parameters (an MoE): the ted family plans it")
-                    for p in PRESETS]
+        return [], [
+            Dropped("zero", p, "ZeRO-topo refuses expert parameters (an MoE): the ted family plans it") for p in PRESETS
+        ]
     return [candidate(job, {"preset": p}) for p in PRESETS], []

@@ -54,8 +54,12 @@ def layout_record(model: nn.Module) -> dict[str, dict[str, Any]]:
     for name, p in model.named_parameters():
         m, p_name = owners[id(p)]
         if isinstance(m, Linear):
-            geometry = {"n": m.out_features, "k": m.in_features, "transposed": m.transposed,
-                        "out_chunks": m.layout.out_chunks}
+            geometry = {
+                "n": m.out_features,
+                "k": m.in_features,
+                "transposed": m.transposed,
+                "out_chunks": m.layout.out_chunks,
+            }
             out[name] = {"kind": f"linear_{p_name}", **geometry}
         elif isinstance(m, _FeatureSharded):
             out[name] = {"kind": "features", "shape": [*p.shape[:-1], m.features]}
@@ -71,22 +75,27 @@ def _hf_record(model: nn.Module) -> dict[str, Any] | None:
     return {"class": type(model).__name__, "config": config.to_dict()}
 
 
-def _optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, steps: int
-                     ) -> dict[str, dict[str, torch.Tensor]] | None:
+def _optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, steps: int
+) -> dict[str, dict[str, torch.Tensor]] | None:
     """The optimizer's state per parameter name; None where it is not keyed by the model's
     parameters (after a step, every trainable parameter must have one)."""
     if optimizer is None:
         return None
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-    state = {names[id(p)]: {k: v.detach().cpu().clone() for k, v in st.items() if torch.is_tensor(v)}
-             for p, st in optimizer.state.items() if id(p) in names}
+    state = {
+        names[id(p)]: {k: v.detach().cpu().clone() for k, v in st.items() if torch.is_tensor(v)}
+        for p, st in optimizer.state.items()
+        if id(p) in names
+    }
     if steps > 0 and set(state) != set(names.values()):
         return None
     return state
 
 
-def save(tag_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, axes: dict, grid,
-         counters: dict[str, int]) -> None:
+def save(
+    tag_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, axes: dict, grid, counters: dict[str, int]
+) -> None:
     """Write this rank's part of ``<tag_dir>/pmm3d`` (every rank calls it)."""
     out = Path(tag_dir) / DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -97,9 +106,13 @@ def save(tag_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | Non
     coords = axes["x"].rank, axes["y"].rank, axes["z"].rank
     torch.save({"params": params, "optimizer": state}, out / "tensor_{}_{}_{}.pt".format(*coords))
     if axes["tensor"].rank == 0:
-        record = {"grid": {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data}, "counters": counters,
-                  "hf": _hf_record(model), "params": layout_record(model),
-                  "optimizer": state is not None}
+        record = {
+            "grid": {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data},
+            "counters": counters,
+            "hf": _hf_record(model),
+            "params": layout_record(model),
+            "optimizer": state is not None,
+        }
         (out / LAYOUT).write_text(json.dumps(record, indent=1))
 
 
@@ -109,9 +122,11 @@ def read_record(tag_dir: Path) -> dict[str, Any]:
     if not Path(tag_dir).is_dir():
         raise CheckpointError(f"{KEY}: checkpoint {tag_dir} does not exist")
     if not path.is_file():
-        raise CheckpointError(f"{KEY}: checkpoint {tag_dir} has no 3D-PMM layout record ({DIR}/{LAYOUT}: saved "
-                              "without ds_ext.pmm3d or by an older ds_ext), so the grid its shards belong to is "
-                              "unknown; save it again from a run on its grid with this ds_ext")
+        raise CheckpointError(
+            f"{KEY}: checkpoint {tag_dir} has no 3D-PMM layout record ({DIR}/{LAYOUT}: saved "
+            "without ds_ext.pmm3d or by an older ds_ext), so the grid its shards belong to is "
+            "unknown; save it again from a run on its grid with this ds_ext"
+        )
     return json.loads(path.read_text())
 
 
@@ -127,8 +142,9 @@ def _shard_files(tag_dir: Path, grid: dict[str, int]) -> dict[tuple[int, int, in
     return files
 
 
-def full_tensor(rec: dict[str, Any], grid: dict[str, int], shards: dict[tuple[int, int, int], torch.Tensor]
-                ) -> torch.Tensor:
+def full_tensor(
+    rec: dict[str, Any], grid: dict[str, int], shards: dict[tuple[int, int, int], torch.Tensor]
+) -> torch.Tensor:
     """The serial tensor of one parameter (or optimizer state) from the shards of all tensor ranks."""
     any_shard = next(iter(shards.values()))
     kind = rec["kind"]
@@ -146,8 +162,14 @@ def full_tensor(rec: dict[str, Any], grid: dict[str, int], shards: dict[tuple[in
     return full
 
 
-def _place(full: torch.Tensor, kind: str, rec: dict[str, Any], grid: dict[str, int], c: dict[str, int],
-           z_chunks: list[torch.Tensor]) -> None:
+def _place(
+    full: torch.Tensor,
+    kind: str,
+    rec: dict[str, Any],
+    grid: dict[str, int],
+    c: dict[str, int],
+    z_chunks: list[torch.Tensor],
+) -> None:
     """Write the (x, y) block of a linear weight (its Z chunks, in order) or bias into ``full``."""
     out_ax, in_ax = ("y", "x") if rec["transposed"] else ("x", "y")
     n, k = rec["n"], rec["k"]
@@ -173,8 +195,10 @@ def load_resharded(tag_dir: Path, model: nn.Module, optimizer: torch.optim.Optim
     rebuilt in full, this rank's shard cut from it. Returns the layout record."""
     record = read_record(tag_dir)
     if optimizer is not None and not record["optimizer"]:
-        raise CheckpointError(f"{KEY}: checkpoint {tag_dir} holds no per-parameter optimizer state (saved with "
-                              "ZeRO or 16-bit training), so it reshards only with load_optimizer_states=False")
+        raise CheckpointError(
+            f"{KEY}: checkpoint {tag_dir} holds no per-parameter optimizer state (saved with "
+            "ZeRO or 16-bit training), so it reshards only with load_optimizer_states=False"
+        )
     files = _shard_files(tag_dir, record["grid"])
     owners = _owners(model)
     mine = dict(model.named_parameters())
@@ -213,8 +237,10 @@ def save_pretrained(tag_dir: Path, state: dict[str, torch.Tensor], out_dir: Path
     unexpected = model.load_state_dict(state, strict=False).unexpected_keys  # tied aliases are not in state
     absent = set(dict(model.named_parameters())) - set(state)
     if unexpected or absent:
-        raise CheckpointError(f"{KEY}: checkpoint {tag_dir} does not match {hf['class']}: unexpected "
-                              f"{sorted(unexpected)[:4]}, missing {sorted(absent)[:4]}")
+        raise CheckpointError(
+            f"{KEY}: checkpoint {tag_dir} does not match {hf['class']}: unexpected "
+            f"{sorted(unexpected)[:4]}, missing {sorted(absent)[:4]}"
+        )
     model.save_pretrained(out_dir)
 
 

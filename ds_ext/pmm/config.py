@@ -31,7 +31,8 @@ class OverlapConfig(ConfigSection):
         False, description="ORS: weight-gradient reduce-scatters are waited once, after every layer's backward."
     )
     all_gather: bool = Field(
-        False, description="OAG: each layer prefetches the next layer's weight all-gather, in the order "
+        False,
+        description="OAG: each layer prefetches the next layer's weight all-gather, in the order "
         "recorded during the first step (activation-checkpoint recomputes included).",
     )
 
@@ -46,13 +47,17 @@ class Pmm3dConfig(PluginConfig):
     )
     overlap: OverlapConfig = Field(default_factory=OverlapConfig)
     tune_matmul: bool = Field(
-        False, description="Time every matmul call site in NN/NT/TN/transposed-product form during the first "
+        False,
+        description="Time every matmul call site in NN/NT/TN/transposed-product form during the first "
         "step and keep the fastest (001 §5.1.3).",
     )
     memory_per_rank_GB: float | None = Field(
-        None, gt=0, description="With grid 'auto': drop factorizations whose model states exceed this per rank.",
+        None,
+        gt=0,
+        description="With grid 'auto': drop factorizations whose model states exceed this per rank.",
     )
     ledger_by_layer: bool = Field(
-        False, description="Record each converted layer's collectives under the ledger phase "
+        False,
+        description="Record each converted layer's collectives under the ledger phase "
         "'<phase>/<layer name>' (compared per layer with ds_ext.perf.pmm).",
     )

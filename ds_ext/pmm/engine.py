@@ -63,16 +63,23 @@ class PMMEngine:
             yield
 
     # ---- collectives (no call for an axis of size one) -------------------------------------
-    def all_reduce(self, t: torch.Tensor, axis: Axis, layer: str | None = None, async_op: bool = False,
-                   op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
+    def all_reduce(
+        self,
+        t: torch.Tensor,
+        axis: Axis,
+        layer: str | None = None,
+        async_op: bool = False,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    ) -> Handle:
         if axis.size == 1:
             return _DONE
         with self.tag(layer):
             h = self.comm.all_reduce(t, op=op, group=axis.group, async_op=async_op)
         return h or _DONE
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis, layer: str | None = None,
-                   async_op: bool = False) -> Handle:
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, axis: Axis, layer: str | None = None, async_op: bool = False
+    ) -> Handle:
         if axis.size == 1:
             out.copy_(inp.view_as(out))
             return _DONE
@@ -80,8 +87,9 @@ class PMMEngine:
             h = self.comm.all_gather(out, inp, group=axis.group, async_op=async_op)
         return h or _DONE
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, axis: Axis, layer: str | None = None,
-                       async_op: bool = False) -> Handle:
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, axis: Axis, layer: str | None = None, async_op: bool = False
+    ) -> Handle:
         if axis.size == 1:
             out.copy_(inp.view_as(out))
             return _DONE
@@ -105,8 +113,9 @@ class PMMEngine:
         return self.tuner.matmul(site, a, b)
 
     # ---- per forward pass ------------------------------------------------------------------
-    def begin_forward(self, weights: list[torch.nn.Parameter],
-                      replicated: list[torch.nn.Parameter] | None = None) -> None:
+    def begin_forward(
+        self, weights: list[torch.nn.Parameter], replicated: list[torch.nn.Parameter] | None = None
+    ) -> None:
         """Called at the model's forward start: ``replicated`` (the parameters held replicated
         over Z: biases, norm vectors) pass through one gradient bucket, summed over Z in one
         all-reduce per backward (one bucket per gather unit under :meth:`bucket_by_unit`); ORS

@@ -35,8 +35,10 @@ class FullCheckpoint:
             if not files:
                 pickled = [p for ext in ("bin", "pt", "pth") for p in sorted(self.path.glob(f"*.{ext}"))]
                 if len(pickled) != 1:
-                    raise CheckpointError(f"checkpoint {self.path}: expected *.safetensors files or one *.bin / "
-                                          f"*.pt / *.pth file, found {[p.name for p in pickled] or 'none'}")
+                    raise CheckpointError(
+                        f"checkpoint {self.path}: expected *.safetensors files or one *.bin / "
+                        f"*.pt / *.pth file, found {[p.name for p in pickled] or 'none'}"
+                    )
                 self._load(pickled[0])
         elif self.path.suffix == ".safetensors":
             files = [self.path]
@@ -116,17 +118,20 @@ def bind(model: nn.Module, ckpt: FullCheckpoint) -> None:
             continue
         key = keys[found[0]]
         if ckpt.shape(key) != tuple(p.shape):
-            raise CheckpointError(f"checkpoint {ckpt.path}: {key} has shape {list(ckpt.shape(key))}, the "
-                                  f"model's {names[pid][0]} {list(p.shape)}")
+            raise CheckpointError(
+                f"checkpoint {ckpt.path}: {key} has shape {list(ckpt.shape(key))}, the "
+                f"model's {names[pid][0]} {list(p.shape)}"
+            )
         p.pmm_init = StoredTensor(ckpt, key)
     if missing:
-        raise CheckpointError(f"checkpoint {ckpt.path} lacks {len(missing)} parameter(s) of the model: "
-                              f"{missing[:4]}")
+        raise CheckpointError(f"checkpoint {ckpt.path} lacks {len(missing)} parameter(s) of the model: {missing[:4]}")
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name in keys:
                 buf.copy_(ckpt.read(keys[name]))
                 used.add(name)
     if set(keys) - used:
-        raise CheckpointError(f"checkpoint {ckpt.path} holds {len(set(keys) - used)} tensor(s) the model lacks: "
-                              f"{sorted(keys[n] for n in set(keys) - used)[:4]}")
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} holds {len(set(keys) - used)} tensor(s) the model lacks: "
+            f"{sorted(keys[n] for n in set(keys) - used)[:4]}"
+        )

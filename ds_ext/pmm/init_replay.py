@@ -124,11 +124,14 @@ class InitLog:
     def full(self, name: str) -> torch.Tensor:
         """The parameter's serial value (CPU), replayed from the log."""
         if self.why is not None:
-            raise MetaBuildError(f"ds_ext.pmm.build_on_meta: the initial value of {name} cannot be replayed: "
-                                 f"{self.why}")
+            raise MetaBuildError(
+                f"ds_ext.pmm.build_on_meta: the initial value of {name} cannot be replayed: {self.why}"
+            )
         if not self.defined:
-            raise MetaBuildError(f"ds_ext.pmm.build_on_meta: {name} is never initialised (created by torch.empty and "
-                                 "never overwritten), so it has no serial value to shard")
+            raise MetaBuildError(
+                f"ds_ext.pmm.build_on_meta: {name} is never initialised (created by torch.empty and "
+                "never overwritten), so it has no serial value to shard"
+            )
         base = None
         for op in self.ops:
             if op.view is None:  # the creating factory
@@ -152,9 +155,11 @@ class NoInitSkips(TorchFunctionMode):
             caller = sys._getframe(1)
             if caller.f_globals.get("__name__") == "torch.nn.init":
                 init = caller.f_code.co_name.removeprefix("_no_grad_")
-                raise MetaBuildError(f"ds_ext.pmm.build_on_meta: torch.nn.init.{init} skips meta tensors, so its "
-                                     "values (and its random draws) cannot be recorded; build the model normally, "
-                                     "or from a checkpoint")
+                raise MetaBuildError(
+                    f"ds_ext.pmm.build_on_meta: torch.nn.init.{init} skips meta tensors, so its "
+                    "values (and its random draws) cannot be recorded; build the model normally, "
+                    "or from a checkpoint"
+                )
         return func(*args, **(kwargs or {}))
 
 
@@ -194,14 +199,18 @@ class InitRecorder(TorchDispatchMode):
             if log is None:
                 log = self._new_log(param, why="it was created outside build_on_meta or by an op ds_ext cannot see")
             elif log.shape is not None:
-                raise MetaBuildError(f"ds_ext.pmm.build_on_meta: {where} shares its storage with another parameter "
-                                     "(tie parameters by assigning the same nn.Parameter instead)")
+                raise MetaBuildError(
+                    f"ds_ext.pmm.build_on_meta: {where} shares its storage with another parameter "
+                    "(tie parameters by assigning the same nn.Parameter instead)"
+                )
             whole = param.storage_offset() == 0 and param.numel() == log.numel and _dense(param)
             if not whole or param.dtype != log.dtype:
                 log.why = f"{where} is a view into a larger tensor or of another dtype"
             log.shape, log.stride = tuple(param.shape), tuple(param.stride())
-        meta = nn.Parameter(torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device="meta"),
-                            requires_grad=param.requires_grad)
+        meta = nn.Parameter(
+            torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device="meta"),
+            requires_grad=param.requires_grad,
+        )
         meta.__dict__.update(param.__dict__)
         if log is not None:
             self._track(meta, log)
@@ -241,8 +250,10 @@ class InitRecorder(TorchDispatchMode):
         except Exception as err:
             if not on_meta:
                 raise
-            raise MetaBuildError(f"ds_ext.pmm.build_on_meta: {func} cannot run on the meta device ({err}); the "
-                                 "model's construction reads parameter values") from None
+            raise MetaBuildError(
+                f"ds_ext.pmm.build_on_meta: {func} cannot run on the meta device ({err}); the "
+                "model's construction reads parameter values"
+            ) from None
         if self.record:
             self._note(func, args, kwargs, tensors, written, out, state, gen_slot, random)
         return out
@@ -298,8 +309,12 @@ class InitRecorder(TorchDispatchMode):
             return
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         if not tensors and len(outs) == 1:  # a factory: its output is replayable from the call
-            self._track(outs[0], self._new_log(outs[0], ops=[_Op(func, args, dict(kwargs), state, gen_slot, None)],
-                                               defined=func not in _UNDEFINED))
+            self._track(
+                outs[0],
+                self._new_log(
+                    outs[0], ops=[_Op(func, args, dict(kwargs), state, gen_slot, None)], defined=func not in _UNDEFINED
+                ),
+            )
             return
         inputs = {t.untyped_storage()._cdata for t in tensors}
         for o in outs:

@@ -47,8 +47,9 @@ class LayerNorm(_FeatureSharded):
     def __init__(self, serial: nn.LayerNorm, engine: PMMEngine, name: str = "layernorm") -> None:
         super().__init__()
         if len(serial.normalized_shape) != 1:
-            raise ConversionError(f"ds_ext.pmm.parallelize: {name}: only LayerNorm over the last dimension is "
-                                  "supported")
+            raise ConversionError(
+                f"ds_ext.pmm.parallelize: {name}: only LayerNorm over the last dimension is supported"
+            )
         self.engine, self.name, self.eps = engine, name, serial.eps
         self.features = serial.normalized_shape[0]
         with torch.no_grad():

@@ -39,8 +39,9 @@ from ds_ext.pmm.layout import LinearLayout
 
 class _Algorithm3(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Linear",
-                grad_pass: bool):
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: "Linear", grad_pass: bool
+    ):
         eng = layer.engine
         w = layer.gathered_weight(weight, grad_pass)  # line 2
         x2 = x.reshape(-1, layer.layout.k_local)
@@ -96,25 +97,44 @@ class Linear(nn.Module):
         self._setup(serial.weight, serial.bias, engine, transposed, out_chunks, name)
 
     @classmethod
-    def from_serial(cls, serial: nn.Linear, engine: PMMEngine, *, transposed: bool = False,
-                    out_chunks: int = 1, name: str = "linear") -> "Linear":
+    def from_serial(
+        cls,
+        serial: nn.Linear,
+        engine: PMMEngine,
+        *,
+        transposed: bool = False,
+        out_chunks: int = 1,
+        name: str = "linear",
+    ) -> "Linear":
         """The shard of ``serial``'s parameters this rank owns (001 §5.1.1)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer._setup(serial.weight, serial.bias, engine, transposed, out_chunks, name)
         return layer
 
-    def _setup(self, weight: torch.Tensor, bias: torch.Tensor | None, engine: PMMEngine, transposed: bool,
-               out_chunks: int, name: str) -> None:
+    def _setup(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        engine: PMMEngine,
+        transposed: bool,
+        out_chunks: int,
+        name: str,
+    ) -> None:
         """Keep this rank's shard of the serial ``[n, k]`` ``weight`` (and ``[n]`` ``bias``)."""
         self.engine, self.transposed, self.name = engine, transposed, name
         self.out_features, self.in_features = weight.shape
         self.out_axis, self.in_axis = (engine.y, engine.x) if transposed else (engine.x, engine.y)
         self.layout = LinearLayout(
-            n=self.out_features, k=self.in_features,
-            out_parts=self.out_axis.size, out_coord=self.out_axis.rank,
-            in_parts=self.in_axis.size, in_coord=self.in_axis.rank,
-            z_parts=engine.z.size, z_coord=engine.z.rank, out_chunks=out_chunks,
+            n=self.out_features,
+            k=self.in_features,
+            out_parts=self.out_axis.size,
+            out_coord=self.out_axis.rank,
+            in_parts=self.in_axis.size,
+            in_coord=self.in_axis.rank,
+            z_parts=engine.z.size,
+            z_coord=engine.z.rank,
+            out_chunks=out_chunks,
         )
         with torch.no_grad():
             self.weight = nn.Parameter(self.layout.shard(weight))
@@ -125,8 +145,10 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "transposed" if self.transposed else "normal"
-        return (f"{self.in_features} -> {self.out_features}, {kind}, block {self.layout.n_local}x"
-                f"{self.layout.k_local} / z {self.engine.z.size}, bias={self.bias is not None}")
+        return (
+            f"{self.in_features} -> {self.out_features}, {kind}, block {self.layout.n_local}x"
+            f"{self.layout.k_local} / z {self.engine.z.size}, bias={self.bias is not None}"
+        )
 
     def shard_full(self, param_name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's part of the serial tensor ``full`` for parameter ``param_name``."""

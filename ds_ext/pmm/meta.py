@@ -61,8 +61,10 @@ def full_value(p: nn.Parameter, name: str) -> torch.Tensor:
     """The serial value of meta parameter ``p`` (CPU, ``p``'s dtype)."""
     source = getattr(p, "pmm_init", None)
     if source is None:
-        raise MetaBuildError(f"ds_ext.pmm: {name} is on the meta device with no recorded initialisation or checkpoint "
-                             "tensor; build the model with ds_ext.pmm.build_on_meta(lambda: Model(...)[, checkpoint=])")
+        raise MetaBuildError(
+            f"ds_ext.pmm: {name} is on the meta device with no recorded initialisation or checkpoint "
+            "tensor; build the model with ds_ext.pmm.build_on_meta(lambda: Model(...)[, checkpoint=])"
+        )
     full = source.full(name)
     if tuple(full.shape) != tuple(p.shape):
         raise MetaBuildError(f"ds_ext.pmm: {name} was built with shape {list(full.shape)}, is now {list(p.shape)}")

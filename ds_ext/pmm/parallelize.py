@@ -63,12 +63,15 @@ def _check_meta(model: nn.Module) -> None:
     hint = "build it with ds_ext.pmm.build_on_meta(lambda: Model(...)[, checkpoint=PATH])"
     for name, b in model.named_buffers():
         if b.is_meta:
-            raise ConversionError(f"ds_ext.pmm.parallelize: buffer {name} is on the meta device; {hint} "
-                                  "(buffers stay real)")
+            raise ConversionError(
+                f"ds_ext.pmm.parallelize: buffer {name} is on the meta device; {hint} (buffers stay real)"
+            )
     for name, p in model.named_parameters():
         if p.is_meta and getattr(p, "pmm_init", None) is None:
-            raise ConversionError(f"ds_ext.pmm.parallelize: parameter {name} is on the meta device with no recorded "
-                                  f"initialisation or checkpoint tensor; {hint}")
+            raise ConversionError(
+                f"ds_ext.pmm.parallelize: parameter {name} is on the meta device with no recorded "
+                f"initialisation or checkpoint tensor; {hint}"
+            )
 
 
 def _check(model: nn.Module, plan: Plan, engine: PMMEngine) -> None:
@@ -76,13 +79,17 @@ def _check(model: nn.Module, plan: Plan, engine: PMMEngine) -> None:
     gx, gy = engine.x.size, engine.y.size
     for key, value in plan.dropout.items():
         if value:
-            raise ConversionError(f"ds_ext.pmm.parallelize: {plan.family} {key}={value}; 3D-PMM needs 0 "
-                                  "(replicated ranks would draw different dropout masks)")
+            raise ConversionError(
+                f"ds_ext.pmm.parallelize: {plan.family} {key}={value}; 3D-PMM needs 0 "
+                "(replicated ranks would draw different dropout masks)"
+            )
     for key, heads in plan.heads.items():
         if heads % gx:
             allowed = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
-            raise ConversionError(f"{KEY}.grid.x={gx} does not divide the {heads} attention heads "
-                                  f"({plan.family} {key}); allowed x: {allowed}")
+            raise ConversionError(
+                f"{KEY}.grid.x={gx} does not divide the {heads} attention heads "
+                f"({plan.family} {key}); allowed x: {allowed}"
+            )
     for name, m in model.named_modules():
         last = name.rsplit(".", 1)[-1]
         if isinstance(m, nn.Embedding) or (isinstance(m, nn.Linear) and name == plan.head):
@@ -90,14 +97,17 @@ def _check(model: nn.Module, plan: Plan, engine: PMMEngine) -> None:
             try:
                 LinearLayout(rows, features, gx, 0, gy, 0, engine.z.size, 0)
             except ValueError as err:
-                raise ConversionError(f"{KEY}.grid ({_grid(engine)}) does not fit the vocabulary-parallel table {name} "
-                                      f"(rows over x, features over y, z chunks): {err}") from None
+                raise ConversionError(
+                    f"{KEY}.grid ({_grid(engine)}) does not fit the vocabulary-parallel table {name} "
+                    f"(rows over x, features over y, z chunks): {err}"
+                ) from None
         elif isinstance(m, nn.Linear) and last in plan.linears:
             style = plan.linears[last]
             out_ax, in_ax = (engine.y, engine.x) if style.transposed else (engine.x, engine.y)
             try:
-                LinearLayout(m.out_features, m.in_features, out_ax.size, 0, in_ax.size, 0, engine.z.size, 0,
-                             style.out_chunks)
+                LinearLayout(
+                    m.out_features, m.in_features, out_ax.size, 0, in_ax.size, 0, engine.z.size, 0, style.out_chunks
+                )
             except ValueError as err:
                 raise ConversionError(f"{KEY}.grid ({_grid(engine)}) does not fit layer {name}: {err}") from None
         elif isinstance(m, nn.LayerNorm) or _is_rmsnorm(m):
@@ -156,9 +166,11 @@ class _BatchHooks:
         if first is not None and self.engine.z.size > 1:
             batch = first.shape[0]
             if batch % self.engine.z.size:
-                raise DsExtConfigError(f"{KEY}.grid.z={self.engine.z.size} does not divide the micro-batch of "
-                                       f"{batch} samples (train_micro_batch_size_per_gpu): every Z rank takes an "
-                                       "equal share")
+                raise DsExtConfigError(
+                    f"{KEY}.grid.z={self.engine.z.size} does not divide the micro-batch of "
+                    f"{batch} samples (train_micro_batch_size_per_gpu): every Z rank takes an "
+                    "equal share"
+                )
             args = tuple(self._slice(a, batch) for a in args)
             kwargs = {k: self._slice(v, batch) for k, v in kwargs.items()}
             if kwargs.get("num_items_in_batch") is not None:
@@ -183,8 +195,11 @@ def parallelize(model: nn.Module, engine: PMMEngine, plan: Plan | None = None) -
     plan = plan or plan_for(model)
     _check(model, plan, engine)
     tables: dict[int, Embedding] = {}
-    children = [(f"{pn}.{cn}" if pn else cn, parent, cn, child)
-                for pn, parent in model.named_modules() for cn, child in parent.named_children()]
+    children = [
+        (f"{pn}.{cn}" if pn else cn, parent, cn, child)
+        for pn, parent in model.named_modules()
+        for cn, child in parent.named_children()
+    ]
     # tables first: a tied head (Hugging Face's tie_word_embeddings) may come earlier in
     # named_modules() order than its embedding, and must share the converted table
     children.sort(key=lambda c: not isinstance(c[3], nn.Embedding))

@@ -71,8 +71,15 @@ def _llama_plan(model: nn.Module) -> Plan:
     cfg = model.config
     return Plan(
         family="LlamaForCausalLM",
-        linears={"q_proj": NORMAL, "k_proj": NORMAL, "v_proj": NORMAL, "o_proj": TRANSPOSED,
-                 "gate_proj": NORMAL, "up_proj": NORMAL, "down_proj": TRANSPOSED},
+        linears={
+            "q_proj": NORMAL,
+            "k_proj": NORMAL,
+            "v_proj": NORMAL,
+            "o_proj": TRANSPOSED,
+            "gate_proj": NORMAL,
+            "up_proj": NORMAL,
+            "down_proj": TRANSPOSED,
+        },
         head="lm_head",
         heads={"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads},
         dropout={"attention_dropout": cfg.attention_dropout},

@@ -60,21 +60,28 @@ class Pmm3dPlugin(Plugin):
             raise DsExtConfigError(
                 f"{KEY} with a deepspeed.pipe.PipelineModule: 3D-PMM's grid (x, y, z, data) spans the whole world and "
                 "has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: --no-pipeline-parallel; "
-                "GPT-NeoX: pipe_parallel_size 0)")
+                "GPT-NeoX: pipe_parallel_size 0)"
+            )
         if any(p.name == "ted" for p in rt.plugins):
-            raise DsExtConfigError(f"{KEY} with ds_ext.ted: each builds the job's model-parallel groups and hands "
-                                   "DeepSpeed its mpu; allowed: one of the two")
+            raise DsExtConfigError(
+                f"{KEY} with ds_ext.ted: each builds the job's model-parallel groups and hands "
+                "DeepSpeed its mpu; allowed: one of the two"
+            )
         mpu = rt.initialize_kwargs.get("mpu")
         sizes = {} if mpu is None else model_parallel_sizes(mpu)
         if any(size != 1 for size in sizes.values()):
             shown = ", ".join(f"{k} {v}" for k, v in sizes.items())
-            raise DsExtConfigError(f"{KEY} with the caller's mpu= argument ({shown}): 3D-PMM builds its own tensor "
-                                   "grid and hands DeepSpeed its mpu; allowed: no mpu, or one of tensor and pipeline "
-                                   "parallel 1")
+            raise DsExtConfigError(
+                f"{KEY} with the caller's mpu= argument ({shown}): 3D-PMM builds its own tensor "
+                "grid and hands DeepSpeed its mpu; allowed: no mpu, or one of tensor and pipeline "
+                "parallel 1"
+            )
         moe = next((name for name, m in model.named_modules() if isinstance(m, ds_moe.MoEBase)), None)
         if moe is not None:
-            raise DsExtConfigError(f"{KEY}: {moe or 'the model'} is a DeepSpeed-MoE layer (deepspeed.moe.layer.MoE), whose experts "
-                                   "3D-PMM does not partition; allowed: dense models (MoE: ds_ext.ted without pmm3d)")
+            raise DsExtConfigError(
+                f"{KEY}: {moe or 'the model'} is a DeepSpeed-MoE layer (deepspeed.moe.layer.MoE), whose experts "
+                "3D-PMM does not partition; allowed: dense models (MoE: ds_ext.ted without pmm3d)"
+            )
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         from ds_ext.integration import ds_pmm
@@ -87,8 +94,10 @@ class Pmm3dPlugin(Plugin):
             )
         stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
         if stage not in ALLOWED_STAGES:
-            raise DsExtConfigError(f"{KEY}: zero_optimization.stage {stage} is not supported; allowed: "
-                                   f"{', '.join(map(str, ALLOWED_STAGES))} (3D-PMM's Z axis shards like ZeRO-3)")
+            raise DsExtConfigError(
+                f"{KEY}: zero_optimization.stage {stage} is not supported; allowed: "
+                f"{', '.join(map(str, ALLOWED_STAGES))} (3D-PMM's Z axis shards like ZeRO-3)"
+            )
         rt = self.runtime
         self.zero_topo = any(p.name == "zero_topo" for p in rt.plugins)
         for key in ("reduce_scatter", "all_gather") if self.zero_topo else ():
@@ -96,15 +105,18 @@ class Pmm3dPlugin(Plugin):
                 raise DsExtConfigError(
                     f"{KEY}.overlap.{key} with ds_ext.zero_topo: not supported (ZeRO-topo gathers the weights unit by "
                     f"unit inside the forward, {'ORS gates' if key == 'reduce_scatter' else 'OAG prefetches'} them "
-                    "across units); allowed: false")
+                    "across units); allowed: false"
+                )
         plan = plan_for(model)
         self.grid = self._grid(model, plan, ds_config)  # checked against the world
         self.groups = build_process_groups(rt.groups, self.grid, rt.rank)
         self.axes = grid_axes(self.groups)
         micro = ds_config.get("train_micro_batch_size_per_gpu")
         if micro is not None and micro % self.grid.z:
-            raise DsExtConfigError(f"{KEY}.grid.z={self.grid.z} does not divide train_micro_batch_size_per_gpu="
-                                   f"{micro}: every Z rank takes an equal share of the micro-batch")
+            raise DsExtConfigError(
+                f"{KEY}.grid.z={self.grid.z} does not divide train_micro_batch_size_per_gpu="
+                f"{micro}: every Z rank takes an equal share of the micro-batch"
+            )
         cfg = self.config
         self.engine = PMMEngine(self.axes, rt.comm, cfg.overlap, cfg.tune_matmul, cfg.ledger_by_layer)
         try:
@@ -129,16 +141,21 @@ class Pmm3dPlugin(Plugin):
         from ds_ext.pmm.spec import model_spec
 
         ranked = perf.rank_grids(
-            model_spec(model, plan), world, self.runtime.topology,
+            model_spec(model, plan),
+            world,
+            self.runtime.topology,
             micro_batch=ds_config.get("train_micro_batch_size_per_gpu", 1),
-            seq_len=perf_seq_len(model), elem_bytes=_elem_bytes(ds_config),
+            seq_len=perf_seq_len(model),
+            elem_bytes=_elem_bytes(ds_config),
             grad_accum=ds_config.get("gradient_accumulation_steps", 1),
             zero_stage=(ds_config.get("zero_optimization") or {}).get("stage", 0),
             memory_limit=None if self.config.memory_per_rank_GB is None else self.config.memory_per_rank_GB * 1e9,
         )
         if not ranked:
-            raise DsExtConfigError(f"{KEY}.grid 'auto': no factorization of {world} ranks divides the model and "
-                                   "fits memory_per_rank_GB; give the grid explicitly or raise the limit")
+            raise DsExtConfigError(
+                f"{KEY}.grid 'auto': no factorization of {world} ranks divides the model and "
+                "fits memory_per_rank_GB; give the grid explicitly or raise the limit"
+            )
         return ranked[0].grid
 
     def describe(self) -> str:
@@ -169,8 +186,9 @@ class Pmm3dPlugin(Plugin):
 
         self.ds_engine = engine
         if not self.zero_topo:  # else ZeRO-topo's sharded checkpoints, one folder per tensor-grid rank
-            ds_engine.wrap_checkpoint_methods(engine, save_checkpoint=self._save_checkpoint,
-                                              load_checkpoint=self._load_checkpoint)
+            ds_engine.wrap_checkpoint_methods(
+                engine, save_checkpoint=self._save_checkpoint, load_checkpoint=self._load_checkpoint
+            )
 
     def parameters_sharded(self, units: list[list[Any]]) -> None:
         """ZeRO-topo over the ``data`` axis (000 §V-B: AxoNN's ZeRO sharding lives on its data
@@ -186,15 +204,35 @@ class Pmm3dPlugin(Plugin):
 
         engine = self.ds_engine
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        out = original(save_dir, tag, client_state=client_state, save_latest=save_latest,
-                       exclude_frozen_parameters=exclude_frozen_parameters)
-        checkpoint.save(Path(save_dir) / tag, self.model, ds_pmm.torch_optimizer(engine), self.axes, self.grid,
-                        ds_pmm.step_counters(engine))
+        out = original(
+            save_dir,
+            tag,
+            client_state=client_state,
+            save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
+        checkpoint.save(
+            Path(save_dir) / tag,
+            self.model,
+            ds_pmm.torch_optimizer(engine),
+            self.axes,
+            self.grid,
+            ds_pmm.step_counters(engine),
+        )
         dist.barrier()
         return out
 
-    def _load_checkpoint(self, original, load_dir, tag, load_module_strict, load_optimizer_states,
-                         load_lr_scheduler_states, load_module_only, custom_load_fn):
+    def _load_checkpoint(
+        self,
+        original,
+        load_dir,
+        tag,
+        load_module_strict,
+        load_optimizer_states,
+        load_lr_scheduler_states,
+        load_module_only,
+        custom_load_fn,
+    ):
         from ds_ext.integration import ds_pmm
         from ds_ext.pmm import checkpoint
 
@@ -209,17 +247,23 @@ class Pmm3dPlugin(Plugin):
             record = checkpoint.read_record(tag_dir)
             saved = tuple(record["grid"][a] for a in ("x", "y", "z"))
             if saved == (self.grid.x, self.grid.y, self.grid.z):
-                return original(load_dir, tag, load_module_strict=load_module_strict,
-                                load_optimizer_states=load_optimizer_states,
-                                load_lr_scheduler_states=load_lr_scheduler_states,
-                                load_module_only=load_module_only, custom_load_fn=custom_load_fn)
+                return original(
+                    load_dir,
+                    tag,
+                    load_module_strict=load_module_strict,
+                    load_optimizer_states=load_optimizer_states,
+                    load_lr_scheduler_states=load_lr_scheduler_states,
+                    load_module_only=load_module_only,
+                    custom_load_fn=custom_load_fn,
+                )
             with_optimizer = load_optimizer_states and not load_module_only
             optimizer = ds_pmm.torch_optimizer(engine) if with_optimizer else None
             if with_optimizer and optimizer is None:
                 raise checkpoint.CheckpointError(
                     f"{KEY}: loading checkpoint {tag_dir} (grid {record['grid']}) onto grid {self.grid} reshards the "
                     "optimizer state of fp32 zero_optimization.stage 0 only; load on the saved grid, or pass "
-                    "load_optimizer_states=False")
+                    "load_optimizer_states=False"
+                )
             checkpoint.load_resharded(tag_dir, self.model, optimizer)
         except checkpoint.CheckpointError as err:
             raise DsExtConfigError(str(err)) from None

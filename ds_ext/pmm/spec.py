@@ -27,8 +27,17 @@ def model_spec(model: nn.Module, plan: Plan) -> ModelSpec:
                 tables.append(TableSpec(name, m.out_features, m.in_features, lookup=False))
         elif isinstance(m, nn.Linear) and last in plan.linears:
             style = plan.linears[last]
-            layers.append(LayerSpec(name, m.in_features, m.out_features, style.transposed, m.bias is not None,
-                                    style.out_chunks, _recomputed(model, name)))
+            layers.append(
+                LayerSpec(
+                    name,
+                    m.in_features,
+                    m.out_features,
+                    style.transposed,
+                    m.bias is not None,
+                    style.out_chunks,
+                    _recomputed(model, name),
+                )
+            )
         elif isinstance(m, nn.Embedding):
             tables.append(TableSpec(name, m.num_embeddings, m.embedding_dim, per_position=name in plan.positions))
             if name == plan.tied_head:

@@ -32,8 +32,12 @@ def measure_database(comm, topology: Topology, message_bytes: int) -> dict[str, 
 
     buf = torch.zeros(message_bytes // 4, dtype=torch.float32, device=backend_device())
     intra = {}
-    pairs = [(g0, g1) for g0 in range(1, g_node + 1) for g1 in range(2, g_node + 1)
-             if g0 * g1 <= g_node and g_node % (g0 * g1) == 0]
+    pairs = [
+        (g0, g1)
+        for g0 in range(1, g_node + 1)
+        for g1 in range(2, g_node + 1)
+        if g0 * g1 <= g_node and g_node % (g0 * g1) == 0
+    ]
     for g0, g1 in pairs:
         dims = ParallelDims.build([("inner", g0), ("outer", g1), ("rest", None)], world)
         intra[f"{g0},{g1}"] = _bandwidth(comm, comm.registry.group(dims.groups(["outer"])), buf, g1)
@@ -88,4 +92,3 @@ def bandwidths(topology: Topology, database: dict[str, Any] | None, links: str) 
         default = perf.Bandwidths.from_topology if links == "shared" else perf.Bandwidths.per_rank_links
         beta_inter = default(topology).beta_inter
     return perf.Bandwidths(intra, beta_inter, ring_sharing=links == "shared")  # type: ignore[arg-type]
-

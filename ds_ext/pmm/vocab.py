@@ -83,8 +83,9 @@ class Embedding(Linear):
     def from_embedding(cls, serial: nn.Embedding, engine: PMMEngine, name: str = "embedding") -> "Embedding":
         """This rank's shard of ``serial``'s table."""
         if serial.padding_idx is not None or serial.max_norm is not None:
-            raise ConversionError(f"ds_ext.pmm.parallelize: {name}: padding_idx / max_norm embeddings are not "
-                                  "supported")
+            raise ConversionError(
+                f"ds_ext.pmm.parallelize: {name}: padding_idx / max_norm embeddings are not supported"
+            )
         table = cls.__new__(cls)
         nn.Module.__init__(table)
         table._setup(serial.weight, None, engine, False, 1, name)
@@ -141,8 +142,9 @@ class _VocabCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor, engine: PMMEngine,
-                        ignore_index: int = -100) -> torch.Tensor:
+def vocab_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, engine: PMMEngine, ignore_index: int = -100
+) -> torch.Tensor:
     """Per-row cross-entropy (fp32) of vocab-split ``logits`` ``[N, V/G_x]`` against global
     ``target`` ids ``[N]``; rows whose target is ``ignore_index`` give 0."""
     return _VocabCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), engine, ignore_index)
@@ -152,8 +154,15 @@ def causal_lm_loss(engine: PMMEngine):
     """Hugging Face's ``ForCausalLMLoss`` (shift, ignore_index, ``num_items_in_batch``) on
     vocab-split logits; installed as a converted model's ``_loss_function``."""
 
-    def loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, num_items_in_batch: Any = None,
-             ignore_index: int = -100, shift_labels: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    def loss(
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int,
+        num_items_in_batch: Any = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         shift_labels = shift_labels.to(logits.device)

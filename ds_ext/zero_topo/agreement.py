@@ -96,8 +96,12 @@ class UnitTrace:
     def _check(self, peers: dict[int, list[tuple[int, str, str]]]) -> None:
         """Raise for the earliest position where a peer's trace names another unit than ours."""
         mine = {seq: (op, unit) for seq, op, unit in self._entries}
-        differ = [(seq, r, op, unit) for r, entries in peers.items() for seq, op, unit in entries
-                  if seq in mine and mine[seq] != (op, unit)]
+        differ = [
+            (seq, r, op, unit)
+            for r, entries in peers.items()
+            for seq, op, unit in entries
+            if seq in mine and mine[seq] != (op, unit)
+        ]
         if not differ:
             return
         seq, r, op, unit = min(differ)

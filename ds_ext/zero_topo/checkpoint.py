@@ -149,8 +149,10 @@ def check_model_parallel(tag_dir: Path, model_size: int) -> None:
     """Refuse a checkpoint saved under another model-parallel size than ``model_size``."""
     saved = len(model_parallel_parts(tag_dir)) or 1
     if saved != model_size:
-        raise CheckpointError(f"checkpoint {tag_dir} was saved with model-parallel size {saved}, this run has "
-                              f"{model_size}; allowed: the same tensor x pipeline parallel sizes")
+        raise CheckpointError(
+            f"checkpoint {tag_dir} was saved with model-parallel size {saved}, this run has "
+            f"{model_size}; allowed: the same tensor x pipeline parallel sizes"
+        )
 
 
 # ---- agreement -----------------------------------------------------------------------
@@ -174,8 +176,10 @@ def agree_present(path: Path, what: str) -> bool:
     dist.all_reduce(flag)
     if flag.item() in (0, dist.get_world_size()):
         return bool(flag.item())
-    raise CheckpointError(f"ds_ext.zero_topo: {what}: {path} exists on {int(flag.item())} of "
-                          f"{dist.get_world_size()} ranks (a file system not shared by every rank?)")
+    raise CheckpointError(
+        f"ds_ext.zero_topo: {what}: {path} exists on {int(flag.item())} of "
+        f"{dist.get_world_size()} ranks (a file system not shared by every rank?)"
+    )
 
 
 # ---- what a rank holds ---------------------------------------------------------------
@@ -252,8 +256,10 @@ class SavedCheckpoint:
             state = read_shard(path)
             mine, ref = _stamp(state), _stamp(self.meta)
             if mine != ref:
-                raise CheckpointError(f"checkpoint shard {path} belongs to another save ({mine}) than rank 0's shard "
-                                      f"({ref}): shards of different saves are mixed in {self.tag_dir}")
+                raise CheckpointError(
+                    f"checkpoint shard {path} belongs to another save ({mine}) than rank 0's shard "
+                    f"({ref}): shards of different saves are mixed in {self.tag_dir}"
+                )
             self._open[rank] = state
         return self._open[rank]
 
@@ -301,8 +307,10 @@ class SavedCheckpoint:
         parts.sort(key=lambda x: x[0])
         covered = sum(p.numel() for _, p in parts)
         if covered != stop - start:
-            raise CheckpointError(f"checkpoint {self.tag_dir} holds {covered} of the {stop - start} elements "
-                                  f"[{start}, {stop}) of unit {unit!r} (a parameter trainable here was frozen there?)")
+            raise CheckpointError(
+                f"checkpoint {self.tag_dir} holds {covered} of the {stop - start} elements "
+                f"[{start}, {stop}) of unit {unit!r} (a parameter trainable here was frozen there?)"
+            )
         return torch.cat([p for _, p in parts])
 
     def state_keys(self) -> set[str]:
@@ -312,8 +320,9 @@ class SavedCheckpoint:
 
 
 def _stamp(shard: dict) -> str:
-    return (f"save id {shard.get('save_id')}, step {shard['step']}, world size {shard['world_size']}, "
-            f"plan {shard['plan']}")
+    return (
+        f"save id {shard.get('save_id')}, step {shard['step']}, world size {shard['world_size']}, plan {shard['plan']}"
+    )
 
 
 def saved_pieces(saved_params: list[dict], offsets: list[int], start: int, stop: int) -> Iterator[tuple[int, int, int]]:
@@ -329,8 +338,10 @@ def compare_units(saved: list[dict], here: list[dict], where: Path) -> str | Non
     """Why the saved units differ from this model's (None if they match; parameter offsets
     may differ, see the module docstring)."""
     if [u["name"] for u in saved] != [u["name"] for u in here]:
-        return (f"checkpoint {where} has units {[u['name'] for u in saved][:6]}..., this model "
-                f"{[u['name'] for u in here][:6]}... (a different model or ds_ext.zero_topo.units)")
+        return (
+            f"checkpoint {where} has units {[u['name'] for u in saved][:6]}..., this model "
+            f"{[u['name'] for u in here][:6]}... (a different model or ds_ext.zero_topo.units)"
+        )
     strip = lambda u: {**u, "params": [{k: v for k, v in p.items() if k != "offset"} for p in u["params"]]}  # noqa: E731
     for a, b in zip(saved, here):
         if strip(a) != strip(b):
@@ -345,9 +356,11 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
     dimensions)."""
     parts = model_parallel_parts(tag_dir)
     if parts:
-        raise CheckpointError(f"checkpoint {tag_dir} holds the slices of {len(parts)} model-parallel ranks, which "
-                              "ds_ext cannot join without the model's partition dimensions; allowed: a checkpoint "
-                              "saved with model-parallel size 1")
+        raise CheckpointError(
+            f"checkpoint {tag_dir} holds the slices of {len(parts)} model-parallel ranks, which "
+            "ds_ext cannot join without the model's partition dimensions; allowed: a checkpoint "
+            "saved with model-parallel size 1"
+        )
     ckpt = SavedCheckpoint.open(tag_dir)
     ckpt.verify(range(ckpt.meta["world_size"]))
     out: dict[str, torch.Tensor] = {}
@@ -357,8 +370,11 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
             n = int(torch.Size(p["shape"]).numel())
             a, b = p["offset"], p["offset"] + n
             is_trainable = n > 0 and any(u == unit["name"] and a <= s < b for u, s in trainable)
-            values = (ckpt.segment_values(unit["name"], a, b, None) if is_trainable
-                      else ckpt.weights(unit["name"], a, b).float())
+            values = (
+                ckpt.segment_values(unit["name"], a, b, None)
+                if is_trainable
+                else ckpt.weights(unit["name"], a, b).float()
+            )
             value = values.reshape(p["shape"]).clone()
             for name in p["names"]:
                 out[name] = value
@@ -375,8 +391,11 @@ def describe(tag_dir: Path) -> str:
     ckpt.verify(range(ckpt.meta["world_size"]))
     m = ckpt.meta
     params = sum(int(torch.Size(p["shape"]).numel()) for u in m["units"] for p in u["params"])
-    sizes = sum((tag_dir / SHARD_FILE.format(rank=r)).stat().st_size for r in range(m["world_size"])
-                if (tag_dir / SHARD_FILE.format(rank=r)).is_file())
+    sizes = sum(
+        (tag_dir / SHARD_FILE.format(rank=r)).stat().st_size
+        for r in range(m["world_size"])
+        if (tag_dir / SHARD_FILE.format(rank=r)).is_file()
+    )
     levels = " x ".join(f"{n}={s}" for n, s in m["topology"]["levels"])
     lines = [
         f"checkpoint {tag_dir}",

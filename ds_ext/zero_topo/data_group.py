@@ -59,13 +59,24 @@ class DataGroup:
         members = member_group(partition, rank)
         whole = len(members) == world.world_size
         what = role.replace("_", "-")
-        topo = world if whole else world.of_group(
-            members, f"{world.name}, {what}-parallel group of {layout.describe_degrees()}")
+        topo = (
+            world
+            if whole
+            else world.of_group(members, f"{world.name}, {what}-parallel group of {layout.describe_degrees()}")
+        )
         model = "model" if role == "data" else "expert_model"
         dims = layout.parallel_dims
-        return cls(topo, members.index(rank), members, partition, dims.group_rank(layout.GROUPS[model], rank),
-                   dims.group_rank(layout.GROUPS.get("tensor", ()), rank), layout.degree(model),
-                   world.level_of(member_group(layout.partition(model), rank)), model)
+        return cls(
+            topo,
+            members.index(rank),
+            members,
+            partition,
+            dims.group_rank(layout.GROUPS[model], rank),
+            dims.group_rank(layout.GROUPS.get("tensor", ()), rank),
+            layout.degree(model),
+            world.level_of(member_group(layout.partition(model), rank)),
+            model,
+        )
 
     def to_world(self, partition: Partition) -> Partition:
         """``partition`` of group ranks as global ranks, in every data-parallel group (a process

@@ -91,8 +91,10 @@ def find_units(model: nn.Module, names: list[str] | str) -> list[tuple[str, nn.M
                 f"allowed: 'auto' or class names present, e.g. {', '.join(sorted(present)[:12])}"
             )
         if missing:
-            log.warn(f"ds_ext.zero_topo.units: no module of class {', '.join(map(repr, missing))} in this "
-                     "model (the other class names match)")
+            log.warn(
+                f"ds_ext.zero_topo.units: no module of class {', '.join(map(repr, missing))} in this "
+                "model (the other class names match)"
+            )
     if not found and names == "auto":
         log.warn(
             "ds_ext.zero_topo: the model has no nn.ModuleList, so units='auto' found no unit: the whole model "
@@ -174,8 +176,9 @@ def every_rank_arrives(what: str, rank: int, wait_s: float | None = None) -> Non
 class ShardedModel:
     """Installs the unit hooks on ``model`` and owns its :class:`FlatUnit` s."""
 
-    def __init__(self, model: nn.Module, ctx: ShardContext, unit_names, prefetch: bool,
-                 expert_ctx: ShardContext | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, ctx: ShardContext, unit_names, prefetch: bool, expert_ctx: ShardContext | None = None
+    ) -> None:
         """``expert_ctx``: the context of MoE expert parameters (``allreduce=False``, DeepSpeed's
         mark), sharded over their expert-data-parallel group: each unit's experts become a unit
         of their own, gathered and released with it."""
@@ -196,8 +199,10 @@ class ShardedModel:
                     mod.register_forward_hook(_eager(self._post_forward(unit)))
         rest, root_experts = _split_experts(rest)
         if root_experts:
-            raise UnitError(f"ds_ext.zero_topo.units: expert parameter {root_experts[0][1][0]!r} is outside every "
-                            "unit; allowed: units that hold each MoE layer (e.g. the transformer block's class)")
+            raise UnitError(
+                f"ds_ext.zero_topo.units: expert parameter {root_experts[0][1][0]!r} is outside every "
+                "unit; allowed: units that hold each MoE layer (e.g. the transformer block's class)"
+            )
         self.root = FlatUnit("<root>", [p for p, _ in rest], ctx, [n for _, n in rest]) if rest else None
         self.all_units = ([self.root] if self.root else []) + self.units
         for unit in self.all_units:
@@ -285,6 +290,7 @@ class ShardedModel:
                 nxt = self._neighbour(unit, +1)
                 if self.prefetch and nxt is not None:
                     nxt.start_gather(backward=False)
+
         return hook
 
     def _post_forward(self, unit: FlatUnit):
@@ -298,6 +304,7 @@ class ShardedModel:
                         t.register_hook(_eager(self._pre_backward(unit)))
                         break
             return output
+
         return hook
 
     def _neighbour(self, unit: FlatUnit, step: int) -> FlatUnit | None:
@@ -317,6 +324,7 @@ class ShardedModel:
             if self.prefetch and prev is not None:
                 prev.start_gather(backward=True)
             return grad
+
         return hook
 
     def _grad_ready(self, unit: FlatUnit):
@@ -328,6 +336,7 @@ class ShardedModel:
             if unit.grads_ready == n:
                 unit.reduce_gradients()
                 unit.release()
+
         return hook
 
     def _queue_final_callback(self) -> None:
@@ -350,11 +359,19 @@ class ShardedModel:
         (ds_ext.zero_topo.perf.UnitSpec)."""
         ctx = ctx or self.ctx
         n_g = shard_count(ctx.topo, ctx.plan.gradients)
-        return [UnitSpec(u.U, u.numel, u is self.root,
-                         spans=tuple((o, o + shape.numel()) for p, o, shape in zip(u.params, u.offsets, u.shapes)
-                                     if p.requires_grad),
-                         raw_per_shard=tuple(u.raw_blocks.view(n_g, -1).sum(1).tolist()))
-                for u in self.all_units if u.ctx is ctx]
+        return [
+            UnitSpec(
+                u.U,
+                u.numel,
+                u is self.root,
+                spans=tuple(
+                    (o, o + shape.numel()) for p, o, shape in zip(u.params, u.offsets, u.shapes) if p.requires_grad
+                ),
+                raw_per_shard=tuple(u.raw_blocks.view(n_g, -1).sum(1).tolist()),
+            )
+            for u in self.all_units
+            if u.ctx is ctx
+        ]
 
     def units_of(self, params: Iterable[torch.Tensor] | None) -> list[FlatUnit]:
         """The units holding ``params`` (every unit for None), in model order."""
@@ -426,8 +443,10 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
                 if lo >= hi or not p.requires_grad:
                     continue
                 if id(p) not in group_of:
-                    raise DsExtConfigError(f"ds_ext.zero_topo: a parameter of unit {unit.name} is in none of the "
-                                           "optimizer's param groups; allowed: an optimizer over the model's parameters")
+                    raise DsExtConfigError(
+                        f"ds_ext.zero_topo: a parameter of unit {unit.name} is in none of the "
+                        "optimizer's param groups; allowed: an optimizer over the model's parameters"
+                    )
                 master = own[lo - a : hi - a].float().clone()
                 self.segments.append((unit, lo - a, hi - a, master))
                 self._counted.append(ctx.data is None or ctx.data.counted(p))
@@ -501,9 +520,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         for _ in self._gather_weights_chain(unit, slice16, async_op=False):
             pass
 
-    def _gather_weights_chain(
-        self, unit: FlatUnit, slice16: torch.Tensor, async_op: bool
-    ) -> Iterator["Handle | None"]:
+    def _gather_weights_chain(self, unit: FlatUnit, slice16: torch.Tensor, async_op: bool) -> Iterator["Handle | None"]:
         """The weight all-gathers of :meth:`_gather_weights` as a chain: yields each
         collective's handle (``None`` when synchronous) right after issuing it; the caller
         waits on it and resumes the chain, which finally writes the primary shard and the
@@ -675,5 +692,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         """DeepSpeed's part of a load; the state comes from the shard files
         (``ds_ext.zero_topo.checkpoint``)."""
         if "ds_ext_zero_topo" not in state_dict:
-            raise DsExtConfigError("ds_ext.zero_topo: this checkpoint was not written by ds_ext.zero_topo; allowed: "
-                                   "a checkpoint saved with ds_ext.zero_topo enabled")
+            raise DsExtConfigError(
+                "ds_ext.zero_topo: this checkpoint was not written by ds_ext.zero_topo; allowed: "
+                "a checkpoint saved with ds_ext.zero_topo enabled"
+            )

@@ -84,22 +84,39 @@ def unit_spec(plan: ShardingPlan, params: list[tuple[int, int]], root: bool = Fa
         raw_per_shard = tuple(before[(k + 1) * per] - before[k * per] for k in range(n_g))
     else:
         raw_per_shard = (0,) * n_g
-    return UnitSpec(U, sum(n for n, _ in params), root, gathers, tuple((o, o + n) for (n, _), o in zip(params, offsets)),
-                    raw_per_shard)
+    return UnitSpec(
+        U,
+        sum(n for n, _ in params),
+        root,
+        gathers,
+        tuple((o, o + n) for (n, _), o in zip(params, offsets)),
+        raw_per_shard,
+    )
 
 
 class _Tally:
     def __init__(self, topology: Topology, algorithm: str = "native") -> None:
         if algorithm not in ("native", "ring", "pccl"):
-            raise ValueError(f"ds_ext.zero_topo.perf models ds_ext.comm.algorithm native, ring or pccl; got {algorithm!r}")
+            raise ValueError(
+                f"ds_ext.zero_topo.perf models ds_ext.comm.algorithm native, ring or pccl; got {algorithm!r}"
+            )
         self.topology = topology
         self.algorithm = algorithm
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.calls: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.steps: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
-    def add(self, phase: str, level: str | None, nbytes: float, calls: int, times: int = 1,
-            op: str = "", d: int = 1, levels: list[int] | None = None) -> None:
+    def add(
+        self,
+        phase: str,
+        level: str | None,
+        nbytes: float,
+        calls: int,
+        times: int = 1,
+        op: str = "",
+        d: int = 1,
+        levels: list[int] | None = None,
+    ) -> None:
         """``calls`` collectives of ``op`` over ``d`` ranks (all_reduce: 2 (d - 1) messages each, any
         other op d - 1), repeated ``times``; an all-gather / reduce-scatter over topology ``levels``
         by pccl is split over its phases' levels."""
@@ -141,6 +158,7 @@ class Traffic:
 
     def __add__(self, other: "Traffic") -> "Traffic":
         """Both tallies (ZeRO-topo's dense units and its experts, over their own groups)."""
+
         def merged(a: dict, b: dict) -> dict:
             out = {ph: dict(per) for ph, per in a.items()}
             for ph, per in b.items():
@@ -148,8 +166,9 @@ class Traffic:
                     out.setdefault(ph, {})[lv] = out.get(ph, {}).get(lv, 0) + v
             return out
 
-        return Traffic(merged(self.bytes, other.bytes), merged(self.calls, other.calls),
-                       merged(self.steps, other.steps))
+        return Traffic(
+            merged(self.bytes, other.bytes), merged(self.calls, other.calls), merged(self.steps, other.steps)
+        )
 
     def steps_by_level(self) -> dict[str, float]:
         """Sequential messages per level (ds_ext.comm.emulation.message_steps per call), the
@@ -176,9 +195,17 @@ def _group_size(plan: ShardingPlan, levels) -> int:
     return math.prod(plan.topology.levels[i].size for i in levels)  # type: ignore[misc]
 
 
-def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_bytes: int,
-            secondary_serves_forward: bool = True, algorithm: str = "native", rank: int = 0,
-            model_parallel: tuple[str | None, int] = (None, 1), pipeline: bool = False) -> Traffic:
+def traffic(
+    plan: ShardingPlan,
+    units: list[UnitSpec],
+    grad_accum: int,
+    elem_bytes: int,
+    secondary_serves_forward: bool = True,
+    algorithm: str = "native",
+    rank: int = 0,
+    model_parallel: tuple[str | None, int] = (None, 1),
+    pipeline: bool = False,
+) -> Traffic:
     """Bytes and calls per optimizer step of ``plan`` for ``units`` at ``grad_accum``, as rank
     ``rank`` of its data-parallel group sends them (module docstring; ranks differ only where raw
     blocks are uneven). ``model_parallel``: (outermost level, size) of the model-parallel group
@@ -211,7 +238,9 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
             gather("step", w, u, False, 1)  # the updated shards back into whole weights
             continue
         # forward: from the primary, or from a narrower secondary once it exists
-        if secondary_serves_forward and s is not None and s < w:  # hpZ: built by the step's first gather, kept to the step
+        if (
+            secondary_serves_forward and s is not None and s < w
+        ):  # hpZ: built by the step's first gather, kept to the step
             gather("forward", w, u, pri_quant, 1)
             gather("forward", s, u, sec_quant, grad_accum - 1)
         else:
@@ -228,12 +257,16 @@ def traffic(plan: ShardingPlan, units: list[UnitSpec], grad_accum: int, elem_byt
     t.add("step", _level(plan, o_levels), 2 * 8 * (d - 1) / d, 1, op="all_reduce", d=d)  # grad-norm all-reduce
     level, m = model_parallel
     t.add("step", level, 2 * 8 * (m - 1) / m, 1, op="all_reduce", d=m)  # ... and over the model-parallel group
-    return Traffic({p: dict(v) for p, v in t.bytes.items()}, {p: dict(v) for p, v in t.calls.items()},
-                   {p: dict(v) for p, v in t.steps.items()})
+    return Traffic(
+        {p: dict(v) for p, v in t.bytes.items()},
+        {p: dict(v) for p, v in t.calls.items()},
+        {p: dict(v) for p, v in t.steps.items()},
+    )
 
 
-def _gradient_reduce(t: _Tally, plan: ShardingPlan, u: UnitSpec, e: int, times: int, rank: int,
-                     phase: str = "backward") -> None:
+def _gradient_reduce(
+    t: _Tally, plan: ShardingPlan, u: UnitSpec, e: int, times: int, rank: int, phase: str = "backward"
+) -> None:
     U, g, B = u.U, plan.gradients, plan.block_size
     levels = list(range(g + 1))
     d = _group_size(plan, levels)
@@ -288,14 +321,28 @@ def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:
     x = U / n_of(o)
     if plan.step == "allreduce" and o > w:
         d = n_of(o)
-        t.add("step", _level(plan, list(range(o + 1))), x * e * (d - 1), 1, op="all_gather", d=d,
-              levels=list(range(o + 1)))
+        t.add(
+            "step",
+            _level(plan, list(range(o + 1))),
+            x * e * (d - 1),
+            1,
+            op="all_gather",
+            d=d,
+            levels=list(range(o + 1)),
+        )
     else:
         for lv in range(o, w, -1):
             d = topo.levels[lv].size
             if plan.step_level_bits(lv) == 8:  # int8 all-gather: payload + scales
-                t.add("step", _level(plan, [lv]), sum(_wire(x, 8, plan.block_size)) * (d - 1), 2, op="all_gather",
-                      d=d, levels=[lv])
+                t.add(
+                    "step",
+                    _level(plan, [lv]),
+                    sum(_wire(x, 8, plan.block_size)) * (d - 1),
+                    2,
+                    op="all_gather",
+                    d=d,
+                    levels=[lv],
+                )
             else:
                 t.add("step", _level(plan, [lv]), x * e * (d - 1), 1, op="all_gather", d=d, levels=[lv])
             x *= d

@@ -35,8 +35,11 @@ class PipelineStage(ShardedModel):
     def __init__(self, model: nn.Module, ctx: ShardContext, stage: int) -> None:
         self.model, self.ctx, self.expert_ctx, self.prefetch, self.root = model, ctx, None, False, None
         (params,) = assign_parameters(model, [])  # each parameter once, with its qualified names
-        self.units = [FlatUnit(f"stage{stage}", [p for p, _ in params], ctx, [n for _, n in params],
-                               whole=True)] if params else []
+        self.units = (
+            [FlatUnit(f"stage{stage}", [p for p, _ in params], ctx, [n for _, n in params], whole=True)]
+            if params
+            else []
+        )
         self.all_units = list(self.units)
         self._order: list[FlatUnit] = []
         self.peak_state_bytes: dict[str, int] = {}

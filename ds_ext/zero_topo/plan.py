@@ -45,18 +45,28 @@ class PlanError(DsExtError, ValueError):
 
 class WeightsConfig(ConfigSection):
     level: str | None = Field(None, description="Level the 16-bit primary weights are sharded over.")
-    gather_bits: Bits | None = Field(None, description="Wire format of weight all-gathers: 8 = int8 (qwZ), 16 = unquantized.")
+    gather_bits: Bits | None = Field(
+        None, description="Wire format of weight all-gathers: 8 = int8 (qwZ), 16 = unquantized."
+    )
 
 
 class SecondaryConfig(ConfigSection):
-    level: str | None = Field(None, description="Level of the secondary weight partition (hpZ / Sec-Degree); 'none' for no secondary.")
-    bits: Bits | None = Field(None, description="Stored format: 8 = block-quantized int8 (003), 16 = model dtype (DeepSpeed hpZ).")
+    level: str | None = Field(
+        None, description="Level of the secondary weight partition (hpZ / Sec-Degree); 'none' for no secondary."
+    )
+    bits: Bits | None = Field(
+        None, description="Stored format: 8 = block-quantized int8 (003), 16 = model dtype (DeepSpeed hpZ)."
+    )
 
 
 class GradientsConfig(ConfigSection):
     level: str | None = Field(None, description="Level the gradient shard is sharded over.")
-    bits: Bits | None = Field(None, description="Wire format of the gradient reduce-scatter: 4 = int4 all-to-all (qgZ), 16 = unquantized.")
-    hops: Literal[1, 2] | None = Field(None, description="1 = one all-to-all over the gradient group; 2 = intra-node then inter-node (ZeRO++ qgZ).")
+    bits: Bits | None = Field(
+        None, description="Wire format of the gradient reduce-scatter: 4 = int4 all-to-all (qgZ), 16 = unquantized."
+    )
+    hops: Literal[1, 2] | None = Field(
+        None, description="1 = one all-to-all over the gradient group; 2 = intra-node then inter-node (ZeRO++ qgZ)."
+    )
 
 
 class OptimizerConfig(ConfigSection):
@@ -102,6 +112,7 @@ class ZeroTopoConfig(PluginConfig):
     @classmethod
     def _step_kind_string(cls, value):
         return {"kind": value} if isinstance(value, str) else value
+
     quant_block_size: int = Field(512, ge=2, description="Elements per quantization block (even).")
     compile_quantizer: bool = Field(
         True,
@@ -180,11 +191,19 @@ class ShardingPlan:
         return self.secondary is not None and self.secondary >= self.weights
 
     def describe(self) -> str:
-        sec = "none" if self.secondary is None else f"{self.name(self.secondary)} int{self.secondary_bits}" \
-            if self.secondary_bits < 16 else f"{self.name(self.secondary)} 16-bit"
+        sec = (
+            "none"
+            if self.secondary is None
+            else f"{self.name(self.secondary)} int{self.secondary_bits}"
+            if self.secondary_bits < 16
+            else f"{self.name(self.secondary)} 16-bit"
+        )
         step = f"step {self.step}" + (f" ({self.step_bits}-bit across nodes)" if self.step_bits < 16 else "")
-        weights = "weights whole" if self.weights_whole else \
-            f"weights {self.name(self.weights)} (gather {self.gather_bits}-bit), secondary {sec}"
+        weights = (
+            "weights whole"
+            if self.weights_whole
+            else f"weights {self.name(self.weights)} (gather {self.gather_bits}-bit), secondary {sec}"
+        )
         return (
             f"{weights}, "
             f"gradients {self.name(self.gradients)} ({self.gradient_bits}-bit, {self.gradient_hops}-hop), "
@@ -224,9 +243,15 @@ def resolve_plan(cfg: ZeroTopoConfig, topo: Topology) -> ShardingPlan:
     """Apply the preset, the explicit overrides and the dependency rule."""
     p = dict(_PRESET_FIELDS[cfg.preset])
     for key, value in (
-        ("w", cfg.weights.level), ("wb", cfg.weights.gather_bits), ("s", cfg.secondary.level),
-        ("sb", cfg.secondary.bits), ("g", cfg.gradients.level), ("gb", cfg.gradients.bits),
-        ("hops", cfg.gradients.hops), ("o", cfg.optimizer.level), ("step", cfg.step.kind),
+        ("w", cfg.weights.level),
+        ("wb", cfg.weights.gather_bits),
+        ("s", cfg.secondary.level),
+        ("sb", cfg.secondary.bits),
+        ("g", cfg.gradients.level),
+        ("gb", cfg.gradients.bits),
+        ("hops", cfg.gradients.hops),
+        ("o", cfg.optimizer.level),
+        ("step", cfg.step.kind),
         ("stb", cfg.step.bits),
     ):
         if value is not None:
@@ -259,8 +284,17 @@ def resolve_plan(cfg: ZeroTopoConfig, topo: Topology) -> ShardingPlan:
     if cfg.quant_block_size % 2:
         raise PlanError(f"ds_ext.zero_topo.quant_block_size: must be even (got {cfg.quant_block_size})")
     return ShardingPlan(
-        topology=topo, weights=w, gather_bits=p["wb"], secondary=s, secondary_bits=p["sb"],
-        gradients=g, gradient_bits=p["gb"], gradient_hops=p["hops"], optimizer=o, step=p["step"],
-        block_size=cfg.quant_block_size, step_bits=p["stb"],
+        topology=topo,
+        weights=w,
+        gather_bits=p["wb"],
+        secondary=s,
+        secondary_bits=p["sb"],
+        gradients=g,
+        gradient_bits=p["gb"],
+        gradient_hops=p["hops"],
+        optimizer=o,
+        step=p["step"],
+        block_size=cfg.quant_block_size,
+        step_bits=p["stb"],
         per_parameter_groups=cfg.quantization_groups == "per_parameter",
     )

@@ -82,7 +82,8 @@ class ZeroTopoPlugin(Plugin):
         if self.pipeline and self.dtype == torch.float16:
             raise DsExtConfigError(
                 f"{support.KEY}: fp16 in the pipeline form: the PipelineEngine calls DeepSpeed's backward for the last "
-                "stage's loss directly, past the loss scaling ZeRO-topo adds; allowed: bf16 or fp32")
+                "stage's loss directly, past the loss scaling ZeRO-topo adds; allowed: bf16 or fp32"
+            )
         support.check_ds_config(ds_config, self.dtype)
         support.check_model(model, experts=self.experts is not None, pipeline=self.pipeline)
         note = support.check_optimizer(optimizer, ds_config)
@@ -105,7 +106,8 @@ class ZeroTopoPlugin(Plugin):
         if layout.degree("pipeline") > 1 and not self.pipeline:
             raise DsExtConfigError(
                 f"{support.KEY}: pipeline parallel size {layout.degree('pipeline')} (from {layout.source}) with a "
-                "model that is no deepspeed.pipe.PipelineModule; allowed: 1, or a PipelineModule (the pipeline form)")
+                "model that is no deepspeed.pipe.PipelineModule; allowed: 1, or a PipelineModule (the pipeline form)"
+            )
         return DataGroup.of(layout, rt.topology, rt.rank)
 
     def _form(self, model: Any) -> str:
@@ -118,16 +120,21 @@ class ZeroTopoPlugin(Plugin):
         if form == "sharded" and is_pipe:
             raise DsExtConfigError(
                 f"{support.KEY}.form 'sharded' with a deepspeed.pipe.PipelineModule: DeepSpeed's PipelineEngine keeps "
-                "every stage's weights whole (ZeRO-2 and ZeRO-3 are incompatible with it); allowed: 'pipeline' or 'auto'")
+                "every stage's weights whole (ZeRO-2 and ZeRO-3 are incompatible with it); allowed: 'pipeline' or 'auto'"
+            )
         if form == "pipeline" and not is_pipe:
-            raise DsExtConfigError(f"{support.KEY}.form 'pipeline' needs a deepspeed.pipe.PipelineModule (got "
-                                   f"{type(model).__name__}); allowed: 'sharded' or 'auto'")
+            raise DsExtConfigError(
+                f"{support.KEY}.form 'pipeline' needs a deepspeed.pipe.PipelineModule (got "
+                f"{type(model).__name__}); allowed: 'sharded' or 'auto'"
+            )
         if form == "pipeline":
             set_ = self.config.model_dump(exclude_unset=True)
             given = [f"{k}.{f}" for k in ("weights", "secondary") for f in set_.get(k, {})]
             if given:
-                raise DsExtConfigError(f"{support.KEY}.{given[0]}: the pipeline form keeps weights whole on every "
-                                       "rank; allowed: gradients, optimizer and step settings only")
+                raise DsExtConfigError(
+                    f"{support.KEY}.{given[0]}: the pipeline form keeps weights whole on every "
+                    "rank; allowed: gradients, optimizer and step settings only"
+                )
         return form
 
     def _expert_group(self) -> DataGroup | None:
@@ -138,13 +145,19 @@ class ZeroTopoPlugin(Plugin):
         return DataGroup.of(rt.parallel, rt.topology, rt.rank, "expert_data")
 
     def describe(self) -> str:
-        where = "" if len(self.data.members) == self.runtime.topology.world_size else \
-            f" over the data-parallel group ({self.data.topology.describe()})"
+        where = (
+            ""
+            if len(self.data.members) == self.runtime.topology.world_size
+            else f" over the data-parallel group ({self.data.topology.describe()})"
+        )
         if self.pipeline:
             where += "; pipeline form: gradients reduced once per train_batch"
-        experts = "" if self.experts is None else \
-            f"; experts: {self.expert_plan.describe()} over the expert-data-parallel group " \
+        experts = (
+            ""
+            if self.experts is None
+            else f"; experts: {self.expert_plan.describe()} over the expert-data-parallel group "
             f"({self.experts.topology.describe()})"
+        )
         return self.plan.describe() + where + experts
 
     def attach(self, engine: Any) -> None:
@@ -152,8 +165,10 @@ class ZeroTopoPlugin(Plugin):
 
         rt = self.runtime
         if not isinstance(engine.optimizer, torch.optim.Optimizer):
-            raise DsExtConfigError(f"optimizer: not supported with {support.KEY} (DeepSpeed built a "
-                                   f"{type(engine.optimizer).__name__}); allowed: a torch.optim.Optimizer")
+            raise DsExtConfigError(
+                f"optimizer: not supported with {support.KEY} (DeepSpeed built a "
+                f"{type(engine.optimizer).__name__}); allowed: a torch.optim.Optimizer"
+            )
         trace = None
         if self.config.agreement_check_s > 0:
             trace = UnitTrace(rt.rank, rt.topology.world_size, self.config.agreement_check_s)
@@ -162,16 +177,26 @@ class ZeroTopoPlugin(Plugin):
 
         def context(plan, data: DataGroup) -> ShardContext:
             model_group = rt.groups.group(rt.parallel.partition(data.model_role)) if data.model_size > 1 else None
-            return ShardContext(plan, rt.comm, rank=data.rank, dtype=self.dtype,
-                                compile_quantizer=self.config.compile_quantizer, device=device, trace=trace,
-                                data=data, model_group=model_group, average_over=len(self.data.members))
+            return ShardContext(
+                plan,
+                rt.comm,
+                rank=data.rank,
+                dtype=self.dtype,
+                compile_quantizer=self.config.compile_quantizer,
+                device=device,
+                trace=trace,
+                data=data,
+                model_group=model_group,
+                average_over=len(self.data.members),
+            )
 
         expert_ctx = context(self.expert_plan, self.experts) if self.experts else None
         if self.pipeline:
             self.sharded = PipelineStage(engine.module, context(self.plan, self.data), engine.stage_id)
         else:
-            self.sharded = ShardedModel(engine.module, context(self.plan, self.data), self.config.units,
-                                        self.config.prefetch, expert_ctx)
+            self.sharded = ShardedModel(
+                engine.module, context(self.plan, self.data), self.config.units, self.config.prefetch, expert_ctx
+            )
         for plugin in rt.plugins:
             plugin.parameters_sharded([unit.params for unit in self.sharded.all_units])
         self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler)
@@ -182,7 +207,9 @@ class ZeroTopoPlugin(Plugin):
         ds_engine.report_gradient_clipping(engine, self.clip)
         self.engine = engine
         ds_engine.wrap_checkpoint_methods(
-            engine, save_checkpoint=self._save_checkpoint, load_checkpoint=self._load_checkpoint,
+            engine,
+            save_checkpoint=self._save_checkpoint,
+            load_checkpoint=self._load_checkpoint,
             save_16bit_model=self._save_16bit_model,
         )
 
@@ -201,15 +228,28 @@ class ZeroTopoPlugin(Plugin):
 
     def analytic_traffic(self, grad_accum: int):
         """The analytic model (ds_ext.zero_topo.perf) of this run's bytes per step."""
-        return functools.reduce(operator.add, (
-            traffic(plan, self.sharded.unit_specs(ctx), grad_accum, self.dtype.itemsize,
-                    algorithm=self.runtime.comm.algorithm, rank=group.rank,
-                    model_parallel=(group.model_level, group.model_size), pipeline=self.pipeline)
-            for plan, group, ctx in self._parts()))
+        return functools.reduce(
+            operator.add,
+            (
+                traffic(
+                    plan,
+                    self.sharded.unit_specs(ctx),
+                    grad_accum,
+                    self.dtype.itemsize,
+                    algorithm=self.runtime.comm.algorithm,
+                    rank=group.rank,
+                    model_parallel=(group.model_level, group.model_size),
+                    pipeline=self.pipeline,
+                )
+                for plan, group, ctx in self._parts()
+            ),
+        )
 
     def analytic_memory(self):
-        parts = [memory(plan, self.sharded.unit_specs(ctx), group.rank, self.dtype.itemsize)
-                 for plan, group, ctx in self._parts()]
+        parts = [
+            memory(plan, self.sharded.unit_specs(ctx), group.rank, self.dtype.itemsize)
+            for plan, group, ctx in self._parts()
+        ]
         return {k: sum(part[k] for part in parts) for k in parts[0]}
 
     def scaler_state(self) -> dict:
@@ -257,14 +297,21 @@ class ZeroTopoPlugin(Plugin):
                     error = f"cannot prepare {staged}: {err}"
             ckpt.agree(error, f"saving checkpoint {save_dir / tag}")
             with self.sharded.held(self.sharded.all_units):
-                original(str(save_dir), staged.name, client_state=client_state, save_latest=False,
-                         exclude_frozen_parameters=exclude_frozen_parameters)
+                original(
+                    str(save_dir),
+                    staged.name,
+                    client_state=client_state,
+                    save_latest=False,
+                    exclude_frozen_parameters=exclude_frozen_parameters,
+                )
             data = self.data
             path = ckpt.shard_dir(staged, data.model_rank, data.model_size) / ckpt.SHARD_FILE.format(rank=data.rank)
             save_id = ckpt.new_save_id()
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                ckpt.atomic_save(ckpt.shard_state(self.sharded.ctx, engine.global_steps, save_id, self.state_dict()), path)
+                ckpt.atomic_save(
+                    ckpt.shard_state(self.sharded.ctx, engine.global_steps, save_id, self.state_dict()), path
+                )
             except OSError as err:
                 error = f"cannot write {path}: {err}"
             ckpt.agree(error, f"saving checkpoint {save_dir / tag}")
@@ -275,15 +322,26 @@ class ZeroTopoPlugin(Plugin):
                     error = f"cannot publish {save_dir / tag}: {err}"
             ckpt.agree(error, f"saving checkpoint {save_dir / tag}")
 
-    def _load_checkpoint(self, original, load_dir, tag, load_module_strict, load_optimizer_states,
-                         load_lr_scheduler_states, load_module_only, custom_load_fn):
+    def _load_checkpoint(
+        self,
+        original,
+        load_dir,
+        tag,
+        load_module_strict,
+        load_optimizer_states,
+        load_lr_scheduler_states,
+        load_module_only,
+        custom_load_fn,
+    ):
         optimizer_states = load_optimizer_states and not load_module_only
         if tag is None and not ckpt.agree_present(Path(load_dir) / ckpt.LATEST, f"loading checkpoint from {load_dir}"):
             if self.runtime.rank == 0:
                 from deepspeed.utils import logger
 
-                logger.warning(f"{support.KEY}: no '{ckpt.LATEST}' file in {load_dir}: nothing loaded "
-                               "(returns (None, None), as DeepSpeed does)")
+                logger.warning(
+                    f"{support.KEY}: no '{ckpt.LATEST}' file in {load_dir}: nothing loaded "
+                    "(returns (None, None), as DeepSpeed does)"
+                )
             return None, None
         with self.runtime.ledger.phase("checkpoint"):
             error, loaded = None, None
@@ -291,16 +349,21 @@ class ZeroTopoPlugin(Plugin):
                 tag_dir = ckpt.resolve_tag_dir(load_dir, tag)
                 ckpt.check_model_parallel(tag_dir, self.data.model_size)
                 ckpt.check_zip(tag_dir / ckpt.DEEPSPEED_MODULE_FILE.format(rank=self.data.model_rank))
-                loaded = self._read_shards(ckpt.shard_dir(tag_dir, self.data.model_rank, self.data.model_size),
-                                           optimizer_states)
+                loaded = self._read_shards(
+                    ckpt.shard_dir(tag_dir, self.data.model_rank, self.data.model_size), optimizer_states
+                )
             except ckpt.CheckpointError as err:
                 error = str(err)
             ckpt.agree(error, f"loading checkpoint from {load_dir}")
             with self.sharded.held(self.sharded.all_units):
                 path, client_state = original(
-                    load_dir, tag_dir.name, load_module_strict=load_module_strict,
-                    load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
-                    load_module_only=load_module_only, custom_load_fn=custom_load_fn,
+                    load_dir,
+                    tag_dir.name,
+                    load_module_strict=load_module_strict,
+                    load_optimizer_states=load_optimizer_states,
+                    load_lr_scheduler_states=load_lr_scheduler_states,
+                    load_module_only=load_module_only,
+                    custom_load_fn=custom_load_fn,
                 )
                 with torch.no_grad():
                     self.load_state_dict(loaded, optimizer_states)
@@ -337,11 +400,15 @@ class ZeroTopoPlugin(Plugin):
             keys = saved.state_keys()
             for unit, lo, hi, master in opt.segments:
                 a, _ = opt.own_range(unit)
-                (_, _, at), = ckpt.saved_pieces(saved.units[unit.name]["params"], unit.offsets, a + lo, a + hi)
+                ((_, _, at),) = ckpt.saved_pieces(saved.units[unit.name]["params"], unit.offsets, a + lo, a + hi)
                 state = {k: saved.segment_values(unit.name, at, at + hi - lo, k) for k in keys}
                 segments.append((saved.segment_values(unit.name, at, at + hi - lo, None), state))
-        return {"primaries": primaries, "segments": segments, "groups": saved_opt["param_groups"],
-                "scaler": saved.meta["loss_scaler"]}
+        return {
+            "primaries": primaries,
+            "segments": segments,
+            "groups": saved_opt["param_groups"],
+            "scaler": saved.meta["loss_scaler"],
+        }
 
     def state_dict(self) -> dict:
         """This rank's part of a checkpoint, which :func:`ds_ext.zero_topo.checkpoint.shard_state`
@@ -353,17 +420,30 @@ class ZeroTopoPlugin(Plugin):
         slices, segments = [], []
         for unit in self.sharded.all_units:
             start, stop = opt.own_range(unit)
-            slices.append({"unit": unit.name, "start": start, "stop": stop,
-                           "weights": opt._own_slice(unit).clone()})
+            slices.append({"unit": unit.name, "start": start, "stop": stop, "weights": opt._own_slice(unit).clone()})
         for unit, lo, hi, master in opt.segments:
             start, _ = opt.own_range(unit)
-            state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.inner.state.get(master, {}).items()}
-            segments.append({"unit": unit.name, "start": start + lo, "stop": start + hi,
-                             "group": index[id(master)], "master": master.clone(), "state": state})
+            state = {
+                k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.inner.state.get(master, {}).items()
+            }
+            segments.append(
+                {
+                    "unit": unit.name,
+                    "start": start + lo,
+                    "stop": start + hi,
+                    "group": index[id(master)],
+                    "master": master.clone(),
+                    "state": state,
+                }
+            )
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.inner.param_groups]
-        return {"units": ckpt.unit_table(self.sharded.all_units), "slices": slices, "segments": segments,
-                "optimizer": {"class": type(opt.inner).__name__, "param_groups": groups},
-                "loss_scaler": self.scaler_state()}
+        return {
+            "units": ckpt.unit_table(self.sharded.all_units),
+            "slices": slices,
+            "segments": segments,
+            "optimizer": {"class": type(opt.inner).__name__, "param_groups": groups},
+            "loss_scaler": self.scaler_state(),
+        }
 
     def load_state_dict(self, loaded: dict, optimizer_states: bool) -> None:
         """Install what :meth:`_read_shards` read for this rank (the checkpoint resharded onto this

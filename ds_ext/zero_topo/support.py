@@ -17,8 +17,11 @@ from torch import nn
 from ds_ext.errors import DsExtConfigError
 
 KEY = "ds_ext.zero_topo"
-_DTYPE_NAMES = {torch.float32: ("fp32", "float32"), torch.float16: ("fp16", "float16"),
-                torch.bfloat16: ("bf16", "bfloat16")}
+_DTYPE_NAMES = {
+    torch.float32: ("fp32", "float32"),
+    torch.float16: ("fp16", "float16"),
+    torch.bfloat16: ("bf16", "bfloat16"),
+}
 
 
 def precision(ds_config: Mapping[str, Any]) -> torch.dtype:
@@ -50,26 +53,47 @@ def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
         device = (zero.get(k) or {}).get("device", "none")
         if device not in (None, "none"):
             _refuse(f"zero_optimization.{k}.device", "it keeps every state on the device", "'none'", device)
-    _off(ds_config.get("fp16") or {}, "fp16", ("auto_cast", "fp16_master_weights_and_grads"),
-         "it casts the model itself and keeps fp32 masters")
-    _off(ds_config.get("bf16") or {}, "bf16", ("immediate_grad_update", "bf16_master_weights_and_grads",
-                                               "bf16_optimizer_states"),
-         "it keeps fp32 masters and moments and updates them at the step")
+    _off(
+        ds_config.get("fp16") or {},
+        "fp16",
+        ("auto_cast", "fp16_master_weights_and_grads"),
+        "it casts the model itself and keeps fp32 masters",
+    )
+    _off(
+        ds_config.get("bf16") or {},
+        "bf16",
+        ("immediate_grad_update", "bf16_master_weights_and_grads", "bf16_optimizer_states"),
+        "it keeps fp32 masters and moments and updates them at the step",
+    )
     for k in ("amp", "torch_autocast"):
         if (ds_config.get(k) or {}).get("enabled"):
             _refuse(f"{k}.enabled", "it runs the model in the dtype of the fp16 / bf16 section", "false", True)
-    _off(ds_config, "", ("prescale_gradients", "sparse_gradients"),
-         "it divides dense gradients by the world size before reducing them")
+    _off(
+        ds_config,
+        "",
+        ("prescale_gradients", "sparse_gradients"),
+        "it divides dense gradients by the world size before reducing them",
+    )
     predivide = ds_config.get("gradient_predivide_factor", 1.0)
     if predivide != 1.0:
-        _refuse("gradient_predivide_factor", "it divides gradients by the world size before reducing them",
-                "1.0", predivide)
+        _refuse(
+            "gradient_predivide_factor", "it divides gradients by the world size before reducing them", "1.0", predivide
+        )
     if ds_config.get("communication_data_type") is not None:
-        _refuse("communication_data_type", "its wire formats are ds_ext.zero_topo weights.gather_bits and gradients.bits", "unset", ds_config["communication_data_type"])
+        _refuse(
+            "communication_data_type",
+            "its wire formats are ds_ext.zero_topo weights.gather_bits and gradients.bits",
+            "unset",
+            ds_config["communication_data_type"],
+        )
     accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
     if accum is not None and accum not in _DTYPE_NAMES[dtype]:
-        _refuse("data_types.grad_accum_dtype", "it accumulates gradient shards in the training dtype",
-                f"unset or {_DTYPE_NAMES[dtype][0]!r}", accum)
+        _refuse(
+            "data_types.grad_accum_dtype",
+            "it accumulates gradient shards in the training dtype",
+            f"unset or {_DTYPE_NAMES[dtype][0]!r}",
+            accum,
+        )
 
 
 def check_model(model: nn.Module, experts: bool, pipeline: bool) -> None:
@@ -78,17 +102,29 @@ def check_model(model: nn.Module, experts: bool, pipeline: bool) -> None:
     pipeline one."""
     parallel = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
     if parallel:
-        _refuse("model", f"sequence parallelism: parameters such as {parallel[0]!r} are marked sequence_parallel, "
-                "their gradients partial sums over the tensor group that Megatron all-reduces outside DeepSpeed",
-                "tensor parallelism without --sequence-parallel", f"{len(parallel)} such parameters")
+        _refuse(
+            "model",
+            f"sequence parallelism: parameters such as {parallel[0]!r} are marked sequence_parallel, "
+            "their gradients partial sums over the tensor group that Megatron all-reduces outside DeepSpeed",
+            "tensor parallelism without --sequence-parallel",
+            f"{len(parallel)} such parameters",
+        )
     found = [n for n, p in model.named_parameters() if is_moe_param(p)]
     if found and pipeline:
-        _refuse("model", f"MoE expert parameters such as {found[0]!r} in a pipeline stage", "dense PipelineModules "
-                "in the pipeline form", f"{len(found)} expert parameters")
+        _refuse(
+            "model",
+            f"MoE expert parameters such as {found[0]!r} in a pipeline stage",
+            "dense PipelineModules in the pipeline form",
+            f"{len(found)} expert parameters",
+        )
     if found and not experts:
-        _refuse("model", f"DeepSpeed-MoE expert parameters (allreduce=False) such as {found[0]!r}: the job's layout "
-                "names no expert-data group to shard them over", "dense models, or MoE through ds_ext.ted",
-                f"{len(found)} expert parameters")
+        _refuse(
+            "model",
+            f"DeepSpeed-MoE expert parameters (allreduce=False) such as {found[0]!r}: the job's layout "
+            "names no expert-data group to shard them over",
+            "dense models, or MoE through ds_ext.ted",
+            f"{len(found)} expert parameters",
+        )
 
 
 def check_optimizer(optimizer: Any, ds_config: Mapping[str, Any]) -> str | None:
@@ -100,12 +136,23 @@ def check_optimizer(optimizer: Any, ds_config: Mapping[str, Any]) -> str | None:
     there is nothing to shard and it refuses."""
     section = ds_config.get("optimizer")
     if optimizer is None and section is None:
-        _refuse("optimizer", "it shards an optimizer's state and got none", "a torch.optim.Optimizer (or a "
-                "callable building one) passed as optimizer=..., or a ds_config 'optimizer' section", None)
+        _refuse(
+            "optimizer",
+            "it shards an optimizer's state and got none",
+            "a torch.optim.Optimizer (or a "
+            "callable building one) passed as optimizer=..., or a ds_config 'optimizer' section",
+            None,
+        )
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
-        _refuse("optimizer", "it shards the state of a torch optimizer", "a torch.optim.Optimizer, a callable "
-                "building one, or a ds_config 'optimizer' section", type(optimizer).__name__)
+        _refuse(
+            "optimizer",
+            "it shards the state of a torch optimizer",
+            "a torch.optim.Optimizer, a callable building one, or a ds_config 'optimizer' section",
+            type(optimizer).__name__,
+        )
     if optimizer is not None and section is not None:
-        return (f"{KEY}: the client optimizer ({type(optimizer).__name__}) is used and the ds_config 'optimizer' "
-                f"section (type {section.get('type')!r}) is not, as in DeepSpeed")
+        return (
+            f"{KEY}: the client optimizer ({type(optimizer).__name__}) is used and the ds_config 'optimizer' "
+            f"section (type {section.get('type')!r}) is not, as in DeepSpeed"
+        )
     return None

@@ -103,7 +103,11 @@ class FlatUnit:
     """One unit's parameters, shards and collectives (see module docstring)."""
 
     def __init__(
-        self, name: str, params: list[nn.Parameter], ctx: ShardContext, names: list[tuple[str, ...]],
+        self,
+        name: str,
+        params: list[nn.Parameter],
+        ctx: ShardContext,
+        names: list[tuple[str, ...]],
         whole: bool = False,
     ) -> None:
         """``whole``: the pipeline form (``ds_ext.zero_topo.pipeline``): the weights stay gathered;
@@ -233,8 +237,12 @@ class FlatUnit:
         if out is not None:
             self.full.copy_(to_shard_order(out, self.ctx.topo, levels))
         plan = self.ctx.plan
-        if plan.secondary is not None and not plan.secondary_from_primary and self.secondary is None \
-                and level >= plan.secondary:
+        if (
+            plan.secondary is not None
+            and not plan.secondary_from_primary
+            and self.secondary is None
+            and level >= plan.secondary
+        ):
             self.secondary = self._store_secondary(chunk(self.full, self.ctx.topo, self.ctx.rank, plan.secondary))
         self._pending = None
         self.gathered = True
@@ -282,8 +290,11 @@ class FlatUnit:
             # for one intra-node peer on every node are contiguous (the qgZ slice reorder).
             by_peer = from_shard_order(flat, ctx.topo, range(g))
             raw = from_shard_order(self.raw_blocks, ctx.topo, range(g))
-            self.grad_shard.add_(all_to_all_reduce_2hop(ctx.comm, by_peer, ctx.grad_quantizer, ctx.span(g - 1),
-                                                        ctx.group([g]), raw, ctx.dtype))
+            self.grad_shard.add_(
+                all_to_all_reduce_2hop(
+                    ctx.comm, by_peer, ctx.grad_quantizer, ctx.span(g - 1), ctx.group([g]), raw, ctx.dtype
+                )
+            )
         self.grads_ready = 0
 
     # ---- accounting ---------------------------------------------------------------------
