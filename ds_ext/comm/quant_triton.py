@@ -146,8 +146,8 @@ class TritonQuantKernels:
     nothing resets them).
 
     Launches after the first go straight to the compiled kernel: Triton's own dispatch (argument
-    binding, specialization, cache key) costs tens of microseconds per call, as long as the
-    kernel itself below about 2^24 elements. The kernels specialize on nothing but the pointer
+    binding, specialization, cache key) costs host time per call that small tensors' kernels do
+    not hide (docs/benchmarks/gpu.md). The kernels specialize on nothing but the pointer
     arguments' types and 16-byte alignment (the integers are ``do_not_specialize``; an integer
     from 2^31 up is a 64-bit argument), so the cache key holds exactly those. Triton's
     interpreter hands back no compiled kernel: there every call is dispatched.
