@@ -92,7 +92,7 @@ def install_tiled_zero_step(zero_opt, tiled, piecewise_loader: Loader, refuse_cl
         _refuse("torch_autocast")
     self = zero_opt
 
-    def group_update(i: int, norm) -> None:
+    def group_update(i: int, factor) -> None:
         partition_id = ds_dist.get_rank(group=self.real_dp_process_group[i])
         self.free_grad_in_param_list(self.params_not_in_partition[i])
         pre = self._get_preflattened_grad_partition(i)
@@ -101,10 +101,6 @@ def install_tiled_zero_step(zero_opt, tiled, piecewise_loader: Loader, refuse_cl
             _refuse("Muon")
         fp32 = self.single_partition_of_fp32_groups[i]
         bit16 = self.parallel_partitioned_bit16_groups[i][partition_id]
-        # DeepSpeed's own unscale / clip, run once on a one: its factor 1 / combined_scale, exactly
-        # (1.0 times it), which every tile then multiplies by as unscale_and_clip_grads would
-        factor = torch.ones(1, dtype=torch.float32, device=self.single_partition_of_fp32_groups[i].device)
-        self.unscale_and_clip_grads([factor], norm)
         load = piecewise_loader(pieces, int(self.partition_size[i]), lambda buf: buf.mul_(factor))
 
         def store(s: int, e: int) -> None:
@@ -170,8 +166,13 @@ def install_tiled_zero_step(zero_opt, tiled, piecewise_loader: Loader, refuse_cl
             return
         # 2. tiled up-cast, unscale/clip, update, copy back
         self.timers(z.OPTIMIZER_STEP_TIMER).start()
+        # DeepSpeed's own unscale / clip, run once per step on a one: its factor 1 / combined_scale,
+        # exactly (1.0 times it), which every tile of every group multiplies by as
+        # unscale_and_clip_grads would (its scale and clip are the step's, not a group's)
+        factor = torch.ones(1, dtype=torch.float32, device=self.single_partition_of_fp32_groups[0].device)
+        self.unscale_and_clip_grads([factor], norm)
         for i in range(len(self.bit16_groups)):
-            group_update(i, norm)
+            group_update(i, factor)
         tiled.end_step()
         self._lazy_init_hp_params_optimizer_state()
         self.timers(z.OPTIMIZER_STEP_TIMER).stop()
