@@ -50,7 +50,10 @@ def test_step_peak_is_bounded_by_the_tile_and_flat_in_experts(world):
     bound = 4 * MEM_TILE + 8 * max_param + SLACK
     for e in (4, 16):
         assert res[(e, MEM_TILE)] <= bound, (e, res, bound)
-    assert res[(16, MEM_TILE)] <= 1.25 * res[(4, MEM_TILE)], res
-    # untiled grows with the local expert parameters and breaks the tiled bound
+    # untiled grows with the local expert parameters and breaks the tiled bound; tiled
+    # stays flat: its growth is under a tenth of untiled's (a few hundred KiB of allocator
+    # noise between ranks and runs, so a growth, not a ratio of two small peaks)
     assert res[(16, None)] >= 2.5 * res[(4, None)], res
+    growth = {t: res[(16, t)] - res[(4, t)] for t in (None, MEM_TILE)}
+    assert growth[MEM_TILE] <= 0.1 * growth[None], (growth, res)
     assert res[(16, None)] > bound, (res, bound)
