@@ -356,7 +356,8 @@ class JobLayout(Layout):
         which an expert gradient's norm is summed after its expert-data group)."""
         roles = {r: getattr(self, f"{r}_axes") for r in self.ROLES}
         model = self.tensor_axes + self.pipeline_axes
-        experts = {"expert_model": model + self.expert_axes} if self.expert_axes else {}
+        expert_model = tuple(a for a in model + self.expert_axes if a not in self.expert_data_axes)
+        experts = {"expert_model": expert_model} if self.expert_axes else {}
         return {**{r: a for r, a in roles.items() if a}, "model": model, **experts}
 
     def degree(self, role: str) -> int:
@@ -374,17 +375,20 @@ class JobLayout(Layout):
         return cls(dims, tensor_axes=("tensor",), pipeline_axes=("pipeline",), data_axes=("data",), source=source)
 
     @classmethod
-    def of(cls, layout: Layout, source: str) -> "JobLayout":
+    def of(cls, layout: Layout, source: str, whole_experts: bool = False) -> "JobLayout":
         """The job view of a plugin's layout: TED (tensor; data = expert x expert-data) or a
-        3D-PMM grid (tensor = X x Y x Z; data)."""
+        3D-PMM grid (tensor = X x Y x Z; data). ``whole_experts``: TED's experts are kept whole
+        on every tensor rank, so the group that reduces their gradients (DeepSpeed's expert-data
+        group) is TED's ``expert_replicas`` (tensor x expert-data), not its ``expert_data``."""
         g = layout.GROUPS
+        expert_data = g.get("expert_replicas" if whole_experts else "expert_data", ())
         return cls(
             layout.parallel_dims,
             tensor_axes=g["tensor"],
             data_axes=g["data"],
             expert_axes=g.get("expert", ()),
-            expert_data_axes=g.get("expert_data", ()),
-            source=source,
+            expert_data_axes=expert_data,
+            source=source + (" (experts whole on every tensor rank)" if whole_experts else ""),
         )
 
     def check_groups(self, rank: int, groups: Mapping[str, Sequence[int]]) -> None:

@@ -12,7 +12,7 @@ hook order (:data:`HOOK_ORDER`) and calls its hooks around ``deepspeed.initializ
    (possibly wrapped) model, optimizer and ds_config dict. The other arguments the
    caller gave ``initialize`` (``mpu``, ``collate_fn``, ...) are in
    ``runtime.initialize_kwargs``, so a plugin can refuse what it cannot combine with;
-2. ``layout()`` right after the plugin's ``prepare``: the layout of its groups, which becomes
+2. ``job_layout()`` right after the plugin's ``prepare``: the view of its groups, which becomes
    the job's (``runtime.parallel``, a :class:`ds_ext.parallel.JobLayout`) for the plugins that
    prepare after it; ``mpu()`` after every ``prepare``: the model-parallel unit the plugin hands
    DeepSpeed (``None`` if it has none). At most one source of an mpu is allowed: the caller's (the
@@ -23,12 +23,15 @@ hook order (:data:`HOOK_ORDER`) and calls its hooks around ``deepspeed.initializ
 from __future__ import annotations
 
 import importlib
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
 
 from ds_ext.config_base import ConfigSection
 from ds_ext.errors import DsExtError
+
+if TYPE_CHECKING:
+    from ds_ext.parallel import JobLayout
 
 
 class PluginError(DsExtError, ValueError):
@@ -64,8 +67,8 @@ class Plugin:
         """The model-parallel unit this plugin gives DeepSpeed, or None."""
         return None
 
-    def layout(self) -> Any:
-        """The :class:`ds_ext.parallel.Layout` behind :meth:`mpu` (None without an mpu)."""
+    def job_layout(self) -> JobLayout | None:
+        """The job's parallel view of the groups behind :meth:`mpu` (None without an mpu)."""
         return None
 
     def gathered_parameters(self, params: Any, modify: bool, modifier_rank: int | None) -> Any:

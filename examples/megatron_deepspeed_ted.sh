@@ -6,7 +6,7 @@
 # MODE: ds_ext TED with DTD + CAC on, both off, CAC off; or deepspeed: plain DeepSpeed MoE, no ds_ext
 # (the reference of whole experts). zero1 / zero-topo: 8 ranks (expert-data 2, global batch 4), TED with
 # DeepSpeed ZeRO-1 (--create-moe-param-group) / with ZeRO-topo unquantized (dense part over the data
-# group, experts over their expert-data group). ARGS are appended to pretrain_gpt.py's (later flags win).
+# group, experts over their expert-data group; whole experts over tensor x expert-data). ARGS are appended to pretrain_gpt.py's (later flags win).
 # needs MDS, DS0196, EXTRA, DATA: see examples/megatron_deepspeed_common.sh (examples/megatron_deepspeed_env.sh
 # builds them and prints the exports).
 # --use-cpu-initialization with split experts: Megatron initializes every weight whole and slices it, so

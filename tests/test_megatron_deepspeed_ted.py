@@ -168,14 +168,15 @@ def test_pretrain_gpt_tp2_ep2_equals_off_and_serial_reference(request, tmp_path,
     assert on[-1] < on[0]
 
 
-def test_zero_topo_beside_ted_equals_ted_with_deepspeed_zero1():
+@pytest.mark.parametrize("etp", [1, 0], ids=["experts-split", "experts-whole"])
+def test_zero_topo_beside_ted_equals_ted_with_deepspeed_zero1(etp):
     """Issue 36: 8 ranks (tensor 2 x expert 2 x expert-data 2, global batch 4), experts split over
-    the tensor group (``--enable-expert-tensor-parallelism``): TED with ZeRO-topo unquantized (the
-    dense part sharded over the data group, the experts over their expert-data group) prints the lm
-    losses of TED with DeepSpeed's own ZeRO-1 (MoE param groups, ``--create-moe-param-group``)
-    within 1e-6, 10 iterations, clipping at 1.0. Whole experts (the client's default) are refused
-    beside ZeRO-topo at tensor parallel 2 (tests/test_ted_training.py)."""
-    ref = _ted(1, 0, "zero1")
-    ours = _ted(1, 0, "zero-topo")
+    the tensor group (``--enable-expert-tensor-parallelism``) or whole (the client's default): TED
+    with ZeRO-topo unquantized (the dense part sharded over the data group, the experts over their
+    expert-data group; whole experts over tensor x expert-data) prints the lm losses of TED with
+    DeepSpeed's own ZeRO-1 (MoE param groups, ``--create-moe-param-group``) within 1e-6, 10
+    iterations, clipping at 1.0."""
+    ref = _ted(etp, 0, "zero1")
+    ours = _ted(etp, 0, "zero-topo")
     assert len(ours) == len(ref) == 10
     assert ours == pytest.approx(ref, rel=1e-6, abs=0)

@@ -64,16 +64,17 @@ def _equal_over(group, tensor):
 UNQUANTIZED = {"weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}}
 
 
-def _zero_topo_run(zero_topo, steps=4):
-    """TED at T 2 x P 2 x expert-data 2 with clipping: ``zero_topo`` (stage 0) or DeepSpeed ZeRO-1
-    (None). Losses, global norms and this rank's parameters after ``steps`` steps; with ZeRO-topo
-    also its ledger's step phase and analytic model."""
+def _zero_topo_run(zero_topo, whole, steps=4):
+    """TED at T 2 x P 2 x expert-data 2 with clipping, experts split over the tensor group or
+    ``whole`` on every tensor rank: ``zero_topo`` (stage 0) or DeepSpeed ZeRO-1 (None). Losses,
+    global norms and this rank's parameters after ``steps`` steps; with ZeRO-topo also its
+    ledger's step phase and analytic model."""
     import torch
     import torch.distributed as dist
 
     import ted_support as ts
 
-    cfg = ts.config(drop_tokens=False)
+    cfg = ts.config(drop_tokens=False, expert_tensor_parallel=not whole)
     plugins = (
         {"comm": {"count_torch_collectives": False}, "zero_topo": {"enabled": True, **zero_topo}} if zero_topo else None
     )
@@ -101,6 +102,7 @@ def _zero_topo_run(zero_topo, steps=4):
         plugin = engine.ds_ext.plugin("zero_topo")
         out |= {
             "describe": plugin.describe(),
+            "expert_group": plugin.experts.members,
             "analytic": plugin.analytic_traffic(1).bytes,
             "measured": {ph: dict(v) for ph, v in engine.ds_ext.ledger.steps[-1].by_phase().items()},
         }
@@ -109,15 +111,17 @@ def _zero_topo_run(zero_topo, steps=4):
     return out
 
 
-def test_zero_topo_shards_dense_and_experts_equal_to_deepspeed_zero1(world):
+@pytest.mark.parametrize("whole", [False, True], ids=["experts_split", "experts_whole"])
+def test_zero_topo_shards_dense_and_experts_equal_to_deepspeed_zero1(world, whole):
     """ZeRO-topo beside TED (unquantized): non-expert parameters over the data group, experts over
-    their expert-data group (averaged as DeepSpeed-MoE does), the global norm over both: losses,
-    norms (clipping active) and every parameter equal TED with DeepSpeed ZeRO-1 within 1e-6; the
-    step's collectives equal ZeRO-topo's analytic model of both groups."""
+    their expert-data group (averaged as DeepSpeed-MoE does; whole experts over tensor x
+    expert-data), the global norm over both: losses, norms (clipping active) and every parameter
+    equal TED with DeepSpeed ZeRO-1 within 1e-6; the step's collectives equal ZeRO-topo's
+    analytic model of both groups."""
     import torch
 
-    ref = world.run(_zero_topo_run, None)
-    ours = world.run(_zero_topo_run, UNQUANTIZED)
+    ref = world.run(_zero_topo_run, None, whole)
+    ours = world.run(_zero_topo_run, UNQUANTIZED, whole)
     for r, o in zip(ref, ours):
         assert o["losses"] == pytest.approx(r["losses"], rel=1e-6, abs=0)
         assert o["norms"] == pytest.approx(r["norms"], rel=1e-6, abs=0)
@@ -126,6 +130,8 @@ def test_zero_topo_shards_dense_and_experts_equal_to_deepspeed_zero1(world):
             torch.testing.assert_close(o["params"][name], p, rtol=1e-6, atol=1e-6, msg=name)
         assert o["measured"]["step"] == o["analytic"]["step"]
     assert "experts: " in ours[0]["describe"] and "expert-data-parallel group" in ours[0]["describe"]
+    # whole experts are sharded over 4 ranks (tensor x expert-data), split ones over 2
+    assert ours[0]["expert_group"] == ((0, 1, 4, 5) if whole else (0, 4))
 
 
 # ---- PCCL: ds_ext's and DeepSpeed's all-gathers / reduce-scatters by 001 §6.2's algorithm ----
@@ -164,13 +170,13 @@ def test_pccl_equals_native_collectives(world):
 
 
 # ---- ZeRO-1/2 with gradient clipping against the serial model ------------------------------
-def _zero_vs_serial(stage, clip, steps=5):
+def _zero_vs_serial(stage, clip, whole=False, steps=5):
     import torch
     import torch.distributed as dist
 
     import ted_support as ts
 
-    cfg = ts.config(drop_tokens=False)
+    cfg = ts.config(drop_tokens=False, expert_tensor_parallel=not whole)
     serial = ts.serial_model(cfg)
     engine, ted = _engine(cfg, serial.state_dict(), 2, 4, stage, gradient_clipping=clip)
     sopt = torch.optim.AdamW(serial.parameters(), lr=LR, weight_decay=WD)
@@ -197,12 +203,14 @@ def _zero_vs_serial(stage, clip, steps=5):
     return out, n, differ, sum("gate.wg" in name for name in replicated)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_zero_with_clipping_matches_serial(world, stage):
+@pytest.mark.parametrize("stage,whole", [(0, False), (1, False), (2, False), (1, True)])
+def test_zero_with_clipping_matches_serial(world, stage, whole):
     """One global norm over expert and non-expert parameters, each counted once; the gate and
     every replicated parameter stay bit-identical over the tensor group. Stage 0 (Megatron-
-    DeepSpeed's MoE example config) clips by ds_ext.moe.grad_norm; the old code refused it."""
-    for out, n, differ, gates in world.run(_zero_vs_serial, stage, 0.05):
+    DeepSpeed's MoE example config) clips by ds_ext.moe.grad_norm; the old code refused it.
+    Whole experts at ZeRO-1: DeepSpeed partitions them over tensor x expert-data and counts
+    every rank's partition (without the model_parallel mark it missed tensor rank 1's)."""
+    for out, n, differ, gates in world.run(_zero_vs_serial, stage, 0.05, whole):
         assert n >= 25 and gates == 1 and differ == []
         for loss, sloss, norm, snorm in out:
             assert abs(loss - sloss) <= 1e-5 * sloss
@@ -392,8 +400,9 @@ def _bad(case):
         elif case == "expert_hidden":
             T, P = 4, 2
             model = moe(ep_size=2, expert=nn.Sequential(nn.Linear(32, 30), nn.GELU(), nn.Linear(30, 32)))
-        elif case == "whole_experts_zero_topo":
+        elif case == "mixed_experts_zero_topo":
             model = moe(enable_expert_tensor_parallelism=False, ep_size=2)
+            model["split"] = moe(ep_size=2)["moe"]
             T, P, ds_kw = 2, 2, dict(plugins={"zero_topo": {"enabled": True}})
         elif case == "whole_experts_without_dtd":
             model = moe(enable_expert_tensor_parallelism=False)
@@ -431,8 +440,8 @@ BAD = {
     "zero3": "ds_ext.ted: zero_optimization.stage 3 is not supported (DeepSpeed's MoE parameter groups need ZeRO <= 2; "
     "001 §7.1 uses ZeRO-1); allowed: 0, 1, 2",
     # ted's refusal comes first (the plugins that define the layout prepare first: ds_ext.plugin.HOOK_ORDER)
-    "zero_topo": "ds_ext.ted: expert_data_parallel 1 (tensor 2 x expert 4 fill the world) with ds_ext.zero_topo: no "
-    "expert-data group to shard the experts over; allowed: expert_data_parallel >= 2",
+    "zero_topo": "ds_ext.ted: expert_data_parallel 1 (tensor 2 x expert 4 fill the world, experts split over the "
+    "tensor group) with ds_ext.zero_topo: no group to shard the experts over; allowed: expert_data_parallel >= 2",
     "clip_stage0_bf16": "ds_ext.ted: gradient_clipping 1.0 with zero_optimization.stage 0 and bf16: DeepSpeed's bf16 "
     "optimizer clips with its own norm, which does not count expert parameters once (DeepSpeed "
     "clips at 1.0 when the key is absent); allowed: stage 0 in fp32, stage 1 or 2, or "
@@ -440,11 +449,9 @@ BAD = {
     "heads": "ds_ext.ted: blocks.0.attn n_heads 2 is not divisible by tensor_parallel 4",
     "hidden": "ds_ext.ted: fc.out_features 30 is not divisible by tensor_parallel 4",
     "expert_hidden": "ds_ext.ted: moe expert hidden size 30 is not divisible by tensor_parallel 4",
-    "whole_experts_zero_topo": "ds_ext.ted: moe keeps its experts whole on every tensor rank "
-    "(enable_expert_tensor_parallelism=False) at tensor_parallel 2 with ds_ext.zero_topo, "
-    "which shards experts over their expert-data group only; allowed: "
-    "enable_expert_tensor_parallelism=True (Megatron-DeepSpeed: "
-    "--enable-expert-tensor-parallelism) or tensor_parallel 1",
+    "mixed_experts_zero_topo": "ds_ext.ted: moe keeps its experts whole on every tensor rank and split splits them "
+    "(enable_expert_tensor_parallelism) with ds_ext.zero_topo, which shards every expert over one expert-data "
+    "group; allowed: the same enable_expert_tensor_parallelism in every layer",
     "whole_experts_without_dtd": "ds_ext.ted: moe keeps its experts whole on every tensor rank "
     "(enable_expert_tensor_parallelism=False) at tensor_parallel 2, so each tensor rank "
     "must run only its share of the tokens: duplicate_token_dropping must be true "

@@ -409,7 +409,10 @@ def _checkpoint(tmp):
 
 def test_checkpoint_round_trip_under_tensor_parallelism(world, tmp_path):
     """Each model-parallel rank's shards in a folder of their own: resuming from them repeats the
-    losses bit for bit; another model-parallel size is refused in one line on every rank."""
+    losses bit for bit; another model-parallel size is refused in one line on every rank;
+    ``consolidate`` refuses tensor-parallel slices in one line (it joins pipeline stages only)."""
+    from ds_ext.zero_topo.checkpoint import CheckpointError, consolidate
+
     for after, resumed, refused in world.run(_checkpoint, str(tmp_path)):
         assert resumed == after
         assert refused is not None and "was saved with model-parallel size 2, this run has 1" in refused, refused
@@ -418,6 +421,8 @@ def test_checkpoint_round_trip_under_tensor_parallelism(world, tmp_path):
     assert sorted(p.name for p in (tmp_path / "t2" / parts[1]).iterdir()) == [
         f"ds_ext_zero_topo_rank{r:05d}.pt" for r in range(4)
     ]
+    with pytest.raises(CheckpointError, match=r"tensor parallel 2\), which ds_ext cannot join"):
+        consolidate(tmp_path / "t2")
 
 
 # ---- ZeRO-topo over 3D-PMM's data axis (000 §V-B) ---------------------------------------------

@@ -222,6 +222,7 @@ def _checkpoint(tmp):
     engine = _engine(2, {"preset": "zero_topo"})
     _train(engine, range(2))
     engine.save_checkpoint(tmp, tag="t2")
+    masters = _masters(engine.ds_ext.plugin("zero_topo"))
     after = _train(engine, range(2, 4))
     engine.destroy()
     fresh = _engine(2, {"preset": "zero_topo"}, perturb=True)
@@ -236,15 +237,46 @@ def _checkpoint(tmp):
         refused = str(err)
     other.destroy()
     dist.barrier()
-    return after, resumed, refused
+    return after, resumed, refused, masters
+
+
+def _masters(plugin):
+    """The fp32 masters of this rank's stage, gathered from its data-parallel group's optimizer
+    slices (by name; a tied weight under each of its names)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = [(u.name, plugin.optimizer.own_range(u)[0] + lo, m.clone()) for u, lo, _, m in plugin.optimizer.segments]
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, mine)
+    full = {}
+    for unit in plugin.sharded.all_units:
+        flat = torch.full((unit.U,), float("nan"))
+        for name, start, values in (piece for rank_pieces in pieces for piece in rank_pieces):
+            if name == unit.name:
+                flat[start : start + values.numel()] = values
+        for names, shape, off in zip(unit.param_names, unit.shapes, unit.offsets):
+            full |= {n: flat[off : off + shape.numel()].view(shape).clone() for n in names}
+    return full
 
 
 def test_checkpoint_round_trip_in_the_pipeline_form(world, tmp_path):
     """DeepSpeed's per-layer files with ZeRO-topo's optimizer shards beside them, one folder per
-    stage: resuming repeats the losses bit for bit; another pipeline size is refused in one line."""
-    for after, resumed, refused in world.run(_checkpoint, str(tmp_path)):
+    stage: resuming repeats the losses bit for bit; another pipeline size is refused in one line;
+    ``consolidate`` joins the stages into the masters of the running job (the tied weight once)."""
+    import torch
+
+    from ds_ext.zero_topo.checkpoint import consolidate
+
+    full = {}
+    for after, resumed, refused, masters in world.run(_checkpoint, str(tmp_path)):
         assert resumed == after
         assert refused is not None and "was saved with model-parallel size 2, this run has 1" in refused, refused
+        full |= masters
+    state = consolidate(tmp_path / "t2")
+    assert set(state) == set(full) and "tied_modules.embed.weight" in state
+    for name, value in full.items():
+        assert not torch.isnan(value).any() and torch.equal(state[name], value), name
     parts = sorted(p.name for p in (tmp_path / "t2").iterdir() if p.is_dir())
     assert parts == ["ds_ext_zero_topo_mp00", "ds_ext_zero_topo_mp01"]
     assert any(p.name.startswith("layer_") for p in (tmp_path / "t2").iterdir())

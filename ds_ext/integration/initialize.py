@@ -244,9 +244,9 @@ def initialize(
         ds_engine.rebind_backend_collectives()
     for plugin in runtime.plugins:
         model, optimizer, ds_config = plugin.prepare(model, optimizer, ds_config)
-        layout = plugin.layout()
+        layout = plugin.job_layout()
         if layout is not None:
-            runtime.parallel = JobLayout.of(layout, f"ds_ext.{plugin.name}")
+            runtime.parallel = layout
     kwargs = _with_plugin_mpu(runtime, kwargs)
     runtime.model_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     engine, opt, loader, sched = deepspeed_initialize()(

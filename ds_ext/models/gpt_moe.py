@@ -51,6 +51,9 @@ class GPTMoEConfig:
     moe_every: int = 2
     checkpoint: Literal["none", "torch", "torch-reentrant", "deepspeed"] = "none"
     moe_impl: Literal["ted", "deepspeed"] = "ted"
+    # TEDMoE's enable_expert_tensor_parallelism: experts split over the tensor group, or whole
+    # on every tensor rank (each runs its share of the tokens: duplicate token dropping)
+    expert_tensor_parallel: bool = True
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -128,7 +131,7 @@ def moe_layer(cfg: GPTMoEConfig) -> nn.Module:
         from deepspeed.moe.layer import MoE
 
         return MoE(d, expert, **kwargs)
-    return TEDMoE(d, expert, enable_expert_tensor_parallelism=True, **kwargs)
+    return TEDMoE(d, expert, enable_expert_tensor_parallelism=cfg.expert_tensor_parallel, **kwargs)
 
 
 class Block(nn.Module):

@@ -221,6 +221,17 @@ class TEDMoE(ds_moe.MoEBase):
         self.ted = ted
         self.ted_tape = Tape(f"TEDMoE[{index}]")
 
+    def count_zero_partitions(self) -> None:
+        """ZeRO-1/2 partition whole experts beside tensor parallelism over their gradient group,
+        ``expert_replicas`` (tensor x expert-data), so every rank's partition is distinct; DeepSpeed's
+        norm (``get_grad_norm_direct``) counts a partition on tensor rank 0 only unless the parameter
+        is model-parallel (``is_model_parallel_parameter``: the ``model_parallel`` mark), and would
+        miss the other tensor ranks' partitions. ds_ext's own norms read ``tensor_model_parallel``."""
+        if self.expert_partitioning == "whole" and self.ted.layout.tensor > 1:
+            for mlp in self._mlps():
+                for p in mlp.parameters():
+                    p.model_parallel = True
+
     def _replicate_whole(self, ted: TEDContext) -> None:
         """Whole experts are one parameter replicated over the tensor group (their gradients are
         reduced over ``expert_replicas``), so every tensor rank must start from the same copy:

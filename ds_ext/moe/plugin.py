@@ -31,7 +31,7 @@ from ds_ext.errors import DsExtConfigError
 from ds_ext.moe.config import TEDConfig
 from ds_ext.moe.context import TEDContext
 from ds_ext.mpu import MegatronMPU
-from ds_ext.parallel import GroupError, TEDLayout
+from ds_ext.parallel import GroupError, JobLayout, TEDLayout
 from ds_ext.plugin import Plugin, register_plugin
 
 KEY = "ds_ext.ted"
@@ -75,24 +75,36 @@ def _check_param_groups(optimizer: Any, ds_config: dict) -> None:
             )
 
 
-def _check_beside_zero_topo(layout: TEDLayout, layers: list[tuple[str, Any]]) -> None:
-    """ZeRO-topo shards experts over their expert-data group only: it needs one of two ranks or more,
-    and experts split over the tensor group (whole ones would need tensor x expert-data)."""
-    if layout.expert_data == 1:
-        _refuse(
-            f"expert_data_parallel 1 (tensor {layout.tensor} x expert {layout.expert} fill the world) with "
-            "ds_ext.zero_topo: no expert-data group to shard the experts over; allowed: expert_data_parallel >= 2"
-        )
+def _whole_experts(layout: TEDLayout, layers: list[tuple[str, Any]], beside_zero_topo: bool) -> bool:
+    """Whether the TED layers keep their experts whole on every tensor rank beside tensor
+    parallelism (their gradients then reduce over ``expert_replicas``: the job's expert-data
+    group). Beside ZeRO-topo, which shards every expert over that one group, the layers must
+    agree and the group must hold two ranks or more."""
     from ds_ext.moe.layer import TEDMoE  # imports DeepSpeed: kept out of ``ds-ext schema``
 
-    for name, module in layers:
-        if isinstance(module, TEDMoE) and layout.tensor > 1 and not module.enable_expert_tensor_parallelism:
-            _refuse(
-                f"{name} keeps its experts whole on every tensor rank (enable_expert_tensor_parallelism=False) "
-                f"at tensor_parallel {layout.tensor} with ds_ext.zero_topo, which shards experts over their "
-                "expert-data group only; allowed: enable_expert_tensor_parallelism=True (Megatron-DeepSpeed: "
-                "--enable-expert-tensor-parallelism) or tensor_parallel 1"
-            )
+    whole = {
+        name: layout.tensor > 1 and not m.enable_expert_tensor_parallelism
+        for name, m in layers
+        if isinstance(m, TEDMoE)
+    }
+    if not beside_zero_topo:
+        return any(whole.values())
+    if len(set(whole.values())) > 1:
+        first = next(n for n, w in whole.items() if w)
+        other = next(n for n, w in whole.items() if not w)
+        _refuse(
+            f"{first} keeps its experts whole on every tensor rank and {other} splits them "
+            "(enable_expert_tensor_parallelism) with ds_ext.zero_topo, which shards every expert over one "
+            "expert-data group; allowed: the same enable_expert_tensor_parallelism in every layer"
+        )
+    is_whole = any(whole.values())
+    if layout.expert_data * (layout.tensor if is_whole else 1) == 1:
+        _refuse(
+            f"expert_data_parallel 1 (tensor {layout.tensor} x expert {layout.expert} fill the world, experts "
+            f"{'whole' if is_whole else 'split over the tensor group'}) with ds_ext.zero_topo: no group to "
+            "shard the experts over; allowed: expert_data_parallel >= 2"
+        )
+    return is_whole
 
 
 @register_plugin
@@ -103,6 +115,7 @@ class TEDPlugin(Plugin):
     Config = TEDConfig
 
     ted: TEDContext
+    whole_experts: bool  # experts whole on every tensor rank beside tensor parallelism (see _whole_experts)
 
     def check(self, model: Any) -> None:
         """Refuse a PipelineModule: TED's layout has no pipeline axis."""
@@ -126,8 +139,7 @@ class TEDPlugin(Plugin):
         except GroupError as err:
             raise DsExtConfigError(str(err)) from None
         layers = self._layers(model, layout)
-        if any(p.name == "zero_topo" for p in rt.plugins):
-            _check_beside_zero_topo(layout, layers)
+        self.whole_experts = _whole_experts(layout, layers, any(p.name == "zero_topo" for p in rt.plugins))
         _check_param_groups(optimizer, ds_config)
         self.ted = TEDContext.create(
             layout,
@@ -137,8 +149,11 @@ class TEDPlugin(Plugin):
             cfg.seed,
             cfg.cac_stash == "lean",
         )
+        zero_partitions = (ds_config.get("zero_optimization") or {}).get("stage", 0) > 0
         for index, (_, module) in enumerate(layers):
             module.ted_bind(self.ted, index)
+            if zero_partitions and hasattr(module, "count_zero_partitions"):
+                module.count_zero_partitions()
         self.layers = [m for _, m in layers]
         return model, optimizer, ds_config
 
@@ -180,8 +195,8 @@ class TEDPlugin(Plugin):
     def mpu(self) -> MegatronMPU:
         return self.ted.mpu()
 
-    def layout(self) -> TEDLayout:
-        return self.ted.layout
+    def job_layout(self) -> JobLayout:
+        return JobLayout.of(self.ted.layout, "ds_ext.ted", whole_experts=self.whole_experts)
 
     def _clip_with_global_norm(self, engine: Any) -> None:
         from ds_ext.integration.ds_engine import replace_fp32_clipping

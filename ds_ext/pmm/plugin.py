@@ -27,7 +27,7 @@ import torch
 from ds_ext.errors import DsExtConfigError
 from ds_ext.groups import build_process_groups
 from ds_ext.mpu import MegatronMPU
-from ds_ext.parallel import Grid, GridError
+from ds_ext.parallel import Grid, GridError, JobLayout
 from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.pmm.config import KEY, Pmm3dConfig
 from ds_ext.pmm.engine import PMMEngine
@@ -161,8 +161,8 @@ class Pmm3dPlugin(Plugin):
     def describe(self) -> str:
         return f"grid {self.grid} (x, y, z, data)"
 
-    def layout(self) -> Grid:
-        return self.grid
+    def job_layout(self) -> JobLayout:
+        return JobLayout.of(self.grid, "ds_ext.pmm3d")
 
     def mpu(self) -> MegatronMPU:
         """Model parallel = the tensor grid X x Y x Z (DeepSpeed sums gradient norms over it,

@@ -16,7 +16,9 @@ traces mean a slow peer, and the wait goes on.
 
 Contract: the trace is per process and per :class:`UnitTrace` (one per ZeRO-topo model,
 numbered in creation order, which is the same on every rank); it holds the last
-:data:`KEEP` collectives; nothing is sent while collectives complete.
+:data:`KEEP` collectives; nothing is sent while collectives complete. A trace is compared with
+those of the ranks that run the same units: every rank (the sharded form), or the rank's
+data-parallel group (the pipeline form, where each stage has a unit of its own).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import itertools
 import json
 import time
 from collections import deque
+from collections.abc import Sequence
 
 from ds_ext.comm.collectives import CommError
 
@@ -41,8 +44,10 @@ class UnitDisagreementError(CommError):
 class UnitTrace:
     """The units of this rank's ZeRO-topo collectives; a ``Communicator`` watch."""
 
-    def __init__(self, rank: int, world_size: int, check_s: float) -> None:
+    def __init__(self, rank: int, world_size: int, check_s: float, peers: Sequence[int] | None = None) -> None:
+        """``peers``: the global ranks that run this rank's units (None: every rank)."""
         self.rank, self.world_size, self.check_s = rank, world_size, check_s
+        self.peers = tuple(range(world_size)) if peers is None else tuple(peers)
         self._key = f"ds_ext/zero_topo/trace/{next(_instances)}"
         self._entries: deque[tuple[int, str, str]] = deque(maxlen=KEEP)
         self._seq = 0
@@ -66,7 +71,7 @@ class UnitTrace:
             while True:
                 peers = self._published_peers()
                 self._check(peers)
-                if len(peers) == self.world_size - 1 or time.monotonic() > deadline:
+                if len(peers) == len(self.peers) - 1 or time.monotonic() > deadline:
                     return
                 time.sleep(0.05)
         except UnitDisagreementError:
@@ -87,7 +92,7 @@ class UnitTrace:
             self._report(store, verdict)
         store.set(f"{self._key}/{self.rank}", json.dumps(list(self._entries)))
         peers = {}
-        for r in range(self.world_size):
+        for r in self.peers:
             key = f"{self._key}/{r}"
             if r != self.rank and store.check([key]):
                 peers[r] = [tuple(e) for e in json.loads(store.get(key))]

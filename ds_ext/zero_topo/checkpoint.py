@@ -204,10 +204,11 @@ def new_save_id() -> str:
     return box[0]
 
 
-def shard_state(ctx: Any, step: int, save_id: str, state: dict) -> dict:
+def shard_state(ctx: Any, step: int, save_id: str, state: dict, model_parallel: dict[str, int]) -> dict:
     """This rank's shard (module docstring): the metadata of the save, of ``ctx`` (the rank's
-    :class:`~ds_ext.zero_topo.units.ShardContext`: topology, plan, dtype) and ``state`` (the
-    plugin's ``state_dict()``: units, optimizer slices, segments, optimizer, loss scaler)."""
+    :class:`~ds_ext.zero_topo.units.ShardContext`: topology, plan, dtype), the job's
+    ``model_parallel`` degrees (``tensor``, ``pipeline``) and ``state`` (the plugin's
+    ``state_dict()``: units, optimizer slices, segments, optimizer, loss scaler)."""
     topo, plan = ctx.topo, ctx.plan
     n_opt = shard_count(topo, plan.optimizer)
     return {
@@ -219,6 +220,7 @@ def shard_state(ctx: Any, step: int, save_id: str, state: dict) -> dict:
         "plan": plan.describe(),
         "dtype": str(ctx.dtype).removeprefix("torch."),
         "step": step,
+        "model_parallel": dict(model_parallel),
         "units": state["units"],
         "optimizer_shards": n_opt,
         "optimizer_shard_of_rank": [shard_index(topo, r, plan.optimizer) for r in range(topo.world_size)],
@@ -351,16 +353,35 @@ def compare_units(saved: list[dict], here: list[dict], where: Path) -> str | Non
 
 def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
     """The full fp32 state dict (every name of tied parameters) from a checkpoint's shards:
-    trainable parameters from the fp32 masters, frozen ones from the 16-bit weights. A
-    checkpoint of model-parallel slices is refused (joining them needs the model's partition
+    trainable parameters from the fp32 masters, frozen ones from the 16-bit weights. Pipeline
+    stages (tensor parallel 1: each part holds whole parameters of its own layers) are joined by
+    name, a weight tied across stages (held by each) once, after checking its copies agree; a
+    checkpoint of tensor-parallel slices is refused (joining them needs the model's partition
     dimensions)."""
     parts = model_parallel_parts(tag_dir)
-    if parts:
+    if not parts:
+        return _consolidate_part(tag_dir)
+    degrees = SavedCheckpoint.open(parts[0]).meta.get("model_parallel", {})
+    if degrees.get("tensor") != 1:
         raise CheckpointError(
-            f"checkpoint {tag_dir} holds the slices of {len(parts)} model-parallel ranks, which "
-            "ds_ext cannot join without the model's partition dimensions; allowed: a checkpoint "
-            "saved with model-parallel size 1"
+            f"checkpoint {tag_dir} holds the slices of {len(parts)} model-parallel ranks (tensor parallel "
+            f"{degrees.get('tensor', 'unrecorded')}), which ds_ext cannot join without the model's partition "
+            "dimensions; allowed: a checkpoint saved with tensor parallel 1 (pipeline stages are joined)"
         )
+    out: dict[str, torch.Tensor] = {}
+    for stage, part in enumerate(parts):
+        for name, value in _consolidate_part(part).items():
+            if name in out and not torch.equal(out[name], value):
+                raise CheckpointError(
+                    f"checkpoint {tag_dir}: {name!r} differs between pipeline stages (a tied weight's copies "
+                    f"must agree; stage {stage} holds another value)"
+                )
+            out.setdefault(name, value)
+    return out
+
+
+def _consolidate_part(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """:func:`consolidate` of one data-parallel group's shards."""
     ckpt = SavedCheckpoint.open(tag_dir)
     ckpt.verify(range(ckpt.meta["world_size"]))
     out: dict[str, torch.Tensor] = {}

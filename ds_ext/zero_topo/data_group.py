@@ -22,6 +22,11 @@ MoE experts (TED, 001 §7.1) are sharded over their expert-data-parallel group i
 ``expert_data``): each expert rank holds other experts, so their norm sums over
 ``expert_model`` (tensor x pipeline x expert); their gradients are averaged as DeepSpeed-MoE
 averages them (summed over the expert-data group, divided by the dense data-parallel size).
+Experts kept whole on every tensor rank (DeepSpeed's ``enable_expert_tensor_parallelism=False``
+beside tensor parallelism) have TED's ``expert_replicas`` (tensor x expert-data) as that group:
+each tensor rank ran its share of the tokens through the whole expert (duplicate token
+dropping), so their gradients sum over it, every rank's shard is distinct (all count in the
+norm), and the norm then sums over pipeline x expert only.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class DataGroup:
     members: tuple[int, ...]  # the group's global ranks, ascending
     partition: Partition  # every data-parallel group of the job
     model_rank: int  # this rank's position in its model-parallel group (tensor x pipeline)
-    tensor_rank: int  # this rank's position in its tensor group (0: it counts replicated parameters)
+    tensor_rank: int  # position along the tensor axes the group does not span (0: counts replicated parameters)
     model_size: int
     model_level: str | None  # the outermost world level the model-parallel group crosses
     model_role: str  # that group's role in the layout: ``model`` or ``expert_model``
@@ -72,7 +77,7 @@ class DataGroup:
             members,
             partition,
             dims.group_rank(layout.GROUPS[model], rank),
-            dims.group_rank(layout.GROUPS.get("tensor", ()), rank),
+            dims.group_rank([a for a in layout.GROUPS.get("tensor", ()) if a not in layout.GROUPS[role]], rank),
             layout.degree(model),
             world.level_of(member_group(layout.partition(model), rank)),
             model,

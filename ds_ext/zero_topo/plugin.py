@@ -171,7 +171,8 @@ class ZeroTopoPlugin(Plugin):
             )
         trace = None
         if self.config.agreement_check_s > 0:
-            trace = UnitTrace(rt.rank, rt.topology.world_size, self.config.agreement_check_s)
+            peers = self.data.members if self.pipeline else None  # each stage runs a unit of its own
+            trace = UnitTrace(rt.rank, rt.topology.world_size, self.config.agreement_check_s, peers)
             rt.comm.watch = trace
         device = next(engine.module.parameters()).device
 
@@ -309,8 +310,10 @@ class ZeroTopoPlugin(Plugin):
             save_id = ckpt.new_save_id()
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
+                degrees = {axis: self.runtime.parallel.degree(axis) for axis in ("tensor", "pipeline")}
                 ckpt.atomic_save(
-                    ckpt.shard_state(self.sharded.ctx, engine.global_steps, save_id, self.state_dict()), path
+                    ckpt.shard_state(self.sharded.ctx, engine.global_steps, save_id, self.state_dict(), degrees),
+                    path,
                 )
             except OSError as err:
                 error = f"cannot write {path}: {err}"
