@@ -18,23 +18,27 @@
 # (stage 0 in its config).
 # FINAL_DUMP=DIR: also write each rank's initial and final parameters and, under ZeRO-topo, the last
 # step's ledger (tests/megatron_dump_final.py).
+# PLUGINS='"tiled_optimizer": {...}' (or "pccl"): more ds_ext sections, beside ZeRO-topo or, with zero1,
+# beside DeepSpeed's ZeRO-1 (then through ds_ext's launcher too).
 set -euo pipefail
 mode=$1; shift
 source "$(dirname "$0")/megatron_deepspeed_common.sh"  # repo, mds_env, mds_gpt
 topology='"topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": true}'
+plugins=${PLUGINS:+, $PLUGINS}
 case $mode in
-  zero1) stage=1 ds_ext='' ;;
+  zero1) stage=1 ds_ext=''
+    [ -n "${PLUGINS:-}" ] && ds_ext=', "ds_ext": {'$topology$plugins'}' ;;
   unquantized) stage=0 wire='"weights": {"gather_bits": 16}, "secondary": {"bits": 16}, '
     [ -n "${PP:-}" ] && wire=''  # the pipeline form keeps weights whole: no weight wire to set
     ds_ext=', "ds_ext": {'$topology', "zero_topo": {"enabled": true, "preset": "zero_topo",
-      '$wire'"gradients": {"bits": 16, "hops": 1}}}' ;;
-  quantized) stage=0 ds_ext=', "ds_ext": {'$topology', "zero_topo": {"enabled": true, "preset": "zero_topo"}}' ;;
+      '$wire'"gradients": {"bits": 16, "hops": 1}}'$plugins'}' ;;
+  quantized) stage=0 ds_ext=', "ds_ext": {'$topology', "zero_topo": {"enabled": true, "preset": "zero_topo"}'$plugins'}' ;;
   *) echo "MODE: zero1 | unquantized | quantized (got $mode)" >&2; exit 2 ;;
 esac
 run=(-m ds_ext.run pretrain_gpt.py)
-[ "$mode" = zero1 ] && run=("$repo/tests/megatron_deepspeed_reference.py" pretrain_gpt.py)
+[ -z "$ds_ext" ] && run=("$repo/tests/megatron_deepspeed_reference.py" pretrain_gpt.py)
 if [ -n "${FINAL_DUMP:-}" ]; then
-  how=ds_ext; [ "$mode" = zero1 ] && how=plain
+  how=ds_ext; [ -z "$ds_ext" ] && how=plain
   run=("$repo/tests/megatron_dump_final.py" "$FINAL_DUMP" "$how" pretrain_gpt.py)
 fi
 cfg=$(mktemp --suffix=.json)

@@ -150,9 +150,9 @@ def _params(engine) -> dict[str, torch.Tensor]:
 
 def _traffic(engine) -> dict:
     runtime = getattr(engine, "ds_ext", None)
-    if runtime is None or not runtime.ledger.steps:
+    plugin = next((p for p in runtime.plugins if hasattr(p, "analytic_traffic")), None) if runtime else None
+    if plugin is None or not runtime.ledger.steps:  # no ZeRO-topo (a plugin beside DeepSpeed's ZeRO-1)
         return {}
-    plugin = next(p for p in runtime.plugins if hasattr(p, "analytic_traffic"))
     return {
         "measured": {ph: dict(v) for ph, v in runtime.ledger.steps[-1].by_phase().items()},
         "analytic": plugin.analytic_traffic(1).bytes,

@@ -5,7 +5,7 @@ rank 0) plus one shard file per rank, ``ds_ext_zero_topo_rank{r:05d}.pt``, r the
 in its data-parallel group. Under model parallelism (``ds_ext.zero_topo.data_group``) the
 shards of model-parallel rank m lie in a folder ``ds_ext_zero_topo_mp{m:02d}`` of their own,
 each a checkpoint of one data-parallel group (resharded on its own; the model-parallel size
-must match). A shard
+must match; :func:`consolidate` joins pipeline stages, not tensor-parallel slices). A shard
 records the save's id (one random id per save, the same in every shard of it) and step,
 the world size, the topology's level sizes, the plan, every unit's parameters
 (qualified names, shapes, offsets) and, for the rank's *optimizer slice* of each unit
