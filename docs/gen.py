@@ -251,6 +251,48 @@ def zero_pipeline_table(name: str = "bench_zero_pp2.json") -> str:
     )
 
 
+NIC_RUNS = ("bench_zero_netns_nic.json", "bench_zero_netns_nic_ga8.json")
+
+
+def zero_netns_nic_table() -> str:
+    """``bench zero --network netns --nic per-gpu``: bytes (ledger and wire), step times and ratios."""
+    recs = [r for name in NIC_RUNS for r in _load(name)["records"]]
+    by = {(r["variant"], r["grad_accum"]): r for r in recs}
+    rows = []
+    for r in recs:
+        ga, wire = r["grad_accum"], r["wire_bytes_per_step"]["levels"]
+        node = wire.get("node", {})
+        times = ", ".join(f"{t:.2f}" for t in r["step_times_s"])
+        rows.append(
+            [
+                r["variant"],
+                str(ga),
+                f"{r['bytes_per_step'].get('node', 0.0) / r['model_bytes']:.3f}",
+                f"{node.get('ledger', 0.0) / 1e6:.2f} / {node.get('wire_up', 0) / 1e6:.2f}",
+                f"{r['wire_bytes_per_step']['total']['wire_over_ledger'] or float('nan'):.3f}",
+                f"{r['step_time_s']:.2f} ({times})",
+                *(
+                    f"{by[other, ga]['step_time_s'] / r['step_time_s']:.2f}" if (other, ga) in by else "-"
+                    for other in ("ds_ext_zeropp", "ds_ext_zero3", "deepspeed_zero3")
+                ),
+            ]
+        )
+    return _md(
+        [
+            "variant",
+            "GA",
+            "node xM (per rank)",
+            "node MB/step: ledger / wire (all ranks)",
+            "wire / ledger (all levels)",
+            "step s: median (each step)",
+            "ds_ext zeropp / variant",
+            "ds_ext zero3 / variant",
+            "DeepSpeed ZeRO-3 / variant",
+        ],
+        rows,
+    )
+
+
 def zero_netns_table() -> str:
     slow = _load("bench_zero_netns.json")["records"]
     fast = {r["variant"]: r for r in _load("bench_zero_netns_400mbit.json")["records"]}
@@ -639,6 +681,10 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_zero_tp2.md": ("examples/results/bench_zero_tp2.json", lambda: zero_table("bench_zero_tp2.json")),
     "bench_zero_pp2.md": ("examples/results/bench_zero_pp2.json", zero_pipeline_table),
     "bench_zero_netns.md": ("examples/results/bench_zero_netns.json, bench_zero_netns_400mbit.json", zero_netns_table),
+    "bench_zero_netns_nic.md": (
+        "examples/results/bench_zero_netns_nic.json, bench_zero_netns_nic_ga8.json",
+        zero_netns_nic_table,
+    ),
     "bench_tiled.md": ("examples/results/bench_tiled.json", tiled_table),
     "bench_pmm.md": ("examples/results/bench_pmm.json", pmm_table),
     "bench_pmm_netns.md": ("examples/results/bench_pmm_netns.json", pmm_netns_table),

@@ -363,7 +363,9 @@ def _measure(
         emulator = rt.comm.emulator
         times: dict[bool, list[float]] = {False: [], True: []}
         losses, state = [], {}
+        wire = _WireWindow(time_scale is None, warmup)
         for step in range(warmup + 2 * steps):
+            wire.at(step)
             emulate = emulator is not None and step >= warmup and (step - warmup) % 2 == 1
             rt.comm.emulator = emulator if emulate else None
             dist.barrier()
@@ -386,6 +388,7 @@ def _measure(
             losses.append(sum(step_losses) / ga)
         rt.comm.emulator = emulator
         led = rt.ledger
+        wire_bytes = wire.close(2 * steps, led.mean_by_level(warmup))
         floor = data_group_floor(rt.topology, data_ranks, rank_bytes)
         record: dict[str, Any] = {
             "variant": variant,
@@ -403,6 +406,8 @@ def _measure(
             "analytic_bytes_per_step": None,
             "analytic_calls_per_step": None,
             "step_time_s": median(times[False]),
+            "step_times_s": times[False],
+            "wire_bytes_per_step": wire_bytes,
             "step_time_emulated_s": median(times[True]) if times[True] else None,
             "time_scale": time_scale,
             "losses": losses,
@@ -458,6 +463,41 @@ def _measure(
         del engine, opt, net
         gc.collect()
     return out
+
+
+class _WireWindow:
+    """On the shaped network (``active``): the kernel's bytes on every link over the measured
+    steps (``ds_ext.cluster.wire``), per step, beside the ledger's bytes of all ranks (rank 0's
+    record; None elsewhere and when emulating)."""
+
+    def __init__(self, active: bool, warmup: int) -> None:
+        self.active, self.warmup, self.region, self._ctx = active, warmup, None, None
+
+    def at(self, step: int) -> None:
+        if self.active and step == self.warmup:
+            from ds_ext.cluster.wire import wire_region
+
+            self._ctx = wire_region()
+            self.region = self._ctx.__enter__()
+
+    def close(self, measured: int, ledger_by_level: dict[str, float]) -> dict[str, Any] | None:
+        """Collective: the wire per step beside the ledger's bytes per step summed over ranks."""
+        if self._ctx is None:
+            return None
+        import torch.distributed as dist
+
+        self._ctx.__exit__(None, None, None)
+        ranks: list[dict[str, float]] = [{}] * dist.get_world_size()
+        dist.all_gather_object(ranks, ledger_by_level)
+        if self.region.bytes is None:
+            return None
+        total = {lv: sum(r.get(lv, 0.0) for r in ranks) for lv in {lv for r in ranks for lv in r}}
+        per_step = self.region.bytes.beside_ledger({lv: b * measured for lv, b in total.items()})
+        for row in (*per_step["levels"].values(), per_step["total"]):
+            for key in ("ledger", "wire_up", "wire_down", "wire_sent"):
+                if key in row:
+                    row[key] /= measured
+        return per_step
 
 
 # ---- driver -----------------------------------------------------------------------------

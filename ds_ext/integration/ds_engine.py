@@ -127,6 +127,27 @@ def load_loss_scaler_state(scaler, state: dict[str, float]) -> None:
             setattr(scaler, k, v)
 
 
+def release_mpu_on_destroy(engine) -> None:
+    """Make ``engine.destroy()`` also drop the engine's mpu (the caller's, a plugin's, or a
+    PipelineEngine's grid) from DeepSpeed's module-global ``deepspeed.utils.groups.mpu``, which
+    the engine leaves behind: a later engine without an mpu would read its groups (a model-parallel
+    size above 1, then ``None.get_model_parallel_rank()`` in ``_configure_distributed_model``)."""
+    from deepspeed.utils import groups
+
+    mpu, destroy = getattr(engine, "mpu", None), engine.destroy
+    if mpu is None:
+        return
+
+    @functools.wraps(destroy)
+    def destroy_and_release(*args, **kwargs):
+        out = destroy(*args, **kwargs)
+        if groups.mpu is mpu:
+            groups.mpu = None
+        return out
+
+    engine.destroy = destroy_and_release
+
+
 def pipeline_grid(model) -> Any:
     """A ``deepspeed.pipe.PipelineModule``'s process grid (what ``deepspeed.initialize`` hands its
     PipelineEngine as the mpu: runtime/pipe/topology.py ``PipelineParallelGrid``), else None."""

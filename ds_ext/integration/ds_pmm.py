@@ -14,7 +14,6 @@ comes from the plugin above).
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 from torch import nn
@@ -53,24 +52,6 @@ def optimized_parameters(engine) -> list:
         if groups is not None:
             return [p for g in groups for p in g]
     return [p for g in opt.param_groups for p in g["params"]]
-
-
-def release_mpu_on_destroy(engine, mpu) -> None:
-    """Make ``engine.destroy()`` also drop ``mpu`` from DeepSpeed's module-global
-    ``deepspeed.utils.groups.mpu``, which an engine built with an mpu leaves behind (a later
-    engine without one would otherwise read its groups)."""
-    from deepspeed.utils import groups
-
-    destroy = engine.destroy
-
-    @functools.wraps(destroy)
-    def destroy_and_release(*args, **kwargs):
-        out = destroy(*args, **kwargs)
-        if groups.mpu is mpu:
-            groups.mpu = None
-        return out
-
-    engine.destroy = destroy_and_release
 
 
 def torch_optimizer(engine):

@@ -259,6 +259,7 @@ def initialize(
         config=ds_config,
         **kwargs,
     )
+    ds_engine.release_mpu_on_destroy(engine)
     for plugin in runtime.plugins:
         plugin.attach(engine)
     engine.ds_ext = runtime

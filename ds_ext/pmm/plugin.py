@@ -181,7 +181,6 @@ class Pmm3dPlugin(Plugin):
                 f"{KEY}: the optimizer does not hold the converted model's parameters (model_parameters from the "
                 "serial model?); pass model_parameters=None and build the optimizer from the params it is given"
             )
-        ds_pmm.release_mpu_on_destroy(engine, self._mpu)
         from ds_ext.integration import ds_engine
 
         self.ds_engine = engine
