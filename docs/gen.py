@@ -251,7 +251,7 @@ def zero_pipeline_table(name: str = "bench_zero_pp2.json") -> str:
     )
 
 
-NIC_RUNS = ("bench_zero_netns_nic.json", "bench_zero_netns_nic_ga8.json")
+NIC_RUNS = ("bench_zero_netns_nic.json",)
 
 
 def zero_netns_nic_table() -> str:
@@ -682,7 +682,7 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_zero_pp2.md": ("examples/results/bench_zero_pp2.json", zero_pipeline_table),
     "bench_zero_netns.md": ("examples/results/bench_zero_netns.json, bench_zero_netns_400mbit.json", zero_netns_table),
     "bench_zero_netns_nic.md": (
-        "examples/results/bench_zero_netns_nic.json, bench_zero_netns_nic_ga8.json",
+        "examples/results/bench_zero_netns_nic.json",
         zero_netns_nic_table,
     ),
     "bench_tiled.md": ("examples/results/bench_tiled.json", tiled_table),

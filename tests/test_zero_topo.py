@@ -127,14 +127,6 @@ def test_zero_topo_no_inter_node_traffic_in_micro_batches(world):
             assert phases["step"]["node"] > 0
 
 
-def test_quantized_presets_train(world):
-    ref = _reference(world)
-    for preset in ("zero_topo", "zeropp"):
-        out = world.run(_train, _ds_config(0, zero_topo={"preset": preset}))
-        # int8 weights / int4 gradients: same trajectory within quantization noise
-        assert abs(out[0]["losses"][-1] - ref[0]["losses"][-1]) < 0.1 * ref[0]["losses"][-1]
-
-
 def test_bf16_and_fp16(world):
     ref = _reference(world, "bf16")
     ours = world.run(_train, _ds_config(0, "bf16", zero_topo={"preset": "zero_topo", **UNQUANTIZED}))
@@ -168,7 +160,7 @@ def test_checkpoint_round_trip(world, tmp_path):
 def _measured_vs_analytic(preset, accum, overrides):
     cfg = _ds_config(0, "bf16", accum=accum, zero_topo={"preset": preset, **overrides})
     engine = _engine(cfg)
-    _run_steps(engine, 3)
+    _run_steps(engine, 2)  # the second step is a steady one (the first builds buffers)
     plugin = engine.ds_ext.plugins[0]
     ledger = engine.ds_ext.ledger
     last = ledger.steps[-1]
@@ -186,8 +178,14 @@ def _measured_vs_analytic(preset, accum, overrides):
     return out
 
 
-@pytest.mark.parametrize("preset", ["zero_topo", "zero_topo_paper", "zero3", "zeropp", "mics", "zero_topo_int8"])
-@pytest.mark.parametrize("accum", [1, 3])
+LEDGER_CASES = [  # every preset at GA 3 (gathers per micro-batch, reduction at the boundary); GA 1 for two
+    (preset, accum)
+    for preset in ("zero_topo", "zero_topo_paper", "zero3", "zeropp", "mics", "zero_topo_int8")
+    for accum in ((1, 3) if preset in ("zero_topo", "zero3") else (3,))
+]
+
+
+@pytest.mark.parametrize("preset,accum", LEDGER_CASES)
 @pytest.mark.parametrize("quantized", [True, False])
 def test_ledger_equals_analytic_model(world, preset, accum, quantized):
     _ledger_equals_model(world.run(_measured_vs_analytic, preset, accum, {} if quantized else UNQUANTIZED))

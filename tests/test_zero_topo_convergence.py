@@ -44,12 +44,13 @@ def test_quantized_presets_train_like_unquantized(world):
     final = {}
     for name, zt in {
         "unquantized": {"preset": "zero_topo", **UNQUANTIZED},
-        "zero_topo": {"preset": "zero_topo"},  # zero_topo_paper quantizes the same tensors
-        "zeropp": {"preset": "zeropp"},
+        # zero_topo_paper and zeropp quantize the same tensors to the same bits (zeropp's gradient
+        # over the world: its per-parameter bound is test_zero_topo_hardening.py's)
+        "zero_topo": {"preset": "zero_topo"},
         "zero_topo_int8": {"preset": "zero_topo_int8"},  # + int8 across nodes at the step boundary
     }.items():
         final[name] = world.run(_train_then_eval, _ds_config(0, "bf16", accum=1, zero_topo=zt), STEPS)[0]
     print(f"held-out loss after {STEPS} steps:", final)
     assert final["unquantized"] < 3.0, final  # it learned: random init is ln(256) = 5.55
-    for name in ("zero_topo", "zeropp", "zero_topo_int8"):
+    for name in ("zero_topo", "zero_topo_int8"):
         assert abs(final[name] / final["unquantized"] - 1) <= BOUND, (name, final)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from ds_ext.errors import DsExtSetupError
+from ds_ext.errors import DsExtConfigError, DsExtSetupError
 from ds_ext.integration.ds_version import check_version
 from ds_ext.topology import slurm_rank_variables
 
@@ -175,6 +175,17 @@ def tag_pipeline_instructions(engine, in_phase: Callable[[str, Callable], Callab
     for cmd, phase in phases.items():
         table[cmd] = in_phase(phase, table[cmd])
     engine._INSTRUCTION_MAP = table
+
+
+def refuse_pipeline_module(model, owner: str, layout: str) -> None:
+    """Refuse a ``deepspeed.pipe.PipelineModule`` in one line for a plugin whose ``layout`` spans the
+    whole world with no pipeline axis (TED, 3D-PMM), before any collective."""
+    if pipeline_grid(model) is not None:
+        raise DsExtConfigError(
+            f"{owner} with a deepspeed.pipe.PipelineModule: {layout} spans the whole world and has no pipeline "
+            "axis; allowed: a plain nn.Module (Megatron-DeepSpeed: --no-pipeline-parallel; GPT-NeoX: "
+            "pipe_parallel_size 0)"
+        )
 
 
 def is_pipeline_engine(engine) -> bool:

@@ -119,14 +119,9 @@ class TEDPlugin(Plugin):
 
     def check(self, model: Any) -> None:
         """Refuse a PipelineModule: TED's layout has no pipeline axis."""
-        from ds_ext.integration.ds_engine import pipeline_grid
+        from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
 
-        if pipeline_grid(model) is not None:
-            _refuse(
-                "with a deepspeed.pipe.PipelineModule: TED's layout (tensor x expert x expert-data) spans the whole "
-                "world and has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: "
-                "--no-pipeline-parallel; GPT-NeoX: pipe_parallel_size 0)"
-            )
+        ds_engine.refuse_pipeline_module(model, f"{KEY}:", "TED's layout (tensor x expert x expert-data)")
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         cfg, rt = self.config, self.runtime

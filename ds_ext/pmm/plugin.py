@@ -51,17 +51,11 @@ class Pmm3dPlugin(Plugin):
         """Refuse a PipelineModule (no pipeline axis in the grid), TED (each builds the job's
         model-parallel groups; DeepSpeed takes one mpu), a caller's mpu with tensor or pipeline
         parallelism, and DeepSpeed-MoE layers (3D-PMM partitions dense layers only)."""
-        from ds_ext.integration import ds_moe
-        from ds_ext.integration.ds_engine import pipeline_grid
+        from ds_ext.integration import ds_engine, ds_moe
         from ds_ext.mpu import model_parallel_sizes
 
         rt = self.runtime
-        if pipeline_grid(model) is not None:
-            raise DsExtConfigError(
-                f"{KEY} with a deepspeed.pipe.PipelineModule: 3D-PMM's grid (x, y, z, data) spans the whole world and "
-                "has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: --no-pipeline-parallel; "
-                "GPT-NeoX: pipe_parallel_size 0)"
-            )
+        ds_engine.refuse_pipeline_module(model, KEY, "3D-PMM's grid (x, y, z, data)")
         if any(p.name == "ted" for p in rt.plugins):
             raise DsExtConfigError(
                 f"{KEY} with ds_ext.ted: each builds the job's model-parallel groups and hands "
