@@ -707,8 +707,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         records.extend(_merge_ranks(per_rank))
     records.sort(key=lambda r: (r["grad_accum"], ALL_VARIANTS.index(r["variant"])))
+    import os
+
+    import torch
+
     payload = {
         "benchmark": "zero",
+        # the ranks' compute depends on it (bf16 matmuls without AVX-512 / AMX run far slower)
+        "host": {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpus": os.cpu_count()},
         "world_size": WORLD,
         "model": args.model,
         "network": args.network,
