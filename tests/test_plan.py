@@ -717,6 +717,23 @@ def test_no_plan_fits_says_what_would(capsys):
     assert "no plan fits: 8 nodes would fit" in capsys.readouterr().out
 
 
+def test_what_would_fit_finds_the_fewest_nodes_when_fitting_is_not_monotonic(monkeypatch):
+    """Doubling 1 -> 2 -> 4 -> 8 finds a fit at 8; 5 fits and 6, 7 do not (a batch dividing over 5
+    and 8 nodes, not 6 or 7): bisection between 4 and 8 would try 6, 7 and answer 8."""
+    from ds_ext.planner import plan as planmod
+
+    tried = []
+
+    def best(job, nodes, batch, accum, families):
+        tried.append(nodes)
+        return "p" if nodes == 5 or nodes >= 8 else None
+
+    monkeypatch.setattr(planmod, "_best", best)
+    job = make_job(models.lookup("gpt-5b"), FRONTIER, 1)
+    assert planmod.what_would_fit(job, ["zero"], False) == "5 nodes would fit (p there)"
+    assert tried[:3] == [2, 4, 8]
+
+
 def test_fig_7_9_ted_fits_larger_moes():
     from ds_ext.planner import validate
 

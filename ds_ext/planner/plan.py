@@ -124,10 +124,16 @@ def plan(job: Job, families: Iterable[str] = tuple(FAMILIES), extra: Iterable[Ca
     return PlanResult(job, tuple(estimates), tuple(dropped))
 
 
+SCAN = 64  # node counts tried one by one in what_would_fit
+
+
 def what_would_fit(job: Job, families: Iterable[str], batch_given: bool) -> str:
     """For a job where no plan fits: the fewest nodes at which one does (the batch rule of
     ``make_job`` unchanged: a given batch stays, a recipe's per-rank batch scales), else, at
-    these nodes, a global batch of one sequence per data-parallel rank."""
+    these nodes, a global batch of one sequence per data-parallel rank. Node counts double until
+    one fits; between the last miss and that fit every count is tried when there are at most
+    :data:`SCAN` of them (fitting is not monotonic: a batch that divides over 8 nodes may not over
+    6 or 7, while 5 may fit), else bisection finds a boundary (it assumes more nodes keep fitting)."""
     families = list(families)
     nodes = job.topology.levels[-1].size
     batch = job.global_batch if batch_given else None
@@ -137,6 +143,9 @@ def what_would_fit(job: Job, families: Iterable[str], batch_given: bool) -> str:
         prev, n = n, min(2 * n, job.machine.max_nodes)
         if fit(n) is not None:
             lo, hi = prev, n  # the fewest between the last miss and the first fit
+            if hi - lo <= SCAN:
+                hi = next(m for m in range(lo + 1, hi + 1) if fit(m) is not None)
+                return f"{hi} nodes would fit ({fit(hi)} there)"
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if fit(mid) is not None else (mid, hi)
