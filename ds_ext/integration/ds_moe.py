@@ -72,11 +72,11 @@ def register_expert_groups(
     groups.expert_tensor_parallel_world_size = tensor_size
 
 
-def release_groups(group_names: Iterable[str], expert_group: object, mpu: object) -> None:
-    """Forget the expert groups ``group_names`` if they still name ``expert_group``, and the
-    global ``groups.mpu`` if it is ``mpu``. DeepSpeed keeps both process-wide and never resets
-    them (engine.py:2120 only sets ``groups.mpu``): a later engine, TED or DeepSpeed's own MoE,
-    must not find a finished engine's groups, and a finished engine must not remove a later one's."""
+def release_groups(group_names: Iterable[str], expert_group: object) -> None:
+    """Forget the expert groups ``group_names`` if they still name ``expert_group``. DeepSpeed
+    keeps them process-wide and never resets them: a later engine, TED or DeepSpeed's own MoE,
+    must not find a finished engine's groups, and a finished engine must not remove a later one's
+    (the global ``groups.mpu`` is released for every engine: ``ds_engine.release_mpu_on_destroy``)."""
     groups = sys.modules["deepspeed.utils.groups"]
     for name in group_names:
         if groups._EXPERT_PARALLEL_GROUP.get(name) is not expert_group:
@@ -89,8 +89,6 @@ def release_groups(group_names: Iterable[str], expert_group: object, mpu: object
         ):
             registry.pop(name, None)
         groups.expert_tensor_parallel_world_size = 1
-    if groups.mpu is mpu:
-        groups.mpu = None
 
 
 MEGATRON_CHECKPOINT = ("CheckpointFunction.forward", "megatron/core/tensor_parallel/random.py")

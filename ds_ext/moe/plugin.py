@@ -221,7 +221,7 @@ class TEDPlugin(Plugin):
         @functools.wraps(destroy)
         def destroy_and_unregister(*args, **kwargs):
             out = destroy(*args, **kwargs)
-            ds_moe.release_groups(names, self.ted.groups.expert, engine.mpu)
+            ds_moe.release_groups(names, self.ted.groups.expert)
             return out
 
         engine.destroy = destroy_and_unregister

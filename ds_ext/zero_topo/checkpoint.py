@@ -360,8 +360,9 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
     dimensions)."""
     parts = model_parallel_parts(tag_dir)
     if not parts:
-        return _consolidate_part(tag_dir)
-    degrees = SavedCheckpoint.open(parts[0]).meta.get("model_parallel", {})
+        return _consolidate_part(SavedCheckpoint.open(tag_dir))
+    opened = [SavedCheckpoint.open(part) for part in parts]
+    degrees = opened[0].meta.get("model_parallel", {})
     if degrees.get("tensor") != 1:
         raise CheckpointError(
             f"checkpoint {tag_dir} holds the slices of {len(parts)} model-parallel ranks (tensor parallel "
@@ -369,7 +370,7 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
             "dimensions; allowed: a checkpoint saved with tensor parallel 1 (pipeline stages are joined)"
         )
     out: dict[str, torch.Tensor] = {}
-    for stage, part in enumerate(parts):
+    for stage, part in enumerate(opened):
         for name, value in _consolidate_part(part).items():
             if name in out and not torch.equal(out[name], value):
                 raise CheckpointError(
@@ -380,9 +381,8 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _consolidate_part(tag_dir: Path) -> dict[str, torch.Tensor]:
+def _consolidate_part(ckpt: SavedCheckpoint) -> dict[str, torch.Tensor]:
     """:func:`consolidate` of one data-parallel group's shards."""
-    ckpt = SavedCheckpoint.open(tag_dir)
     ckpt.verify(range(ckpt.meta["world_size"]))
     out: dict[str, torch.Tensor] = {}
     trainable = {(s["unit"], s["start"]) for r in ckpt._open for s in ckpt._open[r]["segments"]}
