@@ -32,7 +32,6 @@ as ``native`` (the ledger's convention is the ring).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 from ds_ext.comm.emulation import message_steps
 from ds_ext.perf import collectives
 from ds_ext.topology import Topology
-from ds_ext.zero_topo.layout import padded_numel, param_offsets, raw_block_mask, shard_count, shard_index
+from ds_ext.zero_topo.layout import padded_numel, param_offsets, shard_count, shard_index
 from ds_ext.zero_topo.plan import ShardingPlan
 
 
@@ -70,6 +69,30 @@ def _group_ranks(topology: Topology, levels: list[int]) -> tuple[int, ...]:
     return tuple(r for r in range(topology.world_size) if all(topology.coords(r)[i] == 0 for i in others))
 
 
+def _raw_blocks_per_shard(
+    params: list[tuple[int, int]], offsets: list[int], block: int, per: int, shards: int
+) -> tuple[int, ...]:
+    """Blocks holding a 1-D parameter in each of ``shards`` gradient shards of ``per`` blocks: the
+    union of the 1-D parameters' block intervals, each interval split over the shards it crosses
+    (as many steps as 1-D parameters and shards, not as blocks: millions of blocks, 8k shards)."""
+    spans: list[list[int]] = []
+    for (n, dim), o in zip(params, offsets):
+        if dim <= 1:
+            lo, hi = o // block, -(-(o + n) // block)
+            if spans and lo <= spans[-1][1]:  # packed 1-D parameters sharing a block
+                spans[-1][1] = max(spans[-1][1], hi)
+            else:
+                spans.append([lo, hi])
+    out = [0] * shards
+    for lo, hi in spans:
+        while lo < hi:
+            k = lo // per
+            end = min(hi, (k + 1) * per)
+            out[k] += end - lo
+            lo = end
+    return tuple(out)
+
+
 def unit_spec(plan: ShardingPlan, params: list[tuple[int, int]], root: bool = False, gathers: int = 1) -> UnitSpec:
     """The unit of trainable parameters ``params`` ((numel, ndim) each, in order) as the engine
     lays it out under ``plan`` (``ds_ext.zero_topo.layout``; with per-parameter quantization groups:
@@ -79,11 +102,7 @@ def unit_spec(plan: ShardingPlan, params: list[tuple[int, int]], root: bool = Fa
     U = padded_numel(end, plan.topology.world_size, B)
     n_g = shard_count(plan.topology, plan.gradients)
     per = U // B // n_g
-    if plan.raw_1d_gradients:  # raw blocks per gradient shard, by prefix sums (millions of blocks, 8k shards)
-        before = list(itertools.accumulate(raw_block_mask(params, offsets, U, B), initial=0))
-        raw_per_shard = tuple(before[(k + 1) * per] - before[k * per] for k in range(n_g))
-    else:
-        raw_per_shard = (0,) * n_g
+    raw_per_shard = _raw_blocks_per_shard(params, offsets, B, per, n_g) if plan.raw_1d_gradients else (0,) * n_g
     return UnitSpec(
         U,
         sum(n for n, _ in params),
