@@ -194,7 +194,9 @@ def test_gpus_of_a_node_do_not_share_a_link_out(world):
 def _ledger_and_wire(kind: str, nbytes: int) -> tuple[dict[str, float], WireBytes | None]:
     """One collective of ``nbytes`` per rank through ds_ext's Communicator (``cross``: an
     all-gather between the GPUs of the same index on the 2 nodes; ``span``: an all-gather between
-    the 2 GPUs of each node; ``world``: an all-reduce over all 4 ranks), after a warm-up; this
+    the 2 GPUs of each node; ``world``: an all-reduce over all 4 ranks; ``cross_rs``: a reduce-scatter
+    between the GPUs of the same index on the 2 nodes, which gloo itself would run as an all-reduce
+    of twice the bytes), after a warm-up; this
     rank's ledger bytes and, on rank 0, the wire's (:class:`~ds_ext.cluster.wire.WireBytes`)."""
     import torch
 
@@ -205,13 +207,20 @@ def _ledger_and_wire(kind: str, nbytes: int) -> tuple[dict[str, float], WireByte
 
     topo = Topology.build([Level("gpu", 2, 1 * GB, 8 * US), Level("node", None, 1 * GB, 15 * US)], 4, "2x2")
     comm = Communicator(GroupRegistry(topo))
-    group = {"cross": comm.registry.cross("node"), "span": comm.registry.span("gpu"), "world": None}[kind]
+    group = {
+        "cross": comm.registry.cross("node"),
+        "cross_rs": comm.registry.cross("node"),
+        "span": comm.registry.span("gpu"),
+        "world": None,
+    }[kind]
     x = torch.ones(nbytes // 4)
     out = torch.empty(comm.size(group) * x.numel())
 
     def collective() -> None:
         if kind == "world":
             comm.all_reduce(x, group=group)
+        elif kind == "cross_rs":
+            comm.reduce_scatter(torch.empty(x.numel() // comm.size(group)), x, group=group)
         else:
             comm.all_gather(out, x, group=group)
 
@@ -222,7 +231,7 @@ def _ledger_and_wire(kind: str, nbytes: int) -> tuple[dict[str, float], WireByte
     return comm.ledger.current.by_level(), region.bytes
 
 
-@pytest.mark.parametrize("kind,level", [("cross", "node"), ("span", "gpu"), ("world", None)])
+@pytest.mark.parametrize("kind,level", [("cross", "node"), ("cross_rs", "node"), ("span", "gpu"), ("world", None)])
 def test_wire_bytes_bound_the_ledgers(world, kind, level):
     """payload <= wire <= payload x (1 + WIRE_OVERHEAD), in total (every byte between two GPUs
     leaves its sender's namespace once) and, for a group that crosses one level only, on that

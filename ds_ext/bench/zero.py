@@ -83,6 +83,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-accum", type=int, nargs="+", default=[1, 8], metavar="GA")
     p.add_argument("--variants", nargs="+", default=list(ALL_VARIANTS), choices=ALL_VARIANTS)
     p.add_argument("--model", choices=sorted(MODELS), default="gpt20m")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence (default: the model's); fewer tokens cut the compute per step and "
+        "leave the bytes per step as they are (the parameters set those), so a slow host's run can "
+        "be bound by the links",
+    )
     p.add_argument("--warmup", type=int, default=1, help="optimizer steps before measuring")
     p.add_argument("--steps", type=int, default=3, help="measured steps per timing mode")
     p.add_argument(
@@ -324,8 +332,10 @@ def _measure(
     time_scale: float | None,
     tensor: int = 1,
     pipeline: int = 0,
+    seq_len: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Runs on every rank: train ``warmup + 2 * steps`` steps per grad_accum and measure."""
+    """Runs on every rank: train ``warmup + 2 * steps`` steps per grad_accum and measure
+    (sequences of ``seq_len`` tokens, default the model's)."""
     import torch
     import torch.distributed as dist
 
@@ -337,6 +347,7 @@ def _measure(
     if variant == "deepspeed_zeropp":
         ds_zeropp_quantizer.enable_cpu_zeropp_quantizer()
     d, layers, heads, seq = MODELS[model]
+    seq = seq_len or seq
     corpus = ByteCorpus()
     rank, world = dist.get_rank(), dist.get_world_size()
     out = []
@@ -673,6 +684,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from ds_ext.cluster.world import bench_world
 
+    if args.seq_len is not None and args.seq_len < 2:
+        raise SystemExit(
+            f"ds-ext bench zero: --seq-len must be at least 2 (a token and its successor); got {args.seq_len}"
+        )
     if args.pipeline_parallel:
         if args.tensor_parallel > 1:
             raise SystemExit(
@@ -704,6 +719,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 time_scale,
                 args.tensor_parallel,
                 args.pipeline_parallel,
+                args.seq_len,
             )
         records.extend(_merge_ranks(per_rank))
     records.sort(key=lambda r: (r["grad_accum"], ALL_VARIANTS.index(r["variant"])))
@@ -717,6 +733,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "host": {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpus": os.cpu_count()},
         "world_size": WORLD,
         "model": args.model,
+        "seq_len": args.seq_len or MODELS[args.model][3],
         "network": args.network,
         "quick": args.quick,
         "tensor_parallel": args.tensor_parallel,

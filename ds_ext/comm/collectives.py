@@ -20,17 +20,14 @@ fails (a peer died, or did not answer within the timeout) raises :class:`CommErr
 one line naming the op, the group's level and size, and the timeout, on every rank that
 was waiting for it, so a lost rank ends the job instead of hanging it. A plugin may set
 :attr:`Communicator.watch` (a :class:`Watch`): on gloo every collective then waits in slices
-of ``watch.check_s`` (torch's timed wait; a reused waiter thread for the reduce-scatter, whose
-gloo work ignores a timed wait), asking the watch after each slice (ZeRO-topo's unit agreement, ``ds_ext.zero_topo.agreement``); the watch is also
+of ``watch.check_s`` (torch's timed wait; gloo's own reduce-scatter work ignores one, so on gloo
+the reduce-scatter is an all-to-all and a local reduction), asking the watch after each slice (ZeRO-topo's unit agreement, ``ds_ext.zero_topo.agreement``); the watch is also
 asked before a failed collective is reported.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import queue
-import threading
 import time
 from datetime import timedelta
 from typing import Callable, Iterator, Protocol, Sequence
@@ -144,72 +141,22 @@ class Handle:
         self._done = True
 
     def _wait_watched(self, op: str, watch: Watch) -> None:
-        """Wait, asking ``watch`` every ``check_s`` meanwhile: by torch's timed wait where the
-        work honours it, else (gloo's reduce-scatter work ignores a timed wait and never
-        reports completion) on a waiter thread."""
+        """Wait by torch's timed wait, asking ``watch`` every ``check_s`` meanwhile."""
         start = time.monotonic()
-        if op not in _UNTIMED_OPS and isinstance(self._work, dist.Work):
-            while True:
-                try:
-                    self._work.wait(timedelta(seconds=watch.check_s))
-                    return
-                except RuntimeError as err:  # a failure completes the work; a timed-out wait does not
-                    if self._work.is_completed() or _TIMED_OUT not in str(err):
-                        raise
-                watch.stalled(op, time.monotonic() - start)
-        errors: list[BaseException] = []
-        done = threading.Event()
-        waiter = _Waiter.take()
-        waiter.submit(self._work, done, errors)
-        while not done.wait(watch.check_s):
-            watch.stalled(op, time.monotonic() - start)  # a raise leaves the waiter to its wait
-        waiter.give_back()
-        if errors:
-            raise errors[0]
+        while True:
+            try:
+                self._work.wait(timedelta(seconds=watch.check_s))  # type: ignore[union-attr]
+                return
+            except RuntimeError as err:  # a failure completes the work; a timed-out wait does not
+                if self._work.is_completed() or _TIMED_OUT not in str(err):  # type: ignore[union-attr]
+                    raise
+            watch.stalled(op, time.monotonic() - start)
 
     def is_completed(self) -> bool:
         return self._done
 
 
-_UNTIMED_OPS = ("reduce_scatter",)  # gloo's work for these ignores a timed wait
 _TIMED_OUT = "Operation timed out"  # torch's Work.wait(timeout) when the work is not done yet
-
-
-class _Waiter:
-    """A daemon thread that waits on collectives for :meth:`Handle._wait_watched`, reused
-    from one wait to the next. A waiter whose wait was abandoned (the watch raised) stays
-    with it and is never reused; waiters do not survive a fork."""
-
-    _idle: list["_Waiter"] = []
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="ds_ext-collective-wait", daemon=True).start()
-
-    @classmethod
-    def take(cls) -> "_Waiter":
-        try:
-            return cls._idle.pop()
-        except IndexError:
-            return cls()
-
-    def give_back(self) -> None:
-        self._idle.append(self)
-
-    def submit(self, work: object, done: threading.Event, errors: list[BaseException]) -> None:
-        self._jobs.put((work, done, errors))
-
-    def _serve(self) -> None:
-        while True:
-            work, done, errors = self._jobs.get()
-            try:
-                work.wait()
-            except BaseException as err:  # re-raised on the calling thread
-                errors.append(err)
-            done.set()
-
-
-os.register_at_fork(after_in_child=_Waiter._idle.clear)
 
 
 def _same_dtype(op: str, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -428,11 +375,33 @@ class Communicator:
         if algorithm != "native" and d > 1:
             return self._p2p("reduce_scatter", algorithm, output, input, group, async_op)
         deadline = self.account("reduce_scatter", group, reduce_scatter_bytes(_nbytes(input), d))
+        if d > 1 and self._is_gloo(group):
+            return self._gloo_reduce_scatter(output, input, op, group, async_op, deadline)
         with self.guard("reduce_scatter", group):
             work = torch_op("reduce_scatter_tensor")(
                 _flat(output), _flat(input), op=op, group=group, async_op=self._async(async_op, group)
             )
         return self._finish("reduce_scatter", group, work, deadline, async_op)
+
+    def _gloo_reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op, group, async_op: bool, deadline: float
+    ) -> Handle | None:
+        """gloo's reduce-scatter is an all-reduce of the whole input that keeps one chunk
+        (ProcessGroupGloo's ``reduce_scatter_tensor_coalesced``): 2 (d - 1)/d of the input on the
+        wire per rank, twice a reduce-scatter's. Here each rank's chunk goes to its owner by one
+        ``all_to_all_single`` ((d - 1)/d of the input: the bytes the ledger books, and what NCCL /
+        RCCL send) and the owner reduces the d chunks it received, in group-rank order, in their
+        dtype."""
+        combine = _GLOO_REDUCTIONS.get(op)
+        if combine is None:
+            raise ValueError(f"ds_ext.comm: reduce_scatter on gloo reduces with SUM, PRODUCT, MIN or MAX; got {op}")
+        received = torch.empty_like(_flat(input))
+        with self.guard("reduce_scatter", group):
+            work = torch_op("all_to_all_single")(received, _flat(input), group=group, async_op=True)
+        chunks, out = received.view(self.size(group), -1), _flat(output)
+        return self._finish(
+            "reduce_scatter", group, work, deadline, async_op, after=lambda: _reduce_in_order(combine, chunks, out)
+        )
 
     def all_reduce(
         self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False
@@ -485,6 +454,21 @@ class Communicator:
         with self.guard("broadcast", group):
             work = torch_op("broadcast")(tensor, src=src, group=group, async_op=self._async(async_op, group))
         return self._finish("broadcast", group, work, deadline, async_op)
+
+
+_GLOO_REDUCTIONS: dict[object, Callable[..., torch.Tensor]] = {
+    dist.ReduceOp.SUM: torch.add,
+    dist.ReduceOp.PRODUCT: torch.mul,
+    dist.ReduceOp.MIN: torch.minimum,
+    dist.ReduceOp.MAX: torch.maximum,
+}
+
+
+def _reduce_in_order(combine: Callable[..., torch.Tensor], chunks: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` = chunks[0] op chunks[1] op ... in that order, in the chunks' dtype."""
+    out.copy_(chunks[0])
+    for chunk in chunks[1:]:
+        combine(out, chunk, out=out)
 
 
 def _nbytes(t: torch.Tensor) -> int:
