@@ -394,7 +394,9 @@ class Communicator:
         dtype."""
         combine = _GLOO_REDUCTIONS.get(op)
         if combine is None:
-            raise ValueError(f"ds_ext.comm: reduce_scatter on gloo reduces with SUM, PRODUCT, MIN or MAX; got {op}")
+            raise algorithms.AlgorithmError(
+                f"ds_ext.comm: reduce_scatter on gloo reduces with SUM, PRODUCT, MIN or MAX; got {op}"
+            )
         received = torch.empty_like(_flat(input))
         with self.guard("reduce_scatter", group):
             work = torch_op("all_to_all_single")(received, _flat(input), group=group, async_op=True)
