@@ -83,6 +83,10 @@ def _check_ops(name, async_op):
     expect = torch.arange(me * n, (me + 1) * n, dtype=torch.float64) * d + sum(ranks)
     assert torch.equal(y, expect)
     assert _single_record(rt) == ("reduce_scatter", level, pytest.approx(8 * n * d * (d - 1) / d))
+    # MAX: the largest rank's chunk (gloo: reduced by the owner, not by torch's collective)
+    run(rt.comm.reduce_scatter, y, x, op=dist.ReduceOp.MAX)
+    assert torch.equal(y, torch.arange(me * n, (me + 1) * n, dtype=torch.float64) + max(ranks))
+    _single_record(rt)
 
     # all_reduce on a 2-D bf16 tensor: 2 S (d-1)/d
     x = torch.full((3, n), float(rank + 1), dtype=torch.bfloat16)
