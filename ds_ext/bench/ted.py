@@ -285,6 +285,14 @@ def _moe_block_model(variant: str, cfg, micro: int, layout, topology) -> dict[st
     }
 
 
+def _collective_seconds(step) -> dict[str, dict[str, float]]:
+    """This rank's measured seconds inside collectives in one ledger step, by op and by op/level."""
+    by_level: dict[str, float] = {}
+    for (_, op, lv), t in step.seconds.items():
+        by_level[f"{op}/{lv}"] = by_level.get(f"{op}/{lv}", 0.0) + t
+    return {"collective_s": step.seconds_by_op(), "collective_s_by_level": by_level}
+
+
 class _LinkClock:
     """Wraps the time emulator and sums the link time it charges: the alpha-beta cost of a
     step's collectives from their bytes, calls and levels alone (no CPU noise)."""
@@ -344,7 +352,7 @@ def _train_and_measure(variant: str, model: str, warmup: int, steps: int, time_s
                 elapsed = time.perf_counter() - t0
                 times[emulate].append(elapsed)
                 steps_record.append(
-                    {"step_s": elapsed, "emulated": emulate, "collective_s": rt.ledger.steps[-1].seconds_by_op()}
+                    {"step_s": elapsed, "emulated": emulate, **_collective_seconds(rt.ledger.steps[-1])}
                 )
                 if emulate:
                     link.append(clock.total / time_scale)
@@ -388,26 +396,36 @@ def _train_and_measure(variant: str, model: str, warmup: int, steps: int, time_s
 # ---- driver -----------------------------------------------------------------------------
 def _merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0's record, the loss averaged over ranks, times the max over ranks; per measured
-    step its wall time (max over ranks) and each op's collective seconds per rank (in rank
-    order) with their max and median."""
+    step its wall time (max over ranks) and the collective seconds of each op (and op/level)
+    per rank (in rank order) with their max and median."""
     rec = dict(per_rank[0])
     if rec["error"] is None:
         rec["losses"] = [sum(r["losses"][k] for r in per_rank) / len(per_rank) for k in range(len(rec["losses"]))]
         for key in ("step_time_s", "step_time_emulated_s", "link_time_per_step_s"):
             if rec[key] is not None:
                 rec[key] = max(r[key] for r in per_rank)
-        rec["steps"] = []
-        for k, first in enumerate(per_rank[0]["steps"]):
-            ops = sorted({op for r in per_rank for op in r["steps"][k]["collective_s"]})
-            seconds = {op: [r["steps"][k]["collective_s"].get(op, 0.0) for r in per_rank] for op in ops}
-            rec["steps"].append(
-                {
-                    "step_s": max(r["steps"][k]["step_s"] for r in per_rank),
-                    "emulated": first["emulated"],
-                    "collective_s": {op: {"max": max(v), "median": median(v), "ranks": v} for op, v in seconds.items()},
-                }
-            )
+        rec["steps"] = [
+            {
+                "step_s": max(r["steps"][k]["step_s"] for r in per_rank),
+                "emulated": first["emulated"],
+                **{what: _over_ranks([r["steps"][k][what] for r in per_rank]) for what in _TIMED_KEYS},
+            }
+            for k, first in enumerate(per_rank[0]["steps"])
+        ]
     return rec
+
+
+_TIMED_KEYS = ("collective_s", "collective_s_by_level")
+
+
+def _over_ranks(per_rank: list[dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """{key: seconds} of every rank -> {key: {max, median, ranks (rank order, 0 where none)}}."""
+    keys = sorted({k for r in per_rank for k in r})
+    out = {}
+    for k in keys:
+        v = [r.get(k, 0.0) for r in per_rank]
+        out[k] = {"max": max(v), "median": median(v), "ranks": v}
+    return out
 
 
 TIMED_OPS = ("all_to_all", "all_gather", "all_reduce")
