@@ -574,7 +574,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     ax3.bar(range(len(rows)), rest, bottom=bottom, label="rest of the step", color="lightgrey")
     ax3.set_xticks(range(len(rows)), names, rotation=30, ha="right")
     ax3.set_ylabel("measured s per step (median rank)")
-    ax3.legend()
+    ax3.legend(fontsize="small", framealpha=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
