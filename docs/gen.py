@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import pkgutil
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -479,6 +480,72 @@ def ted_netns_table() -> str:
     return _md(["variant", "node MB/step", "step s", "ted_base / variant"], rows)
 
 
+def ted_netns_timed_table() -> str:
+    """Measured collective seconds per step (the ledger's timed spans; ``checks.collective_times``:
+    medians over the measured steps of the median rank's seconds, the slowest rank's in brackets)."""
+    data = _load("bench_ted_netns_timed.json")
+    times, over = data["checks"]["collective_times"], data["checks"]["collective_time_ted_base_over"]
+    base = times["ted_base"]["step_s"]["median"]
+
+    def ratio(v: float | None) -> str:
+        return "—" if v is None else f"{v:.2f}"
+
+    rows = []
+    for r in data["records"]:
+        if r["error"] is not None:
+            rows.append([r["variant"], f"fails: {r['error'][:80]}", *[""] * 7])
+            continue
+        t = times[r["variant"]]
+        steps = [s["step_s"] for s in r["steps"]]
+        o = over.get(r["variant"], {op: 1.0 for op in ("all_to_all", "all_gather", "all_reduce")})
+        rows.append(
+            [
+                r["variant"],
+                f"{r['bytes_per_step']['node'] / 1e6:.2f}",
+                f"{t['step_s']['median']:.2f} ({min(steps):.1f}–{max(steps):.1f})",
+                *(
+                    f"{t[op]['median_s']:.2f} ({t[op]['max_s']:.2f})"
+                    for op in ("all_to_all", "all_gather", "all_reduce")
+                ),
+                f"{100 * t['all_to_all']['share_of_step']:.1f} %",
+                f"{base / t['step_s']['median']:.2f}",
+                " / ".join(ratio(o[op]) for op in ("all_to_all", "all_gather", "all_reduce")),
+            ]
+        )
+    return _md(
+        [
+            "variant",
+            "node MB/step",
+            "step s (min–max)",
+            "all-to-all s",
+            "all-gather s",
+            "all-reduce s",
+            "all-to-all share of step",
+            "ted_base / variant: step",
+            "ted_base / variant: a2a / AG / AR s",
+        ],
+        rows,
+    )
+
+
+def ted_netns_timed_levels_table() -> str:
+    """The same run's collective seconds per op and level: medians over the measured steps of the
+    median rank's seconds."""
+    recs = [r for r in _load("bench_ted_netns_timed.json")["records"] if r["error"] is None]
+    keys = sorted({k for r in recs for s in r["steps"] for k in s["collective_s_by_level"]})
+    rows = [
+        [
+            r["variant"],
+            *(
+                f"{statistics.median(s['collective_s_by_level'].get(k, {'median': 0.0})['median'] for s in r['steps']):.2f}"
+                for k in keys
+            ),
+        ]
+        for r in recs
+    ]
+    return _md(["variant", *(k.replace("_", "-").replace("/", " @ ") + " s" for k in keys)], rows)
+
+
 def ted_sizes_table() -> str:
     rows = [
         [
@@ -690,6 +757,8 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_pmm_netns.md": ("examples/results/bench_pmm_netns.json", pmm_netns_table),
     "bench_ted.md": ("examples/results/bench_ted.json", ted_table),
     "bench_ted_netns.md": ("examples/results/bench_ted_netns.json", ted_netns_table),
+    "bench_ted_netns_timed.md": ("examples/results/bench_ted_netns_timed.json", ted_netns_timed_table),
+    "bench_ted_netns_timed_levels.md": ("examples/results/bench_ted_netns_timed.json", ted_netns_timed_levels_table),
     "bench_ted_sizes.md": ("examples/results/bench_ted.json", ted_sizes_table),
     "bench_ledger.md": ("examples/results/bench_ledger.json", ledger_table),
     "bench_quant.md": ("examples/results/bench_quant.json", quant_table),

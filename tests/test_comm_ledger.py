@@ -242,6 +242,90 @@ def test_a_wrapper_installed_after_import_is_called_and_chained(world):
         assert sum(counted.values()) == 3
 
 
+def _timed_spans():
+    """Timed spans (``Ledger.start`` / ``finish``): seconds for the ops issued, under the same
+    keys as their bytes, none for the others."""
+    import torch
+
+    rt = _runtime()
+    node = rt.groups.span("gpu")
+    with rt.ledger.phase("forward"):
+        rt.comm.all_reduce(torch.ones(1000), group=node)
+        rt.comm.all_gather(torch.empty(8 * 100), torch.ones(100))
+    with rt.ledger.paused():
+        rt.comm.all_to_all(torch.empty(8), torch.ones(8))  # not recorded: no bytes, no seconds
+    step = rt.ledger.mark_step()
+    return dict(step.seconds), set(step.bytes), step.seconds_by_op()
+
+
+def test_spans_time_the_ops_issued_and_nothing_else(world):
+    for seconds, byte_keys, by_op in world.run(_timed_spans):
+        assert set(seconds) == byte_keys == {("forward", "all_reduce", "gpu"), ("forward", "all_gather", "node")}
+        assert all(t > 0 for t in seconds.values())
+        assert set(by_op) == {"all_reduce", "all_gather"}
+
+
+DELAY_S, DELAYED = 0.3, 5
+
+
+def _delayed_peer():
+    """Rank 5 sleeps before each world all-reduce (ds_ext's, then a third party's through the
+    instrumentation): every other rank's span covers that wait, which no model of the transfer
+    could know. Then every rank issues async all-reduces, sleeps, and waits: the spans run to
+    ``wait()``, not to the issue's return."""
+    import torch
+    import torch.distributed as dist
+
+    from ds_ext.comm import instrument_torch_distributed
+
+    rt = _runtime()
+    out = {}
+    with instrument_torch_distributed(rt.comm):
+        for name, all_reduce in (("comm", rt.comm.all_reduce), ("torch", dist.all_reduce)):
+            dist.barrier()
+            if dist.get_rank() == DELAYED:
+                time.sleep(DELAY_S)
+            all_reduce(torch.ones(4))
+            out[name] = rt.ledger.mark_step().seconds_by_op()["all_reduce"]
+        for name, issue in (
+            ("comm_async", lambda x: rt.comm.all_reduce(x, async_op=True)),
+            ("torch_async", lambda x: dist.all_reduce(x, async_op=True)),
+        ):
+            work = issue(torch.ones(4))
+            before_wait = dict(rt.ledger.current.seconds)
+            time.sleep(DELAY_S)
+            work.wait()
+            out[name] = (before_wait, rt.ledger.mark_step().seconds_by_op()["all_reduce"])
+    return out
+
+
+def test_spans_measure_waiting_for_a_late_peer_and_run_to_wait(world):
+    results = world.run(_delayed_peer)
+    for rank, r in enumerate(results):
+        if rank != DELAYED:
+            assert r["comm"] >= DELAY_S - 0.05 and r["torch"] >= DELAY_S - 0.05, (rank, r)
+        for name in ("comm_async", "torch_async"):
+            before_wait, seconds = r[name]
+            assert before_wait == {} and seconds >= DELAY_S, (rank, name, r[name])
+    assert results[DELAYED]["comm"] < DELAY_S / 2 and results[DELAYED]["torch"] < DELAY_S / 2
+
+
+def test_synchronize_brackets_each_recorded_span():
+    """``Ledger.synchronize`` (a GPU's device sync) runs where a recorded span starts and ends,
+    never for a call the ledger does not record."""
+    from ds_ext.comm.ledger import Ledger
+
+    ledger = Ledger(("gcd", "node"))
+    calls = []
+    ledger.synchronize = lambda: calls.append(len(ledger.current.seconds))
+    ledger.finish(ledger.start("all_to_all", "node"))
+    assert calls == [0, 0] and set(ledger.current.seconds) == {("other", "all_to_all", "node")}
+    with ledger.paused():
+        ledger.finish(ledger.start("all_to_all", "node"))
+    ledger.finish(ledger.start("all_to_all", None))  # a one-rank group
+    assert calls == [0, 0] and ledger.current.calls == {}
+
+
 def _time_emulation():
     import torch
 

@@ -26,6 +26,12 @@ bandwidths (summed by the time emulator from bytes, calls and levels: no CPU noi
 wall time per step with and without that time (x ``--time-scale``) held (measured steps
 alternate); this rank's parameter, gradient and optimizer bytes and Eq 7.4's value.
 
+Per measured step (``steps``, max over ranks of the step's wall time): the seconds each rank
+spent inside each collective op (the ledger's timed spans around TED's and DeepSpeed's
+collectives, ``ds_ext.comm.ledger``; measured, not modelled), kept per rank with their max and
+median over ranks, so that 001 ch. 7's measure, all-to-all time as a share of the step, and
+DTD's and CAC's effect on each op's time can be recomputed from the JSON.
+
 ``--network netns``: no emulation; the ranks run on an emulated cluster (``ds_ext.cluster``:
 2 nodes x 2 GPUs as network namespaces with tbf-shaped links), every measured step is plain
 wall time over those links, the emulated and link times are None. ``--quick``: the tiny
@@ -279,6 +285,14 @@ def _moe_block_model(variant: str, cfg, micro: int, layout, topology) -> dict[st
     }
 
 
+def _collective_seconds(step) -> dict[str, dict[str, float]]:
+    """This rank's measured seconds inside collectives in one ledger step, by op and by op/level."""
+    by_level: dict[str, float] = {}
+    for (_, op, lv), t in step.seconds.items():
+        by_level[f"{op}/{lv}"] = by_level.get(f"{op}/{lv}", 0.0) + t
+    return {"collective_s": step.seconds_by_op(), "collective_s_by_level": by_level}
+
+
 class _LinkClock:
     """Wraps the time emulator and sums the link time it charges: the alpha-beta cost of a
     step's collectives from their bytes, calls and levels alone (no CPU noise)."""
@@ -320,6 +334,7 @@ def _train_and_measure(variant: str, model: str, warmup: int, steps: int, time_s
     times: dict[bool, list[float]] = {False: [], True: []}
     link: list[float] = []
     losses = []
+    steps_record: list[dict[str, Any]] = []
     try:
         for step in range(warmup + 2 * steps):
             emulate = clock is not None and step >= warmup and (step - warmup) % 2 == 1
@@ -334,7 +349,11 @@ def _train_and_measure(variant: str, model: str, warmup: int, steps: int, time_s
             engine.step()
             dist.barrier()
             if step >= warmup:
-                times[emulate].append(time.perf_counter() - t0)
+                elapsed = time.perf_counter() - t0
+                times[emulate].append(elapsed)
+                steps_record.append(
+                    {"step_s": elapsed, "emulated": emulate, **_collective_seconds(rt.ledger.steps[-1])}
+                )
                 if emulate:
                     link.append(clock.total / time_scale)
             losses.append(loss.item())
@@ -357,6 +376,7 @@ def _train_and_measure(variant: str, model: str, warmup: int, steps: int, time_s
         "tokens_per_rank": micro * cfg.seq_len,
         **per_step,  # measured before _moe_block, which resets the ledger
         "step_time_s": median(times[False]),
+        "steps": steps_record,
         "step_time_emulated_s": median(times[True]) if times[True] else None,
         "link_time_per_step_s": median(link) if link else None,
         "time_scale": time_scale,
@@ -375,14 +395,56 @@ def _train_and_measure(variant: str, model: str, warmup: int, steps: int, time_s
 
 # ---- driver -----------------------------------------------------------------------------
 def _merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rank 0's record, the loss averaged over ranks, times the max over ranks."""
+    """Rank 0's record, the loss averaged over ranks, times the max over ranks; per measured
+    step its wall time (max over ranks) and the collective seconds of each op (and op/level)
+    per rank (in rank order) with their max and median."""
     rec = dict(per_rank[0])
     if rec["error"] is None:
         rec["losses"] = [sum(r["losses"][k] for r in per_rank) / len(per_rank) for k in range(len(rec["losses"]))]
         for key in ("step_time_s", "step_time_emulated_s", "link_time_per_step_s"):
             if rec[key] is not None:
                 rec[key] = max(r[key] for r in per_rank)
+        rec["steps"] = [
+            {
+                "step_s": max(r["steps"][k]["step_s"] for r in per_rank),
+                "emulated": first["emulated"],
+                **{what: _over_ranks([r["steps"][k][what] for r in per_rank]) for what in _TIMED_KEYS},
+            }
+            for k, first in enumerate(per_rank[0]["steps"])
+        ]
     return rec
+
+
+_TIMED_KEYS = ("collective_s", "collective_s_by_level")
+
+
+def _over_ranks(per_rank: list[dict[str, float]]) -> dict[str, dict[str, Any]]:
+    """{key: seconds} of every rank -> {key: {max, median, ranks (rank order, 0 where none)}}."""
+    keys = sorted({k for r in per_rank for k in r})
+    out = {}
+    for k in keys:
+        v = [r.get(k, 0.0) for r in per_rank]
+        out[k] = {"max": max(v), "median": median(v), "ranks": v}
+    return out
+
+
+TIMED_OPS = ("all_to_all", "all_gather", "all_reduce")
+
+
+def collective_times(record: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Medians over a record's plain (not emulated) measured steps of each op's collective
+    seconds (max and median over ranks) and of its share of the step (the median rank's
+    seconds over the step's wall time, 001 ch. 7's measure); ``step_s`` the median step."""
+    plain = [s for s in record["steps"] if not s["emulated"]]
+    out: dict[str, dict[str, float]] = {"step_s": {"median": median([s["step_s"] for s in plain])}}
+    for op in TIMED_OPS:
+        cell = [s["collective_s"].get(op, {"max": 0.0, "median": 0.0}) for s in plain]
+        out[op] = {
+            "max_s": median([c["max"] for c in cell]),
+            "median_s": median([c["median"] for c in cell]),
+            "share_of_step": median([c["median"] / s["step_s"] for c, s in zip(cell, plain)]),
+        }
+    return out
 
 
 def _per_op(block: dict[str, Any], what: str) -> dict[str, float]:
@@ -406,6 +468,8 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
         "link_time_ratio": {},
         "step_time_emulated_ratio": {},
         "step_time_ratio": {},
+        "collective_times": {v: collective_times(r) for v, r in by.items()},
+        "collective_time_ted_base_over": {},
     }
     for v, r in by.items():
         out["moe_block_calls"][v] = _per_op(r["moe_block"], "calls")
@@ -436,13 +500,18 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
                     by["ted_base"]["step_time_emulated_s"] / by[v]["step_time_emulated_s"]
                 )
             out["step_time_ratio"][f"ted_base/{v}"] = by["ted_base"]["step_time_s"] / by[v]["step_time_s"]
+            base, other = out["collective_times"]["ted_base"], out["collective_times"][v]
+            out["collective_time_ted_base_over"][v] = {
+                op: base[op]["median_s"] / other[op]["median_s"] if other[op]["median_s"] else None for op in TIMED_OPS
+            }
     return out
 
 
 def table(records: list[dict[str, Any]]) -> str:
     head = (
         f"{'variant':<17}{'gcd MB':>8}{'gpu MB':>8}{'node MB':>8}{'a2a':>5}{'AR':>5}{'AG':>5}{'a2a MB':>8}"
-        f"{'stash MB':>9}{'link ms':>9}{'step s':>8}{'emul s':>8}{'state MB':>10}{'loss':>7}"
+        f"{'stash MB':>9}{'link ms':>9}{'step s':>8}{'a2a s':>7}{'AG s':>7}{'AR s':>7}{'emul s':>8}"
+        f"{'state MB':>10}{'loss':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in records:
@@ -452,18 +521,23 @@ def table(records: list[dict[str, Any]]) -> str:
         b = r["bytes_per_step"]
         calls, nbytes = _per_op(r["moe_block"], "calls"), _per_op(r["moe_block"], "bytes")
         state = r["state_bytes"]
+        timed = collective_times(r)
         lines.append(
             f"{r['variant']:<17}{b['gcd'] / 1e6:>8.2f}{b['gpu'] / 1e6:>8.2f}{b['node'] / 1e6:>8.2f}"
             f"{calls.get('all_to_all', 0):>5.0f}{calls.get('all_reduce', 0):>5.0f}{calls.get('all_gather', 0):>5.0f}"
             f"{nbytes.get('all_to_all', 0) / 1e6:>8.3f}{r['cac_stash_bytes_per_block'] / 1e6:>9.3f}"
             f"{(r['link_time_per_step_s'] or float('nan')) * 1e3:>9.2f}"
-            f"{r['step_time_s']:>8.2f}{r['step_time_emulated_s'] or float('nan'):>8.2f}"
+            f"{r['step_time_s']:>8.2f}"
+            + "".join(f"{timed[op]['median_s']:>7.2f}" for op in TIMED_OPS)
+            + f"{r['step_time_emulated_s'] or float('nan'):>8.2f}"
             f"{(state['params'] + state['grads'] + state['optimizer']) / 1e6:>10.2f}{r['losses'][-1]:>7.3f}"
         )
     lines.append(
         "MB per rank per optimizer step by level; a2a / AR / AG calls and a2a MB of one checkpointed MoE "
         "block (forward + backward + recompute); 'stash MB': what CAC keeps of that block's forward collectives for its recompute; 'link ms': alpha-beta link time of a step's collectives "
-        "at Frontier's latencies and bandwidths; 'emul s': wall time with that link time x time_scale held"
+        "at Frontier's latencies and bandwidths; 'a2a s' / 'AG s' / 'AR s': measured seconds inside those "
+        "collectives per step (median rank, median of the steps without emulation); 'emul s': wall time with that "
+        "link time x time_scale held"
     )
     return "\n".join(lines)
 
@@ -472,8 +546,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     from ds_ext import plotting
 
     rows = [r for r in records if r["error"] is None]
-    fig = plotting.figure(figsize=(12, 4.5))
-    ax1, ax2 = fig.subplots(1, 2)
+    fig = plotting.figure(figsize=(17, 4.5))
+    ax1, ax2, ax3 = fig.subplots(1, 3)
     bottom = [0.0] * len(rows)
     for lv in LEVELS:
         vals = [r["bytes_per_step"][lv] / 1e6 for r in rows]
@@ -490,6 +564,17 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     ax2.set_ylabel(
         "step time on the shaped network (ms)" if network else "alpha-beta link time per step on Frontier (ms)"
     )
+    timed = [collective_times(r) for r in rows]
+    bottom = [0.0] * len(rows)
+    for op in TIMED_OPS:
+        vals = [t[op]["median_s"] for t in timed]
+        ax3.bar(range(len(rows)), vals, bottom=bottom, label=op)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    rest = [max(t["step_s"]["median"] - b, 0.0) for t, b in zip(timed, bottom)]
+    ax3.bar(range(len(rows)), rest, bottom=bottom, label="rest of the step", color="lightgrey")
+    ax3.set_xticks(range(len(rows)), names, rotation=30, ha="right")
+    ax3.set_ylabel("measured s per step (median rank)")
+    ax3.legend(fontsize="small", framealpha=0.8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

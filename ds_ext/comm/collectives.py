@@ -4,7 +4,9 @@
 records each call in the :class:`~ds_ext.comm.ledger.Ledger` (bytes sent per rank, by
 the convention documented there, at the topology level the group spans), and, when a
 :class:`~ds_ext.comm.emulation.TimeEmulator` is attached, holds each collective for its
-alpha-beta cost. Every method has an ``async_op`` form returning a :class:`Handle`.
+alpha-beta cost. Every method has an ``async_op`` form returning a :class:`Handle`. Each call
+is also a timed span in the ledger (the seconds this rank spends in it, until :meth:`Handle.wait`
+returns for an async one; ``ds_ext.comm.ledger`` says what a span covers on a GPU).
 
 All-gather and reduce-scatter run by an algorithm (``ds_ext.comm.algorithms``, 001 §6.2):
 ``native`` (torch.distributed's collective), ``ring``, ``pccl`` or ``auto``; the
@@ -39,6 +41,7 @@ from ds_ext.comm import algorithms
 from ds_ext.comm.emulation import TimeEmulator, message_steps
 from ds_ext.comm.ledger import (
     Ledger,
+    Span,
     all_gather_bytes,
     all_reduce_bytes,
     broadcast_bytes,
@@ -109,7 +112,8 @@ class Watch(Protocol):
 
 
 class Handle:
-    """Result of an async collective; :meth:`wait` completes it (and its emulated time)."""
+    """Result of an async collective; :meth:`wait` completes it (its emulated time, and its
+    timed span in ``timed``'s ledger)."""
 
     def __init__(
         self,
@@ -118,12 +122,14 @@ class Handle:
         after: Callable[[], None] | None = None,
         guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         watch: tuple[str, Watch] | None = None,
+        timed: tuple[Ledger, Span] | None = None,
     ):
         self._work = work
         self._deadline = deadline
         self._after = after
         self._guard = guard
         self._watch = watch
+        self._timed = timed
         self._done = False
 
     def wait(self) -> None:
@@ -136,6 +142,8 @@ class Handle:
                 else:
                     self._wait_watched(*self._watch)
         TimeEmulator.hold_until(self._deadline)
+        if self._timed is not None:
+            self._timed[0].finish(self._timed[1])
         if self._after is not None:
             self._after()
         self._done = True
@@ -241,16 +249,17 @@ class Communicator:
         return async_op or self._watched(group)
 
     # ---- bookkeeping shared with ds_ext.comm.instrument -------------------------------
-    def account(self, op: str, group: object | None, nbytes: float) -> float:
+    def account(self, op: str, group: object | None, nbytes: float) -> tuple[Span, float]:
         """Record ``nbytes`` sent by this rank by a collective left to torch.distributed (its
-        messages by the ring convention); return the emulated completion deadline."""
+        messages by the ring convention) and open its timed span; return the span (for
+        ``ledger.finish`` when the collective completes) and the emulated completion deadline."""
         level = self.registry.level(group)
         d = len(self.registry.ranks(group))
         self.ledger.record(op, level, nbytes, message_steps(op, d))
-        start = time.perf_counter()
+        span = self.ledger.start(op, level)
         if self.emulator is None:
-            return start
-        return start + self.emulator.cost(op, level, nbytes, d)
+            return span, span[1]
+        return span, span[1] + self.emulator.cost(op, level, nbytes, d)
 
     # ---- algorithm choice (001 §6.2) ----------------------------------------------------
     @staticmethod
@@ -288,7 +297,7 @@ class Communicator:
         """Run ``algorithm`` (ring / pccl) and record each of its phases at its level."""
         ranks = self.registry.ranks(group)
         tally = algorithms.Tally()
-        start = time.perf_counter()
+        span = self.ledger.start(op, self.registry.level(group))
         run = algorithms.all_gather if op == "all_gather" else algorithms.reduce_scatter
         with self.guard(op, group):
             run(
@@ -304,11 +313,11 @@ class Communicator:
             )
         for level, nbytes in tally.bytes.items():
             self.ledger.record(op, level, nbytes, tally.messages[level])
-        deadline = start
+        deadline = span[1]
         if self.emulator is not None:
             chunk = _nbytes(input) if op == "all_gather" else _nbytes(output)
             deadline += self.emulator.scale * self._model().time(algorithm, self.registry.topology, ranks, chunk)
-        return self._finish(op, group, None, deadline, async_op)
+        return self._finish(op, group, None, (span, deadline), async_op)
 
     def _downward(self, group: object | None, ranks: tuple[int, ...]) -> object | None:
         """On gloo, the group that carries the p2p algorithms' messages to lower ranks
@@ -322,9 +331,20 @@ class Communicator:
             downward = self.registry.make_p2p_downward()
         return downward
 
-    def _finish(self, op: str, group, work, deadline: float, async_op: bool, after=None) -> Handle | None:
+    def _finish(
+        self,
+        op: str,
+        group,
+        work,
+        accounted: tuple[Span, float],
+        async_op: bool,
+        after: Callable[[], None] | None = None,
+    ) -> Handle | None:
+        """The call's :class:`Handle` (``accounted``: its span and emulated deadline; ``after``: run
+        once the work is done), waited on here unless ``async_op``."""
+        span, deadline = accounted
         watch = (op, self.watch) if work is not None and self._watched(group) else None
-        handle = Handle(work, deadline, after, lambda: self.guard(op, group), watch)
+        handle = Handle(work, deadline, after, lambda: self.guard(op, group), watch, (self.ledger, span))
         if async_op:
             return handle
         handle.wait()
@@ -350,12 +370,12 @@ class Communicator:
         algorithm = self.choose(group, _nbytes(input), algorithm)
         if algorithm != "native" and d > 1:
             return self._p2p("all_gather", algorithm, output, input, group, async_op)
-        deadline = self.account("all_gather", group, all_gather_bytes(_nbytes(input), d))
+        accounted = self.account("all_gather", group, all_gather_bytes(_nbytes(input), d))
         with self.guard("all_gather", group):
             work = torch_op("all_gather_into_tensor")(
                 _flat(output), _flat(input), group=group, async_op=self._async(async_op, group)
             )
-        return self._finish("all_gather", group, work, deadline, async_op)
+        return self._finish("all_gather", group, work, accounted, async_op)
 
     def reduce_scatter(
         self,
@@ -374,17 +394,17 @@ class Communicator:
         algorithm = self.choose(group, _nbytes(output), algorithm, op)
         if algorithm != "native" and d > 1:
             return self._p2p("reduce_scatter", algorithm, output, input, group, async_op)
-        deadline = self.account("reduce_scatter", group, reduce_scatter_bytes(_nbytes(input), d))
+        accounted = self.account("reduce_scatter", group, reduce_scatter_bytes(_nbytes(input), d))
         if d > 1 and self._is_gloo(group):
-            return self._gloo_reduce_scatter(output, input, op, group, async_op, deadline)
+            return self._gloo_reduce_scatter(output, input, op, group, async_op, accounted)
         with self.guard("reduce_scatter", group):
             work = torch_op("reduce_scatter_tensor")(
                 _flat(output), _flat(input), op=op, group=group, async_op=self._async(async_op, group)
             )
-        return self._finish("reduce_scatter", group, work, deadline, async_op)
+        return self._finish("reduce_scatter", group, work, accounted, async_op)
 
     def _gloo_reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op, group, async_op: bool, deadline: float
+        self, output: torch.Tensor, input: torch.Tensor, op, group, async_op: bool, accounted: tuple[Span, float]
     ) -> Handle | None:
         """gloo's reduce-scatter is an all-reduce of the whole input that keeps one chunk
         (ProcessGroupGloo's ``reduce_scatter_tensor_coalesced``): 2 (d - 1)/d of the input on the
@@ -402,17 +422,17 @@ class Communicator:
             work = torch_op("all_to_all_single")(received, _flat(input), group=group, async_op=True)
         chunks, out = received.view(self.size(group), -1), _flat(output)
         return self._finish(
-            "reduce_scatter", group, work, deadline, async_op, after=lambda: _reduce_in_order(combine, chunks, out)
+            "reduce_scatter", group, work, accounted, async_op, after=lambda: _reduce_in_order(combine, chunks, out)
         )
 
     def all_reduce(
         self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False
     ) -> Handle | None:
         d = self.size(group)
-        deadline = self.account("all_reduce", group, all_reduce_bytes(_nbytes(tensor), d))
+        accounted = self.account("all_reduce", group, all_reduce_bytes(_nbytes(tensor), d))
         with self.guard("all_reduce", group):
             work = torch_op("all_reduce")(tensor, op=op, group=group, async_op=self._async(async_op, group))
-        return self._finish("all_reduce", group, work, deadline, async_op)
+        return self._finish("all_reduce", group, work, accounted, async_op)
 
     def all_to_all(
         self,
@@ -437,7 +457,7 @@ class Communicator:
                 raise ValueError(f"all_to_all needs {d} input splits, got {len(input_split_sizes)}")
             own = input_split_sizes[me]
         nbytes = _nbytes(input) - own * row
-        deadline = self.account("all_to_all", group, nbytes)
+        accounted = self.account("all_to_all", group, nbytes)
         with self.guard("all_to_all", group):
             work = torch_op("all_to_all_single")(
                 output,
@@ -447,15 +467,15 @@ class Communicator:
                 group=group,
                 async_op=self._async(async_op, group),
             )
-        return self._finish("all_to_all", group, work, deadline, async_op)
+        return self._finish("all_to_all", group, work, accounted, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Handle | None:
         """Copy global rank ``src``'s ``tensor`` to every rank of the group."""
         d = self.size(group)
-        deadline = self.account("broadcast", group, broadcast_bytes(_nbytes(tensor), d))
+        accounted = self.account("broadcast", group, broadcast_bytes(_nbytes(tensor), d))
         with self.guard("broadcast", group):
             work = torch_op("broadcast")(tensor, src=src, group=group, async_op=self._async(async_op, group))
-        return self._finish("broadcast", group, work, deadline, async_op)
+        return self._finish("broadcast", group, work, accounted, async_op)
 
 
 _GLOO_REDUCTIONS: dict[object, Callable[..., torch.Tensor]] = {

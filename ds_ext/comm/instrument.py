@@ -2,7 +2,9 @@
 
 :func:`instrument_torch_distributed` replaces the tensor collectives of
 ``torch.distributed`` with wrappers that record into a :class:`Communicator`'s ledger
-(same byte convention, same level attribution, same time emulation) and then call the
+(same byte convention, same level attribution, same time emulation, the same timed span: from
+the call until it returns, or for ``async_op=True`` until the returned work's ``wait()``
+returns; ``ds_ext.comm.ledger``) and then call the
 function it replaced, captured at install time (so a profiler's or the user's wrapper
 installed earlier stays in the chain). ds_ext's own collectives call the captured
 functions (``collectives.torch_op``), so nothing is counted twice. DeepSpeed binds ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` when its
@@ -23,6 +25,8 @@ from ds_ext.comm import collectives
 from ds_ext.comm.collectives import TORCH_OP_NAMES, Communicator
 from ds_ext.comm.emulation import TimeEmulator
 from ds_ext.comm.ledger import (
+    Ledger,
+    Span,
     all_gather_bytes,
     all_reduce_bytes,
     broadcast_bytes,
@@ -77,32 +81,39 @@ def _wrap(comm: Communicator, name: str, fn: Callable) -> Callable:
         arguments.update(kw)
         op, nbytes = _volume(comm, name, arguments)
         group = arguments.get("group")
-        deadline = comm.account(op, group, nbytes)
+        span, deadline = comm.account(op, group, nbytes)
         try:
             work = fn(*args, **kw)
         except RuntimeError as err:
             raise comm.failed(op, group, err) from err
         if arguments.get("async_op"):
-            return _EmulatedWork(work, deadline, lambda: comm.guard(op, group))
+            return _TimedWork(work, deadline, lambda: comm.guard(op, group), comm.ledger, span)
         TimeEmulator.hold_until(deadline)
+        comm.ledger.finish(span)
         return work
 
     wrapper.__ds_ext_original__ = fn  # type: ignore[attr-defined]
     return wrapper
 
 
-class _EmulatedWork:
-    """A torch Work whose ``wait`` also honours the emulated completion time."""
+class _TimedWork:
+    """A torch Work whose ``wait`` also honours the emulated completion time and closes the
+    call's timed span (at the first ``wait`` that returns)."""
 
-    def __init__(self, work, deadline: float, guard) -> None:
+    def __init__(self, work, deadline: float, guard, ledger: Ledger, span: Span) -> None:
         self._work = work
         self._deadline = deadline
         self._guard = guard
+        self._ledger = ledger
+        self._span: Span | None = span
 
     def wait(self, *args, **kw):
         with self._guard():
             out = self._work.wait(*args, **kw)
         TimeEmulator.hold_until(self._deadline)
+        if self._span is not None:
+            self._ledger.finish(self._span)
+            self._span = None
         return out
 
     def __getattr__(self, name):

@@ -21,16 +21,31 @@ one by one and record each phase at the level of the sub-group it runs on; a col
 left to torch.distributed (``native``, or issued by third-party code) is counted by the
 convention of the ring it stands for, ``ds_ext.comm.emulation.message_steps``: d - 1 (all-reduce
 2 (d - 1)).
+
+Seconds (measured, never modelled; 001 ch. 7 reports all-to-all time as a share of batch
+time): a timed span around each collective on the calling rank, ``time.perf_counter`` from
+the call until it returns, or for ``async_op=True`` until its ``wait()`` returns: the time
+this rank spends issuing, transferring, and waiting for its slowest peer (and, with time
+emulation on, the emulated hold). Each span is keyed by the (phase, op, level) of its call,
+accumulated into the step that is open when it closes; a hierarchical collective of ds_ext
+(ring / PCCL) is one span at the outermost level its group spans; an async collective whose
+work is never waited on records no time. On gloo the calls block, so a span is the transfer.
+On a GPU (NCCL / RCCL) a collective returns once it is enqueued and ``wait()`` only orders
+streams, so a span is launch time; set :attr:`Ledger.synchronize` (e.g.
+``torch.cuda.synchronize``) to have each span start and end on a synchronized device: it then
+covers the transfer, at the price of serializing the collective with compute around it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 Key = tuple[str, str, str]  # (phase, op, level)
+Span = tuple[Key | None, float]  # (key, or None when not recorded; perf_counter at the call)
 
 
 def all_gather_bytes(input_bytes: int, d: int) -> int:
@@ -51,11 +66,12 @@ def broadcast_bytes(nbytes: int, d: int) -> float:
 
 @dataclass
 class Traffic:
-    """Aggregated bytes, calls and messages keyed by (phase, op, level)."""
+    """Aggregated bytes, calls, messages and measured seconds keyed by (phase, op, level)."""
 
     bytes: dict[Key, float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[Key, int] = field(default_factory=lambda: defaultdict(int))
     messages: dict[Key, int] = field(default_factory=lambda: defaultdict(int))
+    seconds: dict[Key, float] = field(default_factory=lambda: defaultdict(float))
 
     def add(self, key: Key, nbytes: float, messages: int = 0) -> None:
         self.bytes[key] += nbytes
@@ -85,6 +101,14 @@ class Traffic:
                 out[lv] += m
         return dict(out)
 
+    def seconds_by_op(self, phase: str | None = None, level: str | None = None) -> dict[str, float]:
+        """Measured seconds inside collectives summed per op, optionally one phase and/or level."""
+        out: dict[str, float] = defaultdict(float)
+        for (ph, o, lv), t in self.seconds.items():
+            if (phase is None or ph == phase) and (level is None or lv == level):
+                out[o] += t
+        return dict(out)
+
     def by_phase(self) -> dict[str, dict[str, float]]:
         """{phase: {level: bytes}}."""
         out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -104,6 +128,9 @@ class Ledger:
     :attr:`current` for the open one.
     """
 
+    synchronize: Callable[[], None] | None = None
+    """Called where a timed span starts and ends (module docstring: spans on a GPU); None: not."""
+
     def __init__(self, levels: tuple[str, ...]) -> None:
         self.levels = levels
         self.enabled = True
@@ -117,6 +144,22 @@ class Ledger:
         if not self.enabled or level is None:
             return
         self.current.add((self._phase, op, level), nbytes, messages)
+
+    def start(self, op: str, level: str | None) -> Span:
+        """Open the timed span of one collective of ``op`` at ``level``, issued now."""
+        key = (self._phase, op, level) if self.enabled and level is not None else None
+        if key is not None and self.synchronize is not None:
+            self.synchronize()
+        return key, time.perf_counter()
+
+    def finish(self, span: Span) -> None:
+        """Close ``span`` now: its seconds go to the open step under its key."""
+        key = span[0]
+        if key is None:
+            return
+        if self.synchronize is not None:
+            self.synchronize()
+        self.current.seconds[key] += time.perf_counter() - span[1]
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
