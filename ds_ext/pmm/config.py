@@ -46,6 +46,14 @@ class Pmm3dConfig(PluginConfig):
         "(Eqs 5.1-5.7) among those that divide the model and fit memory_per_rank_GB.",
     )
     overlap: OverlapConfig = Field(default_factory=OverlapConfig)
+    tables: Literal["vocab_parallel", "replicated"] = Field(
+        "vocab_parallel",
+        description="Embedding tables and the LM head: 'vocab_parallel' (rows over X, Megatron-LM's "
+        "VocabParallelEmbedding: the lookup and the head's input gradient all-reduced over X, the loss "
+        "reduced over X) or 'replicated' over X (every X rank holds all rows of its feature block: none "
+        "of those reductions, G_x times the tables' memory and head matmul; cheaper when the vocabulary "
+        "is small next to d_model, see ds_ext.perf.pmm).",
+    )
     tune_matmul: bool = Field(
         False,
         description="Time every matmul call site in NN/NT/TN/transposed-product form during the first "
