@@ -160,6 +160,34 @@ def test_checkpoint_continues_on_other_grids(world, tmp_path):
         assert refusal and "has no 3D-PMM layout record" in refusal and "\n" not in refusal
 
 
+def _replicated_tables_checkpoint(tmp):
+    """Tables replicated over X on (2,2,2,1): save before training and after 2 steps; the first
+    consolidates to the serial initialization, the second continues vocabulary-parallel on (2,1,4,1)."""
+    import torch
+
+    from ds_ext.pmm import checkpoint
+    from pmm_helpers import MODELS
+
+    engine = engine_for("gpt", ds_config((2, 2, 2, 1), tables="replicated"))
+    engine.save_checkpoint(tmp, tag="init")
+    _train_steps(engine, "gpt", range(2))
+    engine.save_checkpoint(tmp, tag="step2")
+    whole = _train_steps(engine, "gpt", range(2, 4))
+    engine.destroy()
+    engine = engine_for("gpt", ds_config((2, 1, 4, 1)))
+    engine.load_checkpoint(tmp, tag="step2")
+    continued = _train_steps(engine, "gpt", range(2, 4))
+    engine.destroy()
+    full = checkpoint.consolidate(f"{tmp}/init")
+    serial = dict(MODELS["gpt"]().named_parameters())
+    return whole, continued, all(torch.equal(full[n], p.detach()) for n, p in serial.items())
+
+
+def test_replicated_tables_checkpoint_consolidates_and_reshards(world, tmp_path):
+    for whole, continued, consolidated in world.run(_replicated_tables_checkpoint, str(tmp_path)):
+        assert consolidated and continued == pytest.approx(whole, rel=1e-6, abs=0)
+
+
 def _hf_checkpoint(tmp):
     """Llama: save on (2,2,2,1) after one step; ``ds-ext checkpoint consolidate --hf-dir``;
     Hugging Face's own from_pretrained and ds_ext.pmm.checkpoint.load_full on (1,2,4,1) give

@@ -42,10 +42,13 @@ def test_built_on_meta_parity(world, family, grid):
 
 
 @pytest.mark.parametrize(
-    "family,grid", [("gpt", (8, 1, 1, 1)), ("gpt", (2, 2, 2, 1)), ("llama", (2, 1, 2, 2))], ids=str
+    "family,grid,kw",
+    [("gpt", (8, 1, 1, 1), {}), ("gpt", (2, 2, 2, 1), {"stage": 1, "clip": 1.0}), ("llama", (2, 1, 2, 2), {})],
+    ids=str,
 )
-def test_tables_replicated_over_x_parity(world, family, grid):
+def test_tables_replicated_over_x_parity(world, family, grid, kw):
     # issue 38 item 4: ds_ext.pmm3d.tables "replicated" (tables and LM head whole on every X rank,
-    # as megatron-core TP8's anchor keeps them); clipping at 1.0 checks that the X-replicated
-    # tables count once in the gradient norm; llama: the untied head and Hugging Face's loss
-    world.run(parity, family, grid, clip=1.0, tables="replicated")
+    # as megatron-core TP8's anchor keeps them). Stage 0: every gradient and ds_ext's norm;
+    # ZeRO-1 with clipping: DeepSpeed's norm counts the X-replicated table once; llama: the
+    # untied head and Hugging Face's loss
+    world.run(parity, family, grid, tables="replicated", **kw)
