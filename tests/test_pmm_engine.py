@@ -9,12 +9,13 @@ from pmm_helpers import GLOBAL_BATCH, SEQ, engine_for, ds_config, parity, tokens
 
 WORLD_SIZE = 8
 ALL_ON = {"all_reduce": True, "reduce_scatter": True, "all_gather": True}
+ALL_OFF = {"all_reduce": False, "reduce_scatter": False, "all_gather": False}
 
 
 def _overlap_pair(grid):
     import torch
 
-    off = train_and_compare("gpt_ckpt", grid)
+    off = train_and_compare("gpt_ckpt", grid, overlap=ALL_OFF)
     on = train_and_compare("gpt_ckpt", grid, overlap=ALL_ON)
     identical = all(torch.equal(on["params"][n], p) for n, p in off["params"].items())
     return identical, on["losses"] == off["losses"], on["telemetry"]

@@ -56,6 +56,18 @@ def test_config_section_rejects_unknown_keys_and_bad_degrees():
         parse({"pmm3d": {"grid": {"x": 0}}})
 
 
+def test_defaults_overlap_the_backward_all_reduce_and_keep_vocab_parallel_tables():
+    # issue 38 item 4: megatron-core overlaps its column-parallel dL/dI all-reduce with the
+    # weight-gradient matmul, and AxoNN's optimize_communication has OAR on by default; pmm3d
+    # (8,1,1,1) ran it blocking unless asked. ORS / OAG stay opt-in; tables stay vocab-parallel.
+    from ds_ext.config import parse
+
+    cfg = parse({"pmm3d": {"enabled": True}}).pmm3d
+    assert cfg.overlap.all_reduce and not cfg.overlap.reduce_scatter and not cfg.overlap.all_gather
+    assert cfg.tables == "vocab_parallel"
+    assert parse({"pmm3d": {"tables": "replicated"}}).pmm3d.tables == "replicated"
+
+
 # ---- shard layout ---------------------------------------------------------------------
 def test_linear_layout_blocks_and_z_chunks_tile_the_weight():
     w = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)  # [n, k]

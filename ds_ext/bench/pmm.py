@@ -7,8 +7,9 @@ global batch in every variant, side by side in one gloo world:
 * ``pmm3d`` on every factorization (G_x, G_y, G_z, G_data) of 8 that divides the model,
   among them Megatron-style 1D tensor parallelism (8,1,1,1) with alternating transposes,
   FSDP (1,1,8,1) and DDP (1,1,1,8), its tables placed as ``--tables`` says (default
-  replicated over X, as the megatron-core anchor keeps them); on the grids given by
-  ``--overlap-grids``, the same with OAR + ORS + OAG on; on ``--tables-twin-grids``, the
+  replicated over X, as the megatron-core anchor keeps them) and ds_ext.pmm3d's default
+  overlap (OAR on); on the grids given by ``--overlap-grids``, the same with OAR + ORS + OAG
+  on; on ``--tables-twin-grids``, the
   same with the other placement (``pmm3d+vocab_parallel`` / ``pmm3d+replicated``);
 * ``deepspeed_zero3``: the plain GPT under DeepSpeed ZeRO-3 over all 8 ranks;
 * ``megatron_tp8``: the GPT's block linears replaced by megatron-core's
@@ -213,7 +214,8 @@ def _measure_pmm(
 
     x, y, z, data = grid
     micro, seq = global_batch // data, MODELS[model][3]
-    flags = {"all_reduce": overlap, "reduce_scatter": overlap, "all_gather": overlap}
+    # the plugin's defaults (OAR on), or every overlap of 001 §5.1.4 on
+    flags = {"all_reduce": True, "reduce_scatter": True, "all_gather": True} if overlap else {}
     block = {
         "pmm3d": {
             "enabled": True,
