@@ -408,18 +408,54 @@ def pmm_netns_table() -> str:
         [
             r["variant"],
             _grid(r),
+            r.get("tables", "vocab_parallel").replace("_", " "),
             *_level_bytes(r["bytes_per_step"], 1e6),
             "—"
             if r.get("predicted_measured_network_comm_s") is None
             else f"{r['predicted_measured_network_comm_s']:.2f}",
             f"{r['step_time_s']:.2f}",
+            " ".join(f"{t:.2f}" for t in r.get("step_times_s", [])),
         ]
         for r in recs
     ]
-    return _md(
-        ["variant", "grid x,y,z,data", "gcd MB", "gpu MB", "node MB", "predicted comm s (measured network)", "step s"],
-        rows,
+    head = ["variant", "grid x,y,z,data", "tables", "gcd MB", "gpu MB", "node MB"]
+    return _md(head + ["predicted comm s (measured network)", "step s (median)", "each step s"], rows)
+
+
+def _layer_kind(phase: str) -> str:
+    """``forward/blocks.1.qkv`` -> ``qkv``; a phase without a layer tag -> ``(untagged)``."""
+    return phase.split("/", 1)[1].rsplit(".", 1)[-1] if "/" in phase else "(untagged)"
+
+
+def pmm_peers_table() -> str:
+    """pmm3d on megatron-core TP8's grid beside it: each peer's collectives of one step by
+    phase, op and level (MB sent per rank, calls), then pmm3d's by layer."""
+    recs = _load("bench_pmm_netns.json")["records"]
+    megatron = next(r for r in recs if r["variant"] == "megatron_tp8")
+    peers = [megatron] + [r for r in recs if r["variant"].startswith("pmm3d") and r["grid"] == megatron["grid"]]
+
+    def cells(r: dict[str, Any], keep) -> dict[tuple, tuple[float, int]]:
+        out: dict[tuple, tuple[float, int]] = {}
+        for c in r["collectives"]:
+            key = keep(c)
+            b, n = out.get(key, (0.0, 0))
+            out[key] = (b + c["bytes"], n + c["calls"])
+        return out
+
+    def table(rows_of: list[dict], keep, head: list[str]) -> str:
+        per = [cells(r, keep) for r in rows_of]
+        keys = sorted({k for p in per for k in p})
+        rows = [[*k, *(f"{p[k][0] / 1e6:.2f} ({p[k][1]})" if k in p else "—" for p in per)] for k in keys]
+        rows.append(["total", *[""] * (len(head) - 1), *(f"{sum(b for b, _ in p.values()) / 1e6:.2f}" for p in per)])
+        names = [f"{r['variant']} {_grid(r)} MB (calls)" for r in rows_of]
+        return _md(head + names, rows)
+
+    by_op = table(peers, lambda c: (c["phase"].split("/")[0], c["op"], c["level"]), ["phase", "op", "level"])
+    pmm = peers[1:]
+    by_layer = table(
+        pmm, lambda c: (c["phase"].split("/")[0], _layer_kind(c["phase"]), c["op"]), ["phase", "layer", "op"]
     )
+    return by_op + "\n\npmm3d by layer (all levels):\n\n" + by_layer
 
 
 def _block_calls(r: dict[str, Any]) -> str:
@@ -755,6 +791,7 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_tiled.md": ("examples/results/bench_tiled.json", tiled_table),
     "bench_pmm.md": ("examples/results/bench_pmm.json", pmm_table),
     "bench_pmm_netns.md": ("examples/results/bench_pmm_netns.json", pmm_netns_table),
+    "bench_pmm_netns_peers.md": ("examples/results/bench_pmm_netns.json", pmm_peers_table),
     "bench_ted.md": ("examples/results/bench_ted.json", ted_table),
     "bench_ted_netns.md": ("examples/results/bench_ted_netns.json", ted_netns_table),
     "bench_ted_netns_timed.md": ("examples/results/bench_ted_netns_timed.json", ted_netns_timed_table),

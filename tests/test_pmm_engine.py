@@ -9,12 +9,13 @@ from pmm_helpers import GLOBAL_BATCH, SEQ, engine_for, ds_config, parity, tokens
 
 WORLD_SIZE = 8
 ALL_ON = {"all_reduce": True, "reduce_scatter": True, "all_gather": True}
+ALL_OFF = {"all_reduce": False, "reduce_scatter": False, "all_gather": False}
 
 
 def _overlap_pair(grid):
     import torch
 
-    off = train_and_compare("gpt_ckpt", grid)
+    off = train_and_compare("gpt_ckpt", grid, overlap=ALL_OFF)
     on = train_and_compare("gpt_ckpt", grid, overlap=ALL_ON)
     identical = all(torch.equal(on["params"][n], p) for n, p in off["params"].items())
     return identical, on["losses"] == off["losses"], on["telemetry"]
@@ -160,6 +161,34 @@ def test_checkpoint_continues_on_other_grids(world, tmp_path):
         assert refusal and "has no 3D-PMM layout record" in refusal and "\n" not in refusal
 
 
+def _replicated_tables_checkpoint(tmp):
+    """Tables replicated over X on (2,2,2,1): save before training and after 2 steps; the first
+    consolidates to the serial initialization, the second continues vocabulary-parallel on (2,1,4,1)."""
+    import torch
+
+    from ds_ext.pmm import checkpoint
+    from pmm_helpers import MODELS
+
+    engine = engine_for("gpt", ds_config((2, 2, 2, 1), tables="replicated"))
+    engine.save_checkpoint(tmp, tag="init")
+    _train_steps(engine, "gpt", range(2))
+    engine.save_checkpoint(tmp, tag="step2")
+    whole = _train_steps(engine, "gpt", range(2, 4))
+    engine.destroy()
+    engine = engine_for("gpt", ds_config((2, 1, 4, 1)))
+    engine.load_checkpoint(tmp, tag="step2")
+    continued = _train_steps(engine, "gpt", range(2, 4))
+    engine.destroy()
+    full = checkpoint.consolidate(f"{tmp}/init")
+    serial = dict(MODELS["gpt"]().named_parameters())
+    return whole, continued, all(torch.equal(full[n], p.detach()) for n, p in serial.items())
+
+
+def test_replicated_tables_checkpoint_consolidates_and_reshards(world, tmp_path):
+    for whole, continued, consolidated in world.run(_replicated_tables_checkpoint, str(tmp_path)):
+        assert consolidated and continued == pytest.approx(whole, rel=1e-6, abs=0)
+
+
 def _hf_checkpoint(tmp):
     """Llama: save on (2,2,2,1) after one step; ``ds-ext checkpoint consolidate --hf-dir``;
     Hugging Face's own from_pretrained and ds_ext.pmm.checkpoint.load_full on (1,2,4,1) give
@@ -198,13 +227,13 @@ def test_hf_checkpoint_consolidates_and_loads_shard_by_shard(world, tmp_path):
         assert rc == 0 and hf_loss == pytest.approx(want, rel=1e-5) and loaded_loss == pytest.approx(want, rel=1e-5)
 
 
-def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None):
+def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None, tables=None):
     from ds_ext.perf.pmm import items, ledger_bytes
     from ds_ext.pmm.plans import plan_for
     from ds_ext.pmm.spec import model_spec
     from pmm_helpers import gpt
 
-    engine = engine_for("gpt", ds_config(grid, bf16=bf16, accum=accum, by_layer=True, overlap=overlap))
+    engine = engine_for("gpt", ds_config(grid, bf16=bf16, accum=accum, by_layer=True, overlap=overlap, tables=tables))
     axes = engine.ds_ext.plugin("pmm3d").axes
     micro = GLOBAL_BATCH // (axes["data"].size * accum)
     for step in range(1):
@@ -215,7 +244,7 @@ def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None):
     measured = {ph: lv for ph, lv in engine.ds_ext.ledger.steps[-1].by_phase().items() if ph != "step"}
     serial = gpt()
     spec, pmm_grid, topology = (
-        model_spec(serial, plan_for(serial)),
+        model_spec(serial, plan_for(serial), vocab_parallel=tables != "replicated"),
         engine.ds_ext.plugin("pmm3d").grid,
         engine.ds_ext.topology,
     )
@@ -230,6 +259,23 @@ def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None):
     )
     engine.destroy()
     return measured, model, (calls, model_calls)
+
+
+def test_replicated_tables_send_what_megatron_tp8_sends(world):
+    # issue 38 item 4: on (8,1,1,1) pmm3d sent 37.18 MB per rank and step where megatron-core TP8
+    # sends 29.36 MB: its vocabulary-parallel tables add the token and position lookups' and the
+    # head's input-gradient all-reduces over X (and the loss's). Tables replicated over X (the
+    # anchor's placement) send exactly Megatron's activation all-reduces, in the ledger and the model.
+    from ds_ext.perf.pmm import megatron_bytes
+    from ds_ext.pmm.plans import plan_for
+    from ds_ext.pmm.spec import model_spec
+    from pmm_helpers import gpt
+
+    serial = gpt()
+    megatron = megatron_bytes(list(model_spec(serial, plan_for(serial)).layers), GLOBAL_BATCH * SEQ, 8, 4)
+    for measured, model, _ in world.run(_ledger_vs_model, (8, 1, 1, 1), 1, False, None, "replicated"):
+        assert measured == model
+        assert sum(b for per in measured.values() for b in per.values()) == megatron
 
 
 LEDGER_GRIDS = [
@@ -247,16 +293,17 @@ LEDGER_GRIDS = [
 
 
 @pytest.mark.parametrize(
-    "grid,accum,bf16,overlap",
+    "grid,accum,bf16,overlap,tables",
     [
-        *[(g, 1, True, None) for g in LEDGER_GRIDS],
-        ((2, 2, 2, 1), 2, False, None),
-        ((1, 2, 2, 2), 2, True, ALL_ON),
+        *[(g, 1, True, None, None) for g in LEDGER_GRIDS],
+        ((2, 2, 2, 1), 2, False, None, None),
+        ((1, 2, 2, 2), 2, True, ALL_ON, None),
+        ((2, 2, 2, 1), 1, True, None, "replicated"),
     ],
     ids=str,
 )
-def test_ledger_equals_model_per_layer_and_level(world, grid, accum, bf16, overlap):
-    for measured, model, (calls, model_calls) in world.run(_ledger_vs_model, grid, accum, bf16, overlap):
+def test_ledger_equals_model_per_layer_and_level(world, grid, accum, bf16, overlap, tables):
+    for measured, model, (calls, model_calls) in world.run(_ledger_vs_model, grid, accum, bf16, overlap, tables):
         assert measured == model  # exact: {"forward/<layer>": {level: bytes}, ..., "backward": {...}}
         if grid[2] > 1 and grid[3] == 1:  # Z's level carries no other backward all-reduce
             # issue 20 point 8: 8 biases + 10 norm vectors in ONE all-reduce per micro-step (was 18)
@@ -479,11 +526,13 @@ VOCAB_GRIDS = [(2, 2, 2, 1), (8, 1, 1, 1), (1, 2, 4, 1), (2, 1, 4, 1), (1, 8, 1,
 
 
 def _vocab_vs_serial(grids):
-    """Per grid and tied / untied head: embedding lookup -> LM head -> summed cross-entropy
+    """Per grid, placement (vocabulary-parallel / replicated over X) and tied / untied head: embedding lookup -> LM head -> summed cross-entropy
     (ignore_index -100) of a plain-torch model (nn.Embedding, nn.Linear, F.cross_entropy) and
     of ds_ext.pmm.vocab's tables on this rank's Z rows; returns the largest differences of
     loss, logits and table-gradient shards (cut here by hand from the serial tensors) and the
     bytes of this rank's tables."""
+    import itertools
+
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -504,9 +553,11 @@ def _vocab_vs_serial(grids):
     for dims in grids:
         axes = build_axes(Grid(*dims), comm.registry, dist.get_rank())
         eng = PMMEngine(axes, comm)
-        gx, gy, gz = dims[:3]
-        cx, cy, cz = axes["x"].rank, axes["y"].rank, axes["z"].rank
-        for tied in (False, True):
+        gy, gz = dims[1:3]
+        cy, cz = axes["y"].rank, axes["z"].rank
+        for vocab_parallel, tied in itertools.product((True, False), (False, True)):
+            # replicated over X: every X rank holds all V rows (one vocabulary block)
+            gx, cx = (dims[0], axes["x"].rank) if vocab_parallel else (1, 0)
             torch.manual_seed(11)
             table, head = torch.nn.Embedding(V, d), torch.nn.Linear(d, V, bias=False)
             if tied:
@@ -516,11 +567,13 @@ def _vocab_vs_serial(grids):
             loss = F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1), ignore_index=-100, reduction="sum")
             loss.backward()
             # 3D-PMM: this rank's Z share of the rows, its tables' shards
-            emb = Embedding.from_embedding(table, eng, name="embed")
-            par_head = tied_head(emb, "head") if tied else Linear.from_serial(head, eng, name="head")
+            emb = Embedding.from_embedding(table, eng, name="embed", vocab_parallel=vocab_parallel)
+            par_head = (
+                tied_head(emb, "head") if tied else Linear.from_serial(head, eng, name="head", split_out=vocab_parallel)
+            )
             rows = slice(cz * B // gz, (cz + 1) * B // gz)
             par_logits = par_head(emb(ids[rows]))
-            par_loss = vocab_cross_entropy(par_logits, targets[rows], eng).sum()
+            par_loss = vocab_cross_entropy(par_logits, targets[rows], eng, axis=par_head.out_axis).sum()
             par_loss.backward()
             total = par_loss.detach().clone()
             if gz > 1:  # the serial sum over all rows: the Z shares' sums added
@@ -540,15 +593,18 @@ def _vocab_vs_serial(grids):
             if not tied:
                 diffs["head_grad"] = float((par_head.weight.grad - shard(head.weight.grad)).abs().max())
             params = {id(p): p for p in (*emb.parameters(), *par_head.parameters())}.values()
-            out.append((dims, tied, diffs, sum(p.numel() * p.element_size() for p in params)))
+            nbytes = sum(p.numel() * p.element_size() for p in params)
+            out.append((dims, vocab_parallel, tied, diffs, nbytes))
     return out
 
 
 def test_vocab_parallel_tables_equal_a_serial_reference_and_hold_a_tensor_share(world):
     V, d = 64, 16
     for result in world.run(_vocab_vs_serial, VOCAB_GRIDS):
-        for dims, tied, diffs, nbytes in result:
-            assert diffs["loss"] < 1e-6 and max(diffs.values()) < 1e-5, (dims, tied, diffs)
+        for dims, vocab_parallel, tied, diffs, nbytes in result:
+            assert diffs["loss"] < 1e-6 and max(diffs.values()) < 1e-5, (dims, vocab_parallel, tied, diffs)
             tables = 1 if tied else 2
-            # a rank holds 1 / (G_x G_y G_z) of every table (not 1 / G_y: replicated over X and Z)
-            assert nbytes == tables * V * d * 4 // (dims[0] * dims[1] * dims[2]), (dims, tied, nbytes)
+            # a rank holds 1 / (G_x G_y G_z) of every table (not 1 / G_y: replicated over X and Z);
+            # replicated over X: 1 / (G_y G_z)
+            x_parts = dims[0] if vocab_parallel else 1
+            assert nbytes == tables * V * d * 4 // (x_parts * dims[1] * dims[2]), (dims, tied, nbytes)

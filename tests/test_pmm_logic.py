@@ -56,6 +56,18 @@ def test_config_section_rejects_unknown_keys_and_bad_degrees():
         parse({"pmm3d": {"grid": {"x": 0}}})
 
 
+def test_defaults_overlap_the_backward_all_reduce_and_keep_vocab_parallel_tables():
+    # issue 38 item 4: megatron-core overlaps its column-parallel dL/dI all-reduce with the
+    # weight-gradient matmul, and AxoNN's optimize_communication has OAR on by default; pmm3d
+    # (8,1,1,1) ran it blocking unless asked. ORS / OAG stay opt-in; tables stay vocab-parallel.
+    from ds_ext.config import parse
+
+    cfg = parse({"pmm3d": {"enabled": True}}).pmm3d
+    assert cfg.overlap.all_reduce and not cfg.overlap.reduce_scatter and not cfg.overlap.all_gather
+    assert cfg.tables == "vocab_parallel"
+    assert parse({"pmm3d": {"tables": "replicated"}}).pmm3d.tables == "replicated"
+
+
 # ---- shard layout ---------------------------------------------------------------------
 def test_linear_layout_blocks_and_z_chunks_tile_the_weight():
     w = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)  # [n, k]
@@ -448,19 +460,23 @@ def test_bench_pmm_checks_rank_with_the_emulated_machines_model():
     measured rank per predictor; ``ranking_holds`` from the α-β per-rank-links model."""
     from ds_ext.bench.pmm import PREDICTORS, RANKING_MODEL, checks
 
-    def rec(grid, measured, alpha_beta, eq57):
+    def rec(grid, measured, alpha_beta, eq57, node_bytes):
         r = {"variant": "pmm3d", "grid": list(grid), "ledger_equals_model": True, "step_time_emulated_s": measured}
+        r["bytes_per_step"] = {"gcd": 0.0, "gpu": 0.0, "node": node_bytes}
         return {**r, **{k: eq57 for k in PREDICTORS}, RANKING_MODEL: alpha_beta}
 
     records = [
-        rec((1, 1, 1, 8), 4.0, 4e-3, 1e-3),
-        rec((4, 1, 1, 2), 1.0, 1e-3, 3e-3),
-        rec((1, 8, 1, 1), 9.0, 9e-3, 2e-3),
-        rec((2, 2, 1, 2), 2.0, 3e-3, 4e-3),
+        rec((1, 1, 1, 8), 4.0, 4e-3, 1e-3, 4e6),
+        rec((4, 1, 1, 2), 1.0, 1e-3, 3e-3, 2e6),
+        rec((1, 8, 1, 1), 9.0, 9e-3, 2e-3, 9e6),
+        rec((2, 2, 1, 2), 2.0, 3e-3, 4e-3, 5e6),
     ]
     out = checks(records)
     assert out["ranking_model"] == RANKING_MODEL and out["fastest_measured_grid"] == [4, 1, 1, 2]
     assert out[f"spearman[{RANKING_MODEL}]"] == pytest.approx(1.0)  # same order as measured
+    # issue 38: the baseline ranking by inter-node bytes alone, from the same records
+    assert out["spearman[inter_node_bytes]"] == pytest.approx(0.8)  # bytes rank 2,1,4,3; measured 3,1,4,2
+    assert out["model_ranks_better_than_bytes_only"] is True
     assert out[f"model_first_choice_measured_rank[{RANKING_MODEL}]"] == 1.0 and out["ranking_holds"] is True
     assert out["spearman[predicted_comm_s]"] == pytest.approx(-0.6)  # ranks 1,3,2,4 vs 3,1,4,2
     assert out["model_first_choice_measured_rank[predicted_comm_s]"] == 3.0
@@ -468,6 +484,15 @@ def test_bench_pmm_checks_rank_with_the_emulated_machines_model():
     out = checks(records)
     assert out[f"model_first_choice_measured_rank[{RANKING_MODEL}]"] == 3.0
     assert out[f"spearman[{RANKING_MODEL}]"] == pytest.approx(-0.4) and out["ranking_holds"] is False
+    assert out["model_ranks_better_than_bytes_only"] is False
+    # issue 38 item 4: every pmm3d variant on megatron's grid over megatron-core TP8's step
+    records += [
+        {**rec((8, 1, 1, 1), 2.1, 1, 1, 7e6), "variant": "pmm3d+vocab_parallel"},
+        {"variant": "megatron_tp8", "grid": [8, 1, 1, 1], "step_time_emulated_s": 2.0},
+    ]
+    out = checks(records)
+    assert out["pmm3d+vocab_parallel_x8y1z1d1_over_megatron_tp8_emulated"] == pytest.approx(1.05)
+    assert out["best_pmm3d_over_megatron_tp8_emulated"] == pytest.approx(0.5)
 
 
 # ---- examples/train.py chooses the model and the optimizer from the config (issue 20, 9) -----

@@ -6,25 +6,34 @@ global batch in every variant, side by side in one gloo world:
 
 * ``pmm3d`` on every factorization (G_x, G_y, G_z, G_data) of 8 that divides the model,
   among them Megatron-style 1D tensor parallelism (8,1,1,1) with alternating transposes,
-  FSDP (1,1,8,1) and DDP (1,1,1,8); and, on the grids given by ``--overlap-grids``, the same
-  with OAR + ORS + OAG on;
+  FSDP (1,1,8,1) and DDP (1,1,1,8), its tables placed as ``--tables`` says (default
+  replicated over X, as the megatron-core anchor keeps them) and ds_ext.pmm3d's default
+  overlap (OAR on); on the grids given by ``--overlap-grids``, the same with OAR + ORS + OAG
+  on; on ``--tables-twin-grids``, the
+  same with the other placement (``pmm3d+vocab_parallel`` / ``pmm3d+replicated``);
 * ``deepspeed_zero3``: the plain GPT under DeepSpeed ZeRO-3 over all 8 ranks;
 * ``megatron_tp8``: the GPT's block linears replaced by megatron-core's
   ``ColumnParallelLinear`` / ``RowParallelLinear`` (tensor parallel 8, CPU initialization),
-  trained with torch AdamW; a bytes-and-time anchor (its fused q|k|v split differs).
+  embeddings, norms and the tied head replicated, trained with torch AdamW after Megatron's
+  gradient clipping (the norm summed over the tensor group, replicated parameters counted on
+  tensor rank 0; at the ``gradient_clipping`` DeepSpeed applies to the pmm3d variants);
+  a bytes-and-time anchor (its fused q|k|v split differs).
 
 Every collective (ds_ext's, DeepSpeed's, megatron-core's) is counted by the same ledger
 per topology level and held for its alpha-beta time (Frontier latencies and bandwidths x
 ``--time-scale``). Reported per variant: bytes per level per step (and, for pmm3d, the
-exact ``ds_ext.perf.pmm`` prediction), the predicted communication time (Eqs 5.1-5.7),
-the median step time with and without emulation, model-state bytes per rank, the loss.
+exact ``ds_ext.perf.pmm`` prediction), every collective of the last step by ledger phase
+(per layer for pmm3d), op and level (``collectives``), the predicted communication time
+(Eqs 5.1-5.7), every step time and their medians with and without emulation, model-state
+bytes per rank, the loss.
 
 ``--network netns`` runs the same variants with no emulation on an emulated cluster
 (``ds_ext.cluster``: 2 nodes x 2 GPUs as network namespaces, tbf-shaped GPU and node links,
 2 ranks per GPU on loopback). The network is measured first (per level bandwidth and
 latency, ``ds-ext tune --measure --network netns``) and ``predicted_measured_network_comm_s``
 is Eqs 5.1-5.7 with α fed those measurements (nothing fitted to step times); the ranking is
-checked against the measured step time on the shaped network. ``--quick``: the tiny model,
+checked against the measured step time on the shaped network, beside the baseline that ranks
+grids by their inter-node bytes alone (``spearman[inter_node_bytes]``). ``--quick``: the tiny model,
 four grids, no anchors or overlap twins, two steps (a plumbing check, not a result).
 """
 
@@ -46,6 +55,8 @@ MODELS = {  # name -> (d_model, n_layers, n_heads, seq_len)
     "tiny": (64, 2, 8, 16),
 }
 ANCHORS = ("deepspeed_zero3", "megatron_tp8")
+TABLES = ("replicated", "vocab_parallel")  # ds_ext.pmm3d.tables
+BYTES_ONLY = "inter_node_bytes"  # the baseline predictor: a grid's bytes at the node level
 # Predicted communication per step by ds_ext.perf.pmm, ranked against the measured emulated step:
 # Eqs 5.1-5.5 only; + ds_ext's extra terms, Eq 5.7 bandwidths (rings share a node's NICs); the same
 # with every rank on its own share of each level's links; and that with α per message. The last is
@@ -88,6 +99,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="X,Y,Z,D",
         help="only these grids (default: every factorization of 8 that divides the model)",
     )
+    p.add_argument(
+        "--tables",
+        choices=TABLES,
+        default="replicated",
+        help="ds_ext.pmm3d.tables of the pmm3d grids (replicated over X: the megatron-core anchor's placement)",
+    )
+    p.add_argument(
+        "--tables-twin-grids",
+        nargs="*",
+        default=["8,1,1,1"],
+        metavar="X,Y,Z,D",
+        help="grids also measured with the other table placement",
+    )
     p.add_argument("--anchors", nargs="*", default=list(ANCHORS), choices=ANCHORS)
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--quick", action="store_true", help="tiny model, 4 grids, no anchors / overlap, 2 steps")
@@ -120,9 +144,10 @@ def _comm_block(time_scale: float | None) -> dict[str, Any]:
     return {"ledger": True, "emulate_time": time_scale is not None, "time_scale": time_scale or 1.0}
 
 
-def _timed_steps(step_fn, comm, warmup: int, steps: int) -> tuple[dict[str, float | None], list[float], dict[str, int]]:
-    """Warm-up, then ``steps`` emulated and ``steps // 2`` plain steps; medians and losses.
-    Without an emulator (a real network) all ``steps`` are plain and the emulated median is None."""
+def _timed_steps(step_fn, comm, warmup: int, steps: int) -> tuple[dict[str, list[float]], list[float], dict[str, int]]:
+    """Warm-up, then ``steps`` emulated and ``steps // 2`` plain steps; each step's time and
+    the losses. Without an emulator (a real network) all ``steps`` are plain and there are no
+    emulated times."""
     import torch.distributed as dist
 
     emulator, times, losses = comm.emulator, {"emulated": [], "plain": []}, []
@@ -139,7 +164,27 @@ def _timed_steps(step_fn, comm, warmup: int, steps: int) -> tuple[dict[str, floa
         if i >= warmup:
             times[mode].append(time.perf_counter() - t0)
     comm.emulator = emulator
-    return {k: median(v) if v else None for k, v in times.items()}, losses, state
+    return times, losses, state
+
+
+def _step_times(times: dict[str, list[float]]) -> dict[str, Any]:
+    """A record's step-time fields: every step (``step_times_s``, ``step_times_emulated_s``)
+    and their medians (``step_time_s``, ``step_time_emulated_s``; None without emulation)."""
+    return {
+        "step_time_emulated_s": median(times["emulated"]) if times["emulated"] else None,
+        "step_time_s": median(times["plain"]),
+        "step_times_emulated_s": times["emulated"],
+        "step_times_s": times["plain"],
+    }
+
+
+def _collectives(traffic) -> list[dict[str, Any]]:
+    """Every collective of one ledger step: phase (``forward/<layer>`` with per-layer tags),
+    op, level, bytes sent by this rank and calls."""
+    return [
+        {"phase": ph, "op": op, "level": lv, "bytes": float(b), "calls": int(traffic.calls[(ph, op, lv)])}
+        for (ph, op, lv), b in sorted(traffic.bytes.items())
+    ]
 
 
 def _nbytes(ts) -> int:
@@ -149,6 +194,8 @@ def _nbytes(ts) -> int:
 def _measure_pmm(
     grid: tuple[int, int, int, int],
     overlap: bool,
+    tables: str,
+    variant: str,
     model: str,
     global_batch: int,
     warmup: int,
@@ -167,17 +214,19 @@ def _measure_pmm(
 
     x, y, z, data = grid
     micro, seq = global_batch // data, MODELS[model][3]
-    flags = {"all_reduce": overlap, "reduce_scatter": overlap, "all_gather": overlap}
+    # the plugin's defaults (OAR on), or every overlap of 001 §5.1.4 on
+    flags = {"all_reduce": True, "reduce_scatter": True, "all_gather": True} if overlap else {}
     block = {
         "pmm3d": {
             "enabled": True,
             "grid": {"x": x, "y": y, "z": z, "data": data},
             "overlap": flags,
+            "tables": tables,
             "ledger_by_layer": True,
         }
     }
     serial = _gpt(model)
-    spec = model_spec(serial, plan_for(serial))
+    spec = model_spec(serial, plan_for(serial), vocab_parallel=tables == "vocab_parallel")
     engine, *_ = ds_ext.initialize(
         model=_gpt(model), optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), config=_config(micro, time_scale, block)
     )
@@ -200,17 +249,18 @@ def _measure_pmm(
     model_bytes = perf.ledger_bytes(spec, g, rt.topology, micro, seq, 4)
     mem = perf.memory(spec, g, 4, 0)
     record = {
-        "variant": f"pmm3d{'+overlap' if overlap else ''}",
+        "variant": variant,
         "grid": list(grid),
+        "tables": tables,
         "bytes_per_step": _by_level(rt.ledger.steps[-1].by_level()),
+        "collectives": _collectives(rt.ledger.steps[-1]),
         "model_bytes_per_step": _by_level(_sum_levels(model_bytes)),
         "ledger_equals_model": measured == model_bytes,
         "predicted_comm_s": perf.comm_time(spec, g, rt.topology, micro, seq, 4),
         "predicted_paper_comm_s": perf.comm_time(spec, g, rt.topology, micro, seq, 4, paper_terms_only=True),
         "predicted_per_rank_links_comm_s": perf.comm_time(spec, g, rt.topology, micro, seq, 4, bw=links),
         "predicted_alpha_beta_comm_s": perf.comm_time(spec, g, rt.topology, micro, seq, 4, bw=links, latency=True),
-        "step_time_emulated_s": times["emulated"],
-        "step_time_s": times["plain"],
+        **_step_times(times),
         "model_state_bytes": _nbytes(engine.module.parameters()) + state["grads"] + optimizer_state_bytes(engine),
         "model_state_bytes_predicted": mem["layer_params"]
         + mem["layer_grads"]
@@ -273,8 +323,8 @@ def _measure_zero3(model: str, global_batch: int, warmup: int, steps: int, time_
         "variant": "deepspeed_zero3",
         "grid": [1, 1, WORLD, 1],
         "bytes_per_step": _by_level(rt.ledger.steps[-1].by_level()),
-        "step_time_emulated_s": times["emulated"],
-        "step_time_s": times["plain"],
+        "collectives": _collectives(rt.ledger.steps[-1]),
+        **_step_times(times),
         "model_state_bytes": sum(state.values()),
         "losses": _mean_over_world(losses),
     }
@@ -305,6 +355,7 @@ def _measure_megatron(
     from ds_ext import config as cfgmod
     from ds_ext.comm import instrument_torch_distributed
     from ds_ext.data import ByteCorpus
+    from ds_ext.integration.ds_engine import gradient_clipping
     from ds_ext.runtime import Runtime
 
     rt = Runtime.create(cfgmod.parse({"topology": TOPOLOGY, "comm": _comm_block(time_scale)}))
@@ -313,14 +364,24 @@ def _measure_megatron(
         net = _megatron_gpt(model)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
         corpus, seq = ByteCorpus(max_bytes=300_000), MODELS[model][3]
+        clip, group = (
+            gradient_clipping(_config(global_batch, time_scale, {})),
+            parallel_state.get_tensor_model_parallel_group(),
+        )
+        ledger = rt.ledger
 
         def step(i: int, state: dict[str, int]) -> float:
-            loss = net(corpus.micro_batch(i, 0, 0, 1, global_batch, 1, seq))
-            loss.backward()
+            with ledger.phase("forward"):
+                loss = net(corpus.micro_batch(i, 0, 0, 1, global_batch, 1, seq))
+            with ledger.phase("backward"):
+                loss.backward()
             state["grads"] = _nbytes(p.grad for p in net.parameters())
-            opt.step()
+            with ledger.phase("step"):
+                if clip > 0:
+                    _clip_tensor_parallel(list(net.parameters()), clip, group)
+                opt.step()
             opt.zero_grad()
-            rt.ledger.mark_step()
+            ledger.mark_step()
             return loss.item()
 
         with instrument_torch_distributed(rt.comm):
@@ -330,13 +391,34 @@ def _measure_megatron(
             "variant": "megatron_tp8",
             "grid": [WORLD, 1, 1, 1],
             "bytes_per_step": _by_level(rt.ledger.steps[-1].by_level()),
-            "step_time_emulated_s": times["emulated"],
-            "step_time_s": times["plain"],
+            "collectives": _collectives(rt.ledger.steps[-1]),
+            **_step_times(times),
             "model_state_bytes": _nbytes(net.parameters()) + state["grads"] + opt_bytes,
             "losses": losses,
         }
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def _clip_tensor_parallel(params: list, max_norm: float, group) -> float:
+    """Megatron-LM's gradient clipping (megatron.core.optimizer.clip_grads, whose kernels need
+    CUDA): the squared norms of the tensor-parallel shards and, on tensor rank 0 only, of the
+    replicated parameters, summed over the tensor group; gradients scaled when the norm
+    exceeds ``max_norm``. Returns the norm."""
+    import torch
+    import torch.distributed as dist
+
+    first = dist.get_rank(group) == 0
+    counted = [p.grad for p in params if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or first)]
+    sq = torch.stack([g.float().pow(2).sum() for g in counted]).sum()
+    dist.all_reduce(sq, group=group)
+    norm = float(sq.sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
 
 
 def _megatron_gpt(model: str):
@@ -369,14 +451,16 @@ def checks(
         "ranking_model": ranking_model,
         "ranked_time": time_key,
     }
-    for key in [k for k in (*PREDICTORS, NETNS_PREDICTOR) if k in grids[0]]:
-        predicted = [r[key] for r in grids]
+    for key in [k for k in (*PREDICTORS, NETNS_PREDICTOR, BYTES_ONLY) if k in grids[0] or k == BYTES_ONLY]:
+        predicted = [r["bytes_per_step"]["node"] if key == BYTES_ONLY else r[key] for r in grids]
         first = min(range(len(grids)), key=lambda i: predicted[i])
         out[f"spearman[{key}]"] = float(spearmanr(predicted, measured).statistic)
         out[f"model_first_choice[{key}]"] = grids[first]["grid"]
         out[f"model_first_choice_measured_rank[{key}]"] = float(_rank_of(measured)[first])
     rho, rank = out[f"spearman[{ranking_model}]"], out[f"model_first_choice_measured_rank[{ranking_model}]"]
     out["ranking_holds"] = rho >= 0.6 and rank <= 3  # issue 10: Spearman >= 0.6, first choice in the 3 fastest
+    # issue 38: the model must rank the grids better than their inter-node bytes alone
+    out["model_ranks_better_than_bytes_only"] = rho > out[f"spearman[{BYTES_ONLY}]"]
     by_grid = {tuple(r["grid"]): r for r in grids}
     suffix = "emulated" if time_key == "step_time_emulated_s" else "network"
     out[f"overlap_step_time_ratio_{suffix}"] = {
@@ -389,6 +473,12 @@ def checks(
         if r["variant"] in ANCHORS:
             out[f"{r['variant']}_over_best_pmm3d_{suffix}"] = r[time_key] / best[time_key]
     out["fastest_measured_grid"] = best["grid"]
+    megatron = next((r for r in records if r["variant"] == "megatron_tp8"), None)
+    if megatron is not None:  # issue 38 item 4: pmm3d (8,1,1,1) at most 1.05x megatron-core TP8's step
+        for r in records:
+            if r["variant"].startswith("pmm3d") and r["grid"] == megatron["grid"]:
+                out[f"{r['variant']}_x8y1z1d1_over_megatron_tp8_{suffix}"] = r[time_key] / megatron[time_key]
+        out[f"best_pmm3d_over_megatron_tp8_{suffix}"] = best[time_key] / megatron[time_key]
     return out
 
 
@@ -483,8 +573,9 @@ def _predict_on_network(
     for r in records:
         if r["variant"].startswith("pmm3d"):
             g = Grid(*r["grid"])
+            placed = perf.place_tables(spec, r["tables"] == "vocab_parallel")
             r[NETNS_PREDICTOR] = perf.comm_time(
-                spec, g, topo, global_batch // g.data, MODELS[model][3], 4, bw=bw, latency=True
+                placed, g, topo, global_batch // g.data, MODELS[model][3], 4, bw=bw, latency=True
             )
 
 
@@ -502,23 +593,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.grids, args.overlap_grids, args.anchors = QUICK_GRIDS, [], []
     netns = args.network == "netns"
     serial = _gpt(args.model)
-    spec = model_spec(serial, plan_for(serial))
+    spec = model_spec(serial, plan_for(serial), vocab_parallel=args.tables == "vocab_parallel")
     grids = [g.dims for g in factorizations(WORLD) if unfit_reason(spec, g, args.global_batch // g.data) is None]
     parse = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
     if args.grids is not None:
         grids = [g for g in grids if g in {parse(s) for s in args.grids}]
     overlap = [parse(s) for s in args.overlap_grids]
-    jobs = []  # each overlap variant right after its blocking twin: same machine load
+    twins = [parse(s) for s in args.tables_twin_grids]
+    other = next(t for t in TABLES if t != args.tables)
+    jobs: list[tuple] = []  # each twin right after its plain variant: same machine load
     for g in grids:
-        jobs += [("pmm", g, False)] + ([("pmm", g, True)] if g in overlap else [])
+        jobs.append(("pmm", g, (False, args.tables, "pmm3d")))
+        if g in overlap:
+            jobs.append(("pmm", g, (True, args.tables, "pmm3d+overlap")))
+        if g in twins:
+            jobs.append(("pmm", g, (False, other, f"pmm3d+{other}")))
     jobs += [(a, None, None) for a in args.anchors]
     common = (args.model, args.global_batch, args.warmup, args.steps, None if netns else args.time_scale)
     records: list[dict[str, Any]] = []
     with bench_world(args, WORLD, {"LOCAL_SIZE": str(WORLD)}) as world:
         network = world.run(measure, BENCH_MESSAGE_BYTES)[0] if netns else None
-        for kind, grid, on in tqdm(jobs, desc="bench pmm", unit="variant"):
+        for kind, grid, how in tqdm(jobs, desc="bench pmm", unit="variant"):
             if kind == "pmm":
-                records.append(world.run(_measure_pmm, grid, on, *common)[0])
+                records.append(world.run(_measure_pmm, grid, *how, *common)[0])
             elif kind == "deepspeed_zero3":
                 records.append(world.run(_measure_zero3, *common)[0])
             else:
@@ -532,6 +629,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "model_dims": MODELS[args.model],
         "global_batch": args.global_batch,
+        "tables": args.tables,
         "network": args.network,
         "measured_network": network,
         "time_scale": None if netns else args.time_scale,

@@ -14,11 +14,23 @@ paper's time times β:
     t_comm = Σ_layers Σ_terms bytes / β_axis                       (5.6)
 
 A transposed layer swaps G_x and G_y (and their bandwidths). Embedding tables and the LM
-head are vocabulary-parallel (``ds_ext.pmm.vocab``): stored as the weight of a normal layer
-with n = V rows, so a table costs Eqs 5.1 / 5.2 (its block gathered over Z in forward,
-its gradient reduce-scattered over Z) plus the lookup's all-reduce over X of
-m d / (G_z G_y) e, and the head is a normal layer k = d, n = V without bias (Eqs 5.1-5.4;
-gathered again when tied). Other terms that ds_ext issues beyond Eqs 5.1-5.5, modelled
+head (``ds_ext.pmm.vocab``) are stored as the weight of a normal layer with n = V rows, placed
+one of two ways (``ds_ext.pmm3d.tables``):
+
+* vocabulary-parallel (rows over X, Megatron-LM's ``VocabParallelEmbedding``): a table costs
+  Eqs 5.1 / 5.2 (its block gathered over Z in forward, its gradient reduce-scattered over Z)
+  plus the lookup's all-reduce over X of m d / (G_z G_y) e, and the head is a normal layer
+  k = d, n = V without bias (Eqs 5.1-5.4; gathered again when tied), followed by the
+  cross-entropy's reductions over X;
+* replicated over X (every X rank holds all V rows of its feature block; ``TableSpec.split_rows``
+  and ``LayerSpec.split_out`` False): Eqs 5.1 / 5.2 / 5.5 with G_x -> 1 for the table (G_x
+  times the bytes), no lookup all-reduce, the head's Eq 5.3 with G_x -> 1 (m V / G_z over Y)
+  and no Eq 5.4 (the X ranks hold the whole vocabulary, so the input gradient is complete),
+  and no cross-entropy reduction. It trades 2 all-reduces of the residual stream over X per
+  micro-step for G_x times the table's memory and head matmul: cheaper for a small vocabulary
+  (``ds-ext bench pmm``'s, V = 256 < d), not for an LLM's.
+
+Other terms that ds_ext issues beyond Eqs 5.1-5.5, modelled
 exactly as the engine issues them: norm statistics all-reduced over Y (forward and
 backward, fp32), the vocabulary-parallel cross-entropy over X (row maximum, then target
 logit and sum of exponentials: m / G_z and 2 m / G_z fp32 values), the gradients of the
@@ -37,7 +49,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ds_ext.comm.emulation import message_steps
 from ds_ext.parallel import Grid
@@ -59,6 +71,7 @@ class LayerSpec:
     bias: bool = False
     out_chunks: int = 1
     recomputed: bool = False  # inside an activation-checkpointed block
+    split_out: bool = True  # False: out-features whole on every rank of the out axis (a replicated LM head)
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,7 @@ class TableSpec:
     features: int
     lookup: bool = True  # an embedding (False: the untied head's weight, used by ``ModelSpec.head``)
     per_position: bool = False  # looked up by position ids ``[s]``, once for all sequences (GPT's ``pos``)
+    split_rows: bool = True  # vocabulary-parallel; False: all rows on every X rank (replicated over X)
 
 
 @dataclass(frozen=True)
@@ -110,6 +124,24 @@ def _axes(layer: LayerSpec) -> tuple[str, str]:
 
 def _size(grid: Grid, axis: str) -> int:
     return getattr(grid, axis)
+
+
+def _out_parts(layer: LayerSpec, grid: Grid) -> int:
+    """Blocks the out-features are split into: the out axis's size, 1 when not split over it."""
+    return _size(grid, _axes(layer)[0]) if layer.split_out else 1
+
+
+def _row_parts(table: TableSpec, grid: Grid) -> int:
+    """Blocks a table's rows are split into: G_x (vocabulary-parallel) or 1 (replicated over X)."""
+    return grid.x if table.split_rows else 1
+
+
+def place_tables(spec: ModelSpec, vocab_parallel: bool) -> ModelSpec:
+    """``spec`` with every table and the LM head vocabulary-parallel (rows over X) or replicated
+    over X (``ds_ext.pmm3d.tables``)."""
+    tables = tuple(replace(T, split_rows=vocab_parallel) for T in spec.tables)
+    head = replace(spec.head, split_out=vocab_parallel) if spec.head else None
+    return replace(spec, tables=tables, head=head)
 
 
 def _ar(nbytes: float, d: int) -> float:
@@ -145,20 +177,21 @@ def items(
     same: dict[tuple, list[Item]] = {}  # by_layer=False: identical layers give identical items
     for T in spec.tables:
         if T.lookup:
-            block = T.rows * T.features // (grid.x * grid.y) * e
+            block = T.rows * T.features // (_row_parts(T, grid) * grid.y) * e
             fwd, bwd = (f"forward/{T.name}", f"backward/{T.name}") if by_layer else ("forward", "backward")
             add(fwd, "all_gather", "z", block / grid.z, grad_accum, "5.1 (table)")
             looked_up = seq_len if T.per_position else rows
-            add(fwd, "all_reduce", "x", looked_up * T.features // grid.y * e, grad_accum, "lookup")
+            if T.split_rows:  # each X rank looked up the ids of its vocabulary block only
+                add(fwd, "all_reduce", "x", looked_up * T.features // grid.y * e, grad_accum, "lookup")
             add(bwd, "reduce_scatter", "z", block, grad_accum, "5.2 (table)")
     for L in (*spec.layers, *([spec.head] if spec.head else [])):
-        key = (L.k, L.n, L.transposed, L.bias, L.out_chunks, L.recomputed)
+        key = (L.k, L.n, L.transposed, L.bias, L.out_chunks, L.recomputed, L.split_out)
         if not by_layer and key in same:
             out.extend(same[key])
             continue
         first = len(out)
         o, i = _axes(L)
-        go, gi, gz = _size(grid, o), _size(grid, i), grid.z
+        go, gi, gz = _out_parts(L, grid), _size(grid, i), grid.z
         fwd = f"forward/{L.name}" if by_layer else "forward"
         bwd = f"backward/{L.name}" if by_layer else "backward"
         block = L.n * L.k // (go * gi) * e
@@ -167,14 +200,15 @@ def items(
             add(fwd, op, axis, per_call, grad_accum, eq)
             if L.recomputed:
                 add(bwd, op, axis, per_call, grad_accum, eq + " (recompute)")
-        add(bwd, "all_reduce", o, rows * L.k // gi * e, grad_accum, "5.4")
+        if L.split_out:  # else every rank of the out axis holds all out-features: dL/dI is complete
+            add(bwd, "all_reduce", o, rows * L.k // gi * e, grad_accum, "5.4")
         add(bwd, "reduce_scatter", "z", block, grad_accum, "5.2")
         same[key] = out[first:]
     for N in spec.norms:
         per_call = rows * N.stats * STATS_BYTES
         add("forward", "all_reduce", "y", per_call, grad_accum, "norm stats")
         add("backward", "all_reduce", "y", per_call, grad_accum * (2 if N.recomputed else 1), "norm stats")
-    if spec.head:
+    if spec.head and spec.head.split_out:
         add("forward", "all_reduce", "x", rows * STATS_BYTES, grad_accum, "vocab CE max")
         add("forward", "all_reduce", "x", 2 * rows * STATS_BYTES, grad_accum, "vocab CE sums")
     add("forward", "all_reduce", "z", STATS_BYTES, grad_accum, "loss mean")
@@ -235,8 +269,8 @@ def replicated_numels(spec: ModelSpec, grid: Grid) -> list[int]:
 
 def sharded_numel(spec: ModelSpec, grid: Grid) -> int:
     """Elements of the Z-chunked weights one rank holds: layer shards and table shards,
-    serial / (G_x G_y G_z) each."""
-    tables = sum(T.rows * T.features // (grid.x * grid.y * grid.z) for T in spec.tables)
+    serial / (G_x G_y G_z) each (a table replicated over X: serial / (G_y G_z))."""
+    tables = sum(T.rows * T.features // (_row_parts(T, grid) * grid.y * grid.z) for T in spec.tables)
     return tables + sum(_layer_numel(L, grid) for L in spec.layers)
 
 
@@ -390,8 +424,7 @@ def comm_time(
 
 
 def _layer_numel(L: LayerSpec, grid: Grid) -> int:
-    o, i = _axes(L)
-    return L.n * L.k // (_size(grid, o) * _size(grid, i) * grid.z)
+    return L.n * L.k // (_out_parts(L, grid) * _size(grid, _axes(L)[1]) * grid.z)
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -462,7 +495,7 @@ def unfit_reason(spec: ModelSpec, grid: Grid, micro_batch: int) -> str | None:
         if f % grid.y:
             return f"y={grid.y} does not divide {f} hidden features"
     for T in spec.tables:
-        if err := block_split_error(T.rows, T.features, grid.x, grid.y, grid.z):
+        if err := block_split_error(T.rows, T.features, _row_parts(T, grid), grid.y, grid.z):
             return f"table {T.name}: {err}"
     return None
 
@@ -546,6 +579,7 @@ __all__ = [
     "megatron_bytes",
     "memory",
     "model_state_bytes",
+    "place_tables",
     "rank_grids",
     "replicated_numels",
     "sharded_numel",

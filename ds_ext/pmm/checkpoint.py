@@ -5,8 +5,9 @@ Next to DeepSpeed's own files, a save writes ``<tag>/pmm3d/``:
 * ``layout.json`` (rank 0): the grid (x, y, z, data), DeepSpeed's step counters, the Hugging
   Face class and config of an HF model, and per parameter (serial name) how it is laid out
   (the sharding contracts of :mod:`ds_ext.pmm.linear` and :mod:`ds_ext.pmm.layers`):
-  ``linear_weight`` (n, k, transposed, out_chunks: Ŵ, chunk z of the flattened block
-  ``W[out block, in block]``; also the vocabulary-parallel tables of :mod:`ds_ext.pmm.vocab`),
+  ``linear_weight`` (n, k, transposed, out_chunks, split_out: Ŵ, chunk z of the flattened block
+  ``W[out block, in block]``, the out block all n rows when split_out is false; also the
+  tables of :mod:`ds_ext.pmm.vocab`),
   ``linear_bias`` (out block), ``features`` (norms: last dimension split over Y);
 * ``tensor_<x>_<y>_<z>.pt`` (the ranks with data coordinate 0): their shards and, with a
   torch optimizer, its per-parameter state under the same names.
@@ -59,6 +60,7 @@ def layout_record(model: nn.Module) -> dict[str, dict[str, Any]]:
                 "k": m.in_features,
                 "transposed": m.transposed,
                 "out_chunks": m.layout.out_chunks,
+                "split_out": m.split_out,
             }
             out[name] = {"kind": f"linear_{p_name}", **geometry}
         elif isinstance(m, _FeatureSharded):
@@ -173,7 +175,9 @@ def _place(
     """Write the (x, y) block of a linear weight (its Z chunks, in order) or bias into ``full``."""
     out_ax, in_ax = ("y", "x") if rec["transposed"] else ("x", "y")
     n, k = rec["n"], rec["k"]
-    lay = LinearLayout(n, k, grid[out_ax], c[out_ax], grid[in_ax], c[in_ax], grid["z"], 0, rec["out_chunks"])
+    split = rec.get("split_out", True)  # False: the out-features whole on every rank of out_ax
+    out_parts, out_coord = (grid[out_ax], c[out_ax]) if split else (1, 0)
+    lay = LinearLayout(n, k, out_parts, out_coord, grid[in_ax], c[in_ax], grid["z"], 0, rec["out_chunks"])
     rows = lay.out_index()
     if kind == "linear_bias":
         full[rows] = z_chunks[0]

@@ -25,7 +25,9 @@ class OverlapConfig(ConfigSection):
     """Non-blocking collectives overlapped with computation (001 §5.1.4)."""
 
     all_reduce: bool = Field(
-        False, description="OAR: the backward all-reduce of dL/dI overlaps the weight-gradient matmul."
+        True,
+        description="OAR: the backward all-reduce of dL/dI overlaps the weight-gradient matmul (on by default, "
+        "as in AxoNN's optimize_communication and megatron-core's column-parallel backward; bit-identical results).",
     )
     reduce_scatter: bool = Field(
         False, description="ORS: weight-gradient reduce-scatters are waited once, after every layer's backward."
@@ -46,6 +48,14 @@ class Pmm3dConfig(PluginConfig):
         "(Eqs 5.1-5.7) among those that divide the model and fit memory_per_rank_GB.",
     )
     overlap: OverlapConfig = Field(default_factory=OverlapConfig)
+    tables: Literal["vocab_parallel", "replicated"] = Field(
+        "vocab_parallel",
+        description="Embedding tables and the LM head: 'vocab_parallel' (rows over X, Megatron-LM's "
+        "VocabParallelEmbedding: the lookup and the head's input gradient all-reduced over X, the loss "
+        "reduced over X) or 'replicated' over X (every X rank holds all rows of its feature block: none "
+        "of those reductions, G_x times the tables' memory and head matmul; cheaper when the vocabulary "
+        "is small next to d_model, see ds_ext.perf.pmm).",
+    )
     tune_matmul: bool = Field(
         False,
         description="Time every matmul call site in NN/NT/TN/transposed-product form during the first "

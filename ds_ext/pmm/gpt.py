@@ -10,14 +10,16 @@ from ds_ext.pmm.vocab import vocab_cross_entropy
 
 class PMMGPT(GPT):
     """:class:`~ds_ext.models.gpt.GPT` whose tied LM head is :meth:`ds_ext.pmm.vocab.Embedding.attend`
-    (logits ``[..., V/G_x]``) and whose loss is :func:`ds_ext.pmm.vocab.vocab_cross_entropy`."""
+    (logits ``[..., V/G_x]``, or ``[..., V]`` with the tables replicated over X) and whose loss is
+    :func:`ds_ext.pmm.vocab.vocab_cross_entropy` over the table's vocabulary axis."""
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.embed.attend(x)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens``: [batch, seq_len + 1] int64; mean loss over positions 1..seq_len."""
-        return vocab_cross_entropy(self.logits(tokens[:, :-1]), tokens[:, 1:], self.pmm_engine).mean()
+        logits = self.logits(tokens[:, :-1])
+        return vocab_cross_entropy(logits, tokens[:, 1:], self.pmm_engine, axis=self.embed.out_axis).mean()
 
 
 def adapt_gpt(model: GPT, engine) -> None:

@@ -24,6 +24,12 @@ class Axis:
     rank: int
 
 
+def unsplit(axis: Axis) -> Axis:
+    """``axis`` as a placement that does not split over it (a layer's out-features whole on
+    every rank of the axis): size one, so the engine issues no collective over it."""
+    return Axis(axis.name, None, 1, 0)
+
+
 def grid_axes(groups: ProcessGroups) -> dict[str, Axis]:
     """This rank's axes x, y, z, data and tensor from the grid's group bundle."""
     return {n: Axis(n, groups[n], groups.size(n), groups.rank(n)) for n in groups}

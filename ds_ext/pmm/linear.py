@@ -19,6 +19,11 @@ bias gradient ALL-REDUCE_z  Σ over the Z shares of the rows (not in Eqs 5.1-5.5
                             forward's bucket of Z-replicated gradients (PMMEngine.replicated)
 ==========================  ============================================================
 
+A layer built with ``split_out=False`` (the LM head and tables under ``ds_ext.pmm3d.tables``
+"replicated") keeps all n out-features on every rank of its out axis: weight ``W[:, in block
+j]`` chunked over Z, replicated over the out axis; output ``[..., n]``; no line-12 all-reduce
+(each rank's dL/dI already sums over every out-feature).
+
 So the output of a normal layer is laid out as a transposed layer's input and back:
 consecutive layers alternate (QKV / FC1 normal, attention-out / FC2 transposed). With
 only X in use this is Megatron's column- then row-parallel pair; with only Z, FSDP.
@@ -34,6 +39,7 @@ from torch import nn
 from ds_ext.comm import Handle
 from ds_ext.errors import DsExtConfigError
 from ds_ext.pmm.engine import PMMEngine
+from ds_ext.pmm.grid import unsplit
 from ds_ext.pmm.layout import LinearLayout
 
 
@@ -105,11 +111,12 @@ class Linear(nn.Module):
         transposed: bool = False,
         out_chunks: int = 1,
         name: str = "linear",
+        split_out: bool = True,
     ) -> "Linear":
         """The shard of ``serial``'s parameters this rank owns (001 §5.1.1)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer._setup(serial.weight, serial.bias, engine, transposed, out_chunks, name)
+        layer._setup(serial.weight, serial.bias, engine, transposed, out_chunks, name, split_out)
         return layer
 
     def _setup(
@@ -120,11 +127,15 @@ class Linear(nn.Module):
         transposed: bool,
         out_chunks: int,
         name: str,
+        split_out: bool = True,
     ) -> None:
-        """Keep this rank's shard of the serial ``[n, k]`` ``weight`` (and ``[n]`` ``bias``)."""
-        self.engine, self.transposed, self.name = engine, transposed, name
+        """Keep this rank's shard of the serial ``[n, k]`` ``weight`` (and ``[n]`` ``bias``);
+        ``split_out`` False: all out-features, replicated over the out axis."""
+        self.engine, self.transposed, self.name, self.split_out = engine, transposed, name, split_out
         self.out_features, self.in_features = weight.shape
         self.out_axis, self.in_axis = (engine.y, engine.x) if transposed else (engine.x, engine.y)
+        if not split_out:
+            self.out_axis = unsplit(self.out_axis)
         self.layout = LinearLayout(
             n=self.out_features,
             k=self.in_features,
@@ -139,12 +150,15 @@ class Linear(nn.Module):
         with torch.no_grad():
             self.weight = nn.Parameter(self.layout.shard(weight))
             self.bias = nn.Parameter(self.layout.bias(bias)) if bias is not None else None
-        self.weight.pmm_sharded = True  # distinct on every tensor rank (ds_ext.pmm.norm)
+        if split_out:
+            self.weight.pmm_sharded = True  # distinct on every tensor rank (ds_ext.pmm.norm)
+        else:
+            self.weight.pmm_replicated_over = (self.out_axis.name,)
         if self.bias is not None:
             self.bias.pmm_replicated_over = (self.in_axis.name, "z")
 
     def extra_repr(self) -> str:
-        kind = "transposed" if self.transposed else "normal"
+        kind = ("transposed" if self.transposed else "normal") + ("" if self.split_out else ", out unsplit")
         return (
             f"{self.in_features} -> {self.out_features}, {kind}, block {self.layout.n_local}x"
             f"{self.layout.k_local} / z {self.engine.z.size}, bias={self.bias is not None}"

@@ -3,7 +3,8 @@
 * every ``nn.Linear`` named in the plan becomes a :class:`~ds_ext.pmm.linear.Linear`
   (normal or transposed), every ``nn.Embedding`` a vocabulary-parallel
   :class:`~ds_ext.pmm.vocab.Embedding`, the LM head a normal ``Linear`` ``d -> V`` (sharing
-  the table's parameter when tied) whose logits are split over X, norms their Y-split forms
+  the table's parameter when tied) whose logits are split over X (``vocab_parallel`` False,
+  ``ds_ext.pmm3d.tables`` "replicated": tables and head whole over X), norms their Y-split forms
   (:mod:`ds_ext.pmm.layers`); all initialized by slicing the serial parameters;
 * a Hugging Face model's loss becomes :func:`ds_ext.pmm.vocab.causal_lm_loss` (the
   cross-entropy of vocab-split logits; ds_ext's GPT: :class:`ds_ext.pmm.gpt.PMMGPT`);
@@ -74,7 +75,7 @@ def _check_meta(model: nn.Module) -> None:
             )
 
 
-def _check(model: nn.Module, plan: Plan, engine: PMMEngine) -> None:
+def _check(model: nn.Module, plan: Plan, engine: PMMEngine, vocab_parallel: bool) -> None:
     _check_meta(model)
     gx, gy = engine.x.size, engine.y.size
     for key, value in plan.dropout.items():
@@ -95,11 +96,11 @@ def _check(model: nn.Module, plan: Plan, engine: PMMEngine) -> None:
         if isinstance(m, nn.Embedding) or (isinstance(m, nn.Linear) and name == plan.head):
             rows, features = m.weight.shape
             try:
-                LinearLayout(rows, features, gx, 0, gy, 0, engine.z.size, 0)
+                LinearLayout(rows, features, gx if vocab_parallel else 1, 0, gy, 0, engine.z.size, 0)
             except ValueError as err:
+                placed = "vocabulary-parallel table {} (rows over x, " if vocab_parallel else "table {} ("
                 raise ConversionError(
-                    f"{KEY}.grid ({_grid(engine)}) does not fit the vocabulary-parallel table {name} "
-                    f"(rows over x, features over y, z chunks): {err}"
+                    f"{KEY}.grid ({_grid(engine)}) does not fit the {placed.format(name)}features over y, z chunks): {err}"
                 ) from None
         elif isinstance(m, nn.Linear) and last in plan.linears:
             style = plan.linears[last]
@@ -122,7 +123,9 @@ def _check(model: nn.Module, plan: Plan, engine: PMMEngine) -> None:
             )
 
 
-def _convert(name: str, m: nn.Module, plan: Plan, engine: PMMEngine, tables: dict[int, Embedding]) -> nn.Module | None:
+def _convert(
+    name: str, m: nn.Module, plan: Plan, engine: PMMEngine, tables: dict[int, Embedding], vocab_parallel: bool
+) -> nn.Module | None:
     """``m``'s converted form, its shards sliced from its full serial parameters; a module built
     on the meta device gets them one module at a time (:func:`ds_ext.pmm.meta.serial_values`)."""
     weight_id = id(m._parameters.get("weight"))  # the table's key, before serial_values swaps it
@@ -133,12 +136,12 @@ def _convert(name: str, m: nn.Module, plan: Plan, engine: PMMEngine, tables: dic
             return tied_head(tables[weight_id], name)
     with serial_values(m, name):
         if isinstance(m, nn.Linear) and name == plan.head:
-            return Linear.from_serial(m, engine, name=name)
+            return Linear.from_serial(m, engine, name=name, split_out=vocab_parallel)
         if isinstance(m, nn.Linear):
             style = plan.linears[name.rsplit(".", 1)[-1]]
             return Linear.from_serial(m, engine, transposed=style.transposed, out_chunks=style.out_chunks, name=name)
         if isinstance(m, nn.Embedding):
-            tables[weight_id] = Embedding.from_embedding(m, engine, name=name)
+            tables[weight_id] = Embedding.from_embedding(m, engine, name=name, vocab_parallel=vocab_parallel)
             return tables[weight_id]
         if isinstance(m, nn.LayerNorm):
             return LayerNorm(m, engine, name=name)
@@ -189,11 +192,14 @@ class _BatchHooks:
         return out
 
 
-def parallelize(model: nn.Module, engine: PMMEngine, plan: Plan | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module, engine: PMMEngine, plan: Plan | None = None, vocab_parallel: bool = True
+) -> nn.Module:
     """Convert ``model`` (serial, or built by :func:`ds_ext.pmm.build_on_meta`) in place to the
-    3D-PMM layout of ``engine``'s grid (001 §5.1.1, 000 §V); returns it."""
+    3D-PMM layout of ``engine``'s grid (001 §5.1.1, 000 §V); returns it. ``vocab_parallel``
+    False: embedding tables and the LM head replicated over X (``ds_ext.pmm.vocab``)."""
     plan = plan or plan_for(model)
-    _check(model, plan, engine)
+    _check(model, plan, engine, vocab_parallel)
     tables: dict[int, Embedding] = {}
     children = [
         (f"{pn}.{cn}" if pn else cn, parent, cn, child)
@@ -204,13 +210,14 @@ def parallelize(model: nn.Module, engine: PMMEngine, plan: Plan | None = None) -
     # named_modules() order than its embedding, and must share the converted table
     children.sort(key=lambda c: not isinstance(c[3], nn.Embedding))
     for name, parent, child_name, child in children:
-        new = _convert(name, child, plan, engine, tables)
+        new = _convert(name, child, plan, engine, tables, vocab_parallel)
         if new is not None:
             setattr(parent, child_name, new)
     if plan.adapt is not None:
         plan.adapt(model, engine)
     if plan.head is not None:
-        model._loss_function = causal_lm_loss(engine)  # Hugging Face's loss_function reads it
+        head = model.get_submodule(plan.head)
+        model._loss_function = causal_lm_loss(engine, head.out_axis)  # Hugging Face's loss_function reads it
     weights = list({id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}.values())
     replicated = [p for p in model.parameters() if "z" in getattr(p, "pmm_replicated_over", ())]
     hooks = _BatchHooks(engine, weights, replicated)

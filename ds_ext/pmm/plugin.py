@@ -114,7 +114,7 @@ class Pmm3dPlugin(Plugin):
         cfg = self.config
         self.engine = PMMEngine(self.axes, rt.comm, cfg.overlap, cfg.tune_matmul, cfg.ledger_by_layer)
         try:
-            parallelize(model, self.engine, plan)
+            parallelize(model, self.engine, plan, vocab_parallel=cfg.tables == "vocab_parallel")
         except ConversionError as err:
             raise DsExtConfigError(str(err)) from None
         ds_pmm.mark_parameters(model, functools.partial(owns, axes=self.axes))
@@ -135,7 +135,7 @@ class Pmm3dPlugin(Plugin):
         from ds_ext.pmm.spec import model_spec
 
         ranked = perf.rank_grids(
-            model_spec(model, plan),
+            model_spec(model, plan, vocab_parallel=self.config.tables == "vocab_parallel"),
             world,
             self.runtime.topology,
             micro_batch=ds_config.get("train_micro_batch_size_per_gpu", 1),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ds_ext.perf.pmm import LayerSpec, ModelSpec, NormSpec, TableSpec
+from ds_ext.perf.pmm import LayerSpec, ModelSpec, NormSpec, TableSpec, place_tables
 from ds_ext.pmm.plans import Plan
 
 
@@ -14,8 +14,9 @@ def _recomputed(model: nn.Module, name: str) -> bool:
     return bool(getattr(cfg, "checkpoint", False)) and name.startswith("blocks.")
 
 
-def model_spec(model: nn.Module, plan: Plan) -> ModelSpec:
-    """Layers, norms, vocabulary-parallel tables and the head of a serial ``model`` converted by ``plan``."""
+def model_spec(model: nn.Module, plan: Plan, vocab_parallel: bool = True) -> ModelSpec:
+    """Layers, norms, tables and the head of a serial ``model`` converted by ``plan``; the tables
+    vocabulary-parallel or (``vocab_parallel`` False) replicated over X."""
     layers, norms, tables = [], [], []
     head = None
     table_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -47,4 +48,5 @@ def model_spec(model: nn.Module, plan: Plan) -> ModelSpec:
             norms.append(NormSpec(name, m.normalized_shape[0], 2, params, _recomputed(model, name)))
         elif type(m).__name__.endswith("RMSNorm"):
             norms.append(NormSpec(name, m.weight.shape[0], 1, 1, _recomputed(model, name)))
-    return ModelSpec(tuple(layers), tuple(norms), tuple(tables), head, dict(plan.heads))
+    spec = ModelSpec(tuple(layers), tuple(norms), tuple(tables), head, dict(plan.heads))
+    return place_tables(spec, vocab_parallel)

@@ -27,6 +27,14 @@ parameter when tied): logits ``[..., V/G_x]``, vocab block i over X, replicated 
 (ALL-REDUCE max over X) and the target logit and the sum of exponentials (one ALL-REDUCE
 sum over X of both) give each row's loss, replicated over X; backward is
 ``softmax - onehot`` on the local vocab block, with no collective.
+
+``ds_ext.pmm3d.tables`` "replicated" places the tables the other way (Megatron-LM's position
+embedding, and megatron-core TP's anchor in ``ds-ext bench pmm``): rows whole on every X rank
+(``Linear`` with ``split_out=False``: stored ``[V (d/G_y) / G_z]``, chunk k of ``W[:, feature
+block j]``). Then every lookup finds its id locally and the X ranks' outputs agree (no
+ALL-REDUCE_x); the head's logits are ``[..., V]`` (ALL-REDUCE_y of the partial sums when
+G_y > 1), its input gradient is complete (no line 12) and the cross-entropy needs no
+collective. X ranks see the same rows, so the table's gradients agree over X as well.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_ext.pmm.engine import PMMEngine
+from ds_ext.pmm.grid import Axis
 from ds_ext.pmm.linear import Linear
 from ds_ext.pmm.layout import ConversionError
 
@@ -80,15 +89,17 @@ class Embedding(Linear):
     """A vocabulary-parallel ``nn.Embedding`` (see the module docstring for its contract)."""
 
     @classmethod
-    def from_embedding(cls, serial: nn.Embedding, engine: PMMEngine, name: str = "embedding") -> "Embedding":
-        """This rank's shard of ``serial``'s table."""
+    def from_embedding(
+        cls, serial: nn.Embedding, engine: PMMEngine, name: str = "embedding", vocab_parallel: bool = True
+    ) -> "Embedding":
+        """This rank's shard of ``serial``'s table (``vocab_parallel`` False: replicated over X)."""
         if serial.padding_idx is not None or serial.max_norm is not None:
             raise ConversionError(
                 f"ds_ext.pmm.parallelize: {name}: padding_idx / max_norm embeddings are not supported"
             )
         table = cls.__new__(cls)
         nn.Module.__init__(table)
-        table._setup(serial.weight, None, engine, False, 1, name)
+        table._setup(serial.weight, None, engine, False, 1, name, split_out=vocab_parallel)
         return table
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -97,7 +108,8 @@ class Embedding(Linear):
         return eng.input_with_gate(out)
 
     def attend(self, x: torch.Tensor) -> torch.Tensor:
-        """The tied LM head: logits ``[..., V/G_x]`` (vocab block over X, replicated over Y);
+        """The tied LM head: logits ``[..., V/G_x]`` (vocab block over X, replicated over Y;
+        ``[..., V]`` when the table is replicated over X);
         a model that calls it marks the table ``shared_weight``."""
         return Linear.forward(self, x)
 
@@ -106,7 +118,7 @@ def tied_head(table: Embedding, name: str) -> Linear:
     """An LM head ``d -> V`` whose weight is ``table``'s parameter (Hugging Face's tie_word_embeddings)."""
     head = Linear.__new__(Linear)
     nn.Module.__init__(head)
-    head.engine, head.transposed, head.name = table.engine, False, name
+    head.engine, head.transposed, head.name, head.split_out = table.engine, False, name, table.split_out
     head.in_features, head.out_features = table.in_features, table.out_features
     head.out_axis, head.in_axis, head.layout = table.out_axis, table.in_axis, table.layout
     head.weight, head.bias = table.weight, None
@@ -116,8 +128,7 @@ def tied_head(table: Embedding, name: str) -> Linear:
 
 class _VocabCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, engine: PMMEngine, ignore_index: int):
-        x = engine.x
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, engine: PMMEngine, x: Axis, ignore_index: int):
         logits = logits.float()
         rows = logits.shape[-1]
         peak = logits.max(-1).values
@@ -139,20 +150,24 @@ class _VocabCrossEntropy(torch.autograd.Function):
         softmax, local, hit, valid = ctx.saved_tensors
         grad = softmax.scatter_add(-1, local.unsqueeze(-1), -hit.to(softmax.dtype).unsqueeze(-1))
         grad.mul_((grad_loss * valid).unsqueeze(-1))
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def vocab_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, engine: PMMEngine, ignore_index: int = -100
+    logits: torch.Tensor, target: torch.Tensor, engine: PMMEngine, ignore_index: int = -100, axis: Axis | None = None
 ) -> torch.Tensor:
     """Per-row cross-entropy (fp32) of vocab-split ``logits`` ``[N, V/G_x]`` against global
-    ``target`` ids ``[N]``; rows whose target is ``ignore_index`` give 0."""
-    return _VocabCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), engine, ignore_index)
+    ``target`` ids ``[N]``; rows whose target is ``ignore_index`` give 0. ``axis``: the one the
+    vocabulary is split over, the head's ``out_axis`` (default X; size one: whole logits)."""
+    axis = engine.x if axis is None else axis
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _VocabCrossEntropy.apply(flat, target.reshape(-1), engine, axis, ignore_index)
 
 
-def causal_lm_loss(engine: PMMEngine):
+def causal_lm_loss(engine: PMMEngine, axis: Axis | None = None):
     """Hugging Face's ``ForCausalLMLoss`` (shift, ignore_index, ``num_items_in_batch``) on
-    vocab-split logits; installed as a converted model's ``_loss_function``."""
+    vocab-split logits (split over ``axis``, the head's ``out_axis``); installed as a converted
+    model's ``_loss_function``."""
 
     def loss(
         logits: torch.Tensor,
@@ -166,7 +181,7 @@ def causal_lm_loss(engine: PMMEngine):
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         shift_labels = shift_labels.to(logits.device)
-        per_row = vocab_cross_entropy(logits, shift_labels, engine, ignore_index)
+        per_row = vocab_cross_entropy(logits, shift_labels, engine, ignore_index, axis)
         if num_items_in_batch is None:
             return per_row.sum() / (shift_labels != ignore_index).sum()
         if torch.is_tensor(num_items_in_batch):
