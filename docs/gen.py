@@ -252,18 +252,23 @@ def zero_pipeline_table(name: str = "bench_zero_pp2.json") -> str:
     )
 
 
-NIC_RUNS = ("bench_zero_netns_nic.json",)
+LINK_BOUND_RUNS = ("bench_zero_netns_nic_seq8_ga1.json", "bench_zero_netns_nic_seq8_ga8.json")
+UNSHAPED_RUN = "bench_zero_netns_nic_unshaped.json"
 
 
-def zero_netns_nic_table() -> str:
-    """``bench zero --network netns --nic per-gpu``: bytes (ledger and wire), step times and ratios."""
-    recs = [r for name in NIC_RUNS for r in _load(name)["records"]]
+def zero_netns_nic_table(runs: tuple[str, ...] = ("bench_zero_netns_nic.json",), unshaped: str | None = None) -> str:
+    """``bench zero --network netns --nic per-gpu``: bytes (ledger and wire), step times and ratios
+    (within each run); with ``unshaped`` (the same command on 10 Gbit/s links), the share of each
+    step that the links take: 1 - unshaped / shaped."""
+    recs = [r for name in runs for r in _load(name)["records"]]
     by = {(r["variant"], r["grad_accum"]): r for r in recs}
+    free = {(r["variant"], r["grad_accum"]): r["step_time_s"] for r in _load(unshaped)["records"]} if unshaped else {}
     rows = []
     for r in recs:
         ga, wire = r["grad_accum"], r["wire_bytes_per_step"]["levels"]
         node = wire.get("node", {})
         times = ", ".join(f"{t:.2f}" for t in r["step_times_s"])
+        link = free.get((r["variant"], ga))
         rows.append(
             [
                 r["variant"],
@@ -272,6 +277,7 @@ def zero_netns_nic_table() -> str:
                 f"{node.get('ledger', 0.0) / 1e6:.2f} / {node.get('wire_up', 0) / 1e6:.2f}",
                 f"{r['wire_bytes_per_step']['total']['wire_over_ledger'] or float('nan'):.3f}",
                 f"{r['step_time_s']:.2f} ({times})",
+                *([f"{link:.2f} ({1 - link / r['step_time_s']:.0%})" if link else "-"] if unshaped else []),
                 *(
                     f"{by[other, ga]['step_time_s'] / r['step_time_s']:.2f}" if (other, ga) in by else "-"
                     for other in ("ds_ext_zeropp", "ds_ext_zero3", "deepspeed_zero3")
@@ -286,6 +292,7 @@ def zero_netns_nic_table() -> str:
             "node MB/step: ledger / wire (all ranks)",
             "wire / ledger (all levels)",
             "step s: median (each step)",
+            *(["unshaped step s (links' share)"] if unshaped else []),
             "ds_ext zeropp / variant",
             "ds_ext zero3 / variant",
             "DeepSpeed ZeRO-3 / variant",
@@ -787,6 +794,11 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_zero_netns_nic.md": (
         "examples/results/bench_zero_netns_nic.json",
         zero_netns_nic_table,
+    ),
+    "bench_zero_netns_nic_linkbound.md": (
+        "examples/results/bench_zero_netns_nic_seq8_ga1.json, bench_zero_netns_nic_seq8_ga8.json, "
+        "bench_zero_netns_nic_unshaped.json",
+        lambda: zero_netns_nic_table(LINK_BOUND_RUNS, UNSHAPED_RUN),
     ),
     "bench_tiled.md": ("examples/results/bench_tiled.json", tiled_table),
     "bench_pmm.md": ("examples/results/bench_pmm.json", pmm_table),
