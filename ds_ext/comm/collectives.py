@@ -394,9 +394,10 @@ class Communicator:
         algorithm = self.choose(group, _nbytes(output), algorithm, op)
         if algorithm != "native" and d > 1:
             return self._p2p("reduce_scatter", algorithm, output, input, group, async_op)
+        combine = _gloo_reduction(op) if d > 1 and self._is_gloo(group) else None
         accounted = self.account("reduce_scatter", group, reduce_scatter_bytes(_nbytes(input), d))
-        if d > 1 and self._is_gloo(group):
-            return self._gloo_reduce_scatter(output, input, op, group, async_op, accounted)
+        if combine is not None:
+            return self._gloo_reduce_scatter(output, input, combine, group, async_op, accounted)
         with self.guard("reduce_scatter", group):
             work = torch_op("reduce_scatter_tensor")(
                 _flat(output), _flat(input), op=op, group=group, async_op=self._async(async_op, group)
@@ -404,19 +405,20 @@ class Communicator:
         return self._finish("reduce_scatter", group, work, accounted, async_op)
 
     def _gloo_reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op, group, async_op: bool, accounted: tuple[Span, float]
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        combine: Callable[..., torch.Tensor],
+        group,
+        async_op: bool,
+        accounted: tuple[Span, float],
     ) -> Handle | None:
         """gloo's reduce-scatter is an all-reduce of the whole input that keeps one chunk
         (ProcessGroupGloo's ``reduce_scatter_tensor_coalesced``): 2 (d - 1)/d of the input on the
         wire per rank, twice a reduce-scatter's. Here each rank's chunk goes to its owner by one
         ``all_to_all_single`` ((d - 1)/d of the input: the bytes the ledger books, and what NCCL /
         RCCL send) and the owner reduces the d chunks it received, in group-rank order, in their
-        dtype."""
-        combine = _GLOO_REDUCTIONS.get(op)
-        if combine is None:
-            raise algorithms.AlgorithmError(
-                f"ds_ext.comm: reduce_scatter on gloo reduces with SUM, PRODUCT, MIN or MAX; got {op}"
-            )
+        dtype (``combine``: :func:`_gloo_reduction`)."""
         received = torch.empty_like(_flat(input))
         with self.guard("reduce_scatter", group):
             work = torch_op("all_to_all_single")(received, _flat(input), group=group, async_op=True)
@@ -484,6 +486,17 @@ _GLOO_REDUCTIONS: dict[object, Callable[..., torch.Tensor]] = {
     dist.ReduceOp.MIN: torch.minimum,
     dist.ReduceOp.MAX: torch.maximum,
 }
+
+
+def _gloo_reduction(op) -> Callable[..., torch.Tensor]:
+    """The elementwise function of ``op`` for a gloo reduce-scatter's local reduction; checked
+    before the call is recorded."""
+    combine = _GLOO_REDUCTIONS.get(op)
+    if combine is None:
+        raise algorithms.AlgorithmError(
+            f"ds_ext.comm: reduce_scatter on gloo reduces with SUM, PRODUCT, MIN or MAX; got {op}"
+        )
+    return combine
 
 
 def _reduce_in_order(combine: Callable[..., torch.Tensor], chunks: torch.Tensor, out: torch.Tensor) -> None:

@@ -42,7 +42,7 @@ import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 Key = tuple[str, str, str]  # (phase, op, level)
 Span = tuple[Key | None, float]  # (key, or None when not recorded; perf_counter at the call)
@@ -80,34 +80,18 @@ class Traffic:
 
     def by_level(self, phase: str | None = None, op: str | None = None) -> dict[str, float]:
         """Bytes summed per level, optionally only one phase and/or op."""
-        out: dict[str, float] = defaultdict(float)
-        for (ph, o, lv), b in self.bytes.items():
-            if (phase is None or ph == phase) and (op is None or o == op):
-                out[lv] += b
-        return dict(out)
+        return _summed(self.bytes, 2, phase, op)
 
     def calls_by_level(self, phase: str | None = None) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for (ph, _, lv), c in self.calls.items():
-            if phase is None or ph == phase:
-                out[lv] += c
-        return dict(out)
+        return _summed(self.calls, 2, phase)
 
     def messages_by_level(self, phase: str | None = None, op: str | None = None) -> dict[str, int]:
         """Messages summed per level, optionally only one phase and/or op."""
-        out: dict[str, int] = defaultdict(int)
-        for (ph, o, lv), m in self.messages.items():
-            if (phase is None or ph == phase) and (op is None or o == op):
-                out[lv] += m
-        return dict(out)
+        return _summed(self.messages, 2, phase, op)
 
     def seconds_by_op(self, phase: str | None = None, level: str | None = None) -> dict[str, float]:
         """Measured seconds inside collectives summed per op, optionally one phase and/or level."""
-        out: dict[str, float] = defaultdict(float)
-        for (ph, o, lv), t in self.seconds.items():
-            if (phase is None or ph == phase) and (level is None or lv == level):
-                out[o] += t
-        return dict(out)
+        return _summed(self.seconds, 1, phase, level=level)
 
     def by_phase(self) -> dict[str, dict[str, float]]:
         """{phase: {level: bytes}}."""
@@ -118,6 +102,19 @@ class Traffic:
 
     def total(self) -> float:
         return float(sum(self.bytes.values()))
+
+
+def _summed(
+    values: dict[Key, Any], by: int, phase: str | None, op: str | None = None, level: str | None = None
+) -> dict:
+    """``values`` summed per key field ``by`` (1: op, 2: level) over the (phase, op, level) keys
+    that match every filter given."""
+    out: dict = {}
+    for key, v in values.items():
+        ph, o, lv = key
+        if (phase is None or ph == phase) and (op is None or o == op) and (level is None or lv == level):
+            out[key[by]] = out.get(key[by], 0) + v
+    return out
 
 
 class Ledger:
