@@ -254,15 +254,22 @@ def zero_pipeline_table(name: str = "bench_zero_pp2.json") -> str:
 
 LINK_BOUND_RUNS = ("bench_zero_netns_nic_seq8_ga1.json", "bench_zero_netns_nic_seq8_ga8.json")
 UNSHAPED_RUN = "bench_zero_netns_nic_unshaped.json"
+OVERLAP_RUNS = ("bench_zero_netns_nic_overlap_ga1.json", "bench_zero_netns_nic_overlap_ga8.json")
 
 
-def zero_netns_nic_table(runs: tuple[str, ...] = ("bench_zero_netns_nic.json",), unshaped: str | None = None) -> str:
+def zero_netns_nic_table(
+    runs: tuple[str, ...] = ("bench_zero_netns_nic.json",),
+    unshaped: str | None = None,
+    peers: tuple[str, ...] = ("ds_ext_zeropp", "ds_ext_zero3", "deepspeed_zero3"),
+) -> str:
     """``bench zero --network netns --nic per-gpu``: bytes (ledger and wire), step times and ratios
-    (within each run); with ``unshaped`` (the same command on 10 Gbit/s links), the share of each
-    step that the links take: 1 - unshaped / shaped."""
+    (within each run: ``peers``' step over the variant's); with ``unshaped`` (the same command on
+    10 Gbit/s links), the share of each step that the links take: 1 - unshaped / shaped; where the
+    run measured it, the seconds per step spent in the quantizer."""
     recs = [r for name in runs for r in _load(name)["records"]]
     by = {(r["variant"], r["grad_accum"]): r for r in recs}
     free = {(r["variant"], r["grad_accum"]): r["step_time_s"] for r in _load(unshaped)["records"]} if unshaped else {}
+    quantizer = any("quantizer_s_per_step" in r for r in recs)
     rows = []
     for r in recs:
         ga, wire = r["grad_accum"], r["wire_bytes_per_step"]["levels"]
@@ -277,10 +284,15 @@ def zero_netns_nic_table(runs: tuple[str, ...] = ("bench_zero_netns_nic.json",),
                 f"{node.get('ledger', 0.0) / 1e6:.2f} / {node.get('wire_up', 0) / 1e6:.2f}",
                 f"{r['wire_bytes_per_step']['total']['wire_over_ledger'] or float('nan'):.3f}",
                 f"{r['step_time_s']:.2f} ({times})",
+                *(
+                    [f"{statistics.median(r['quantizer_s_per_step']):.2f}" if r.get("quantizer_s_per_step") else "-"]
+                    if quantizer
+                    else []
+                ),
                 *([f"{link:.2f} ({1 - link / r['step_time_s']:.0%})" if link else "-"] if unshaped else []),
                 *(
                     f"{by[other, ga]['step_time_s'] / r['step_time_s']:.2f}" if (other, ga) in by else "-"
-                    for other in ("ds_ext_zeropp", "ds_ext_zero3", "deepspeed_zero3")
+                    for other in peers
                 ),
             ]
         )
@@ -292,13 +304,21 @@ def zero_netns_nic_table(runs: tuple[str, ...] = ("bench_zero_netns_nic.json",),
             "node MB/step: ledger / wire (all ranks)",
             "wire / ledger (all levels)",
             "step s: median (each step)",
+            *(["quantizer s/step (rank mean)"] if quantizer else []),
             *(["unshaped step s (links' share)"] if unshaped else []),
-            "ds_ext zeropp / variant",
-            "ds_ext zero3 / variant",
-            "DeepSpeed ZeRO-3 / variant",
+            *(f"{_PEER_NAMES[other]} / variant" for other in peers),
         ],
         rows,
     )
+
+
+_PEER_NAMES = {
+    "ds_ext_zeropp": "ds_ext zeropp",
+    "ds_ext_zero3": "ds_ext zero3",
+    "deepspeed_zero3": "DeepSpeed ZeRO-3",
+    "deepspeed_zeropp": "DeepSpeed ZeRO++",
+    "ds_ext_zero_topo_serial": "zero_topo serial",
+}
 
 
 def zero_netns_table() -> str:
@@ -799,6 +819,12 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
         "examples/results/bench_zero_netns_nic_seq8_ga1.json, bench_zero_netns_nic_seq8_ga8.json, "
         "bench_zero_netns_nic_unshaped.json",
         lambda: zero_netns_nic_table(LINK_BOUND_RUNS, UNSHAPED_RUN),
+    ),
+    "bench_zero_netns_nic_overlap.md": (
+        "examples/results/bench_zero_netns_nic_overlap_ga1.json, bench_zero_netns_nic_overlap_ga8.json",
+        lambda: zero_netns_nic_table(
+            OVERLAP_RUNS, peers=("ds_ext_zeropp", "deepspeed_zeropp", "deepspeed_zero3", "ds_ext_zero_topo_serial")
+        ),
     ),
     "bench_tiled.md": ("examples/results/bench_tiled.json", tiled_table),
     "bench_pmm.md": ("examples/results/bench_pmm.json", pmm_table),

@@ -119,12 +119,61 @@ def test_zero3_preset_matches_deepspeed_zero3(world):
     _assert_close(ours[0]["losses"], ds[0]["losses"], 1e-5)
 
 
+def _no_node_bytes_in_micro_batches(phases):
+    assert phases["forward"].get("node", 0) == 0 and phases["backward"].get("node", 0) == 0
+    assert phases["step"]["node"] > 0
+
+
 def test_zero_topo_no_inter_node_traffic_in_micro_batches(world):
-    for preset in ("zero_topo", "zero_topo_paper"):
-        out = world.run(_train, _ds_config(0, accum=4, zero_topo={"preset": preset}), 3)
-        for phases in out[0]["phases"]:
-            assert phases["forward"].get("node", 0) == 0 and phases["backward"].get("node", 0) == 0
-            assert phases["step"]["node"] > 0
+    """zero_topo_paper here; zero_topo in test_step_boundary_overlaps_backward_with_the_same_bits_and_bytes."""
+    out = world.run(_train, _ds_config(0, accum=4, zero_topo={"preset": "zero_topo_paper"}), 3)
+    for phases in out[0]["phases"]:
+        _no_node_bytes_in_micro_batches(phases)
+
+
+def _overlapped_or_not(overlap):
+    """Two steps at GA 2; the node bytes of phase ``step`` already issued when each micro-batch's
+    backward returns; losses, every primary shard and fp32 master, and each step's ledger."""
+    import torch.distributed as dist
+
+    engine = _engine(_ds_config(0, "bf16", accum=2, zero_topo={"preset": "zero_topo", "overlap_step": overlap}))
+    ledger, issued, losses = engine.ds_ext.ledger, [], []
+    for step in range(2):
+        for micro in range(2):
+            tokens = _corpus().micro_batch(step, micro, dist.get_rank(), dist.get_world_size(), 2, 2, 32)
+            loss = engine(tokens)
+            engine.backward(loss)
+            issued.append(ledger.current.by_phase().get("step", {}).get("node", 0))
+            engine.step()
+            losses.append(loss.item())
+    plugin = engine.ds_ext.plugins[0]
+    out = {
+        "issued": issued,
+        "losses": losses,
+        "primaries": [u.primary.clone() for u in plugin.sharded.all_units],
+        "masters": [m.clone() for *_, m in plugin.optimizer.segments],
+        "steps": [(s.by_phase(), s.calls_by_level()) for s in ledger.steps],
+    }
+    engine.destroy()
+    return out
+
+
+def test_step_boundary_overlaps_backward_with_the_same_bits_and_bytes(world):
+    """``overlap_step`` (the default): the boundary's cross-node gradient reduce-scatter is issued
+    inside the last micro-batch's backward (booked as phase ``step``), never in an earlier one;
+    with it off nothing is issued before the step. Both give the same bits and the same ledger."""
+    import torch
+
+    on, off = world.run(_overlapped_or_not, True), world.run(_overlapped_or_not, False)
+    for a, b in zip(on, off):
+        assert a["issued"][0] == a["issued"][2] == 0 and a["issued"][1] > 0 and a["issued"][3] == a["issued"][1]
+        assert b["issued"] == [0, 0, 0, 0]
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(x, y) for x, y in zip(a["primaries"], b["primaries"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"]))
+        assert a["steps"] == b["steps"]
+        for phases, _ in a["steps"]:
+            _no_node_bytes_in_micro_batches(phases)
 
 
 def test_bf16_and_fp16(world):

@@ -49,10 +49,11 @@ plumbing check).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ds_ext.bench import median, write_json
 from ds_ext.cluster.world import add_network_arguments
@@ -61,7 +62,10 @@ LEVELS = ("gcd", "gpu", "node")
 DEEPSPEED_VARIANTS = ("deepspeed_zero1", "deepspeed_zero3", "deepspeed_zeropp")
 TORCH_VARIANTS = ("torch_fsdp2", "torch_ddp")
 DS_EXT_PRESETS = ("zero3", "zeropp", "mics", "zero_topo_paper", "zero_topo", "zero_topo_int8")
-ALL_VARIANTS = DEEPSPEED_VARIANTS + TORCH_VARIANTS + tuple(f"ds_ext_{p}" for p in DS_EXT_PRESETS)
+# zero_topo with every step-boundary collective in the step, one after another (overlap_step: false)
+SERIAL = "ds_ext_zero_topo_serial"
+DEFAULT_VARIANTS = DEEPSPEED_VARIANTS + TORCH_VARIANTS + tuple(f"ds_ext_{p}" for p in DS_EXT_PRESETS)
+ALL_VARIANTS = DEFAULT_VARIANTS + (SERIAL,)
 # on DeepSpeed's PipelineEngine (ZeRO stage 0 or 1 only): ZeRO-1 and ZeRO-topo's pipeline form
 PIPELINE_VARIANTS = ("deepspeed_zero1", "ds_ext_zero_topo", "ds_ext_zero_topo_int8")
 MODELS = {  # name -> (d_model, n_layers, n_heads, seq_len)
@@ -81,7 +85,7 @@ DEEPSPEED_TWIN = {"ds_ext_zero3": "deepspeed_zero3", "ds_ext_zeropp": "deepspeed
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="JSON file to write (a PNG is written next to it)")
     p.add_argument("--grad-accum", type=int, nargs="+", default=[1, 8], metavar="GA")
-    p.add_argument("--variants", nargs="+", default=list(ALL_VARIANTS), choices=ALL_VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=ALL_VARIANTS)
     p.add_argument("--model", choices=sorted(MODELS), default="gpt20m")
     p.add_argument(
         "--seq-len",
@@ -162,7 +166,10 @@ def _ds_config(
         cfg["ds_ext"]["comm"]["count_torch_collectives"] = True
     else:
         cfg["zero_optimization"] = {"stage": 0}
-        cfg["ds_ext"]["zero_topo"] = {"enabled": True, "preset": variant.removeprefix("ds_ext_")}
+        if variant == SERIAL:
+            cfg["ds_ext"]["zero_topo"] = {"enabled": True, "preset": "zero_topo", "overlap_step": False}
+        else:
+            cfg["ds_ext"]["zero_topo"] = {"enabled": True, "preset": variant.removeprefix("ds_ext_")}
     return cfg
 
 
@@ -375,12 +382,13 @@ def _measure(
         times: dict[bool, list[float]] = {False: [], True: []}
         losses, state = [], {}
         wire = _WireWindow(time_scale is None, warmup)
+        quantizer_s, clock = [], _quantizer_clock()
         for step in range(warmup + 2 * steps):
             wire.at(step)
             emulate = emulator is not None and step >= warmup and (step - warmup) % 2 == 1
             rt.comm.emulator = emulator if emulate else None
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, q0 = time.perf_counter(), clock()
             step_losses = []
             if pipeline:  # one train_batch: GA micro-batches through the 1F1B schedule, then the step
                 batch = [corpus.micro_batch(step, m, data_rank, data_world, 2, ga, seq) for m in range(ga)]
@@ -396,6 +404,8 @@ def _measure(
             dist.barrier()
             if step >= warmup:
                 times[emulate].append(time.perf_counter() - t0)
+                if not emulate:
+                    quantizer_s.append(clock() - q0)
             losses.append(sum(step_losses) / ga)
         rt.comm.emulator = emulator
         led = rt.ledger
@@ -418,6 +428,8 @@ def _measure(
             "analytic_calls_per_step": None,
             "step_time_s": median(times[False]),
             "step_times_s": times[False],
+            # seconds in the quantizer per measured plain step (mean over ranks)
+            "quantizer_s_per_step": _rank_mean(quantizer_s),
             "wire_bytes_per_step": wire_bytes,
             "step_time_emulated_s": median(times[True]) if times[True] else None,
             "time_scale": time_scale,
@@ -474,6 +486,56 @@ def _measure(
         del engine, opt, net
         gc.collect()
     return out
+
+
+_QUANTIZER_SECONDS = [0.0]
+
+
+def _rank_mean(values: list[float]) -> list[float]:
+    """``values`` averaged element-wise over the ranks (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def _quantizer_clock() -> Callable[[], float]:
+    """Seconds this process has spent in a quantizer so far: ds_ext's ``BlockQuantizer``
+    (quantize / dequantize) and DeepSpeed ZeRO++'s CPU quantizer (quantize, dequantize,
+    swizzle_quant, quantized_reduction; ``ds_zeropp_quantizer.deepspeed_cpu_quantizer``),
+    their methods wrapped once per worker process; a call inside another counts once."""
+    from ds_ext.comm.quant import BlockQuantizer
+    from ds_ext.integration import ds_zeropp_quantizer
+
+    depth = [0]
+
+    def timed(fn):
+        @functools.wraps(fn)
+        def call(*a, **kw):
+            depth[0] += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    _QUANTIZER_SECONDS[0] += time.perf_counter() - t0
+
+        call._ds_ext_timed = True  # type: ignore[attr-defined]
+        return call
+
+    deepspeed = ds_zeropp_quantizer.deepspeed_cpu_quantizer()
+    for cls, names, static in (
+        (BlockQuantizer, ("quantize", "dequantize"), False),
+        (deepspeed, ("quantize", "dequantize", "dequantize_fp32", "swizzle_quant", "quantized_reduction"), True),
+    ):
+        for name in names:
+            fn = getattr(cls, name)
+            if not getattr(fn, "_ds_ext_timed", False):
+                setattr(cls, name, staticmethod(timed(fn)) if static else timed(fn))
+    return lambda: _QUANTIZER_SECONDS[0]
 
 
 class _WireWindow:
@@ -585,7 +647,7 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
                 if r[field] is not None:
                     out[key][f"ds_ext_zero3/torch_fsdp2@GA{ga}"] = r[field] / by["torch_fsdp2", ga][field]
         for ours in ("ds_ext_zero_topo", "ds_ext_zero_topo_paper", "ds_ext_zero_topo_int8"):
-            for theirs in DEEPSPEED_VARIANTS:
+            for theirs in DEEPSPEED_VARIANTS + ("ds_ext_zeropp", SERIAL):
                 if v == ours and (theirs, ga) in by:
                     key = f"{theirs}/{ours}@GA{ga}"
                     if r["step_time_emulated_s"] is not None:
@@ -693,7 +755,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(
                 "ds-ext bench zero: --pipeline-parallel with --tensor-parallel 2 is not supported; allowed: one of them"
             )
-        if args.variants == list(ALL_VARIANTS):
+        if args.variants == list(DEFAULT_VARIANTS):
             args.variants = list(PIPELINE_VARIANTS)
         other = [v for v in args.variants if v not in PIPELINE_VARIANTS]
         if other:
@@ -703,7 +765,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
     if args.quick:
         args.model, args.grad_accum, args.warmup, args.steps = "tiny", [1], 1, 1
-        if args.variants == list(ALL_VARIANTS):
+        if args.variants == list(DEFAULT_VARIANTS):
             args.variants = ["ds_ext_zero_topo", "ds_ext_zero3", "deepspeed_zero3"]
     time_scale = None if args.network == "netns" else args.time_scale
     records: list[dict[str, Any]] = []

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Iterator
 
 import torch
 from deepspeed.moe.utils import is_moe_param
@@ -216,6 +216,7 @@ class ShardedModel:
         self._order: list[FlatUnit] = []
         self._callback_queued = False
         self.peak_state_bytes: dict[str, int] = {}
+        self.reduced: Callable[[FlatUnit], None] | None = None  # called with each unit whose gradients were reduced
 
     def _guard_released_calls(self, model: nn.Module) -> None:
         """A module called while its parameters are released (outside its unit's forward,
@@ -334,10 +335,15 @@ class ShardedModel:
             self._queue_final_callback()
             unit.grads_ready += 1
             if unit.grads_ready == n:
-                unit.reduce_gradients()
+                self._reduce(unit)
                 unit.release()
 
         return hook
+
+    def _reduce(self, unit: FlatUnit) -> None:
+        unit.reduce_gradients()
+        if self.reduced is not None:
+            self.reduced(unit)
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
@@ -350,7 +356,7 @@ class ShardedModel:
         self.peak_state_bytes = {k: max(v, self.peak_state_bytes.get(k, 0)) for k, v in self.state_bytes().items()}
         for unit in self.all_units:
             if unit.grads_ready:
-                unit.reduce_gradients()
+                self._reduce(unit)
             if unit.gathered and not unit.held:
                 unit.release()
 
@@ -412,6 +418,56 @@ def _tensors(x):
             yield from _tensors(y)
 
 
+class _Chain:
+    """Collectives that depend on each other, issued one at a time: ``steps`` yields each
+    collective's handle (None when synchronous) right after issuing it and returns the
+    chain's result. Every rank advances its chains in the same order, so each group sees its
+    collectives in the same order everywhere."""
+
+    def __init__(self, steps: Generator["Handle | None", None, Any]) -> None:
+        self._steps = steps
+        self._handle: "Handle | None" = None
+        self.done = False
+        self.value: Any = None
+        self.advance()
+
+    def advance(self) -> None:
+        """Wait for the collective in flight, then issue the next one."""
+        if self._handle is not None:
+            self._handle.wait()
+        try:
+            self._handle = next(self._steps)
+        except StopIteration as stop:
+            self._handle, self.done, self.value = None, True, stop.value
+
+    def finish(self) -> Any:
+        while not self.done:
+            self.advance()
+        return self.value
+
+
+class _Pipeline:
+    """Chains started one after another, each earlier chain advancing one collective when a
+    new one starts: the second collective of unit i (e.g. its all-gather inside the node)
+    runs while the first of unit i+1 (across nodes) does, on other links."""
+
+    def __init__(self) -> None:
+        self._pending: list[_Chain] = []
+
+    def advance(self) -> None:
+        for chain in self._pending:
+            chain.advance()
+        self._pending = [c for c in self._pending if not c.done]
+
+    def start(self, steps: Generator["Handle | None", None, Any]) -> None:
+        self.advance()
+        self._pending.append(_Chain(steps))
+
+    def finish(self) -> None:
+        while self._pending:
+            self.advance()
+
+
 class ZeroTopoOptimizer(torch.optim.Optimizer):
     """The sharded step around a torch optimizer whose params become fp32 master segments.
 
@@ -421,8 +477,20 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
     (``ds_engine.loss_scaler``): fp16 overflow skips and scale updates are DeepSpeed's.
     """
 
-    def __init__(self, sharded: ShardedModel, inner: torch.optim.Optimizer, clip: float, scaler: Any):
+    def __init__(
+        self,
+        sharded: ShardedModel,
+        inner: torch.optim.Optimizer,
+        clip: float,
+        scaler: Any,
+        overlap: Callable[[], bool] | None = None,
+    ):
+        """``overlap``: the engine's "is this micro-batch the last before the step?"; given, the
+        step boundary overlaps (:meth:`start_reduction`, and the weight all-gathers pipelined
+        unit by unit); None: every boundary collective runs in the step, one after another."""
         self.sharded = sharded
+        self.at_boundary = overlap
+        self._early: dict[int, _Chain] = {}  # by unit id: its boundary reduction, started in backward
         self.inner = inner
         self.tiled: "TiledAdam | None" = None  # set by ds_ext.tiled_optimizer (001 §7.2)
         self.clip = clip
@@ -496,53 +564,76 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
     def _optimizer_grad_reduced(self, unit: FlatUnit) -> torch.Tensor:
         """Reduce the unit's gradient shard across levels into its optimizer slice, in the
         training dtype (the tiled step up-casts it one tile at a time)."""
+        chain = self._early.pop(id(unit), None)
+        return (chain or _Chain(self._reduce_chain(unit))).finish()
+
+    def start_reduction(self, unit: FlatUnit) -> None:
+        """In the last micro-batch's backward, once ``unit``'s gradient shard is complete:
+        issue its step-boundary reduction now (ledger phase ``step``), so that it crosses the
+        nodes while backward computes the units before it; :meth:`step` waits for it. Same
+        collectives, bytes and bits as in the step."""
+        if self.at_boundary is None or unit.whole or not self.at_boundary():
+            return
+        stale = self._early.pop(id(unit), None)
+        if stale is not None:  # reduced twice in one backward: the shard changed, reduce it again
+            stale.finish()
+            log.warn(f"ds_ext.zero_topo: unit {unit.name} reduced its gradients twice in one backward")
+        with unit.ctx.comm.ledger.phase("step"):
+            self._early[id(unit)] = _Chain(self._reduce_chain(unit))
+
+    def _reduce_chain(self, unit: FlatUnit) -> Generator["Handle | None", None, torch.Tensor]:
+        """The collectives of :meth:`_optimizer_grad_reduced` as a :class:`_Chain`."""
         ctx, plan = unit.ctx, unit.ctx.plan
         top = len(ctx.topo.levels) - 1
         x = unit.grad_shard
         if plan.step == "allreduce":
             if plan.gradients < top:
-                ctx.comm.all_reduce(x, group=ctx.group(range(plan.gradients + 1, top + 1)))
-            x = sub_chunk(x, ctx.topo, ctx.rank, unit.U, plan.gradients, plan.optimizer)
-        else:
-            for level in range(plan.gradients + 1, plan.optimizer + 1):
-                if plan.step_level_bits(level) == 8:  # int8 blocks across nodes; fp32 partial sums out
-                    x = all_to_all_reduce(ctx.comm, x, ctx.weight_quantizer, ctx.group([level]))
-                    continue
-                out = torch.empty(x.numel() // ctx.topo.levels[level].size, dtype=x.dtype, device=x.device)
-                ctx.comm.reduce_scatter(out, x, group=ctx.group([level]))
-                x = out
-            if plan.optimizer < top:
-                ctx.comm.all_reduce(x, group=ctx.group(range(plan.optimizer + 1, top + 1)))
+                yield ctx.comm.all_reduce(x, group=ctx.group(range(plan.gradients + 1, top + 1)), async_op=True)
+            return sub_chunk(x, ctx.topo, ctx.rank, unit.U, plan.gradients, plan.optimizer)
+        for level in range(plan.gradients + 1, plan.optimizer + 1):
+            if plan.step_level_bits(level) == 8:  # int8 blocks across nodes; fp32 partial sums out
+                x = all_to_all_reduce(ctx.comm, x, ctx.weight_quantizer, ctx.group([level]))
+                yield None
+                continue
+            out = torch.empty(x.numel() // ctx.topo.levels[level].size, dtype=x.dtype, device=x.device)
+            yield ctx.comm.reduce_scatter(out, x, group=ctx.group([level]), async_op=True)
+            x = out
+        if plan.optimizer < top:
+            yield ctx.comm.all_reduce(x, group=ctx.group(range(plan.optimizer + 1, top + 1)), async_op=True)
         return x
 
-    def _gather_weights(self, unit: FlatUnit, slice16: torch.Tensor) -> None:
-        """All-gather updated 16-bit optimizer slices back into the primary shard."""
-        for _ in self._gather_weights_chain(unit, slice16, async_op=False):
-            pass
-
-    def _gather_weights_chain(self, unit: FlatUnit, slice16: torch.Tensor, async_op: bool) -> Iterator["Handle | None"]:
-        """The weight all-gathers of :meth:`_gather_weights` as a chain: yields each
-        collective's handle (``None`` when synchronous) right after issuing it; the caller
-        waits on it and resumes the chain, which finally writes the primary shard and the
-        secondary."""
+    def _gather_weights_chain(self, unit: FlatUnit, slice16: torch.Tensor) -> Generator["Handle", None, None]:
+        """All-gather the updated 16-bit optimizer slices back into the primary shard, as a
+        :class:`_Chain`; its end writes the primary shard and rebuilds the secondary."""
         ctx, plan = unit.ctx, unit.ctx.plan
         x = slice16
         if plan.step == "allreduce" and plan.optimizer > plan.weights:
             levels = list(range(plan.optimizer + 1))
             out = torch.empty(unit.U, dtype=x.dtype, device=x.device)
-            yield ctx.comm.all_gather(out, x, group=ctx.span(plan.optimizer), async_op=async_op)
+            yield ctx.comm.all_gather(out, x, group=ctx.span(plan.optimizer), async_op=True)
             x = chunk(to_shard_order(out, ctx.topo, levels), ctx.topo, ctx.rank, plan.weights)
         else:
             for level in range(plan.optimizer, plan.weights, -1):
                 out = torch.empty(x.numel() * ctx.topo.levels[level].size, dtype=x.dtype, device=x.device)
                 if plan.step_level_bits(level) == 8:  # every rank, the owner too, takes the dequantized values
-                    pending = all_gather_int(ctx.comm, x, ctx.weight_quantizer, out, ctx.group([level]), async_op)
-                    yield pending if async_op else None
+                    yield all_gather_int(ctx.comm, x, ctx.weight_quantizer, out, ctx.group([level]), True)
                 else:
-                    yield ctx.comm.all_gather(out, x, group=ctx.group([level]), async_op=async_op)
+                    yield ctx.comm.all_gather(out, x, group=ctx.group([level]), async_op=True)
                 x = out
         unit.primary.copy_(x)
         unit.rebuild_secondary()
+
+    def _gather_all_weights(self, slices: Iterable[tuple[FlatUnit, torch.Tensor]]) -> None:
+        """The weight all-gathers of every (unit, updated slice), pipelined unit by unit when
+        the boundary overlaps (:class:`_Pipeline`), else each unit's in full before the next."""
+        if self.at_boundary is None:
+            for unit, slice16 in slices:
+                _Chain(self._gather_weights_chain(unit, slice16)).finish()
+            return
+        pipeline = _Pipeline()
+        for unit, slice16 in slices:  # a generator: the tiled step updates each unit on demand
+            pipeline.start(self._gather_weights_chain(unit, slice16))
+        pipeline.finish()
 
     def _decide_step(self, grads: Iterable[torch.Tensor], scale: float) -> float | None:
         """Global norm of the unscaled gradient (``grads``: one per segment; every element
@@ -592,41 +683,31 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         if self.overflow:
             return
         group_of = {id(p): g for g in self.inner.param_groups for p in g["params"]}
-        pending: list[tuple[Iterator[Handle], Handle]] = []
 
-        def advance_pending() -> None:
-            for i, (chain, handle) in enumerate(pending):
-                handle.wait()
-                pending[i] = (chain, next(chain, None))  # type: ignore[arg-type]
-            pending[:] = [(c, h) for c, h in pending if h is not None]
+        def updated() -> Iterator[tuple[FlatUnit, torch.Tensor]]:
+            for unit in units:
+                slice16 = self._own_slice(unit).clone()
+                reduced = grads[id(unit)]
+                for u, lo, hi, master in self.segments:
+                    if u is not unit:
+                        continue
+                    src = reduced[lo:hi]
 
-        for unit in units:
-            slice16 = self._own_slice(unit).clone()
-            reduced = grads[id(unit)]
-            for u, lo, hi, master in self.segments:
-                if u is not unit:
-                    continue
-                src = reduced[lo:hi]
+                    def load(buf: torch.Tensor, s: int, src: torch.Tensor = src) -> None:
+                        buf.copy_(src[s : s + buf.numel()])
+                        if scale != 1.0:
+                            buf.div_(scale)
+                        if coef is not None:
+                            buf.mul_(coef)
 
-                def load(buf: torch.Tensor, s: int, src: torch.Tensor = src) -> None:
-                    buf.copy_(src[s : s + buf.numel()])
-                    if scale != 1.0:
-                        buf.div_(scale)
-                    if coef is not None:
-                        buf.mul_(coef)
+                    def store(s: int, e: int, lo: int = lo, master: torch.Tensor = master) -> None:
+                        slice16[lo + s : lo + e].copy_(master[s:e])
 
-                def store(s: int, e: int, lo: int = lo, master: torch.Tensor = master) -> None:
-                    slice16[lo + s : lo + e].copy_(master[s:e])
+                    tiled.update(master, group_of[id(master)], load, store)
+                yield unit, slice16
+            tiled.end_step()
 
-                tiled.update(master, group_of[id(master)], load, store)
-            advance_pending()
-            chain = self._gather_weights_chain(unit, slice16, async_op=True)
-            first = next(chain, None)
-            if first is not None:
-                pending.append((chain, first))
-        tiled.end_step()
-        while pending:
-            advance_pending()
+        self._gather_all_weights(updated())
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -657,14 +738,17 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
                 for *_, master in self.segments:
                     master.grad.mul_(coef)
             self.inner.step()
-            for unit in self.sharded.all_units:
-                slice16 = self._own_slice(unit).clone()
-                for u, lo, hi, master in self.segments:
-                    if u is unit:
-                        slice16[lo:hi].copy_(master)
-                self._gather_weights(unit, slice16)
+            self._gather_all_weights((unit, self._updated_slice(unit)) for unit in self.sharded.all_units)
         for *_, master in self.segments:
             master.grad = None
+
+    def _updated_slice(self, unit: FlatUnit) -> torch.Tensor:
+        """The unit's optimizer slice in 16 bits from its updated fp32 masters."""
+        slice16 = self._own_slice(unit).clone()
+        for u, lo, hi, master in self.segments:
+            if u is unit:
+                slice16[lo:hi].copy_(master)
+        return slice16
 
     @property
     def loss_scale(self) -> float:

@@ -127,6 +127,13 @@ class ZeroTopoConfig(PluginConfig):
         "nn.ModuleList (transformer blocks).",
     )
     prefetch: bool = Field(True, description="Start the next unit's all-gather while the current one computes.")
+    overlap_step: bool = Field(
+        True,
+        description="Overlap the step boundary (003 §V-A): each unit's cross-level gradient reduction starts in the "
+        "last micro-batch's backward as soon as its gradient shard is complete, and the step's weight all-gathers "
+        "run pipelined unit by unit (a unit's gather inside the node beside the next unit's across nodes). The same "
+        "collectives, bytes and results; false = every boundary collective in the step, one after another.",
+    )
     agreement_check_s: float = Field(
         60.0,
         ge=0,

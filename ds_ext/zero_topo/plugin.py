@@ -200,7 +200,10 @@ class ZeroTopoPlugin(Plugin):
             )
         for plugin in rt.plugins:
             plugin.parameters_sharded([unit.params for unit in self.sharded.all_units])
-        self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler)
+        overlap = engine.is_gradient_accumulation_boundary if self.config.overlap_step else None
+        self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler, overlap)
+        if overlap is not None and isinstance(self.sharded, ShardedModel):
+            self.sharded.reduced = self.optimizer.start_reduction
         ds_engine.replace_optimizer(engine, self.optimizer)
         if self.dtype == torch.float16:
             ds_engine.scale_backward_loss(engine, lambda: self.scaler.loss_scale)
