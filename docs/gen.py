@@ -254,7 +254,12 @@ def zero_pipeline_table(name: str = "bench_zero_pp2.json") -> str:
 
 LINK_BOUND_RUNS = ("bench_zero_netns_nic_seq8_ga1.json", "bench_zero_netns_nic_seq8_ga8.json")
 UNSHAPED_RUN = "bench_zero_netns_nic_unshaped.json"
-OVERLAP_RUNS = ("bench_zero_netns_nic_overlap_ga1.json", "bench_zero_netns_nic_overlap_ga8.json")
+OVERLAP_RUNS = (
+    "bench_zero_netns_nic_overlap_ga1.json",
+    "bench_zero_netns_nic_overlap_ga1_int8.json",
+    "bench_zero_netns_nic_overlap_ga8.json",
+    "bench_zero_netns_nic_overlap_ga8_zero3.json",
+)
 
 
 def zero_netns_nic_table(
@@ -266,18 +271,19 @@ def zero_netns_nic_table(
     (within each run: ``peers``' step over the variant's); with ``unshaped`` (the same command on
     10 Gbit/s links), the share of each step that the links take: 1 - unshaped / shaped; where the
     run measured it, the seconds per step spent in the quantizer."""
-    recs = [r for name in runs for r in _load(name)["records"]]
-    by = {(r["variant"], r["grad_accum"]): r for r in recs}
+    recs = [(name, r) for name in runs for r in _load(name)["records"]]
+    by = {(name, r["variant"], r["grad_accum"]): r for name, r in recs}
     free = {(r["variant"], r["grad_accum"]): r["step_time_s"] for r in _load(unshaped)["records"]} if unshaped else {}
-    quantizer = any("quantizer_s_per_step" in r for r in recs)
+    quantizer = any("quantizer_s_per_step" in r for _, r in recs)
     rows = []
-    for r in recs:
+    for name, r in recs:
         ga, wire = r["grad_accum"], r["wire_bytes_per_step"]["levels"]
         node = wire.get("node", {})
         times = ", ".join(f"{t:.2f}" for t in r["step_times_s"])
         link = free.get((r["variant"], ga))
         rows.append(
             [
+                *([f"`{name.removeprefix('bench_zero_netns_nic_').removesuffix('.json')}`"] if len(runs) > 1 else []),
                 r["variant"],
                 str(ga),
                 f"{r['bytes_per_step'].get('node', 0.0) / r['model_bytes']:.3f}",
@@ -291,13 +297,14 @@ def zero_netns_nic_table(
                 ),
                 *([f"{link:.2f} ({1 - link / r['step_time_s']:.0%})" if link else "-"] if unshaped else []),
                 *(
-                    f"{by[other, ga]['step_time_s'] / r['step_time_s']:.2f}" if (other, ga) in by else "-"
+                    f"{by[name, other, ga]['step_time_s'] / r['step_time_s']:.2f}" if (name, other, ga) in by else "-"
                     for other in peers
                 ),
             ]
         )
     return _md(
         [
+            *(["run"] if len(runs) > 1 else []),
             "variant",
             "GA",
             "node xM (per rank)",
@@ -821,7 +828,8 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
         lambda: zero_netns_nic_table(LINK_BOUND_RUNS, UNSHAPED_RUN),
     ),
     "bench_zero_netns_nic_overlap.md": (
-        "examples/results/bench_zero_netns_nic_overlap_ga1.json, bench_zero_netns_nic_overlap_ga8.json",
+        "examples/results/bench_zero_netns_nic_overlap_ga1.json, bench_zero_netns_nic_overlap_ga1_int8.json, "
+        "bench_zero_netns_nic_overlap_ga8.json, bench_zero_netns_nic_overlap_ga8_zero3.json",
         lambda: zero_netns_nic_table(
             OVERLAP_RUNS, peers=("ds_ext_zeropp", "deepspeed_zeropp", "deepspeed_zero3", "ds_ext_zero_topo_serial")
         ),

@@ -131,16 +131,16 @@ def test_zero_topo_no_inter_node_traffic_in_micro_batches(world):
         _no_node_bytes_in_micro_batches(phases)
 
 
-def _overlapped_or_not(overlap):
-    """Two steps at GA 2; the node bytes of phase ``step`` already issued when each micro-batch's
-    backward returns; losses, every primary shard and fp32 master, and each step's ledger."""
+def _overlapped_or_not(preset, accum, overlap):
+    """Two steps; the node bytes of phase ``step`` already issued when each micro-batch's backward
+    returns; losses, every primary shard and fp32 master, and each step's ledger."""
     import torch.distributed as dist
 
-    engine = _engine(_ds_config(0, "bf16", accum=2, zero_topo={"preset": "zero_topo", "overlap_step": overlap}))
+    engine = _engine(_ds_config(0, "bf16", accum=accum, zero_topo={"preset": preset, "overlap_step": overlap}))
     ledger, issued, losses = engine.ds_ext.ledger, [], []
     for step in range(2):
-        for micro in range(2):
-            tokens = _corpus().micro_batch(step, micro, dist.get_rank(), dist.get_world_size(), 2, 2, 32)
+        for micro in range(accum):
+            tokens = _corpus().micro_batch(step, micro, dist.get_rank(), dist.get_world_size(), 2, accum, 32)
             loss = engine(tokens)
             engine.backward(loss)
             issued.append(ledger.current.by_phase().get("step", {}).get("node", 0))
@@ -158,16 +158,20 @@ def _overlapped_or_not(overlap):
     return out
 
 
-def test_step_boundary_overlaps_backward_with_the_same_bits_and_bytes(world):
-    """``overlap_step`` (the default): the boundary's cross-node gradient reduce-scatter is issued
-    inside the last micro-batch's backward (booked as phase ``step``), never in an earlier one;
-    with it off nothing is issued before the step. Both give the same bits and the same ledger."""
+@pytest.mark.parametrize("preset,accum", [("zero_topo", 2), ("zero_topo_int8", 1)])
+def test_step_boundary_overlaps_backward_with_the_same_bits_and_bytes(world, preset, accum):
+    """``overlap_step`` (the default): the boundary's cross-node gradient reduction (16-bit
+    reduce-scatter; int8 all-to-all) is issued inside the last micro-batch's backward (booked as
+    phase ``step``), never in an earlier one; with it off nothing is issued before the step. Both
+    give the same bits and the same ledger."""
     import torch
 
-    on, off = world.run(_overlapped_or_not, True), world.run(_overlapped_or_not, False)
+    on, off = world.run(_overlapped_or_not, preset, accum, True), world.run(_overlapped_or_not, preset, accum, False)
     for a, b in zip(on, off):
-        assert a["issued"][0] == a["issued"][2] == 0 and a["issued"][1] > 0 and a["issued"][3] == a["issued"][1]
-        assert b["issued"] == [0, 0, 0, 0]
+        boundary = [micro == accum - 1 for _ in range(2) for micro in range(accum)]
+        assert all((x > 0) == last for x, last in zip(a["issued"], boundary)), a["issued"]
+        assert len({x for x in a["issued"] if x}) == 1  # the whole reduction, every step
+        assert b["issued"] == [0] * len(boundary)
         assert a["losses"] == b["losses"]
         assert all(torch.equal(x, y) for x, y in zip(a["primaries"], b["primaries"]))
         assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"]))

@@ -99,13 +99,7 @@ def all_to_all_reduce(
     """
     d = comm.size(group)
     if raw is None or not bool(raw.any()):
-        q = quantizer.quantize(chunks, nonfinite="flag")
-        payload = torch.empty_like(q.payload)
-        scales = torch.empty_like(q.scales)
-        comm.all_to_all(payload.view(d, -1), q.payload.view(d, -1), group=group)
-        comm.all_to_all(scales.view(d, -1), q.scales.view(d, -1), group=group)
-        recv = QuantizedTensor(payload, scales, q.bits, q.numel, q.block_size)
-        return quantizer.dequantize(recv, dtype=torch.float32).view(d, -1).sum(0)
+        return all_to_all_reduce_async(comm, chunks, quantizer, group).wait()
     B = quantizer.block_size
     blocks = chunks.view(-1, B)
     raw = raw.view(d, -1)
@@ -135,6 +129,22 @@ def all_to_all_reduce(
     sent = recv[:, n_q[me] * code_bytes :].reshape(-1).view(raw_dtype)
     out[:, raw[me]] = sent.view(d, n_raw[me], B).float()
     return out.sum(0).view(-1)
+
+
+def all_to_all_reduce_async(
+    comm: Communicator, chunks: torch.Tensor, quantizer: BlockQuantizer, group=None
+) -> _Pending:
+    """:func:`all_to_all_reduce` without raw blocks, in flight: ``wait()`` returns the fp32 sum."""
+    d = comm.size(group)
+    q = quantizer.quantize(chunks, nonfinite="flag")
+    payload = torch.empty_like(q.payload)
+    scales = torch.empty_like(q.scales)
+    hs = [
+        comm.all_to_all(payload.view(d, -1), q.payload.view(d, -1), group=group, async_op=True),
+        comm.all_to_all(scales.view(d, -1), q.scales.view(d, -1), group=group, async_op=True),
+    ]
+    recv = QuantizedTensor(payload, scales, q.bits, q.numel, q.block_size)
+    return _Pending(hs, lambda: quantizer.dequantize(recv, dtype=torch.float32).view(d, -1).sum(0))
 
 
 def all_to_all_reduce_2hop(

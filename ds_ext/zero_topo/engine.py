@@ -28,21 +28,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Iterator, Protocol
 
 import torch
 from deepspeed.moe.utils import is_moe_param
 from torch import nn
 
 from ds_ext import log
-from ds_ext.comm.quantized import all_gather_int, all_to_all_reduce
+from ds_ext.comm.quantized import all_gather_int, all_to_all_reduce_async
 from ds_ext.errors import DsExtConfigError, DsExtError
 from ds_ext.zero_topo.layout import chunk, shard_count, shard_index, sub_chunk, to_shard_order
 from ds_ext.zero_topo.perf import UnitSpec
 from ds_ext.zero_topo.units import FlatUnit, ShardContext
 
 if TYPE_CHECKING:
-    from ds_ext.comm.collectives import Handle
     from ds_ext.optim.tiled import TiledAdam
 
 
@@ -418,15 +417,22 @@ def _tensors(x):
             yield from _tensors(y)
 
 
+class _InFlight(Protocol):
+    """A collective in flight: a :class:`~ds_ext.comm.collectives.Handle`, or a quantized
+    collective's pending decode (``ds_ext.comm.quantized``)."""
+
+    def wait(self) -> Any: ...
+
+
 class _Chain:
     """Collectives that depend on each other, issued one at a time: ``steps`` yields each
     collective's handle (None when synchronous) right after issuing it and returns the
     chain's result. Every rank advances its chains in the same order, so each group sees its
     collectives in the same order everywhere."""
 
-    def __init__(self, steps: Generator["Handle | None", None, Any]) -> None:
+    def __init__(self, steps: Generator["_InFlight | None", None, Any]) -> None:
         self._steps = steps
-        self._handle: "Handle | None" = None
+        self._handle: _InFlight | None = None
         self.done = False
         self.value: Any = None
         self.advance()
@@ -459,7 +465,7 @@ class _Pipeline:
             chain.advance()
         self._pending = [c for c in self._pending if not c.done]
 
-    def start(self, steps: Generator["Handle | None", None, Any]) -> None:
+    def start(self, steps: Generator["_InFlight | None", None, Any]) -> None:
         self.advance()
         self._pending.append(_Chain(steps))
 
@@ -581,7 +587,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         with unit.ctx.comm.ledger.phase("step"):
             self._early[id(unit)] = _Chain(self._reduce_chain(unit))
 
-    def _reduce_chain(self, unit: FlatUnit) -> Generator["Handle | None", None, torch.Tensor]:
+    def _reduce_chain(self, unit: FlatUnit) -> Generator["_InFlight | None", None, torch.Tensor]:
         """The collectives of :meth:`_optimizer_grad_reduced` as a :class:`_Chain`."""
         ctx, plan = unit.ctx, unit.ctx.plan
         top = len(ctx.topo.levels) - 1
@@ -592,8 +598,9 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
             return sub_chunk(x, ctx.topo, ctx.rank, unit.U, plan.gradients, plan.optimizer)
         for level in range(plan.gradients + 1, plan.optimizer + 1):
             if plan.step_level_bits(level) == 8:  # int8 blocks across nodes; fp32 partial sums out
-                x = all_to_all_reduce(ctx.comm, x, ctx.weight_quantizer, ctx.group([level]))
-                yield None
+                pending = all_to_all_reduce_async(ctx.comm, x, ctx.weight_quantizer, ctx.group([level]))
+                yield pending
+                x = pending.wait()
                 continue
             out = torch.empty(x.numel() // ctx.topo.levels[level].size, dtype=x.dtype, device=x.device)
             yield ctx.comm.reduce_scatter(out, x, group=ctx.group([level]), async_op=True)
@@ -602,7 +609,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
             yield ctx.comm.all_reduce(x, group=ctx.group(range(plan.optimizer + 1, top + 1)), async_op=True)
         return x
 
-    def _gather_weights_chain(self, unit: FlatUnit, slice16: torch.Tensor) -> Generator["Handle", None, None]:
+    def _gather_weights_chain(self, unit: FlatUnit, slice16: torch.Tensor) -> Generator["_InFlight", None, None]:
         """All-gather the updated 16-bit optimizer slices back into the primary shard, as a
         :class:`_Chain`; its end writes the primary shard and rebuilds the secondary."""
         ctx, plan = unit.ctx, unit.ctx.plan
