@@ -15,6 +15,9 @@ Per optimizer step (:class:`ZeroTopoOptimizer`):
   gather    16-bit weights back up to the primary shard: ``hierarchical`` = all-gather
             level by level (outer first), only what the primary shard needs;
             ``allreduce`` = 003's all-gather over the world; then rebuild the secondary.
+With ``overlap_step`` (the default) each unit's ``reduce`` is issued in the last micro-batch's
+backward as soon as its gradient shard is complete (booked as phase ``step``) and ``gather`` runs
+pipelined unit by unit: the same collectives and bits, off the critical path.
 With ``step.bits: 8`` the cross-node reduce-scatter and all-gather of the boundary carry
 int8 blocks with fp32 scales: the fp32 masters stay exact on their owners, and every rank,
 owners included, continues from the dequantized 16-bit weights, so replicas agree bit for bit.
@@ -679,9 +682,10 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         any tile is updated. Each unit's segments are then updated tile by tile through
         ``tiled``'s one fp32 buffer; its weight all-gather chain starts as soon as the unit
         is done, and every pending chain advances one collective after each later unit's
-        update, so the gather of unit i runs during the update of unit i+1. The schedule
-        depends only on unit order, so every rank issues each group's collectives in the
-        same order.
+        update, so the gather of unit i runs during the update of unit i+1 (with
+        ``overlap_step`` false, each unit's gather completes before the next update). The
+        schedule depends only on unit order, so every rank issues each group's collectives in
+        the same order.
         """
         units = self.sharded.all_units
         grads = {id(unit): self._optimizer_grad_reduced(unit) for unit in units}
