@@ -43,7 +43,7 @@ import argparse
 import time
 from typing import Any
 
-from ds_ext.bench import median, write_json
+from ds_ext.bench import mean_over_world, median, write_json
 from ds_ext.errors import require_extra
 from ds_ext.cluster.world import BENCH_MESSAGE_BYTES, add_network_arguments
 
@@ -326,19 +326,10 @@ def _measure_zero3(model: str, global_batch: int, warmup: int, steps: int, time_
         "collectives": _collectives(rt.ledger.steps[-1]),
         **_step_times(times),
         "model_state_bytes": sum(state.values()),
-        "losses": _mean_over_world(losses),
+        "losses": mean_over_world(losses),
     }
     engine.destroy()
     return record
-
-
-def _mean_over_world(losses: list[float]) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(losses, dtype=torch.float64)
-    dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
 
 
 def _measure_megatron(

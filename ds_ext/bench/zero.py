@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ds_ext.bench import median, write_json
+from ds_ext.bench import mean_over_world, median, write_json
 from ds_ext.cluster.world import add_network_arguments
 
 LEVELS = ("gcd", "gpu", "node")
@@ -429,7 +429,7 @@ def _measure(
             "step_time_s": median(times[False]),
             "step_times_s": times[False],
             # seconds in the quantizer per measured plain step (mean over ranks)
-            "quantizer_s_per_step": _rank_mean(quantizer_s),
+            "quantizer_s_per_step": mean_over_world(quantizer_s),
             "wire_bytes_per_step": wire_bytes,
             "step_time_emulated_s": median(times[True]) if times[True] else None,
             "time_scale": time_scale,
@@ -489,16 +489,6 @@ def _measure(
 
 
 _QUANTIZER_SECONDS = [0.0]
-
-
-def _rank_mean(values: list[float]) -> list[float]:
-    """``values`` averaged element-wise over the ranks (collective)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
 
 
 def _quantizer_clock() -> Callable[[], float]:

@@ -492,13 +492,13 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         inner: torch.optim.Optimizer,
         clip: float,
         scaler: Any,
-        overlap: Callable[[], bool] | None = None,
+        at_boundary: Callable[[], bool] | None = None,
     ):
-        """``overlap``: the engine's "is this micro-batch the last before the step?"; given, the
-        step boundary overlaps (:meth:`start_reduction`, and the weight all-gathers pipelined
+        """``at_boundary``: the engine's "is this micro-batch the last before the step?"; given,
+        the step boundary overlaps (:meth:`start_reduction`, and the weight all-gathers pipelined
         unit by unit); None: every boundary collective runs in the step, one after another."""
         self.sharded = sharded
-        self.at_boundary = overlap
+        self.at_boundary = at_boundary
         self._early: dict[int, _Chain] = {}  # by unit id: its boundary reduction, started in backward
         self.inner = inner
         self.tiled: "TiledAdam | None" = None  # set by ds_ext.tiled_optimizer (001 §7.2)

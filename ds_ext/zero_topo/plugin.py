@@ -200,9 +200,9 @@ class ZeroTopoPlugin(Plugin):
             )
         for plugin in rt.plugins:
             plugin.parameters_sharded([unit.params for unit in self.sharded.all_units])
-        overlap = engine.is_gradient_accumulation_boundary if self.config.overlap_step else None
-        self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler, overlap)
-        if overlap is not None and isinstance(self.sharded, ShardedModel):
+        at_boundary = engine.is_gradient_accumulation_boundary if self.config.overlap_step else None
+        self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler, at_boundary)
+        if at_boundary is not None:  # the pipeline form's whole units reduce in the step (start_reduction skips them)
             self.sharded.reduced = self.optimizer.start_reduction
         ds_engine.replace_optimizer(engine, self.optimizer)
         if self.dtype == torch.float16:
