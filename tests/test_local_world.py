@@ -72,3 +72,27 @@ def test_closing_a_world_removes_the_shared_memory_its_ranks_left():
         paths = world.run(_shared_memory_named_after_the_rendezvous)
         assert all(os.path.exists(p) for p in paths)
     assert not any(os.path.exists(p) for p in paths)
+
+
+def _pid_after_groups(n):
+    import os
+
+    import torch.distributed as dist
+
+    for _ in range(n):
+        dist.new_group([0, 1])
+    return os.getpid()
+
+
+def test_ranks_that_created_more_than_max_groups_are_replaced_before_the_next_run():
+    """Each gloo group's event loop keeps waking its rank, and a finished engine's groups are
+    never freed: past MAX_GROUPS the next run gets fresh ranks, below it the same ones."""
+    from ds_ext.local_world import MAX_GROUPS
+
+    with World(2) as world:
+        first = world.run(_pid_after_groups, 2)
+        assert world.run(_pid_after_groups, MAX_GROUPS - 3) == first  # 1 + 2 + 29 = MAX_GROUPS: kept
+        kept = world.run(_pid_after_groups, 1)
+        assert kept == first and world._procs == []  # that run passed MAX_GROUPS: replaced after it
+        fresh = world.run(_pid_after_groups, 0)
+        assert set(fresh).isdisjoint(first)
