@@ -27,6 +27,11 @@ of a finished DeepSpeed engine stay alive (its autograd hooks keep it referenced
 out of the garbage collector's reach): measured on 8 ranks of 2 cores, 43 such groups cost each
 idle rank 7 % of a core and made TED's 100 training steps 2.2x slower. A task must therefore not
 rely on state an earlier ``run`` left in the ranks, other than as a cache it can rebuild.
+``max_groups`` sets the limit (None: never replaced, for ranks whose imports are not preloaded and
+cost more than the groups do). Nor does a task see ``torch.nn.functional.linear`` as an earlier
+one left it: DeepSpeed ZeRO-3 installs its memory-efficient linear for the rest of the process
+("This will persist unless manually reset"), which changes bf16 results in the last bits; each
+task ends with the original restored.
 
 ``rank_env`` (one dict per rank, applied last) and ``rank_setup`` (one picklable callable or None
 per rank, run before anything else: entering the rank's network namespace) place the ranks on an
@@ -123,6 +128,7 @@ def _worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    linear = torch.nn.functional.linear
     try:
         if env.get("DS_ACCELERATOR") == "cuda":  # every rank on one device when there are fewer devices than ranks
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -147,6 +153,7 @@ def _worker(
             results.put((rank, "ok", value, _groups_created()))
         except BaseException:
             results.put((rank, "error", traceback.format_exc(), 0))
+        torch.nn.functional.linear = linear  # module docstring
     # every result was consumed before close() sent None; tearing down the hundreds of gloo
     # groups the tests created costs seconds per rank and the OS reclaims them anyway
     os._exit(0)
@@ -164,8 +171,10 @@ class World:
         rank_setup: list[Callable[[], None] | None] | None = None,
         backend: str = "gloo",
         accelerator: str = "cpu",
+        max_groups: int | None = MAX_GROUPS,
     ) -> None:
         self.world_size = world_size
+        self.max_groups = max_groups
         self.backend = backend
         self.timeout = timeout
         self.rank_env = rank_env or [{} for _ in range(world_size)]
@@ -242,7 +251,7 @@ class World:
                     f"{f'; ranks {missing} did not answer' if missing else ''}\n{detail}"
                 )
             raise TimeoutError(f"{what}: ranks {missing} did not finish within {timeout:.0f} s")
-        if groups > MAX_GROUPS:  # the next run starts a fresh world (module docstring)
+        if self.max_groups is not None and groups > self.max_groups:  # the next run starts a fresh world
             self.close()
         return [out[r] for r in range(self.world_size)]
 

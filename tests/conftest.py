@@ -1,8 +1,8 @@
 """Shared fixtures: ``world`` is a gloo world started once per test module.
 
 A module sets ``WORLD_SIZE`` (default 2) and optionally ``WORLD_ENV`` (extra
-environment for the ranks) and ``WORLD_BACKEND`` ((backend, accelerator), default gloo on the
-CPU) at module level. Tests marked ``gpu`` (``pytest -m gpu``) are skipped where no CUDA
+environment for the ranks), ``WORLD_BACKEND`` ((backend, accelerator), default gloo on the
+CPU) and ``WORLD_MAX_GROUPS`` (:class:`ds_ext.local_world.World`'s ``max_groups``) at module level. Tests marked ``gpu`` (``pytest -m gpu``) are skipped where no CUDA
 device is visible.
 """
 
@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from ds_ext.local_world import World, preload
+from ds_ext.local_world import MAX_GROUPS, World, preload
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 # Hugging Face's classes, imported by the ranks of several modules (about 3 s of CPU per rank),
@@ -48,6 +48,7 @@ def world(request):
         getattr(request.module, "WORLD_ENV", None),
         backend=backend,
         accelerator=accelerator,
+        max_groups=getattr(request.module, "WORLD_MAX_GROUPS", MAX_GROUPS),
     )
     yield w
     w.close()

@@ -96,3 +96,18 @@ def test_ranks_that_created_more_than_max_groups_are_replaced_before_the_next_ru
         assert kept == first and world._procs == []  # that run passed MAX_GROUPS: replaced after it
         fresh = world.run(_pid_after_groups, 0)
         assert set(fresh).isdisjoint(first)
+
+
+def _linear_name(patch):
+    import torch
+
+    name = torch.nn.functional.linear.__name__
+    if patch:  # as DeepSpeed ZeRO-3's zero.Init leaves it for the rest of the process
+        torch.nn.functional.linear = lambda x, w, b=None: x @ w.t()
+    return name
+
+
+def test_a_task_does_not_see_the_linear_an_earlier_task_installed():
+    with World(2) as world:
+        assert world.run(_linear_name, True) == ["linear"] * 2
+        assert world.run(_linear_name, False) == ["linear"] * 2

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 
 WORLD_SIZE = 8
+# never replaced: a fresh world's ranks re-import the client's Megatron (about 5 s a test, more
+# than its groups cost)
+WORLD_MAX_GROUPS = None
 CLIENT = (
     Path(
         os.environ.get("DS_EXT_CLIENTS") or Path(__file__).resolve().parents[1].parent / "shared" / "clients",
