@@ -111,6 +111,13 @@ class Watch(Protocol):
     def failed(self, op: str) -> None: ...
 
 
+class InFlight(Protocol):
+    """A collective in flight: :meth:`wait` completes it and returns its result, if it has one
+    (a :class:`Handle`; a quantized collective's pending decode, :class:`ds_ext.comm.quantized.Pending`)."""
+
+    def wait(self) -> object: ...
+
+
 class Handle:
     """Result of an async collective; :meth:`wait` completes it (its emulated time, and its
     timed span in ``timed``'s ledger)."""

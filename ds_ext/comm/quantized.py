@@ -22,7 +22,7 @@ from ds_ext.comm.collectives import Communicator, Handle
 from ds_ext.comm.quant import BlockQuantizer, QuantizedTensor
 
 
-class _Pending:
+class Pending:
     """Two in-flight collectives (payload, scales) finished by a local decode."""
 
     def __init__(self, handles: list[Handle | None], finish) -> None:
@@ -58,12 +58,12 @@ def all_gather_quantized(
     out: torch.Tensor,
     group=None,
     async_op: bool = False,
-) -> _Pending:
+) -> Pending:
     """All-gather an already quantized chunk; ``wait()`` decodes into ``out`` (group order)."""
     if q.numel % q.block_size:
         raise ValueError(f"quantized all-gather needs whole blocks: {q.numel} % {q.block_size}")
     hs, whole = _gathered(comm, q, group, async_op)
-    pending = _Pending(hs, lambda: quantizer.dequantize(whole, dtype=out.dtype, out=out.view(-1)))
+    pending = Pending(hs, lambda: quantizer.dequantize(whole, dtype=out.dtype, out=out.view(-1)))
     if not async_op:
         pending.wait()
     return pending
@@ -76,7 +76,7 @@ def all_gather_int(
     out: torch.Tensor,
     group=None,
     async_op: bool = False,
-) -> _Pending:
+) -> Pending:
     """Quantize ``chunk`` and all-gather it (qwZ); ``wait()`` decodes into ``out``."""
     return all_gather_quantized(comm, quantizer.quantize(chunk), quantizer, out, group, async_op)
 
@@ -131,9 +131,7 @@ def all_to_all_reduce(
     return out.sum(0).view(-1)
 
 
-def all_to_all_reduce_async(
-    comm: Communicator, chunks: torch.Tensor, quantizer: BlockQuantizer, group=None
-) -> _Pending:
+def all_to_all_reduce_async(comm: Communicator, chunks: torch.Tensor, quantizer: BlockQuantizer, group=None) -> Pending:
     """:func:`all_to_all_reduce` without raw blocks, in flight: ``wait()`` returns the fp32 sum."""
     d = comm.size(group)
     q = quantizer.quantize(chunks, nonfinite="flag")
@@ -144,7 +142,7 @@ def all_to_all_reduce_async(
         comm.all_to_all(scales.view(d, -1), q.scales.view(d, -1), group=group, async_op=True),
     ]
     recv = QuantizedTensor(payload, scales, q.bits, q.numel, q.block_size)
-    return _Pending(hs, lambda: quantizer.dequantize(recv, dtype=torch.float32).view(d, -1).sum(0))
+    return Pending(hs, lambda: quantizer.dequantize(recv, dtype=torch.float32).view(d, -1).sum(0))
 
 
 def all_to_all_reduce_2hop(

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Iterator
 
 import torch
 from deepspeed.moe.utils import is_moe_param
 from torch import nn
 
 from ds_ext import log
+from ds_ext.comm.collectives import InFlight
 from ds_ext.comm.quantized import all_gather_int, all_to_all_reduce_async
 from ds_ext.errors import DsExtConfigError, DsExtError
 from ds_ext.zero_topo.layout import chunk, shard_count, shard_index, sub_chunk, to_shard_order
@@ -420,22 +421,15 @@ def _tensors(x):
             yield from _tensors(y)
 
 
-class _InFlight(Protocol):
-    """A collective in flight: a :class:`~ds_ext.comm.collectives.Handle`, or a quantized
-    collective's pending decode (``ds_ext.comm.quantized``)."""
-
-    def wait(self) -> Any: ...
-
-
 class _Chain:
     """Collectives that depend on each other, issued one at a time: ``steps`` yields each
     collective's handle (None when synchronous) right after issuing it and returns the
     chain's result. Every rank advances its chains in the same order, so each group sees its
     collectives in the same order everywhere."""
 
-    def __init__(self, steps: Generator["_InFlight | None", None, Any]) -> None:
+    def __init__(self, steps: Generator[InFlight | None, None, Any]) -> None:
         self._steps = steps
-        self._handle: _InFlight | None = None
+        self._handle: InFlight | None = None
         self.done = False
         self.value: Any = None
         self.advance()
@@ -468,7 +462,7 @@ class _Pipeline:
             chain.advance()
         self._pending = [c for c in self._pending if not c.done]
 
-    def start(self, steps: Generator["_InFlight | None", None, Any]) -> None:
+    def start(self, steps: Generator[InFlight | None, None, Any]) -> None:
         self.advance()
         self._pending.append(_Chain(steps))
 
@@ -590,7 +584,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         with unit.ctx.comm.ledger.phase("step"):
             self._early[id(unit)] = _Chain(self._reduce_chain(unit))
 
-    def _reduce_chain(self, unit: FlatUnit) -> Generator["_InFlight | None", None, torch.Tensor]:
+    def _reduce_chain(self, unit: FlatUnit) -> Generator[InFlight | None, None, torch.Tensor]:
         """The collectives of :meth:`_optimizer_grad_reduced` as a :class:`_Chain`."""
         ctx, plan = unit.ctx, unit.ctx.plan
         top = len(ctx.topo.levels) - 1
@@ -612,7 +606,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
             yield ctx.comm.all_reduce(x, group=ctx.group(range(plan.optimizer + 1, top + 1)), async_op=True)
         return x
 
-    def _gather_weights_chain(self, unit: FlatUnit, slice16: torch.Tensor) -> Generator["_InFlight", None, None]:
+    def _gather_weights_chain(self, unit: FlatUnit, slice16: torch.Tensor) -> Generator[InFlight, None, None]:
         """All-gather the updated 16-bit optimizer slices back into the primary shard, as a
         :class:`_Chain`; its end writes the primary shard and rebuilds the secondary."""
         ctx, plan = unit.ctx, unit.ctx.plan
