@@ -131,19 +131,52 @@ def test_zero_topo_no_inter_node_traffic_in_micro_batches(world):
         _no_node_bytes_in_micro_batches(phases)
 
 
-def _overlapped_or_not(preset, accum, overlap):
+def _first_block_twice_engine(ds_cfg):
+    """The test model with its first block applied twice, each under reentrant activation
+    checkpointing: each application's backward is a backward of its own, so that unit's
+    gradients are reduced twice in one ``engine.backward`` (one graph would accumulate once)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    import ds_ext
+    from ds_ext.models import GPT, GPTConfig
+
+    class FirstBlockTwice(GPT):
+        def logits(self, tokens):
+            x = self.embed(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+            for _ in range(2):
+                x = checkpoint(self.blocks[0], x, use_reentrant=True)
+            for block in self.blocks[1:]:
+                x = block(x)
+            return self.head(self.ln_f(x))
+
+    torch.manual_seed(1234)
+    model = FirstBlockTwice(GPTConfig(seq_len=32, d_model=64, n_layers=3, n_heads=4))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    return ds_ext.initialize(model=model, optimizer=opt, config=ds_cfg)[0]
+
+
+def _overlapped_or_not(preset, accum, overlap, first_block_twice=False):
     """Two steps; the node bytes of phase ``step`` already issued when each micro-batch's backward
     returns; losses, every primary shard and fp32 master, and each step's ledger."""
+    import warnings
+
     import torch.distributed as dist
 
-    engine = _engine(_ds_config(0, "bf16", accum=accum, zero_topo={"preset": preset, "overlap_step": overlap}))
+    cfg = _ds_config(0, "bf16", accum=accum, zero_topo={"preset": preset, "overlap_step": overlap})
+    engine = _first_block_twice_engine(cfg) if first_block_twice else _engine(cfg)
     ledger, issued, losses = engine.ds_ext.ledger, [], []
     for step in range(2):
         for micro in range(accum):
             tokens = _corpus().micro_batch(step, micro, dist.get_rank(), dist.get_world_size(), 2, accum, 32)
             loss = engine(tokens)
-            engine.backward(loss)
-            issued.append(ledger.current.by_phase().get("step", {}).get("node", 0))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.backward(loss)
+            if first_block_twice:
+                issued.append(sum("reduced its gradients twice in one backward" in str(w.message) for w in caught))
+            else:
+                issued.append(ledger.current.by_phase().get("step", {}).get("node", 0))
             engine.step()
             losses.append(loss.item())
     plugin = engine.ds_ext.plugins[0]
@@ -178,6 +211,21 @@ def test_step_boundary_overlaps_backward_with_the_same_bits_and_bytes(world, pre
         assert a["steps"] == b["steps"]
         for phases, _ in a["steps"]:
             _no_node_bytes_in_micro_batches(phases)
+
+
+def test_a_unit_reduced_twice_in_one_backward_is_reduced_again_with_the_same_bits(world):
+    """A unit applied twice in one forward completes its gradient shard twice in the last
+    backward: the overlapped boundary reduces it again once the shard is whole (warning once on
+    rank 0), and training has the serial schedule's bits."""
+    import torch
+
+    on = world.run(_overlapped_or_not, "zero_topo", 1, True, True)
+    off = world.run(_overlapped_or_not, "zero_topo", 1, False, True)
+    assert on[0]["issued"] == [1, 1] and off[0]["issued"] == [0, 0]
+    for a, b in zip(on, off):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(x, y) for x, y in zip(a["primaries"], b["primaries"]))
+        assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"]))
 
 
 def test_bf16_and_fp16(world):
