@@ -2,8 +2,8 @@
 
 A module sets ``WORLD_SIZE`` (default 2) and optionally ``WORLD_ENV`` (extra
 environment for the ranks), ``WORLD_BACKEND`` ((backend, accelerator), default gloo on the
-CPU) and ``WORLD_MAX_GROUPS`` (:class:`ds_ext.local_world.World`'s ``max_groups``) at module level. Tests marked ``gpu`` (``pytest -m gpu``) are skipped where no CUDA
-device is visible.
+CPU) and ``WORLD_MAX_GROUPS`` (:class:`ds_ext.local_world.World`'s ``max_groups``) at module
+level. Tests marked ``gpu`` (``pytest -m gpu``) are skipped where no CUDA device is visible.
 """
 
 import os
