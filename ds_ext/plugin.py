@@ -18,6 +18,10 @@ hook order (:data:`HOOK_ORDER`) and calls its hooks around ``deepspeed.initializ
    DeepSpeed (``None`` if it has none). At most one source of an mpu is allowed: the caller's (the
    job layout is read from it before any ``prepare``) or one plugin's;
 3. ``attach(engine)`` once the DeepSpeed engine exists.
+
+A plugin that replaces DeepSpeed's optimizer step sets ``owns_step`` (ZeRO-topo): the others ask
+``runtime.step_owner()`` before checking anything of DeepSpeed's step (its ZeRO stage, its fp16 /
+bf16 optimizers' norm and clipping), which then does not run.
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ class Plugin:
 
     name: ClassVar[str]
     Config: ClassVar[type[PluginConfig]] = PluginConfig
+    # True for a plugin that replaces DeepSpeed's optimizer step: its ZeRO stage, its fp16 / bf16
+    # optimizer wrappers and their gradient norm, clipping and loss scaling (ZeRO-topo). The checks
+    # other plugins make of DeepSpeed's step then do not apply: ask ``Runtime.step_owner()``.
+    owns_step: ClassVar[bool] = False
 
     def __init__(self, config: PluginConfig, runtime: Any) -> None:
         """``runtime``: this rank's :class:`ds_ext.runtime.Runtime` (topology, groups, communicator),

@@ -54,6 +54,11 @@ class Runtime:
             f"ds_ext.{name} is not enabled; enabled: {', '.join(p.name for p in self.plugins) or 'none'}"
         )
 
+    def step_owner(self) -> Plugin | None:
+        """The enabled plugin that replaces DeepSpeed's optimizer step (``Plugin.owns_step``), or
+        None when DeepSpeed's own optimizer (ZeRO stage, fp16 / bf16 wrappers) steps."""
+        return next((p for p in self.plugins if p.owns_step), None)
+
     @property
     def ledger(self) -> Ledger:
         return self.comm.ledger

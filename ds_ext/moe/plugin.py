@@ -42,13 +42,17 @@ def _refuse(msg: str) -> None:
     raise DsExtConfigError(f"{KEY}: {msg}")
 
 
-def _check_ds_config(ds_config: dict) -> None:
+def _check_ds_config(ds_config: dict, step_owner: Plugin | None) -> None:
+    """DeepSpeed's ZeRO stage and, where DeepSpeed's optimizer steps (no ``step_owner`` plugin
+    replaces it), its half-precision clipping."""
     stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (0, 1, 2):
         _refuse(
             f"zero_optimization.stage {stage} is not supported (DeepSpeed's MoE parameter groups need "
             "ZeRO <= 2; 001 §7.1 uses ZeRO-1); allowed: 0, 1, 2"
         )
+    if step_owner is not None:  # its own norm counts every expert once (e.g. ds_ext.zero_topo.data_group)
+        return
     from ds_ext.integration.ds_engine import gradient_clipping
 
     clip = gradient_clipping(ds_config)  # DeepSpeed's default is 1.0, not 0
@@ -57,7 +61,7 @@ def _check_ds_config(ds_config: dict) -> None:
         _refuse(
             f"gradient_clipping {clip} with zero_optimization.stage 0 and {half[0]}: DeepSpeed's {half[0]} optimizer "
             "clips with its own norm, which does not count expert parameters once (DeepSpeed clips at 1.0 when the "
-            "key is absent); allowed: stage 0 in fp32, stage 1 or 2, or gradient_clipping 0"
+            "key is absent); allowed: stage 0 in fp32, stage 1 or 2, ds_ext.zero_topo, or gradient_clipping 0"
         )
 
 
@@ -79,7 +83,8 @@ def _whole_experts(layout: TEDLayout, layers: list[tuple[str, Any]], beside_zero
     """Whether the TED layers keep their experts whole on every tensor rank beside tensor
     parallelism (their gradients then reduce over ``expert_replicas``: the job's expert-data
     group). Beside ZeRO-topo, which shards every expert over that one group, the layers must
-    agree and the group must hold two ranks or more."""
+    agree; a group of one rank (expert-data 1, experts split) keeps each rank's experts unsharded,
+    as DeepSpeed-MoE's ZeRO does over an expert-data group of size 1."""
     from ds_ext.moe.layer import TEDMoE  # imports DeepSpeed: kept out of ``ds-ext schema``
 
     whole = {
@@ -97,14 +102,7 @@ def _whole_experts(layout: TEDLayout, layers: list[tuple[str, Any]], beside_zero
             "(enable_expert_tensor_parallelism) with ds_ext.zero_topo, which shards every expert over one "
             "expert-data group; allowed: the same enable_expert_tensor_parallelism in every layer"
         )
-    is_whole = any(whole.values())
-    if layout.expert_data * (layout.tensor if is_whole else 1) == 1:
-        _refuse(
-            f"expert_data_parallel 1 (tensor {layout.tensor} x expert {layout.expert} fill the world, experts "
-            f"{'whole' if is_whole else 'split over the tensor group'}) with ds_ext.zero_topo: no group to "
-            "shard the experts over; allowed: expert_data_parallel >= 2"
-        )
-    return is_whole
+    return any(whole.values())
 
 
 @register_plugin
@@ -125,7 +123,7 @@ class TEDPlugin(Plugin):
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         cfg, rt = self.config, self.runtime
-        _check_ds_config(ds_config)
+        _check_ds_config(ds_config, rt.step_owner())
         try:
             layout = TEDLayout.build(
                 rt.topology.world_size, cfg.tensor_parallel, cfg.expert_parallel, cfg.expert_data_parallel
@@ -198,7 +196,7 @@ class TEDPlugin(Plugin):
         from ds_ext.moe.grad_norm import clip_
 
         max_norm = engine.gradient_clipping()
-        if engine.zero_optimization_stage() == 0 and max_norm > 0:
+        if self.runtime.step_owner() is None and engine.zero_optimization_stage() == 0 and max_norm > 0:
             replace_fp32_clipping(engine, lambda: clip_(engine.module.parameters(), max_norm, self.ted))
 
     def attach(self, engine: Any) -> None:

@@ -51,8 +51,12 @@ from ds_ext.optim.tiled import (
 from ds_ext.plugin import Plugin, register_plugin
 
 
-def _check_ds_config(ds_config: dict, optimizer: Any, tile_size: int = DEFAULT_TILE_SIZE) -> None:
-    """Everything the tiled step cannot serve is refused here, before DeepSpeed builds the engine."""
+def _check_ds_config(
+    ds_config: dict, optimizer: Any, tile_size: int = DEFAULT_TILE_SIZE, owner_steps: bool = False
+) -> None:
+    """Everything the tiled step cannot serve is refused here, before DeepSpeed builds the engine.
+    ``owner_steps``: a plugin replaces DeepSpeed's step (ZeRO-topo), so DeepSpeed wraps no optimizer
+    in its fp16 / bf16 optimizers and their limits do not apply."""
     zero = ds_config.get("zero_optimization", {}) or {}
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2):
@@ -92,7 +96,7 @@ def _check_ds_config(ds_config: dict, optimizer: Any, tile_size: int = DEFAULT_T
     else:
         ds_fused = False
     low_precision = any((ds_config.get(k) or {}).get("enabled") for k in ("fp16", "bf16"))
-    if ds_fused and stage == 0 and low_precision:
+    if ds_fused and stage == 0 and low_precision and not owner_steps:
         raise DsExtConfigError(
             f"{KEY}: DeepSpeed wraps FusedAdam in its fused FP16_Optimizer at zero_optimization.stage 0 with "
             "fp16/bf16, which is not tiled; allowed: stage 1 or 2, fp32, or torch AdamW"
@@ -109,7 +113,7 @@ class TiledOptimizerPlugin(Plugin):
     tiled: TiledAdam
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
-        _check_ds_config(ds_config, optimizer, self.config.tile_size)
+        _check_ds_config(ds_config, optimizer, self.config.tile_size, self.runtime.step_owner() is not None)
         return model, optimizer, ds_config
 
     def attach(self, engine: Any) -> None:

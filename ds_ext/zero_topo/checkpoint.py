@@ -5,7 +5,10 @@ rank 0) plus one shard file per rank, ``ds_ext_zero_topo_rank{r:05d}.pt``, r the
 in its data-parallel group. Under model parallelism (``ds_ext.zero_topo.data_group``) the
 shards of model-parallel rank m lie in a folder ``ds_ext_zero_topo_mp{m:02d}`` of their own,
 each a checkpoint of one data-parallel group (resharded on its own; the model-parallel size
-must match; :func:`consolidate` joins pipeline stages, not tensor-parallel slices). A shard
+must match; :func:`consolidate` joins pipeline stages, not tensor-parallel slices). MoE experts
+(TED), sharded over expert-data-parallel groups, are a checkpoint of their own per expert-model
+rank e (tensor x pipeline x expert), in ``ds_ext_zero_topo_experts_mp{e:02d}``, its shards
+numbered by expert-data rank (:func:`consolidate` refuses them). A shard
 records the save's id (one random id per save, the same in every shard of it) and step,
 the world size, the topology's level sizes, the plan, every unit's parameters
 (qualified names, shapes, offsets) and, for the rank's *optimizer slice* of each unit
@@ -49,6 +52,7 @@ from ds_ext.zero_topo.layout import shard_count, shard_index
 FORMAT = "ds_ext.zero_topo/1"
 SHARD_FILE = "ds_ext_zero_topo_rank{rank:05d}.pt"
 MODEL_PARALLEL_DIR = "ds_ext_zero_topo_mp{rank:02d}"
+EXPERT_DIR = "ds_ext_zero_topo_experts_mp{rank:02d}"  # MoE experts, per expert-model rank
 LATEST = "latest"
 DEEPSPEED_MODULE_FILE = "mp_rank_{rank:02d}_model_states.pt"  # DeepSpeed's, per model-parallel rank
 
@@ -140,18 +144,36 @@ def shard_dir(tag_dir: Path, model_rank: int, model_size: int) -> Path:
     return tag_dir if model_size == 1 else tag_dir / MODEL_PARALLEL_DIR.format(rank=model_rank)
 
 
+def expert_dir(tag_dir: Path, expert_model_rank: int) -> Path:
+    """Where the MoE experts' shards of expert-model rank ``expert_model_rank`` (tensor x pipeline x
+    expert) lie: one checkpoint of that rank's expert-data-parallel group."""
+    return tag_dir / EXPERT_DIR.format(rank=expert_model_rank)
+
+
 def model_parallel_parts(tag_dir: Path) -> list[Path]:
     """The per-model-parallel-rank folders of a checkpoint (none without model parallelism)."""
     return sorted(p for p in tag_dir.glob(MODEL_PARALLEL_DIR.replace("{rank:02d}", "*")) if p.is_dir())
 
 
-def check_model_parallel(tag_dir: Path, model_size: int) -> None:
-    """Refuse a checkpoint saved under another model-parallel size than ``model_size``."""
+def expert_parts(tag_dir: Path) -> list[Path]:
+    """The per-expert-model-rank folders of a checkpoint (none without MoE experts)."""
+    return sorted(p for p in tag_dir.glob(EXPERT_DIR.replace("{rank:02d}", "*")) if p.is_dir())
+
+
+def check_model_parallel(tag_dir: Path, model_size: int, expert_model_size: int = 0) -> None:
+    """Refuse a checkpoint saved under another model-parallel size than ``model_size``, or with
+    another number of expert-model ranks than ``expert_model_size`` (0: the run has no experts)."""
     saved = len(model_parallel_parts(tag_dir)) or 1
     if saved != model_size:
         raise CheckpointError(
             f"checkpoint {tag_dir} was saved with model-parallel size {saved}, this run has "
             f"{model_size}; allowed: the same tensor x pipeline parallel sizes"
+        )
+    experts = len(expert_parts(tag_dir))
+    if experts != expert_model_size:
+        raise CheckpointError(
+            f"checkpoint {tag_dir} holds the MoE experts of {experts} expert-model ranks, this run has "
+            f"{expert_model_size}; allowed: the same tensor x pipeline x expert parallel sizes"
         )
 
 
@@ -358,6 +380,11 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
     name, a weight tied across stages (held by each) once, after checking its copies agree; a
     checkpoint of tensor-parallel slices is refused (joining them needs the model's partition
     dimensions)."""
+    if expert_parts(tag_dir):
+        raise CheckpointError(
+            f"checkpoint {tag_dir} holds MoE experts sharded over expert-data-parallel groups (ds_ext.ted), "
+            "which consolidate does not join; allowed: a checkpoint of a dense model"
+        )
     parts = model_parallel_parts(tag_dir)
     if not parts:
         return _consolidate_part(SavedCheckpoint.open(tag_dir))
@@ -405,9 +432,12 @@ def _consolidate_part(ckpt: SavedCheckpoint) -> dict[str, torch.Tensor]:
 def describe(tag_dir: Path) -> str:
     """What a checkpoint holds, for ``ds-ext checkpoint inspect``, after verifying that every
     shard is present, readable and of the same save (each model-parallel rank's part in turn)."""
-    parts = model_parallel_parts(tag_dir)
-    if parts:
-        return "\n".join(f"model-parallel part {i} of {len(parts)}:\n{describe(p)}" for i, p in enumerate(parts))
+    parts, experts = model_parallel_parts(tag_dir), expert_parts(tag_dir)
+    if parts or experts:
+        return "\n".join(
+            [f"model-parallel part {i} of {len(parts)}:\n{describe(p)}" for i, p in enumerate(parts)]
+            + [f"MoE experts, expert-model part {i} of {len(experts)}:\n{describe(p)}" for i, p in enumerate(experts)]
+        )
     ckpt = SavedCheckpoint.open(tag_dir)
     ckpt.verify(range(ckpt.meta["world_size"]))
     m = ckpt.meta

@@ -185,6 +185,14 @@ class ShardingPlan:
         (the step's gather ends at the innermost level, then 16-bit over it), no secondary."""
         return dataclasses.replace(self, weights=0, gather_bits=16, secondary=None, weights_whole=True)
 
+    def unshared(self) -> "ShardingPlan":
+        """This plan over a group of one rank (MoE experts at expert-data 1, kept whole as
+        DeepSpeed-MoE's ZeRO keeps them over an expert-data group of size 1): nothing travels, so
+        no format is quantized and no secondary copy is kept."""
+        return dataclasses.replace(
+            self, gather_bits=16, secondary=None, secondary_bits=16, gradient_bits=16, gradient_hops=1, step_bits=16
+        )
+
     def name(self, index: int | None) -> str:
         return "none" if index is None else self.topology.levels[index].name
 

@@ -63,6 +63,7 @@ class ZeroTopoPlugin(Plugin):
 
     name = "zero_topo"
     Config = ZeroTopoConfig
+    owns_step = True  # its sharded step: norm over every shard, clipping, DeepSpeed's loss scaler
 
     def check(self, model: Any) -> None:
         """Before any collective: refuse a form that cannot run (see :meth:`_form`)."""
@@ -78,6 +79,8 @@ class ZeroTopoPlugin(Plugin):
             self.plan = self.plan.pipeline_form()
         self.experts = self._expert_group()
         self.expert_plan = resolve_plan(self.config, self.experts.topology) if self.experts else None
+        if self.experts is not None and len(self.experts.members) == 1:
+            self.expert_plan = self.expert_plan.unshared()  # experts kept whole on this rank
         self.dtype = support.precision(ds_config)
         if self.pipeline and self.dtype == torch.float16:
             raise DsExtConfigError(
@@ -152,12 +155,15 @@ class ZeroTopoPlugin(Plugin):
         )
         if self.pipeline:
             where += "; pipeline form: gradients reduced once per train_batch"
-        experts = (
-            ""
-            if self.experts is None
-            else f"; experts: {self.expert_plan.describe()} over the expert-data-parallel group "
-            f"({self.experts.topology.describe()})"
-        )
+        if self.experts is None:
+            experts = ""
+        elif len(self.experts.members) == 1:
+            experts = "; experts: kept whole on each rank (an expert-data-parallel group of one rank), 16-bit"
+        else:
+            experts = (
+                f"; experts: {self.expert_plan.describe()} over the expert-data-parallel group "
+                f"({self.experts.topology.describe()})"
+            )
         return self.plan.describe() + where + experts
 
     def attach(self, engine: Any) -> None:
@@ -308,18 +314,17 @@ class ZeroTopoPlugin(Plugin):
                     save_latest=False,
                     exclude_frozen_parameters=exclude_frozen_parameters,
                 )
-            data = self.data
-            path = ckpt.shard_dir(staged, data.model_rank, data.model_size) / ckpt.SHARD_FILE.format(rank=data.rank)
             save_id = ckpt.new_save_id()
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                degrees = {axis: self.runtime.parallel.degree(axis) for axis in ("tensor", "pipeline")}
-                ckpt.atomic_save(
-                    ckpt.shard_state(self.sharded.ctx, engine.global_steps, save_id, self.state_dict(), degrees),
-                    path,
-                )
-            except OSError as err:
-                error = f"cannot write {path}: {err}"
+            degrees = {axis: self.runtime.parallel.degree(axis) for axis in ("tensor", "pipeline")}
+            for group, ctx, units, folder in self._stores(staged):
+                path = folder / ckpt.SHARD_FILE.format(rank=group.rank)
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    ckpt.atomic_save(
+                        ckpt.shard_state(ctx, engine.global_steps, save_id, self.state_dict(units), degrees), path
+                    )
+                except OSError as err:
+                    error = error or f"cannot write {path}: {err}"
             ckpt.agree(error, f"saving checkpoint {save_dir / tag}")
             if rank == 0:
                 try:
@@ -353,11 +358,19 @@ class ZeroTopoPlugin(Plugin):
             error, loaded = None, None
             try:
                 tag_dir = ckpt.resolve_tag_dir(load_dir, tag)
-                ckpt.check_model_parallel(tag_dir, self.data.model_size)
-                ckpt.check_zip(tag_dir / ckpt.DEEPSPEED_MODULE_FILE.format(rank=self.data.model_rank))
-                loaded = self._read_shards(
-                    ckpt.shard_dir(tag_dir, self.data.model_rank, self.data.model_size), optimizer_states
+                ckpt.check_model_parallel(
+                    tag_dir, self.data.model_size, self.experts.model_size if self.experts is not None else 0
                 )
+                ckpt.check_zip(tag_dir / ckpt.DEEPSPEED_MODULE_FILE.format(rank=self.data.model_rank))
+                parts = [
+                    self._read_shards(folder, group, ctx, units, optimizer_states)
+                    for group, ctx, units, folder in self._stores(tag_dir)
+                ]
+                loaded = {  # the optimizer's param groups and the loss scaler: the dense part's
+                    **parts[0],
+                    "primaries": {k: v for part in parts for k, v in part["primaries"].items()},
+                    "segments": {k: v for part in parts for k, v in part["segments"].items()},
+                }
             except ckpt.CheckpointError as err:
                 error = str(err)
             ckpt.agree(error, f"loading checkpoint from {load_dir}")
@@ -375,16 +388,33 @@ class ZeroTopoPlugin(Plugin):
                     self.load_state_dict(loaded, optimizer_states)
         return path, client_state
 
-    def _read_shards(self, tag_dir: Path, optimizer_states: bool) -> dict:
-        """Everything this rank takes from the checkpoint, read and checked before any
-        state changes: per unit the primary shard, per segment master and optimizer state."""
+    def _stores(self, tag_dir: Path) -> Iterator[tuple[DataGroup, ShardContext, list, Path]]:
+        """(group, context, units, folder) of each part of a checkpoint: the dense parameters' shards
+        in their data-parallel group's folder, the MoE experts' in their expert-data group's
+        (``ds_ext.zero_topo.checkpoint``); each part is a checkpoint of one group."""
+        for _, group, ctx in self._parts():
+            units = [unit for unit in self.sharded.all_units if unit.ctx is ctx]
+            dense = ctx is self.sharded.ctx
+            folder = (
+                ckpt.shard_dir(tag_dir, group.model_rank, group.model_size)
+                if dense
+                else ckpt.expert_dir(tag_dir, group.model_rank)
+            )
+            yield group, ctx, units, folder
+
+    def _read_shards(
+        self, tag_dir: Path, group: DataGroup, ctx: ShardContext, units: list, optimizer_states: bool
+    ) -> dict:
+        """Everything this rank takes from one part of the checkpoint (:meth:`_stores`), read and
+        checked before any state changes: per unit the primary shard, per segment (by unit name and
+        start) master and optimizer state."""
         saved = ckpt.SavedCheckpoint.open(tag_dir)
         # every saved shard is checked by some rank (then ckpt.agree refuses on all of them)
-        saved.verify(range(self.data.rank, saved.meta["world_size"], self.sharded.ctx.topo.world_size))
-        why = ckpt.compare_units(saved.meta["units"], ckpt.unit_table(self.sharded.all_units), tag_dir)
+        saved.verify(range(group.rank, saved.meta["world_size"], ctx.topo.world_size))
+        why = ckpt.compare_units(saved.meta["units"], ckpt.unit_table(units), tag_dir)
         if why:
             raise ckpt.CheckpointError(why)
-        opt, plan, topo, rank = self.optimizer, self.plan, self.sharded.ctx.topo, self.data.rank
+        opt, plan, topo, rank = self.optimizer, ctx.plan, ctx.topo, group.rank
         inner = opt.inner
         saved_opt = saved.meta["optimizer"]
         if saved_opt["class"] != type(inner).__name__ or len(saved_opt["param_groups"]) != len(inner.param_groups):
@@ -394,21 +424,23 @@ class ZeroTopoPlugin(Plugin):
             )
         primaries = {}
         n_w = shard_count(topo, plan.weights)
-        for unit in self.sharded.all_units:
+        for unit in units:
             size = unit.U // n_w
             start = shard_index(topo, rank, plan.weights) * size
             values = torch.zeros(size, dtype=unit.primary.dtype)
             for lo, hi, at in ckpt.saved_pieces(saved.units[unit.name]["params"], unit.offsets, start, start + size):
                 values[lo - start : hi - start] = saved.weights(unit.name, at, at + hi - lo)
             primaries[unit.name] = values
-        segments = []
+        segments = {}
         if optimizer_states:
             keys = saved.state_keys()
             for unit, lo, hi, master in opt.segments:
+                if unit.ctx is not ctx:
+                    continue
                 a, _ = opt.own_range(unit)
                 ((_, _, at),) = ckpt.saved_pieces(saved.units[unit.name]["params"], unit.offsets, a + lo, a + hi)
                 state = {k: saved.segment_values(unit.name, at, at + hi - lo, k) for k in keys}
-                segments.append((saved.segment_values(unit.name, at, at + hi - lo, None), state))
+                segments[unit.name, lo] = (saved.segment_values(unit.name, at, at + hi - lo, None), state)
         return {
             "primaries": primaries,
             "segments": segments,
@@ -416,18 +448,23 @@ class ZeroTopoPlugin(Plugin):
             "scaler": saved.meta["loss_scaler"],
         }
 
-    def state_dict(self) -> dict:
-        """This rank's part of a checkpoint, which :func:`ds_ext.zero_topo.checkpoint.shard_state`
-        writes with the save's metadata: the units' parameter table, the rank's optimizer slice of
-        each unit's 16-bit weights, one segment per trainable piece of it (fp32 master and
-        optimizer state), the optimizer's param groups and the loss scaler."""
+    def state_dict(self, units: list | None = None) -> dict:
+        """This rank's part of a checkpoint for ``units`` (None: all), which
+        :func:`ds_ext.zero_topo.checkpoint.shard_state` writes with the save's metadata: the units'
+        parameter table, the rank's optimizer slice of each unit's 16-bit weights, one segment per
+        trainable piece of it (fp32 master and optimizer state), the optimizer's param groups and
+        the loss scaler."""
         opt = self.optimizer
+        units = self.sharded.all_units if units is None else units
+        chosen = {id(unit) for unit in units}
         index = {id(m): i for i, g in enumerate(opt.inner.param_groups) for m in g["params"]}
         slices, segments = [], []
-        for unit in self.sharded.all_units:
+        for unit in units:
             start, stop = opt.own_range(unit)
             slices.append({"unit": unit.name, "start": start, "stop": stop, "weights": opt._own_slice(unit).clone()})
         for unit, lo, hi, master in opt.segments:
+            if id(unit) not in chosen:
+                continue
             start, _ = opt.own_range(unit)
             state = {
                 k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.inner.state.get(master, {}).items()
@@ -444,7 +481,7 @@ class ZeroTopoPlugin(Plugin):
             )
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.inner.param_groups]
         return {
-            "units": ckpt.unit_table(self.sharded.all_units),
+            "units": ckpt.unit_table(units),
             "slices": slices,
             "segments": segments,
             "optimizer": {"class": type(opt.inner).__name__, "param_groups": groups},
@@ -463,7 +500,8 @@ class ZeroTopoPlugin(Plugin):
         if not optimizer_states:
             opt.reset_masters_from_weights()
             return
-        for (unit, lo, hi, master), (values, state) in zip(opt.segments, loaded["segments"]):
+        for unit, lo, hi, master in opt.segments:
+            values, state = loaded["segments"][unit.name, lo]
             master.copy_(values)
             opt.inner.state[master] = {k: _state_value(master, k, v, opt.inner.defaults) for k, v in state.items()}
         for group, saved in zip(opt.inner.param_groups, loaded["groups"]):
