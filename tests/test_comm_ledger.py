@@ -165,10 +165,12 @@ def test_traffic_table_is_the_calling_ranks_own_ledger():
     ledger = Ledger(topo.level_names)
     for nbytes in (0, 300, 500):  # the warm-up step, then two steps of this rank
         ledger.record("all_gather", "node", nbytes)
+        ledger.record_links("all_gather", {"gpu": nbytes * 1000})  # a ring: this rank's neighbour on its node
         ledger.mark_step()
     lines = traffic_table(ledger, topo, skip=1).splitlines()
-    assert lines[-2].split()[:3] == ["node", "12.5", "400"]
-    assert lines[-1] == "(bytes sent by this rank, mean over 2 optimizer steps)"
+    assert lines[-2].split()[:5] == ["node", "12.5", "400", "0.000", "0.000"]
+    assert lines[-3].split()[:5] == ["gpu", "50", "0", "0.000", "0.400"]
+    assert lines[-1].startswith("(bytes sent by this rank, mean over 2 optimizer steps; ")
 
 
 def _instrumented_torch_distributed():

@@ -178,5 +178,6 @@ def test_ledger_level_is_computed_once_per_group(monkeypatch):
     level_of = topo.level_of
     monkeypatch.setattr(Topology, "level_of", lambda self, ranks: calls.append(1) or level_of(ranks))
     for _ in range(100):
-        comm.account("all_reduce", handle, 1000)
-    assert len(calls) == 1 and comm.ledger.current.by_level() == {"node": 100 * 1000}
+        comm.account("all_reduce", handle, 1000, 500)
+    # the group's level, and the level of the link to this rank's ring neighbour (its link bytes)
+    assert len(calls) == 2 and comm.ledger.current.by_level() == {"node": 100 * 1000}

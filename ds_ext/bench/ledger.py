@@ -80,9 +80,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         handle = object()  # a process-group handle: the registry knows its ranks
         registry._ranks[handle] = ranks
         t0 = time.perf_counter()
-        comm.account("all_reduce", handle, 4096)
+        comm.account("all_reduce", handle, 4096, 2048)
         first = (time.perf_counter() - t0) * 1e6
-        account = _per_call_us(lambda: comm.account("all_reduce", handle, 4096), args.calls, args.repeats)
+        account = _per_call_us(lambda: comm.account("all_reduce", handle, 4096, 2048), args.calls, args.repeats)
         wrapped = instrument._wrap(comm, "all_reduce", noop)
         bare = _per_call_us(lambda: noop(tensor, group=handle), args.calls, args.repeats)
         wrapper = _per_call_us(lambda: wrapped(tensor, group=handle), args.calls, args.repeats) - bare

@@ -32,7 +32,10 @@ NS_PREFIX = "ds_ext-"
 IF_PREFIX = "dsx"
 SUBNET = "10.77.0"
 MTU = 9000
-TBF_LATENCY = "30ms"  # tbf queue bound, not an added delay
+# tbf queue bound, not an added delay: deep enough that two streams through one NIC queue rather than
+# drop (with 30 ms, tbf's drops made TCP resend 5 % of an all_to_all's bytes; Slingshot, which the
+# cluster stands for, is lossless)
+TBF_LATENCY = "200ms"
 # Per-namespace TCP settings (the host's own are untouched), so that the links behave the same
 # on every host:
 # * a connection idle between two collectives keeps its window instead of slow-starting again

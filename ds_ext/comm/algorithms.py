@@ -119,6 +119,7 @@ class Tally:
     def __init__(self) -> None:
         self.bytes: dict[str, float] = defaultdict(float)
         self.messages: dict[str, int] = defaultdict(int)
+        self.sends: dict[int, float] = defaultdict(float)  # per destination (global rank): link bytes
 
 
 # exchange(send, dst, recv, src, then=None): one step; ``then`` = (into, src) of the next step's
@@ -181,6 +182,7 @@ def p2p_exchange(
             w.wait()  # type: ignore[attr-defined]
         tally.bytes[level] += send.numel() * send.element_size()  # type: ignore[index]
         tally.messages[level] += 1  # type: ignore[index]
+        tally.sends[dst] += send.numel() * send.element_size()
 
     return exchange
 

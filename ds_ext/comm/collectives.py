@@ -37,7 +37,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ds_ext.comm import algorithms
+from ds_ext.comm import algorithms, hops
 from ds_ext.comm.emulation import TimeEmulator, message_steps
 from ds_ext.comm.ledger import (
     Ledger,
@@ -217,6 +217,9 @@ class Communicator:
         self.algorithm = self._checked(algorithm)
         self.watch: Watch | None = None
         self._gloo_groups: dict[object, bool] = {}
+        # (group, op, root) -> {link level: link bytes per payload byte}; group -> each member's link level
+        self._link_units: dict[tuple, dict[str, float]] = {}
+        self._peer_levels: dict[object, list[str | None]] = {}
 
     def failed(self, op: str, group: object | None, err: BaseException) -> BaseException:
         """The one-line :class:`CommError` for a failed collective (``err`` if it is one)."""
@@ -256,17 +259,60 @@ class Communicator:
         return async_op or self._watched(group)
 
     # ---- bookkeeping shared with ds_ext.comm.instrument -------------------------------
-    def account(self, op: str, group: object | None, nbytes: float) -> tuple[Span, float]:
+    def account(
+        self,
+        op: str,
+        group: object | None,
+        nbytes: float,
+        payload: float,
+        root: int | None = None,
+        per_peer: Sequence[float] | None = None,
+    ) -> tuple[Span, float]:
         """Record ``nbytes`` sent by this rank by a collective left to torch.distributed (its
-        messages by the ring convention) and open its timed span; return the span (for
-        ``ledger.finish`` when the collective completes) and the emulated completion deadline."""
+        messages by the ring convention) and where they travel (:func:`ds_ext.comm.hops.sends` of
+        ``payload``, ``root``, ``per_peer`` under the group's backend), and open its timed span;
+        return the span (for ``ledger.finish`` when the collective completes) and the emulated
+        completion deadline."""
         level = self.registry.level(group)
-        d = len(self.registry.ranks(group))
+        ranks = self.registry.ranks(group)
+        d = len(ranks)
         self.ledger.record(op, level, nbytes, message_steps(op, d))
+        if self.ledger.enabled and d > 1:
+            self.ledger.record_links(op, self._links(op, group, ranks, payload, root, per_peer))
         span = self.ledger.start(op, level)
         if self.emulator is None:
             return span, span[1]
         return span, span[1] + self.emulator.cost(op, level, nbytes, d)
+
+    def _links(
+        self,
+        op: str,
+        group: object | None,
+        ranks: tuple[int, ...],
+        payload: float,
+        root: int | None,
+        per_peer: Sequence[float] | None,
+    ) -> dict[str, float]:
+        """The link bytes of one call (:mod:`ds_ext.comm.hops`), the levels looked up once per group
+        (and op and root): the ledger's hot path. Outside a process group (the ledger's own
+        benchmark) as rank 0 under the NCCL model."""
+        topo = self.registry.topology
+        me = dist.get_rank() if dist.is_initialized() else 0
+        if per_peer is not None:
+            levels = self._peer_levels.get(group)
+            if levels is None:
+                levels = self._peer_levels[group] = [topo.level_of((me, r)) if r != me else None for r in ranks]
+            out: dict[str, float] = {}
+            for level, nbytes in zip(levels, per_peer, strict=True):
+                if level is not None and nbytes:
+                    out[level] = out.get(level, 0.0) + nbytes
+            return out
+        key = (group, op, root)
+        unit = self._link_units.get(key)
+        if unit is None:
+            gloo = dist.is_initialized() and self._is_gloo(group)
+            unit = self._link_units[key] = hops.by_level(topo, me, hops.sends(op, ranks, me, 1.0, gloo, root))
+        return {level: share * payload for level, share in unit.items()}
 
     # ---- algorithm choice (001 §6.2) ----------------------------------------------------
     @staticmethod
@@ -320,6 +366,7 @@ class Communicator:
             )
         for level, nbytes in tally.bytes.items():
             self.ledger.record(op, level, nbytes, tally.messages[level])
+        self.ledger.record_links(op, hops.by_level(self.registry.topology, dist.get_rank(), tally.sends))
         deadline = span[1]
         if self.emulator is not None:
             chunk = _nbytes(input) if op == "all_gather" else _nbytes(output)
@@ -377,7 +424,7 @@ class Communicator:
         algorithm = self.choose(group, _nbytes(input), algorithm)
         if algorithm != "native" and d > 1:
             return self._p2p("all_gather", algorithm, output, input, group, async_op)
-        accounted = self.account("all_gather", group, all_gather_bytes(_nbytes(input), d))
+        accounted = self.account("all_gather", group, all_gather_bytes(_nbytes(input), d), _nbytes(input))
         with self.guard("all_gather", group):
             work = torch_op("all_gather_into_tensor")(
                 _flat(output), _flat(input), group=group, async_op=self._async(async_op, group)
@@ -402,9 +449,12 @@ class Communicator:
         if algorithm != "native" and d > 1:
             return self._p2p("reduce_scatter", algorithm, output, input, group, async_op)
         combine = _gloo_reduction(op) if d > 1 and self._is_gloo(group) else None
-        accounted = self.account("reduce_scatter", group, reduce_scatter_bytes(_nbytes(input), d))
-        if combine is not None:
+        volume = reduce_scatter_bytes(_nbytes(input), d)
+        if combine is not None:  # run as an all_to_all of the chunks: each to its owner
+            chunk = _nbytes(input) / d
+            accounted = self.account("reduce_scatter", group, volume, _nbytes(input), per_peer=[chunk] * d)
             return self._gloo_reduce_scatter(output, input, combine, group, async_op, accounted)
+        accounted = self.account("reduce_scatter", group, volume, _nbytes(input))
         with self.guard("reduce_scatter", group):
             work = torch_op("reduce_scatter_tensor")(
                 _flat(output), _flat(input), op=op, group=group, async_op=self._async(async_op, group)
@@ -438,7 +488,7 @@ class Communicator:
         self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False
     ) -> Handle | None:
         d = self.size(group)
-        accounted = self.account("all_reduce", group, all_reduce_bytes(_nbytes(tensor), d))
+        accounted = self.account("all_reduce", group, all_reduce_bytes(_nbytes(tensor), d), _nbytes(tensor))
         with self.guard("all_reduce", group):
             work = torch_op("all_reduce")(tensor, op=op, group=group, async_op=self._async(async_op, group))
         return self._finish("all_reduce", group, work, accounted, async_op)
@@ -466,7 +516,8 @@ class Communicator:
                 raise ValueError(f"all_to_all needs {d} input splits, got {len(input_split_sizes)}")
             own = input_split_sizes[me]
         nbytes = _nbytes(input) - own * row
-        accounted = self.account("all_to_all", group, nbytes)
+        splits = input_split_sizes if input_split_sizes is not None else [input.shape[0] // d] * d
+        accounted = self.account("all_to_all", group, nbytes, nbytes, per_peer=[n * row for n in splits])
         with self.guard("all_to_all", group):
             work = torch_op("all_to_all_single")(
                 output,
@@ -481,7 +532,7 @@ class Communicator:
     def broadcast(self, tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Handle | None:
         """Copy global rank ``src``'s ``tensor`` to every rank of the group."""
         d = self.size(group)
-        accounted = self.account("broadcast", group, broadcast_bytes(_nbytes(tensor), d))
+        accounted = self.account("broadcast", group, broadcast_bytes(_nbytes(tensor), d), _nbytes(tensor), root=src)
         with self.guard("broadcast", group):
             work = torch_op("broadcast")(tensor, src=src, group=group, async_op=self._async(async_op, group))
         return self._finish("broadcast", group, work, accounted, async_op)

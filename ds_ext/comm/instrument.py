@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,34 +38,55 @@ def _nb(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _volume(comm: Communicator, name: str, a: dict) -> tuple[str, float]:
-    """(ledger op, bytes sent by this rank) for a bound torch.distributed call."""
+class _Call(NamedTuple):
+    """A bound torch.distributed call as the ledger books it (``Communicator.account``)."""
+
+    op: str
+    nbytes: float  # sent by this rank, by the ledger's volume convention
+    payload: float  # the bytes ``ds_ext.comm.hops.sends`` takes
+    root: int | None = None  # broadcast's source / reduce's destination (global rank)
+    per_peer: list[float] | None = None  # all_to_all: bytes for each group rank
+
+
+def _root(comm: Communicator, a: dict, key: str) -> int:
+    """The global rank of a broadcast's ``src`` / a reduce's ``dst`` (or its ``group_src`` / ``group_dst``)."""
+    if a.get(key) is not None:
+        return a[key]
+    return comm.registry.ranks(a.get("group"))[a[f"group_{key}"]]
+
+
+def _volume(comm: Communicator, name: str, a: dict) -> _Call:
+    """How the ledger books a bound torch.distributed call (:class:`_Call`)."""
     group = a.get("group")
     d = comm.size(group)
     if name in ("all_gather_into_tensor", "all_gather_single"):
-        return "all_gather", all_gather_bytes(_nb(a["input_tensor"]), d)
+        return _Call("all_gather", all_gather_bytes(_nb(a["input_tensor"]), d), _nb(a["input_tensor"]))
     if name == "all_gather":
-        return "all_gather", all_gather_bytes(_nb(a["tensor"]), d)
+        return _Call("all_gather", all_gather_bytes(_nb(a["tensor"]), d), _nb(a["tensor"]))
     if name in ("reduce_scatter_tensor", "reduce_scatter_single"):
-        return "reduce_scatter", reduce_scatter_bytes(_nb(a["input"]), d)
+        return _Call("reduce_scatter", reduce_scatter_bytes(_nb(a["input"]), d), _nb(a["input"]))
     if name == "reduce_scatter":
-        return "reduce_scatter", reduce_scatter_bytes(sum(_nb(t) for t in a["input_list"]), d)
+        total = sum(_nb(t) for t in a["input_list"])
+        return _Call("reduce_scatter", reduce_scatter_bytes(total, d), total)
     if name == "reduce":
-        return "reduce", reduce_scatter_bytes(_nb(a["tensor"]), d)
+        return _Call("reduce", reduce_scatter_bytes(_nb(a["tensor"]), d), _nb(a["tensor"]), _root(comm, a, "dst"))
     if name == "all_reduce":
-        return "all_reduce", all_reduce_bytes(_nb(a["tensor"]), d)
+        return _Call("all_reduce", all_reduce_bytes(_nb(a["tensor"]), d), _nb(a["tensor"]))
     if name == "all_reduce_coalesced":
-        return "all_reduce", all_reduce_bytes(sum(_nb(t) for t in a["tensors"]), d)
+        total = sum(_nb(t) for t in a["tensors"])
+        return _Call("all_reduce", all_reduce_bytes(total, d), total)
     if name == "broadcast":
-        return "broadcast", broadcast_bytes(_nb(a["tensor"]), d)
+        return _Call("broadcast", broadcast_bytes(_nb(a["tensor"]), d), _nb(a["tensor"]), _root(comm, a, "src"))
     me = comm.registry.group_rank(group)
     if name == "all_to_all_single":
         inp, split = a["input"], a.get("input_split_sizes")
         rows = inp.shape[0] if inp.dim() else 1
-        own = split[me] if split else rows // d
-        return "all_to_all", _nb(inp) - (own * _nb(inp) // rows if rows else 0)
+        row = _nb(inp) / rows if rows else 0.0
+        per_peer = [n * row for n in split] if split else [_nb(inp) / d] * d
+        return _Call("all_to_all", _nb(inp) - per_peer[me], _nb(inp), per_peer=per_peer)
     if name == "all_to_all":
-        return "all_to_all", sum(_nb(t) for i, t in enumerate(a["input_tensor_list"]) if i != me)
+        per_peer = [float(_nb(t)) for t in a["input_tensor_list"]]
+        return _Call("all_to_all", sum(b for i, b in enumerate(per_peer) if i != me), sum(per_peer), per_peer=per_peer)
     raise KeyError(name)
 
 
@@ -79,9 +100,9 @@ def _wrap(comm: Communicator, name: str, fn: Callable) -> Callable:
     def wrapper(*args, **kw):
         arguments = dict(zip(names, args))
         arguments.update(kw)
-        op, nbytes = _volume(comm, name, arguments)
-        group = arguments.get("group")
-        span, deadline = comm.account(op, group, nbytes)
+        call = _volume(comm, name, arguments)
+        op, group = call.op, arguments.get("group")
+        span, deadline = comm.account(op, group, call.nbytes, call.payload, call.root, call.per_peer)
         try:
             work = fn(*args, **kw)
         except RuntimeError as err:

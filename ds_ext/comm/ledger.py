@@ -13,7 +13,14 @@ broadcast           S (d-1)/d    (pipelined chain: S (d-1) in total over d ranks
 ==================  ==============================================
 
 A group of one rank sends nothing and is not recorded. Each record is attributed to the
-outermost topology level the group crosses (``Topology.level_of``).
+outermost topology level the group crosses (``Topology.level_of``): 003's *volume* convention,
+which the analytic models and the papers' tables use.
+
+Link bytes (where the bytes travel, :mod:`ds_ext.comm.hops`): beside that volume, each collective
+books the bytes this rank actually sends under the algorithm the backend runs, each at the level
+of the link to the peer it goes to. A ring over 8 ranks on 2 nodes books its volume at ``node``
+and its link bytes at the level of this rank's ring neighbour: summed over the ranks, a level's
+link bytes are what that level's links carry (the kernel's counters, ``ds_ext.cluster.wire``).
 
 Messages (the alpha term of the alpha-beta model, 001 §6.2): point-to-point sends issued by
 this rank. ds_ext's own algorithms (``ds_ext.comm.algorithms``: ring, PCCL) count their sends
@@ -69,6 +76,8 @@ class Traffic:
     """Aggregated bytes, calls, messages and measured seconds keyed by (phase, op, level)."""
 
     bytes: dict[Key, float] = field(default_factory=lambda: defaultdict(float))
+    # bytes sent per (phase, op, level of the link they cross): module docstring, "Link bytes"
+    link_bytes: dict[Key, float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[Key, int] = field(default_factory=lambda: defaultdict(int))
     messages: dict[Key, int] = field(default_factory=lambda: defaultdict(int))
     seconds: dict[Key, float] = field(default_factory=lambda: defaultdict(float))
@@ -81,6 +90,10 @@ class Traffic:
     def by_level(self, phase: str | None = None, op: str | None = None) -> dict[str, float]:
         """Bytes summed per level, optionally only one phase and/or op."""
         return _summed(self.bytes, 2, phase, op)
+
+    def link_bytes_by_level(self, phase: str | None = None, op: str | None = None) -> dict[str, float]:
+        """Link bytes (module docstring) summed per level of the link, optionally one phase and/or op."""
+        return _summed(self.link_bytes, 2, phase, op)
 
     def calls_by_level(self, phase: str | None = None) -> dict[str, int]:
         return _summed(self.calls, 2, phase)
@@ -141,6 +154,14 @@ class Ledger:
         if not self.enabled or level is None:
             return
         self.current.add((self._phase, op, level), nbytes, messages)
+
+    def record_links(self, op: str, links: dict[str, float]) -> None:
+        """The link bytes of one collective of ``op``: bytes this rank sent, per level of the link
+        they crossed (:func:`ds_ext.comm.hops.by_level`)."""
+        if not self.enabled:
+            return
+        for level, nbytes in links.items():
+            self.current.link_bytes[(self._phase, op, level)] += nbytes
 
     def start(self, op: str, level: str | None) -> Span:
         """Open the timed span of one collective of ``op`` at ``level``, issued now."""
@@ -211,6 +232,10 @@ class Ledger:
                 for lv, b in levels.items():
                     out[ph][lv] += b / len(steps)
         return {ph: dict(v) for ph, v in out.items()}
+
+    def mean_link_bytes_by_level(self, skip: int = 0) -> dict[str, float]:
+        """Mean link bytes per closed step per level of the link, ignoring the first ``skip`` steps."""
+        return self._mean_by_level(skip, Traffic.link_bytes_by_level)
 
     def mean_messages_by_level(self, skip: int = 0) -> dict[str, float]:
         """Mean messages per closed step per level, ignoring the first ``skip`` steps."""
