@@ -409,7 +409,7 @@ def _measure(
             losses.append(sum(step_losses) / ga)
         rt.comm.emulator = emulator
         led = rt.ledger
-        wire_bytes = wire.close(2 * steps, led.mean_by_level(warmup))
+        wire_bytes = wire.close(2 * steps, led.mean_by_level(warmup), led.mean_link_bytes_by_level(warmup))
         floor = data_group_floor(rt.topology, data_ranks, rank_bytes)
         record: dict[str, Any] = {
             "variant": variant,
@@ -543,21 +543,32 @@ class _WireWindow:
             self._ctx = wire_region()
             self.region = self._ctx.__enter__()
 
-    def close(self, measured: int, ledger_by_level: dict[str, float]) -> dict[str, Any] | None:
-        """Collective: the wire per step beside the ledger's bytes per step summed over ranks."""
+    def close(
+        self, measured: int, ledger_by_level: dict[str, float], links_by_level: dict[str, float]
+    ) -> dict[str, Any] | None:
+        """Collective: the wire per step beside the ledger's bytes per step summed over ranks: its
+        volume (``ledger``, at each group's outermost level) and its link bytes (``links``, at the
+        level of the link each byte crosses: ``ds_ext.comm.hops``)."""
         if self._ctx is None:
             return None
         import torch.distributed as dist
 
         self._ctx.__exit__(None, None, None)
-        ranks: list[dict[str, float]] = [{}] * dist.get_world_size()
-        dist.all_gather_object(ranks, ledger_by_level)
+        ranks: list[tuple[dict[str, float], dict[str, float]]] = [({}, {})] * dist.get_world_size()
+        dist.all_gather_object(ranks, (ledger_by_level, links_by_level))
         if self.region.bytes is None:
             return None
-        total = {lv: sum(r.get(lv, 0.0) for r in ranks) for lv in {lv for r in ranks for lv in r}}
+
+        def summed(which: int) -> dict[str, float]:
+            levels = {lv for r in ranks for lv in r[which]}
+            return {lv: sum(r[which].get(lv, 0.0) for r in ranks) for lv in levels}
+
+        total, links = summed(0), summed(1)
         per_step = self.region.bytes.beside_ledger({lv: b * measured for lv, b in total.items()})
+        for lv, row in per_step["levels"].items():
+            row["links"] = links.get(lv, 0.0) * measured
         for row in (*per_step["levels"].values(), per_step["total"]):
-            for key in ("ledger", "wire_up", "wire_down", "wire_sent"):
+            for key in ("ledger", "links", "wire_up", "wire_down", "wire_sent"):
                 if key in row:
                     row[key] /= measured
         return per_step
