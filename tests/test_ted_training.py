@@ -7,6 +7,7 @@ megatron-core's tensor-parallel layers (interoperability).
 """
 
 import pytest
+from ledger_support import assert_links_equal
 
 
 WORLD_SIZE = 8
@@ -132,6 +133,8 @@ def _zero_topo_run(zero_topo, whole, steps=4, P=2, bf16=False, clip=0.05):
             "expert_group": plugin.experts.members,
             "analytic": plugin.analytic_traffic(1).bytes,
             "measured": {ph: dict(v) for ph, v in engine.ds_ext.ledger.steps[-1].by_phase().items()},
+            "measured_links": engine.ds_ext.ledger.steps[-1].link_bytes_by_phase(),
+            "analytic_links": plugin.analytic_traffic(1).links,
             "expert_shards": sorted(
                 {u.U // u.primary.numel() for u in plugin.sharded.all_units if u.ctx is plugin.sharded.expert_ctx}
             ),
@@ -174,6 +177,7 @@ def test_zero_topo_shards_dense_and_experts_equal_to_deepspeed_zero1(world, whol
         for name, p in r["params"].items():
             torch.testing.assert_close(o["params"][name], p, rtol=tol["rtol"], atol=tol["atol"], msg=name)
         assert o["measured"]["step"] == o["analytic"]["step"]
+        assert_links_equal(o["measured_links"], o["analytic_links"], phases=("step",))
     assert "experts: " in ours[0]["describe"]
     # whole experts are sharded over tensor x expert-data, split ones over expert-data
     groups = {(2, True): (0, 1, 4, 5), (2, False): (0, 4), (4, True): (0, 1), (4, False): (0,)}
@@ -208,6 +212,7 @@ def test_shipped_zero_topo_and_ted_blocks_train_in_bf16_with_clipping(world, who
         assert o["losses"][-1] < o["losses"][0]
         assert o["expert_shards"] == ([2] if whole else [1])
         assert o["measured"]["step"] == o["analytic"]["step"]
+        assert_links_equal(o["measured_links"], o["analytic_links"], phases=("step",))
     described = o["describe"]
     assert ("kept whole on each rank" in described) != whole
 

@@ -7,6 +7,7 @@ for every unquantized preset, and DeepSpeed's own ZeRO-3 for the ``zero3`` prese
 import math
 
 import pytest
+from ledger_support import assert_links_equal
 
 WORLD_SIZE = 8
 TOPOLOGY = {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}
@@ -269,6 +270,8 @@ def _measured_vs_analytic(preset, accum, overrides):
     out = {
         "measured": {ph: dict(v) for ph, v in last.by_phase().items() if ph != "other"},
         "analytic": model.bytes,
+        "measured_links": last.link_bytes_by_phase(),
+        "analytic_links": model.links,
         "calls": dict(last.calls_by_level()),
         "analytic_calls": model.calls_by_level(),
         "state": plugin.state_bytes(),
@@ -308,6 +311,8 @@ def _ledger_equals_model(results):
             assert set(measured[phase]) == set(analytic[phase]), (phase, measured, analytic)
             for level, b in analytic[phase].items():
                 assert measured[phase][level] == b, (phase, level)  # exact: int8 scales alone are 0.8 %
+        # link bytes (ds_ext.comm.hops): each byte at the level of the link to its peer
+        assert_links_equal(r["measured_links"], r["analytic_links"])
         for level, c in r["analytic_calls"].items():
             assert r["calls"][level] == c, level
         for state, b in r["analytic_state"].items():

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ledger_support import assert_links_equal
 
 WORLD_SIZE = 8
 # never replaced: a fresh world's ranks re-import the client's Megatron (about 5 s a test, more
@@ -221,6 +222,8 @@ def _train(zero_topo, seed=0):
             "banner": engine.ds_ext.banner(),
             "measured": {ph: dict(v) for ph, v in last.by_phase().items() if ph != "other"},
             "analytic": plugin.analytic_traffic(1).bytes,
+            "measured_links": last.link_bytes_by_phase(),
+            "analytic_links": plugin.analytic_traffic(1).links,
             "padded_bytes": sum(u.U for u in plugin.sharded.all_units) * 4,
         }
     engine.destroy()
@@ -253,6 +256,7 @@ def test_unquantized_zero_topo_equals_deepspeed_zero1_under_megatron_tp2(world, 
         for name, p in r["params"].items():
             torch.testing.assert_close(o["params"][name], p, rtol=1e-6, atol=1e-6, msg=name)
         assert o["measured"] == o["analytic"]
+        assert_links_equal(o["measured_links"], o["analytic_links"])
         # the data group never crosses the GCD pair; only the norm's sum over the tensor group does
         assert [(ph, lv) for ph, v in o["measured"].items() for lv in v if lv == "gcd"] == [("step", "gcd")]
         assert o["measured"]["step"]["gcd"] == 2 * 8 * (2 - 1) / 2

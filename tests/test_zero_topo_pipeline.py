@@ -9,6 +9,7 @@ tied weights counted once, is checked too).
 """
 
 import pytest
+from ledger_support import assert_links_equal
 
 WORLD_SIZE = 8
 TOPOLOGY = {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}
@@ -114,6 +115,8 @@ def _run(stages, zero_topo, extra=None, seed=0, adam=False, bf16=False):
             "banner": engine.ds_ext.banner(),
             "analytic": plugin.analytic_traffic(ACCUM).bytes,
             "measured": {ph: dict(v) for ph, v in engine.ds_ext.ledger.steps[-1].by_phase().items()},
+            "measured_links": engine.ds_ext.ledger.steps[-1].link_bytes_by_phase(),
+            "analytic_links": plugin.analytic_traffic(ACCUM).links,
             "padded_bytes": sum(u.U for u in plugin.sharded.all_units) * 4,
         }
     engine.destroy()
@@ -151,6 +154,7 @@ def test_unquantized_pipeline_form_equals_deepspeed_zero1_on_the_pipeline_engine
             torch.testing.assert_close(o["params"][name], p, rtol=tol["rtol"], atol=tol["atol"], msg=name)
         assert set(o["measured"]) == {"step"}  # nothing gathered in forward or backward
         assert o["measured"] == o["analytic"]
+        assert_links_equal(o["measured_links"], o["analytic_links"])
         if stages == 1:
             norm = 2 * 8 * (8 - 1) / 8  # the grad-norm all-reduce over the data group
             assert o["measured"]["step"]["node"] == 2 * (o["padded_bytes"] / 4) * (2 - 1) / 2 + norm

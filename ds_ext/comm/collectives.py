@@ -249,6 +249,10 @@ class Communicator:
         work's wait returns at once, its hangs are NCCL's watchdog's to report)."""
         return self.watch is not None and self._is_gloo(group)
 
+    def is_gloo(self, group: object | None = None) -> bool:
+        """Whether ``group`` (default: the world) runs on gloo (``ds_ext.comm.hops``: its algorithms)."""
+        return self._is_gloo(group)
+
     def _is_gloo(self, group: object | None) -> bool:
         if group not in self._gloo_groups:
             self._gloo_groups[group] = dist.get_backend(group) == "gloo"

@@ -113,6 +113,13 @@ class Traffic:
             out[ph][lv] += b
         return {ph: dict(v) for ph, v in out.items()}
 
+    def link_bytes_by_phase(self) -> dict[str, dict[str, float]]:
+        """{phase: {level of the link: link bytes}} (module docstring, "Link bytes")."""
+        out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for (ph, _, lv), b in self.link_bytes.items():
+            out[ph][lv] += b
+        return {ph: dict(v) for ph, v in out.items()}
+
     def total(self) -> float:
         return float(sum(self.bytes.values()))
 

@@ -28,6 +28,12 @@ reduce-scatter (quantized all-gathers included: they are two all-gathers) is spl
 levels its phases run on, by ``ds_ext.perf.collectives.traffic``: across nodes c (N-1) bytes in
 ceil(log2 N) messages, inside the node c N (M-1) in M-1, one call at each level. ``ring`` counts
 as ``native`` (the ledger's convention is the ring).
+
+Link bytes (``Traffic.links``, the ledger's ``link_bytes``: each byte at the level of the link to
+the peer it goes to, ``ds_ext.comm.hops``), modelled for the ``native`` algorithm under the given
+backend (``gloo``: its all-reduce ring runs to the previous rank, and ds_ext's reduce-scatter is an
+all_to_all of the chunks; else NCCL / RCCL's group-order rings): this rank's ring neighbour in
+each group, or each peer of an all_to_all with the bytes of the shard it owns.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ds_ext.comm import hops
 from ds_ext.comm.emulation import message_steps
 from ds_ext.perf import collectives
 from ds_ext.topology import Topology
@@ -113,17 +120,60 @@ def unit_spec(plan: ShardingPlan, params: list[tuple[int, int]], root: bool = Fa
     )
 
 
+def _members(topology: Topology, rank: int, levels: list[int]) -> tuple[int, ...]:
+    """The group of ``rank`` over topology ``levels``: the ranks that differ from it only there,
+    ascending (its process group's rank order)."""
+    mine = topology.coords(rank)
+    others = [i for i in range(len(topology.levels)) if i not in levels]
+    return tuple(r for r in range(topology.world_size) if all(topology.coords(r)[i] == mine[i] for i in others))
+
+
 class _Tally:
-    def __init__(self, topology: Topology, algorithm: str = "native") -> None:
+    def __init__(self, topology: Topology, algorithm: str = "native", rank: int = 0, gloo: bool = False) -> None:
         if algorithm not in ("native", "ring", "pccl"):
             raise ValueError(
                 f"ds_ext.zero_topo.perf models ds_ext.comm.algorithm native, ring or pccl; got {algorithm!r}"
             )
         self.topology = topology
         self.algorithm = algorithm
+        self.rank, self.gloo = rank, gloo
         self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.calls: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.steps: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.links: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+
+    def add_links(self, phase: str, links: dict[str, float], times: int = 1) -> None:
+        for lv, b in links.items():
+            self.links[phase][lv] += b * times
+
+    def link(
+        self,
+        phase: str,
+        op: str,
+        levels: list[int],
+        nbytes: float,
+        times: int,
+        per_peer: dict[int, float] | None = None,
+    ) -> None:
+        """The link bytes of ``times`` collectives of ``op`` over the group of topology ``levels``
+        in which this rank sends ``nbytes`` (module docstring); ``per_peer``: an all_to_all's bytes
+        per group member (topology rank)."""
+        members = _members(self.topology, self.rank, levels)
+        d = len(members)
+        if d < 2 or times == 0:
+            return
+        if per_peer is None and (op == "reduce_scatter" and self.gloo or op == ""):
+            per_peer = {r: nbytes / (d - 1) for r in members if r != self.rank}  # an all_to_all of equal chunks
+        if per_peer is not None:
+            peers = {r: b for r, b in per_peer.items() if r != self.rank}
+        else:
+            payload = {
+                "all_gather": nbytes / (d - 1),
+                "all_reduce": nbytes * d / (2 * (d - 1)),
+                "reduce_scatter": nbytes * d / (d - 1),
+            }[op]
+            peers = hops.sends(op, members, self.rank, payload, self.gloo)
+        self.add_links(phase, hops.by_level(self.topology, self.rank, peers), times)
 
     def add(
         self,
@@ -141,6 +191,8 @@ class _Tally:
         by pccl is split over its phases' levels."""
         if level is None or times == 0:
             return
+        if levels is not None and self.algorithm != "pccl":
+            self.link(phase, op, levels, nbytes, times)
         if self.algorithm == "pccl" and op in ("all_gather", "reduce_scatter"):
             ranks = _group_ranks(self.topology, levels)  # type: ignore[arg-type]
             for lv, (b, m) in collectives.traffic("pccl", self.topology, ranks, nbytes / (d - 1)).items():
@@ -160,6 +212,8 @@ class Traffic:
     bytes: dict[str, dict[str, float]]
     calls: dict[str, dict[str, float]]
     steps: dict[str, dict[str, float]] = field(default_factory=dict)  # ring / pairwise messages (α terms)
+    # link bytes[phase][level of the link] (module docstring); None where not modelled (pccl)
+    links: dict[str, dict[str, float]] | None = None
 
     def by_level(self) -> dict[str, float]:
         out: dict[str, float] = defaultdict(float)
@@ -185,8 +239,9 @@ class Traffic:
                     out.setdefault(ph, {})[lv] = out.get(ph, {}).get(lv, 0) + v
             return out
 
+        links = None if self.links is None or other.links is None else merged(self.links, other.links)
         return Traffic(
-            merged(self.bytes, other.bytes), merged(self.calls, other.calls), merged(self.steps, other.steps)
+            merged(self.bytes, other.bytes), merged(self.calls, other.calls), merged(self.steps, other.steps), links
         )
 
     def steps_by_level(self) -> dict[str, float]:
@@ -224,6 +279,8 @@ def traffic(
     rank: int = 0,
     model_parallel: tuple[str | None, int] = (None, 1),
     pipeline: bool = False,
+    gloo: bool = False,
+    model_links: dict[str, float] | None = None,
 ) -> Traffic:
     """Bytes and calls per optimizer step of ``plan`` for ``units`` at ``grad_accum``, as rank
     ``rank`` of its data-parallel group sends them (module docstring; ranks differ only where raw
@@ -231,8 +288,11 @@ def traffic(
     the grad-norm all-reduce also runs over (``ds_ext.zero_topo.data_group``). ``pipeline``: the
     pipeline form (``ds_ext.zero_topo.pipeline``): weights whole, no gathers in forward or backward;
     at the step the accumulated gradients are reduced once, the step runs, and the weights are
-    gathered back whole."""
-    t = _Tally(plan.topology, algorithm)
+    gathered back whole. ``gloo``: the backend whose algorithms the link bytes follow (module
+    docstring); ``model_links``: the link bytes of the grad-norm all-reduce over the model-parallel
+    group, whose members the data group's topology does not hold."""
+    t = _Tally(plan.topology, algorithm, rank, gloo)
+    model_links = model_links or {}
     top = len(plan.topology.levels) - 1
     B = plan.block_size
 
@@ -273,13 +333,16 @@ def traffic(
         _step(t, plan, u.U, elem_bytes, top)
     o_levels = list(range(plan.optimizer + 1))
     d = _group_size(plan, o_levels)
-    t.add("step", _level(plan, o_levels), 2 * 8 * (d - 1) / d, 1, op="all_reduce", d=d)  # grad-norm all-reduce
+    t.add("step", _level(plan, o_levels), 2 * 8 * (d - 1) / d, 1, op="all_reduce", d=d, levels=o_levels)  # grad norm
     level, m = model_parallel
     t.add("step", level, 2 * 8 * (m - 1) / m, 1, op="all_reduce", d=m)  # ... and over the model-parallel group
+    if m > 1:
+        t.add_links("step", model_links)
     return Traffic(
         {p: dict(v) for p, v in t.bytes.items()},
         {p: dict(v) for p, v in t.calls.items()},
         {p: dict(v) for p, v in t.steps.items()},
+        None if algorithm == "pccl" else {p: dict(v) for p, v in t.links.items()},
     )
 
 
@@ -302,17 +365,26 @@ def _gradient_reduce(
     def calls(shards: list[int]) -> int:  # payload (+ scales where any block is quantized)
         return 2 if any(raw[k] < per for k in shards) else 1
 
+    topo = plan.topology
     if plan.gradient_hops == 1:
-        others = [k for k in range(d) if k != shard_index(plan.topology, rank, g)]
+        others = [k for k in range(d) if k != shard_index(topo, rank, g)]
         t.add(phase, _level(plan, levels), sent(others), calls(range(d)), times, d=d)
+        per_peer = {r: sent([shard_index(topo, r, g)]) for r in _members(topo, rank, levels)}
+        t.link(phase, "all_to_all", levels, 0.0, times, per_peer)
         return
     inner = list(range(g))
-    p, n = _group_size(plan, inner), plan.topology.levels[g].size
-    mine, mine_g = shard_index(plan.topology, rank, g - 1), plan.topology.coords(rank)[g]
+    p, n = _group_size(plan, inner), topo.levels[g].size
+    mine, mine_g = shard_index(topo, rank, g - 1), topo.coords(rank)[g]
     peers = [k for k in range(d) if k // n != mine]  # shard k = (intra digits, level-g digit)
     t.add(phase, _level(plan, inner), sent(peers), calls(range(d)), times, d=p)
+    hop1 = {
+        r: sent([k for k in range(d) if k // n == shard_index(topo, r, g - 1)]) for r in _members(topo, rank, inner)
+    }
+    t.link(phase, "all_to_all", inner, 0.0, times, hop1)
     own = [mine * n + c for c in range(n)]  # the partial sums this rank holds after hop 1
     t.add(phase, _level(plan, [g]), sent([k for k in own if k % n != mine_g]), calls(own), times, d=n)
+    hop2 = {r: sent([mine * n + topo.coords(r)[g]]) for r in _members(topo, rank, [g])}
+    t.link(phase, "all_to_all", [g], 0.0, times, hop2)
 
 
 def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:
@@ -324,19 +396,19 @@ def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:
         if g < top:
             levels = list(range(g + 1, top + 1))
             d = _group_size(plan, levels)
-            t.add("step", _level(plan, levels), 2 * x * e * (d - 1) / d, 1, op="all_reduce", d=d)
+            t.add("step", _level(plan, levels), 2 * x * e * (d - 1) / d, 1, op="all_reduce", d=d, levels=levels)
     else:
         for lv in range(g + 1, o + 1):
             d = topo.levels[lv].size
             if plan.step_level_bits(lv) == 8:  # int8 all-to-all reduce-scatter: payload + scales
-                t.add("step", _level(plan, [lv]), sum(_wire(x, 8, plan.block_size)) * (d - 1) / d, 2, d=d)
+                t.add("step", _level(plan, [lv]), sum(_wire(x, 8, plan.block_size)) * (d - 1) / d, 2, d=d, levels=[lv])
             else:
                 t.add("step", _level(plan, [lv]), x * e * (d - 1) / d, 1, op="reduce_scatter", d=d, levels=[lv])
             x /= d
         if o < top:
             levels = list(range(o + 1, top + 1))
             d = _group_size(plan, levels)
-            t.add("step", _level(plan, levels), 2 * x * e * (d - 1) / d, 1, op="all_reduce", d=d)
+            t.add("step", _level(plan, levels), 2 * x * e * (d - 1) / d, 1, op="all_reduce", d=d, levels=levels)
     x = U / n_of(o)
     if plan.step == "allreduce" and o > w:
         d = n_of(o)

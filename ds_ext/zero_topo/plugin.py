@@ -29,7 +29,9 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ds_ext import log
+from ds_ext.comm import hops
 from ds_ext.errors import DsExtConfigError
+from ds_ext.parallel import member_group
 from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.zero_topo import checkpoint as ckpt
 from ds_ext.zero_topo import support
@@ -237,7 +239,16 @@ class ZeroTopoPlugin(Plugin):
             yield self.expert_plan, self.experts, self.sharded.expert_ctx
 
     def analytic_traffic(self, grad_accum: int):
-        """The analytic model (ds_ext.zero_topo.perf) of this run's bytes per step."""
+        """The analytic model (ds_ext.zero_topo.perf) of this run's bytes per step, its link bytes
+        under this job's backend."""
+        rt = self.runtime
+        gloo = rt.comm.is_gloo()
+
+        def model_links(group: DataGroup) -> dict[str, float]:
+            """The grad-norm all-reduce (8 bytes) over the model-parallel group, on its links."""
+            members = member_group(rt.parallel.partition(group.model_role), rt.rank)
+            return hops.by_level(rt.topology, rt.rank, hops.sends("all_reduce", members, rt.rank, 8.0, gloo))
+
         return functools.reduce(
             operator.add,
             (
@@ -246,10 +257,12 @@ class ZeroTopoPlugin(Plugin):
                     self.sharded.unit_specs(ctx),
                     grad_accum,
                     self.dtype.itemsize,
-                    algorithm=self.runtime.comm.algorithm,
+                    algorithm=rt.comm.algorithm,
                     rank=group.rank,
                     model_parallel=(group.model_level, group.model_size),
                     pipeline=self.pipeline,
+                    gloo=gloo,
+                    model_links=model_links(group),
                 )
                 for plan, group, ctx in self._parts()
             ),
