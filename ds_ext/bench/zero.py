@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds_ext.bench import mean_over_world, median, write_json
+from ds_ext.bench.stats import ratio_interval
 from ds_ext.cluster.world import add_network_arguments
 
 LEVELS = ("gcd", "gpu", "node")
@@ -96,7 +97,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "be bound by the links",
     )
     p.add_argument("--warmup", type=int, default=1, help="optimizer steps before measuring")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per timing mode")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per timing mode (per round)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="interleave the variants: each round runs every variant once (--warmup, then --steps), "
+        "in a fresh world, the order rotated by one variant per round; a variant's step times are "
+        "all its rounds' (a reviewer's run: --rounds 5 --steps 1 or more)",
+    )
     p.add_argument(
         "--time-scale",
         type=float,
@@ -609,6 +618,38 @@ def _merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return merged
 
 
+def merge_rounds(per_round: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per (variant, GA) from its rounds (``--rounds``): the first round's bytes and
+    model (the same every round: the ledger is deterministic), every round's step times in round
+    order (``step_times_s``; ``step_time_s`` their median), per round too (``step_times_by_round``),
+    with the quantizer seconds and losses of each round."""
+    merged: dict[tuple[str, int], dict[str, Any]] = {}
+    for rec in per_round:
+        key = (rec["variant"], rec["grad_accum"])
+        if key not in merged:
+            merged[key] = {
+                **rec,
+                "step_times_by_round": [],
+                "quantizer_s_by_round": [],
+                "losses_by_round": [],
+                "step_times_emulated_by_round": [],
+            }
+            del merged[key]["round"]
+        m = merged[key]
+        m["step_times_by_round"].append(rec["step_times_s"])
+        m["quantizer_s_by_round"].append(rec["quantizer_s_per_step"])
+        m["losses_by_round"].append(rec["losses"])
+        if rec["step_time_emulated_s"] is not None:
+            m["step_times_emulated_by_round"].append(rec["step_time_emulated_s"])
+    for m in merged.values():
+        m["step_times_s"] = [t for times in m["step_times_by_round"] for t in times]
+        m["step_time_s"] = median(m["step_times_s"])
+        m["quantizer_s_per_step"] = [q for qs in m["quantizer_s_by_round"] for q in qs]
+        if m["step_times_emulated_by_round"]:
+            m["step_time_emulated_s"] = median(m["step_times_emulated_by_round"])
+    return list(merged.values())
+
+
 def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The acceptance numbers of issue 3, computed from the records."""
     by = {(r["variant"], r["grad_accum"]): r for r in records}
@@ -618,6 +659,8 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
         "zero_topo_vs_floor": {},
         "step_time_ratio_emulated": {},
         "step_time_ratio": {},
+        # the ratio of median step times with its bootstrap 95 % interval (ds_ext.bench.stats)
+        "step_time_ratio_interval": {},
         "inter_node_x_M": {},
     }
     for (v, ga), r in by.items():
@@ -656,6 +699,9 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
                             by[theirs, ga]["step_time_emulated_s"] / r["step_time_emulated_s"]
                         )
                     out["step_time_ratio"][key] = by[theirs, ga]["step_time_s"] / r["step_time_s"]
+                    out["step_time_ratio_interval"][key] = ratio_interval(
+                        by[theirs, ga]["step_times_s"], r["step_times_s"]
+                    )
     if any(r.get("pipeline_parallel") for r in records):
         out["pipeline"] = pipeline_checks(records)
     return out
@@ -768,9 +814,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.model, args.grad_accum, args.warmup, args.steps = "tiny", [1], 1, 1
         if args.variants == list(DEFAULT_VARIANTS):
             args.variants = ["ds_ext_zero_topo", "ds_ext_zero3", "deepspeed_zero3"]
+    if args.rounds < 1:
+        raise SystemExit(f"ds-ext bench zero: --rounds must be at least 1; got {args.rounds}")
     time_scale = None if args.network == "netns" else args.time_scale
-    records: list[dict[str, Any]] = []
-    for variant in tqdm(args.variants, desc="bench zero", unit="variant"):
+    from ds_ext.bench.stats import load_average, provenance
+    from ds_ext.cluster.world import bench_cluster_spec
+
+    prov = provenance(
+        world_size=WORLD,
+        ranks_per_node=RANKS_PER_NODE,
+        model=args.model,
+        seq_len=args.seq_len or MODELS[args.model][3],
+        grad_accum=args.grad_accum,
+        warmup=args.warmup,
+        steps_per_round=args.steps,
+        rounds=args.rounds,
+        network=args.network,
+        cluster=bench_cluster_spec(args, WORLD).to_json() if args.network == "netns" else None,
+        time_scale=time_scale,
+    )
+    per_round: list[dict[str, Any]] = []
+    variants = list(args.variants)
+    runs = [(r, variants[(r + i) % len(variants)]) for r in range(args.rounds) for i in range(len(variants))]
+    for round_, variant in tqdm(runs, desc="bench zero", unit="run"):
         with bench_world(args, WORLD, {"LOCAL_SIZE": str(RANKS_PER_NODE)}) as world:
             per_rank = world.run(
                 _measure,
@@ -784,7 +850,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 args.pipeline_parallel,
                 args.seq_len,
             )
-        records.extend(_merge_ranks(per_rank))
+        per_round.extend({**rec, "round": round_} for rec in _merge_ranks(per_rank))
+    prov["host"]["load_average_after"] = load_average()
+    records = merge_rounds(per_round)
     records.sort(key=lambda r: (r["grad_accum"], ALL_VARIANTS.index(r["variant"])))
     import os
 
@@ -792,6 +860,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     payload = {
         "benchmark": "zero",
+        "provenance": prov,
         # the ranks' compute depends on it (bf16 matmuls without AVX-512 / AMX run far slower)
         "host": {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpus": os.cpu_count()},
         "world_size": WORLD,

@@ -1,0 +1,102 @@
+"""What a benchmark record must carry for a reviewer (DESIGN.md §6): ratios with intervals and the
+provenance of the run.
+
+* :func:`ratio_interval`: the ratio of two variants' median step times with a percentile-bootstrap
+  95 % interval (each variant's steps resampled with replacement, the ratio of the medians
+  recomputed; numpy's generator, seeded, so a record recomputes exactly from its steps);
+* :func:`provenance`: the commit (and whether the tree had uncommitted changes), the date, the
+  command, the host (CPU model, cores, load average) and the library versions; a benchmark adds
+  its own settings (link rates, NIC layout, ranks, model, sequence length, GA) and the load average
+  after the run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Sequence
+
+from ds_ext.errors import DsExtError
+
+BOOTSTRAP_SAMPLES = 10_000
+
+
+class StatsError(DsExtError, ValueError):
+    """A ratio asked of a variant without measured steps."""
+
+
+CONFIDENCE = 0.95
+
+
+def ratio_interval(
+    numerator: Sequence[float], denominator: Sequence[float], samples: int = BOOTSTRAP_SAMPLES, seed: int = 0
+) -> dict[str, float | int]:
+    """median(numerator) / median(denominator) with its percentile-bootstrap ``CONFIDENCE``
+    interval (``lo``, ``hi``) over ``samples`` resamples, and the step counts it rests on."""
+    import numpy as np
+
+    a, b = np.asarray(numerator, dtype=float), np.asarray(denominator, dtype=float)
+    if a.size == 0 or b.size == 0:
+        raise StatsError("ratio_interval needs at least one step of each variant")
+    rng = np.random.default_rng(seed)
+    ra = np.median(rng.choice(a, (samples, a.size)), axis=1)
+    rb = np.median(rng.choice(b, (samples, b.size)), axis=1)
+    tail = (1 - CONFIDENCE) / 2 * 100
+    lo, hi = np.percentile(ra / rb, [tail, 100 - tail])
+    return {
+        "ratio": float(np.median(a) / np.median(b)),
+        "lo": float(lo),
+        "hi": float(hi),
+        "n": int(min(a.size, b.size)),
+    }
+
+
+def _git(*argv: str) -> str | None:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def load_average() -> list[float]:
+    """The host's 1, 5 and 15 minute load averages."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def provenance(**settings: Any) -> dict[str, Any]:
+    """Where and how a run was made (module docstring), with the benchmark's ``settings``; the
+    caller adds ``load_average_after`` when the run ends."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "commit": _git("rev-parse", "HEAD"),
+        "uncommitted_changes": None if status is None else bool(status),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["ds-ext", *sys.argv[1:]]) if sys.argv else None,
+        "host": {"cpu": _cpu_model(), "cores": os.cpu_count(), "load_average_before": load_average()},
+        "versions": {p: _version(p) for p in ("ds_ext", "torch", "deepspeed")} | {"python": platform.python_version()},
+        **settings,
+    }
