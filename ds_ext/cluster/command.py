@@ -4,8 +4,8 @@ and the measured-network run that ``ds-ext tune --measure --network netns`` uses
     ds-ext cluster --nodes 2 --ranks-per-node 2 --node-rate 40mbit -- python train.py ...
     ds-ext cluster --config ds_config.json --nodes 2 --rate-scale 2000 -- python train.py ...
     ds-ext cluster --nic per-gpu --gpus-per-node 2 --gpu-rate 400mbit --node-rate 100mbit -- CMD  # a NIC per GPU
-    ds-ext cluster --nic per-gpu --ranks-per-node 4 --gpus-per-node 2 --gcd-rate 800mbit --gpu-rate 400mbit \
-        --node-rate 100mbit -- CMD  # every level shaped: Frontier / 2000 (a namespace and a link per GCD)
+    ds-ext cluster --nic per-gpu --ranks-per-node 4 --gpus-per-node 2 --node-rate 100mbit --gpu-rate 400mbit \\
+        --gcd-rate 800mbit -- CMD  # every level shaped, Frontier / 2000: a namespace and a link per GCD
     ds-ext cluster --node-rate 40mbit --wire-out wire.json -- CMD  # bytes each link carried, written at the end
     ds-ext cluster --check      # can this host build one? (exit 0, or 2 with the reason)
     ds-ext cluster --clean      # remove the leftovers of killed runs
