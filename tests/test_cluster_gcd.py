@@ -268,3 +268,72 @@ def test_sixteen_ranks_all_gather_on_every_level(capable):
         payload = hops.count(level) * (world_size - 1) * nbytes
         assert payload <= by_level[level]["up"] <= payload * (1 + WIRE_OVERHEAD), by_level
         assert payload <= by_level[level]["down"] <= payload * (1 + WIRE_OVERHEAD), by_level
+
+
+_RAW_SEND = """
+import os, socket, threading, time
+pairs, rank = {pairs}, int(os.environ["RANK"])
+def receive(src):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("", 29600 + src)); s.listen(1); c, _ = s.accept(); n = 0
+    while (b := c.recv(65536)): n += len(b)
+    assert n == 65536, n
+def send(dst):
+    s = socket.socket()
+    for _ in range(200):
+        try: s.connect((f"10.77.0.{{dst + 1}}", 29600 + rank)); break
+        except OSError: time.sleep(0.05)
+    s.sendall(bytes(65536)); s.close()
+threads = [threading.Thread(target=receive, args=(a,)) for a, b in pairs if b == rank]
+threads += [threading.Thread(target=send, args=(b,)) for a, b in pairs if a == rank]
+for t in threads: t.start()
+for t in threads: t.join()
+"""
+
+
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        (  # one link per node, nested GPU links: a GCD's bytes to another node cross its GPU's link and its node's
+            ["--ranks-per-node", "4", "--gpus-per-node", "2", "--gpu-rate", "200mbit"],
+            {
+                (0, 1): [("gcd:n0g0c0", "up"), ("gcd:n0g0c1", "down")],
+                (1, 2): [("gpu:n0g0", "up"), ("gpu:n0g1", "down")],
+                (3, 4): [("gpu:n0g1", "up"), ("node:n0", "up"), ("node:n1", "down"), ("gpu:n1g0", "down")],
+            },
+        ),
+        (  # no GPU level: the node's namespace routes for its GCDs
+            ["--ranks-per-node", "2"],
+            {(0, 1): [("gcd:n0g0c0", "up"), ("gcd:n0g0c1", "down")], (1, 2): [("node:n0", "up"), ("node:n1", "down")]},
+        ),
+    ],
+    ids=["per-node", "no-gpu-level"],
+)
+def test_runner_shapes_gcd_links_of_the_other_shapes(capable, tmp_path, flags, expected):
+    """``ds-ext cluster --gcd-rate --wire-out`` on the shapes without a NIC per GPU: ranks send
+    64 KB over raw TCP; each pair's bytes cross exactly the links of its path, no others."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = tmp_path / "wire.json"
+    res = subprocess.run(
+        [sys.executable, "-m", "ds_ext.cluster", "--nodes", "2", "--node-rate", "50mbit", "--gcd-rate", "400mbit"]
+        + flags
+        + ["--wire-out", str(out), "--", sys.executable, "-c", _RAW_SEND.format(pairs=list(expected))],
+        env=env,
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert res.returncode == 0, res.stderr
+    links = json.loads(out.read_text())["links"]
+    crossed = {hop for hops in expected.values() for hop in hops}
+    for (name, direction), moved in ((hop, links[hop[0]][hop[1]]) for hop in crossed):
+        assert 65536 <= moved < 65536 + STRAY, (name, direction, links)
+    assert all(links[name][d] < STRAY for name in links for d in ("up", "down") if (name, d) not in crossed), links

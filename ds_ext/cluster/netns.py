@@ -455,49 +455,50 @@ class NetnsCluster:
     def _route_gcds(self, carriers: list[Link]) -> None:
         """GCD links: the hops, addresses and routes of the class docstring; ``carriers``: the
         link of each GPU, in GPU order, that holds its router's address."""
-        spec, rid, per_gpu = self.spec, self.rid, self.spec.ranks_per_gpu
+        spec, rid = self.spec, self.rid
         inner = {link.lower_ns: link.lower_if for link in self.links if link.level == "gpu"}
+        gcds: dict[str, list[Link]] = {}  # each router's GCD links, in rank order
+        for link in self.links:
+            if link.level == "gcd":
+                gcds.setdefault(link.upper_ns, []).append(link)
         router_addr = [f"{ROUTER_SUBNET}.{i + 1}" for i in range(len(carriers))]
         rank_addr = [f"{SUBNET}.{r + 1}" for r in range(spec.world_size)]
+        ranks_of = [range(i * spec.ranks_per_gpu, (i + 1) * spec.ranks_per_gpu) for i in range(len(carriers))]
         for i, carrier in enumerate(carriers):
-            router = carrier.lower_ns
-            mine = range(i * per_gpu, (i + 1) * per_gpu)
+            router, mine = carrier.lower_ns, list(zip(ranks_of[i], gcds[carrier.lower_ns]))
             batch = [f"addr add {router_addr[i]}/32 dev {carrier.lower_if}"]
-            for rank in mine:
-                hop, gcd_ns = if_name(rid, "hp", rank), ns_name(rid, f"n{carrier.node}g{carrier.gpu}c{rank - mine[0]}")
+            for rank, gcd in mine:
+                hop = if_name(rid, "hp", rank)
                 batch += [
-                    f"link add {hop} mtu {MTU} type veth peer name {if_name(rid, 'hl', rank)} mtu {MTU} netns {gcd_ns}",
+                    f"link add {hop} mtu {MTU} type veth peer name {if_name(rid, 'hl', rank)} mtu {MTU} "
+                    f"netns {gcd.lower_ns}",
                     f"link set {hop} up",
                     f"route add {rank_addr[rank]}/32 dev {hop}",
                 ]
             for j, other in enumerate(carriers):
-                if j == i:
-                    continue
-                same_node = other.node == carrier.node
-                dev = inner[router] if spec.nic == "per-gpu" and same_node else carrier.lower_if
-                batch.append(f"route add {router_addr[j]}/32 dev {dev}")
-                batch += [
-                    f"route add {rank_addr[r]}/32 via {router_addr[j]} dev {dev}"
-                    for r in range(j * per_gpu, (j + 1) * per_gpu)
-                ]
+                if j != i:
+                    inside = spec.nic == "per-gpu" and other.node == carrier.node
+                    dev = inner[router] if inside else carrier.lower_if
+                    batch.append(f"route add {router_addr[j]}/32 dev {dev}")
+                    batch += [f"route add {rank_addr[r]}/32 via {router_addr[j]} dev {dev}" for r in ranks_of[j]]
             run_ip_batch(router, batch)
-            for rank in mine:
-                gcd_ns, hl, cl = (
-                    ns_name(rid, f"n{carrier.node}g{carrier.gpu}c{rank - mine[0]}"),
-                    if_name(rid, "hl", rank),
-                    if_name(rid, "cl", rank),
-                )
+            for rank, gcd in mine:
+                hop = if_name(rid, "hl", rank)
                 run_ip_batch(
-                    gcd_ns,
+                    gcd.lower_ns,
                     [
-                        f"link set {hl} up",
-                        f"addr add {rank_addr[rank]}/32 dev {hl}",
-                        f"route add {router_addr[i]}/32 dev {hl}",
-                        f"route add {SUBNET}.0/24 via {router_addr[i]} dev {hl}",
-                        *(f"route add {rank_addr[p]}/32 dev {cl} src {rank_addr[rank]}" for p in mine if p != rank),
+                        f"link set {hop} up",
+                        f"addr add {rank_addr[rank]}/32 dev {hop}",
+                        f"route add {router_addr[i]}/32 dev {hop}",
+                        f"route add {SUBNET}.0/24 via {router_addr[i]} dev {hop}",
+                        *(
+                            f"route add {rank_addr[p]}/32 dev {gcd.lower_if} src {rank_addr[rank]}"
+                            for p in ranks_of[i]
+                            if p != rank
+                        ),
                     ],
                 )
-                self.leaves.append(Leaf(rank, carrier.node, carrier.gpu, gcd_ns, hl, rank_addr[rank]))
+                self.leaves.append(Leaf(rank, carrier.node, carrier.gpu, gcd.lower_ns, hop, rank_addr[rank]))
 
     def _add_leaf(self, node: int, gpu: int, ns: str, dev: str) -> None:
         index = len(self.leaves)
