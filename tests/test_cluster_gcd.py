@@ -138,7 +138,7 @@ def test_refusals_are_one_line_naming_the_setting():
     assert spec_from_args(args) == _spec()
 
 
-def test_frontier_preset_shapes_every_level_in_its_ratios():
+def test_frontier_preset_shapes_every_level_in_its_ratios(tmp_path):
     """frontier (per rank: gcd 200, gpu 50, node 12.5 GB/s) with a NIC per GPU and GCD links: a
     GCD's link 200 GB/s, a GPU's 100, a NIC 25 (003 §IV, 004 §III-A); / 2000: 800 : 400 : 100 Mbit/s."""
     spec = spec_from_topology(
@@ -147,6 +147,13 @@ def test_frontier_preset_shapes_every_level_in_its_ratios():
     assert (spec.ranks_per_node, spec.gpus_per_node, spec.leaves) == (8, 4, 16)
     rates = [spec.gcd_link.rate_bps, spec.gpu_link.rate_bps, spec.node_link.rate_bps]
     assert rates == pytest.approx([800e6, 400e6, 100e6])
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text('{"ds_ext": {"topology": {"preset": "frontier"}}}')
+    p = argparse.ArgumentParser()
+    add_cluster_arguments(p)
+    flags = f"--config {cfg} --gpu-level --gcd-level --nic per-gpu --rate-scale 2000 --gcd-rate 600mbit".split()
+    assert spec_from_args(p.parse_args(flags[:-2])) == spec
+    assert spec_from_args(p.parse_args(flags)).gcd_link.rate_bps == 600e6  # an explicit rate wins
 
 
 def test_measurement_groups_of_the_gcd_level():
@@ -257,7 +264,7 @@ def test_sixteen_ranks_all_gather_on_every_level(capable):
     links carry exactly its hops' bytes up (plus headers)."""
     from ds_ext.cluster.world import cluster_world
 
-    nbytes, world_size = 64 * 2**10, 16
+    nbytes, world_size = 256 * 2**10, 16
     topo = _topology(4)
     hops = [topo.level_of([r, (r + 1) % world_size]) for r in range(world_size)]
     with cluster_world(_spec(4)) as world:
