@@ -17,7 +17,12 @@ one-line reason, where the host cannot:
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +40,8 @@ TOLERANCE = 0.15  # as the other rate tests (tests/test_cluster.py)
 WIRE_OVERHEAD = 0.03  # headers and acknowledgements: docs/cluster.md, "Bytes on the wire"
 STRAY = 16_000  # bytes a link may carry in a region without payload: barriers, ARP, acknowledgements
 MESSAGE = 2**20
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 def _spec(nodes: int = 2) -> ClusterSpec:
@@ -319,21 +326,13 @@ for t in threads: t.join()
 def test_runner_shapes_gcd_links_of_the_other_shapes(capable, tmp_path, flags, expected):
     """``ds-ext cluster --gcd-rate --wire-out`` on the shapes without a NIC per GPU: ranks send
     64 KB over raw TCP; each pair's bytes cross exactly the links of its path, no others."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     out = tmp_path / "wire.json"
     res = subprocess.run(
         [sys.executable, "-m", "ds_ext.cluster", "--nodes", "2", "--node-rate", "50mbit", "--gcd-rate", "400mbit"]
         + flags
         + ["--wire-out", str(out), "--", sys.executable, "-c", _RAW_SEND.format(pairs=list(expected))],
-        env=env,
-        cwd=repo,
+        env=ENV,
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=240,
