@@ -11,7 +11,9 @@ one-line reason, where the host cannot:
 * each level's measured rate is its own link's shape (fastest of 3; GCD : GPU : NIC = 8 : 4 : 1);
 * 4 nodes (16 ranks): an all-gather over the world through ds_ext.comm's Communicator is
   correct, and its ring's hops put their bytes on all three levels, each level the bytes of the
-  hops whose two ranks differ at it (``Topology.level_of``).
+  hops whose two ranks differ at it (``Topology.level_of``);
+* ``ds-ext cluster --gcd-rate --wire-out`` with one link per node (nested GPU links) and with no
+  GPU level: each pair's raw TCP bytes cross exactly the links of its path.
 """
 
 from __future__ import annotations
