@@ -1,6 +1,7 @@
 """An emulated cluster on one host: nodes as network namespaces joined by ``tc tbf``-shaped
-links (one per node, or one per GPU as Frontier's NICs), ranks started inside them with
-launcher semantics (``ds-ext cluster``).
+links (one per node, or one per GPU as Frontier's NICs; with ``--gcd-rate`` also one per GCD,
+so that every level is shaped), ranks started inside them with launcher semantics
+(``ds-ext cluster``).
 
 Timing measured on it comes from the kernel's token buckets and gloo's TCP traffic, not
 from ds_ext's own alpha-beta model (``ds_ext.comm`` emulation), so it can test that model.

@@ -4,6 +4,8 @@ and the measured-network run that ``ds-ext tune --measure --network netns`` uses
     ds-ext cluster --nodes 2 --ranks-per-node 2 --node-rate 40mbit -- python train.py ...
     ds-ext cluster --config ds_config.json --nodes 2 --rate-scale 2000 -- python train.py ...
     ds-ext cluster --nic per-gpu --gpus-per-node 2 --gpu-rate 400mbit --node-rate 100mbit -- CMD  # a NIC per GPU
+    ds-ext cluster --nic per-gpu --ranks-per-node 4 --gpus-per-node 2 --node-rate 100mbit --gpu-rate 400mbit \\
+        --gcd-rate 800mbit -- CMD  # every level shaped, Frontier / 2000: a namespace and a link per GCD
     ds-ext cluster --node-rate 40mbit --wire-out wire.json -- CMD  # bytes each link carried, written at the end
     ds-ext cluster --check      # can this host build one? (exit 0, or 2 with the reason)
     ds-ext cluster --clean      # remove the leftovers of killed runs
@@ -48,6 +50,15 @@ def add_cluster_arguments(p: argparse.ArgumentParser, ranks_per_node: bool = Tru
     g.add_argument("--gpu-rate", default=None, metavar="RATE", help="each GPU's link inside a node")
     g.add_argument("--gpu-burst", type=int, default=None, metavar="BYTES")
     g.add_argument(
+        "--gcd-rate",
+        default=None,
+        metavar="RATE",
+        help="each rank (GCD) in a namespace of its own with a link of this rate to the other GCDs "
+        "of its GPU (needs 2 or more ranks per GPU; Frontier: 2x --gpu-rate, 8x a NIC); without it "
+        "the ranks of a GPU share its namespace and talk over its unshaped loopback",
+    )
+    g.add_argument("--gcd-burst", type=int, default=None, metavar="BYTES")
+    g.add_argument(
         "--nic",
         choices=NIC_SHAPES,
         default=None,
@@ -57,6 +68,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser, ranks_per_node: bool = Tru
     )
     g.add_argument("--config", default=None, help="ds_config JSON whose ds_ext.topology block gives the levels")
     g.add_argument("--gpu-level", action="store_true", help="--config: also shape the 'gpu' level")
+    g.add_argument(
+        "--gcd-level", action="store_true", help="--config with --gpu-level: also shape the 'gcd' level (GCD links)"
+    )
     g.add_argument(
         "--rate-scale",
         type=float,
@@ -73,17 +87,27 @@ def spec_from_args(ns: argparse.Namespace, ranks_per_node: int | None = None) ->
         block = json.loads(Path(ns.config).read_text()).get("ds_ext", {}).get("topology")
         if block is None:
             raise ClusterError(f"{ns.config} has no ds_ext.topology block")
-        base = spec_from_topology(block, ns.nodes, ns.rate_scale, ns.gpu_level, nic)
+        base = spec_from_topology(block, ns.nodes, ns.rate_scale, ns.gpu_level, nic, ns.gcd_level)
         if per_node is not None and per_node != base.ranks_per_node:
             raise ClusterError(f"{ns.config} has {base.ranks_per_node} ranks per node, not {per_node}")
         node = LinkShape.of(parse_rate(ns.node_rate), ns.node_burst) if ns.node_rate else base.node_link
         gpu = LinkShape.of(parse_rate(ns.gpu_rate), ns.gpu_burst) if ns.gpu_rate else base.gpu_link
-        return ClusterSpec(ns.nodes, base.ranks_per_node, node, base.gpus_per_node, gpu, nic)
+        gcd = LinkShape.of(parse_rate(ns.gcd_rate), ns.gcd_burst) if ns.gcd_rate else base.gcd_link
+        return ClusterSpec(ns.nodes, base.ranks_per_node, node, base.gpus_per_node, gpu, nic, gcd)
     if ns.node_rate is None:
         raise ClusterError("give --node-rate (e.g. 40mbit) or --config with a ds_ext.topology block")
+    if ns.gcd_level:
+        raise ClusterError("--gcd-level reads the 'gcd' level of --config; without --config give --gcd-rate")
     gpu = LinkShape.of(parse_rate(ns.gpu_rate), ns.gpu_burst) if ns.gpu_rate else None
+    gcd = LinkShape.of(parse_rate(ns.gcd_rate), ns.gcd_burst) if ns.gcd_rate else None
     return ClusterSpec(
-        ns.nodes, per_node or 2, LinkShape.of(parse_rate(ns.node_rate), ns.node_burst), ns.gpus_per_node, gpu, nic
+        ns.nodes,
+        per_node or 2,
+        LinkShape.of(parse_rate(ns.node_rate), ns.node_burst),
+        ns.gpus_per_node,
+        gpu,
+        nic,
+        gcd,
     )
 
 

@@ -4,8 +4,9 @@ bandwidth, latency and all-gather bandwidth, with gloo over the shaped links.
 Run on every rank by ``ds-ext cluster`` / ``ds-ext tune --measure --network netns``
 (``python -m ds_ext.cluster.measure --out FILE``); reads the cluster's shape from
 ``DS_EXT_CLUSTER`` (set by :mod:`ds_ext.cluster.launch`). Levels are the link classes a pair
-of ranks talks over (:meth:`ClusterSpec.level_of_pair`): ``local`` (one namespace, loopback),
-``gpu`` (two GPUs of one node, when the cluster has a GPU level) and ``node``.
+of ranks talks over (:meth:`ClusterSpec.level_of_pair`): ``local`` (one namespace, loopback) or,
+with GCD links, ``gcd`` (the GCDs of one GPU), ``gpu`` (two GPUs of one node, when the cluster
+has a GPU level) and ``node``.
 
 For each level, with rank 0 and the first rank ``b`` across that level:
 
@@ -13,7 +14,7 @@ For each level, with rank 0 and the first rank ``b`` across that level:
 * point-to-point bandwidth: ``message`` bytes 0 -> b, then a 4-byte reply, bytes over the
   fastest time (the reply's latency is left in: it makes the figure a lower bound);
 * all-gather bandwidth over the ranks that span the level (``span``: all ranks for ``node``,
-  the ranks of node 0 for ``gpu``, of namespace 0 for ``local``), ``message`` bytes from
+  the ranks of node 0 for ``gpu``, of GPU 0 for ``local`` / ``gcd``), ``message`` bytes from
   each; ring bus bandwidth ``(g - 1) * message / t``, the bytes each rank receives per second.
   gloo's ring runs in rank order, so with two or more ranks per namespace each shaped link
   carries one ring connection per direction and the figure should match the link's rate;
@@ -24,7 +25,7 @@ For each level, with rank 0 and the first rank ``b`` across that level:
 
 * shared bandwidth: every rank exchanges ``message`` bytes both ways, at once, with the rank at
   its position in the partner domain across the level (domain index XOR 1: node i with node
-  i ^ 1, GPU g with GPU g ^ 1 of its node, in a namespace rank q with q ^ 1); ``message`` over
+  i ^ 1, GPU g with GPU g ^ 1 of its node, in a GPU rank q with q ^ 1); ``message`` over
   the slowest rank's time, the fastest of ``REPEATS``. It is what one rank gets while all ranks
   use the level (``Level.bandwidth``): the ranks behind one link share it, and on the shaped
   cluster two TCP flows through one tbf link move less together than one alone.
@@ -66,6 +67,7 @@ def spec_from_env() -> ClusterSpec:
 def spec_from_json(d: dict[str, Any]) -> ClusterSpec:
     """The inverse of :meth:`ClusterSpec.to_json`."""
     gpu = LinkShape(d["gpu_rate_bps"], d["gpu_burst_bytes"]) if "gpu_rate_bps" in d else None
+    gcd = LinkShape(d["gcd_rate_bps"], d["gcd_burst_bytes"]) if "gcd_rate_bps" in d else None
     return ClusterSpec(
         d["nodes"],
         d["ranks_per_node"],
@@ -73,6 +75,7 @@ def spec_from_json(d: dict[str, Any]) -> ClusterSpec:
         d["gpus_per_node"],
         gpu,
         d.get("nic", "per-node"),
+        gcd,
     )
 
 
@@ -85,18 +88,18 @@ def level_partners(spec: ClusterSpec) -> dict[str, int]:
 
 
 def span_group(spec: ClusterSpec, level: str) -> list[int]:
-    """The ranks of the first domain that ``level`` joins: namespace 0, node 0, or the world."""
-    size = {"local": spec.ranks_per_leaf, "gpu": spec.ranks_per_node, "node": spec.world_size}[level]
+    """The ranks of the first domain that ``level`` joins: GPU 0, node 0, or the world."""
+    size = {"gpu": spec.ranks_per_node, "node": spec.world_size}.get(level, spec.ranks_per_gpu)
     return list(range(size))
 
 
 def cross_group(spec: ClusterSpec, level: str) -> list[int]:
     """One rank per domain of ``level`` inside the first domain of the level above: the ranks of
-    namespace 0 (``local``), rank 0 of every GPU of node 0 (``gpu``), of every node (``node``)."""
-    if level == "local":
-        return list(range(spec.ranks_per_leaf))
+    GPU 0 (``local``, ``gcd``), rank 0 of every GPU of node 0 (``gpu``), of every node (``node``)."""
+    if level in ("local", "gcd"):
+        return list(range(spec.ranks_per_gpu))
     if level == "gpu":
-        return list(range(0, spec.ranks_per_node, spec.ranks_per_leaf))
+        return list(range(0, spec.ranks_per_node, spec.ranks_per_gpu))
     return list(range(0, spec.world_size, spec.ranks_per_node))
 
 
@@ -187,8 +190,8 @@ def measure(message_bytes: int) -> dict[str, Any]:
 def exchange_partner(spec: ClusterSpec, level: str, rank: int) -> int | None:
     """The rank ``rank`` exchanges with in the shared-bandwidth measurement: its position in the
     domain of ``level`` whose index is its own XOR 1 (None: that domain does not exist)."""
-    unit = {"local": 1, "gpu": spec.ranks_per_leaf, "node": spec.ranks_per_node}[level]
-    count = {"local": spec.ranks_per_leaf, "gpu": spec.gpus_per_node, "node": spec.nodes}[level]
+    unit = {"gpu": spec.ranks_per_gpu, "node": spec.ranks_per_node}.get(level, 1)
+    count = {"gpu": spec.gpus_per_node, "node": spec.nodes}.get(level, spec.ranks_per_gpu)
     index = rank // unit % count
     return None if index ^ 1 >= count else rank + ((index ^ 1) - index) * unit
 
@@ -264,7 +267,7 @@ def allgather_correct() -> bool:
     return bool(ok.item())
 
 
-LEVEL_ORDER = ("local", "gpu", "node")
+LEVEL_ORDER = ("local", "gcd", "gpu", "node")
 
 
 def measured_topology(db: dict[str, Any], names: tuple[str, ...]) -> Topology:
@@ -275,7 +278,7 @@ def measured_topology(db: dict[str, Any], names: tuple[str, ...]) -> Topology:
     ``Level.bandwidth`` is per rank while all ranks use the level: the shared bandwidth where
     measured; else (a measurement from before it was taken) the point-to-point bandwidth
     divided among the ranks behind the link (a GPU link's or a GPU's NIC by the ranks of a GPU, a
-    node link's by the ranks of a node; loopback as measured). ``Level.link_bandwidth`` is one
+    node link's by the ranks of a node; a GCD link and loopback as measured). ``Level.link_bandwidth`` is one
     flow's: the point-to-point bandwidth. Latency: half the idle pair's round trip, or the job's step
     latency where that is longer (every rank of a collective communicates at once; a
     measurement without it gives the pair's)."""
@@ -283,9 +286,9 @@ def measured_topology(db: dict[str, Any], names: tuple[str, ...]) -> Topology:
     present = [lv for lv in LEVEL_ORDER if lv in db["levels"]]
     if len(present) != len(names):
         raise ValueError(f"the cluster measured levels {present}; cannot name them {list(names)}")
-    behind_nic = spec.ranks_per_leaf if spec.nic == "per-gpu" else spec.ranks_per_node
-    sharing = {"local": 1, "gpu": spec.ranks_per_leaf, "node": behind_nic}
-    sizes = {"local": spec.ranks_per_leaf, "gpu": spec.gpus_per_node, "node": spec.nodes}
+    behind_nic = spec.ranks_per_gpu if spec.nic == "per-gpu" else spec.ranks_per_node
+    sharing = {"local": 1, "gcd": 1, "gpu": spec.ranks_per_gpu, "node": behind_nic}
+    sizes = {"local": spec.ranks_per_gpu, "gcd": spec.ranks_per_gpu, "gpu": spec.gpus_per_node, "node": spec.nodes}
     step = db.get("step_latency_s") or 0.0
     levels = []
     for name, lv in zip(names, present):

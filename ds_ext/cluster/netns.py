@@ -5,8 +5,10 @@ namespace of its own, every node (and, with a GPU level, every GPU) is a namespa
 veth pairs run between namespaces. Deleting the namespaces therefore removes everything.
 
 Names, per run (``RID`` = 6 random hex digits): namespaces ``ds_ext-RID-sw`` (the switch),
-``ds_ext-RID-nI`` (node I), ``ds_ext-RID-nIgJ`` (GPU J of node I); interfaces ``dsxRID...``;
-addresses ``10.77.0.K/24`` on the namespaces that hold ranks (no route leaves them).
+``ds_ext-RID-nI`` (node I), ``ds_ext-RID-nIgJ`` (GPU J of node I), ``ds_ext-RID-nIgJcK`` (GCD K
+of that GPU, with GCD links); interfaces ``dsxRID...``; addresses ``10.77.0.K`` on the
+namespaces that hold ranks and, with GCD links, ``10.77.1.K`` on the GPUs' routers (no route
+leaves them).
 
 A run holds an exclusive ``flock`` on ``/run/ds_ext_cluster/RID.lock`` from before its first
 namespace until after its last is deleted. :func:`sweep_leftovers` removes the namespaces of
@@ -31,6 +33,7 @@ from ds_ext.cluster.spec import ClusterError, ClusterSpec, LinkShape
 NS_PREFIX = "ds_ext-"
 IF_PREFIX = "dsx"
 SUBNET = "10.77.0"
+ROUTER_SUBNET = "10.77.1"  # the GPUs' routers, with GCD links
 MTU = 9000
 # tbf queue bound, not an added delay: deep enough that two streams through one NIC queue rather than
 # drop (with 30 ms, tbf's drops made TCP resend 5 % of an all_to_all's bytes; Slingshot, which the
@@ -62,16 +65,22 @@ _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
 
 
-def run_cmd(*argv: str) -> str:
+def run_cmd(*argv: str, stdin: str | None = None) -> str:
     """Run ``ip`` / ``tc``; a failure raises :class:`ClusterError` with the command and its stderr."""
     try:
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
+        res = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise ClusterError(f"{' '.join(argv)}: {err}") from None
     if res.returncode:
         first = (res.stderr.strip() or res.stdout.strip() or f"exit {res.returncode}").splitlines()[0]
         raise ClusterError(f"{' '.join(argv)}: {first}")
     return res.stdout
+
+
+def run_ip_batch(ns: str, commands: list[str]) -> None:
+    """Several ``ip`` commands inside namespace ``ns`` in one process (``ip -batch``)."""
+    if commands:
+        run_cmd("ip", "-n", ns, "-batch", "-", stdin="\n".join(commands) + "\n")
 
 
 class RunLock:
@@ -179,9 +188,10 @@ def if_name(rid: str, kind: str, i: int) -> str:
 class Link:
     """One shaped veth: its upper end a port of bridge ``bridge`` in ``upper_ns`` (the switch, or
     a node's bridge), its lower end ``lower_if`` in ``lower_ns`` (a port of ``lower_bridge`` when
-    the lower namespace is itself a switch; else the lower namespace holds ranks). ``level``:
-    ``node`` for a link out of a node (the node's link, or one GPU's NIC), ``gpu`` for a GPU's
-    link inside its node; ``node`` and ``gpu`` say whose (``gpu`` 0 for a node's link)."""
+    the lower namespace is itself a switch; else the lower namespace holds ranks or, with GCD
+    links, routes for them). ``level``: ``node`` for a link out of a node (the node's link, or one
+    GPU's NIC), ``gpu`` for a GPU's link inside its node, ``gcd`` for a GCD's link inside its GPU;
+    ``node`` and ``gpu`` say whose (``gpu`` 0 for a node's link)."""
 
     name: str
     level: str
@@ -196,12 +206,45 @@ class Link:
     lower_bridge: str | None = None
 
 
+def gpu_ns_suffix(spec: ClusterSpec, node: int, gpu: int) -> str:
+    """The namespace of GPU ``gpu`` of node ``node``: ``nIgJ``, or the node's ``nI`` without a GPU level."""
+    return f"n{node}g{gpu}" if spec.gpus_per_node > 1 else f"n{node}"
+
+
+def gcd_links(spec: ClusterSpec, rid: str, node: int, gpu: int) -> list[Link]:
+    """The GCD links of one GPU (003 §IV, 004 §III-A: 200 GB/s between the GCDs of an MI250X):
+    one per GCD, from its namespace ``nIgJcK`` to the GPU's GCD switch, a bridge in the GPU's
+    namespace that joins only these links (``gcd:nIgJcK``)."""
+    upper = ns_name(rid, gpu_ns_suffix(spec, node, gpu))
+    gpu_index = node * spec.gpus_per_node + gpu
+    out = []
+    for gcd in range(spec.ranks_per_gpu):
+        rank = gpu_index * spec.ranks_per_gpu + gcd
+        out.append(
+            Link(
+                f"gcd:n{node}g{gpu}c{gcd}",
+                "gcd",
+                node,
+                gpu,
+                upper,
+                if_name(rid, "cb", gpu_index),
+                if_name(rid, "cp", rank),
+                ns_name(rid, f"n{node}g{gpu}c{gcd}"),
+                if_name(rid, "cl", rank),
+                spec.gcd_link,
+            )
+        )
+    return out
+
+
 def cluster_links(spec: ClusterSpec, rid: str) -> list[Link]:
     """Every shaped link of run ``rid`` of ``spec``, named ``LEVEL:NAMESPACE`` after the namespace
     below it (``node:n0``: node 0's link; ``node:n0g1``: GPU 1 of node 0's NIC; ``gpu:n0g1``: its
-    link inside node 0). A pure function of the spec and the run id, so that a rank can find the
-    links of its own cluster from ``DS_EXT_CLUSTER`` (:mod:`ds_ext.cluster.wire`)."""
+    link inside node 0; ``gcd:n0g1c0``: GCD 0 of that GPU's link inside it). A pure function of
+    the spec and the run id, so that a rank can find the links of its own cluster from
+    ``DS_EXT_CLUSTER`` (:mod:`ds_ext.cluster.wire`)."""
     switch, top = ns_name(rid, "sw"), if_name(rid, "b", 0)
+    with_gcd = spec.gcd_link is not None
     links = []
     for node in range(spec.nodes):
         node_ns = ns_name(rid, f"n{node}")
@@ -253,6 +296,10 @@ def cluster_links(spec: ClusterSpec, rid: str) -> list[Link]:
                         spec.node_link,
                     )
                 )
+            if with_gcd:
+                links.extend(gcd_links(spec, rid, node, gpu))
+        if with_gcd and node_br is None:
+            links.extend(gcd_links(spec, rid, node, 0))
     return links
 
 
@@ -279,6 +326,16 @@ class NetnsCluster:
     other GPU of its node sends that GPU's address down its link inside the node instead (the
     peer answers for its NIC's address on any of its links): cross-node traffic leaves by the
     NIC, traffic inside a node by the node's links.
+
+    With GCD links every rank has a namespace (``nIgJcK``) holding its address on an unshaped
+    veth (the hop) to its GPU's namespace, which becomes a router: it holds the address the GPU
+    would have held (``10.77.1.K``) and a host route per GCD of the cluster, to its own GCDs down
+    their hops, to another GPU's GCDs via that GPU's address over the link their traffic belongs
+    to (a NIC per GPU: the link inside the node for the same node, the NIC otherwise; else the
+    GPU's one link up). A GCD routes its partner GCDs' addresses over its GCD link and the rest of
+    the cluster via its router over the hop. So a byte crosses the shaped links of exactly one
+    level, the outermost its two ranks differ at, and the hop is counted by none. Every route has
+    its reverse (strict reverse-path filtering passes).
     """
 
     def __init__(self, spec: ClusterSpec) -> None:
@@ -309,7 +366,7 @@ class NetnsCluster:
         run_cmd("ip", "netns", "add", name)
         run_cmd("ip", "-n", name, "link", "set", "lo", "up")
         for key, value in TCP_SETTINGS.items():
-            run_cmd(*_tcp_setting_argv(name, key, value))
+            run_cmd(*_sysctl_argv(name, key, value))
         return name
 
     @staticmethod
@@ -371,16 +428,80 @@ class NetnsCluster:
                 self._bridge(node_ns, if_name(rid, "b", node + 1))
                 for gpu in range(spec.gpus_per_node):
                     self._add_ns(f"n{node}g{gpu}")
+        if spec.gcd_link is not None:
+            self._add_gcd_namespaces()
         for link in self.links:
             self._link(link)
-        # the links that carry a leaf's address: a node's link without a GPU level, else a GPU's
+        # the links that carry a GPU's address: a node's link without a GPU level, else a GPU's
         # NIC (per-gpu) or its link inside the node (per-node)
         carrier = "node" if spec.gpus_per_node == 1 or spec.nic == "per-gpu" else "gpu"
-        for link in self.links:
-            if link.level == carrier:
-                self._add_leaf(link.node, link.gpu, link.lower_ns, link.lower_if)
+        carriers = [link for link in self.links if link.level == carrier]
+        if spec.gcd_link is not None:
+            self._route_gcds(carriers)
+            return
+        for link in carriers:
+            self._add_leaf(link.node, link.gpu, link.lower_ns, link.lower_if)
         if spec.nic == "per-gpu":
             self._route_inside_nodes()
+
+    def _add_gcd_namespaces(self) -> None:
+        """A namespace per GCD; each GPU's namespace gets its GCD switch and forwards packets."""
+        spec, rid = self.spec, self.rid
+        for index in range(spec.gpus):
+            node, gpu = divmod(index, spec.gpus_per_node)
+            router = ns_name(rid, gpu_ns_suffix(spec, node, gpu))
+            self._bridge(router, if_name(rid, "cb", index))
+            run_cmd(*_sysctl_argv(router, "net.ipv4.ip_forward", "1"))
+            for gcd in range(spec.ranks_per_gpu):
+                self._add_ns(f"n{node}g{gpu}c{gcd}")
+
+    def _route_gcds(self, carriers: list[Link]) -> None:
+        """GCD links: the hops, addresses and routes of the class docstring; ``carriers``: the
+        link of each GPU, in GPU order, that holds its router's address."""
+        spec, rid = self.spec, self.rid
+        inner = {link.lower_ns: link.lower_if for link in self.links if link.level == "gpu"}
+        gcds: dict[str, list[Link]] = {}  # each router's GCD links, in rank order
+        for link in self.links:
+            if link.level == "gcd":
+                gcds.setdefault(link.upper_ns, []).append(link)
+        router_addr = [f"{ROUTER_SUBNET}.{i + 1}" for i in range(len(carriers))]
+        rank_addr = [f"{SUBNET}.{r + 1}" for r in range(spec.world_size)]
+        ranks_of = [range(i * spec.ranks_per_gpu, (i + 1) * spec.ranks_per_gpu) for i in range(len(carriers))]
+        for i, carrier in enumerate(carriers):
+            router, mine = carrier.lower_ns, list(zip(ranks_of[i], gcds[carrier.lower_ns]))
+            batch = [f"addr add {router_addr[i]}/32 dev {carrier.lower_if}"]
+            for rank, gcd in mine:
+                hop = if_name(rid, "hp", rank)
+                batch += [
+                    f"link add {hop} mtu {MTU} type veth peer name {if_name(rid, 'hl', rank)} mtu {MTU} "
+                    f"netns {gcd.lower_ns}",
+                    f"link set {hop} up",
+                    f"route add {rank_addr[rank]}/32 dev {hop}",
+                ]
+            for j, other in enumerate(carriers):
+                if j != i:
+                    inside = spec.nic == "per-gpu" and other.node == carrier.node
+                    dev = inner[router] if inside else carrier.lower_if
+                    batch.append(f"route add {router_addr[j]}/32 dev {dev}")
+                    batch += [f"route add {rank_addr[r]}/32 via {router_addr[j]} dev {dev}" for r in ranks_of[j]]
+            run_ip_batch(router, batch)
+            for rank, gcd in mine:
+                hop = if_name(rid, "hl", rank)
+                run_ip_batch(
+                    gcd.lower_ns,
+                    [
+                        f"link set {hop} up",
+                        f"addr add {rank_addr[rank]}/32 dev {hop}",
+                        f"route add {router_addr[i]}/32 dev {hop}",
+                        f"route add {SUBNET}.0/24 via {router_addr[i]} dev {hop}",
+                        *(
+                            f"route add {rank_addr[p]}/32 dev {gcd.lower_if} src {rank_addr[rank]}"
+                            for p in ranks_of[i]
+                            if p != rank
+                        ),
+                    ],
+                )
+                self.leaves.append(Leaf(rank, carrier.node, carrier.gpu, gcd.lower_ns, hop, rank_addr[rank]))
 
     def _add_leaf(self, node: int, gpu: int, ns: str, dev: str) -> None:
         index = len(self.leaves)
@@ -433,8 +554,9 @@ def enter_namespace(name: str) -> None:
         os.close(fd)
 
 
-def _tcp_setting_argv(ns: str, key: str, value: str) -> tuple[str, ...]:
-    """The command that sets one of :data:`TCP_SETTINGS` inside namespace ``ns``."""
+def _sysctl_argv(ns: str, key: str, value: str) -> tuple[str, ...]:
+    """The command that sets sysctl ``key`` (one of :data:`TCP_SETTINGS`, or a router's
+    ``net.ipv4.ip_forward``) inside namespace ``ns``."""
     return ("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}")
 
 
@@ -501,7 +623,7 @@ def capability_problem() -> str | None:
                 ),
             ),
             *(
-                (f"set {key}={value} in a namespace", _tcp_setting_argv(ns, key, value))
+                (f"set {key}={value} in a namespace", _sysctl_argv(ns, key, value))
                 for key, value in TCP_SETTINGS.items()
             ),
         ):

@@ -12,15 +12,21 @@ A cluster has ``nodes`` emulated nodes of ``ranks_per_node`` ranks each, and one
   ``gpu_link`` into its node's switch (Infinity Fabric) that carries only the traffic between
   GPUs of one node. A GPU's cross-node traffic leaves through its own NIC.
 
-The ranks of one GPU share its namespace. Ranks inside one namespace talk over its loopback,
-which is not shaped (Frontier's GCD pair, the fastest level).
+Without ``gcd_link`` the ranks of one GPU share its namespace and talk over its loopback, which
+is not shaped (Frontier's GCD pair, the fastest level, free). With ``gcd_link`` every level is
+shaped: each rank (GCD) has a namespace of its own and a link shaped to ``gcd_link`` into its
+GPU's GCD switch (a bridge that joins only the GCDs of that GPU), and reaches everything outside
+its GPU through the GPU's namespace, now a router, over an unshaped hop that belongs to no level;
+so a byte crosses the links of exactly one level, the outermost its two ranks differ at
+(``Topology.level_of``), up the sender's link and down the receiver's.
 
 Frontier's ratios (003 §IV, 004 §III-A; spec/zero_topo_and_frontier.md A3, B5): GCD-GCD inside one
 MI250X 200 GB/s, MI250X to MI250X 100 GB/s (004 §III-A: "across the die is half of it"; 003: the
 adjacent pairs, 50 GB/s the cross pairs and Table II), 25 GB/s per NIC. The ``frontier`` topology
 preset gives per rank 50 GB/s (``gpu``) and 12.5 GB/s (``node``), which
 :func:`spec_from_topology` turns into a 100 GB/s GPU link and a 25 GB/s NIC per GPU of 2 ranks;
-``rate_scale`` 2000 makes those 400 and 100 Mbit/s.
+``rate_scale`` 2000 makes those 400 and 100 Mbit/s, and the preset's 200 GB/s per rank of the
+``gcd`` level a GCD link of 800 Mbit/s: 800 : 400 : 100, Frontier's 200 : 100 : 25.
 
 Rates are bits per second on the wire, as ``tc tbf`` counts them (Ethernet frames, so about
 0.7 % above the TCP payload rate at the 9000-byte MTU the cluster uses).
@@ -28,8 +34,9 @@ Rates are bits per second on the wire, as ``tc tbf`` counts them (Ethernet frame
 The topology block of a ds_config (``"ds_ext": {"topology": ...}``) can give the rates: a
 level's ``bandwidth_GBps`` is per rank (``ds_ext.topology.Level``), so the link of one node
 carries ``ranks_per_node`` times the ``node`` level's bandwidth and the link of one GPU the
-ranks of that GPU times the ``gpu`` level's; ``rate_scale`` divides both so that a real
-machine's figures fit what one host's CPU can push.
+ranks of that GPU times the ``gpu`` level's, and the link of one GCD the ``gcd`` level's (one
+rank behind it); ``rate_scale`` divides them all so that a real machine's figures fit what one
+host's CPU can push.
 """
 
 from __future__ import annotations
@@ -103,6 +110,7 @@ class ClusterSpec:
     gpus_per_node: int = 1
     gpu_link: LinkShape | None = None
     nic: str = "per-node"
+    gcd_link: LinkShape | None = None
 
     def __post_init__(self) -> None:
         if self.nic not in NIC_SHAPES:
@@ -122,6 +130,11 @@ class ClusterSpec:
             )
         if (self.gpus_per_node > 1) != (self.gpu_link is not None):
             raise ClusterError("a GPU link rate is needed exactly when there is more than one GPU per node")
+        if self.gcd_link is not None and self.ranks_per_gpu < 2:
+            raise ClusterError(
+                f"a GCD link (--gcd-rate) needs 2 or more ranks per GPU (the GCDs it joins), got "
+                f"{self.ranks_per_gpu} ({self.ranks_per_node} ranks per node over {self.gpus_per_node} GPUs)"
+            )
         if self.leaves > MAX_LEAVES:
             raise ClusterError(f"{self.leaves} namespaces with ranks exceed the {MAX_LEAVES} a /24 holds")
 
@@ -130,27 +143,45 @@ class ClusterSpec:
         return self.nodes * self.ranks_per_node
 
     @property
-    def leaves(self) -> int:
-        """Namespaces that hold ranks: one per GPU, or one per node without a GPU level."""
+    def gpus(self) -> int:
+        """GPUs of the cluster (a node without a GPU level is one GPU)."""
         return self.nodes * self.gpus_per_node
 
     @property
-    def ranks_per_leaf(self) -> int:
+    def ranks_per_gpu(self) -> int:
         return self.ranks_per_node // self.gpus_per_node
+
+    @property
+    def leaves(self) -> int:
+        """Namespaces that hold ranks: one per rank with a GCD link, else one per GPU (one per
+        node without a GPU level)."""
+        return self.world_size if self.gcd_link is not None else self.gpus
+
+    @property
+    def ranks_per_leaf(self) -> int:
+        return 1 if self.gcd_link is not None else self.ranks_per_gpu
 
     def leaf_of(self, rank: int) -> int:
         return rank // self.ranks_per_leaf
 
+    def gpu_of(self, rank: int) -> int:
+        return rank // self.ranks_per_gpu
+
     def level_of_pair(self, a: int, b: int) -> str:
-        """The link class two ranks talk over: ``local`` (one namespace), ``gpu`` or ``node``."""
+        """The link class two ranks talk over: ``local`` (one namespace's loopback), ``gcd`` (two
+        GCDs of one GPU, with a GCD link), ``gpu`` or ``node``."""
         if a // self.ranks_per_node != b // self.ranks_per_node:
             return "node"
-        return "gpu" if self.leaf_of(a) != self.leaf_of(b) else "local"
+        if self.gpu_of(a) != self.gpu_of(b):
+            return "gpu"
+        return "gcd" if self.gcd_link is not None and a != b else "local"
 
     def path_rate_bps(self, level: str) -> float | None:
         """Slowest shaped link on a path over ``level``; None for loopback."""
         if level == "local":
             return None
+        if level == "gcd":
+            return self.gcd_link.rate_bps
         if self.nic == "per-gpu":
             return self.node_link.rate_bps if level == "node" else self.gpu_link.rate_bps
         rates = [self.gpu_link.rate_bps] if self.gpu_link is not None else []
@@ -160,13 +191,16 @@ class ClusterSpec:
 
     def describe(self) -> str:
         if self.nic == "per-gpu":
-            return (
+            text = (
                 f"{self.nodes} nodes x {self.ranks_per_node} ranks, {self.gpus_per_node} GPUs per node, "
                 f"a NIC per GPU {self.node_link.describe()}, GPU links inside a node {self.gpu_link.describe()}"
             )
-        text = f"{self.nodes} nodes x {self.ranks_per_node} ranks, node links {self.node_link.describe()}"
-        if self.gpu_link is not None:
-            text += f", {self.gpus_per_node} GPUs per node on links {self.gpu_link.describe()}"
+        else:
+            text = f"{self.nodes} nodes x {self.ranks_per_node} ranks, node links {self.node_link.describe()}"
+            if self.gpu_link is not None:
+                text += f", {self.gpus_per_node} GPUs per node on links {self.gpu_link.describe()}"
+        if self.gcd_link is not None:
+            text += f", a namespace per GCD, GCD links inside a GPU {self.gcd_link.describe()}"
         return text
 
     def to_json(self) -> dict[str, Any]:
@@ -180,16 +214,25 @@ class ClusterSpec:
         }
         if self.gpu_link is not None:
             out.update(gpu_rate_bps=self.gpu_link.rate_bps, gpu_burst_bytes=self.gpu_link.burst_bytes)
+        if self.gcd_link is not None:
+            out.update(gcd_rate_bps=self.gcd_link.rate_bps, gcd_burst_bytes=self.gcd_link.burst_bytes)
         return out
 
 
 def spec_from_topology(
-    block: Mapping[str, Any], nodes: int, rate_scale: float = 1.0, gpu_level: bool = False, nic: str = "per-node"
+    block: Mapping[str, Any],
+    nodes: int,
+    rate_scale: float = 1.0,
+    gpu_level: bool = False,
+    nic: str = "per-node",
+    gcd_level: bool = False,
 ) -> ClusterSpec:
     """A cluster of ``nodes`` nodes from a ``ds_ext.topology`` block: ranks per node from its
     inner levels, the node link from the ``node`` level (and, with ``gpu_level``, the GPU links
     from the ``gpu`` level), rates divided by ``rate_scale``. With ``nic="per-gpu"`` (which needs
-    ``gpu_level``) each GPU's NIC carries the ``node`` level's bandwidth of the ranks of one GPU."""
+    ``gpu_level``) each GPU's NIC carries the ``node`` level's bandwidth of the ranks of one GPU.
+    With ``gcd_level`` (which needs ``gpu_level`` and a ``gcd`` level right inside ``gpu``) each
+    rank gets a GCD link of the ``gcd`` level's bandwidth (003 §IV, 004 §III-A: 200 GB/s)."""
     from ds_ext import config as cfgmod  # pydantic: not for every ds-ext --help
 
     if rate_scale <= 0:
@@ -205,6 +248,9 @@ def spec_from_topology(
         if gpu_level and (len(levels) < 2 or levels[-2].name != "gpu"):
             raise TopologyError("--gpu-level needs a 'gpu' level right inside 'node'")
         gpu = topo.level("gpu") if gpu_level else None
+        if gcd_level and (gpu is None or len(levels) != 3 or levels[0].name != "gcd"):
+            raise TopologyError("--gcd-level needs --gpu-level and the levels gcd, gpu, node")
+        gcd = topo.level("gcd") if gcd_level else None
     except TopologyError as err:
         raise ClusterError(f"topology block: {err}") from None
     if nic == "per-gpu" and gpu is None:
@@ -220,4 +266,5 @@ def spec_from_topology(
         per_node // per_gpu,
         LinkShape.of(gpu.bandwidth * 8 * per_gpu / rate_scale),
         nic,
+        None if gcd is None else LinkShape.of(gcd.bandwidth * 8 / rate_scale),
     )

@@ -9,8 +9,10 @@ Ethernet headers, acknowledgements, ARP, on top of the payload.
 
 A byte between two GPUs of one node crosses one ``gpu`` link up and one down; a byte between
 nodes crosses one ``node`` link up and one down (with a NIC per GPU, the sending GPU's NIC;
-with one link per node and a GPU level, also both GPUs' ``gpu`` links). So a level's ``up``
-bytes are what the ranks sent over it, to set beside the ledger's bytes of that level
+with one link per node and a GPU level, also both GPUs' ``gpu`` links); with GCD links, a byte
+between the GCDs of one GPU crosses the sender's ``gcd`` link up and the receiver's down, and
+bytes to other GPUs reach their links over an unshaped hop that no level counts. So a level's
+``up`` bytes are what the ranks sent over it, to set beside the ledger's bytes of that level
 (``ds_ext.comm.ledger``, 003 §V-D's volumes).
 
 Usable from the runner (:meth:`WireCounters.of`) and from a rank (:meth:`WireCounters.from_env`,
@@ -19,7 +21,7 @@ so a benchmark brackets a region with :func:`wire_region` (collective; rank 0 re
 
     with wire_region() as region:
         ...                              # the region, on every rank
-    region.bytes.by_level()              # rank 0: {"node": {"up": ..., "down": ...}, "gpu": {...}}
+    region.bytes.by_level()              # rank 0: {"node": {"up": ..., "down": ...}, "gpu": ..., "gcd": ...}
 
 The region's two barriers (a few hundred bytes each) are counted too.
 """
@@ -43,7 +45,8 @@ DIRECTIONS = ("up", "down")
 @dataclass(frozen=True)
 class WireBytes:
     """Bytes that crossed each link between two snapshots, per direction: ``{link: {"up": n,
-    "down": n}}``, each link's level, and the links out of the namespaces that hold ranks."""
+    "down": n}}``, each link's level, and the links out of the namespaces that hold ranks (with
+    GCD links: the GCD links and the links of the GPUs' routers)."""
 
     links: dict[str, dict[str, int]]
     levels: dict[str, str]
@@ -71,7 +74,8 @@ class WireBytes:
         the ledger books a collective at the outermost level its group crosses, the wire where
         each hop goes (a ring over 2 nodes x 2 GPUs crosses nodes on 2 of its 4 hops). In total,
         ``sent`` holds the payload plus headers, framing and acknowledgements; the ledger's bytes
-        between ranks of one namespace go over loopback, which has no counter here."""
+        between ranks of one namespace go over loopback, which has no counter here (with GCD
+        links no two ranks share a namespace)."""
         levels = self.by_level()
         ledger = sum(ledger_by_level.values())
         return {

@@ -69,7 +69,16 @@ def bench_cluster_spec(args: argparse.Namespace, world_size: int) -> ClusterSpec
     return spec
 
 
-LINK_FLAGS = ("node_rate", "node_burst", "gpu_rate", "gpu_burst", "config", "nic")  # what only --network netns reads
+LINK_FLAGS = (
+    "node_rate",
+    "node_burst",
+    "gpu_rate",
+    "gpu_burst",
+    "gcd_rate",
+    "gcd_burst",
+    "config",
+    "nic",
+)  # what only --network netns reads
 
 
 def refuse_link_flags_when_emulating(args: argparse.Namespace) -> None:
