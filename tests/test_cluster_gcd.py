@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
+from wire_support import LINK_KINDS, assert_links_match_the_wire
 
 from ds_ext.cluster import netns
 from ds_ext.cluster.command import add_cluster_arguments, spec_from_args
@@ -244,6 +245,17 @@ def test_each_level_runs_at_its_shape(world, level, pair, mbit):
     nbytes = int(rate * 0.17) // 4 * 4
     seconds = min(max(t for t, _ in world.run(_send, [pair], nbytes)) for _ in range(3))
     assert nbytes / seconds == pytest.approx(rate, rel=TOLERANCE)
+
+
+@pytest.mark.parametrize("kind", LINK_KINDS)
+def test_link_bytes_equal_the_wire_of_every_level(world, kind):
+    """Issue 48, every level shaped: the ledger's link bytes equal the kernel's counters of each
+    GCD's own link (its rank's ``gcd`` bytes) and of each GPU's link and NIC (the ``gpu`` / ``node``
+    bytes of its two GCDs), for every collective kind of ``wire_support.LINK_KINDS``."""
+    owners = {_link_of(r, "gcd"): ("gcd", [r]) for r in range(8)}
+    for r in range(0, 8, 2):
+        owners |= {_link_of(r, lv): (lv, [r, r + 1]) for lv in ("gpu", "node")}
+    assert_links_match_the_wire(world, kind, True, owners)
 
 
 def _all_gather(nbytes: int) -> tuple[bool, dict[str, dict[str, int]] | None]:
