@@ -1,0 +1,84 @@
+"""The ``goldfish`` plugin: the Goldfish loss from the ds_config (000 §VIII-D; Hans et al., arXiv
+2406.10209).
+
+``"ds_ext": {"goldfish": {"enabled": true, "k": 2, "h": 13}}`` leaves out of the training loss every
+token the hashed mask of :mod:`ds_ext.goldfish.mask` drops (a function of the ``h`` tokens before
+it, 1 in ``k`` on average); the loss is the mean over the tokens kept. The mask is computed once per
+micro-batch from the token ids, so it is the same on every rank that sees the same tokens (tensor,
+pipeline, data) and in every epoch. Where it is applied, with the script unchanged:
+
+* ds_ext's :class:`~ds_ext.models.GPT` and :class:`~ds_ext.models.gpt_moe.GPTMoE`
+  (``examples/train.py``): the model's ``loss_mask``, so ``engine(tokens)`` is the masked mean;
+* a Hugging Face causal LM (``engine(input_ids=..., labels=...)``, the ``Trainer``): a forward
+  pre-hook sets the dropped ``labels`` to -100, the model's own ignore index, before its loss. The
+  model then divides by the labels it keeps; under the ``Trainer``, whose ``num_items_in_batch`` is
+  counted from the batch before the forward, it divides by that count instead (every labelled token
+  of the optimizer step, dropped ones included).
+
+Anything else (3D-PMM's vocabulary-parallel loss, a ``PipelineModule``, Megatron-DeepSpeed or
+GPT-NeoX models) is refused before any collective, in one line naming ``ds_ext.goldfish``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ds_ext.errors import DsExtConfigError
+from ds_ext.goldfish.config import KEY, GoldfishConfig
+from ds_ext.goldfish.mask import GoldfishMask, mask_labels
+from ds_ext.models import GPT
+from ds_ext.models.gpt_moe import GPTMoE
+from ds_ext.plugin import Plugin, register_plugin
+
+SUPPORTED = "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, a Hugging Face causal LM (transformers.PreTrainedModel)"
+
+
+def _is_hugging_face(model: Any) -> bool:
+    return any(
+        c.__module__ == "transformers.modeling_utils" and c.__name__ == "PreTrainedModel" for c in type(model).__mro__
+    )
+
+
+@register_plugin
+class GoldfishPlugin(Plugin):
+    """Installs the Goldfish mask on the model's loss (module docstring)."""
+
+    name = "goldfish"
+    Config = GoldfishConfig
+
+    mask: GoldfishMask
+
+    def check(self, model: Any) -> None:
+        if any(p.name == "pmm3d" for p in self.runtime.plugins):
+            raise DsExtConfigError(
+                f"{KEY} with ds_ext.pmm3d: the vocabulary-parallel cross-entropy is not masked; allowed: "
+                "ds_ext.pmm3d.enabled false"
+            )
+        if type(model) not in (GPT, GPTMoE) and not _is_hugging_face(model):
+            raise DsExtConfigError(
+                f"{KEY}: the loss of a {type(model).__module__}.{type(model).__name__} is not masked; allowed models: "
+                f"{SUPPORTED}"
+            )
+
+    def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        self.mask = GoldfishMask(self.config.k, self.config.h)
+        if isinstance(model, (GPT, GPTMoE)):
+            model.loss_mask = self.mask
+        else:
+            model.register_forward_pre_hook(self._mask_labels, with_kwargs=True)
+        return model, optimizer, ds_config
+
+    def _mask_labels(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Hugging Face forward pre-hook: the dropped ``labels`` become the ignore index."""
+        labels = kwargs.get("labels")
+        if labels is None:
+            return args, kwargs
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None or input_ids.shape != labels.shape:
+            raise DsExtConfigError(
+                f"{KEY}: the mask is computed from input_ids, which must come with labels of their shape "
+                f"(got {None if input_ids is None else tuple(input_ids.shape)} and {tuple(labels.shape)})"
+            )
+        return args, {**kwargs, "labels": mask_labels(labels, self.mask(input_ids))}

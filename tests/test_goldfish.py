@@ -1,0 +1,282 @@
+"""Goldfish loss (issue 52; 000 §VIII-D, Hans et al. arXiv 2406.10209).
+
+The mask equals a hand-written, loop-by-loop reading of the rule that shares no code with
+``ds_ext.goldfish.mask``; with ``k = 10**9`` (nothing dropped) the loss and gradients equal the
+standard ones bit for bit; the tokens dropped get exactly zero gradient through the loss (per
+token, ds_ext's GPT / GPT-MoE and a Hugging Face model); through ``ds_ext.initialize`` on a gloo
+world of 4 ranks the mask is the same on every rank, is evaluated once per micro-batch forward, and
+the loss equals the reference masked mean; unsupported paths are refused before any collective.
+"""
+
+import pytest
+import torch
+
+WORLD_SIZE = 4
+TOPOLOGY = {"preset": "frontier", "sizes": {"gcd": 1, "gpu": 2}, "emulate": True}
+
+
+def _reference_keep(seq: list[int], k: int, h: int) -> list[bool]:
+    """The rule as the module docstring states it, one token at a time in plain Python ints."""
+    keep = []
+    for i in range(len(seq)):
+        if i < h:
+            keep.append(True)
+            continue
+        a = 0
+        for x in seq[i - h : i]:
+            a = (a * 1000003 + x + 1) % 2147483647
+        for _ in range(2):
+            a ^= a >> 16
+            a = (a * 73244475) % 4294967296
+        a ^= a >> 16
+        keep.append(not a < 4294967296 / k)
+    return keep
+
+
+def _masked_mean_ce(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Reference loss: the mean of -log p(target) over the kept positions."""
+    nll = -torch.log_softmax(logits.double(), -1).gather(-1, targets[..., None])[..., 0]
+    return nll[keep].mean()
+
+
+@pytest.mark.parametrize("k, h", [(2, 13), (4, 13), (3, 1), (2, 5), (7, 40)])
+def test_mask_equals_the_hand_written_rule(k, h):
+    from ds_ext.goldfish.mask import goldfish_keep
+
+    g = torch.Generator().manual_seed(k * 100 + h)
+    tokens = torch.randint(0, 50_000, (3, 257), generator=g)
+    tokens[1, 100:140] = 0  # runs of one id, and the largest ids, hash like any other context
+    tokens[2, 10:30] = 2**31 - 2
+    ours = goldfish_keep(tokens, k, h)
+    assert ours.dtype == torch.bool and ours.shape == tokens.shape
+    for row, keep in zip(tokens.tolist(), ours.tolist()):
+        assert keep == _reference_keep(row, k, h)
+    assert goldfish_keep(tokens[:, : h // 2 + 1], k, h).all()  # shorter than the context: all kept
+
+
+def test_mask_drops_one_in_k_and_is_deterministic_per_passage():
+    from ds_ext.goldfish.mask import goldfish_keep
+
+    tokens = torch.randint(0, 256, (8, 4096), generator=torch.Generator().manual_seed(0))
+    for k in (2, 4, 13):
+        dropped = 1 - goldfish_keep(tokens, k, 13)[:, 13:].double().mean().item()
+        assert abs(dropped - 1 / k) < 0.01, (k, dropped)
+    # the same passage at another offset, in another row: masked the same after its first h tokens
+    passage = tokens[0, 1000:1300]
+    moved = torch.cat([tokens[3, :77], passage])[None]
+    assert torch.equal(goldfish_keep(moved, 2, 13)[0, 77 + 13 :], goldfish_keep(passage[None], 2, 13)[0, 13:])
+
+
+def test_sequence_shards_read_the_true_preceding_tokens():
+    from ds_ext.goldfish.mask import goldfish_keep
+
+    tokens = torch.randint(0, 1000, (2, 600), generator=torch.Generator().manual_seed(1))
+    whole = goldfish_keep(tokens, 2, 13)
+    for start in (5, 13, 150, 599):
+        shard = goldfish_keep(tokens[:, start:], 2, 13, preceding=tokens[:, :start])
+        assert torch.equal(shard, whole[:, start:])
+    assert torch.equal(goldfish_keep(tokens[:, 300:], 2, 13, preceding=tokens[:, 287:300]), whole[:, 300:])
+
+
+def _gpt():
+    from ds_ext.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=48, d_model=32, n_layers=2, n_heads=2))
+
+
+def _gpt_moe():
+    from ds_ext.models.gpt_moe import GPTMoE, GPTMoEConfig
+
+    torch.manual_seed(0)
+    return GPTMoE(GPTMoEConfig(vocab_size=64, seq_len=48, d_model=32, n_layers=2, n_heads=2, num_experts=2))
+
+
+@pytest.mark.parametrize("build", [_gpt, _gpt_moe])
+def test_nothing_dropped_equals_the_standard_loss_bit_for_bit(build):
+    from ds_ext.goldfish.mask import GoldfishMask
+
+    tokens = torch.randint(0, 64, (4, 49), generator=torch.Generator().manual_seed(2))
+    plain, gold = build(), build()
+    gold.loss_mask = GoldfishMask(10**9, 13)
+    assert gold.loss_mask(tokens).all()  # this k drops none of these tokens
+    a, b = plain(tokens), gold(tokens)
+    a.backward()
+    b.backward()
+    assert torch.equal(a, b)
+    for p, q in zip(plain.parameters(), gold.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("build", [_gpt, _gpt_moe])
+def test_dropped_tokens_get_zero_gradient_and_the_mean_is_over_the_kept(build):
+    from ds_ext.goldfish.mask import GoldfishMask
+
+    model = build()
+    model.loss_mask = GoldfishMask(2, 13)
+    captured = {}
+    logits_of = model.logits
+
+    def keep_logits(tokens):
+        out = logits_of(tokens)
+        logits = out[0] if isinstance(out, tuple) else out  # GPT-MoE: (logits, l_aux)
+        logits.retain_grad()
+        captured["logits"], captured["aux"] = logits, out[1] if isinstance(out, tuple) else 0
+        return out
+
+    model.logits = keep_logits
+    tokens = torch.randint(0, 64, (4, 49), generator=torch.Generator().manual_seed(3))
+    loss = model(tokens)
+    assert model.loss_mask.calls == 1
+    keep = torch.tensor([_reference_keep(row, 2, 13) for row in tokens.tolist()])[:, 1:]
+    assert (~keep).sum() > 20 and keep.sum() > 20
+    ce = loss - getattr(model.cfg, "aux_loss_coef", 0) * captured["aux"]
+    assert ce.item() == pytest.approx(
+        _masked_mean_ce(captured["logits"].detach(), tokens[:, 1:], keep).item(), rel=1e-5
+    )
+    loss.backward()
+    per_token = captured["logits"].grad.abs().sum(-1)
+    assert torch.all(per_token[~keep] == 0)
+    assert torch.all(per_token[keep] > 0)
+
+
+def test_hugging_face_labels_dropped_get_zero_gradient():
+    from ds_ext.goldfish.plugin import GoldfishPlugin
+    from ds_ext.models.hf import tiny_causal_lm
+
+    torch.manual_seed(0)
+    model = tiny_causal_lm("llama", layers=1, hidden=32, heads=4, seq=64)
+    plugin = GoldfishPlugin(GoldfishPlugin.Config(enabled=True, k=2, h=13), runtime=None)
+    plugin.prepare(model, None, {})
+    x = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(4))
+    out = model(input_ids=x, labels=x)
+    out.logits.retain_grad()
+    assert plugin.mask.calls == 1
+    keep = torch.tensor([_reference_keep(row, 2, 13) for row in x.tolist()])[:, 1:]  # label t+1 from logits t
+    ref = _masked_mean_ce(out.logits.detach()[:, :-1], x[:, 1:], keep)
+    assert out.loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    out.loss.backward()
+    per_token = out.logits.grad[:, :-1].abs().sum(-1)
+    assert torch.all(per_token[~keep] == 0) and torch.all(per_token[keep] > 0)
+    assert model(input_ids=x).loss is None  # no labels: nothing to mask, no loss
+
+
+def test_config_errors_name_the_key():
+    from ds_ext import config
+    from ds_ext.errors import DsExtConfigError
+
+    assert config.parse({"goldfish": {"enabled": True}}).goldfish.model_dump() == {"enabled": True, "k": 2, "h": 13}
+    for block, message in [
+        ({"k": 1}, "ds_ext.goldfish.k: Input should be greater than or equal to 2 (got 1)"),
+        ({"h": 0}, "ds_ext.goldfish.h: Input should be greater than or equal to 1 (got 0)"),
+        ({"width": 3}, "ds_ext.goldfish.width: unknown key; allowed keys: enabled, h, k"),
+    ]:
+        with pytest.raises(DsExtConfigError) as err:
+            config.parse({"goldfish": {"enabled": True, **block}})
+        assert str(err.value) == message
+
+
+def _train(kind, goldfish, steps=2):
+    """ds_ext.initialize on 4 ranks (data parallel), GA 2; returns per-rank losses, the reference
+    losses at the first step, the mask's calls and its value on one shared token tensor."""
+    import torch.distributed as dist
+
+    import ds_ext
+    from ds_ext.models.hf import tiny_causal_lm
+
+    torch.manual_seed(5)
+    model = tiny_causal_lm("llama", layers=1, hidden=32, heads=4, seq=64) if kind == "hf" else _gpt()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9,
+        "ds_ext": {"topology": TOPOLOGY, **({"goldfish": {"enabled": True, "k": 2, "h": 13}} if goldfish else {})},
+    }
+    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
+    rank = dist.get_rank()
+    losses, refs = [], []
+    for step in range(steps):
+        for m in range(2):
+            g = torch.Generator().manual_seed(1000 * step + 10 * rank + m)
+            x = torch.randint(0, 64, (2, 49), generator=g)
+            loss = engine(input_ids=x, labels=x).loss if kind == "hf" else engine(x)
+            if step == 0:
+                refs.append(_reference_loss(kind, initial, x, goldfish))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    shared = torch.randint(0, 64, (2, 200), generator=torch.Generator().manual_seed(9))
+    out = {"losses": losses, "refs": refs}
+    if goldfish:
+        mask = engine.ds_ext.plugin("goldfish").mask
+        out["calls"] = mask.calls
+        keep = mask(shared).to(torch.uint8)
+        gathered = [torch.empty_like(keep) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, keep)
+        out["same_on_every_rank"] = all(torch.equal(t, gathered[0]) for t in gathered)
+    engine.destroy()
+    return out
+
+
+def _reference_loss(kind, initial, x, goldfish):
+    """The first micro-batch's loss from the initial weights, by the reference masked mean."""
+    from ds_ext.models.hf import tiny_causal_lm
+
+    model = tiny_causal_lm("llama", layers=1, hidden=32, heads=4, seq=64) if kind == "hf" else _gpt()
+    model.load_state_dict(initial)
+    with torch.no_grad():
+        logits = model(input_ids=x[:, :-1]).logits if kind == "hf" else model.logits(x[:, :-1])
+    keep = torch.tensor([_reference_keep(row, 2, 13) if goldfish else [True] * len(row) for row in x.tolist()])[:, 1:]
+    return _masked_mean_ce(logits, x[:, 1:], keep).item()
+
+
+@pytest.mark.parametrize("kind", ["gpt", "hf"])
+def test_goldfish_through_initialize_is_rank_independent_and_applied_once(world, kind):
+    gold = world.run(_train, kind, True)
+    plain = world.run(_train, kind, False)
+    for g, p in zip(gold, plain):
+        assert g["calls"] == 4  # one per micro-batch forward (2 steps x GA 2)
+        assert g["same_on_every_rank"]
+        assert g["losses"][:2] == pytest.approx(g["refs"], rel=1e-5)
+        assert p["losses"][:2] == pytest.approx(p["refs"], rel=1e-5)
+        assert g["losses"][0] != p["losses"][0]
+
+
+def _initialize_error(block, model_kind):
+    import ds_ext
+
+    model = torch.nn.Linear(4, 4) if model_kind == "linear" else _gpt()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "ds_ext": {"topology": TOPOLOGY, **block}}
+    opt = (lambda params: torch.optim.AdamW(params)) if "pmm3d" in block else torch.optim.AdamW(model.parameters())
+    try:
+        ds_ext.initialize(model=model, optimizer=opt, config=cfg)
+    except Exception as err:  # noqa: BLE001 - the test inspects the type and message
+        return type(err).__name__, str(err)
+    return None
+
+
+GOLDFISH = {"goldfish": {"enabled": True}}
+
+
+@pytest.mark.parametrize(
+    "block, model_kind, message",
+    [
+        (
+            {**GOLDFISH, "pmm3d": {"enabled": True, "grid": {"x": 1, "y": 1, "z": 1, "data": 4}}},
+            "gpt",
+            "ds_ext.goldfish with ds_ext.pmm3d: the vocabulary-parallel cross-entropy is not masked; allowed: "
+            "ds_ext.pmm3d.enabled false",
+        ),
+        (
+            GOLDFISH,
+            "linear",
+            "ds_ext.goldfish: the loss of a torch.nn.modules.linear.Linear is not masked; allowed models: "
+            "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, a Hugging Face causal LM (transformers.PreTrainedModel)",
+        ),
+    ],
+)
+def test_unsupported_paths_are_refused_before_training(world, block, model_kind, message):
+    for res in world.run(_initialize_error, block, model_kind, timeout=120):
+        assert res == ("DsExtConfigError", message)
