@@ -280,3 +280,52 @@ GOLDFISH = {"goldfish": {"enabled": True}}
 def test_unsupported_paths_are_refused_before_training(world, block, model_kind, message):
     for res in world.run(_initialize_error, block, model_kind, timeout=120):
         assert res == ("DsExtConfigError", message)
+
+
+def test_exact_match_needs_every_one_of_the_last_n_tokens():
+    from ds_ext.goldfish.memorization import exact_match
+
+    docs = torch.randint(1, 50, (4, 20), generator=torch.Generator().manual_seed(6))
+    near = docs[2].clone()
+    near[-1] = 0  # doc 2 is known but for its very last token
+    known = [docs[0].tolist(), near.tolist(), docs[3].tolist()]
+    calls = []
+
+    def logits(tokens):
+        """An oracle: the next token of the known document the tokens so far begin, else token 0."""
+        calls.append(tokens.shape[1])
+        out = torch.zeros(*tokens.shape, 50)
+        for b, row in enumerate(tokens.tolist()):
+            for t in range(len(row)):
+                out[b, t, next((d[t + 1] for d in known if d[: t + 1] == row[: t + 1] and t + 1 < len(d)), 0)] = 1
+        return out
+
+    assert exact_match(logits, docs, 5, batch_size=3).tolist() == [True, False, False, True]
+    assert calls == [15, 16, 17, 18, 19] * 2  # greedy: one token at a time, prompted with the first 15
+    assert exact_match(logits, docs[1:3], 1).tolist() == [False, False]
+
+
+def test_memorization_benchmark_writes_its_records(tmp_path):
+    import argparse
+    import json
+
+    from ds_ext.bench import memorization
+
+    p = argparse.ArgumentParser()
+    memorization.add_arguments(p)
+    args = p.parse_args(
+        f"--out {tmp_path}/m.json --seeds 3 --passes-per-epoch 1 --docs 4 --warmup-steps 2 --batch 4 "
+        "--d-model 32 --layers 1 --n 8".split()
+    )
+    memorization.run(args)
+    payload = json.loads((tmp_path / "m.json").read_text())
+    assert (tmp_path / "m.png").stat().st_size > 0
+    assert payload["steps"] == 2 + (1 + 4 + 6)  # 44 injected documents / batch 4
+    records = payload["records"]
+    assert [(r["loss"], r["k"], r["h"], r["epochs"]) for r in records] == [
+        (loss, k, h, e)
+        for loss, k, h in [("standard", None, None), ("goldfish", 2, 13), ("goldfish", 4, 13)]
+        for e in (0, 1, 4, 6)
+    ]
+    assert all(0 <= r["exact_match"] <= 1 and r["exact_match_per_seed"] == [r["exact_match"]] for r in records)
+    assert [r["dropped_fraction"] for r in records[4::4]] == pytest.approx([0.5, 0.25], abs=0.05)
