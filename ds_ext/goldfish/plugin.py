@@ -9,14 +9,19 @@ pipeline, data) and in every epoch. Where it is applied, with the script unchang
 
 * ds_ext's :class:`~ds_ext.models.GPT` and :class:`~ds_ext.models.gpt_moe.GPTMoE`
   (``examples/train.py``): the model's ``loss_mask``, so ``engine(tokens)`` is the masked mean;
+  under 3D-PMM (:class:`ds_ext.pmm.gpt.PMMGPT`) the dropped targets enter the vocabulary-parallel
+  cross-entropy as its ignore index, before its reductions over the vocabulary axis;
 * a Hugging Face causal LM (``engine(input_ids=..., labels=...)``, the ``Trainer``): a forward
   pre-hook sets the dropped ``labels`` to -100, the model's own ignore index, before its loss. The
   model then divides by the labels it keeps; under the ``Trainer``, whose ``num_items_in_batch`` is
   counted from the batch before the forward, it divides by that count instead (every labelled token
-  of the optimizer step, dropped ones included).
+  of the optimizer step, dropped ones included). Under 3D-PMM the hook runs after the one that
+  takes the rank's Z share of the rows, and the converted loss ignores the same index.
 
-Anything else (3D-PMM's vocabulary-parallel loss, a ``PipelineModule``, Megatron-DeepSpeed or
-GPT-NeoX models) is refused before any collective, in one line naming ``ds_ext.goldfish``.
+With 3D-PMM's Z > 1 each Z share of the micro-batch is averaged over its own kept tokens and the
+shares' losses averaged, as data parallelism averages its ranks' losses. Anything else (a
+``PipelineModule``, Megatron-DeepSpeed or GPT-NeoX models) is refused before any collective, in one
+line naming ``ds_ext.goldfish``.
 """
 
 from __future__ import annotations
@@ -51,11 +56,6 @@ class GoldfishPlugin(Plugin):
     mask: GoldfishMask
 
     def check(self, model: Any) -> None:
-        if any(p.name == "pmm3d" for p in self.runtime.plugins):
-            raise DsExtConfigError(
-                f"{KEY} with ds_ext.pmm3d: the vocabulary-parallel cross-entropy is not masked; allowed: "
-                "ds_ext.pmm3d.enabled false"
-            )
         if type(model) not in (GPT, GPTMoE) and not _is_hugging_face(model):
             raise DsExtConfigError(
                 f"{KEY}: the loss of a {type(model).__module__}.{type(model).__name__} is not masked; allowed models: "
