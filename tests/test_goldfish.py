@@ -161,6 +161,30 @@ def test_hugging_face_labels_dropped_get_zero_gradient():
     assert model(input_ids=x).loss is None  # no labels: nothing to mask, no loss
 
 
+def test_models_whose_loss_is_not_masked_are_refused():
+    """A pipeline model (GPT-NeoX and Megatron-DeepSpeed build ``PipelineModule``s) and a masked LM,
+    whose labels are not the next tokens, are refused in one line."""
+    from deepspeed.pipe import PipelineModule
+    from transformers import BertConfig, BertForMaskedLM
+
+    from ds_ext.errors import DsExtConfigError
+    from ds_ext.goldfish.plugin import GoldfishPlugin
+    from ds_ext.models.hf import tiny_causal_lm
+
+    plugin = GoldfishPlugin(GoldfishPlugin.Config(enabled=True), runtime=None)
+    pipe = PipelineModule.__new__(PipelineModule)  # its constructor needs a process group; the class decides
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2))
+    for model, name in [
+        (pipe, "deepspeed.runtime.pipe.module.PipelineModule"),
+        (bert, "transformers.models.bert.modeling_bert.BertForMaskedLM"),
+    ]:
+        with pytest.raises(
+            DsExtConfigError, match=f"^ds_ext.goldfish: the loss of a {name} is not masked; allowed models: "
+        ):
+            plugin.check(model)
+    plugin.check(tiny_causal_lm("gpt-neox", layers=1, hidden=32))
+
+
 def test_config_errors_name_the_key():
     from ds_ext import config
     from ds_ext.errors import DsExtConfigError
@@ -263,7 +287,7 @@ def _initialize_error(block, model_kind):
             {"goldfish": {"enabled": True}},
             "linear",
             "ds_ext.goldfish: the loss of a torch.nn.modules.linear.Linear is not masked; allowed models: "
-            "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, a Hugging Face causal LM (transformers.PreTrainedModel)",
+            "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, a Hugging Face causal LM (AutoModelForCausalLM's classes)",
         ),
     ],
 )
@@ -363,3 +387,62 @@ def test_goldfish_under_3d_pmm_vocabulary_parallel_equals_the_serial_masked_loss
         assert r["dropped"] > 20
         assert r["loss"] == pytest.approx(r["ref"], rel=r["rtol"])
         assert r["worst_grad"] < 1e-4
+
+
+def _trainer(k, tmp):
+    """The Hugging Face Trainer (TrainingArguments(deepspeed=...)) with ds_ext active, Goldfish at
+    ``k`` (None: off): the logged losses and how often the mask ran."""
+    import torch.distributed as dist
+    from hf_support import ByteWindows
+    from transformers import Trainer, TrainingArguments
+
+    import ds_ext
+    from ds_ext.models.hf import tiny_causal_lm
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**9,
+        "ds_ext": {"topology": TOPOLOGY, **({"goldfish": {"enabled": True, "k": k, "h": 13}} if k else {})},
+    }
+    torch.manual_seed(1234)
+    args = TrainingArguments(
+        output_dir=f"{tmp}/out{dist.get_rank()}",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        deepspeed=cfg,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=3e-3,
+        seed=1234,
+        data_seed=1234,
+    )
+    ds_ext.patch_deepspeed()
+    try:
+        trainer = Trainer(
+            model=tiny_causal_lm("llama", layers=1, hidden=32), args=args, train_dataset=ByteWindows(seq=64)
+        )
+        trainer.train()
+    finally:
+        ds_ext.unpatch_deepspeed()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    calls = trainer.model_wrapped.ds_ext.plugin("goldfish").mask.calls if k else None
+    trainer.model_wrapped.destroy()
+    return losses, calls
+
+
+def test_hugging_face_trainer_runs_goldfish_from_the_ds_config(world, tmp_path):
+    """No script change: TrainingArguments(deepspeed=cfg) with the goldfish block. k = 10**9 drops
+    nothing: the Trainer's logged losses (4 decimals) equal the plain run's; k = 2 changes them; the mask runs
+    once per micro-batch (3 steps x GA 2)."""
+    plain = world.run(_trainer, None, str(tmp_path))
+    none_dropped = world.run(_trainer, 10**9, str(tmp_path))
+    gold = world.run(_trainer, 2, str(tmp_path))
+    for (p, _), (n, n_calls), (g, g_calls) in zip(plain, none_dropped, gold):
+        assert len(p) == 3 and n == p
+        assert n_calls == g_calls == 6
+        assert g != p

@@ -37,13 +37,18 @@ from ds_ext.models import GPT
 from ds_ext.models.gpt_moe import GPTMoE
 from ds_ext.plugin import Plugin, register_plugin
 
-SUPPORTED = "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, a Hugging Face causal LM (transformers.PreTrainedModel)"
+SUPPORTED = "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, a Hugging Face causal LM (AutoModelForCausalLM's classes)"
 
 
-def _is_hugging_face(model: Any) -> bool:
-    return any(
+def _is_causal_lm(model: Any) -> bool:
+    """A Hugging Face causal LM: its labels are its input ids, shifted by its own loss."""
+    if not any(
         c.__module__ == "transformers.modeling_utils" and c.__name__ == "PreTrainedModel" for c in type(model).__mro__
-    )
+    ):
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
 @register_plugin
@@ -56,7 +61,7 @@ class GoldfishPlugin(Plugin):
     mask: GoldfishMask
 
     def check(self, model: Any) -> None:
-        if type(model) not in (GPT, GPTMoE) and not _is_hugging_face(model):
+        if type(model) not in (GPT, GPTMoE) and not _is_causal_lm(model):
             raise DsExtConfigError(
                 f"{KEY}: the loss of a {type(model).__module__}.{type(model).__name__} is not masked; allowed models: "
                 f"{SUPPORTED}"
