@@ -446,3 +446,25 @@ def test_hugging_face_trainer_runs_goldfish_from_the_ds_config(world, tmp_path):
         assert len(p) == 3 and n == p
         assert n_calls == g_calls == 6
         assert g != p
+
+
+def test_committed_memorization_study_shows_000s_shape():
+    """examples/results/memorization.json (what docs/benchmarks/memorization.md reads): records of
+    each loss at epochs 0 / 1 / 4 / 6; the standard loss memorizes with the epochs, Goldfish at
+    000's k = 2 stays within one document of the control."""
+    import json
+    from pathlib import Path
+
+    d = json.loads((Path(__file__).parents[1] / "examples" / "results" / "memorization.json").read_text())
+    one_document = 1 / d["docs"]
+    table = {(r["loss"], r["k"], r["h"], r["epochs"]): r["exact_match"] for r in d["records"]}
+    assert set(table) == {
+        (loss, k, h, e)
+        for loss, k, h in [("standard", None, None), ("goldfish", 2, 13), ("goldfish", 4, 13)]
+        for e in (0, 1, 4, 6)
+    }
+    assert all(0 <= v <= 1 for v in table.values())
+    standard = [table["standard", None, None, e] for e in (0, 1, 4, 6)]
+    assert standard == sorted(standard) and standard[-1] >= standard[0] + 0.5
+    for e in (1, 4, 6):
+        assert table["goldfish", 2, 13, e] <= table["goldfish", 2, 13, 0] + one_document
