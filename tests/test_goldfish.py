@@ -287,7 +287,8 @@ def _initialize_error(block, model_kind):
             {"goldfish": {"enabled": True}},
             "linear",
             "ds_ext.goldfish: the loss of a torch.nn.modules.linear.Linear is not masked; allowed models: "
-            "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, a Hugging Face causal LM (AutoModelForCausalLM's classes)",
+            "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, ds_ext.models.gpt_pipe.gpt_pipeline's PipelineModule, "
+            "a Hugging Face causal LM (AutoModelForCausalLM's classes)",
         ),
     ],
 )
@@ -468,3 +469,57 @@ def test_committed_memorization_study_shows_000s_shape():
     assert standard == sorted(standard) and standard[-1] >= standard[0] + 0.5
     for e in (1, 4, 6):
         assert table["goldfish", 2, 13, e] <= table["goldfish", 2, 13, 0] + one_document
+
+
+def _pipeline(k):
+    """ds_ext's pipeline GPT on DeepSpeed's PipelineEngine, PP 2 x DP 2, 2 micro-batches, Goldfish at
+    ``k`` (None: off), h = 4: train_batch's loss (the mean over micro-batches and data ranks) and the
+    same mean from the serial GPT on the same weights, the labels masked by the hand-written rule."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import ds_ext
+    from ds_ext.integration import ds_engine
+    from ds_ext.models import GPT, GPTConfig
+    from ds_ext.models.gpt_pipe import gpt_pipeline, load_gpt_weights
+
+    ds_engine.init_distributed()
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2)
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    pipe = gpt_pipeline(cfg, num_stages=2)
+    load_gpt_weights(pipe, gpt)
+    block = {"topology": TOPOLOGY, **({"goldfish": {"enabled": True, "k": k, "h": 4}} if k else {})}
+    ds = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "ds_ext": block}
+    engine, *_ = ds_ext.initialize(model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1), config=ds)
+
+    def batches(data_rank):
+        for m in range(2):
+            x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(10 * data_rank + m))
+            yield x[:, :-1], x[:, 1:]
+
+    loss = float(engine.train_batch(iter(batches(engine.grid.get_data_parallel_rank()))))
+    refs = []
+    with torch.no_grad():
+        for data_rank in range(2):
+            for inputs, labels in batches(data_rank):
+                rows = [_reference_keep(row, k, 4) if k else [True] * 16 for row in labels.tolist()]
+                keep = torch.tensor(rows)
+                logits = gpt.logits(inputs)
+                refs.append(F.cross_entropy(logits.flatten(0, 1), labels.masked_fill(~keep, -100).reshape(-1)).item())
+    calls = engine.module.loss_fn.mask.calls if k else None
+    is_last = engine.is_last_stage()
+    engine.destroy()
+    return {"loss": loss, "ref": sum(refs) / len(refs), "calls": calls, "last": is_last, "rank": dist.get_rank()}
+
+
+def test_goldfish_on_the_pipeline_engine_masks_the_last_stages_labels(world):
+    """ds_ext's pipeline GPT: train_batch's loss = the serial masked mean on every rank; the mask
+    runs on the last stage, once per micro-batch; without Goldfish the same reference holds."""
+    plain = world.run(_pipeline, None)
+    gold = world.run(_pipeline, 2)
+    for p, g in zip(plain, gold):
+        assert p["loss"] == pytest.approx(p["ref"], rel=1e-5)
+        assert g["loss"] == pytest.approx(g["ref"], rel=1e-5)
+        assert g["loss"] != pytest.approx(p["loss"], rel=1e-3)
+        assert g["calls"] == (2 if g["last"] else 0)

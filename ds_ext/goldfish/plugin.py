@@ -18,8 +18,11 @@ pipeline, data) and in every epoch. Where it is applied, with the script unchang
   of the optimizer step, dropped ones included). Under 3D-PMM the hook runs after the one that
   takes the rank's Z share of the rows, and the converted loss ignores the same index.
 
+* ds_ext's pipeline GPT (:func:`ds_ext.models.gpt_pipe.gpt_pipeline`, DeepSpeed's PipelineEngine):
+  its ``loss_fn`` on the last stage masks the labels (:class:`MaskedLabelsLoss`).
+
 With 3D-PMM's Z > 1 each Z share of the micro-batch is averaged over its own kept tokens and the
-shares' losses averaged, as data parallelism averages its ranks' losses. Anything else (a
+shares' losses averaged, as data parallelism averages its ranks' losses. Anything else (another
 ``PipelineModule``, Megatron-DeepSpeed or GPT-NeoX models) is refused before any collective, in one
 line naming ``ds_ext.goldfish``.
 """
@@ -35,9 +38,13 @@ from ds_ext.goldfish.config import KEY, GoldfishConfig
 from ds_ext.goldfish.mask import GoldfishMask, mask_labels
 from ds_ext.models import GPT
 from ds_ext.models.gpt_moe import GPTMoE
+from ds_ext.models.gpt_pipe import LMLoss
 from ds_ext.plugin import Plugin, register_plugin
 
-SUPPORTED = "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, a Hugging Face causal LM (AutoModelForCausalLM's classes)"
+SUPPORTED = (
+    "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, ds_ext.models.gpt_pipe.gpt_pipeline's PipelineModule, "
+    "a Hugging Face causal LM (AutoModelForCausalLM's classes)"
+)
 
 
 def _is_causal_lm(model: Any) -> bool:
@@ -61,7 +68,8 @@ class GoldfishPlugin(Plugin):
     mask: GoldfishMask
 
     def check(self, model: Any) -> None:
-        if type(model) not in (GPT, GPTMoE) and not _is_causal_lm(model):
+        ours = type(model) in (GPT, GPTMoE) or isinstance(getattr(model, "loss_fn", None), LMLoss)
+        if not ours and not _is_causal_lm(model):
             raise DsExtConfigError(
                 f"{KEY}: the loss of a {type(model).__module__}.{type(model).__name__} is not masked; allowed models: "
                 f"{SUPPORTED}"
@@ -71,6 +79,8 @@ class GoldfishPlugin(Plugin):
         self.mask = GoldfishMask(self.config.k, self.config.h)
         if isinstance(model, (GPT, GPTMoE)):
             model.loss_mask = self.mask
+        elif isinstance(getattr(model, "loss_fn", None), LMLoss):
+            model.loss_fn = MaskedLabelsLoss(model.loss_fn, self.mask)
         else:
             model.register_forward_pre_hook(self._mask_labels, with_kwargs=True)
         return model, optimizer, ds_config
@@ -87,3 +97,16 @@ class GoldfishPlugin(Plugin):
                 f"(got {None if input_ids is None else tuple(input_ids.shape)} and {tuple(labels.shape)})"
             )
         return args, {**kwargs, "labels": mask_labels(labels, self.mask(input_ids))}
+
+
+class MaskedLabelsLoss:
+    """A pipeline's ``loss_fn`` on labels with the Goldfish-dropped ones set to -100 (picklable, as
+    the PipelineModule is). The last stage holds the labels ``x_1 .. x_L`` only, so the context of
+    label ``x_i`` is read from the labels: the first token with a whole context, ``x_h``, whose context
+    starts at ``x_0``, is always kept there; every later token as :func:`goldfish_keep` decides."""
+
+    def __init__(self, loss_fn: Any, mask: GoldfishMask) -> None:
+        self.loss_fn, self.mask = loss_fn, mask
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(logits, mask_labels(labels, self.mask(labels)))
