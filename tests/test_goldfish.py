@@ -523,3 +523,14 @@ def test_goldfish_on_the_pipeline_engine_masks_the_last_stages_labels(world):
         assert g["loss"] == pytest.approx(g["ref"], rel=1e-5)
         assert g["loss"] != pytest.approx(p["loss"], rel=1e-3)
         assert g["calls"] == (2 if g["last"] else 0)
+
+
+@pytest.mark.gpu
+def test_mask_has_the_same_bits_on_cuda():
+    """The hash is exact int64 arithmetic: a CUDA device computes the CPU's mask, on its own device."""
+    from ds_ext.goldfish.mask import goldfish_keep
+
+    tokens = torch.randint(0, 2**31 - 1, (4, 4096), generator=torch.Generator().manual_seed(7))
+    on_cuda = goldfish_keep(tokens.cuda(), 2, 13, preceding=tokens[:, :50].cuda())
+    assert on_cuda.device.type == "cuda"
+    assert torch.equal(on_cuda.cpu(), goldfish_keep(tokens, 2, 13, preceding=tokens[:, :50]))
