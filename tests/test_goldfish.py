@@ -10,27 +10,10 @@ the loss equals the reference masked mean; unsupported paths are refused before 
 
 import pytest
 import torch
+from goldfish_reference import reference_keep as _reference_keep
 
 WORLD_SIZE = 4
 TOPOLOGY = {"preset": "frontier", "sizes": {"gcd": 1, "gpu": 2}, "emulate": True}
-
-
-def _reference_keep(seq: list[int], k: int, h: int) -> list[bool]:
-    """The rule as the module docstring states it, one token at a time in plain Python ints."""
-    keep = []
-    for i in range(len(seq)):
-        if i < h:
-            keep.append(True)
-            continue
-        a = 0
-        for x in seq[i - h : i]:
-            a = (a * 1000003 + x + 1) % 2147483647
-        for _ in range(2):
-            a ^= a >> 16
-            a = (a * 73244475) % 4294967296
-        a ^= a >> 16
-        keep.append(not a < 4294967296 / k)
-    return keep
 
 
 def _masked_mean_ce(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -288,7 +271,7 @@ def _initialize_error(block, model_kind):
             "linear",
             "ds_ext.goldfish: the loss of a torch.nn.modules.linear.Linear is not masked; allowed models: "
             "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, ds_ext.models.gpt_pipe.gpt_pipeline's PipelineModule, "
-            "a Hugging Face causal LM (AutoModelForCausalLM's classes)",
+            "GPT-NeoX's GPT2ModelPipe (pipe_parallel_size >= 1), a Hugging Face causal LM (AutoModelForCausalLM's classes)",
         ),
     ],
 )

@@ -18,12 +18,15 @@ pipeline, data) and in every epoch. Where it is applied, with the script unchang
   of the optimizer step, dropped ones included). Under 3D-PMM the hook runs after the one that
   takes the rank's Z share of the rows, and the converted loss ignores the same index.
 
-* ds_ext's pipeline GPT (:func:`ds_ext.models.gpt_pipe.gpt_pipeline`, DeepSpeed's PipelineEngine):
-  its ``loss_fn`` on the last stage masks the labels (:class:`MaskedLabelsLoss`).
+* ds_ext's pipeline GPT (:func:`ds_ext.models.gpt_pipe.gpt_pipeline`) and GPT-NeoX's
+  ``GPT2ModelPipe`` (``pipe_parallel_size >= 1``, unmodified) on DeepSpeed's PipelineEngine: the
+  ``loss_fn`` on the last stage masks the labels, or multiplies GPT-NeoX's own ``loss_mask``
+  (:class:`MaskedLabelsLoss`).
 
 With 3D-PMM's Z > 1 each Z share of the micro-batch is averaged over its own kept tokens and the
 shares' losses averaged, as data parallelism averages its ranks' losses. Anything else (another
-``PipelineModule``, Megatron-DeepSpeed or GPT-NeoX models) is refused before any collective, in one
+``PipelineModule``, Megatron-DeepSpeed's models, GPT-NeoX's plain ``pipe_parallel_size: 0`` model,
+whose loss its training loop computes outside the model) is refused before any collective, in one
 line naming ``ds_ext.goldfish``.
 """
 
@@ -43,8 +46,18 @@ from ds_ext.plugin import Plugin, register_plugin
 
 SUPPORTED = (
     "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, ds_ext.models.gpt_pipe.gpt_pipeline's PipelineModule, "
-    "a Hugging Face causal LM (AutoModelForCausalLM's classes)"
+    "GPT-NeoX's GPT2ModelPipe (pipe_parallel_size >= 1), a Hugging Face causal LM (AutoModelForCausalLM's classes)"
 )
+
+
+def _pipeline_loss(model: Any) -> bool:
+    """A PipelineModule whose last stage's ``loss_fn(output, labels)`` takes the next tokens as
+    ``labels``: ds_ext's :class:`~ds_ext.models.gpt_pipe.LMLoss`, or GPT-NeoX's
+    ``partial(megatron.model.gpt2_model.cross_entropy, ...)`` on ``(labels, loss_mask)``."""
+    fn = getattr(model, "loss_fn", None)
+    func = getattr(fn, "func", None)  # functools.partial
+    neox = getattr(func, "__module__", None) == "megatron.model.gpt2_model" and func.__name__ == "cross_entropy"
+    return isinstance(fn, LMLoss) or neox
 
 
 def _is_causal_lm(model: Any) -> bool:
@@ -68,7 +81,7 @@ class GoldfishPlugin(Plugin):
     mask: GoldfishMask
 
     def check(self, model: Any) -> None:
-        ours = type(model) in (GPT, GPTMoE) or isinstance(getattr(model, "loss_fn", None), LMLoss)
+        ours = type(model) in (GPT, GPTMoE) or _pipeline_loss(model)
         if not ours and not _is_causal_lm(model):
             raise DsExtConfigError(
                 f"{KEY}: the loss of a {type(model).__module__}.{type(model).__name__} is not masked; allowed models: "
@@ -79,7 +92,7 @@ class GoldfishPlugin(Plugin):
         self.mask = GoldfishMask(self.config.k, self.config.h)
         if isinstance(model, (GPT, GPTMoE)):
             model.loss_mask = self.mask
-        elif isinstance(getattr(model, "loss_fn", None), LMLoss):
+        elif _pipeline_loss(model):
             model.loss_fn = MaskedLabelsLoss(model.loss_fn, self.mask)
         else:
             model.register_forward_pre_hook(self._mask_labels, with_kwargs=True)
@@ -100,13 +113,19 @@ class GoldfishPlugin(Plugin):
 
 
 class MaskedLabelsLoss:
-    """A pipeline's ``loss_fn`` on labels with the Goldfish-dropped ones set to -100 (picklable, as
-    the PipelineModule is). The last stage holds the labels ``x_1 .. x_L`` only, so the context of
-    label ``x_i`` is read from the labels: the first token with a whole context, ``x_h``, whose context
-    starts at ``x_0``, is always kept there; every later token as :func:`goldfish_keep` decides."""
+    """A pipeline's ``loss_fn`` with the Goldfish-dropped labels left out (picklable, as the
+    PipelineModule is): labels set to -100 (ds_ext's ``LMLoss``), or, for ``(labels, loss_mask)``
+    (GPT-NeoX), the client's own ``loss_mask`` multiplied by the mask, so its loss divides by the
+    tokens kept. The last stage holds the labels ``x_1 .. x_L`` only, so the context of label ``x_i``
+    is read from the labels: the first token with a whole context, ``x_h``, whose context starts at
+    ``x_0``, is always kept there; every later token as :func:`goldfish_keep` decides."""
 
     def __init__(self, loss_fn: Any, mask: GoldfishMask) -> None:
         self.loss_fn, self.mask = loss_fn, mask
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(logits, mask_labels(labels, self.mask(labels)))
+    def __call__(self, output: torch.Tensor, labels: Any) -> torch.Tensor:
+        if isinstance(labels, (tuple, list)):
+            ids, loss_mask, *rest = labels
+            keep = self.mask(ids).to(loss_mask.dtype)
+            return self.loss_fn(output, (ids, loss_mask * keep, *rest))
+        return self.loss_fn(output, mask_labels(labels, self.mask(labels)))
