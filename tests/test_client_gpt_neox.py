@@ -228,21 +228,6 @@ def _hand_masked(batch_fn, k, h, data):
     return inputs, (labels, loss_mask * keep)
 
 
-@pytest.mark.parametrize("pipe", [1, 2])
-def test_neox_pipeline_path_goldfish_masks_its_own_loss_mask(world, pipe):
-    """``"goldfish": {"enabled": true, "k": 2, "h": 13}`` in GPT-NeoX's ds_config, its pipeline path
-    (``pipe_parallel_size`` 1 and 2) unmodified: the losses equal the same run whose batch function
-    multiplies GPT-NeoX's own ``loss_mask`` by the hand-written rule, and differ from the plain run."""
-    run = dict(pipe=pipe, steps=3)
-    gold = world.run(_neox_train, None, extra={"goldfish": {"enabled": True, "k": 2, "h": 13}}, **run)
-    hand = world.run(_neox_train, None, hand_mask=(2, 13), **run)
-    plain = world.run(_neox_train, None, **run)
-    for (g, info), (r, _), (p, _) in zip(gold, hand, plain):
-        assert info["plugins"] == ["goldfish"]
-        assert g == pytest.approx(r, rel=1e-6, abs=0)
-        assert all(abs(a - b) > 1e-4 for a, b in zip(g, p))
-
-
 def test_neox_trains_zero_topo_with_its_own_optimizer_and_config_section(world):
     """GPT-NeoX's optimizer object and its ds_config ``optimizer`` section together: the
     client optimizer is used (as DeepSpeed does), and 5 steps equal plain data
@@ -313,6 +298,22 @@ def test_neox_pipeline_path_zero_topo_pipeline_form_equals_deepspeed_zero1(world
         for name, p in theirs["params"].items():
             torch_close(mine["params"][name], p, name)
         assert mine["still"] == [] and theirs["still"] == []
+
+
+@pytest.mark.parametrize("pipe", [1, 2])
+def test_neox_pipeline_path_goldfish_masks_its_own_loss_mask(world, pipe):
+    """``"goldfish": {"enabled": true, "k": 2, "h": 13}`` in GPT-NeoX's ds_config, its pipeline path
+    (``pipe_parallel_size`` 1 and 2) unmodified: the losses equal the same run whose batch function
+    multiplies GPT-NeoX's own ``loss_mask`` by the hand-written rule, and differ from the plain run.
+    Last in the module: the pipeline path shims ``Tensor.cuda`` in the ranks, which the world keeps."""
+    run = dict(pipe=pipe, steps=3)
+    gold = world.run(_neox_train, None, extra={"goldfish": {"enabled": True, "k": 2, "h": 13}}, **run)
+    hand = world.run(_neox_train, None, hand_mask=(2, 13), **run)
+    plain = world.run(_neox_train, None, **run)
+    for (g, info), (r, _), (p, _) in zip(gold, hand, plain):
+        assert info["plugins"] == ["goldfish"]
+        assert g == pytest.approx(r, rel=1e-6, abs=0)
+        assert all(abs(a - b) > 1e-4 for a, b in zip(g, p))
 
 
 def torch_close(actual, expected, name):
