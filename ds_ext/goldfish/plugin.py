@@ -16,8 +16,7 @@ pipeline, data) and in every epoch. Where it is applied, with the script unchang
   model then divides by the labels it keeps; under the ``Trainer``, whose ``num_items_in_batch`` is
   counted from the batch before the forward, it divides by that count instead (every labelled token
   of the optimizer step, dropped ones included). Under 3D-PMM the hook runs after the one that
-  takes the rank's Z share of the rows, and the converted loss ignores the same index.
-
+  takes the rank's Z share of the rows, and the converted loss ignores the same index;
 * ds_ext's pipeline GPT (:func:`ds_ext.models.gpt_pipe.gpt_pipeline`) and GPT-NeoX's
   ``GPT2ModelPipe`` (``pipe_parallel_size >= 1``, unmodified) on DeepSpeed's PipelineEngine: the
   ``loss_fn`` on the last stage masks the labels, or multiplies GPT-NeoX's own ``loss_mask``
