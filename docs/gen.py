@@ -813,6 +813,26 @@ def validate_table() -> str:
     return markdown([Row(**{k: r[k] for k in fields}) for r in _load("simulate_validate.json")["rows"]])
 
 
+def memorization_table() -> str:
+    """000 §VIII-B/D at small scale: exact match per bucket, each loss a row (mean over the seeds)."""
+    d = _load("memorization.json")
+    epochs = sorted({r["epochs"] for r in d["records"]})
+    head = ["loss"] + ["0 Ep (control)" if e == 0 else f"{e} Ep ({e * d['passes_per_epoch']} passes)" for e in epochs]
+    rows = []
+    for r in d["records"]:
+        if r["epochs"] != epochs[0]:
+            continue
+        label = "standard" if r["loss"] == "standard" else f"goldfish k = {r['k']}, h = {r['h']}"
+        same = [x for x in d["records"] if (x["loss"], x["k"], x["h"]) == (r["loss"], r["k"], r["h"])]
+        rows.append([label] + [f"{100 * x['exact_match']:.1f} %" for x in sorted(same, key=lambda x: x["epochs"])])
+    note = (
+        f"\n\nExact match of the last {d['n']} tokens, {d['docs']} documents per bucket, mean over seeds "
+        f"{', '.join(map(str, d['seeds']))}; {d['parameters']:,}-parameter GPT, {d['steps']} steps; "
+        f"reproduce: `{d['command']}`"
+    )
+    return _md(head, rows) + note
+
+
 SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_zero.md": ("examples/results/bench_zero.json", zero_table),
     "bench_zero_tp2.md": ("examples/results/bench_zero_tp2.json", lambda: zero_table("bench_zero_tp2.json")),
@@ -850,6 +870,7 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_pccl_netns.md": ("examples/results/bench_pccl_netns.json", pccl_table),
     "bench_pccl_repeats.md": ("examples/results/bench_pccl_netns*.json", pccl_repeats_table),
     "simulate_validate.md": ("examples/results/simulate_validate.json", validate_table),
+    "memorization.md": ("examples/results/memorization.json", memorization_table),
 }
 
 

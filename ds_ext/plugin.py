@@ -108,6 +108,7 @@ BUILTIN_PLUGIN_MODULES: tuple[str, ...] = (
     "ds_ext.pmm.plugin",
     "ds_ext.moe.plugin",
     "ds_ext.pccl.plugin",
+    "ds_ext.goldfish.plugin",
 )
 # The order of the built-ins' hooks: the plugins that define the job's layout (3D-PMM, TED)
 # prepare first, so ZeRO-topo shards over the data axis of the model they converted, and attach
@@ -138,6 +139,7 @@ BUILTIN_CONFIGS: dict[str, tuple[str, str]] = {
     "pmm3d": ("ds_ext.pmm.config", "Pmm3dConfig"),
     "ted": ("ds_ext.moe.config", "TEDConfig"),
     "pccl": ("ds_ext.pccl.plugin", "PCCLConfig"),  # the plugin module imports no torch
+    "goldfish": ("ds_ext.goldfish.config", "GoldfishConfig"),
 }
 
 

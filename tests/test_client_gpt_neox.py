@@ -54,7 +54,7 @@ UNQUANTIZED = {"weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops":
 ACCUM = 2  # micro-batches per train_batch on the pipeline path
 
 
-def _neox_args(zero_topo, model_parallel=1, stage=0, clip=0.0, pipe=0):
+def _neox_args(zero_topo, model_parallel=1, stage=0, clip=0.0, pipe=0, extra=None):
     from megatron.neox_arguments import NeoXArgs
 
     import torch.distributed as dist
@@ -62,6 +62,7 @@ def _neox_args(zero_topo, model_parallel=1, stage=0, clip=0.0, pipe=0):
     block = {"topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True}}
     if zero_topo is not None:
         block["zero_topo"] = {"enabled": True, **zero_topo}
+    block.update(extra or {})
     args = NeoXArgs.from_ymls(
         [str(NEOX / "configs" / "19M.yml")],
         overwrite_values=dict(
@@ -97,14 +98,18 @@ def _neox_args(zero_topo, model_parallel=1, stage=0, clip=0.0, pipe=0):
     return args
 
 
-def _neox_train(zero_topo, steps=5, model_parallel=1, stage=0, clip=0.0, offset=0, params=False, pipe=0):
+def _neox_train(
+    zero_topo, steps=5, model_parallel=1, stage=0, clip=0.0, offset=0, params=False, pipe=0, extra=None, hand_mask=None
+):
     """GPT-NeoX's setup and ``steps`` training steps (see module); the batch of step s is the
     corpus's step ``s + offset``, indexed by the data-parallel rank (every tensor rank of a
     model-parallel group sees the same micro-batch). With ``params``, also this rank's
     parameters at the end (inside ``gathered_parameters`` with ZeRO-topo), the names of those
     equal to their values right after ``deepspeed.initialize``, and the global gradient norms.
     ``pipe`` >= 1: GPT-NeoX's pipeline path (``GPT2ModelPipe`` on DeepSpeed's PipelineEngine, its
-    ``get_batch_pipe``, ``train_step_pipe``'s ``model.train_batch`` over ``ACCUM`` micro-batches)."""
+    ``get_batch_pipe``, ``train_step_pipe``'s ``model.train_batch`` over ``ACCUM`` micro-batches).
+    ``extra``: more of the ``"ds_ext"`` block; ``hand_mask`` (k, h), pipeline path: the batch
+    function multiplies GPT-NeoX's ``loss_mask`` by the hand-written Goldfish rule."""
     if str(NEOX) not in sys.path:
         sys.path.insert(0, str(NEOX))
     import deepspeed
@@ -125,7 +130,7 @@ def _neox_train(zero_topo, steps=5, model_parallel=1, stage=0, clip=0.0, offset=
     if pipe:  # get_batch_pipe -> mpu.broadcast_data builds its buffers with CUDA-only calls
         torch.cuda.LongTensor = torch.LongTensor
         torch.Tensor.cuda = lambda self, *a, **kw: self
-    args = _neox_args(zero_topo, model_parallel, stage, clip, pipe)
+    args = _neox_args(zero_topo, model_parallel, stage, clip, pipe, extra)
     disable_jit_builds()
     deepspeed.init_distributed(dist_backend=args.distributed_backend, auto_mpi_discovery=False)
     world = dist.get_world_size()
@@ -157,7 +162,8 @@ def _neox_train(zero_topo, steps=5, model_parallel=1, stage=0, clip=0.0, offset=
         ds_ext.unpatch_deepspeed()
     if args.is_pipe_parallel:  # megatron/training.py:1213
         model.set_has_attention_mask(True)
-        model.set_batch_fn(partial(get_batch_pipe, neox_args=args, curr_scheduler=None))
+        batch_fn = partial(get_batch_pipe, neox_args=args, curr_scheduler=None)
+        model.set_batch_fn(partial(_hand_masked, batch_fn, *hand_mask) if hand_mask else batch_fn)
 
     def parameters():
         gathered = model.ds_ext.gathered_parameters() if zero_topo else None
@@ -209,6 +215,17 @@ def _neox_train(zero_topo, steps=5, model_parallel=1, stage=0, clip=0.0, offset=
     mpu.destroy_model_parallel()
     dist.barrier()
     return losses, info
+
+
+def _hand_masked(batch_fn, k, h, data):
+    """GPT-NeoX's pipeline batch with its ``loss_mask`` multiplied by the hand-written Goldfish rule
+    (tests/goldfish_reference.py) on the labels: the reference for ``"goldfish"``."""
+    import torch
+    from goldfish_reference import reference_keep
+
+    inputs, (labels, loss_mask) = batch_fn(data)
+    keep = torch.tensor([reference_keep(row, k, h) for row in labels.tolist()], dtype=loss_mask.dtype)
+    return inputs, (labels, loss_mask * keep)
 
 
 def test_neox_trains_zero_topo_with_its_own_optimizer_and_config_section(world):
@@ -281,6 +298,22 @@ def test_neox_pipeline_path_zero_topo_pipeline_form_equals_deepspeed_zero1(world
         for name, p in theirs["params"].items():
             torch_close(mine["params"][name], p, name)
         assert mine["still"] == [] and theirs["still"] == []
+
+
+@pytest.mark.parametrize("pipe", [1, 2])
+def test_neox_pipeline_path_goldfish_masks_its_own_loss_mask(world, pipe):
+    """``"goldfish": {"enabled": true, "k": 2, "h": 13}`` in GPT-NeoX's ds_config, its pipeline path
+    (``pipe_parallel_size`` 1 and 2) unmodified: the losses equal the same run whose batch function
+    multiplies GPT-NeoX's own ``loss_mask`` by the hand-written rule, and differ from the plain run.
+    Last in the module: the pipeline path shims ``Tensor.cuda`` in the ranks, which the world keeps."""
+    run = dict(pipe=pipe, steps=3)
+    gold = world.run(_neox_train, None, extra={"goldfish": {"enabled": True, "k": 2, "h": 13}}, **run)
+    hand = world.run(_neox_train, None, hand_mask=(2, 13), **run)
+    plain = world.run(_neox_train, None, **run)
+    for (g, info), (r, _), (p, _) in zip(gold, hand, plain):
+        assert info["plugins"] == ["goldfish"]
+        assert g == pytest.approx(r, rel=1e-6, abs=0)
+        assert all(abs(a - b) > 1e-4 for a, b in zip(g, p))
 
 
 def torch_close(actual, expected, name):

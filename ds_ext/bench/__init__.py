@@ -13,7 +13,18 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-BENCHMARKS: tuple[str, ...] = ("zero", "tiled", "tiled_step", "quant", "ledger", "pmm", "ted", "pccl", "scale")
+BENCHMARKS: tuple[str, ...] = (
+    "zero",
+    "tiled",
+    "tiled_step",
+    "quant",
+    "ledger",
+    "pmm",
+    "ted",
+    "pccl",
+    "scale",
+    "memorization",
+)
 
 
 def median(xs: list[float]) -> float:

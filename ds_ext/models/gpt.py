@@ -8,6 +8,7 @@ for sharded data parallelism (one block = one gather/release unit).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +67,24 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
+LossMask = Callable[[torch.Tensor], torch.Tensor]
+
+
+def lm_targets(tokens: torch.Tensor, loss_mask: LossMask | None) -> torch.Tensor:
+    """The next-token targets ``tokens[:, 1:]``, flattened; where ``loss_mask(tokens)`` (bool of
+    ``tokens``' shape, True = kept; e.g. :class:`ds_ext.goldfish.mask.GoldfishMask`) is False, the
+    ignore index -100, which ``F.cross_entropy`` leaves out of the loss and of its mean."""
+    targets = tokens[:, 1:]
+    if loss_mask is not None:
+        targets = targets.masked_fill(~loss_mask(tokens)[:, 1:], -100)
+    return targets.reshape(-1)
+
+
 class GPT(nn.Module):
-    """Decoder-only LM; ``forward(tokens)`` returns the mean next-token cross-entropy."""
+    """Decoder-only LM; ``forward(tokens)`` returns the mean next-token cross-entropy over the
+    tokens ``loss_mask`` keeps (all when it is None; the Goldfish plugin sets it)."""
+
+    loss_mask: LossMask | None = None
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -102,4 +119,4 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens``: [batch, seq_len + 1] int64; loss over positions 1..seq_len."""
         logits = self.logits(tokens[:, :-1])
-        return F.cross_entropy(rearrange(logits, "b s v -> (b s) v").float(), tokens[:, 1:].reshape(-1))
+        return F.cross_entropy(rearrange(logits, "b s v -> (b s) v").float(), lm_targets(tokens, self.loss_mask))

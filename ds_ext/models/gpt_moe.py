@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from ds_ext.models.gpt import GPT, ModelConfigError
+from ds_ext.models.gpt import GPT, LossMask, ModelConfigError, lm_targets
 from ds_ext.moe import ColumnParallelLinear, RowParallelLinear, TEDMoE
 from ds_ext.moe.tensor_parallel import check_divisible
 
@@ -164,7 +164,10 @@ def _checkpointed(block: Block, x: torch.Tensor, mode: str) -> tuple[torch.Tenso
 
 
 class GPTMoE(nn.Module):
-    """Decoder-only LM with MoE blocks (see module docstring)."""
+    """Decoder-only LM with MoE blocks (see module docstring); the cross-entropy is over the tokens
+    ``loss_mask`` keeps (:func:`ds_ext.models.gpt.lm_targets`)."""
+
+    loss_mask: LossMask | None = None
 
     def __init__(self, cfg: GPTMoEConfig) -> None:
         super().__init__()
@@ -189,5 +192,5 @@ class GPTMoE(nn.Module):
         """``tokens``: ``[batch, seq_len + 1]`` int64; LM loss over positions 1..seq_len plus
         ``aux_loss_coef`` x l_aux."""
         logits, l_aux = self.logits(tokens[:, :-1])
-        ce = F.cross_entropy(rearrange(logits, "b s v -> (b s) v").float(), tokens[:, 1:].reshape(-1))
+        ce = F.cross_entropy(rearrange(logits, "b s v -> (b s) v").float(), lm_targets(tokens, self.loss_mask))
         return ce + self.cfg.aux_loss_coef * l_aux

@@ -62,8 +62,9 @@ def lm_head(embed: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
     return x @ embed.weight.t()
 
 
-class _Loss:
-    """GPT's loss on the last stage's logits (a class, so the PipelineModule stays picklable)."""
+class LMLoss:
+    """GPT's loss on the last stage's logits (a class, so the PipelineModule stays picklable): the
+    mean cross-entropy over the labels that are not -100."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -91,7 +92,7 @@ def gpt_pipeline(
         layers,
         num_stages=num_stages,
         topology=topology,
-        loss_fn=_Loss(cfg.vocab_size),
+        loss_fn=LMLoss(cfg.vocab_size),
         partition_method=partition_method,
         activation_checkpoint_interval=1 if cfg.checkpoint else 0,
     )

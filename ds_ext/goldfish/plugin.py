@@ -1,0 +1,130 @@
+"""The ``goldfish`` plugin: the Goldfish loss from the ds_config (000 §VIII-D; Hans et al., arXiv
+2406.10209).
+
+``"ds_ext": {"goldfish": {"enabled": true, "k": 2, "h": 13}}`` leaves out of the training loss every
+token the hashed mask of :mod:`ds_ext.goldfish.mask` drops (a function of the ``h`` tokens before
+it, 1 in ``k`` on average); the loss is the mean over the tokens kept. The mask is computed once per
+micro-batch from the token ids, so it is the same on every rank that sees the same tokens (tensor,
+pipeline, data) and in every epoch. Where it is applied, with the script unchanged:
+
+* ds_ext's :class:`~ds_ext.models.GPT` and :class:`~ds_ext.models.gpt_moe.GPTMoE`
+  (``examples/train.py``): the model's ``loss_mask``, so ``engine(tokens)`` is the masked mean;
+  under 3D-PMM (:class:`ds_ext.pmm.gpt.PMMGPT`) the dropped targets enter the vocabulary-parallel
+  cross-entropy as its ignore index, before its reductions over the vocabulary axis;
+* a Hugging Face causal LM (``engine(input_ids=..., labels=...)``, the ``Trainer``): a forward
+  pre-hook sets the dropped ``labels`` to -100, the model's own ignore index, before its loss. The
+  model then divides by the labels it keeps; under the ``Trainer``, whose ``num_items_in_batch`` is
+  counted from the batch before the forward, it divides by that count instead (every labelled token
+  of the optimizer step, dropped ones included). Under 3D-PMM the hook runs after the one that
+  takes the rank's Z share of the rows, and the converted loss ignores the same index;
+* ds_ext's pipeline GPT (:func:`ds_ext.models.gpt_pipe.gpt_pipeline`) and GPT-NeoX's
+  ``GPT2ModelPipe`` (``pipe_parallel_size >= 1``, unmodified) on DeepSpeed's PipelineEngine: the
+  ``loss_fn`` on the last stage masks the labels, or multiplies GPT-NeoX's own ``loss_mask``
+  (:class:`MaskedLabelsLoss`).
+
+With 3D-PMM's Z > 1 each Z share of the micro-batch is averaged over its own kept tokens and the
+shares' losses averaged, as data parallelism averages its ranks' losses. Anything else (another
+``PipelineModule``, Megatron-DeepSpeed's models, GPT-NeoX's plain ``pipe_parallel_size: 0`` model,
+whose loss its training loop computes outside the model) is refused before any collective, in one
+line naming ``ds_ext.goldfish``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ds_ext.errors import DsExtConfigError
+from ds_ext.goldfish.config import KEY, GoldfishConfig
+from ds_ext.goldfish.mask import GoldfishMask, mask_labels
+from ds_ext.models import GPT
+from ds_ext.models.gpt_moe import GPTMoE
+from ds_ext.models.gpt_pipe import LMLoss
+from ds_ext.plugin import Plugin, register_plugin
+
+SUPPORTED = (
+    "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, ds_ext.models.gpt_pipe.gpt_pipeline's PipelineModule, "
+    "GPT-NeoX's GPT2ModelPipe (pipe_parallel_size >= 1), a Hugging Face causal LM (AutoModelForCausalLM's classes)"
+)
+
+
+def _pipeline_loss(model: Any) -> bool:
+    """A PipelineModule whose last stage's ``loss_fn(output, labels)`` takes the next tokens as
+    ``labels``: ds_ext's :class:`~ds_ext.models.gpt_pipe.LMLoss`, or GPT-NeoX's
+    ``partial(megatron.model.gpt2_model.cross_entropy, ...)`` on ``(labels, loss_mask)``."""
+    fn = getattr(model, "loss_fn", None)
+    func = getattr(fn, "func", None)  # functools.partial
+    neox = getattr(func, "__module__", None) == "megatron.model.gpt2_model" and func.__name__ == "cross_entropy"
+    return isinstance(fn, LMLoss) or neox
+
+
+def _is_causal_lm(model: Any) -> bool:
+    """A Hugging Face causal LM: its labels are its input ids, shifted by its own loss."""
+    if not any(
+        c.__module__ == "transformers.modeling_utils" and c.__name__ == "PreTrainedModel" for c in type(model).__mro__
+    ):
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+@register_plugin
+class GoldfishPlugin(Plugin):
+    """Installs the Goldfish mask on the model's loss (module docstring)."""
+
+    name = "goldfish"
+    Config = GoldfishConfig
+
+    mask: GoldfishMask
+
+    def check(self, model: Any) -> None:
+        ours = type(model) in (GPT, GPTMoE) or _pipeline_loss(model)
+        if not ours and not _is_causal_lm(model):
+            raise DsExtConfigError(
+                f"{KEY}: the loss of a {type(model).__module__}.{type(model).__name__} is not masked; allowed models: "
+                f"{SUPPORTED}"
+            )
+
+    def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        self.mask = GoldfishMask(self.config.k, self.config.h)
+        if isinstance(model, (GPT, GPTMoE)):
+            model.loss_mask = self.mask
+        elif _pipeline_loss(model):
+            model.loss_fn = MaskedLabelsLoss(model.loss_fn, self.mask)
+        else:
+            model.register_forward_pre_hook(self._mask_labels, with_kwargs=True)
+        return model, optimizer, ds_config
+
+    def _mask_labels(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Hugging Face forward pre-hook: the dropped ``labels`` become the ignore index."""
+        labels = kwargs.get("labels")
+        if labels is None:
+            return args, kwargs
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if input_ids is None or input_ids.shape != labels.shape:
+            raise DsExtConfigError(
+                f"{KEY}: the mask is computed from input_ids, which must come with labels of their shape "
+                f"(got {None if input_ids is None else tuple(input_ids.shape)} and {tuple(labels.shape)})"
+            )
+        return args, {**kwargs, "labels": mask_labels(labels, self.mask(input_ids))}
+
+
+class MaskedLabelsLoss:
+    """A pipeline's ``loss_fn`` with the Goldfish-dropped labels left out (picklable, as the
+    PipelineModule is): labels set to -100 (ds_ext's ``LMLoss``), or, for ``(labels, loss_mask)``
+    (GPT-NeoX), the client's own ``loss_mask`` multiplied by the mask, so its loss divides by the
+    tokens kept. The last stage holds the labels ``x_1 .. x_L`` only, so the context of label ``x_i``
+    is read from the labels: the first token with a whole context, ``x_h``, whose context starts at
+    ``x_0``, is always kept there; every later token as :func:`goldfish_keep` decides."""
+
+    def __init__(self, loss_fn: Any, mask: GoldfishMask) -> None:
+        self.loss_fn, self.mask = loss_fn, mask
+
+    def __call__(self, output: torch.Tensor, labels: Any) -> torch.Tensor:
+        if isinstance(labels, (tuple, list)):
+            ids, loss_mask, *rest = labels
+            keep = self.mask(ids).to(loss_mask.dtype)
+            return self.loss_fn(output, (ids, loss_mask * keep, *rest))
+        return self.loss_fn(output, mask_labels(labels, self.mask(labels)))
