@@ -247,11 +247,12 @@ def test_each_level_runs_at_its_shape(world, level, pair, mbit):
     assert nbytes / seconds == pytest.approx(rate, rel=TOLERANCE)
 
 
-@pytest.mark.parametrize("kind", LINK_KINDS)
+@pytest.mark.parametrize("kind", [k for k in LINK_KINDS if k not in ("world_broadcast", "ring", "torch_reduce")])
 def test_link_bytes_equal_the_wire_of_every_level(world, kind):
     """Issue 48, every level shaped: the ledger's link bytes equal the kernel's counters of each
     GCD's own link (its rank's ``gcd`` bytes) and of each GPU's link and NIC (the ``gpu`` / ``node``
-    bytes of its two GCDs), for every collective kind of ``wire_support.LINK_KINDS``."""
+    bytes of its two GCDs), for the collective kinds of ``wire_support.LINK_KINDS`` (broadcast, reduce
+    and ds_ext's ring, rarer in a step, on the NIC-per-GPU cluster only: tests/test_cluster_nic.py)."""
     owners = {_link_of(r, "gcd"): ("gcd", [r]) for r in range(8)}
     for r in range(0, 8, 2):
         owners |= {_link_of(r, lv): (lv, [r, r + 1]) for lv in ("gpu", "node")}

@@ -286,7 +286,9 @@ def test_ted_refuses_a_model_without_tedmoe_and_deepspeed_moe_layers_in_one_line
     from ds_ext.moe.config import TEDConfig
     from ds_ext.moe.plugin import TEDPlugin
 
-    runtime = SimpleNamespace(topology=Topology.from_preset("frontier", 8, {"gpu": 2}), plugins=[], rank=0)
+    runtime = SimpleNamespace(
+        topology=Topology.from_preset("frontier", 8, {"gpu": 2}), plugins=[], rank=0, step_owner=lambda: None
+    )
     cfg = TEDConfig(enabled=True, tensor_parallel=1, expert_parallel=2)
     dense = nn.Sequential(nn.Linear(8, 8))
     with pytest.raises(DsExtConfigError, match=r"^ds_ext.ted: is enabled but the model has no ds_ext.moe.TEDMoE layer"):

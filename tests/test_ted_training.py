@@ -154,9 +154,18 @@ BF16 = {"rtol": 2e-2, "atol": 4e-3, "norm": 2e-3}
 FP32 = {"rtol": 1e-6, "atol": 1e-6, "norm": 1e-6}
 
 
-@pytest.mark.parametrize("whole", [False, True], ids=["experts_split", "experts_whole"])
-@pytest.mark.parametrize("P,bf16", [(2, False), (4, False), (4, True)], ids=["ep2-fp32", "ep4-fp32", "ep4-bf16"])
-def test_zero_topo_shards_dense_and_experts_equal_to_deepspeed_zero1(world, whole, P, bf16):
+@pytest.mark.parametrize(
+    "P,bf16,whole",
+    [(2, False, False), (2, False, True), (4, False, False), (4, True, False), (4, True, True)],
+    ids=[
+        "ep2-fp32-experts_split",
+        "ep2-fp32-experts_whole",
+        "ep4-fp32-experts_split",
+        "ep4-bf16-experts_split",
+        "ep4-bf16-experts_whole",
+    ],
+)
+def test_zero_topo_shards_dense_and_experts_equal_to_deepspeed_zero1(world, P, bf16, whole):
     """ZeRO-topo beside TED (unquantized): non-expert parameters over the data group, experts over
     their expert-data group (averaged as DeepSpeed-MoE does; whole experts over tensor x
     expert-data; at expert-data 1 split experts kept whole on their rank), the global norm over

@@ -66,7 +66,7 @@ def links_and_wire(kind: str, nbytes: int, gcd: bool) -> tuple[dict[str, float],
                 elif kind == "torch_reduce":
                     dist.reduce(x, dst=2)
                 elif kind == "torch_all_to_all":  # uneven: rows 1, 2, 3, 0, 1, ... to ranks 0, 1, 2, 3, 4, ...
-                    row, splits = nbytes // 4, [(i + 1) % 4 for i in range(d)]
+                    row, splits = nbytes // 16, [(i + 1) % 4 for i in range(d)]  # rows of nbytes / 4
                     mine = splits[dist.get_rank()]
                     dist.all_to_all_single(torch.empty(d * mine, row), torch.ones(sum(splits), row), [mine] * d, splits)
 
