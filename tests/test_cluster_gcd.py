@@ -23,11 +23,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from wire_support import LINK_KINDS, assert_links_match_the_wire
+from wire_support import LINK_KINDS, assert_links_match_the_wire, send_pairs
 
 from ds_ext.cluster import netns
 from ds_ext.cluster.command import add_cluster_arguments, spec_from_args
@@ -197,36 +196,15 @@ def world(capable):
         yield w
 
 
-def _send(pairs: list[tuple[int, int]], nbytes: int) -> tuple[float, dict | None]:
-    """Each pair (a, b): ``nbytes`` a -> b, all at once, between barriers; this rank's time and,
-    on rank 0, the bytes each link carried meanwhile."""
-    import torch
-    import torch.distributed as dist
-
-    from ds_ext.cluster.wire import wire_region
-
-    rank = dist.get_rank()
-    buf = torch.zeros(nbytes // 4)
-    with wire_region() as region:
-        t0 = time.perf_counter()
-        works = [dist.isend(buf, b) for a, b in pairs if a == rank] + [
-            dist.irecv(buf, a) for a, b in pairs if b == rank
-        ]
-        for w in works:
-            w.wait()
-        seconds = time.perf_counter() - t0
-    return seconds, region.bytes.links if region.bytes else None
-
-
 def test_bytes_cross_exactly_one_level(world):
     """A rank's bytes to its GCD partner, to the other GPU of its node and to the other node: up
     the sender's link of the level the two ranks differ at, down the receiver's, and on no other
     link (the hop between a GCD and its GPU's router is counted by no level)."""
     topo = _topology(2)
-    world.run(_send, [(a, a ^ 1) for a in range(8)] + [(0, 2), (0, 4), (5, 2), (3, 7)], 4096)  # connections
+    world.run(send_pairs, [(a, a ^ 1) for a in range(8)] + [(0, 2), (0, 4), (5, 2), (3, 7)], 4096)  # connections
     for a, b in ((0, 1), (1, 0), (6, 7), (0, 2), (3, 1), (0, 4), (5, 2), (7, 3)):
         level = topo.level_of([a, b])
-        links = world.run(_send, [(a, b)], MESSAGE)[0][1]
+        links = world.run(send_pairs, [(a, b)], MESSAGE)[0][1]
         up, down = _link_of(a, level), _link_of(b, level)
         assert MESSAGE <= links[up]["up"] <= MESSAGE * (1 + WIRE_OVERHEAD), (a, b, links)
         assert MESSAGE <= links[down]["down"] <= MESSAGE * (1 + WIRE_OVERHEAD), (a, b, links)
@@ -243,7 +221,7 @@ def test_each_level_runs_at_its_shape(world, level, pair, mbit):
     assert _topology(2).level_of(list(pair)) == level
     rate = mbit * 1e6 / 8
     nbytes = int(rate * 0.17) // 4 * 4
-    seconds = min(max(t for t, _ in world.run(_send, [pair], nbytes)) for _ in range(3))
+    seconds = min(max(t for t, _ in world.run(send_pairs, [pair], nbytes)) for _ in range(3))
     assert nbytes / seconds == pytest.approx(rate, rel=TOLERANCE)
 
 

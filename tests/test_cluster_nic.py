@@ -20,11 +20,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from wire_support import LINK_KINDS, assert_links_match_the_wire
+from wire_support import LINK_KINDS, assert_links_match_the_wire, send_pairs
 
 from ds_ext.cluster import netns
 from ds_ext.cluster.netns import cluster_links
@@ -147,37 +146,16 @@ def world():
         yield w
 
 
-def _send(pairs: list[tuple[int, int]], nbytes: int) -> tuple[float, dict | None]:
-    """Each pair (a, b): ``nbytes`` a -> b, all at once, between barriers; this rank's time and,
-    on rank 0, the bytes each link carried meanwhile."""
-    import torch
-    import torch.distributed as dist
-
-    from ds_ext.cluster.wire import wire_region
-
-    rank = dist.get_rank()
-    buf = torch.zeros(nbytes // 4)
-    with wire_region() as region:
-        t0 = time.perf_counter()
-        works = [dist.isend(buf, b) for a, b in pairs if a == rank] + [
-            dist.irecv(buf, a) for a, b in pairs if b == rank
-        ]
-        for w in works:
-            w.wait()
-        seconds = time.perf_counter() - t0
-    return seconds, region.bytes.links if region.bytes else None
-
-
 def test_each_gpu_sends_across_through_its_own_nic(world):
-    world.run(_send, [(0, 2), (1, 3), (0, 1)], 4096)  # warm-up: connections
+    world.run(send_pairs, [(0, 2), (1, 3), (0, 1)], 4096)  # warm-up: connections
     for a, b in ((0, 2), (1, 3), (3, 0), (2, 1)):
-        links = world.run(_send, [(a, b)], MESSAGE)[0][1]
+        links = world.run(send_pairs, [(a, b)], MESSAGE)[0][1]
         out_nic, in_nic = f"node:n{a // 2}g{a % 2}", f"node:n{b // 2}g{b % 2}"
         assert MESSAGE <= links[out_nic]["up"] <= MESSAGE * (1 + WIRE_OVERHEAD), links
         assert MESSAGE <= links[in_nic]["down"] <= MESSAGE * (1 + WIRE_OVERHEAD), links
         others = {name: moved for name, moved in links.items() if name not in (out_nic, in_nic)}
         assert all(moved["up"] < STRAY and moved["down"] < STRAY for moved in others.values()), (a, b, links)
-    links = world.run(_send, [(0, 1)], MESSAGE)[0][1]  # inside node 0: its GPU links, no NIC
+    links = world.run(send_pairs, [(0, 1)], MESSAGE)[0][1]  # inside node 0: its GPU links, no NIC
     assert MESSAGE <= links["gpu:n0g0"]["up"] <= MESSAGE * (1 + WIRE_OVERHEAD), links
     assert MESSAGE <= links["gpu:n0g1"]["down"] <= MESSAGE * (1 + WIRE_OVERHEAD), links
     assert all(moved["up"] < STRAY for name, moved in links.items() if name.startswith("node:")), links
@@ -188,7 +166,7 @@ def test_gpus_of_a_node_do_not_share_a_link_out(world):
     the same rate would take twice as long). The fastest of 3: CPU contention only adds time."""
     rate = NIC_MBIT * 1e6 / 8
     nbytes = 2 * MESSAGE
-    seconds = min(max(world.run(_send, [(0, 2), (1, 3)], nbytes)[r][0] for r in range(4)) for _ in range(3))
+    seconds = min(max(world.run(send_pairs, [(0, 2), (1, 3)], nbytes)[r][0] for r in range(4)) for _ in range(3))
     assert nbytes / seconds == pytest.approx(rate, rel=TOLERANCE)
 
 

@@ -558,3 +558,28 @@ def test_real_size_tables_shard_over_the_tensor_grid(family):
     # parameters (biases, norm weights) are the rest
     matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)
     assert perf.sharded_numel(spec, grid) * grid.tensor == matrices
+
+
+def test_auto_grid_counts_the_optimizer_state_zero_topo_shards():
+    """Beside ZeRO-topo (a plugin that owns the step) the auto grid's memory estimate shards the
+    optimizer state over the data axis, whatever DeepSpeed's stage (0, as ZeRO-topo needs): under a
+    limit that the fastest grid (data 4) meets only with the sharded state, DeepSpeed's stage 0
+    alone picks a slower grid, and beside ZeRO-topo the fastest."""
+    from types import SimpleNamespace
+
+    from ds_ext.pmm.config import Pmm3dConfig
+    from ds_ext.pmm.plugin import Pmm3dPlugin
+
+    model = GPT(GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4))
+    topo = Topology.from_preset("frontier", 8, {"gpu": 2})
+    spec = model_spec(model, plan_for(model))
+    fastest = perf.rank_grids(spec, 8, topo, 4, 16, 4, zero_stage=1)[0]
+    at_stage0 = perf.model_state_bytes(spec, fastest.grid, 4, zero_stage=0)
+    assert fastest.grid.data > 1 and fastest.memory < at_stage0
+    cfg = Pmm3dConfig(enabled=True, grid="auto", memory_per_rank_GB=(fastest.memory + at_stage0) / 2 / 1e9)
+    ds_config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0}}
+    chosen = {}
+    for owner in (None, object()):
+        plugin = Pmm3dPlugin(cfg, SimpleNamespace(topology=topo, step_owner=lambda owner=owner: owner))
+        chosen[owner is None] = plugin._grid(model, plan_for(model), ds_config).dims
+    assert chosen[False] == fastest.grid.dims and chosen[True] != fastest.grid.dims

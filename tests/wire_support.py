@@ -1,5 +1,6 @@
-"""Link bytes beside the wire: one collective through ds_ext's ledger on an emulated cluster
-(tests/test_cluster_nic.py: a NIC per GPU; tests/test_cluster_gcd.py: every level shaped)."""
+"""Bytes on an emulated cluster's links, run by the ranks of tests/test_cluster_nic.py (a NIC per GPU)
+and tests/test_cluster_gcd.py (every level shaped): point-to-point sends between pairs, and one
+collective through ds_ext's ledger, its link bytes beside the kernel's counters."""
 
 from __future__ import annotations
 
@@ -95,3 +96,26 @@ def assert_links_match_the_wire(world, kind: str, gcd: bool, owners: dict[str, t
             break
     assert not misses, (kind, misses)
     assert any(booked.get("node", 0.0) >= MESSAGE / 2 for booked, _ in results)
+
+
+def send_pairs(pairs: list[tuple[int, int]], nbytes: int) -> tuple[float, dict | None]:
+    """Each pair (a, b): ``nbytes`` a -> b, all at once, between barriers; this rank's time and,
+    on rank 0, the bytes each link carried meanwhile."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ds_ext.cluster.wire import wire_region
+
+    rank = dist.get_rank()
+    buf = torch.zeros(nbytes // 4)
+    with wire_region() as region:
+        t0 = time.perf_counter()
+        works = [dist.isend(buf, b) for a, b in pairs if a == rank] + [
+            dist.irecv(buf, a) for a, b in pairs if b == rank
+        ]
+        for w in works:
+            w.wait()
+        seconds = time.perf_counter() - t0
+    return seconds, region.bytes.links if region.bytes else None

@@ -142,7 +142,7 @@ class Pmm3dPlugin(Plugin):
             seq_len=perf_seq_len(model),
             elem_bytes=_elem_bytes(ds_config),
             grad_accum=ds_config.get("gradient_accumulation_steps", 1),
-            zero_stage=(ds_config.get("zero_optimization") or {}).get("stage", 0),
+            zero_stage=self._zero_stage(ds_config),
             memory_limit=None if self.config.memory_per_rank_GB is None else self.config.memory_per_rank_GB * 1e9,
         )
         if not ranked:
@@ -151,6 +151,15 @@ class Pmm3dPlugin(Plugin):
                 "fits memory_per_rank_GB; give the grid explicitly or raise the limit"
             )
         return ranked[0].grid
+
+    def _zero_stage(self, ds_config: dict) -> int:
+        """The ZeRO stage the auto grid's memory estimate assumes (``ds_ext.perf.pmm.memory``: the
+        optimizer state divided over the data axis from stage 1): DeepSpeed's, unless a plugin
+        replaces DeepSpeed's step (ZeRO-topo, whose every preset shards the optimizer state over the
+        data axis: mics over a node's data ranks only, which this counts as the whole axis)."""
+        if self.runtime.step_owner() is not None:
+            return 1
+        return (ds_config.get("zero_optimization") or {}).get("stage", 0)
 
     def describe(self) -> str:
         return f"grid {self.grid} (x, y, z, data)"
