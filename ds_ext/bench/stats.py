@@ -24,13 +24,11 @@ from typing import Any, Sequence
 from ds_ext.errors import DsExtError
 
 BOOTSTRAP_SAMPLES = 10_000
+CONFIDENCE = 0.95
 
 
 class StatsError(DsExtError, ValueError):
     """A ratio asked of a variant without measured steps."""
-
-
-CONFIDENCE = 0.95
 
 
 def ratio_interval(

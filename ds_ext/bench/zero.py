@@ -622,7 +622,7 @@ def merge_rounds(per_round: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One record per (variant, GA) from its rounds (``--rounds``): the first round's bytes and
     model (the same every round: the ledger is deterministic), every round's step times in round
     order (``step_times_s``; ``step_time_s`` their median), per round too (``step_times_by_round``),
-    with the quantizer seconds and losses of each round."""
+    with the quantizer seconds, the losses and the emulated step time (median) of each round."""
     merged: dict[tuple[str, int], dict[str, Any]] = {}
     for rec in per_round:
         key = (rec["variant"], rec["grad_accum"])
@@ -632,7 +632,7 @@ def merge_rounds(per_round: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "step_times_by_round": [],
                 "quantizer_s_by_round": [],
                 "losses_by_round": [],
-                "step_times_emulated_by_round": [],
+                "step_time_emulated_by_round": [],
             }
             del merged[key]["round"]
         m = merged[key]
@@ -640,13 +640,13 @@ def merge_rounds(per_round: list[dict[str, Any]]) -> list[dict[str, Any]]:
         m["quantizer_s_by_round"].append(rec["quantizer_s_per_step"])
         m["losses_by_round"].append(rec["losses"])
         if rec["step_time_emulated_s"] is not None:
-            m["step_times_emulated_by_round"].append(rec["step_time_emulated_s"])
+            m["step_time_emulated_by_round"].append(rec["step_time_emulated_s"])
     for m in merged.values():
         m["step_times_s"] = [t for times in m["step_times_by_round"] for t in times]
         m["step_time_s"] = median(m["step_times_s"])
         m["quantizer_s_per_step"] = [q for qs in m["quantizer_s_by_round"] for q in qs]
-        if m["step_times_emulated_by_round"]:
-            m["step_time_emulated_s"] = median(m["step_times_emulated_by_round"])
+        if m["step_time_emulated_by_round"]:
+            m["step_time_emulated_s"] = median(m["step_time_emulated_by_round"])
     return list(merged.values())
 
 

@@ -247,13 +247,10 @@ class Communicator:
     def _watched(self, group: object | None) -> bool:
         """Whether collectives over ``group`` wait watched by :attr:`watch` (gloo only: an NCCL
         work's wait returns at once, its hangs are NCCL's watchdog's to report)."""
-        return self.watch is not None and self._is_gloo(group)
+        return self.watch is not None and self.is_gloo(group)
 
     def is_gloo(self, group: object | None = None) -> bool:
-        """Whether ``group`` (default: the world) runs on gloo (``ds_ext.comm.hops``: its algorithms)."""
-        return self._is_gloo(group)
-
-    def _is_gloo(self, group: object | None) -> bool:
+        """Whether ``group`` (default: the world) runs on gloo (its algorithms: ``ds_ext.comm.hops``)."""
         if group not in self._gloo_groups:
             self._gloo_groups[group] = dist.get_backend(group) == "gloo"
         return self._gloo_groups[group]
@@ -314,7 +311,7 @@ class Communicator:
         key = (group, op, root)
         unit = self._link_units.get(key)
         if unit is None:
-            gloo = dist.is_initialized() and self._is_gloo(group)
+            gloo = dist.is_initialized() and self.is_gloo(group)
             unit = self._link_units[key] = hops.by_level(topo, me, hops.sends(op, ranks, me, 1.0, gloo, root))
         return {level: share * payload for level, share in unit.items()}
 
@@ -382,7 +379,7 @@ class Communicator:
         (:meth:`GroupRegistry.p2p_downward`); made here by a collective that every rank runs
         (its group spans the world), else None until the registry makes it with its first
         group: that collective then uses one connection per pair."""
-        if not self._is_gloo(group):
+        if not self.is_gloo(group):
             return None
         downward = self.registry.p2p_downward()
         if downward is None and len(ranks) == self.registry.topology.world_size:
@@ -452,7 +449,7 @@ class Communicator:
         algorithm = self.choose(group, _nbytes(output), algorithm, op)
         if algorithm != "native" and d > 1:
             return self._p2p("reduce_scatter", algorithm, output, input, group, async_op)
-        combine = _gloo_reduction(op) if d > 1 and self._is_gloo(group) else None
+        combine = _gloo_reduction(op) if d > 1 and self.is_gloo(group) else None
         volume = reduce_scatter_bytes(_nbytes(input), d)
         if combine is not None:  # run as an all_to_all of the chunks: each to its owner
             chunk = _nbytes(input) / d

@@ -150,14 +150,18 @@ def expert_dir(tag_dir: Path, expert_model_rank: int) -> Path:
     return tag_dir / EXPERT_DIR.format(rank=expert_model_rank)
 
 
+def _folders(tag_dir: Path, pattern: str) -> list[Path]:
+    return sorted(p for p in tag_dir.glob(pattern.replace("{rank:02d}", "*")) if p.is_dir())
+
+
 def model_parallel_parts(tag_dir: Path) -> list[Path]:
     """The per-model-parallel-rank folders of a checkpoint (none without model parallelism)."""
-    return sorted(p for p in tag_dir.glob(MODEL_PARALLEL_DIR.replace("{rank:02d}", "*")) if p.is_dir())
+    return _folders(tag_dir, MODEL_PARALLEL_DIR)
 
 
 def expert_parts(tag_dir: Path) -> list[Path]:
     """The per-expert-model-rank folders of a checkpoint (none without MoE experts)."""
-    return sorted(p for p in tag_dir.glob(EXPERT_DIR.replace("{rank:02d}", "*")) if p.is_dir())
+    return _folders(tag_dir, EXPERT_DIR)
 
 
 def check_model_parallel(tag_dir: Path, model_size: int, expert_model_size: int = 0) -> None:

@@ -70,10 +70,12 @@ class UnitSpec:
         return self.spans or ((0, self.numel),)
 
 
-def _group_ranks(topology: Topology, levels: list[int]) -> tuple[int, ...]:
-    """Rank 0's group over topology ``levels`` (every other group of the partition is congruent)."""
+def _members(topology: Topology, rank: int, levels: list[int]) -> tuple[int, ...]:
+    """The group of ``rank`` over topology ``levels``: the ranks that differ from it only there,
+    ascending (its process group's rank order; rank 0's is congruent to every other group)."""
+    mine = topology.coords(rank)
     others = [i for i in range(len(topology.levels)) if i not in levels]
-    return tuple(r for r in range(topology.world_size) if all(topology.coords(r)[i] == 0 for i in others))
+    return tuple(r for r in range(topology.world_size) if all(topology.coords(r)[i] == mine[i] for i in others))
 
 
 def _raw_blocks_per_shard(
@@ -120,14 +122,6 @@ def unit_spec(plan: ShardingPlan, params: list[tuple[int, int]], root: bool = Fa
     )
 
 
-def _members(topology: Topology, rank: int, levels: list[int]) -> tuple[int, ...]:
-    """The group of ``rank`` over topology ``levels``: the ranks that differ from it only there,
-    ascending (its process group's rank order)."""
-    mine = topology.coords(rank)
-    others = [i for i in range(len(topology.levels)) if i not in levels]
-    return tuple(r for r in range(topology.world_size) if all(topology.coords(r)[i] == mine[i] for i in others))
-
-
 class _Tally:
     def __init__(self, topology: Topology, algorithm: str = "native", rank: int = 0, gloo: bool = False) -> None:
         if algorithm not in ("native", "ring", "pccl"):
@@ -141,6 +135,15 @@ class _Tally:
         self.calls: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.steps: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.links: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self._groups: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = {}
+
+    def members(self, rank: int, levels: list[int]) -> tuple[int, ...]:
+        """:func:`_members`, computed once per group: a model at 9,408 ranks asks for the same few
+        groups once per unit."""
+        key = (rank, tuple(levels))
+        if key not in self._groups:
+            self._groups[key] = _members(self.topology, rank, levels)
+        return self._groups[key]
 
     def add_links(self, phase: str, links: dict[str, float], times: int = 1) -> None:
         for lv, b in links.items():
@@ -158,21 +161,19 @@ class _Tally:
         """The link bytes of ``times`` collectives of ``op`` over the group of topology ``levels``
         in which this rank sends ``nbytes`` (module docstring); ``per_peer``: an all_to_all's bytes
         per group member (topology rank)."""
-        members = _members(self.topology, self.rank, levels)
+        members = self.members(self.rank, levels)
         d = len(members)
         if d < 2 or times == 0:
             return
         if per_peer is None and (op == "reduce_scatter" and self.gloo or op == ""):
-            per_peer = {r: nbytes / (d - 1) for r in members if r != self.rank}  # an all_to_all of equal chunks
-        if per_peer is not None:
-            peers = {r: b for r, b in per_peer.items() if r != self.rank}
-        else:
-            payload = {
-                "all_gather": nbytes / (d - 1),
-                "all_reduce": nbytes * d / (2 * (d - 1)),
-                "reduce_scatter": nbytes * d / (d - 1),
-            }[op]
-            peers = hops.sends(op, members, self.rank, payload, self.gloo)
+            per_peer = {r: nbytes / (d - 1) for r in members}  # an all_to_all of equal chunks
+        payload = {
+            "all_gather": nbytes / (d - 1),
+            "all_reduce": nbytes * d / (2 * (d - 1)),
+            "reduce_scatter": nbytes * d / (d - 1),
+        }.get(op, nbytes)
+        peer_bytes = None if per_peer is None else [per_peer[r] for r in members]
+        peers = hops.sends(op, members, self.rank, payload, self.gloo, per_peer=peer_bytes)
         self.add_links(phase, hops.by_level(self.topology, self.rank, peers), times)
 
     def add(
@@ -194,7 +195,7 @@ class _Tally:
         if levels is not None and self.algorithm != "pccl":
             self.link(phase, op, levels, nbytes, times)
         if self.algorithm == "pccl" and op in ("all_gather", "reduce_scatter"):
-            ranks = _group_ranks(self.topology, levels)  # type: ignore[arg-type]
+            ranks = self.members(0, levels)  # type: ignore[arg-type]
             for lv, (b, m) in collectives.traffic("pccl", self.topology, ranks, nbytes / (d - 1)).items():
                 self.bytes[phase][lv] += b * times
                 self.calls[phase][lv] += calls * times
@@ -369,7 +370,7 @@ def _gradient_reduce(
     if plan.gradient_hops == 1:
         others = [k for k in range(d) if k != shard_index(topo, rank, g)]
         t.add(phase, _level(plan, levels), sent(others), calls(range(d)), times, d=d)
-        per_peer = {r: sent([shard_index(topo, r, g)]) for r in _members(topo, rank, levels)}
+        per_peer = {r: sent([shard_index(topo, r, g)]) for r in t.members(rank, levels)}
         t.link(phase, "all_to_all", levels, 0.0, times, per_peer)
         return
     inner = list(range(g))
@@ -377,13 +378,11 @@ def _gradient_reduce(
     mine, mine_g = shard_index(topo, rank, g - 1), topo.coords(rank)[g]
     peers = [k for k in range(d) if k // n != mine]  # shard k = (intra digits, level-g digit)
     t.add(phase, _level(plan, inner), sent(peers), calls(range(d)), times, d=p)
-    hop1 = {
-        r: sent([k for k in range(d) if k // n == shard_index(topo, r, g - 1)]) for r in _members(topo, rank, inner)
-    }
+    hop1 = {r: sent([k for k in range(d) if k // n == shard_index(topo, r, g - 1)]) for r in t.members(rank, inner)}
     t.link(phase, "all_to_all", inner, 0.0, times, hop1)
     own = [mine * n + c for c in range(n)]  # the partial sums this rank holds after hop 1
     t.add(phase, _level(plan, [g]), sent([k for k in own if k % n != mine_g]), calls(own), times, d=n)
-    hop2 = {r: sent([mine * n + topo.coords(r)[g]]) for r in _members(topo, rank, [g])}
+    hop2 = {r: sent([mine * n + topo.coords(r)[g]]) for r in t.members(rank, [g])}
     t.link(phase, "all_to_all", [g], 0.0, times, hop2)
 
 
