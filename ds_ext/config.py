@@ -112,6 +112,14 @@ class CommConfig(ConfigSection):
         True,
         description="Also count collectives issued by DeepSpeed and user code through torch.distributed.",
     )
+    torch_gloo_reduce_scatter: Literal["native", "all_to_all"] = Field(
+        "native",
+        description="How a torch.distributed reduce_scatter_tensor of DeepSpeed or user code runs on a gloo group "
+        "(counted with count_torch_collectives): 'native' is gloo's own, an all-reduce of the whole input that keeps "
+        "one chunk (twice a reduce-scatter's bytes); 'all_to_all' sends each chunk to its owner, which reduces it, as "
+        "ds_ext's own reduce-scatter on gloo does and as NCCL / RCCL send (ds-ext bench's fair baseline). The default "
+        "leaves the third-party collective as it is.",
+    )
     emulate_time: bool = Field(
         False, description="Hold each collective for its alpha-beta time on the emulated topology."
     )
@@ -131,6 +139,15 @@ class CommConfig(ConfigSection):
         "names this key (torch.distributed's process-group timeout; applies to the world group when ds_ext starts "
         "torch.distributed, and to every group ds_ext creates).",
     )
+
+    @model_validator(mode="after")
+    def _reroute_needs_counting(self) -> "CommConfig":
+        if self.torch_gloo_reduce_scatter == "all_to_all" and not (self.ledger and self.count_torch_collectives):
+            raise ValueError(
+                "torch_gloo_reduce_scatter 'all_to_all' runs through the counting wrappers of torch.distributed: "
+                "it needs ledger and count_torch_collectives true; allowed otherwise: 'native'"
+            )
+        return self
 
 
 def _schema_model() -> type[BaseModel]:

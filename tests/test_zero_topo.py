@@ -78,6 +78,10 @@ def _train(ds_cfg, steps=10, checkpoint=False):
         "bytes": engine.ds_ext.ledger.mean_by_level(),
         "phases": [s.by_phase() for s in engine.ds_ext.ledger.steps],
         "state": plugin.state_bytes() if plugin else None,
+        "reduce_scatter": [
+            (s.by_level(op="reduce_scatter"), s.link_bytes_by_level(op="reduce_scatter"))
+            for s in engine.ds_ext.ledger.steps
+        ],
     }
     engine.destroy()
     return out
@@ -118,6 +122,17 @@ def test_zero3_preset_matches_deepspeed_zero3(world):
     ds = world.run(_train, _ds_config(3), 6)
     ours = world.run(_train, _ds_config(0, zero_topo={"preset": "zero3"}), 6)
     _assert_close(ours[0]["losses"], ds[0]["losses"], 1e-5)
+    # DeepSpeed's own reduce-scatters on gloo sent as ds_ext's are (comm.torch_gloo_reduce_scatter, the
+    # bench's fair baseline): the same training, the same volume booked, half of gloo's all-reduce on the links
+    fair = _ds_config(3)
+    fair["ds_ext"]["comm"] = {"torch_gloo_reduce_scatter": "all_to_all"}
+    rerouted = world.run(_train, fair, 6)
+    for r, n in zip(rerouted, ds):
+        _assert_close(r["losses"], n["losses"], 1e-5)
+        assert len(r["reduce_scatter"]) == len(n["reduce_scatter"]) == 6
+        for (volume, links), (native_volume, native_links) in zip(r["reduce_scatter"], n["reduce_scatter"]):
+            assert volume == native_volume and volume["node"] > 0
+            assert sum(links.values()) == pytest.approx(sum(native_links.values()) / 2, rel=1e-9)
 
 
 def _no_node_bytes_in_micro_batches(phases):

@@ -90,18 +90,34 @@ def _volume(comm: Communicator, name: str, a: dict) -> _Call:
     raise KeyError(name)
 
 
-def _wrap(comm: Communicator, name: str, fn: Callable) -> Callable:
+REROUTED = ("reduce_scatter_tensor", "reduce_scatter_single")  # comm.torch_gloo_reduce_scatter 'all_to_all'
+
+
+def _wrap(comm: Communicator, name: str, fn: Callable, gloo_reduce_scatter: str = "native") -> Callable:
     """``fn`` (the function in torch.distributed now) behind the ledger; arguments are
-    named by torch's own signature, since ``fn`` may be a ``(*args, **kwargs)`` wrapper."""
+    named by torch's own signature, since ``fn`` may be a ``(*args, **kwargs)`` wrapper.
+    ``gloo_reduce_scatter`` 'all_to_all': a reduce-scatter on a gloo group of two or more ranks
+    runs as :meth:`Communicator.reduce_scatter` (each chunk to its owner, reduced there), which
+    books it; ``fn`` is not called."""
     torch_fn = getattr(dist.distributed_c10d, name, fn)
     names = tuple(inspect.signature(torch_fn).parameters)  # by name without Signature.bind (µs per call)
+    reroute = gloo_reduce_scatter == "all_to_all" and name in REROUTED
 
     @functools.wraps(fn)
     def wrapper(*args, **kw):
         arguments = dict(zip(names, args))
         arguments.update(kw)
+        group = arguments.get("group")
+        if reroute and comm.size(group) > 1 and comm.is_gloo(group):
+            return comm.reduce_scatter(
+                arguments["output"],
+                arguments["input"],
+                op=arguments.get("op", dist.ReduceOp.SUM),
+                group=group,
+                async_op=bool(arguments.get("async_op")),
+            )
         call = _volume(comm, name, arguments)
-        op, group = call.op, arguments.get("group")
+        op = call.op
         span, deadline = comm.account(op, group, call.nbytes, call.payload, call.root, call.per_peer)
         try:
             work = fn(*args, **kw)
@@ -144,9 +160,10 @@ class _TimedWork:
 _wrappers: dict[str, Callable] = {}
 
 
-def install(comm: Communicator) -> None:
+def install(comm: Communicator, gloo_reduce_scatter: str = "native") -> None:
     """Route every torch.distributed tensor collective through ``comm``'s ledger, chained
-    in front of whatever torch.distributed holds now.
+    in front of whatever torch.distributed holds now; ``gloo_reduce_scatter``: the setting
+    ``comm.torch_gloo_reduce_scatter`` (:func:`_wrap`).
 
     Installing again replaces the previous communicator.
     """
@@ -154,7 +171,7 @@ def install(comm: Communicator) -> None:
     for n in TORCH_OP_NAMES:
         current = getattr(dist, n)
         collectives._captured[n] = current
-        _wrappers[n] = _wrap(comm, n, current)
+        _wrappers[n] = _wrap(comm, n, current, gloo_reduce_scatter)
         setattr(dist, n, _wrappers[n])
 
 

@@ -240,7 +240,7 @@ def initialize(
             runtime.topology.world_size, runtime.rank, grid, "the PipelineModule's topology"
         )
     if parsed.comm.ledger and parsed.comm.count_torch_collectives:
-        instrument.install(runtime.comm)
+        instrument.install(runtime.comm, parsed.comm.torch_gloo_reduce_scatter)
         ds_engine.rebind_backend_collectives()
     for plugin in runtime.plugins:
         model, optimizer, ds_config = plugin.prepare(model, optimizer, ds_config)
