@@ -4,6 +4,7 @@ world) places one process into Frontier's 48 nodes x 4 MI250X x 2 GCDs; the ledg
 code path equals the analytic model each plugin is held to, at 384 ranks (003's largest run)."""
 
 import pytest
+from ledger_support import assert_links_equal
 
 from ds_ext.bench import scale
 
@@ -37,6 +38,7 @@ def test_zero_topo_at_384_ranks_ledger_equals_perf_zero_and_table_vii(scheme):
     assert c["measured"]["bytes"].keys() == c["model"]["bytes"].keys()
     for phase, per in c["model"]["bytes"].items():
         assert c["measured"]["bytes"][phase] == pytest.approx(per, rel=1e-12), phase
+    assert_links_equal(c["measured"]["links"], c["model"]["links"])
     assert c["measured"]["calls"] == c["model"]["calls"]
     assert c["measured"]["messages"] == c["model"]["messages"]
     assert c["forward_all_gather"] == pytest.approx(c["table_vii"], rel=1e-12)

@@ -5,6 +5,7 @@ switches, and ``ds_ext.perf.pmm`` (Eqs 5.1-5.5 plus the terms ds_ext adds) for t
 """
 
 import pytest
+from ledger_support import assert_links_equal
 from pmm_helpers import GLOBAL_BATCH, SEQ, engine_for, ds_config, parity, tokens, train_and_compare
 
 WORLD_SIZE = 8
@@ -228,7 +229,9 @@ def test_hf_checkpoint_consolidates_and_loads_shard_by_shard(world, tmp_path):
 
 
 def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None, tables=None):
-    from ds_ext.perf.pmm import items, ledger_bytes
+    import torch.distributed as dist
+
+    from ds_ext.perf.pmm import items, ledger_bytes, ledger_links
     from ds_ext.pmm.plans import plan_for
     from ds_ext.pmm.spec import model_spec
     from pmm_helpers import gpt
@@ -241,7 +244,9 @@ def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None, tables=None):
             start = (axes["data"].rank * accum + m) * micro
             engine.backward(engine(tokens(step)[start : start + micro]))
             engine.step()
-    measured = {ph: lv for ph, lv in engine.ds_ext.ledger.steps[-1].by_phase().items() if ph != "step"}
+    last = engine.ds_ext.ledger.steps[-1]
+    measured = {ph: lv for ph, lv in last.by_phase().items() if ph != "step"}
+    measured_links = {ph: lv for ph, lv in last.link_bytes_by_phase().items() if ph != "step"}
     serial = gpt()
     spec, pmm_grid, topology = (
         model_spec(serial, plan_for(serial), vocab_parallel=tables != "replicated"),
@@ -249,6 +254,10 @@ def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None, tables=None):
         engine.ds_ext.topology,
     )
     model = ledger_bytes(spec, pmm_grid, topology, micro, SEQ, 2 if bf16 else 4, accum)
+    links = (
+        measured_links,
+        ledger_links(spec, pmm_grid, topology, dist.get_rank(), micro, SEQ, 2 if bf16 else 4, accum, gloo=True),
+    )
     # all-reduces in backward at Z's level (the gradients of Z-replicated parameters): ledger and model
     z_level = pmm_grid.parallel_dims.spans(topology)["z"]
     calls = engine.ds_ext.ledger.steps[-1].calls.get(("backward", "all_reduce", z_level), 0)
@@ -258,7 +267,7 @@ def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None, tables=None):
         if (i.phase, i.op, i.axis) == ("backward", "all_reduce", "z")
     )
     engine.destroy()
-    return measured, model, (calls, model_calls)
+    return measured, model, (calls, model_calls), links
 
 
 def test_replicated_tables_send_what_megatron_tp8_sends(world):
@@ -273,7 +282,7 @@ def test_replicated_tables_send_what_megatron_tp8_sends(world):
 
     serial = gpt()
     megatron = megatron_bytes(list(model_spec(serial, plan_for(serial)).layers), GLOBAL_BATCH * SEQ, 8, 4)
-    for measured, model, _ in world.run(_ledger_vs_model, (8, 1, 1, 1), 1, False, None, "replicated"):
+    for measured, model, _, _ in world.run(_ledger_vs_model, (8, 1, 1, 1), 1, False, None, "replicated"):
         assert measured == model
         assert sum(b for per in measured.values() for b in per.values()) == megatron
 
@@ -303,8 +312,9 @@ LEDGER_GRIDS = [
     ids=str,
 )
 def test_ledger_equals_model_per_layer_and_level(world, grid, accum, bf16, overlap, tables):
-    for measured, model, (calls, model_calls) in world.run(_ledger_vs_model, grid, accum, bf16, overlap, tables):
+    for measured, model, (calls, model_calls), links in world.run(_ledger_vs_model, grid, accum, bf16, overlap, tables):
         assert measured == model  # exact: {"forward/<layer>": {level: bytes}, ..., "backward": {...}}
+        assert_links_equal(*links)  # each byte at the level of the link it crosses (ds_ext.comm.hops)
         if grid[2] > 1 and grid[3] == 1:  # Z's level carries no other backward all-reduce
             # issue 20 point 8: 8 biases + 10 norm vectors in ONE all-reduce per micro-step (was 18)
             assert calls == model_calls == accum, (calls, model_calls)

@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 
+from ledger_support import assert_links_equal
 from ted_support import MICRO, SEQ
 
 WORLD_SIZE = 8
@@ -117,10 +118,11 @@ def _variants(T, P, modes, dropless=False, capacity_factor=1.0, capacity=None):
                 loss.backward()
             assert all(len(m.ted_tape) == 0 for m in model.modules() if isinstance(m, TEDMoE))
             want = moe_block_traffic(
-                layout, runtime.topology, rank, shape, dtd=dtd, cac=cac, checkpointing=mode != "none"
+                layout, runtime.topology, rank, shape, dtd=dtd, cac=cac, checkpointing=mode != "none", gloo=True
             )
             got = ledger.current
             assert dict(got.bytes) == dict(want.bytes), (mode, dtd, cac, dict(got.bytes), dict(want.bytes))
+            assert_links_equal(got.link_bytes_by_phase(), want.link_bytes_by_phase())
             assert dict(got.calls) == dict(want.calls), (mode, dtd, cac)
             calls = {}
             for (_, op, _), n in got.calls.items():

@@ -8,8 +8,11 @@ Frontier preset into (W / 8 nodes) x 4 MI250X x 2 GCDs. It runs the real code pa
 case sets them beside the analytic model the plugin is held to:
 
 * ``zero_topo`` (003 §V, Table VII): 003's three schemes in ds_ext's engine (``zero3``,
-  ``zeropp``, ``zero_topo_paper`` = Sec-Degree 2) at 384 GCDs, 003's largest run (48 nodes):
-  ledger == ``ds_ext.zero_topo.perf.traffic``, and the forward all-gather volume == Table VII's
+  ``zeropp``, ``zero_topo_paper`` = Sec-Degree 2) and ds_ext's default ``zero_topo`` at 384 GCDs,
+  003's largest run (48 nodes): ledger == ``ds_ext.zero_topo.perf.traffic`` in volume and in link
+  bytes (each byte at the level of the link it crosses under RCCL's ring in rank order: at 48 nodes
+  a world ring crosses the NICs on 48 of its 384 hops, so the link bytes say what each NIC carries
+  where two nodes cannot), and the forward all-gather volume == Table VII's
   (ZeRO-3 ψ (d-1)/d over the world; ZeRO++ ψ/2 (d-1)/d over the world; Sec-Degree 2 ψ/2 (d-1)/d over
   the GCD pair, d = 2; ψ the 16-bit bytes of the padded units, ψ/2 the int8 codes plus their
   block scales);
@@ -36,7 +39,7 @@ from ds_ext.bench import write_json
 
 FRONTIER_GCDS = 384  # 003's largest run: 48 nodes x 4 MI250X x 2 GCDs
 PCCL_GCDS = (384, 2048)  # 2,048: 001 §6.3's largest
-ZERO_SCHEMES = ("zero3", "zeropp", "zero_topo_paper")
+ZERO_SCHEMES = ("zero3", "zeropp", "zero_topo_paper", "zero_topo")  # 003's three, then ds_ext's default
 TED_LAYOUT = (2, 8)  # (G_tensor, G_expert): a TP pair on one MI250X, experts over a node
 STEPS = 2  # the last step is read (the first builds DeepSpeed's trace and caches)
 
@@ -71,7 +74,8 @@ def _topology() -> dict[str, Any]:
 def _ledger(engine) -> dict[str, Any]:
     """The last step's bytes / calls / messages by (phase, op, level), as lists (JSON)."""
     last = engine.ds_ext.ledger.steps[-1]
-    return {kind: [[*k, v] for k, v in getattr(last, kind).items()] for kind in ("bytes", "calls", "messages")}
+    kinds = ("bytes", "link_bytes", "calls", "messages")
+    return {kind: [[*k, v] for k, v in getattr(last, kind).items()] for kind in kinds}
 
 
 def zero_topo_rank(world: int, rank: int, scheme: str) -> dict[str, Any]:
@@ -109,6 +113,7 @@ def zero_topo_rank(world: int, rank: int, scheme: str) -> dict[str, Any]:
         "rank": rank,
         "ledger": _ledger(engine),
         "model_bytes": model_traffic.bytes,
+        "model_links": model_traffic.links,
         "model_calls": model_traffic.calls_by_level(),
         "model_messages": model_traffic.steps_by_level(),
         "table_vii": table_vii(scheme, [u.U for u in units], plugin.plan.block_size, world, engine.ds_ext.topology),
@@ -245,19 +250,30 @@ def _sum(rows: list[list], keep: Callable[[str, str], bool] = lambda ph, op: Tru
 
 
 def zero_topo_check(r: dict[str, Any]) -> dict[str, Any]:
-    """Ledger vs ``zero_topo.perf`` (bytes per phase and level, calls and messages per level) and the
-    forward all-gather vs Table VII."""
-    by_phase: dict[str, dict[str, float]] = {}
-    for ph, _, lv, b in r["ledger"]["bytes"]:
-        if ph != "other":
-            by_phase.setdefault(ph, {})
-            by_phase[ph][lv] = by_phase[ph].get(lv, 0.0) + b
+    """Ledger vs ``zero_topo.perf`` (bytes and link bytes per phase and level, calls and messages per
+    level) and the forward all-gather vs Table VII. The link bytes follow RCCL's ring in group-rank
+    order (``ds_ext.comm.hops``): ``links`` at ``node`` is what this rank puts on its NIC."""
+
+    def by_phase(kind: str) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for ph, _, lv, b in r["ledger"][kind]:
+            if ph != "other":
+                out.setdefault(ph, {})
+                out[ph][lv] = out[ph].get(lv, 0.0) + b
+        return out
+
     measured = {
-        "bytes": by_phase,
+        "bytes": by_phase("bytes"),
+        "links": by_phase("link_bytes"),
         "calls": _sum(r["ledger"]["calls"], lambda ph, op: ph != "other"),
         "messages": _sum(r["ledger"]["messages"], lambda ph, op: ph != "other"),
     }
-    model = {"bytes": r["model_bytes"], "calls": r["model_calls"], "messages": r["model_messages"]}
+    model = {
+        "bytes": r["model_bytes"],
+        "links": r["model_links"],
+        "calls": r["model_calls"],
+        "messages": r["model_messages"],
+    }
     forward = _sum(r["ledger"]["bytes"], lambda ph, op: ph == "forward" and op == "all_gather")
     return {"measured": measured, "model": model, "forward_all_gather": forward, "table_vii": r["table_vii"]}
 
@@ -359,8 +375,10 @@ def table(records: list[dict[str, Any]]) -> str:
                 f"{r['model_micro']}; ZeRO-1 ledger {r['zero1']} model {r['model_zero1']}"
             )
         else:
+            nic = sum(per.get("node", 0.0) for per in r["measured"]["links"].values())
+            volume = sum(per.get("node", 0.0) for per in r["measured"]["bytes"].values())
             lines.append(
                 f"zero {r['world']:>5} GCDs {r['scheme']:<15} forward all-gather {r['forward_all_gather']} "
-                f"Table VII {r['table_vii']}"
+                f"Table VII {r['table_vii']}; node bytes: volume {volume:.0f}, on the NIC {nic:.0f}"
             )
     return "\n".join(lines)

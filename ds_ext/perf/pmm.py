@@ -51,8 +51,9 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
+from ds_ext.comm import hops
 from ds_ext.comm.emulation import message_steps
-from ds_ext.parallel import Grid
+from ds_ext.parallel import Grid, member_group
 from ds_ext.perf import collectives
 from ds_ext.topology import Topology
 
@@ -348,6 +349,40 @@ def _ledger(
             nbytes[it.phase][lv] += b * it.calls
             messages[it.phase][lv] += m * it.calls
     return {ph: dict(v) for ph, v in nbytes.items()}, {ph: dict(v) for ph, v in messages.items()}
+
+
+def ledger_links(
+    spec: ModelSpec,
+    grid: Grid,
+    topology: Topology,
+    rank: int,
+    micro_batch: int,
+    seq_len: int,
+    elem_bytes: int,
+    grad_accum: int = 1,
+    by_layer: bool = True,
+    gloo: bool = False,
+    data_reduction: bool = True,
+) -> dict[str, dict[str, float]]:
+    """``{phase: {level of the link: bytes}}`` ``rank`` sends per optimizer step (the ledger's link
+    bytes, ``ds_ext.comm.hops``) with torch's own collectives (``ds_ext.comm.algorithm`` native):
+    each call a ring over its axis group in rank order, a reduce-scatter on ``gloo`` ds_ext's
+    all-to-all of the chunks; ``gloo``: the backend whose algorithms the bytes follow."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for it in items(spec, grid, micro_batch, seq_len, elem_bytes, grad_accum, by_layer, data_reduction):
+        members = member_group(grid.partition(it.axis), rank)
+        d = len(members)
+        payload = {  # the bytes ``hops.sends`` takes: the call's input (all_gather, reduce_scatter), its tensor
+            "all_gather": it.nbytes / (d - 1),
+            "reduce_scatter": it.nbytes * d / (d - 1),
+            "all_reduce": it.nbytes * d / (2 * (d - 1)),
+        }[it.op]
+        per_peer = [payload / d] * d if gloo and it.op == "reduce_scatter" else None
+        for level, b in hops.by_level(
+            topology, rank, hops.sends(it.op, members, rank, payload, gloo, per_peer=per_peer)
+        ).items():
+            out[it.phase][level] += b * it.calls
+    return {ph: dict(v) for ph, v in out.items()}
 
 
 # ---- bandwidths (Eq 5.7) and time ----------------------------------------------------------

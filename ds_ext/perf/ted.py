@@ -13,6 +13,10 @@ A = S H b one activation, V = E C H b the dispatched buffer, V' = V / T with DTD
 
 (DTD only where G_expert > 1: with one expert rank there is no all-to-all to shrink.)
 
+Link bytes (``Traffic.link_bytes``; ``ds_ext.comm.hops``): each call's bytes at the level of the link
+to each peer, under the algorithm the backend runs (``gloo`` or NCCL / RCCL): the all-reduces and
+all-gathers as rings over the group in rank order, the all-to-all straight to each peer (V' / P each).
+
 so per layer: 4 + 4 all-to-all / all-reduce calls, 6 + 6 with checkpointing, 4 + 4 again with
 CAC (001 §7.3.2), plus the capacity agreement where G_expert > 1; DTD divides the all-to-all bytes by T (001 §7.3.1). Recompute traffic is
 tagged ``backward`` (it runs inside the backward pass).
@@ -28,8 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ds_ext.comm import hops
 from ds_ext.comm.ledger import Traffic, all_gather_bytes, all_reduce_bytes
-from ds_ext.parallel import TEDLayout
+from ds_ext.parallel import TEDLayout, member_group
 from ds_ext.topology import Topology
 
 CAPACITY_BYTES = 8  # the int64 capacity a gate agrees over the expert group
@@ -47,11 +52,21 @@ class MoEBlockShape:
 
 
 def moe_block_traffic(
-    layout: TEDLayout, topology: Topology, rank: int, shape: MoEBlockShape, *, dtd: bool, cac: bool, checkpointing: bool
+    layout: TEDLayout,
+    topology: Topology,
+    rank: int,
+    shape: MoEBlockShape,
+    *,
+    dtd: bool,
+    cac: bool,
+    checkpointing: bool,
+    gloo: bool = False,
 ) -> Traffic:
-    """Bytes and calls ``rank`` sends in forward + backward of one MoE block (module docstring)."""
+    """Bytes, link bytes and calls ``rank`` sends in forward + backward of one MoE block (module
+    docstring); ``gloo``: the backend whose algorithms the link bytes follow."""
     T, P = layout.tensor, layout.expert
     levels = layout.levels(topology, rank)
+    members = {kind: member_group(layout.partition(kind), rank) for kind in ("tensor", "expert")}
     A = shape.tokens * shape.hidden * shape.element_bytes
     V = shape.num_experts * shape.capacity * shape.hidden * shape.element_bytes
     dtd = dtd and T > 1 and P > 1
@@ -59,21 +74,26 @@ def moe_block_traffic(
     recompute = checkpointing and not cac
     out = Traffic()
 
-    def add(phase: str, op: str, kind: str, nbytes: float, calls: int) -> None:
+    def add(phase: str, op: str, kind: str, nbytes: float, calls: int, payload: float) -> None:
+        d = len(members[kind])
+        per_peer = [payload / d] * d if op == "all_to_all" else None
+        links = hops.by_level(topology, rank, hops.sends(op, members[kind], rank, payload, gloo, per_peer=per_peer))
         for _ in range(calls):
             out.add((phase, op, levels[kind]), nbytes)
+            for level, b in links.items():
+                out.link_bytes[(phase, op, level)] += b
 
     passes = [("forward", 1), ("backward", 1 + recompute)]
     if T > 1:
         for phase, n in passes:
-            add(phase, "all_reduce", "tensor", all_reduce_bytes(A, T), n)
-            add(phase, "all_reduce", "tensor", all_reduce_bytes(V, T), n)
+            add(phase, "all_reduce", "tensor", all_reduce_bytes(A, T), n, A)
+            add(phase, "all_reduce", "tensor", all_reduce_bytes(V, T), n, V)
             if dtd:
-                add(phase, "all_gather", "tensor", all_gather_bytes(V_a2a, T), 2 * n)
+                add(phase, "all_gather", "tensor", all_gather_bytes(V_a2a, T), 2 * n, V_a2a)
     if P > 1:
         for phase, n in passes:
-            add(phase, "all_to_all", "expert", V_a2a - V_a2a // P, 2 * n)
-        add("forward", "all_reduce", "expert", all_reduce_bytes(CAPACITY_BYTES, P), 1)
+            add(phase, "all_to_all", "expert", V_a2a - V_a2a // P, 2 * n, V_a2a)
+        add("forward", "all_reduce", "expert", all_reduce_bytes(CAPACITY_BYTES, P), 1, CAPACITY_BYTES)
     return out
 
 
