@@ -319,6 +319,89 @@ def zero_netns_nic_table(
     )
 
 
+REVIEWER_RUN = "bench_zero_every_level.json"
+REVIEWER_REPEAT = "bench_zero_every_level_repeat.json"
+_LEVEL_NAMES = {"gcd": "GCD pair", "gpu": "GPU pair", "node": "NICs"}
+
+
+def zero_reviewer_table(run: str = REVIEWER_RUN) -> str:
+    """Issue 48's run (every level shaped, variants interleaved over rounds): each variant's median
+    step with every step kept, DeepSpeed ZeRO++'s quantizer seconds, and per level the bytes all
+    ranks put on that level's links per step: the ledger's link model (``links``: each byte at the
+    level of the link it crosses) beside the kernel's counters (``wire_up``)."""
+    rows = []
+    for r in _load(run)["records"]:
+        levels = r["wire_bytes_per_step"]["levels"]
+        cells = [
+            f"{levels[lv].get('links', 0.0) / 1e6:.1f} / {levels[lv].get('wire_up', 0.0) / 1e6:.1f}"
+            if lv in levels
+            else "-"
+            for lv in _LEVEL_NAMES
+        ]
+        rows.append(
+            [
+                r["variant"],
+                str(r["grad_accum"]),
+                f"{r['step_time_s']:.2f} ({', '.join(f'{t:.1f}' for t in r['step_times_s'])})",
+                f"{statistics.median(r['quantizer_s_per_step']):.2f}",
+                *cells,
+                f"{r['bytes_per_step'].get('node', 0.0) / r['model_bytes']:.3f}",
+            ]
+        )
+    return _md(
+        [
+            "variant",
+            "GA",
+            "step s: median (each round's step)",
+            "quantizer s/step",
+            *(f"{name} MB/step: ledger links / wire" for name in _LEVEL_NAMES.values()),
+            "node xM per rank (volume convention)",
+        ],
+        rows,
+    )
+
+
+def zero_reviewer_ratios(run: str = REVIEWER_RUN, repeat: str = REVIEWER_REPEAT) -> str:
+    """The step-time ratios peer / ZeRO-topo of issue 48's run with their bootstrap 95 % intervals
+    (``checks``), DeepSpeed ZeRO++ also without its CPU quantizer's seconds, the NIC bytes against
+    ``zeropp``'s, and the same command's repeat: its ratio and whether it falls inside the first
+    run's interval."""
+    checks = _load(run)["checks"]
+    again = _load(repeat)["checks"] if (ROOT / "examples/results" / repeat).exists() else None
+    rows = []
+    for key, iv in checks["step_time_ratio_interval"].items():
+        theirs, rest = key.split("/", 1)
+        ours, ga = rest.split("@GA")
+        fair = checks["step_time_ratio_interval_without_deepspeed_quantizer"].get(key)
+        nic = checks["nic_bytes_vs_zeropp"].get(f"{ours}@GA{ga}")
+        rep = again["step_time_ratio_interval"].get(key) if again else None
+        rows.append(
+            [
+                _PEER_NAMES.get(theirs, theirs),
+                ours.removeprefix("ds_ext_"),
+                ga,
+                f"**{iv['ratio']:.2f}** [{iv['lo']:.2f}, {iv['hi']:.2f}]",
+                f"{fair['ratio']:.2f} [{fair['lo']:.2f}, {fair['hi']:.2f}]" if fair else "-",
+                f"{rep['ratio']:.2f} ({'inside' if iv['lo'] <= rep['ratio'] <= iv['hi'] else 'outside'})"
+                if rep
+                else "-",
+                f"{nic:.2f}" if nic is not None and theirs == "ds_ext_zeropp" else "-",
+            ]
+        )
+    return _md(
+        [
+            "peer",
+            "ZeRO-topo preset",
+            "GA",
+            "peer / preset: ratio [95 % interval]",
+            "without the peer's CPU quantizer",
+            "repeat run (in the interval?)",
+            "NIC bytes / zeropp's",
+        ],
+        rows,
+    )
+
+
 _PEER_NAMES = {
     "ds_ext_zeropp": "ds_ext zeropp",
     "ds_ext_zero3": "ds_ext zero3",
@@ -853,6 +936,11 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
         lambda: zero_netns_nic_table(
             OVERLAP_RUNS, peers=("ds_ext_zeropp", "deepspeed_zeropp", "deepspeed_zero3", "ds_ext_zero_topo_serial")
         ),
+    ),
+    "bench_zero_every_level.md": (f"examples/results/{REVIEWER_RUN}", zero_reviewer_table),
+    "bench_zero_every_level_ratios.md": (
+        f"examples/results/{REVIEWER_RUN}, {REVIEWER_REPEAT}",
+        zero_reviewer_ratios,
     ),
     "bench_tiled.md": ("examples/results/bench_tiled.json", tiled_table),
     "bench_pmm.md": ("examples/results/bench_pmm.json", pmm_table),
