@@ -116,6 +116,7 @@ class Item:
     nbytes: float
     calls: int
     equation: str
+    payload: float  # one call's input (all_gather, reduce_scatter) or tensor (all_reduce) bytes: ``hops.sends``'
 
 
 def _axes(layer: LayerSpec) -> tuple[str, str]:
@@ -173,7 +174,7 @@ def items(
                 "reduce_scatter": per_call * (d - 1) / d,
                 "all_reduce": _ar(per_call, d),
             }[op]
-            out.append(Item(phase, op, axis, nbytes, calls, eq))
+            out.append(Item(phase, op, axis, nbytes, calls, eq, per_call))
 
     same: dict[tuple, list[Item]] = {}  # by_layer=False: identical layers give identical items
     for T in spec.tables:
@@ -371,12 +372,7 @@ def ledger_links(
     out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for it in items(spec, grid, micro_batch, seq_len, elem_bytes, grad_accum, by_layer, data_reduction):
         members = member_group(grid.partition(it.axis), rank)
-        d = len(members)
-        payload = {  # the bytes ``hops.sends`` takes: the call's input (all_gather, reduce_scatter), its tensor
-            "all_gather": it.nbytes / (d - 1),
-            "reduce_scatter": it.nbytes * d / (d - 1),
-            "all_reduce": it.nbytes * d / (2 * (d - 1)),
-        }[it.op]
+        d, payload = len(members), it.payload
         per_peer = [payload / d] * d if gloo and it.op == "reduce_scatter" else None
         for level, b in hops.by_level(
             topology, rank, hops.sends(it.op, members, rank, payload, gloo, per_peer=per_peer)
