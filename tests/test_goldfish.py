@@ -252,15 +252,11 @@ def test_goldfish_through_initialize_is_rank_independent_and_applied_once(world,
 
 
 def _initialize_error(block, model_kind):
-    import ds_ext
+    from init_support import initialize_error
 
     model = torch.nn.Linear(4, 4) if model_kind == "linear" else _gpt()
     cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9, "ds_ext": {"topology": TOPOLOGY, **block}}
-    try:
-        ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
-    except Exception as err:  # noqa: BLE001 - the test inspects the type and message
-        return type(err).__name__, str(err)
-    return None
+    return initialize_error(model, cfg)
 
 
 @pytest.mark.parametrize(

@@ -84,18 +84,12 @@ def test_empty_block_is_bit_identical_to_deepspeed(world, stage, bf16):
 
 
 def _initialize_error(block):
-    import torch
+    from init_support import initialize_error
 
-    import ds_ext
     from ds_ext.models import GPT, GPTConfig
 
     model = GPT(GPTConfig(seq_len=16, d_model=32, n_layers=1, n_heads=2))
-    cfg = {**_ds_config(0, False), "ds_ext": block}
-    try:
-        ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
-    except Exception as err:  # noqa: BLE001 - the test inspects the type and message
-        return type(err).__name__, str(err)
-    return None
+    return initialize_error(model, {**_ds_config(0, False), "ds_ext": block})
 
 
 @pytest.mark.parametrize(
