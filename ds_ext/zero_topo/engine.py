@@ -483,7 +483,8 @@ class _StepGathers:
     the node runs while this unit computes. The ranks use the units in the same order, so every
     group sees its collectives in the same order everywhere; the collectives are booked as phase
     ``step`` wherever they are issued (in the next optimizer step's ledger record when that is
-    where the forward issues them).
+    where the forward issues them), and the timed span of one issued in the step runs until the
+    forward waits for it (``ds_ext.comm.ledger``: an async collective's span ends at its wait).
     """
 
     def __init__(self) -> None:
