@@ -141,7 +141,7 @@ def _no_node_bytes_in_micro_batches(phases):
 
 
 def test_zero_topo_no_inter_node_traffic_in_micro_batches(world):
-    """zero_topo_paper here; zero_topo in test_step_boundary_overlaps_backward_with_the_same_bits_and_bytes."""
+    """zero_topo_paper here; zero_topo in test_step_boundary_overlaps_backward_and_the_next_forward_with_the_same_bits_and_bytes."""
     out = world.run(_train, _ds_config(0, accum=4, zero_topo={"preset": "zero_topo_paper"}), 3)
     for phases in out[0]["phases"]:
         _no_node_bytes_in_micro_batches(phases)
@@ -172,21 +172,44 @@ def _first_block_twice_engine(ds_cfg):
     return ds_ext.initialize(model=model, optimizer=opt, config=ds_cfg)[0]
 
 
-def _overlapped_or_not(preset, accum, overlap, first_block_twice=False):
-    """Two steps; the node bytes of phase ``step`` already issued when each micro-batch's backward
-    returns and the warnings of a unit reduced twice in it; losses, every primary shard and fp32
-    master, and each step's ledger."""
+SCHEDULES = {  # the step boundary's schedules: every one gives the same bits and bytes
+    "serial": {"overlap_step": False},
+    "overlapped": {"gather_across_step": False},
+    "across": {},  # the default: overlapped, the weight gathers completed in the next forward
+}
+
+
+def _summed(records):
+    """Bytes per (phase, level) and calls per level over ledger records."""
+    phases, calls = {}, {}
+    for r in records:
+        for ph, levels in r.by_phase().items():
+            for level, n in levels.items():
+                phases[ph, level] = phases.get((ph, level), 0) + n
+        for level, n in r.calls_by_level().items():
+            calls[level] = calls.get(level, 0) + n
+    return phases, calls
+
+
+def _overlapped_or_not(preset, accum, schedule, first_block_twice=False):
+    """Three steps under one of :data:`SCHEDULES`; after each micro-batch's forward the GPU-level
+    bytes of phase ``step`` the open ledger record holds (the weight gathers inside the node: the
+    boundary reduces across nodes only), after its backward the node bytes of phase ``step``, and
+    the warnings of a unit reduced twice in it; losses, every primary shard and fp32 master (read
+    after the last step: reading completes what is in flight), the first step's ledger and every
+    record's sum."""
     import warnings
 
     import torch.distributed as dist
 
-    cfg = _ds_config(0, "bf16", accum=accum, zero_topo={"preset": preset, "overlap_step": overlap})
+    cfg = _ds_config(0, "bf16", accum=accum, zero_topo={"preset": preset, **SCHEDULES[schedule]})
     engine = _first_block_twice_engine(cfg) if first_block_twice else _engine(cfg)
-    ledger, issued, warned, losses = engine.ds_ext.ledger, [], [], []
-    for step in range(2):
+    ledger, in_forward, issued, warned, losses = engine.ds_ext.ledger, [], [], [], []
+    for step in range(3):
         for micro in range(accum):
             tokens = _corpus().micro_batch(step, micro, dist.get_rank(), dist.get_world_size(), 2, accum, 32)
             loss = engine(tokens)
+            in_forward.append(ledger.current.by_phase().get("step", {}).get("gpu", 0))
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 engine.backward(loss)
@@ -196,37 +219,48 @@ def _overlapped_or_not(preset, accum, overlap, first_block_twice=False):
             losses.append(loss.item())
     plugin = engine.ds_ext.plugins[0]
     out = {
+        "in_forward": in_forward,
         "issued": issued,
         "warned": warned,
         "losses": losses,
         "primaries": [u.primary.clone() for u in plugin.sharded.all_units],
         "masters": [m.clone() for *_, m in plugin.optimizer.segments],
-        "steps": [(s.by_phase(), s.calls_by_level()) for s in ledger.steps],
+        "steps": [s.by_phase() for s in ledger.steps],
+        "summed": _summed([*ledger.steps, ledger.current]),
     }
     engine.destroy()
     return out
 
 
 @pytest.mark.parametrize("preset,accum", [("zero_topo", 2), ("zero_topo_int8", 1)])
-def test_step_boundary_overlaps_backward_with_the_same_bits_and_bytes(world, preset, accum):
+def test_step_boundary_overlaps_backward_and_the_next_forward_with_the_same_bits_and_bytes(world, preset, accum):
     """``overlap_step`` (the default): the boundary's cross-node gradient reduction (16-bit
     reduce-scatter; int8 all-to-all) is issued inside the last micro-batch's backward (booked as
-    phase ``step``), never in an earlier one; with it off nothing is issued before the step. Both
-    give the same bits and the same ledger."""
+    phase ``step``), never in an earlier one; with it off nothing is issued before the step. With
+    ``gather_across_step`` (the default) the weight gathers inside the node are issued in the next
+    step's first forward (still phase ``step``), else inside the step. All three schedules give
+    the same bits and, summed over the run, the same ledger."""
     import torch
 
-    on, off = world.run(_overlapped_or_not, preset, accum, True), world.run(_overlapped_or_not, preset, accum, False)
-    for a, b in zip(on, off):
-        boundary = [micro == accum - 1 for _ in range(2) for micro in range(accum)]
-        assert all((x > 0) == last for x, last in zip(a["issued"], boundary)), a["issued"]
-        assert len({x for x in a["issued"] if x}) == 1  # the whole reduction, every step
-        assert b["issued"] == [0] * len(boundary)
-        assert a["losses"] == b["losses"]
-        assert all(torch.equal(x, y) for x, y in zip(a["primaries"], b["primaries"]))
-        assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"]))
-        assert a["steps"] == b["steps"]
-        for phases, _ in a["steps"]:
-            _no_node_bytes_in_micro_batches(phases)
+    runs = {name: world.run(_overlapped_or_not, preset, accum, name) for name in SCHEDULES}
+    boundary = [micro == accum - 1 for _ in range(3) for micro in range(accum)]
+    for rank, serial in enumerate(runs["serial"]):
+        gathered_in_step = serial["steps"][0]["step"]["gpu"]
+        assert gathered_in_step > 0
+        assert serial["issued"] == [0] * len(boundary)
+        for name, out in runs.items():
+            a = out[rank]
+            if name != "serial":
+                assert all((x > 0) == last for x, last in zip(a["issued"], boundary)), a["issued"]
+                assert len({x for x in a["issued"] if x}) == 1  # the whole reduction, every step
+            after_a_step = [0] * accum + [gathered_in_step] * (2 * accum)
+            assert a["in_forward"] == (after_a_step if name == "across" else [0] * len(boundary)), (name, a)
+            assert a["losses"] == serial["losses"]
+            assert all(torch.equal(x, y) for x, y in zip(a["primaries"], serial["primaries"]))
+            assert all(torch.equal(x, y) for x, y in zip(a["masters"], serial["masters"]))
+            assert a["summed"] == serial["summed"], name
+            for phases in a["steps"]:
+                _no_node_bytes_in_micro_batches(phases)
 
 
 def test_a_unit_reduced_twice_in_one_backward_is_reduced_again_with_the_same_bits(world):
@@ -235,9 +269,9 @@ def test_a_unit_reduced_twice_in_one_backward_is_reduced_again_with_the_same_bit
     whole (warning once on rank 0), and training has the serial schedule's bits."""
     import torch
 
-    on = world.run(_overlapped_or_not, "zero_topo", 1, True, True)
-    off = world.run(_overlapped_or_not, "zero_topo", 1, False, True)
-    assert on[0]["warned"] == [1, 1] and off[0]["warned"] == [0, 0]
+    on = world.run(_overlapped_or_not, "zero_topo", 1, "across", True)
+    off = world.run(_overlapped_or_not, "zero_topo", 1, "serial", True)
+    assert on[0]["warned"] == [1, 1, 1] and off[0]["warned"] == [0, 0, 0]
     for a, b in zip(on, off):
         assert a["losses"] == b["losses"]
         assert all(torch.equal(x, y) for x, y in zip(a["primaries"], b["primaries"]))

@@ -66,8 +66,11 @@ TORCH_VARIANTS = ("torch_fsdp2", "torch_ddp")
 DS_EXT_PRESETS = ("zero3", "zeropp", "mics", "zero_topo_paper", "zero_topo", "zero_topo_int8")
 # zero_topo with every step-boundary collective in the step, one after another (overlap_step: false)
 SERIAL = "ds_ext_zero_topo_serial"
+# zero_topo with the boundary overlapped but its weight all-gathers completed in the step
+# (gather_across_step: false): what carrying them into the next forward buys
+IN_STEP = "ds_ext_zero_topo_gather_in_step"
 DEFAULT_VARIANTS = DEEPSPEED_VARIANTS + TORCH_VARIANTS + tuple(f"ds_ext_{p}" for p in DS_EXT_PRESETS)
-ALL_VARIANTS = DEFAULT_VARIANTS + (SERIAL,)
+ALL_VARIANTS = DEFAULT_VARIANTS + (SERIAL, IN_STEP)
 # on DeepSpeed's PipelineEngine (ZeRO stage 0 or 1 only): ZeRO-1 and ZeRO-topo's pipeline form
 PIPELINE_VARIANTS = ("deepspeed_zero1", "ds_ext_zero_topo", "ds_ext_zero_topo_int8")
 MODELS = {  # name -> (d_model, n_layers, n_heads, seq_len)
@@ -139,10 +142,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ---- one rank ---------------------------------------------------------------------------
+def _unit_elements(net: Any) -> int:
+    """Parameters of the model's largest gather unit: an entry of one of its ``nn.ModuleList`` s
+    (a transformer block; ZeRO-topo's ``units: 'auto'``), the model itself without one."""
+    from torch import nn
+
+    entries = [m for lst in net.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    return max(sum(p.numel() for p in m.parameters()) for m in entries or [net])
+
+
 def _ds_config(
-    variant: str, grad_accum: int, time_scale: float | None, tensor: int = 1, pipeline: int = 0
+    variant: str,
+    grad_accum: int,
+    time_scale: float | None,
+    tensor: int = 1,
+    pipeline: int = 0,
+    unit_elements: int = 0,
 ) -> dict[str, Any]:
-    """The variant's ds_config; ``time_scale`` None: no alpha-beta emulation (a real network)."""
+    """The variant's ds_config; ``time_scale`` None: no alpha-beta emulation (a real network);
+    ``unit_elements``: what DeepSpeed ZeRO-3 prefetches (:func:`deepspeed_zero3`)."""
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": grad_accum,
@@ -163,13 +181,7 @@ def _ds_config(
         cfg["zero_optimization"] = {"stage": 1, "reduce_bucket_size": 10_000_000}
         cfg["ds_ext"]["comm"]["count_torch_collectives"] = True
     elif variant in DEEPSPEED_VARIANTS:
-        zero = {
-            "stage": 3,
-            "reduce_bucket_size": 10_000_000,
-            "stage3_param_persistence_threshold": 0,
-            "stage3_prefetch_bucket_size": 0,
-            "stage3_max_reuse_distance": 0,
-        }
+        zero = deepspeed_zero3(unit_elements)
         if variant == "deepspeed_zeropp":
             zero.update(
                 zero_hpz_partition_size=RANKS_PER_NODE if tensor == 1 else 1,
@@ -182,11 +194,27 @@ def _ds_config(
         cfg["zero_optimization"] = {"stage": 0}
         if variant == SERIAL:
             cfg["ds_ext"]["zero_topo"] = {"enabled": True, "preset": "zero_topo", "overlap_step": False}
+        elif variant == IN_STEP:
+            cfg["ds_ext"]["zero_topo"] = {"enabled": True, "preset": "zero_topo", "gather_across_step": False}
         else:
             cfg["ds_ext"]["zero_topo"] = {"enabled": True, "preset": variant.removeprefix("ds_ext_")}
     if cfg["ds_ext"]["comm"].get("count_torch_collectives"):  # DeepSpeed's / torch's on gloo as ds_ext's own
         cfg["ds_ext"]["comm"]["torch_gloo_reduce_scatter"] = FAIR_GLOO_REDUCE_SCATTER
     return cfg
+
+
+def deepspeed_zero3(unit_elements: int) -> dict[str, Any]:
+    """DeepSpeed ZeRO-3's settings in the bench, on ds_ext's terms: every parameter sharded
+    (persistence threshold 0) and released after its use, so re-gathered for backward (reuse
+    distance 0), as ds_ext's units are; the next ``unit_elements`` parameters prefetched, as
+    ds_ext's ``prefetch`` gathers the next unit while one computes."""
+    return {
+        "stage": 3,
+        "reduce_bucket_size": 10_000_000,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_prefetch_bucket_size": unit_elements,
+        "stage3_max_reuse_distance": 0,
+    }
 
 
 class _TorchEngine:
@@ -391,7 +419,10 @@ def _measure(
             engine = _TorchEngine(variant, net, ga, _ds_config(variant, ga, time_scale))
         else:
             engine, *_ = ds_ext.initialize(
-                model=net, optimizer=opt, mpu=mpu, config=_ds_config(variant, ga, time_scale, tensor, pipeline)
+                model=net,
+                optimizer=opt,
+                mpu=mpu,
+                config=_ds_config(variant, ga, time_scale, tensor, pipeline, _unit_elements(net)),
             )
         rt = engine.ds_ext
         emulator = rt.comm.emulator
@@ -704,7 +735,7 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
                 if r[field] is not None:
                     out[key][f"ds_ext_zero3/torch_fsdp2@GA{ga}"] = r[field] / by["torch_fsdp2", ga][field]
         for ours in ("ds_ext_zero_topo", "ds_ext_zero_topo_paper", "ds_ext_zero_topo_int8"):
-            for theirs in DEEPSPEED_VARIANTS + ("ds_ext_zeropp", SERIAL):
+            for theirs in DEEPSPEED_VARIANTS + ("ds_ext_zeropp", SERIAL, IN_STEP):
                 if v == ours and (theirs, ga) in by:
                     key = f"{theirs}/{ours}@GA{ga}"
                     if r["step_time_emulated_s"] is not None:
@@ -897,6 +928,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         time_scale=time_scale,
         # DeepSpeed's and torch's reduce-scatters on gloo (comm.torch_gloo_reduce_scatter)
         peers_gloo_reduce_scatter=FAIR_GLOO_REDUCE_SCATTER,
+        peers_deepspeed_zero3=deepspeed_zero3(0) | {"stage3_prefetch_bucket_size": "one unit (a block's parameters)"},
     )
     per_round: list[dict[str, Any]] = []
     variants = list(args.variants)

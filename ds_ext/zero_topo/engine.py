@@ -17,7 +17,10 @@ Per optimizer step (:class:`ZeroTopoOptimizer`):
             ``allreduce`` = 003's all-gather over the world; then rebuild the secondary.
 With ``overlap_step`` (the default) each unit's ``reduce`` is issued in the last micro-batch's
 backward as soon as its gradient shard is complete (booked as phase ``step``) and ``gather`` runs
-pipelined unit by unit: the same collectives and bits, off the critical path.
+pipelined unit by unit: the same collectives and bits, off the critical path. With
+``gather_across_step`` too (the default) ``gather`` is only issued in the step: each unit waits
+for its own at its first use after the step (its next forward), so the gathers across nodes run
+while the forward computes the units before it (003 §V-A's overlap carried over the boundary).
 With ``step.bits: 8`` the cross-node reduce-scatter and all-gather of the boundary carry
 int8 blocks with fp32 scales: the fp32 masters stay exact on their owners, and every rank,
 owners included, continues from the dequantized 16-bit weights, so replicas agree bit for bit.
@@ -471,6 +474,46 @@ class _Pipeline:
             self.advance()
 
 
+class _StepGathers:
+    """The step's weight all-gather chains left in flight past ``step()`` (``gather_across_step``).
+
+    Each chain's first collective (across nodes) is issued in the step, in unit order. A unit's
+    first use after the step (:meth:`FlatUnit.settle`) finishes the chains up to its own, in
+    unit order, then advances the next unit's chain one collective, so that unit's gather inside
+    the node runs while this unit computes. The ranks use the units in the same order, so every
+    group sees its collectives in the same order everywhere; the collectives are booked as phase
+    ``step`` wherever they are issued (in the next optimizer step's ledger record when that is
+    where the forward issues them), and the timed span of one issued in the step runs until the
+    forward waits for it (``ds_ext.comm.ledger``: an async collective's span ends at its wait).
+    """
+
+    def __init__(self) -> None:
+        self._chains: list[tuple[FlatUnit, _Chain]] = []
+
+    def add(self, unit: FlatUnit, steps: Generator[InFlight, None, None]) -> None:
+        with unit.ctx.comm.ledger.phase("step"):
+            self._chains.append((unit, _Chain(steps)))
+        unit.await_update(lambda: self.settle(unit))
+
+    def settle(self, unit: FlatUnit) -> None:
+        """Finish the chains up to ``unit``'s (its own included; each ends in
+        :meth:`FlatUnit.install_primary`), then advance the next one by one collective."""
+        while self._chains:
+            first, chain = self._chains.pop(0)
+            with first.ctx.comm.ledger.phase("step"):
+                chain.finish()
+            if first is unit:
+                break
+        if self._chains and not self._chains[0][1].done:
+            nxt, chain = self._chains[0]
+            with nxt.ctx.comm.ledger.phase("step"):
+                chain.advance()
+
+    def settle_all(self) -> None:
+        if self._chains:
+            self.settle(self._chains[-1][0])
+
+
 class ZeroTopoOptimizer(torch.optim.Optimizer):
     """The sharded step around a torch optimizer whose params become fp32 master segments.
 
@@ -487,12 +530,16 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         clip: float,
         scaler: Any,
         at_boundary: Callable[[], bool] | None = None,
+        gather_across_step: bool = False,
     ):
         """``at_boundary``: the engine's "is this micro-batch the last before the step?"; given,
         the step boundary overlaps (:meth:`start_reduction`, and the weight all-gathers pipelined
-        unit by unit); None: every boundary collective runs in the step, one after another."""
+        unit by unit); None: every boundary collective runs in the step, one after another.
+        ``gather_across_step`` (with ``at_boundary``): the weight all-gathers of the units that
+        are gathered per forward are left in flight past the step (:class:`_StepGathers`)."""
         self.sharded = sharded
         self.at_boundary = at_boundary
+        self._in_flight = _StepGathers() if at_boundary is not None and gather_across_step else None
         self._early: dict[int, _Chain] = {}  # by unit id: its boundary reduction, started in backward
         self.inner = inner
         self.tiled: "TiledAdam | None" = None  # set by ds_ext.tiled_optimizer (001 §7.2)
@@ -624,8 +671,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
                 else:
                     yield ctx.comm.all_gather(out, x, group=ctx.group([level]), async_op=True)
                 x = out
-        unit.primary.copy_(x)
-        unit.rebuild_secondary()
+        unit.install_primary(x)
 
     def _gather_all_weights(self, slices: Iterable[tuple[FlatUnit, torch.Tensor]]) -> None:
         """The weight all-gathers of every (unit, updated slice), pipelined unit by unit when
@@ -636,7 +682,10 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
             return
         pipeline = _Pipeline()
         for unit, slice16 in slices:  # a generator: the tiled step updates each unit on demand
-            pipeline.start(self._gather_weights_chain(unit, slice16))
+            if self._in_flight is not None and not unit.whole:
+                self._in_flight.add(unit, self._gather_weights_chain(unit, slice16))
+            else:
+                pipeline.start(self._gather_weights_chain(unit, slice16))
         pipeline.finish()
 
     def _decide_step(self, grads: Iterable[torch.Tensor], scale: float) -> float | None:
@@ -718,6 +767,7 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise DsExtConfigError("ds_ext.zero_topo: step(closure) is not supported; call step() after backward")
+        self.settle()
         whole = [unit for unit in self.sharded.all_units if unit.whole]  # the pipeline form
         for unit in whole:  # the gradients autograd accumulated over the micro-batches, reduced once
             unit.reduce_gradients()
@@ -729,6 +779,11 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
             unit.grad_shard.zero_()
         for unit in whole if not self.overflow else ():
             unit.regather()
+
+    def settle(self) -> None:
+        """Complete the previous step's weight gathers still in flight (collective)."""
+        if self._in_flight is not None:
+            self._in_flight.settle_all()
 
     def _untiled_step(self) -> None:
         """Up-cast every reduced gradient, run the inner optimizer, gather the weights."""

@@ -134,6 +134,14 @@ class ZeroTopoConfig(PluginConfig):
         "run pipelined unit by unit (a unit's gather inside the node beside the next unit's across nodes). The same "
         "collectives, bytes and results; false = every boundary collective in the step, one after another.",
     )
+    gather_across_step: bool = Field(
+        True,
+        description="With overlap_step: the step's weight all-gathers are issued in the step and completed at "
+        "each unit's first use after it (its next forward; a checkpoint, gathered_parameters or state_dict "
+        "completes them all), so those across nodes run while the next forward computes the units before them. "
+        "The same collectives, bytes and results; each unit keeps one buffer of its primary shard's size until "
+        "then. false = they complete inside step().",
+    )
     agreement_check_s: float = Field(
         60.0,
         ge=0,

@@ -209,7 +209,9 @@ class ZeroTopoPlugin(Plugin):
         for plugin in rt.plugins:
             plugin.parameters_sharded([unit.params for unit in self.sharded.all_units])
         at_boundary = engine.is_gradient_accumulation_boundary if self.config.overlap_step else None
-        self.optimizer = ZeroTopoOptimizer(self.sharded, engine.optimizer, self.clip, self.scaler, at_boundary)
+        self.optimizer = ZeroTopoOptimizer(
+            self.sharded, engine.optimizer, self.clip, self.scaler, at_boundary, self.config.gather_across_step
+        )
         if at_boundary is not None:  # the pipeline form's whole units reduce in the step (start_reduction skips them)
             self.sharded.reduced = self.optimizer.start_reduction
         ds_engine.replace_optimizer(engine, self.optimizer)

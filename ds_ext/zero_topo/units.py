@@ -23,12 +23,15 @@ parameters at it again, so tensors autograd saved in forward (views of ``full``)
 valid data again in backward (the FSDP flat-parameter technique). A *held* unit
 (:meth:`FlatUnit.hold`, for ``gathered_parameters``) lives in a buffer of its own that
 the hooks neither overwrite nor release, so whatever the caller keeps of it stays valid.
+After an optimizer step with ``gather_across_step`` the unit's new shards may still be in
+flight (:meth:`FlatUnit.await_update`): gathering, holding or reading :attr:`FlatUnit.primary`
+completes them first, so those are collective until then.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -135,7 +138,8 @@ class FlatUnit:
         self.held = False
         self._point_params()
         plan = ctx.plan
-        self.primary = chunk(self.full, ctx.topo, ctx.rank, plan.weights).clone()
+        self._primary = chunk(self.full, ctx.topo, ctx.rank, plan.weights).clone()
+        self._update: Callable[[], None] | None = None  # completes the step's weight gathers left in flight
         self.secondary: torch.Tensor | QuantizedTensor | None = None
         self.grad_shard = torch.zeros(
             self.U // shard_count(ctx.topo, plan.gradients), dtype=ctx.dtype, device=ctx.device
@@ -148,6 +152,30 @@ class FlatUnit:
             self.release()
 
     # ---- weights ------------------------------------------------------------------------
+    @property
+    def primary(self) -> torch.Tensor:
+        """The primary shard; reading it first completes an update the step left in flight
+        (:meth:`await_update`), so while one is pending the read is collective."""
+        self.settle()
+        return self._primary
+
+    def await_update(self, complete: Callable[[], None]) -> None:
+        """The optimizer's step left the all-gathers of this unit's new shards in flight
+        (``zero_topo.gather_across_step``); ``complete`` finishes them (collective, in unit order
+        on every rank) and writes :attr:`primary` and the secondary."""
+        self._update = complete
+
+    def settle(self) -> None:
+        """Complete the step's update of this unit's shards, if one is in flight."""
+        if self._update is not None:
+            self._update()
+
+    def install_primary(self, values: torch.Tensor) -> None:
+        """The step's new primary shard (and the secondary derived from it): the update is done."""
+        self._update = None
+        self._primary.copy_(values)
+        self.rebuild_secondary()
+
     def _point_params(self, released: bool = False) -> None:
         """Parameters become views of ``full`` (or empty tensors while released)."""
         for p, o, shape in zip(self.params, self.offsets, self.shapes):
@@ -156,6 +184,7 @@ class FlatUnit:
     def hold(self) -> None:
         """Gather the exact 16-bit weights into a buffer of the unit's own and keep them
         (collective over the weight group); :meth:`unhold` lets the hooks manage it again."""
+        self.settle()
         if self._pending is not None:
             self.wait_gather()
         if self.gathered:
@@ -183,7 +212,7 @@ class FlatUnit:
         if not plan.secondary_from_primary:
             self.secondary = None
             return
-        sub = sub_chunk(self.primary, self.ctx.topo, self.ctx.rank, self.U, plan.weights, plan.secondary)  # type: ignore[arg-type]
+        sub = sub_chunk(self._primary, self.ctx.topo, self.ctx.rank, self.U, plan.weights, plan.secondary)  # type: ignore[arg-type]
         self.secondary = self._store_secondary(sub)
 
     def _store_secondary(self, values: torch.Tensor):
@@ -203,6 +232,7 @@ class FlatUnit:
 
         ``exact`` gathers the unquantized primary shards (checkpoints).
         """
+        self.settle()
         if self.gathered or self._pending is not None:
             return
         if resize:
@@ -304,9 +334,9 @@ class FlatUnit:
             sec_bytes = sec.wire_bytes
         else:
             sec_bytes = 0 if sec is None else sec.numel() * sec.element_size()
-        es = self.primary.element_size()
+        es = self._primary.element_size()  # no settle: sizes only, and not collective
         return {
-            "primary": self.primary.numel() * es,
+            "primary": self._primary.numel() * es,
             "secondary": sec_bytes,
             "gradients": self.grad_shard.numel() * es,
         }
