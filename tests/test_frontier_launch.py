@@ -46,7 +46,7 @@ for n in range(nodes):
 FAKE_PYTHON = r"""#!/usr/bin/env python3
 import json, os, sys
 keep = ("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "NCCL_", "FI_", "MIOPEN_", "ROCR_", "LD_LIBRARY_PATH",
-        "OMP_NUM_THREADS", "FAKE_VENV")
+        "OMP_NUM_THREADS", "FAKE_VENV", "HSA_", "MPICH_")
 rec = {"argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k.startswith(keep)}}
 with open(os.path.join(os.environ["FAKE_OUT"], f"task{os.environ['SLURM_PROCID']}.json"), "w") as f:
     json.dump(rec, f)
@@ -105,6 +105,17 @@ def test_scripts_are_valid_bash(script):
     subprocess.run(["bash", "-n", str(ROOT / "launch" / script)], check=True)
 
 
+TRANSPORT_001 = {
+    "FI_CXI_RDZV_THRESHOLD": "0",
+    "FI_CXI_RDZV_GET_MIN": "0",
+    "FI_CXI_RDZV_EAGER_SIZE": "0",
+    "NCCL_NET_GDR_LEVEL": "PHB",
+    "HSA_ENABLE_SDMA": "0",
+    "MPICH_OFI_NIC_POLICY": "USER",
+    "MPICH_OFI_NIC_MAPPING": "0:0-1;1:2-3;2:4-5;3:6-7",
+}
+
+
 def _common_checks(tasks, plugin):
     topo = Topology.from_preset("frontier", NODES * PER_NODE)
     for r, task in enumerate(tasks):
@@ -114,6 +125,8 @@ def _common_checks(tasks, plugin):
         assert env["LD_LIBRARY_PATH"].split(":")[0] == str(plugin / "lib")
         assert env["NCCL_NET"] == "AWS Libfabric" and env["FI_PROVIDER"] == "cxi"
         assert env["NCCL_SOCKET_IFNAME"] == "hsn0" and env["FI_CXI_ATS"] == "0"
+        for key, value in TRANSPORT_001.items():  # 001 §6.1.1, as the dissertation writes them
+            assert env[key] == value, key
         assert env["MIOPEN_USER_DB_PATH"] == env["MIOPEN_CUSTOM_CACHE_DIR"] == "/tmp/miopen-me-42"
         node, local = divmod(r, PER_NODE)  # node-major: rank = node * 8 + local
         assert (env["SLURM_NODEID"], env["SLURM_LOCALID"]) == (str(node), str(local))
