@@ -50,10 +50,12 @@ class _Mpu:
 
 # file: (nodes, tensor parallel, pipeline parallel, global batch, gradient accumulation DeepSpeed derives)
 RECIPES = {
-    "gpt_22b_004.json": (16, 2, 4, 640, 40),
-    "gpt_22b_004_zero_topo.json": (16, 2, 4, 640, 40),  # the same with ZeRO-topo's pipeline form
+    "gpt_22b_004.json": (8, 2, 2, 640, 40),  # the planner's first choice (docs/planner.md)
+    "gpt_22b_004_zero_topo.json": (8, 2, 2, 640, 40),  # the same with ZeRO-topo's pipeline form
     "gpt_175b_004.json": (128, 4, 16, 640, 40),  # 004 Table V; strong scaling at 1024 GCDs
-    "gpt_1t_004.json": (128, 8, 64, 1600, 800),  # 004 Table V; two replicas of 512 GCDs
+    "gpt_1t_004.json": (128, 8, 64, 3200, 1600),  # 004 Table V; two replicas of 512 GCDs (004 §V-C1)
+    "gpt_1t_004_zero_topo.json": (128, 8, 64, 3200, 1600),
+    "gpt_175b_004_zero_topo.json": (128, 4, 16, 640, 40),
     "neox_20b_zero_topo_003.json": (48, 1, 1, 1536, 1),  # 003: ZeRO-topo on 48 nodes = 384 GCDs
 }
 

@@ -23,8 +23,12 @@ CLOSEST_GCD = [4, 5, 2, 3, 6, 7, 0, 1]  # Frontier: the GCD nearest to cores 8l+
 
 FAKE_SRUN = (
     r"""#!/usr/bin/env python3
-import os, subprocess, sys
+import json, os, subprocess, sys
 args = sys.argv[1:]
+if os.environ.get("FAKE_SRUN_RECORD"):  # record the srun line only (allocations too large to start)
+    with open(os.environ["FAKE_SRUN_RECORD"], "a") as f:
+        f.write(json.dumps(args) + "\n")
+    sys.exit(0)
 per_node = 1
 while args and args[0].startswith("--"):
     opt = args.pop(0)
@@ -46,7 +50,7 @@ for n in range(nodes):
 FAKE_PYTHON = r"""#!/usr/bin/env python3
 import json, os, sys
 keep = ("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "NCCL_", "FI_", "MIOPEN_", "ROCR_", "LD_LIBRARY_PATH",
-        "OMP_NUM_THREADS", "FAKE_VENV")
+        "OMP_NUM_THREADS", "FAKE_VENV", "HSA_", "MPICH_")
 rec = {"argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k.startswith(keep)}}
 with open(os.path.join(os.environ["FAKE_OUT"], f"task{os.environ['SLURM_PROCID']}.json"), "w") as f:
     json.dump(rec, f)
@@ -105,6 +109,17 @@ def test_scripts_are_valid_bash(script):
     subprocess.run(["bash", "-n", str(ROOT / "launch" / script)], check=True)
 
 
+TRANSPORT_001 = {
+    "FI_CXI_RDZV_THRESHOLD": "0",
+    "FI_CXI_RDZV_GET_MIN": "0",
+    "FI_CXI_RDZV_EAGER_SIZE": "0",
+    "NCCL_NET_GDR_LEVEL": "PHB",
+    "HSA_ENABLE_SDMA": "0",
+    "MPICH_OFI_NIC_POLICY": "USER",
+    "MPICH_OFI_NIC_MAPPING": "0:0-1;1:2-3;2:4-5;3:6-7",
+}
+
+
 def _common_checks(tasks, plugin):
     topo = Topology.from_preset("frontier", NODES * PER_NODE)
     for r, task in enumerate(tasks):
@@ -114,6 +129,8 @@ def _common_checks(tasks, plugin):
         assert env["LD_LIBRARY_PATH"].split(":")[0] == str(plugin / "lib")
         assert env["NCCL_NET"] == "AWS Libfabric" and env["FI_PROVIDER"] == "cxi"
         assert env["NCCL_SOCKET_IFNAME"] == "hsn0" and env["FI_CXI_ATS"] == "0"
+        for key, value in TRANSPORT_001.items():  # 001 §6.1.1, as the dissertation writes them
+            assert env[key] == value, key
         assert env["MIOPEN_USER_DB_PATH"] == env["MIOPEN_CUSTOM_CACHE_DIR"] == "/tmp/miopen-me-42"
         node, local = divmod(r, PER_NODE)  # node-major: rank = node * 8 + local
         assert (env["SLURM_NODEID"], env["SLURM_LOCALID"]) == (str(node), str(local))
@@ -163,6 +180,89 @@ def test_megatron_sbatch_exports_torch_variables_and_runs_through_ds_ext(slurm):
             "--tensor-model-parallel-size",
             "4",
         ]
+
+
+# recipe: (nodes, TP, PP, global batch), as configs/frontier/*.recipe and their ds_configs say
+RECIPE_FILES = {
+    "gpt_22b_004.recipe": (8, 2, 2, 640),
+    "gpt_175b_004.recipe": (128, 4, 16, 640),
+    "gpt_1t_004.recipe": (128, 8, 64, 3200),
+}
+
+
+def _value(argv, flag):
+    return argv[argv.index(flag) + 1]
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["ds_ext", "plain"])
+@pytest.mark.parametrize("recipe", sorted(RECIPE_FILES))
+def test_megatron_sbatch_runs_each_recipe_with_ds_ext_or_plain(slurm, tmp_path, recipe, plain):
+    """``frontier_megatron.sbatch [--plain] RECIPE args...``: one srun line, 8 tasks per node, running
+    the unmodified pretrain_gpt.py under ds_ext.run with the recipe's Megatron-DeepSpeed arguments,
+    then the user's; the ds_config is the recipe's ZeRO-topo pipeline form in fp16, or with --plain
+    its published DeepSpeed ZeRO-1, and agrees with the arguments (global batch, fp16)."""
+    run, _, _ = slurm
+    nodes, tp, pp, gbs = RECIPE_FILES[recipe]
+    record = tmp_path / "srun.jsonl"
+    flags = ["--plain"] if plain else []
+    done = run(
+        "frontier_megatron.sbatch",
+        *flags,
+        f"configs/frontier/{recipe}",
+        "--train-iters",
+        "10",
+        SLURM_NNODES=str(nodes),
+        FAKE_SRUN_RECORD=str(record),
+    )
+    assert done.returncode == 0, done.stderr
+    *_, line = [json.loads(x) for x in record.read_text().splitlines()]
+    assert line[:5] == [
+        "--ntasks-per-node=8",
+        "--gpus-per-task=1",
+        "--gpu-bind=closest",
+        "--cpus-per-task=7",
+        "--cpu-bind=cores",
+    ]
+    cmd = line[line.index("/opt/Megatron-DeepSpeed/pretrain_gpt.py") :]
+    assert "exec python -u -m ds_ext.run" in line[line.index("-c") + 1]
+    config = _value(cmd, "--deepspeed_config")
+    assert config == f"configs/frontier/{recipe.removesuffix('.recipe')}{'' if plain else '_zero_topo'}.json"
+    assert (_value(cmd, "--tensor-model-parallel-size"), _value(cmd, "--pipeline-model-parallel-size")) == (
+        str(tp),
+        str(pp),
+    )
+    assert (_value(cmd, "--micro-batch-size"), _value(cmd, "--global-batch-size")) == ("1", str(gbs))
+    assert {"--fp16", "--checkpoint-activations", "--deepspeed-activation-checkpointing"} <= set(cmd)
+    assert cmd[-2:] == ["--train-iters", "10"]  # the user's arguments last
+    ds = json.loads((ROOT / config).read_text())
+    assert ds["train_batch_size"] == gbs and ds["fp16"]["enabled"] and "bf16" not in ds
+    zero_topo = ds["ds_ext"].get("zero_topo", {})
+    assert (ds["zero_optimization"]["stage"], zero_topo.get("enabled", False)) == ((1, False) if plain else (0, True))
+    assert plain or zero_topo["form"] == "pipeline"
+
+
+@pytest.mark.parametrize(
+    "args,nodes,message",
+    [
+        (
+            ["configs/frontier/gpt_22b_004.recipe"],
+            "2",
+            "recipe configs/frontier/gpt_22b_004.recipe runs on 8 nodes (sbatch -N 8); this allocation has 2",
+        ),
+        (
+            ["--plain", "configs/frontier/gpt_175b_004.json"],
+            "2",
+            "--plain needs a recipe (configs/frontier/*.recipe), got configs/frontier/gpt_175b_004.json",
+        ),
+        (["configs/frontier/gpt_2t.recipe"], "2", "no recipe configs/frontier/gpt_2t.recipe"),
+    ],
+)
+def test_megatron_sbatch_refuses_a_recipe_it_cannot_run(slurm, tmp_path, args, nodes, message):
+    run, _, _ = slurm
+    record = tmp_path / "srun.jsonl"
+    done = run("frontier_megatron.sbatch", *args, SLURM_NNODES=nodes, FAKE_SRUN_RECORD=str(record))
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not record.exists()  # refused before any srun
 
 
 @pytest.mark.parametrize(

@@ -57,11 +57,12 @@ def _batches(step, data_rank, seed=0):
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-def _run(stages, zero_topo, extra=None, seed=0, adam=False, bf16=False):
-    """Losses, global norms and this rank's stage parameters after ``STEPS`` train_batch calls on a
-    PipelineEngine of ``stages`` stages: ZeRO-topo (``zero_topo``) or DeepSpeed ZeRO-1 (None);
-    ``extra``: more of the ``"ds_ext"`` block; ``seed``: another data order; ``adam``: AdamW, not SGD;
-    ``bf16``: the ds_config's bf16 section on (else fp32)."""
+def _run(stages, zero_topo, extra=None, seed=0, adam=False, bf16=False, fp16=None, steps=STEPS):
+    """Losses, global norms, loss scales, skipped steps and this rank's stage parameters after
+    ``steps`` train_batch calls on a PipelineEngine of ``stages`` stages: ZeRO-topo (``zero_topo``)
+    or DeepSpeed ZeRO-1 (None); ``extra``: more of the ``"ds_ext"`` block; ``seed``: another data
+    order; ``adam``: AdamW, not SGD; ``bf16``: the ds_config's bf16 section on; ``fp16``: its fp16
+    section (else fp32)."""
     import torch
     import torch.distributed as dist
 
@@ -80,6 +81,7 @@ def _run(stages, zero_topo, extra=None, seed=0, adam=False, bf16=False):
         "steps_per_print": 10**6,
         "ds_ext": {"topology": TOPOLOGY, "comm": {"count_torch_collectives": False}},
         **({"bf16": {"enabled": True}} if bf16 else {}),
+        **({"fp16": {"enabled": True, **fp16}} if fp16 is not None else {}),
     }
     for key, value in (extra or {}).items():
         cfg["ds_ext"][key] = {**cfg["ds_ext"].get(key, {}), **value}
@@ -93,16 +95,20 @@ def _run(stages, zero_topo, extra=None, seed=0, adam=False, bf16=False):
     )
     engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     init = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    losses, norms = [], []
+    losses, norms, scales, skipped = [], [], [], []
     data_rank = engine.grid.get_data_parallel_rank()
-    for step in range(STEPS):
+    for step in range(steps):
         losses.append(float(engine.train_batch(iter(_batches(step, data_rank, seed)))))
         norms.append(float(engine.get_global_grad_norm()))
+        scales.append(float(engine.optimizer.loss_scale) if fp16 is not None else None)
+        skipped.append(engine.skipped_steps)
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     steps = engine.ds_ext.ledger.steps
     out = {
         "losses": losses,
         "norms": norms,
+        "scales": scales,
+        "skipped": skipped,
         "params": params,
         "rank": dist.get_rank(),
         "still": [n for n, p in params.items() if torch.equal(p, init[n])],
@@ -160,6 +166,42 @@ def test_unquantized_pipeline_form_equals_deepspeed_zero1_on_the_pipeline_engine
             assert o["measured"]["step"]["node"] == 2 * (o["padded_bytes"] / 4) * (2 - 1) / 2 + norm
     assert "pipeline form" in ours[0]["describe"]
     assert f"pipeline {stages}" in ours[0]["banner"] or stages == 1
+
+
+# fp16 against DeepSpeed ZeRO-1 fp16: an initial scale of 2^24 overflows the fp16 gradients, so the
+# first steps are skipped and the scale halves until it fits (window 2: then it grows again)
+FP16 = {"initial_scale_power": 24, "loss_scale_window": 2, "hysteresis": 1, "min_loss_scale": 1}
+FP16_STEPS = 10
+
+
+@pytest.mark.parametrize("plan", ["unquantized", "default"])
+def test_fp16_pipeline_form_skips_and_scales_as_deepspeed_zero1(world, plan):
+    """fp16 in the pipeline form (DeepSpeed's dynamic loss scaler on the last stage's loss, over
+    every stage and the data group): the same skipped steps and loss scales, step by step, as
+    DeepSpeed ZeRO-1 fp16 on the same PipelineEngine, with overflows at the start and scale growth
+    after; the unquantized plan also its losses, norms and parameters (fp16 rounding); the default
+    plan (int4 gradients inside the node) trains every parameter with finite losses, a non-finite
+    block never quantized."""
+    import math
+
+    import torch
+
+    zero_topo = UNQUANTIZED if plan == "unquantized" else {"preset": "zero_topo"}
+    ref = world.run(_run, 2, None, fp16=FP16, steps=FP16_STEPS)
+    ours = world.run(_run, 2, zero_topo, fp16=FP16, steps=FP16_STEPS)
+    skipped = ref[0]["skipped"]
+    assert skipped[0] == 1 and 0 < skipped[-1] < FP16_STEPS  # overflows at the start, then steps
+    assert max(ref[0]["scales"][skipped[-1] :]) > min(ref[0]["scales"])  # the scale grew again
+    for r, o in zip(ref, ours):
+        assert o["skipped"] == r["skipped"]
+        assert o["scales"] == r["scales"]
+        assert o["still"] == []
+        assert all(math.isfinite(x) for x in o["losses"])
+        if plan == "unquantized":
+            assert o["losses"] == pytest.approx(r["losses"], rel=2e-3, abs=0)
+            for name, p in r["params"].items():
+                assert o["params"][name].dtype == torch.float16
+                torch.testing.assert_close(o["params"][name], p, rtol=2e-2, atol=4e-3, msg=name)
 
 
 def test_quantized_default_trains_every_parameter_within_the_seed_spread(world):
@@ -315,11 +357,8 @@ def _refused(case):
         "pipeline_form_plain_model": {"zero_topo": {"enabled": True, "form": "pipeline"}},
         "ted": {"ted": {"enabled": True, "tensor_parallel": 1, "expert_parallel": 2}},
         "pmm3d": {"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 1, "data": 4}}},
-        "fp16": {"zero_topo": {"enabled": True}},
     }[case]
     cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "ds_ext": {"topology": TOPOLOGY, **block}}
-    if case == "fp16":
-        cfg["fp16"] = {"enabled": True}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if case == "pmm3d":  # 3D-PMM builds its optimizer on the converted parameters
         optimizer = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
@@ -350,11 +389,6 @@ def _refused(case):
             "ds_ext.ted: with a deepspeed.pipe.PipelineModule: TED's layout (tensor x expert x expert-data) spans the "
             "whole world and has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: "
             "--no-pipeline-parallel; GPT-NeoX: pipe_parallel_size 0)",
-        ),
-        (
-            "fp16",
-            "ds_ext.zero_topo: fp16 in the pipeline form: the PipelineEngine calls DeepSpeed's backward for the last "
-            "stage's loss directly, past the loss scaling ZeRO-topo adds; allowed: bf16 or fp32",
         ),
         (
             "pmm3d",

@@ -235,6 +235,31 @@ def scale_backward_loss(engine, scale) -> None:
     engine.backward = scaled
 
 
+def scale_pipeline_loss(engine, scale: Callable[[], float]) -> None:
+    """Multiply the last stage's loss by ``scale()`` in a PipelineEngine's backward pass (fp16
+    loss scaling in ZeRO-topo's pipeline form). The PipelineEngine runs that backward through
+    ``DeepSpeedEngine.backward`` itself (runtime/pipe/engine.py:798, ``super().backward(self.loss)``),
+    past ``engine.backward``; the stages before it receive the scaled gradients. Its schedule
+    dispatches through the class's ``_INSTRUCTION_MAP`` (engine.py:1360-1386), which this
+    engine gets a copy of with the backward pass wrapped. ``train_batch``'s reported loss is summed
+    in the forward pass (engine.py:781) and stays unscaled."""
+    from deepspeed.runtime.pipe.schedule import BackwardPass
+
+    original = type(engine)._INSTRUCTION_MAP[BackwardPass]
+
+    def backward_pass(self, buffer_id):
+        if not self.is_last_stage():
+            return original(self, buffer_id)
+        loss = self.loss
+        self.loss = loss * scale()
+        try:
+            return original(self, buffer_id)
+        finally:
+            self.loss = loss
+
+    engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, BackwardPass: backward_pass}
+
+
 def wrap_checkpoint_methods(engine, **replacements) -> None:
     """Route engine methods through a plugin: ``replacements[name](original, **arguments)``
     is called with the original bound method and the call's arguments bound by name to

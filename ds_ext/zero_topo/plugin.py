@@ -84,11 +84,6 @@ class ZeroTopoPlugin(Plugin):
         if self.experts is not None and len(self.experts.members) == 1:
             self.expert_plan = self.expert_plan.unshared()  # experts kept whole on this rank
         self.dtype = support.precision(ds_config)
-        if self.pipeline and self.dtype == torch.float16:
-            raise DsExtConfigError(
-                f"{support.KEY}: fp16 in the pipeline form: the PipelineEngine calls DeepSpeed's backward for the last "
-                "stage's loss directly, past the loss scaling ZeRO-topo adds; allowed: bf16 or fp32"
-            )
         support.check_ds_config(ds_config, self.dtype)
         support.check_model(model, experts=self.experts is not None, pipeline=self.pipeline)
         note = support.check_optimizer(optimizer, ds_config)
@@ -215,7 +210,9 @@ class ZeroTopoPlugin(Plugin):
         if at_boundary is not None:  # the pipeline form's whole units reduce in the step (start_reduction skips them)
             self.sharded.reduced = self.optimizer.start_reduction
         ds_engine.replace_optimizer(engine, self.optimizer)
-        if self.dtype == torch.float16:
+        if self.dtype == torch.float16 and self.pipeline:
+            ds_engine.scale_pipeline_loss(engine, lambda: self.scaler.loss_scale)
+        elif self.dtype == torch.float16:
             ds_engine.scale_backward_loss(engine, lambda: self.scaler.loss_scale)
         ds_engine.report_precision(engine, self.dtype)
         ds_engine.report_gradient_clipping(engine, self.clip)
