@@ -321,6 +321,8 @@ def zero_netns_nic_table(
 
 REVIEWER_RUN = "bench_zero_every_level.json"
 REVIEWER_REPEAT = "bench_zero_every_level_repeat.json"
+# GA 1 with the step's weight gathers carried into the next forward (zero_topo.gather_across_step)
+ACROSS_STEP_RUN = "bench_zero_gather_across_step_ga1.json"
 _LEVEL_NAMES = {"gcd": "GCD pair", "gpu": "GPU pair", "node": "NICs"}
 
 
@@ -361,13 +363,13 @@ def zero_reviewer_table(run: str = REVIEWER_RUN) -> str:
     )
 
 
-def zero_reviewer_ratios(run: str = REVIEWER_RUN, repeat: str = REVIEWER_REPEAT) -> str:
+def zero_reviewer_ratios(run: str = REVIEWER_RUN, repeat: str | None = REVIEWER_REPEAT) -> str:
     """The step-time ratios peer / ZeRO-topo of issue 48's run with their bootstrap 95 % intervals
     (``checks``), DeepSpeed ZeRO++ also without its CPU quantizer's seconds, the NIC bytes against
     ``zeropp``'s, and the same command's repeat: its ratio and whether it falls inside the first
     run's interval."""
     checks = _load(run)["checks"]
-    again = _load(repeat)["checks"] if (ROOT / "examples/results" / repeat).exists() else None
+    again = _load(repeat)["checks"] if repeat and (ROOT / "examples/results" / repeat).exists() else None
     rows = []
     for key, iv in checks["step_time_ratio_interval"].items():
         theirs, rest = key.split("/", 1)
@@ -408,6 +410,7 @@ _PEER_NAMES = {
     "deepspeed_zero3": "DeepSpeed ZeRO-3",
     "deepspeed_zeropp": "DeepSpeed ZeRO++",
     "ds_ext_zero_topo_serial": "zero_topo serial",
+    "ds_ext_zero_topo_gather_in_step": "zero_topo, gathers in the step",
 }
 
 
@@ -941,6 +944,14 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_zero_every_level_ratios.md": (
         f"examples/results/{REVIEWER_RUN}, {REVIEWER_REPEAT}",
         zero_reviewer_ratios,
+    ),
+    "bench_zero_gather_across_step.md": (
+        f"examples/results/{ACROSS_STEP_RUN}",
+        lambda: zero_reviewer_table(ACROSS_STEP_RUN),
+    ),
+    "bench_zero_gather_across_step_ratios.md": (
+        f"examples/results/{ACROSS_STEP_RUN}",
+        lambda: zero_reviewer_ratios(ACROSS_STEP_RUN, None),
     ),
     "bench_tiled.md": ("examples/results/bench_tiled.json", tiled_table),
     "bench_pmm.md": ("examples/results/bench_pmm.json", pmm_table),
