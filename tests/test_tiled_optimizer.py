@@ -447,6 +447,7 @@ def _step_events(tile):
         update = tiled.update
         tiled.update = lambda *a, **kw: (events.append(("update",)), update(*a, **kw))[1]
     engine.step()
+    engine.optimizer.settle()  # the gathers the step left in flight (gather_across_step): their waits
     comm.all_gather = all_gather
     units = len(engine.optimizer.sharded.all_units)
     engine.destroy()

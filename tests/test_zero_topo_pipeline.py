@@ -70,6 +70,12 @@ def _run(stages, zero_topo, extra=None, seed=0, adam=False, bf16=False, fp16=Non
     from ds_ext.integration import ds_engine
 
     ds_engine.init_distributed()  # as the clients do before building a PipelineModule (its groups)
+    if fp16 is not None:
+        from deepspeed.accelerator import get_accelerator
+
+        # DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels; torch's fp16
+        # CPU arithmetic is enough for this tiny model (as in test_zero_topo_hardening.py)
+        get_accelerator().is_fp16_supported = lambda: True
     model = _pipe(stages)
     dp = dist.get_world_size() // stages
     cfg = {
@@ -168,9 +174,10 @@ def test_unquantized_pipeline_form_equals_deepspeed_zero1_on_the_pipeline_engine
     assert f"pipeline {stages}" in ours[0]["banner"] or stages == 1
 
 
-# fp16 against DeepSpeed ZeRO-1 fp16: an initial scale of 2^24 overflows the fp16 gradients, so the
-# first steps are skipped and the scale halves until it fits (window 2: then it grows again)
-FP16 = {"initial_scale_power": 24, "loss_scale_window": 2, "hysteresis": 1, "min_loss_scale": 1}
+# fp16 against DeepSpeed ZeRO-1 fp16: an initial scale of 2^16 overflows the scaled loss (about 4.2
+# x 2^16 > 65,504), so the first steps are skipped and the scale halves until it fits; after 2 good
+# steps it doubles again (window 2) and overflows again
+FP16 = {"initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 1, "min_loss_scale": 1}
 FP16_STEPS = 10
 
 
@@ -191,14 +198,14 @@ def test_fp16_pipeline_form_skips_and_scales_as_deepspeed_zero1(world, plan):
     ours = world.run(_run, 2, zero_topo, fp16=FP16, steps=FP16_STEPS)
     skipped = ref[0]["skipped"]
     assert skipped[0] == 1 and 0 < skipped[-1] < FP16_STEPS  # overflows at the start, then steps
-    assert max(ref[0]["scales"][skipped[-1] :]) > min(ref[0]["scales"])  # the scale grew again
+    assert any(b > a for a, b in zip(ref[0]["scales"], ref[0]["scales"][1:]))  # the scale grew again
     for r, o in zip(ref, ours):
         assert o["skipped"] == r["skipped"]
         assert o["scales"] == r["scales"]
         assert o["still"] == []
         assert all(math.isfinite(x) for x in o["losses"])
         if plan == "unquantized":
-            assert o["losses"] == pytest.approx(r["losses"], rel=2e-3, abs=0)
+            assert o["losses"] == pytest.approx(r["losses"], rel=1e-3, abs=0)
             for name, p in r["params"].items():
                 assert o["params"][name].dtype == torch.float16
                 torch.testing.assert_close(o["params"][name], p, rtol=2e-2, atol=4e-3, msg=name)

@@ -171,7 +171,7 @@ def tag_pipeline_instructions(engine, in_phase: Callable[[str, Callable], Callab
         schedule.ReduceGrads: "step",
         schedule.OptimizerStep: "step",
     }
-    table = dict(type(engine)._INSTRUCTION_MAP)
+    table = dict(engine._INSTRUCTION_MAP)  # the engine's own, if a plugin already wrapped one
     for cmd, phase in phases.items():
         table[cmd] = in_phase(phase, table[cmd])
     engine._INSTRUCTION_MAP = table
@@ -240,12 +240,13 @@ def scale_pipeline_loss(engine, scale: Callable[[], float]) -> None:
     loss scaling in ZeRO-topo's pipeline form). The PipelineEngine runs that backward through
     ``DeepSpeedEngine.backward`` itself (runtime/pipe/engine.py:798, ``super().backward(self.loss)``),
     past ``engine.backward``; the stages before it receive the scaled gradients. Its schedule
-    dispatches through the class's ``_INSTRUCTION_MAP`` (engine.py:1360-1386), which this
-    engine gets a copy of with the backward pass wrapped. ``train_batch``'s reported loss is summed
-    in the forward pass (engine.py:781) and stays unscaled."""
+    dispatches through ``_INSTRUCTION_MAP`` (engine.py:1360-1386), which this engine gets a copy
+    of (of its own map, if it has one: :func:`tag_pipeline_instructions`) with the backward pass
+    wrapped. ``train_batch``'s reported loss is summed in the forward pass (engine.py:781) and
+    stays unscaled."""
     from deepspeed.runtime.pipe.schedule import BackwardPass
 
-    original = type(engine)._INSTRUCTION_MAP[BackwardPass]
+    original = engine._INSTRUCTION_MAP[BackwardPass]
 
     def backward_pass(self, buffer_id):
         if not self.is_last_stage():
@@ -257,7 +258,7 @@ def scale_pipeline_loss(engine, scale: Callable[[], float]) -> None:
         finally:
             self.loss = loss
 
-    engine._INSTRUCTION_MAP = {**type(engine)._INSTRUCTION_MAP, BackwardPass: backward_pass}
+    engine._INSTRUCTION_MAP = {**engine._INSTRUCTION_MAP, BackwardPass: backward_pass}
 
 
 def wrap_checkpoint_methods(engine, **replacements) -> None:
