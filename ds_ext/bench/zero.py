@@ -143,12 +143,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # ---- one rank ---------------------------------------------------------------------------
 def _unit_elements(net: Any) -> int:
-    """Parameters of the model's largest gather unit: an entry of one of its ``nn.ModuleList`` s
-    (a transformer block; ZeRO-topo's ``units: 'auto'``), the model itself without one."""
-    from torch import nn
+    """Parameters of the model's largest gather unit, as ZeRO-topo's ``units: 'auto'`` finds them
+    (a transformer block)."""
+    from ds_ext.zero_topo.engine import find_units
 
-    entries = [m for lst in net.modules() if isinstance(lst, nn.ModuleList) for m in lst]
-    return max(sum(p.numel() for p in m.parameters()) for m in entries or [net])
+    return max(sum(p.numel() for p in m.parameters()) for _, m in find_units(net, "auto"))
 
 
 def _ds_config(
@@ -422,7 +421,14 @@ def _measure(
                 model=net,
                 optimizer=opt,
                 mpu=mpu,
-                config=_ds_config(variant, ga, time_scale, tensor, pipeline, _unit_elements(net)),
+                config=_ds_config(
+                    variant,
+                    ga,
+                    time_scale,
+                    tensor,
+                    pipeline,
+                    _unit_elements(net) if variant in DEEPSPEED_VARIANTS and variant != "deepspeed_zero1" else 0,
+                ),
             )
         rt = engine.ds_ext
         emulator = rt.comm.emulator
