@@ -33,7 +33,7 @@ from ds_ext.cluster.command import add_cluster_arguments, spec_from_args
 from ds_ext.cluster.measure import cross_group, exchange_partner, measured_topology, span_group, spec_from_json
 from ds_ext.cluster.netns import cluster_links
 from ds_ext.cluster.spec import MAX_LEAVES, ClusterError, ClusterSpec, LinkShape, spec_from_topology
-from ds_ext.cluster.world import refuse_link_flags_when_emulating
+from ds_ext.cluster.world import bench_cluster_spec, bench_world, refuse_link_flags_when_emulating
 from ds_ext.topology import GB, US, Level, Topology
 
 # Frontier / 4000 (003 §IV, 004 §III-A: 200 : 100 : 25 GB/s per direction)
@@ -145,6 +145,15 @@ def test_refusals_are_one_line_naming_the_setting():
         "--gcd-rate 400mbit".split()
     )
     assert spec_from_args(args) == _spec()
+    args = p.parse_args(["--nodes", "4"])
+    args.network, args.timeout = "emulate", 60
+    with pytest.raises(ClusterError, match="^--nodes 4: this benchmark runs 2 nodes .*; allowed: --nodes 2$"):
+        bench_world(args, 8, {})  # a benchmark of 2 nodes (ds-ext bench ted, pmm)
+    args = p.parse_args("--nodes 4 --nic per-gpu --gpus-per-node 2 --node-rate 50mbit --gpu-rate 200mbit".split())
+    args.network, args.timeout = "netns", 60
+    assert bench_cluster_spec(args, 16, 4).nodes == 4  # ds-ext bench zero --nodes 4: 16 ranks
+    with pytest.raises(ClusterError, match="runs this benchmark's 2 nodes"):
+        bench_cluster_spec(args, 8)
 
 
 def test_frontier_preset_shapes_every_level_in_its_ratios(tmp_path):

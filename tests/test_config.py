@@ -183,6 +183,11 @@ def test_every_section_refuses_coercion(block, message):
             "ds_ext.ted: num_experts 6 is not a multiple of expert_parallel 4 (E = k x G_expert)",
         ),
         (
+            {"zero_topo": {"overlap_step": False, "gather_across_step": True}},
+            "ds_ext.zero_topo: gather_across_step true needs overlap_step true (the step's gathers are carried past "
+            "it only when the step boundary is overlapped); allowed: overlap_step true, or gather_across_step false",
+        ),
+        (
             {"topology": {"preset": "frontier", "sizes": {"gpus": 2}}},
             "ds_ext.topology.sizes.gpus: unknown level; levels of preset 'frontier': gcd, gpu, node",
         ),

@@ -1,6 +1,6 @@
 """``ds-ext bench zero``: ZeRO-topo presets against DeepSpeed's own ZeRO-3 and ZeRO++.
 
-8 CPU ranks emulate 2 nodes x 2 GPUs x 2 GCDs (003 §IV's Frontier hierarchy, shrunk);
+8 CPU ranks emulate 2 nodes x 2 GPUs x 2 GCDs (003 §IV's Frontier hierarchy, shrunk; ``--nodes N``: 4N ranks);
 a GPT of ~19M parameters (bf16; ``--model gpt5m``: ~4.8M, whose steps a 2-core host runs link-bound at
 lower link rates in a quarter of the time) trains on byte-level stdlib text at each gradient
 accumulation. Every variant runs in a fresh gloo world, side by side in one invocation:
@@ -78,7 +78,7 @@ MODELS = {  # name -> (d_model, n_layers, n_heads, seq_len)
     "gpt5m": (256, 6, 4, 128),
     "tiny": (64, 2, 4, 32),
 }
-WORLD, RANKS_PER_NODE = 8, 4
+RANKS_PER_NODE = 4  # ranks of an emulated node (2 GPUs x 2 GCDs); --nodes of them (default 2)
 HPZ_UNDER_TP = (
     "hpZ off: DeepSpeed 0.19.8 builds the hpZ group from consecutive world ranks "
     "(utils/groups.py _create_zero_param_parallel_group ignores the mpu), so under tensor "
@@ -741,8 +741,10 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
                 if r[field] is not None:
                     out[key][f"ds_ext_zero3/torch_fsdp2@GA{ga}"] = r[field] / by["torch_fsdp2", ga][field]
         for ours in ("ds_ext_zero_topo", "ds_ext_zero_topo_paper", "ds_ext_zero_topo_int8"):
-            for theirs in DEEPSPEED_VARIANTS + ("ds_ext_zeropp", SERIAL, IN_STEP):
-                if v == ours and (theirs, ga) in by:
+            for theirs in DEEPSPEED_VARIANTS + ("ds_ext_zeropp", "ds_ext_zero3", SERIAL, IN_STEP):
+                # the schedule variants are the 16-bit preset's: paired with it alone
+                schedule_of_another = theirs in (SERIAL, IN_STEP) and ours != "ds_ext_zero_topo"
+                if v == ours and (theirs, ga) in by and not schedule_of_another:
                     key = f"{theirs}/{ours}@GA{ga}"
                     if r["step_time_emulated_s"] is not None:
                         out["step_time_ratio_emulated"][key] = (
@@ -916,12 +918,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.variants = ["ds_ext_zero_topo", "ds_ext_zero3", "deepspeed_zero3"]
     if args.rounds < 1:
         raise SystemExit(f"ds-ext bench zero: --rounds must be at least 1; got {args.rounds}")
+    if args.nodes < 2 or (args.nodes != 2 and (args.tensor_parallel > 1 or args.pipeline_parallel)):
+        raise SystemExit(
+            f"ds-ext bench zero: --nodes {args.nodes}: allowed 2 or more, and 2 with --tensor-parallel or "
+            "--pipeline-parallel (their groups are laid out for 2 nodes)"
+        )
+    world = args.nodes * RANKS_PER_NODE
     time_scale = None if args.network == "netns" else args.time_scale
     from ds_ext.bench.stats import load_average, provenance
     from ds_ext.cluster.world import bench_cluster_spec
 
     prov = provenance(
-        world_size=WORLD,
+        world_size=world,
         ranks_per_node=RANKS_PER_NODE,
         model=args.model,
         seq_len=args.seq_len or MODELS[args.model][3],
@@ -930,7 +938,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         steps_per_round=args.steps,
         rounds=args.rounds,
         network=args.network,
-        cluster=bench_cluster_spec(args, WORLD).to_json() if args.network == "netns" else None,
+        cluster=bench_cluster_spec(args, world, args.nodes).to_json() if args.network == "netns" else None,
         time_scale=time_scale,
         # DeepSpeed's and torch's reduce-scatters on gloo (comm.torch_gloo_reduce_scatter)
         peers_gloo_reduce_scatter=FAIR_GLOO_REDUCE_SCATTER,
@@ -940,8 +948,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     variants = list(args.variants)
     runs = [(r, variants[(r + i) % len(variants)]) for r in range(args.rounds) for i in range(len(variants))]
     for round_, variant in tqdm(runs, desc="bench zero", unit="run"):
-        with bench_world(args, WORLD, {"LOCAL_SIZE": str(RANKS_PER_NODE)}) as world:
-            per_rank = world.run(
+        with bench_world(args, world, {"LOCAL_SIZE": str(RANKS_PER_NODE)}, args.nodes) as ranks:
+            per_rank = ranks.run(
                 _measure,
                 variant,
                 args.grad_accum,
@@ -966,7 +974,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "provenance": prov,
         # the ranks' compute depends on it (bf16 matmuls without AVX-512 / AMX run far slower)
         "host": {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpus": os.cpu_count()},
-        "world_size": WORLD,
+        "world_size": world,
         "model": args.model,
         "seq_len": args.seq_len or MODELS[args.model][3],
         "network": args.network,

@@ -58,13 +58,14 @@ def add_network_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_arguments(p, ranks_per_node=False)
 
 
-def bench_cluster_spec(args: argparse.Namespace, world_size: int) -> ClusterSpec:
-    """The cluster of ``--network netns`` for ``world_size`` ranks, as the benchmarks' topology says."""
-    spec = spec_from_args(args, world_size // BENCH_NODES)
-    if (spec.nodes, spec.gpus_per_node) != (BENCH_NODES, BENCH_GPUS_PER_NODE):
+def bench_cluster_spec(args: argparse.Namespace, world_size: int, nodes: int = BENCH_NODES) -> ClusterSpec:
+    """The cluster of ``--network netns`` for ``world_size`` ranks on ``nodes`` nodes of
+    :data:`BENCH_GPUS_PER_NODE` GPUs (the benchmarks' topology; ``ds-ext bench zero`` takes ``--nodes``)."""
+    spec = spec_from_args(args, world_size // nodes)
+    if (spec.nodes, spec.gpus_per_node) != (nodes, BENCH_GPUS_PER_NODE):
         raise ClusterError(
-            f"--network netns runs the benchmarks' {BENCH_NODES} nodes x {BENCH_GPUS_PER_NODE} "
-            f"GPUs: --nodes {BENCH_NODES} --gpus-per-node {BENCH_GPUS_PER_NODE} --gpu-rate RATE"
+            f"--network netns runs this benchmark's {nodes} nodes x {BENCH_GPUS_PER_NODE} "
+            f"GPUs: --nodes {nodes} --gpus-per-node {BENCH_GPUS_PER_NODE} --gpu-rate RATE"
         )
     return spec
 
@@ -92,10 +93,16 @@ def refuse_link_flags_when_emulating(args: argparse.Namespace) -> None:
         )
 
 
-def bench_world(args: argparse.Namespace, world_size: int, env: dict[str, str]):
+def bench_world(args: argparse.Namespace, world_size: int, env: dict[str, str], nodes: int = BENCH_NODES):
     """The world a benchmark runs its variants in: local ranks with ``env`` (``--network
-    emulate``), or ranks on the emulated cluster, whose variables say the truth about it."""
+    emulate``), or ranks on the emulated cluster of ``nodes`` nodes, whose variables say the truth
+    about it. ``--nodes`` other than ``nodes`` is refused in one line, in both modes."""
     refuse_link_flags_when_emulating(args)
+    if args.nodes != nodes:
+        raise ClusterError(
+            f"--nodes {args.nodes}: this benchmark runs {nodes} nodes (ds-ext bench zero takes other counts); "
+            f"allowed: --nodes {nodes}"
+        )
     if args.network == "netns":
-        return cluster_world(bench_cluster_spec(args, world_size), timeout=args.timeout)
+        return cluster_world(bench_cluster_spec(args, world_size, nodes), timeout=args.timeout)
     return World(world_size, env, timeout=args.timeout)

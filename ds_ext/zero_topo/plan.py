@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ds_ext.config_base import ConfigSection
 from ds_ext.errors import DsExtError
@@ -140,7 +140,8 @@ class ZeroTopoConfig(PluginConfig):
         "each unit's first use after it (its next forward; a checkpoint, gathered_parameters or state_dict "
         "completes them all), so those across nodes run while the next forward computes the units before them. "
         "The same collectives, bytes and results; each unit keeps one buffer of its primary shard's size until "
-        "then. false = they complete inside step().",
+        "then. false = they complete inside step(). Only with overlap_step (true given beside overlap_step false is "
+        "refused).",
     )
     agreement_check_s: float = Field(
         60.0,
@@ -157,6 +158,15 @@ class ZeroTopoConfig(PluginConfig):
         "unit's packed parameters (fewer bytes, but a block may hold two parameters, so a LayerNorm sharing a "
         "block with a bias of ~100x larger gradients can round to zero and not train).",
     )
+
+    @model_validator(mode="after")
+    def _gather_across_step_needs_overlap(self) -> "ZeroTopoConfig":
+        if "gather_across_step" in self.model_fields_set and self.gather_across_step and not self.overlap_step:
+            raise ValueError(
+                "gather_across_step true needs overlap_step true (the step's gathers are carried past it only "
+                "when the step boundary is overlapped); allowed: overlap_step true, or gather_across_step false"
+            )
+        return self
 
 
 _PRESET_FIELDS: dict[str, dict] = {
