@@ -100,11 +100,22 @@ class SamoOptimizer(torch.optim.Optimizer):
         for g, params in zip(inner.param_groups, per_group):
             g["params"] = params
         inner.state.clear()
-        self.param_groups = inner.param_groups
-        self.defaults = inner.defaults
-        self.state = inner.state
         with torch.no_grad():
             self._expand(self.masters)  # the pruned entries of θ16 are zero from the start
+
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        """The wrapped optimizer's groups (over the compressed masters): LR schedulers and DeepSpeed's
+        ``get_lr`` read them; a loaded state replaces the list."""
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        return self.inner.state
+
+    @property
+    def defaults(self) -> dict:  # type: ignore[override]
+        return self.inner.defaults
 
     def _expand(self, values: list[torch.Tensor]) -> None:
         for entry, v in zip(self.grads.entries, values, strict=True):
@@ -185,6 +196,14 @@ class SamoOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's state (over the compressed masters) and the masters themselves."""
         return {"inner": self.inner.state_dict(), "masters": [m.clone() for m in self.masters]}
 
+    def refresh_fp32_params(self) -> None:
+        """The masters from θ16 (DeepSpeed calls this after loading the module alone); θ16's pruned
+        entries are written as zero again."""
+        with torch.no_grad():
+            for entry, master in zip(self.grads.entries, self.masters):
+                master.copy_(compress(entry.param.detach(), entry.index))
+            self._expand([m.to(self.dtype) for m in self.masters])
+
     def load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
         """Restore :meth:`state_dict`'s masters and optimizer state and expand the masters into θ16;
         ``load_optimizer_states`` False (DeepSpeed's argument): the masters from the loaded θ16 and
@@ -194,12 +213,11 @@ class SamoOptimizer(torch.optim.Optimizer):
                 f"{KEY}: this optimizer state was not saved by {KEY} for this model; allowed: a checkpoint saved with "
                 f"{KEY} enabled on the same model"
             )
+        if not load_optimizer_states:
+            self.refresh_fp32_params()
+            self.inner.state.clear()
+            return
         with torch.no_grad():
-            if not load_optimizer_states:
-                for entry, master in zip(self.grads.entries, self.masters):
-                    master.copy_(compress(entry.param.detach(), entry.index))
-                self.inner.state.clear()
-                return
             self.inner.load_state_dict(state_dict["inner"])
             for master, saved in zip(self.masters, state_dict["masters"]):
                 master.copy_(saved)
