@@ -107,7 +107,9 @@ class SamoPlugin(Plugin):
         MIN over the group, one line on every rank if they differ."""
         if data_group is None:
             return
-        checksum = sum(float((i + 1) * e.index.double().sum()) for i, e in enumerate(self.grads.entries) if e.index is not None)
+        checksum = sum(
+            float((i + 1) * e.index.double().sum()) for i, e in enumerate(self.grads.entries) if e.index is not None
+        )
         device = backend_device(data_group)
         sig = torch.tensor([float(self.grads.kept), checksum], dtype=torch.float64, device=device)
         hi, lo = sig.clone(), -sig

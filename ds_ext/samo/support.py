@@ -95,8 +95,13 @@ def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
             ds_config["communication_data_type"],
         )
     accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
-    if accum is not None and accum not in {torch.float32: ("fp32",), torch.float16: ("fp16",), torch.bfloat16: ("bf16",)}[dtype]:
-        _refuse("data_types.grad_accum_dtype", "SAMO accumulates compressed gradients in the training dtype", "unset", accum)
+    if (
+        accum is not None
+        and accum not in {torch.float32: ("fp32",), torch.float16: ("fp16",), torch.bfloat16: ("bf16",)}[dtype]
+    ):
+        _refuse(
+            "data_types.grad_accum_dtype", "SAMO accumulates compressed gradients in the training dtype", "unset", accum
+        )
 
 
 def check_optimizer(optimizer: Any, ds_config: Mapping[str, Any]) -> None:
@@ -107,10 +112,20 @@ def check_optimizer(optimizer: Any, ds_config: Mapping[str, Any]) -> None:
         if section is None:
             _refuse("optimizer", "SAMO compresses an optimizer's state and got none", ALLOWED_OPTIMIZERS, None)
         if str(section.get("type", "")).lower() not in ("adam", "adamw"):
-            _refuse("ds_config optimizer.type", "SAMO's compressed step is run for Adam", "'Adam', 'AdamW'", section.get("type"))
+            _refuse(
+                "ds_config optimizer.type",
+                "SAMO's compressed step is run for Adam",
+                "'Adam', 'AdamW'",
+                section.get("type"),
+            )
         return
     if not (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or ds_fused_adam.is_fused_adam(optimizer)):
-        _refuse("optimizer", "SAMO's compressed step is run for Adam (001 §4.1.4)", ALLOWED_OPTIMIZERS, type(optimizer).__name__)
+        _refuse(
+            "optimizer",
+            "SAMO's compressed step is run for Adam (001 §4.1.4)",
+            ALLOWED_OPTIMIZERS,
+            type(optimizer).__name__,
+        )
 
 
 def check_model(model: nn.Module) -> None:
