@@ -109,11 +109,13 @@ BUILTIN_PLUGIN_MODULES: tuple[str, ...] = (
     "ds_ext.moe.plugin",
     "ds_ext.pccl.plugin",
     "ds_ext.goldfish.plugin",
+    "ds_ext.samo.plugin",
 )
 # The order of the built-ins' hooks: the plugins that define the job's layout (3D-PMM, TED)
 # prepare first, so ZeRO-topo shards over the data axis of the model they converted, and attach
-# first, before ZeRO-topo swaps the engine's optimizer; others follow in registration order.
-HOOK_ORDER: tuple[str, ...] = ("pmm3d", "ted", "zero_topo", "tiled_optimizer", "pccl")
+# first, before ZeRO-topo swaps the engine's optimizer; others follow in registration order. SAMO runs
+# beside no other plugin and checks first, so its refusal is the one that names both settings.
+HOOK_ORDER: tuple[str, ...] = ("samo", "pmm3d", "ted", "zero_topo", "tiled_optimizer", "pccl")
 
 
 def register_plugin(cls: type[Plugin]) -> type[Plugin]:
@@ -140,6 +142,7 @@ BUILTIN_CONFIGS: dict[str, tuple[str, str]] = {
     "ted": ("ds_ext.moe.config", "TEDConfig"),
     "pccl": ("ds_ext.pccl.plugin", "PCCLConfig"),  # the plugin module imports no torch
     "goldfish": ("ds_ext.goldfish.config", "GoldfishConfig"),
+    "samo": ("ds_ext.samo.config", "SamoConfig"),
 }
 
 

@@ -26,7 +26,7 @@ def test_defaults():
         ),
         (
             {"topolgy": {}},
-            "ds_ext.topolgy: unknown key; allowed keys: comm, goldfish, pccl, pmm3d, ted, tiled_optimizer, topology",
+            "ds_ext.topolgy: unknown key; allowed keys: comm, goldfish, pccl, pmm3d, samo, ted, tiled_optimizer, topology",
         ),
         (
             {"topology": {"emulte": True}},

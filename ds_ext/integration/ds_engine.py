@@ -156,6 +156,15 @@ def pipeline_grid(model) -> Any:
     return model.mpu() if isinstance(model, PipelineModule) else None
 
 
+def pipeline_tied_keys(model) -> list[str]:
+    """The keys of a ``deepspeed.pipe.PipelineModule``'s tied layers (``TiedLayerSpec``, whose
+    gradients the PipelineEngine all-reduces over their stages: runtime/pipe/module.py
+    ``tied_modules``); empty for any other model."""
+    from deepspeed.pipe import PipelineModule
+
+    return list(model.tied_modules.keys()) if isinstance(model, PipelineModule) else []
+
+
 def tag_pipeline_instructions(engine, in_phase: Callable[[str, Callable], Callable]) -> None:
     """Run the PipelineEngine's schedule instructions in the ledger's phases: it binds them from
     ``_INSTRUCTION_MAP`` per instruction (runtime/pipe/engine.py ``_exec_schedule``), so the

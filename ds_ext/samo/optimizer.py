@@ -1,0 +1,229 @@
+"""SAMO's optimizer step on the compressed states and the expansion (001 §4.1.3, §4.2.1).
+
+Notation (001 §4.1): θ16 the dense weights in the training dtype, ∇θ16 / ∇θ32 the compressed
+gradients in the training dtype / fp32, θ32 the compressed fp32 master weights, os the
+optimizer's state (Adam's two moments), ``ind`` the shared 1-D indices, ``d`` the data-parallel
+degree, ``s`` the fp16 loss scale, ``c`` the clip coefficient. Per optimizer step:
+
+1. all-reduce the flat compressed ∇θ16 over the data-parallel group (§4.2.1: the collective
+   carries the ``k`` kept entries, (1 - p) of the dense bytes, and no index) and divide by ``d``
+   (DeepSpeed's gradient averaging);
+2. up-cast: ∇θ32 = fp32 copy of ∇θ16 (in fp32 training the same tensor), divided by ``s``;
+3. the global norm of ∇θ32 (pruned entries are zero, so it is the dense norm; summed over the
+   pipeline stages), the fp16 overflow skip and DeepSpeed's loss-scale update, clipping by
+   ``c = clip / (norm + 1e-6)`` where ``c < 1`` (DeepSpeed's and torch's rule);
+4. the wrapped torch optimizer steps on θ32 (its param groups hold the compressed masters, so
+   os is compressed too: it is created on them);
+5. down-cast and expand: a temporary compressed copy of θ32 in the training dtype (001 §4.1.3,
+   the 2fφ of Eq. 4.1), expanded by ``ind`` into θ16, whose pruned entries are written as zero.
+
+:meth:`SamoOptimizer.state_bytes` measures every tensor SAMO holds at the step's peak (after 5's
+copies exist), each storage once: what :func:`ds_ext.perf.samo.model_state_bytes` predicts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from ds_ext.comm import Communicator
+from ds_ext.errors import DsExtConfigError
+from ds_ext.samo.config import KEY
+from ds_ext.samo.index import compress, expand
+from ds_ext.samo.state import CompressedGradients
+
+STATE_KINDS = ("weights", "gradients", "gradients_fp32", "masters", "optimizer", "indices", "copies")
+
+
+def held_bytes(groups: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
+    """Bytes of the storages behind each group of tensors, each storage counted once (in the first
+    group that holds it)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensors in groups.items():
+        n = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                n += storage.nbytes()
+        out[name] = n
+    return out
+
+
+class SamoOptimizer(torch.optim.Optimizer):
+    """The compressed step (module docstring) around a torch optimizer whose params become the
+    compressed fp32 masters. ``inner`` keeps its class, hyper-parameters and param groups (LR
+    schedulers built on it keep working). ``scaler`` is DeepSpeed's own loss scaler
+    (``ds_engine.loss_scaler``); ``data_group`` the data-parallel group (None: one rank);
+    ``model_group`` the pipeline stages' group the norm sums over (None: one stage)."""
+
+    def __init__(
+        self,
+        grads: CompressedGradients,
+        inner: torch.optim.Optimizer,
+        comm: Communicator,
+        clip: float,
+        scaler: Any,
+        data_group: object | None,
+        model_group: object | None,
+    ) -> None:
+        self.grads, self.inner, self.comm = grads, inner, comm
+        self.clip, self.scaler = clip, scaler
+        self.data_group, self.model_group = data_group, model_group
+        self.data_size = comm.size(data_group) if data_group is not None else 1
+        self.dtype = grads.flat.dtype
+        self.overflow = False
+        self._global_grad_norm = 0.0
+        self.peak_bytes: dict[str, int] = {}
+        group_of = {id(p): i for i, g in enumerate(inner.param_groups) for p in g["params"]}
+        trained = {id(e.param) for e in grads.entries}
+        stray = [i for pid, i in group_of.items() if pid not in trained]
+        if stray:
+            raise DsExtConfigError(
+                f"{KEY}: param group {stray[0]} of the optimizer holds a tensor that is no trainable parameter of the "
+                "model; allowed: an optimizer over the model's trainable parameters"
+            )
+        per_group: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
+        self.masters: list[torch.Tensor] = []
+        for entry in grads.entries:
+            if id(entry.param) not in group_of:
+                raise DsExtConfigError(
+                    f"{KEY}: a trainable parameter of shape {tuple(entry.param.shape)} is in none of the optimizer's "
+                    "param groups; allowed: an optimizer over every trainable parameter (or freeze it)"
+                )
+            master = compress(entry.param.detach(), entry.index).float().clone()
+            self.masters.append(master)
+            per_group[group_of[id(entry.param)]].append(master)
+        for g, params in zip(inner.param_groups, per_group):
+            g["params"] = params
+        inner.state.clear()
+        with torch.no_grad():
+            self._expand(self.masters)  # the pruned entries of θ16 are zero from the start
+
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        """The wrapped optimizer's groups (over the compressed masters): LR schedulers and DeepSpeed's
+        ``get_lr`` read them; a loaded state replaces the list."""
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        return self.inner.state
+
+    @property
+    def defaults(self) -> dict:  # type: ignore[override]
+        return self.inner.defaults
+
+    def _expand(self, values: list[torch.Tensor]) -> None:
+        for entry, v in zip(self.grads.entries, values, strict=True):
+            expand(v, entry.index, entry.param.data)
+
+    def _norm(self, g32: torch.Tensor) -> float:
+        """The global 2-norm of the unscaled compressed gradients, over every pipeline stage."""
+        sumsq = torch.linalg.vector_norm(g32).double().square().reshape(1)
+        if self.model_group is not None:
+            self.comm.all_reduce(sumsq, group=self.model_group)
+        value = sumsq.item()
+        return math.sqrt(value) if math.isfinite(value) else float("inf")
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise DsExtConfigError(f"{KEY}: step(closure) is not supported; call step() after backward")
+        flat = self.grads.flat
+        if self.data_group is not None:
+            self.comm.all_reduce(flat, group=self.data_group)
+            flat.div_(self.data_size)
+        g32 = flat.float()  # ∇θ32 (the same tensor in fp32 training)
+        scale = self.scaler.loss_scale
+        if scale != 1.0:
+            g32.div_(scale)
+        norm = self._norm(g32)
+        self._global_grad_norm = norm
+        self.overflow = not math.isfinite(norm)
+        self.scaler.update_scale(self.overflow)
+        if not self.overflow:
+            coef = self.clip / (norm + 1e-6)
+            if self.clip > 0 and coef < 1.0:
+                g32.mul_(coef)
+            for entry, master in zip(self.grads.entries, self.masters):
+                master.grad = g32[entry.offset : entry.end]
+            self.inner.step()
+            copies = [m.to(self.dtype) for m in self.masters]  # the temporary compressed θ16 (§4.1.3)
+            self._sample_bytes(g32, copies)
+            self._expand(copies)
+            for master in self.masters:
+                master.grad = None
+        flat.zero_()
+
+    def _sample_bytes(self, g32: torch.Tensor, copies: list[torch.Tensor]) -> None:
+        """Record every tensor SAMO holds now, the step's peak (module docstring)."""
+        held = held_bytes(
+            {
+                "weights": (e.param for e in self.grads.entries),
+                "gradients": [self.grads.flat],
+                "gradients_fp32": [g32],
+                "masters": self.masters,
+                "optimizer": (v for st in self.inner.state.values() for v in st.values() if _is_state_tensor(v)),
+                "indices": self.grads.indices(),
+                "copies": copies,
+            }
+        )
+        if sum(held.values()) > sum(self.peak_bytes.values()):
+            self.peak_bytes = held
+
+    def state_bytes(self) -> dict[str, int]:
+        """The bytes per model state at the largest step peak so far (``STATE_KINDS``; a storage
+        shared by two states, as ∇θ32 and ∇θ16 in fp32 training, counted once, in the first)."""
+        return dict(self.peak_bytes)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1 without fp16), as DeepSpeed's optimizers report it."""
+        return self.scaler.loss_scale
+
+    cur_scale = loss_scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Dense gradients never outlive their backward hook; the compressed ones are zeroed by the step."""
+        for entry in self.grads.entries:
+            entry.param.grad = None
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state (over the compressed masters) and the masters themselves."""
+        return {"inner": self.inner.state_dict(), "masters": [m.clone() for m in self.masters]}
+
+    def refresh_fp32_params(self) -> None:
+        """The masters from θ16 (DeepSpeed calls this after loading the module alone); θ16's pruned
+        entries are written as zero again."""
+        with torch.no_grad():
+            for entry, master in zip(self.grads.entries, self.masters):
+                master.copy_(compress(entry.param.detach(), entry.index))
+            self._expand([m.to(self.dtype) for m in self.masters])
+
+    def load_state_dict(self, state_dict: dict, load_optimizer_states: bool = True) -> None:
+        """Restore :meth:`state_dict`'s masters and optimizer state and expand the masters into θ16;
+        ``load_optimizer_states`` False (DeepSpeed's argument): the masters from the loaded θ16 and
+        an empty optimizer state, as DeepSpeed's optimizers do."""
+        if set(state_dict) != {"inner", "masters"} or len(state_dict["masters"]) != len(self.masters):
+            raise DsExtConfigError(
+                f"{KEY}: this optimizer state was not saved by {KEY} for this model; allowed: a checkpoint saved with "
+                f"{KEY} enabled on the same model"
+            )
+        if not load_optimizer_states:
+            self.refresh_fp32_params()
+            self.inner.state.clear()
+            return
+        with torch.no_grad():
+            self.inner.load_state_dict(state_dict["inner"])
+            for master, saved in zip(self.masters, state_dict["masters"]):
+                master.copy_(saved)
+            self._expand([m.to(self.dtype) for m in self.masters])
+
+
+def _is_state_tensor(value: Any) -> bool:
+    """An optimizer state tensor of the parameter's size (Adam's moments), not a scalar step count."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0

@@ -1,0 +1,145 @@
+"""The ``samo`` plugin: SAMO from the ds_config (001 ch. 4).
+
+``"ds_ext": {"samo": {"enabled": true, "mask": "prune"}}`` trains a pruned model with every model
+state but the dense 16-bit weights compressed by its pruning mask:
+
+* ``check``: refuses, before any collective, every other ds_ext plugin, DeepSpeed-MoE experts and
+  a PipelineModule's tied layers (:mod:`ds_ext.samo.support`);
+* ``prepare``: refuses the DeepSpeed settings SAMO does not implement (ZeRO stage > 0, tensor
+  parallelism, optimizers other than Adam / AdamW), reads the mask (:mod:`ds_ext.samo.mask`),
+  reads ``bf16`` / ``fp16`` (DeepSpeed's own loss scaler) / ``gradient_clipping`` and hands
+  DeepSpeed a copy with those off; casts the model to the training dtype;
+* ``attach``: after DeepSpeed has broadcast rank 0's weights, checks that every data-parallel rank
+  holds the same mask, builds the shared indices and the compressed gradient buffer with its
+  backward hooks (:mod:`ds_ext.samo.state`), swaps the engine's optimizer for
+  :class:`~ds_ext.samo.optimizer.SamoOptimizer` (which all-reduces the compressed gradients over
+  the data-parallel group and stops DeepSpeed's dense all-reduce), scales the loss for fp16 (on the
+  last stage of a PipelineEngine) and makes the engine report the dtype and clipping it applies.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_ext.comm import backend_device
+from ds_ext.errors import DsExtConfigError
+from ds_ext.perf import samo as samo_model
+from ds_ext.plugin import Plugin, register_plugin
+from ds_ext.samo import support
+from ds_ext.samo.config import KEY, SamoConfig
+from ds_ext.samo.mask import read_masks
+from ds_ext.samo.optimizer import SamoOptimizer
+from ds_ext.samo.state import CompressedGradients
+
+
+@register_plugin
+class SamoPlugin(Plugin):
+    """SAMO (001 ch. 4) as a ds_ext plugin (module docstring)."""
+
+    name = "samo"
+    Config = SamoConfig
+    owns_step = True  # the compressed all-reduce, norm, clipping, loss scaling and step
+
+    grads: CompressedGradients
+    optimizer: SamoOptimizer
+
+    def check(self, model: Any) -> None:
+        support.check_plugins(self.runtime.plugins)
+        support.check_model(model)
+
+    def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
+
+        layout = self.runtime.parallel
+        support.check_layout(layout.degree("tensor"), layout.source)
+        self.dtype = support.precision(ds_config)
+        support.check_ds_config(ds_config, self.dtype)
+        support.check_optimizer(optimizer, ds_config)
+        self.masks = read_masks(model, self.config.mask, self.config.mask_file)
+        if not self.masks and ds_engine.pipeline_grid(model) is None:
+            raise DsExtConfigError(
+                f"{KEY}.mask {self.config.mask!r} found no pruning mask in the model; allowed: a model pruned with "
+                "torch.nn.utils.prune ('prune'), weights with zeros ('zeros'), or a mask_file ('file')"
+            )
+        self.scaler = ds_engine.loss_scaler(ds_config)
+        self.clip = ds_engine.gradient_clipping(ds_config)
+        cfg = copy.deepcopy(ds_config)
+        for key in ("bf16", "fp16"):
+            cfg.setdefault(key, {})["enabled"] = False
+        cfg["gradient_clipping"] = 0.0
+        (cfg.get("data_types") or {}).pop("grad_accum_dtype", None)
+        return model.to(self.dtype), optimizer, cfg
+
+    def attach(self, engine: Any) -> None:
+        from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
+
+        rt = self.runtime
+        if not isinstance(engine.optimizer, torch.optim.Optimizer):
+            raise DsExtConfigError(
+                f"{KEY}: DeepSpeed built a {type(engine.optimizer).__name__} around the optimizer; allowed: "
+                f"a torch.optim.Optimizer ({support.ALLOWED_OPTIMIZERS})"
+            )
+        params = [p for p in engine.module.parameters() if p.requires_grad]
+        layout = rt.parallel
+        data_group = rt.groups.group(layout.partition("data")) if layout.degree("data") > 1 else None
+        model_group = rt.groups.group(layout.partition("model")) if layout.degree("model") > 1 else None
+        self.grads = CompressedGradients(params, self.masks, self.dtype)
+        del self.masks  # the indices hold them now
+        self._check_masks_agree(data_group)
+        self.optimizer = SamoOptimizer(
+            self.grads, engine.optimizer, rt.comm, self.clip, self.scaler, data_group, model_group
+        )
+        ds_engine.replace_optimizer(engine, self.optimizer)
+        if self.dtype == torch.float16 and ds_engine.is_pipeline_engine(engine):
+            ds_engine.scale_pipeline_loss(engine, lambda: self.scaler.loss_scale)
+        elif self.dtype == torch.float16:
+            ds_engine.scale_backward_loss(engine, lambda: self.scaler.loss_scale)
+        ds_engine.report_precision(engine, self.dtype)
+        ds_engine.report_gradient_clipping(engine, self.clip)
+
+    def _check_masks_agree(self, data_group: object | None) -> None:
+        """Every data-parallel rank must hold the same indices (a mask drawn per rank would train
+        different models): their count and a position-weighted checksum are compared by MAX and
+        MIN over the group, one line on every rank if they differ."""
+        if data_group is None:
+            return
+        checksum = sum(
+            float((i + 1) * e.index.double().sum()) for i, e in enumerate(self.grads.entries) if e.index is not None
+        )
+        device = backend_device(data_group)
+        sig = torch.tensor([float(self.grads.kept), checksum], dtype=torch.float64, device=device)
+        hi, lo = sig.clone(), -sig
+        self.runtime.comm.all_reduce(hi, op=dist.ReduceOp.MAX, group=data_group)
+        self.runtime.comm.all_reduce(lo, op=dist.ReduceOp.MAX, group=data_group)
+        if not torch.equal(hi, -lo):
+            raise DsExtConfigError(
+                f"{KEY}: the data-parallel ranks hold different pruning masks (kept entries from {int(-lo[0])} to "
+                f"{int(hi[0])}); allowed: the same mask on every rank (seed the pruning, or use mask 'file')"
+            )
+
+    def describe(self) -> str:
+        """The start-up banner's line (after ``attach``): the mask's source and the kept fraction."""
+        g = self.grads
+        return (
+            f"mask from {self.config.mask!r}, {g.kept:,} of {g.phi:,} entries kept "
+            f"(p = {1 - g.kept / max(g.phi, 1):.3f}); model states compressed, the kept gradients all-reduced"
+        )
+
+    # ---- the analytic model beside what this run holds and sends (ds_ext.perf.samo) ----------
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes per model state SAMO held at the largest step peak so far (measured)."""
+        return self.optimizer.state_bytes()
+
+    def analytic_state_bytes(self) -> int:
+        """Eq. 4.1 for this run's parameters, kept entries and dtype."""
+        g = self.grads
+        return samo_model.model_state_bytes(g.phi, g.kept, g.indexed, self.dtype.itemsize)
+
+    def analytic_allreduce_bytes(self) -> tuple[float, float]:
+        """(SAMO's, dense training's) gradient all-reduce bytes per step on this rank (§4.2.1)."""
+        d, w, g = self.optimizer.data_size, self.dtype.itemsize, self.grads
+        return samo_model.allreduce_bytes(g.kept, w, d), samo_model.allreduce_bytes(g.phi, w, d)

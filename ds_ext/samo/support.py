@@ -1,0 +1,151 @@
+"""What SAMO combines with, checked before DeepSpeed or any collective runs (001 ch. 4).
+
+SAMO takes over DeepSpeed's mixed precision, gradient all-reduce, clipping and optimizer step,
+so DeepSpeed runs underneath as a plain stage-0 engine (or PipelineEngine). It runs in data
+parallelism (ZeRO stage 0) and on DeepSpeed's PipelineEngine (001 §4.2.2's inter-layer
+parallelism), with torch's Adam / AdamW or DeepSpeed's FusedAdam, fp32, fp16 (DeepSpeed's loss
+scaler) or bf16, gradient accumulation and clipping. Everything else is refused here in one line
+naming both settings and what is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from ds_ext.errors import DsExtConfigError
+from ds_ext.integration import ds_engine, ds_fused_adam
+from ds_ext.samo.config import KEY
+
+ALLOWED_OPTIMIZERS = "torch.optim.Adam, torch.optim.AdamW, deepspeed.ops.adam.FusedAdam"
+
+
+def _refuse(key: str, why: str, allowed: str, got: Any) -> None:
+    raise DsExtConfigError(f"{KEY} with {key} {got!r}: {why}; allowed: {allowed}")
+
+
+def precision(ds_config: Mapping[str, Any]) -> torch.dtype:
+    """The training dtype the ds_config asks for (``fp16`` / ``bf16`` / fp32)."""
+    bf16 = (ds_config.get("bf16") or {}).get("enabled", False)
+    fp16 = (ds_config.get("fp16") or {}).get("enabled", False)
+    if bf16 and fp16:
+        raise DsExtConfigError("bf16.enabled and fp16.enabled are both true; allowed: at most one")
+    return torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
+
+
+def check_plugins(plugins: list[Any]) -> None:
+    """Every other ds_ext plugin is refused (this session's composition: data parallelism and the
+    PipelineEngine; README's matrix)."""
+    for plugin in plugins:
+        if plugin.name != "samo":
+            _refuse(
+                f"ds_ext.{plugin.name}.enabled",
+                "SAMO owns the gradient all-reduce and the optimizer step and runs beside no other ds_ext plugin",
+                f"ds_ext.{plugin.name}.enabled false",
+                True,
+            )
+
+
+def check_layout(tensor: int, source: str) -> None:
+    """Tensor parallelism (a caller's Megatron mpu) is refused: its norm and replicated parameters
+    are not handled."""
+    if tensor > 1:
+        _refuse(
+            f"tensor parallel size (from {source})",
+            "the compressed step counts every parameter once over data and pipeline ranks only",
+            "tensor parallel 1 (data parallelism, a deepspeed.pipe.PipelineModule)",
+            tensor,
+        )
+
+
+def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
+    """Refuse the DeepSpeed settings SAMO does not implement."""
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage != 0:
+        _refuse(
+            "zero_optimization.stage",
+            "SAMO keeps the compressed optimizer state whole on every data-parallel rank",
+            "0",
+            stage,
+        )
+    for key in ("amp", "torch_autocast"):
+        if (ds_config.get(key) or {}).get("enabled"):
+            _refuse(f"{key}.enabled", "SAMO runs the model in the dtype of the fp16 / bf16 section", "false", True)
+    for section, keys in (
+        ("fp16", ("auto_cast", "fp16_master_weights_and_grads")),
+        ("bf16", ("immediate_grad_update", "bf16_master_weights_and_grads", "bf16_optimizer_states")),
+    ):
+        for k in keys:
+            if (ds_config.get(section) or {}).get(k):
+                _refuse(f"{section}.{k}", "SAMO keeps compressed fp32 masters and moments", "false", True)
+    for k in ("prescale_gradients", "sparse_gradients"):
+        if ds_config.get(k):
+            _refuse(k, "SAMO all-reduces the compressed gradients and averages after the sum", "false", True)
+    predivide = ds_config.get("gradient_predivide_factor", 1.0)
+    if predivide != 1.0:
+        _refuse("gradient_predivide_factor", "SAMO averages after the all-reduce", "1.0", predivide)
+    if ds_config.get("communication_data_type") is not None:
+        _refuse(
+            "communication_data_type",
+            "SAMO all-reduces the compressed gradients in the training dtype",
+            "unset",
+            ds_config["communication_data_type"],
+        )
+    accum = (ds_config.get("data_types") or {}).get("grad_accum_dtype")
+    if (
+        accum is not None
+        and accum not in {torch.float32: ("fp32",), torch.float16: ("fp16",), torch.bfloat16: ("bf16",)}[dtype]
+    ):
+        _refuse(
+            "data_types.grad_accum_dtype", "SAMO accumulates compressed gradients in the training dtype", "unset", accum
+        )
+
+
+def check_optimizer(optimizer: Any, ds_config: Mapping[str, Any]) -> None:
+    """A client torch Adam / AdamW / FusedAdam, or a ds_config ``optimizer`` section of type Adam /
+    AdamW (DeepSpeed builds it: FusedAdam, or torch's with ``torch_adam``)."""
+    if optimizer is None:
+        section = ds_config.get("optimizer")
+        if section is None:
+            _refuse("optimizer", "SAMO compresses an optimizer's state and got none", ALLOWED_OPTIMIZERS, None)
+        if str(section.get("type", "")).lower() not in ("adam", "adamw"):
+            _refuse(
+                "ds_config optimizer.type",
+                "SAMO's compressed step is run for Adam",
+                "'Adam', 'AdamW'",
+                section.get("type"),
+            )
+        return
+    if not (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or ds_fused_adam.is_fused_adam(optimizer)):
+        _refuse(
+            "optimizer",
+            "SAMO's compressed step is run for Adam (001 §4.1.4)",
+            ALLOWED_OPTIMIZERS,
+            type(optimizer).__name__,
+        )
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse DeepSpeed-MoE experts and a PipelineModule's tied weights (DeepSpeed all-reduces
+    their dense gradients over the stages holding them, which SAMO has already compressed)."""
+    from deepspeed.moe.utils import is_moe_param
+
+    experts = [n for n, p in model.named_parameters() if is_moe_param(p)]
+    if experts:
+        _refuse(
+            "a deepspeed.moe expert parameter",
+            "expert parameters are reduced over their expert-data group, which SAMO does not do",
+            "dense models",
+            experts[0],
+        )
+    tied = ds_engine.pipeline_tied_keys(model)
+    if tied:
+        _refuse(
+            "deepspeed.pipe.TiedLayerSpec",
+            "DeepSpeed reduces the dense gradients of tied weights over their stages",
+            "a PipelineModule without tied layers",
+            tied[0],
+        )

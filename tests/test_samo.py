@@ -1,0 +1,555 @@
+"""SAMO (issue 53; 001 ch. 4): compressed model states of a pruned model, compressed all-reduce.
+
+Reference everywhere: masked dense training written here with plain torch, sharing no code with
+``ds_ext.samo``: the same 4-layer MLP pruned by ``torch.nn.utils.prune`` (weight = weight_orig *
+weight_mask, so the dense gradient of weight_orig is zero where pruned and the dense norm is the
+norm over the kept entries), ``torch.optim.Adam`` / ``AdamW`` on the dense parameters, torch's
+``clip_grad_norm_``, the batches of every data-parallel rank and micro-batch summed serially, and
+the mask re-applied to ``weight_orig`` after each step. SAMO runs through ``ds_ext.initialize`` on
+gloo worlds of 1, 2 and 4 ranks (each started once for the module) and on a 2-stage
+PipelineEngine; every parameter must equal the reference within 1e-6 in fp32 after 20 steps, the
+pruned entries exactly zero. The state bytes SAMO holds equal Eq. 4.1, term by term; the ledger's
+all-reduce bytes equal (1 - p) of what DeepSpeed's own dense stage-0 engine sends for the same
+model, booked by the same ledger.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import prune
+
+from ds_ext.local_world import World
+
+TOPOLOGY = {"preset": "frontier", "sizes": {"gcd": 1, "gpu": 1}, "emulate": True}  # one rank per node
+DIMS = (16, 32, 32, 32, 8)
+SPARSITY = 0.8
+MICRO, ACCUM, STEPS, LR, WD, CLIP = 4, 2, 20, 1e-2, 0.1, 0.15
+FP32 = {"rtol": 1e-6, "atol": 1e-6}
+
+
+# ---- the model, its masks and the data (shared by SAMO's runs and the reference) -------------
+def layer_mask(i: int, shape: tuple[int, int]) -> torch.Tensor:
+    """Layer ``i``'s mask: exactly round((1 - SPARSITY) n) kept entries, drawn from a seeded generator."""
+    n = shape[0] * shape[1]
+    keep = torch.randperm(n, generator=torch.Generator().manual_seed(7 + i))[: round((1 - SPARSITY) * n)]
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[keep] = True
+    return mask.view(shape)
+
+
+class Layer(nn.Module):
+    """Linear (+ tanh but for the last layer), initialised from its own seed (the same on every
+    rank and in every stage layout) and pruned by ``torch.nn.utils.prune.custom_from_mask``."""
+
+    def __init__(self, i: int, bias: bool = True) -> None:
+        super().__init__()
+        d_in, d_out = DIMS[i], DIMS[i + 1]
+        self.fc, self.last = nn.Linear(d_in, d_out, bias=bias), i == len(DIMS) - 2
+        g = torch.Generator().manual_seed(1000 + i)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.randn(d_out, d_in, generator=g) / d_in**0.5)
+            if bias:
+                self.fc.bias.copy_(torch.randn(d_out, generator=g) * 0.1)
+        prune.custom_from_mask(self.fc, "weight", layer_mask(i, (d_out, d_in)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y if self.last else torch.tanh(y)
+
+
+def mlp(bias: bool = True) -> nn.Sequential:
+    return nn.Sequential(*[Layer(i, bias) for i in range(len(DIMS) - 1)])
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - y) ** 2).mean()
+
+
+def batch(step: int, data_rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100_000 * step + 100 * data_rank + micro)
+    return torch.randn(MICRO, DIMS[0], generator=g), torch.randn(MICRO, DIMS[-1], generator=g)
+
+
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+
+
+def reference(dp: int, optimizer: str = "adamw", steps: int = STEPS, bias: bool = True) -> dict:
+    """Masked dense training (module docstring): weights by name, global norms per step."""
+    model = mlp(bias)
+    opt = OPTIMIZERS[optimizer](model.parameters(), lr=LR, weight_decay=WD)
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        for m in range(ACCUM):
+            for r in range(dp):
+                x, y = batch(step, r, m)
+                (mse(model(x), y) / (ACCUM * dp)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        with torch.no_grad():
+            for layer in model:
+                layer.fc.weight_orig.mul_(layer.fc.weight_mask)
+    weights = {}
+    for i, layer in enumerate(model):
+        weights[f"{i}.fc.weight"] = (layer.fc.weight_orig * layer.fc.weight_mask).detach()
+        if bias:
+            weights[f"{i}.fc.bias"] = layer.fc.bias.detach().clone()
+    return {"weights": weights, "norms": norms}
+
+
+# ---- SAMO through ds_ext.initialize (run on every rank) -------------------------------------------
+def _train(
+    optimizer: str = "adamw",
+    stages: int = 0,
+    precision: str = "fp32",
+    steps: int = STEPS,
+    bias: bool = True,
+    samo: dict | None = None,
+) -> dict:
+    """Train with SAMO (``samo`` None: DeepSpeed's dense stage-0 engine on the pruned model, for the
+    ledger baseline); ``stages`` > 0: a PipelineModule of that many stages on the PipelineEngine."""
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator
+
+    import ds_ext
+    from ds_ext.integration import ds_engine
+
+    ds_engine.init_distributed()
+    get_accelerator().is_fp16_supported = lambda: True  # torch's fp16 CPU arithmetic serves this model
+    world = dist.get_world_size()
+    if stages:
+        from deepspeed.pipe import LayerSpec, PipelineModule
+
+        model = PipelineModule(
+            [LayerSpec(Layer, i, bias) for i in range(len(DIMS) - 1)],
+            num_stages=stages,
+            loss_fn=mse,
+            partition_method="uniform",
+        )
+    else:
+        model = mlp(bias)
+    dp = world // max(stages, 1)
+    cfg = {
+        "train_batch_size": MICRO * ACCUM * dp,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": CLIP,
+        "steps_per_print": 10**9,
+        "ds_ext": {"topology": TOPOLOGY},
+    }
+    if precision != "fp32":
+        cfg[precision] = {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}
+    if samo is not None:
+        cfg["ds_ext"]["samo"] = {"enabled": True, **samo}
+    opt = OPTIMIZERS[optimizer](model.parameters(), lr=LR, weight_decay=WD)
+    engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
+    dtype = next(engine.module.parameters()).dtype
+    data_rank = engine.grid.get_data_parallel_rank() if stages else dist.get_rank()
+    norms = []
+    for step in range(steps):
+        if stages:
+            engine.train_batch(iter([batch(step, data_rank, m) for m in range(ACCUM)]))
+        else:
+            for m in range(ACCUM):
+                x, y = batch(step, data_rank, m)
+                engine.backward(mse(engine(x.to(dtype)), y))
+                engine.step()
+        norm = engine.get_global_grad_norm()  # None for DeepSpeed's dense engine (the ledger baseline)
+        norms.append(None if norm is None else float(norm))
+    out = {
+        "rank": dist.get_rank(),
+        "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        "norms": norms,
+        "allreduce": sum(b for (_, op, _), b in engine.ds_ext.ledger.steps[-1].bytes.items() if op == "all_reduce"),
+    }
+    if samo is not None:
+        plugin = engine.ds_ext.plugin("samo")
+        out |= {
+            "state_bytes": plugin.state_bytes(),
+            "analytic_state_bytes": plugin.analytic_state_bytes(),
+            "analytic_allreduce": plugin.analytic_allreduce_bytes(),
+            "phi": plugin.grads.phi,
+            "kept": plugin.grads.kept,
+            "describe": plugin.describe(),
+            "loss_scale": float(engine.optimizer.loss_scale),
+            "skipped": engine.skipped_steps,
+        }
+    engine.destroy()
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    """Gloo worlds of 1, 2 and 4 ranks, each started once for the module on first use."""
+    started: dict[int, World] = {}
+
+    def get(n: int) -> World:
+        if n not in started:
+            started[n] = World(n)
+        return started[n]
+
+    yield get
+    for w in started.values():
+        w.close()
+
+
+def _assert_equals_reference(runs: list[dict], ref: dict) -> None:
+    for run in runs:
+        assert run["norms"] == pytest.approx(ref["norms"], rel=1e-5, abs=0)
+        for name, want in ref["weights"].items():
+            got = run["weights"].get(name)
+            if got is None:  # a pipeline stage holds only its layers
+                continue
+            torch.testing.assert_close(got, want, **FP32, msg=name)
+            if name.endswith("weight"):
+                i = int(name.split(".")[0])
+                pruned = ~layer_mask(i, tuple(want.shape))
+                assert torch.count_nonzero(got[pruned]) == 0, name  # exactly zero, not small
+    assert max(ref["norms"]) > CLIP  # the clip is active
+
+
+# ---- equality to masked dense training ----------------------------------------------------------
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_samo_equals_masked_dense_adamw_on_data_parallel_ranks(worlds, dp):
+    """AdamW with weight decay, clipping active, GA 2, 20 steps: every parameter of every rank equals
+    the reference within 1e-6 (fp32), the global norms too, the pruned entries exactly zero."""
+    runs = worlds(dp).run(_train, samo={})
+    _assert_equals_reference(runs, reference(dp))
+    names = {n for r in runs for n in r["weights"]}
+    assert names == set(reference(1, steps=0)["weights"])
+
+
+def test_samo_equals_masked_dense_adam_with_l2_decay(worlds):
+    """Adam (L2 weight decay in the gradient, on the compressed masters) on 2 ranks."""
+    _assert_equals_reference(worlds(2).run(_train, "adam", samo={}), reference(2, "adam"))
+
+
+def test_samo_on_a_two_stage_pipeline_engine_equals_masked_dense(worlds):
+    """A PipelineModule of 2 stages x 2 data-parallel ranks on DeepSpeed's PipelineEngine: each stage's
+    parameters equal the reference's (norm summed over the stages, all-reduce over each stage's data
+    group)."""
+    runs = worlds(4).run(_train, stages=2, samo={})
+    _assert_equals_reference(runs, reference(2))
+    assert {n.split(".")[0] for n in runs[0]["weights"]} == {"0", "1"}
+    assert {n.split(".")[0] for n in runs[-1]["weights"]} == {"2", "3"}
+
+
+# ---- memory (Eq. 4.1) and communication (§4.2.1) ------------------------------------------------
+def test_measured_state_bytes_equal_eq_4_1(worlds):
+    """bf16, every parameter masked (no biases): the bytes of every tensor SAMO holds at the step's
+    peak equal Eq. 4.1 term by term, 24 k + 2 φ in all; in fp32 the up-cast gradient and the 16-bit
+    copy are the fp32 tensors themselves."""
+    from ds_ext.perf import samo as model
+
+    (bf16,) = worlds(1).run(_train, precision="bf16", steps=2, bias=False, samo={})
+    phi, k = bf16["phi"], bf16["kept"]
+    assert phi == sum(DIMS[i] * DIMS[i + 1] for i in range(len(DIMS) - 1))
+    assert k == sum(round((1 - SPARSITY) * DIMS[i] * DIMS[i + 1]) for i in range(len(DIMS) - 1))
+    assert bf16["state_bytes"] == {
+        "weights": 2 * phi,
+        "gradients": 2 * k,
+        "gradients_fp32": 4 * k,
+        "masters": 4 * k,
+        "optimizer": 8 * k,
+        "indices": 4 * k,
+        "copies": 2 * k,
+    }
+    assert sum(bf16["state_bytes"].values()) == 24 * k + 2 * phi == model.model_state_bytes(phi, k)
+    assert bf16["analytic_state_bytes"] == 24 * k + 2 * phi
+    (fp32,) = worlds(1).run(_train, steps=2, bias=False, samo={})
+    assert sum(fp32["state_bytes"].values()) == 4 * phi + 20 * k == fp32["analytic_state_bytes"]
+
+
+def test_allreduce_carries_the_kept_fraction_of_deepspeeds_dense_bytes(worlds):
+    """4 data-parallel ranks, no biases: the ledger's all-reduce bytes of a SAMO step are (1 - p) of the
+    gradient bytes DeepSpeed's own dense stage-0 engine sends for the same model (booked by the same
+    ledger from torch.distributed), and equal the analytic model; no index travels."""
+    from ds_ext.comm.ledger import all_reduce_bytes
+
+    samo = worlds(4).run(_train, steps=2, bias=False, samo={})
+    dense = worlds(4).run(_train, steps=2, bias=False)
+    for s, d in zip(samo, dense):
+        kept_fraction = s["kept"] / s["phi"]
+        assert kept_fraction == pytest.approx(1 - SPARSITY, abs=1e-3)
+        # DeepSpeed also all-reduces its clipping norm, one fp32 scalar averaged over the data group
+        # (runtime/utils.py clip_grad_norm_); SAMO's ranks hold the all-reduced gradients and need none
+        dense_gradients = d["allreduce"] - all_reduce_bytes(4, 4)
+        assert dense_gradients == pytest.approx(s["analytic_allreduce"][1], rel=1e-12)
+        assert s["allreduce"] == pytest.approx(s["analytic_allreduce"][0], rel=1e-12)
+        assert s["allreduce"] == pytest.approx(kept_fraction * dense_gradients, rel=1e-12)
+
+
+# ---- 16-bit training -------------------------------------------------------------------------------
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_sixteen_bit_training_keeps_pruned_entries_zero_and_follows_fp32(worlds, precision):
+    """bf16 and fp16 (DeepSpeed's dynamic loss scaler) on 2 ranks: the pruned entries stay exactly
+    zero, the kept weights move, and the weights follow the fp32 reference within 16-bit rounding."""
+    runs = worlds(2).run(_train, precision=precision, samo={})
+    ref = reference(2)
+    init = reference(2, steps=0)["weights"]
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    for run in runs:
+        for name, want in ref["weights"].items():
+            got = run["weights"][name]
+            assert got.dtype == dtype
+            if name.endswith("weight"):
+                kept = layer_mask(int(name.split(".")[0]), tuple(want.shape))
+                assert torch.count_nonzero(got[~kept]) == 0, name
+                moved = got.float()[kept] != init[name][kept].to(dtype).float()
+                assert moved.float().mean() > 0.9, name  # a few land on their initial 16-bit value
+            torch.testing.assert_close(got.float(), want, rtol=0, atol=3e-2, msg=name)
+    if precision == "fp16":
+        assert runs[0]["loss_scale"] > 1.0
+
+
+# ---- pure logic: the index, the masks, the analytic model ----------------------------------------------
+def test_the_index_is_the_one_dimensional_view_of_the_kept_entries():
+    from ds_ext.samo.index import compress, expand, flat_index
+
+    mask = torch.tensor([[True, False], [False, True]])  # 001 §4.1.2's example: (0, 0), (1, 1) -> [0, 3]
+    index = flat_index(mask)
+    assert index.dtype == torch.int32 and index.tolist() == [0, 3]
+    dense = torch.arange(1.0, 5.0).view(2, 2)
+    assert compress(dense, index).tolist() == [1.0, 4.0]
+    out = torch.full((2, 2), 9.0)
+    expand(torch.tensor([5.0, 6.0]), index, out)
+    assert out.tolist() == [[5.0, 0.0], [0.0, 6.0]]
+    big = torch.rand(3, 5, 7) > 0.7
+    values = torch.randn(3, 5, 7) * big
+    again = torch.empty_like(values)
+    expand(compress(values, flat_index(big)), flat_index(big), again)
+    assert torch.equal(again, values)
+
+
+def test_masks_from_prune_buffers_zeros_and_a_file(tmp_path):
+    from ds_ext.errors import DsExtConfigError
+    from ds_ext.samo.mask import read_masks
+
+    model = mlp()
+    masks = read_masks(model, "prune")
+    assert len(masks) == 4 and not any(hasattr(layer.fc, "weight_mask") for layer in model)
+    for i, layer in enumerate(model):  # permanent: the weight has its zeros, the mask is the buffer's
+        assert torch.equal(masks[layer.fc.weight], layer_mask(i, tuple(layer.fc.weight.shape)))
+        assert torch.equal(layer.fc.weight != 0, masks[layer.fc.weight])
+    zeros = read_masks(model, "zeros")  # the zeros of the weights; 1-d biases kept whole
+    assert set(zeros) == set(masks) and all(torch.equal(zeros[p], masks[p]) for p in masks)
+    path = tmp_path / "mask.pt"
+    torch.save({"1.fc.weight": masks[model[1].fc.weight]}, path)
+    assert list(read_masks(model, "file", str(path))) == [model[1].fc.weight]
+    torch.save({"1.fc.weights": masks[model[1].fc.weight]}, path)
+    with pytest.raises(DsExtConfigError, match=r"names '1.fc.weights', which is no parameter of the model"):
+        read_masks(model, "file", str(path))
+    with pytest.raises(DsExtConfigError, match=r"ds_ext.samo.mask 'file' needs ds_ext.samo.mask_file"):
+        read_masks(model, "file")
+
+
+def test_analytic_model_reproduces_eq_4_1_to_4_5_and_fig_4_2():
+    from ds_ext.perf import samo as model
+
+    phi = 10**9
+    for p in (0.0, 0.25, 0.5, 0.8, 0.9):
+        k = round((1 - p) * phi)
+        assert model.model_state_bytes(phi, k) == 18 * k + 4 * k + 2 * phi + 2 * k  # Eq. 4.1
+        assert model.model_state_bytes_at(phi, p) == pytest.approx(24 * (1 - p) * phi + 2 * phi)  # Eq. 4.3
+        assert model.model_state_bytes_at(phi, p) == pytest.approx(
+            model.default_model_state_bytes(phi) - (24 * p - 6) * phi  # Eq. 4.5
+        )
+    assert model.memory_saved(0.25) == pytest.approx(0.0)  # break-even (001 §4.1.4)
+    assert round(model.memory_saved(0.8), 2) == 0.66 and round(model.memory_saved(0.9), 2) == 0.78
+    assert model.allreduce_bytes(200, 2, 4) == 2 * 400 * 3 / 4
+    assert model.bubble_time(1.0, 2.0, 3) == pytest.approx(2.0)  # Fig. 4.3: 2 forwards + 2 backwards
+
+
+def test_split_takes_fewer_stages_and_more_data_parallelism_with_samo():
+    """§4.2.2: GPT-3 XL-sized (1.3 B) state on 16 GB devices over 64 GPUs: dense training needs 2
+    stages (20 φ = 26 GB), SAMO at p = 0.9 fits one (4.7 φ = 6.1 GB), so G_data doubles and each GPU
+    sends half the pipeline messages (Eq. 4.9) with no bubble (Eq. 4.7)."""
+    from ds_ext.perf import samo as model
+
+    dense = model.choose_split(1_300_000_000, None, 64, 16e9, 512, 1)
+    ours = model.choose_split(1_300_000_000, 0.9, 64, 16e9, 512, 1)
+    assert (dense.inter, dense.data) == (2, 32) and (ours.inter, ours.data) == (1, 64)
+    assert ours.messages_per_gpu == dense.messages_per_gpu / 2 and ours.bubble_fraction == 0.0
+    assert model.choose_split(1_300_000_000, None, 64, 1e8, 512, 1) is None
+
+
+def test_config_errors_name_the_key():
+    from ds_ext import config
+    from ds_ext.errors import DsExtConfigError
+
+    assert config.parse({"samo": {"enabled": True}}).samo.model_dump() == {
+        "enabled": True,
+        "mask": "prune",
+        "mask_file": None,
+    }
+    for block, message in [
+        ({"mask": "magnitude"}, "ds_ext.samo.mask: Input should be 'prune', 'zeros' or 'file' (got 'magnitude')"),
+        ({"sparsity": 0.9}, "ds_ext.samo.sparsity: unknown key; allowed keys: enabled, mask, mask_file"),
+    ]:
+        with pytest.raises(DsExtConfigError) as err:
+            config.parse({"samo": {"enabled": True, **block}})
+        assert str(err.value) == message
+
+
+# ---- refusals, one line each, before training --------------------------------------------------------
+def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "mlp") -> tuple[str, str] | None:
+    import ds_ext
+    from ds_ext.integration import ds_engine
+
+    ds_engine.init_distributed()
+    if model_kind == "tied":
+        from deepspeed.pipe import PipelineModule, TiedLayerSpec
+
+        model = PipelineModule(
+            [TiedLayerSpec("t", nn.Linear, 8, 8), TiedLayerSpec("t", nn.Linear, 8, 8)], num_stages=2, loss_fn=mse
+        )
+    else:
+        model = mlp() if model_kind == "mlp" else nn.Linear(4, 4)
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 10**9,
+        **{k: v for k, v in extra.items() if k != "ds_ext"},
+        "ds_ext": {"topology": TOPOLOGY, "samo": {"enabled": True}, **extra.get("ds_ext", {})},
+    }
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd" else torch.optim.AdamW(model.parameters())
+    try:
+        ds_ext.initialize(model=model, optimizer=opt, config=cfg)
+    except Exception as err:  # noqa: BLE001 - the test inspects the type and message
+        return type(err).__name__, str(err)
+    return None
+
+
+@pytest.mark.parametrize(
+    "extra, optimizer, model_kind, message",
+    [
+        (
+            {"zero_optimization": {"stage": 1}},
+            "adamw",
+            "mlp",
+            "ds_ext.samo with zero_optimization.stage 1: SAMO keeps the compressed optimizer state whole on every "
+            "data-parallel rank; allowed: 0",
+        ),
+        (
+            {"ds_ext": {"zero_topo": {"enabled": True}}},
+            "adamw",
+            "mlp",
+            "ds_ext.samo with ds_ext.zero_topo.enabled True: SAMO owns the gradient all-reduce and the optimizer step "
+            "and runs beside no other ds_ext plugin; allowed: ds_ext.zero_topo.enabled false",
+        ),
+        (
+            {"ds_ext": {"tiled_optimizer": {"enabled": True}}},
+            "adamw",
+            "mlp",
+            "ds_ext.samo with ds_ext.tiled_optimizer.enabled True: SAMO owns the gradient all-reduce and the "
+            "optimizer step and runs beside no other ds_ext plugin; allowed: ds_ext.tiled_optimizer.enabled false",
+        ),
+        *[
+            (
+                {"ds_ext": {name: {"enabled": True}}},
+                "adamw",
+                "mlp",
+                f"ds_ext.samo with ds_ext.{name}.enabled True: SAMO owns the gradient all-reduce and the optimizer "
+                f"step and runs beside no other ds_ext plugin; allowed: ds_ext.{name}.enabled false",
+            )
+            for name in ("ted", "pmm3d", "pccl", "goldfish")
+        ],
+        (
+            {},
+            "sgd",
+            "mlp",
+            "ds_ext.samo with optimizer 'SGD': SAMO's compressed step is run for Adam (001 §4.1.4); allowed: "
+            "torch.optim.Adam, torch.optim.AdamW, deepspeed.ops.adam.FusedAdam",
+        ),
+        (
+            {},
+            "adamw",
+            "linear",
+            "ds_ext.samo.mask 'prune' found no pruning mask in the model; allowed: a model pruned with "
+            "torch.nn.utils.prune ('prune'), weights with zeros ('zeros'), or a mask_file ('file')",
+        ),
+        (
+            {},
+            "adamw",
+            "tied",
+            "ds_ext.samo with deepspeed.pipe.TiedLayerSpec 't': DeepSpeed reduces the dense gradients of tied weights "
+            "over their stages; allowed: a PipelineModule without tied layers",
+        ),
+    ],
+    ids=["zero1", "zero_topo", "tiled", "ted", "pmm3d", "pccl", "goldfish", "sgd", "no-mask", "tied"],
+)
+def test_unsupported_combinations_are_refused_in_one_line(worlds, extra, optimizer, model_kind, message):
+    for res in worlds(2).run(_initialize_error, extra, optimizer, model_kind, timeout=120):
+        assert res == ("DsExtConfigError", message)
+
+
+def test_tensor_parallelism_and_moe_experts_are_refused_in_one_line():
+    """What needs a caller's mpu or an expert model, checked on the functions initialize calls."""
+    from ds_ext.errors import DsExtConfigError
+    from ds_ext.samo import support
+
+    with pytest.raises(DsExtConfigError) as err:
+        support.check_layout(2, "the caller's mpu= argument")
+    assert str(err.value) == (
+        "ds_ext.samo with tensor parallel size (from the caller's mpu= argument) 2: the compressed step counts every "
+        "parameter once over data and pipeline ranks only; allowed: tensor parallel 1 (data parallelism, a "
+        "deepspeed.pipe.PipelineModule)"
+    )
+    model = mlp()
+    model[0].fc.bias.allreduce = False  # DeepSpeed-MoE's mark of an expert parameter
+    with pytest.raises(DsExtConfigError) as err:
+        support.check_model(model)
+    assert str(err.value) == (
+        "ds_ext.samo with a deepspeed.moe expert parameter '0.fc.bias': expert parameters are reduced over their "
+        "expert-data group, which SAMO does not do; allowed: dense models"
+    )
+
+
+def _resume(save_dir: str, split: int, steps: int) -> dict:
+    """Train ``split`` steps, save a DeepSpeed checkpoint, load it into a fresh engine (new model
+    and optimizer from the initial weights) and train to ``steps``; returns the weights."""
+    import torch.distributed as dist
+
+    import ds_ext
+    from ds_ext.integration import ds_engine
+
+    ds_engine.init_distributed()
+    cfg = {
+        "train_batch_size": MICRO * ACCUM * dist.get_world_size(),
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": CLIP,
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": True},
+        "ds_ext": {"topology": TOPOLOGY, "samo": {"enabled": True}},
+    }
+    engines = []
+    for phase, (first, last) in enumerate(((0, split), (split, steps))):
+        model = mlp()
+        engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), config=cfg)
+        if phase:
+            engine.load_checkpoint(save_dir)
+        for step in range(first, last):
+            for m in range(ACCUM):
+                x, y = batch(step, dist.get_rank(), m)
+                engine.backward(mse(engine(x.to(torch.bfloat16)), y))
+                engine.step()
+        if not phase:
+            engine.save_checkpoint(save_dir)
+        engines.append(engine)
+    weights = {n: p.detach().clone() for n, p in engines[-1].module.named_parameters()}
+    for engine in engines:
+        engine.destroy()
+    dist.barrier()
+    return weights
+
+
+def test_a_checkpoint_resumes_bit_for_bit(worlds, tmp_path):
+    """bf16 on 2 ranks: 3 steps, save, load into a fresh engine, 3 more = 6 steps straight, bit for bit
+    (the compressed masters and moments are in the checkpoint, not only the 16-bit weights)."""
+    straight = worlds(2).run(_resume, str(tmp_path / "a"), 6, 6)
+    resumed = worlds(2).run(_resume, str(tmp_path / "b"), 3, 6)
+    for a, b in zip(straight, resumed):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
