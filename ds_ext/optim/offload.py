@@ -138,8 +138,9 @@ class OffloadStore:
         return any(t is h for h in self._held)
 
     def staging(self, tile_size: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Four host tiles of ``dtype``: two for gradients (device -> host), two for weights (host
-        -> device); allocated once per (tile size, dtype), page-locked with ``pin_memory``."""
+        """Four host tiles of ``tile_size`` elements (the step's tile size, or its largest segment
+        where that is smaller) of ``dtype``: two for gradients (device -> host), two for weights (host
+        -> device); allocated once per (size, dtype), page-locked with ``pin_memory``."""
         key = (tile_size, dtype)
         if key not in self._staging:
             tiles = [torch.empty(tile_size, dtype=dtype, device=HOST) for _ in range(4)]
@@ -199,7 +200,7 @@ class HostStep:
             (k, s, min(s + tile_size, src.numel())) for k, src in enumerate(sources) for s in range(0, src.numel(), tile_size)
         ]
         dtype = dtypes.pop() if dtypes else torch.float32
-        tiles = store.staging(tile_size, dtype)
+        tiles = store.staging(min(tile_size, max((src.numel() for src in sources), default=1)), dtype)
         self._grads, self._weights = tiles[:2], tiles[2:]
         self._to_host: list[Any] = [None, None]  # per gradient staging tile: its copy in flight
         self._to_device: list[Any] = [None, None]  # per weight staging tile: its copy in flight
