@@ -170,6 +170,39 @@ def test_host_step_tiles_cross_segments_in_the_tiled_steps_order(tile):
         assert all(store.holds(t) for t in ours.state[q].values())
 
 
+def test_host_step_issues_the_next_gradient_before_and_the_weights_after_each_update():
+    """The overlap schedule of 001 §3.3.2 as issue order: tile i+1's device-to-host gradient copy is
+    issued before tile i is updated, and tile i's host-to-device weight copy before tile i+1 is
+    (on an asynchronous accelerator each then runs on the side stream during that update)."""
+    from ds_ext.optim.offload import HostStep, OffloadStore
+    from ds_ext.optim.tiled import TiledAdam
+
+    store, events = OffloadStore(pin_memory=True), []
+    copy = store.copies.copy
+
+    def logged(dst, src):
+        events.append("to_host" if dst.data_ptr() in staged else "to_device")
+        return copy(dst, src)
+
+    store.copies.copy = logged
+    sizes, tile = (10, 3), 4
+    staged = {t.data_ptr() for t in store.staging(tile, torch.float32)[:2]}  # the gradients' staging tiles
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+    opt = torch.optim.AdamW(params, lr=0.1)
+    host = HostStep(store, [torch.ones(n) for n in sizes], tile, lambda buf: events.append("update"))
+    tiled = TiledAdam(opt, tile)
+    for k, p in enumerate(params):
+        tiled.update(p, opt.param_groups[0], host.load(k), host.store(p, torch.zeros(sizes[k])))
+    host.finish()
+    # 4 tiles: (0, 0-4), (0, 4-8), (0, 8-10), (1, 0-3)
+    assert events == [
+        "to_host", "to_host", "update", "to_device",
+        "to_host", "update", "to_device",
+        "to_host", "update", "to_device",
+        "update", "to_device",
+    ]  # fmt: skip
+
+
 def test_host_step_refuses_a_tile_out_of_order():
     from ds_ext.optim.offload import HostStep, OffloadOrderError, OffloadStore
 
