@@ -416,26 +416,39 @@ def test_the_comparison_catches_a_broken_host_step(world, bug):
 
 
 # ---- placement: the check fails where it should ------------------------------------------------
-def _placement_faults():
-    """An offloaded run's check passes; a state tensor replaced by a copy outside the store, or by a
-    view of a device buffer (the unit's gradient shard), fails it by name."""
+def _placement_faults(tmp):
+    """An offloaded run's check passes, also on the state a checkpoint load installs; a state tensor
+    replaced by a copy outside the store, or by a view of a device buffer (the unit's gradient
+    shard), fails it by name."""
     import ds_ext
     from ds_ext.models import GPT, GPTConfig
     from ds_ext.optim.offload import OffloadPlacementError
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4))
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "zero_optimization": {"stage": 0, "offload_optimizer": CPU},
         "bf16": {"enabled": True},
         "ds_ext": {"topology": TOPOLOGY, "zero_topo": {"enabled": True}},
     }
-    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
+
+    def engine_for(seed):
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return ds_ext.initialize(model=model, optimizer=opt, config=cfg)[0]
+
+    engine = engine_for(0)
     engine.backward(engine(torch.randint(0, 256, (2, 17))))
     engine.step()
+    engine.save_checkpoint(tmp, tag="offload")
     opt = engine.optimizer
     out = [opt.offload_placement()]
+    resumed = engine_for(1)
+    resumed.load_checkpoint(tmp, tag="offload")
+    out.append(resumed.optimizer.offload_placement())
+    saved, loaded = _state(opt), _state(resumed.optimizer)
+    out.append(len(saved) == len(loaded) > 0 and all(torch.equal(a, b) for a, b in zip(saved, loaded)))
+    resumed.destroy()
     unit, _, _, master = opt.segments[-1]
     state = opt.inner.state[master]
     kept = state["exp_avg"]
@@ -456,9 +469,9 @@ def _placement_faults():
     return out
 
 
-def test_placement_check_fails_on_state_outside_the_store_or_in_device_memory(world):
-    for passed, clone, device_view, alias in world.run(_placement_faults):
-        assert passed > 0
+def test_placement_check_fails_on_state_outside_the_store_or_in_device_memory(world, tmp_path):
+    for passed, loaded, same, clone, device_view, alias in world.run(_placement_faults, str(tmp_path)):
+        assert passed == loaded > 0 and same
         assert clone.endswith("is not held by the offload store") and "exp_avg" in clone
         assert device_view.endswith("is not held by the offload store")
         assert alias.endswith("shares storage with a device buffer"), alias
