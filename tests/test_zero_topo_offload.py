@@ -92,10 +92,26 @@ def test_offload_shapes_deepspeed_rejects_are_refused_in_one_line(offload, key):
     [
         ({"offload_param": {"device": "cpu"}}, "zero_optimization.offload_param.device", "'none'"),
         ({"cpu_offload_param": True}, "zero_optimization.offload_param.device", "'none'"),
-        ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "zero_optimization.offload_optimizer.device", "'none' or 'cpu'"),
-        ({"offload_optimizer": {"device": "cpu", "pipeline_read": True}}, "zero_optimization.offload_optimizer.pipeline_read", "False"),
-        ({"offload_optimizer": {"device": "cpu", "nvme_path": "/tmp"}}, "zero_optimization.offload_optimizer.nvme_path", "None"),
-        ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "zero_optimization.offload_optimizer.super_offload", "False"),
+        (
+            {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
+            "zero_optimization.offload_optimizer.device",
+            "'none' or 'cpu'",
+        ),
+        (
+            {"offload_optimizer": {"device": "cpu", "pipeline_read": True}},
+            "zero_optimization.offload_optimizer.pipeline_read",
+            "False",
+        ),
+        (
+            {"offload_optimizer": {"device": "cpu", "nvme_path": "/tmp"}},
+            "zero_optimization.offload_optimizer.nvme_path",
+            "None",
+        ),
+        (
+            {"offload_optimizer": {"device": "cpu", "super_offload": True}},
+            "zero_optimization.offload_optimizer.super_offload",
+            "False",
+        ),
     ],
 )
 def test_what_offload_does_not_implement_is_refused_naming_the_key(zero, key, allowed):
@@ -132,7 +148,9 @@ def test_tiled_optimizer_on_deepspeed_zero_refuses_offload_naming_zero_topo():
 
     p = [torch.nn.Parameter(torch.zeros(3))]
     for zero in ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, {"stage": 1, "cpu_offload": True}):
-        with pytest.raises(DsExtConfigError, match=r"offload_optimizer\.device 'cpu' .* allowed: 'none', or .*zero_topo"):
+        with pytest.raises(
+            DsExtConfigError, match=r"offload_optimizer\.device 'cpu' .* allowed: 'none', or .*zero_topo"
+        ):
             _check_ds_config({"zero_optimization": zero}, torch.optim.AdamW(p))
     with pytest.raises(DsExtConfigError, match=r"offload_param\.device 'cpu'"):
         _check_ds_config({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, torch.optim.AdamW(p))
@@ -409,9 +427,7 @@ def test_the_comparison_catches_a_broken_host_step(world, bug):
         broken = world.run(_sharded, "bf16", CPU, 100, None, False, bug)
     finally:
         world.run(_restore_offload)
-    differs = any(
-        not torch.equal(r["weights"][n], b["weights"][n]) for r, b in zip(ref, broken) for n in r["weights"]
-    )
+    differs = any(not torch.equal(r["weights"][n], b["weights"][n]) for r, b in zip(ref, broken) for n in r["weights"])
     assert differs
 
 

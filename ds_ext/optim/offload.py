@@ -152,7 +152,9 @@ class OffloadStore:
     def staging_tiles(self) -> list[torch.Tensor]:
         return [t for tiles in self._staging.values() for t in tiles]
 
-    def check_placement(self, states: Iterable[tuple[str, torch.Tensor]], device_buffers: Iterable[torch.Tensor]) -> int:
+    def check_placement(
+        self, states: Iterable[tuple[str, torch.Tensor]], device_buffers: Iterable[torch.Tensor]
+    ) -> int:
         """Raise :class:`OffloadPlacementError` naming the first state tensor (``(name, tensor)``)
         that is not a host tensor held by this store, or that shares storage with one of
         ``device_buffers`` (what the device keeps: weights, gradients, gathered buffers); with
@@ -197,7 +199,9 @@ class HostStep:
         self._sources = sources
         self._scale = scale
         self._tiles = [
-            (k, s, min(s + tile_size, src.numel())) for k, src in enumerate(sources) for s in range(0, src.numel(), tile_size)
+            (k, s, min(s + tile_size, src.numel()))
+            for k, src in enumerate(sources)
+            for s in range(0, src.numel(), tile_size)
         ]
         dtype = dtypes.pop() if dtypes else torch.float32
         tiles = store.staging(min(tile_size, max((src.numel() for src in sources), default=1)), dtype)

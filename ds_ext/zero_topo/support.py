@@ -138,7 +138,7 @@ def check_offload_optimizer(optimizer: Any, ds_config: Mapping[str, Any]) -> Non
     arithmetic, tiled by ``ds_ext.optim.tiled``), as the client's instance or as the ds_config
     section with ``"torch_adam": true`` (without it DeepSpeed builds FusedAdam, a device kernel).
     A callable is checked on what it built (``attach``)."""
-    allowed = "torch.optim.Adam / AdamW, or a ds_config optimizer of type Adam / AdamW with \"torch_adam\": true"
+    allowed = 'torch.optim.Adam / AdamW, or a ds_config optimizer of type Adam / AdamW with "torch_adam": true'
     why = "its host step runs torch's Adam/AdamW arithmetic in tiles"
     if isinstance(optimizer, torch.optim.Optimizer):
         if not isinstance(optimizer, TILEABLE) or ds_fused_adam.is_fused_adam(optimizer):
