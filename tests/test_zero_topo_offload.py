@@ -42,7 +42,8 @@ def _deepspeed_reads(zero):
         section = get_zero_config({"zero_optimization": zero}).offload_optimizer
     except Exception as err:  # noqa: BLE001 - any rejection
         return type(err).__name__
-    return (section.device.value, section.pin_memory) if section is not None else ("none", None)
+    device = "none" if section is None else str(getattr(section.device, "value", section.device))
+    return (device, None) if device == "none" else (device, section.pin_memory)
 
 
 @pytest.mark.parametrize(

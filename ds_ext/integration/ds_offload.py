@@ -40,7 +40,7 @@ class OffloadSections:
 
 def _values(section: Any) -> dict[str, Any]:
     out = section.model_dump()
-    out["device"] = section.device.value
+    out["device"] = str(getattr(section.device, "value", section.device))  # a default is a plain string
     return out
 
 
