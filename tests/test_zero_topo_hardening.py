@@ -260,7 +260,7 @@ def test_unit_names_that_match_nothing_and_models_without_blocks():
     [
         ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage"),
         (
-            {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+            {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
             "zero_optimization.offload_optimizer.device",
         ),
         (

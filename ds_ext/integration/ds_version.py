@@ -7,6 +7,8 @@ private names, each in the module of the DeepSpeed surface it touches:
 * :mod:`ds_ext.integration.ds_zero12_step`: the forked ZeRO-1/2 and unfused fp16 steps
   (tiled optimizer), one mirror per tested release (0.19.6, 0.19.8), refused unless
   DeepSpeed's source is one of those they were forked from;
+* :mod:`ds_ext.integration.ds_offload`: DeepSpeed's model of the ``zero_optimization`` section
+  (its offload sections, read as DeepSpeed reads them);
 * :mod:`ds_ext.integration.ds_zero3_state`: ZeRO-3 state accounting (benchmarks);
 * :mod:`ds_ext.integration.ds_zeropp_quantizer`: ZeRO++'s quantizer on CPU (benchmarks);
 * :mod:`ds_ext.integration.ds_pccl`: the backend's all-gather / reduce-scatter functions (PCCL routing).

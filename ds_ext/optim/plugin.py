@@ -12,7 +12,9 @@ max_group_size=...)``):
   ``FP16_UnfusedOptimizer`` for both): ``ds_ext.integration.ds_zero12_step.install_tiled_unfused_step``;
 * stage 0 in fp32: the torch optimizer's ``step`` runs tiled;
 * ZeRO-topo (``"zero_topo": {"enabled": true}``): its sharded step updates tile by tile and
-  overlaps each unit's weight all-gather with the next unit's update.
+  overlaps each unit's weight all-gather with the next unit's update; with
+  ``zero_optimization.offload_optimizer`` that step runs on the host in these tiles (001 §3.3.2,
+  :mod:`ds_ext.optim.offload`).
 
 Memory (measured by tests/test_tiled_optimizer.py and ``ds-ext bench tiled``): during the
 step the tiled path holds the tile buffer, 4 x tile_size bytes (allocated at the step's
@@ -63,10 +65,17 @@ def _check_ds_config(
         raise DsExtConfigError(
             f"{KEY}: zero_optimization.stage {stage} is not tiled; allowed: 0, 1, 2 (or ds_ext.zero_topo)"
         )
-    for key in ("offload_optimizer", "offload_param"):
-        dev = (zero.get(key) or {}).get("device", "none")
-        if dev not in (None, "none"):
-            raise DsExtConfigError(f"{KEY}: zero_optimization.{key}.device {dev!r} is not tiled; allowed: 'none'")
+    if not owner_steps:  # ZeRO-topo reads (and offloads) its own; DeepSpeed's ZeRO would run its CPU Adam
+        from ds_ext.integration import ds_offload  # DeepSpeed is imported on use
+
+        offload = ds_offload.read(zero)
+        for key, section in (("offload_optimizer", offload.optimizer), ("offload_param", offload.param)):
+            if section["device"] != "none":
+                raise DsExtConfigError(
+                    f"{KEY}: zero_optimization.{key}.device {section['device']!r} on DeepSpeed's ZeRO stage {stage} "
+                    "is not tiled (DeepSpeed's own CPU step); allowed: 'none', or optimizer offload with "
+                    "ds_ext.zero_topo (its host step is tiled)"
+                )
     if zero.get("zenflow"):
         raise DsExtConfigError(f"{KEY}: zero_optimization.zenflow is not tiled; allowed: no zenflow section")
     if (ds_config.get("torch_autocast") or {}).get("enabled"):
@@ -121,9 +130,8 @@ class TiledOptimizerPlugin(Plugin):
 
         ts = self.config.tile_size
         zero_topo = next((p for p in self.runtime.plugins if p.name == "zero_topo"), None)
-        if zero_topo is not None:
-            self.tiled = TiledAdam(zero_topo.optimizer.inner, ts)
-            zero_topo.optimizer.tiled = self.tiled
+        if zero_topo is not None:  # its step runs tiled (on the host with optimizer offload)
+            self.tiled = zero_topo.optimizer.use_tiles(ts)
             return
         opt = engine.optimizer
         kind = ds_zero12_step.optimizer_kind(opt)

@@ -56,6 +56,8 @@ ALLOWED_TYPES = "torch.optim.Adam, torch.optim.AdamW, deepspeed.ops.adam.FusedAd
 LoadTile = Callable[[torch.Tensor, int], None]
 # store(start, end): the master slice [start, end) is final; copy it where it belongs.
 StoreTile = Callable[[int, int], None]
+# keep(t): a newly created optimizer state tensor -> the tensor the state holds (where it lives)
+KeepState = Callable[[torch.Tensor], torch.Tensor]
 
 
 FUSED_TILE_MULTIPLE = 16  # fp32 elements per 64-byte cache line: the CPU fused kernel's work unit
@@ -131,21 +133,26 @@ class TileBuffer:
         return 0 if self._buf is None else self._buf.numel() * self._buf.element_size()
 
 
-def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, amsgrad: bool, fused: bool) -> dict:
+def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor, amsgrad: bool, fused: bool, keep: KeepState) -> dict:
     """The optimizer's state of ``p``, created exactly as torch's Adam does lazily
-    (``Adam._init_group``: a fused step counter lives on the parameter's device)."""
+    (``Adam._init_group``: a fused step counter lives on the parameter's device); each new
+    tensor passes through ``keep`` (optimizer offload takes it in custody)."""
     state = optimizer.state[p]
     if len(state) == 0:
         if fused:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["step"] = keep(torch.zeros((), dtype=torch.float32, device=p.device))
         else:
             scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-            state["step"] = torch.tensor(0.0, dtype=scalar)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] = keep(torch.tensor(0.0, dtype=scalar))
+        state["exp_avg"] = keep(torch.zeros_like(p, memory_format=torch.preserve_format))
+        state["exp_avg_sq"] = keep(torch.zeros_like(p, memory_format=torch.preserve_format))
         if amsgrad:
-            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["max_exp_avg_sq"] = keep(torch.zeros_like(p, memory_format=torch.preserve_format))
     return state
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class TiledAdam:
@@ -156,9 +163,12 @@ class TiledAdam:
     here, one tile at a time through :class:`TileBuffer`.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, tile_size: int) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, tile_size: int, keep: KeepState | None = None) -> None:
+        """``keep``: where each new state tensor lives (optimizer offload passes its host store's
+        :meth:`ds_ext.optim.offload.OffloadStore.keep`); None: where torch's Adam creates it."""
         check_tileable(optimizer, tile_size)
         self.optimizer = optimizer
+        self.keep = keep or _as_is
         self.buffer = TileBuffer(tile_size)
         self._in_step = False
         self._ds_fused = ds_fused_adam.is_fused_adam(optimizer)
@@ -223,7 +233,7 @@ class TiledAdam:
         amsgrad, maximize = group["amsgrad"], group["maximize"]
         decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
         fused = bool(group.get("fused"))
-        state = _adam_state(self.optimizer, param, amsgrad, fused)
+        state = _adam_state(self.optimizer, param, amsgrad, fused, self.keep)
         state["step"] += 1
         if fused:
             self._fused_update(param, group, state, load, store, after_tile)

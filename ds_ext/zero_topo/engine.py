@@ -28,13 +28,18 @@ With ``ds_ext.tiled_optimizer`` (001 §7.2) the step keeps the reduced gradients
 updates each unit tile by tile through one fp32 buffer, and issues the unit's weight
 all-gather asynchronously so that it runs while the next unit is updated (same collectives,
 bytes and calls as above, only overlapped).
+With ``zero_optimization.offload_optimizer`` (001 §3.3.2, :mod:`ds_ext.optim.offload`) the fp32
+master segments and the optimizer state live in host memory and that tiled step runs on the host:
+each tile's reduced gradient is copied to the host while the previous tile is updated, and its
+updated 16-bit weights are copied back into the unit's device slice while the next one is; the
+norm, overflow decision and every collective are the on-device step's, on the device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Any, Callable, Generator, Iterable, Iterator
+from typing import Any, Callable, Generator, Iterable, Iterator
 
 import torch
 from deepspeed.moe.utils import is_moe_param
@@ -44,12 +49,12 @@ from ds_ext import log
 from ds_ext.comm.collectives import InFlight
 from ds_ext.comm.quantized import all_gather_int, all_to_all_reduce_async
 from ds_ext.errors import DsExtConfigError, DsExtError
+from ds_ext.optim.config import DEFAULT_TILE_SIZE
+from ds_ext.optim.offload import HostStep, OffloadPlacementError, OffloadStore
+from ds_ext.optim.tiled import TiledAdam
 from ds_ext.zero_topo.layout import chunk, shard_count, shard_index, sub_chunk, to_shard_order
 from ds_ext.zero_topo.perf import UnitSpec
 from ds_ext.zero_topo.units import FlatUnit, ShardContext
-
-if TYPE_CHECKING:
-    from ds_ext.optim.tiled import TiledAdam
 
 
 def _eager(hook):
@@ -531,18 +536,24 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         scaler: Any,
         at_boundary: Callable[[], bool] | None = None,
         gather_across_step: bool = False,
+        offload: OffloadStore | None = None,
     ):
         """``at_boundary``: the engine's "is this micro-batch the last before the step?"; given,
         the step boundary overlaps (:meth:`start_reduction`, and the weight all-gathers pipelined
         unit by unit); None: every boundary collective runs in the step, one after another.
         ``gather_across_step`` (with ``at_boundary``): the weight all-gathers of the units that
-        are gathered per forward are left in flight past the step (:class:`_StepGathers`)."""
+        are gathered per forward are left in flight past the step (:class:`_StepGathers`).
+        ``offload``: the host store of optimizer offload (001 §3.3.2): the fp32 masters and the
+        optimizer state live there and the step runs tiled on the host, in tiles of
+        ``ds_ext.tiled_optimizer.tile_size`` where that plugin is on (:meth:`use_tiles`), else of
+        its default (001 §7.2's 1.8M)."""
         self.sharded = sharded
         self.at_boundary = at_boundary
         self._in_flight = _StepGathers() if at_boundary is not None and gather_across_step else None
         self._early: dict[int, _Chain] = {}  # by unit id: its boundary reduction, started in backward
         self.inner = inner
-        self.tiled: "TiledAdam | None" = None  # set by ds_ext.tiled_optimizer (001 §7.2)
+        self.offload = offload
+        self.tiled: TiledAdam | None = None  # use_tiles: ds_ext.tiled_optimizer (001 §7.2), or offload
         self.clip = clip
         self.scaler = scaler
         self.overflow = False
@@ -565,7 +576,8 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
                         f"ds_ext.zero_topo: a parameter of unit {unit.name} is in none of the "
                         "optimizer's param groups; allowed: an optimizer over the model's parameters"
                     )
-                master = own[lo - a : hi - a].float().clone()
+                piece = own[lo - a : hi - a]
+                master = offload.master(piece) if offload is not None else piece.float().clone()
                 self.segments.append((unit, lo - a, hi - a, master))
                 self._counted.append(ctx.data is None or ctx.data.counted(p))
                 per_group[group_of[id(p)]].append(master)
@@ -575,6 +587,38 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         self.param_groups = inner.param_groups
         self.defaults = inner.defaults
         self.state = inner.state
+        if offload is not None:
+            self.use_tiles(DEFAULT_TILE_SIZE)
+
+    def use_tiles(self, tile_size: int) -> TiledAdam:
+        """Run the step tiled (001 §7.2) in tiles of ``tile_size`` (``ds_ext.tiled_optimizer``);
+        with offload, the host step's tiles, whose new optimizer state the host store keeps."""
+        self.tiled = TiledAdam(self.inner, tile_size, self.offload.keep if self.offload is not None else None)
+        return self.tiled
+
+    def install_state(self, master: torch.Tensor, state: dict) -> None:
+        """``master``'s optimizer state (a checkpoint's), kept by the host store with offload."""
+        keep = self.offload.keep if self.offload is not None else None
+        self.inner.state[master] = {
+            k: keep(v) if keep is not None and isinstance(v, torch.Tensor) else v for k, v in state.items()
+        }
+
+    def offload_placement(self) -> int:
+        """Check where every fp32 master and optimizer state tensor lives
+        (:meth:`ds_ext.optim.offload.OffloadStore.check_placement`: on the host, held by the store,
+        sharing no storage with the model's device buffers); returns how many were checked."""
+        if self.offload is None:
+            raise OffloadPlacementError("the optimizer is not offloaded (zero_optimization.offload_optimizer)")
+        states: list[tuple[str, torch.Tensor]] = []
+        for unit, lo, hi, master in self.segments:
+            where = f"{unit.name}[{lo}:{hi}]"
+            states.append((f"master {where}", master))
+            for key, value in self.inner.state.get(master, {}).items():
+                if isinstance(value, torch.Tensor):
+                    states.append((f"{key} {where}", value))
+        buffers = [b for unit in self.sharded.all_units for b in unit.device_buffers()]
+        buffers += [p.data for p in self.sharded.model.parameters()]
+        return self.offload.check_placement(states, buffers)
 
     def own_range(self, unit: FlatUnit) -> tuple[int, int]:
         """[start, stop) of this rank's optimizer slice in the unit's flat index."""
@@ -591,8 +635,8 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
         new = self._own_slice(unit)
         for u, lo, hi, master in self.segments:
             if u is unit:
-                changed = new[lo:hi] != old[lo:hi]
-                master[changed] = new[lo:hi][changed].float()
+                changed = (new[lo:hi] != old[lo:hi]).to(master.device)
+                master[changed] = new[lo:hi].to(master.device)[changed].float()
 
     def reset_masters_from_weights(self) -> None:
         """fp32 masters from the 16-bit weights and empty optimizer state (a load without
@@ -738,27 +782,44 @@ class ZeroTopoOptimizer(torch.optim.Optimizer):
             return
         group_of = {id(p): g for g in self.inner.param_groups for p in g["params"]}
 
+        def unscale_and_clip(buf: torch.Tensor) -> None:
+            if scale != 1.0:
+                buf.div_(scale)
+            if coef is not None:
+                buf.mul_(coef)
+
+        host = None
+        slices: dict[int, torch.Tensor] = {}
+        if self.offload is not None:  # every slice exists before the copies into it start
+            slices = {id(unit): self._own_slice(unit).clone() for unit in units}
+            sources = [grads[id(u)][lo:hi] for u, lo, hi, _ in self.segments]
+            host = HostStep(self.offload, sources, tiled.tile_size, unscale_and_clip)
+
         def updated() -> Iterator[tuple[FlatUnit, torch.Tensor]]:
             for unit in units:
-                slice16 = self._own_slice(unit).clone()
+                slice16 = slices.pop(id(unit)) if host is not None else self._own_slice(unit).clone()
                 reduced = grads[id(unit)]
-                for u, lo, hi, master in self.segments:
+                for k, (u, lo, hi, master) in enumerate(self.segments):
                     if u is not unit:
                         continue
-                    src = reduced[lo:hi]
+                    if host is not None:
+                        load, store = host.load(k), host.store(master, slice16[lo:hi])
+                    else:
+                        src = reduced[lo:hi]
 
-                    def load(buf: torch.Tensor, s: int, src: torch.Tensor = src) -> None:
-                        buf.copy_(src[s : s + buf.numel()])
-                        if scale != 1.0:
-                            buf.div_(scale)
-                        if coef is not None:
-                            buf.mul_(coef)
+                        def load(buf: torch.Tensor, s: int, src: torch.Tensor = src) -> None:
+                            buf.copy_(src[s : s + buf.numel()])
+                            unscale_and_clip(buf)
 
-                    def store(s: int, e: int, lo: int = lo, master: torch.Tensor = master) -> None:
-                        slice16[lo + s : lo + e].copy_(master[s:e])
+                        def store(s: int, e: int, lo: int = lo, master: torch.Tensor = master) -> None:
+                            slice16[lo + s : lo + e].copy_(master[s:e])
 
                     tiled.update(master, group_of[id(master)], load, store)
+                if host is not None:
+                    host.weights_ready()
                 yield unit, slice16
+            if host is not None:
+                host.finish()
             tiled.end_step()
 
         self._gather_all_weights(updated())

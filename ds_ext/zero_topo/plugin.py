@@ -6,9 +6,10 @@ plain (stage 0, fp32-looking) engine around a model whose parameters ds_ext shar
 * ``prepare``: resolves the plan against the topology and refuses every setting it does
   not implement; the optimizer is the client's or the one DeepSpeed builds from the
   ds_config ``optimizer`` section (and its ``scheduler`` section drives it), as in DeepSpeed (``ds_ext.zero_topo.support``; errors before any collective), reads
-  ``bf16`` / ``fp16`` (DeepSpeed's own loss scaler) / ``gradient_clipping`` from the
-  ds_config and hands DeepSpeed a copy with those switched off; casts the model to the
-  training dtype;
+  ``bf16`` / ``fp16`` (DeepSpeed's own loss scaler) / ``gradient_clipping`` and
+  ``zero_optimization.offload_optimizer`` (001 §3.3.2: fp32 masters and optimizer state in host
+  memory, the step on the host, ``ds_ext.optim.offload``) from the ds_config and hands DeepSpeed a
+  copy with those switched off; casts the model to the training dtype;
 * ``attach``: after DeepSpeed has broadcast rank 0's weights, shards the model into units,
   swaps the engine's optimizer for :class:`ZeroTopoOptimizer` around the user's torch
   optimizer, makes ``engine.fp16_enabled()`` / ``bfloat16_enabled()`` tell the truth, and
@@ -31,6 +32,7 @@ import torch
 from ds_ext import log
 from ds_ext.comm import hops
 from ds_ext.errors import DsExtConfigError
+from ds_ext.optim.offload import OffloadStore, copies_are_asynchronous
 from ds_ext.parallel import member_group
 from ds_ext.plugin import Plugin, register_plugin
 from ds_ext.zero_topo import checkpoint as ckpt
@@ -59,6 +61,15 @@ def _state_value(master: torch.Tensor, key: str, value: Any, defaults: dict) -> 
     return value.to(device=master.device, copy=True)
 
 
+def _place_optimizer(out: dict, optimizer_bytes: Any, offloaded: bool) -> dict:
+    """``out`` with the optimizer state's bytes under ``optimizer`` (on the device); offloaded,
+    ``optimizer`` is 0 and ``optimizer_host`` holds them (in host memory)."""
+    out["optimizer"] = 0 if offloaded else optimizer_bytes
+    if offloaded:
+        out["optimizer_host"] = optimizer_bytes
+    return out
+
+
 @register_plugin
 class ZeroTopoPlugin(Plugin):
     """3-level hierarchical partitioning (003) as a ds_ext plugin."""
@@ -72,7 +83,7 @@ class ZeroTopoPlugin(Plugin):
         self._form(model)
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
-        from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
+        from ds_ext.integration import ds_engine, ds_offload  # DeepSpeed is imported on use
 
         self.pipeline = self._form(model) == "pipeline"
         self.data = self._data_group()
@@ -85,6 +96,9 @@ class ZeroTopoPlugin(Plugin):
             self.expert_plan = self.expert_plan.unshared()  # experts kept whole on this rank
         self.dtype = support.precision(ds_config)
         support.check_ds_config(ds_config, self.dtype)
+        self.offload = support.optimizer_offload(ds_config)  # pin_memory, None without offload
+        if self.offload is not None:
+            support.check_offload_optimizer(optimizer, ds_config)
         support.check_model(model, experts=self.experts is not None, pipeline=self.pipeline)
         note = support.check_optimizer(optimizer, ds_config)
         if note is not None:
@@ -96,6 +110,8 @@ class ZeroTopoPlugin(Plugin):
             cfg.setdefault(key, {})["enabled"] = False
         cfg["gradient_clipping"] = 0.0
         (cfg.get("data_types") or {}).pop("grad_accum_dtype", None)
+        for key in ds_offload.OPTIMIZER_OFFLOAD_KEYS:  # offload is ZeRO-topo's, not DeepSpeed's CPU Adam
+            (cfg.get("zero_optimization") or {}).pop(key, None)
         return model.to(self.dtype), optimizer, cfg
 
     def _data_group(self) -> DataGroup:
@@ -161,7 +177,11 @@ class ZeroTopoPlugin(Plugin):
                 f"; experts: {self.expert_plan.describe()} over the expert-data-parallel group "
                 f"({self.experts.topology.describe()})"
             )
-        return self.plan.describe() + where + experts
+        offload = ""
+        if self.offload is not None:
+            pinning = "" if copies_are_asynchronous() else ", a no-op: the accelerator's device is the host"
+            offload = f"; optimizer offloaded to host memory (pin_memory {str(self.offload).lower()}{pinning})"
+        return self.plan.describe() + where + experts + offload
 
     def attach(self, engine: Any) -> None:
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
@@ -204,8 +224,12 @@ class ZeroTopoPlugin(Plugin):
         for plugin in rt.plugins:
             plugin.parameters_sharded([unit.params for unit in self.sharded.all_units])
         at_boundary = engine.is_gradient_accumulation_boundary if self.config.overlap_step else None
+        store = None
+        if self.offload is not None:
+            support.check_offload_optimizer(engine.optimizer, {})  # what a callable built
+            store = OffloadStore(self.offload)
         self.optimizer = ZeroTopoOptimizer(
-            self.sharded, engine.optimizer, self.clip, self.scaler, at_boundary, self.config.gather_across_step
+            self.sharded, engine.optimizer, self.clip, self.scaler, at_boundary, self.config.gather_across_step, store
         )
         if at_boundary is not None:  # the pipeline form's whole units reduce in the step (start_reduction skips them)
             self.sharded.reduced = self.optimizer.start_reduction
@@ -226,10 +250,10 @@ class ZeroTopoPlugin(Plugin):
 
     def state_bytes(self) -> dict[str, int]:
         """Peak bytes this rank held per model state (primary and secondary weights,
-        gradient shard; sampled at the end of each backward) and optimizer state."""
+        gradient shard; sampled at the end of each backward) and optimizer state (fp32 masters and
+        moments; ``optimizer_host`` instead of ``optimizer`` with offload: in host memory)."""
         out = dict(self.sharded.peak_state_bytes or self.sharded.state_bytes())
-        out["optimizer"] = self.optimizer.state_bytes()
-        return out
+        return _place_optimizer(out, self.optimizer.state_bytes(), self.offload is not None)
 
     def _parts(self):
         """(plan, group, context) of the dense parameters, then of the experts (if any)."""
@@ -272,7 +296,8 @@ class ZeroTopoPlugin(Plugin):
             memory(plan, self.sharded.unit_specs(ctx), group.rank, self.dtype.itemsize)
             for plan, group, ctx in self._parts()
         ]
-        return {k: sum(part[k] for part in parts) for k in parts[0]}
+        out = {k: sum(part[k] for part in parts) for k in parts[0]}
+        return _place_optimizer(out, out.pop("optimizer"), self.offload is not None)
 
     def scaler_state(self) -> dict:
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
@@ -515,7 +540,7 @@ class ZeroTopoPlugin(Plugin):
         for unit, lo, hi, master in opt.segments:
             values, state = loaded["segments"][unit.name, lo]
             master.copy_(values)
-            opt.inner.state[master] = {k: _state_value(master, k, v, opt.inner.defaults) for k, v in state.items()}
+            opt.install_state(master, {k: _state_value(master, k, v, opt.inner.defaults) for k, v in state.items()})
         for group, saved in zip(opt.inner.param_groups, loaded["groups"]):
             group.update(saved)
         ds_engine.load_loss_scaler_state(self.scaler, loaded["scaler"])

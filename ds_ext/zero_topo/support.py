@@ -3,7 +3,8 @@
 ZeRO-topo (003 §V) is data parallelism over the whole world with its own sharding,
 mixed precision and step; DeepSpeed runs underneath as a plain stage-0 engine. Every
 setting it would otherwise ignore is refused here in one line that names the key and
-the allowed values; the settings it implements are read by :func:`precision`.
+the allowed values; the settings it implements are read by :func:`precision` and
+:func:`optimizer_offload` (DeepSpeed's ``offload_optimizer`` section, 001 §3.3.2).
 """
 
 from __future__ import annotations
@@ -15,8 +16,22 @@ from deepspeed.moe.utils import is_moe_param
 from torch import nn
 
 from ds_ext.errors import DsExtConfigError
+from ds_ext.integration import ds_fused_adam, ds_offload
+from ds_ext.optim.tiled import TILEABLE
 
 KEY = "ds_ext.zero_topo"
+OFFLOAD_KEY = "zero_optimization.offload_optimizer"
+# offload_optimizer fields whose only values here are DeepSpeed's defaults: NVMe (ZeRO-Infinity's
+# swapper) and ZeRO-3-only settings, with why
+_OFFLOAD_FIXED = {
+    "nvme_path": "NVMe only",
+    "buffer_count": "NVMe only",
+    "pipeline_read": "NVMe only (ZeRO-Infinity's swap pipeline); the host step always overlaps its copies",
+    "pipeline_write": "NVMe only (ZeRO-Infinity's swap pipeline); the host step always overlaps its copies",
+    "fast_init": "NVMe only",
+    "super_offload": "ZeRO-3 only in DeepSpeed",
+    "cpuadam_cores_perc": "ZeRO-3 super_offload only; the host step runs on torch's intra-op threads",
+}
 _DTYPE_NAMES = {
     torch.float32: ("fp32", "float32"),
     torch.float16: ("fp16", "float16"),
@@ -49,10 +64,7 @@ def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
     stage = zero.get("stage", 0)
     if stage != 0:
         _refuse("zero_optimization.stage", "it replaces DeepSpeed's ZeRO", "0", stage)
-    for k in ("offload_optimizer", "offload_param"):
-        device = (zero.get(k) or {}).get("device", "none")
-        if device not in (None, "none"):
-            _refuse(f"zero_optimization.{k}.device", "it keeps every state on the device", "'none'", device)
+    optimizer_offload(ds_config)
     _off(
         ds_config.get("fp16") or {},
         "fp16",
@@ -94,6 +106,48 @@ def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
             f"unset or {_DTYPE_NAMES[dtype][0]!r}",
             accum,
         )
+
+
+def optimizer_offload(ds_config: Mapping[str, Any]) -> bool | None:
+    """``pin_memory`` of the optimizer offload the ds_config asks for, None without (the
+    ``zero_optimization`` section read by DeepSpeed's own model, ``ds_ext.integration.ds_offload``:
+    the deprecated ``cpu_offload`` too). Refuses parameter offload and what the host step does
+    not implement, in one line naming the key."""
+    sections = ds_offload.read(ds_config.get("zero_optimization") or {})
+    param = sections.param["device"]
+    if param != "none":
+        _refuse(
+            "zero_optimization.offload_param.device",
+            "it keeps the weight shards on the device; only the optimizer state is offloaded",
+            "'none'",
+            param,
+        )
+    opt = sections.optimizer
+    if opt["device"] == "none":
+        return None
+    if opt["device"] != "cpu":
+        _refuse(f"{OFFLOAD_KEY}.device", "it offloads the optimizer to host memory", "'none' or 'cpu'", opt["device"])
+    for key, why in _OFFLOAD_FIXED.items():
+        if key in sections.optimizer_set and opt[key] != sections.optimizer_defaults[key]:
+            _refuse(f"{OFFLOAD_KEY}.{key}", why, repr(sections.optimizer_defaults[key]), opt[key])
+    return bool(opt["pin_memory"])
+
+
+def check_offload_optimizer(optimizer: Any, ds_config: Mapping[str, Any]) -> None:
+    """With optimizer offload, the optimizer the host step can run: torch's Adam / AdamW (its
+    arithmetic, tiled by ``ds_ext.optim.tiled``), as the client's instance or as the ds_config
+    section with ``"torch_adam": true`` (without it DeepSpeed builds FusedAdam, a device kernel).
+    A callable is checked on what it built (``attach``)."""
+    allowed = 'torch.optim.Adam / AdamW, or a ds_config optimizer of type Adam / AdamW with "torch_adam": true'
+    why = "its host step runs torch's Adam/AdamW arithmetic in tiles"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if not isinstance(optimizer, TILEABLE) or ds_fused_adam.is_fused_adam(optimizer):
+            _refuse(OFFLOAD_KEY, why, allowed, type(optimizer).__name__)
+    elif optimizer is None:
+        section = ds_config.get("optimizer") or {}
+        kind = str(section.get("type", "")).lower()
+        if kind not in ("adam", "adamw") or not (section.get("params") or {}).get("torch_adam", False):
+            _refuse(OFFLOAD_KEY, why, allowed, f"optimizer type {section.get('type')!r}")
 
 
 def check_model(model: nn.Module, experts: bool, pipeline: bool) -> None:

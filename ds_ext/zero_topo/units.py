@@ -328,6 +328,14 @@ class FlatUnit:
         self.grads_ready = 0
 
     # ---- accounting ---------------------------------------------------------------------
+    def device_buffers(self) -> list[torch.Tensor]:
+        """Every tensor of model state the unit keeps on the device (gathered weights, primary and
+        secondary shards, gradient shard), without completing an update in flight; what an
+        offloaded optimizer's state must not share storage with."""
+        sec = self.secondary
+        secondary = [sec.payload, sec.scales] if isinstance(sec, QuantizedTensor) else [] if sec is None else [sec]
+        return [self.full, self._primary, self.grad_shard, *secondary]
+
     def state_bytes(self) -> dict[str, int]:
         sec = self.secondary
         if isinstance(sec, QuantizedTensor):
