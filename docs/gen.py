@@ -324,6 +324,7 @@ REVIEWER_REPEAT = "bench_zero_every_level_repeat.json"
 # GA 1 with the step's weight gathers carried into the next forward (zero_topo.gather_across_step)
 ACROSS_STEP_RUN = "bench_zero_gather_across_step_ga1.json"
 ACROSS_STEP_RUN_GA8 = "bench_zero_gather_across_step_ga8.json"
+FOUR_NODE_RUN = "bench_zero_4nodes_wire.json"
 _LEVEL_NAMES = {"gcd": "GCD pair", "gpu": "GPU pair", "node": "NICs"}
 
 
@@ -964,6 +965,7 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
         f"examples/results/{ACROSS_STEP_RUN_GA8}",
         lambda: zero_reviewer_ratios(ACROSS_STEP_RUN_GA8, None),
     ),
+    "bench_zero_4nodes_wire.md": (f"examples/results/{FOUR_NODE_RUN}", lambda: zero_reviewer_table(FOUR_NODE_RUN)),
     "bench_tiled.md": ("examples/results/bench_tiled.json", tiled_table),
     "bench_pmm.md": ("examples/results/bench_pmm.json", pmm_table),
     "bench_pmm_netns.md": ("examples/results/bench_pmm_netns.json", pmm_netns_table),
