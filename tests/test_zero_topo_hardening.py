@@ -16,6 +16,7 @@ from torch import nn
 
 from ds_ext.comm.quant import NONFINITE, BlockQuantizer
 from ds_ext.config import DsExtConfigError
+from ds_ext.integration.ds_engine import training_dtype
 
 WORLD_SIZE = 8
 TOPOLOGY = {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}
@@ -282,7 +283,7 @@ def test_unsupported_settings_are_refused_naming_the_key(extra, key):
 
     cfg = {**_cfg({"preset": "zero_topo"}), **extra}
     with pytest.raises(DsExtConfigError) as err:
-        support.check_ds_config(cfg, support.precision(cfg))
+        support.check_ds_config(cfg, training_dtype(cfg))
     msg = str(err.value)
     assert msg.startswith(f"{key}: ") and "allowed: " in msg and "\n" not in msg
 
@@ -296,7 +297,7 @@ def test_honoured_settings_are_accepted():
         fp16={"hysteresis": 4, "consecutive_hysteresis": True},
         data_types={"grad_accum_dtype": "fp16"},
     )
-    support.check_ds_config(cfg, support.precision(cfg))
+    support.check_ds_config(cfg, training_dtype(cfg))
 
 
 def test_expert_parameters_and_optimizers_without_state_are_refused():

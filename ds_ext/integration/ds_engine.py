@@ -215,6 +215,18 @@ def replace_optimizer(engine, optimizer) -> None:
     engine.pipeline_enable_backward_allreduce = False  # PipelineEngine's ReduceGrads (pipe/engine.py:289)
 
 
+def training_dtype(ds_config: dict[str, Any]):
+    """The dtype a ds_config trains in, as DeepSpeed reads it: ``fp16`` / ``bf16`` ``enabled``
+    (both is refused in one line), else fp32. For the plugins that take mixed precision over."""
+    import torch
+
+    bf16 = (ds_config.get("bf16") or {}).get("enabled", False)
+    fp16 = (ds_config.get("fp16") or {}).get("enabled", False)
+    if bf16 and fp16:
+        raise DsExtConfigError("bf16.enabled and fp16.enabled are both true; allowed: at most one")
+    return torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
+
+
 def report_precision(engine, dtype) -> None:
     """Make ``engine.fp16_enabled()`` / ``bfloat16_enabled()`` report the dtype a plugin
     trains in after it took mixed precision over from DeepSpeed (engine.py:1724 and the

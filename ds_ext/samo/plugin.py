@@ -56,7 +56,7 @@ class SamoPlugin(Plugin):
 
         layout = self.runtime.parallel
         support.check_layout(layout.degree("tensor"), layout.source)
-        self.dtype = support.precision(ds_config)
+        self.dtype = ds_engine.training_dtype(ds_config)
         support.check_ds_config(ds_config, self.dtype)
         support.check_optimizer(optimizer, ds_config)
         self.masks = read_masks(model, self.config.mask, self.config.mask_file)

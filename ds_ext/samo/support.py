@@ -26,15 +26,6 @@ def _refuse(key: str, why: str, allowed: str, got: Any) -> None:
     raise DsExtConfigError(f"{KEY} with {key} {got!r}: {why}; allowed: {allowed}")
 
 
-def precision(ds_config: Mapping[str, Any]) -> torch.dtype:
-    """The training dtype the ds_config asks for (``fp16`` / ``bf16`` / fp32)."""
-    bf16 = (ds_config.get("bf16") or {}).get("enabled", False)
-    fp16 = (ds_config.get("fp16") or {}).get("enabled", False)
-    if bf16 and fp16:
-        raise DsExtConfigError("bf16.enabled and fp16.enabled are both true; allowed: at most one")
-    return torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
-
-
 def check_plugins(plugins: list[Any]) -> None:
     """Every other ds_ext plugin is refused (this session's composition: data parallelism and the
     PipelineEngine; README's matrix)."""

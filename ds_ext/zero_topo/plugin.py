@@ -94,7 +94,7 @@ class ZeroTopoPlugin(Plugin):
         self.expert_plan = resolve_plan(self.config, self.experts.topology) if self.experts else None
         if self.experts is not None and len(self.experts.members) == 1:
             self.expert_plan = self.expert_plan.unshared()  # experts kept whole on this rank
-        self.dtype = support.precision(ds_config)
+        self.dtype = ds_engine.training_dtype(ds_config)
         support.check_ds_config(ds_config, self.dtype)
         self.offload = support.optimizer_offload(ds_config)  # pin_memory, None without offload
         if self.offload is not None:

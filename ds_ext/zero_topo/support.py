@@ -39,15 +39,6 @@ _DTYPE_NAMES = {
 }
 
 
-def precision(ds_config: Mapping[str, Any]) -> torch.dtype:
-    """The training dtype the ds_config asks for (``fp16`` / ``bf16`` / fp32)."""
-    bf16 = (ds_config.get("bf16") or {}).get("enabled", False)
-    fp16 = (ds_config.get("fp16") or {}).get("enabled", False)
-    if bf16 and fp16:
-        raise DsExtConfigError("bf16.enabled and fp16.enabled are both true; allowed: at most one")
-    return torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
-
-
 def _refuse(key: str, why: str, allowed: str, got: Any) -> None:
     raise DsExtConfigError(f"{key}: not supported with {KEY} ({why}); allowed: {allowed} (got {got!r})")
 
