@@ -201,6 +201,9 @@ def test_megatron_loss_mask_is_the_hand_written_rule_on_the_labels():
     assert 0.3 < 1 - keep.float().mean() < 0.7
     restore()
     assert script.get_ltor_masks_and_position_ids is _megatron_ltor
+    script.get_ltor_masks_and_position_ids = later = NextTokensLossMask(_megatron_ltor, mask)
+    restore()  # again (DeepSpeed's __del__ calls destroy() once more): what was bound since stays
+    assert script.get_ltor_masks_and_position_ids is later
 
 
 def test_client_loss_sites_are_refused_where_they_are_not_the_clients(monkeypatch):

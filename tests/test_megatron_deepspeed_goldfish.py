@@ -48,7 +48,13 @@ def runs(tmp_path_factory):
             dump = tmp_path_factory.mktemp(f"{mode}-pp{pp}")
             env = {**os.environ, **MDS_ENV, "DUMP": str(dump), **({"PP": str(pp)} if pp else {})}
             proc = subprocess.run(
-                ["bash", str(REPO / "examples" / "megatron_deepspeed_goldfish.sh"), mode, "--train-iters", str(ITERATIONS)],
+                [
+                    "bash",
+                    str(REPO / "examples" / "megatron_deepspeed_goldfish.sh"),
+                    mode,
+                    "--train-iters",
+                    str(ITERATIONS),
+                ],
                 env=env,
                 capture_output=True,
                 text=True,

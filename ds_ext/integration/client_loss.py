@@ -94,12 +94,16 @@ def loss_site(client: str, owner: str, args: Any = None) -> tuple[ModuleType, st
 
 
 def rebind(module: ModuleType, name: str, wrap: Callable[[Callable], Rebound]) -> Callable[[], None]:
-    """Replace ``module.name`` by ``wrap(module.name)``; return the function that puts it back."""
+    """Replace ``module.name`` by ``wrap(module.name)``; return the function that puts it back while
+    it is still the one put there (``engine.destroy()`` runs again from DeepSpeed's ``__del__``, at
+    garbage collection: it must not undo what was bound since)."""
     before = getattr(module, name)
-    setattr(module, name, wrap(before))
+    rebound = wrap(before)
+    setattr(module, name, rebound)
 
     def restore() -> None:
-        setattr(module, name, before)
+        if getattr(module, name, None) is rebound:
+            setattr(module, name, before)
 
     return restore
 
