@@ -10,7 +10,7 @@ hook order (:data:`HOOK_ORDER`) and calls its hooks around ``deepspeed.initializ
    the model);
 1. ``prepare(model, optimizer, ds_config)`` before DeepSpeed sees them; returns the
    (possibly wrapped) model, optimizer and ds_config dict. The other arguments the
-   caller gave ``initialize`` (``mpu``, ``collate_fn``, ...) are in
+   caller gave ``initialize`` (``args``, ``mpu``, ``collate_fn``, ...) are in
    ``runtime.initialize_kwargs``, so a plugin can refuse what it cannot combine with;
 2. ``job_layout()`` right after the plugin's ``prepare``: the view of its groups, which becomes
    the job's (``runtime.parallel``, a :class:`ds_ext.parallel.JobLayout`) for the plugins that

@@ -33,8 +33,14 @@ Only the steps its ``initialize_megatron`` runs solely where CUDA devices exist 
 here by calling GPT-NeoX's own functions (mpu groups, DeepSpeed's checkpointing set-up),
 and its attention, which allocates its score buffer on ``torch.cuda.current_device()``,
 gets the CPU for that device on this CPU-only host (the rank process's torch, not the
-client's code, is shimmed; on the pipeline path also ``torch.cuda.LongTensor`` and
-``Tensor.cuda``, which its ``mpu.broadcast_data`` calls).
+client's code, is shimmed; on the pipeline path and in its own ``forward_step`` also
+``torch.cuda.LongTensor`` and ``Tensor.cuda``, which its ``mpu.broadcast_data`` calls).
+
+Goldfish (issue 52): ``"goldfish"`` in the ds_config on the pipeline path (the last stage's
+``loss_fn``) and on the plain path (GPT-NeoX's own ``forward_step``, whose ``cross_entropy`` ds_ext
+rebinds in ``megatron.training`` while the engine lives) equals the same run whose batch function
+multiplies GPT-NeoX's ``loss_mask`` by the hand-written rule (tests/goldfish_reference.py), and
+differs from the plain run.
 """
 
 import sys
@@ -99,7 +105,17 @@ def _neox_args(zero_topo, model_parallel=1, stage=0, clip=0.0, pipe=0, extra=Non
 
 
 def _neox_train(
-    zero_topo, steps=5, model_parallel=1, stage=0, clip=0.0, offset=0, params=False, pipe=0, extra=None, hand_mask=None
+    zero_topo,
+    steps=5,
+    model_parallel=1,
+    stage=0,
+    clip=0.0,
+    offset=0,
+    params=False,
+    pipe=0,
+    extra=None,
+    hand_mask=None,
+    its_loop=False,
 ):
     """GPT-NeoX's setup and ``steps`` training steps (see module); the batch of step s is the
     corpus's step ``s + offset``, indexed by the data-parallel rank (every tensor rank of a
@@ -108,8 +124,11 @@ def _neox_train(
     equal to their values right after ``deepspeed.initialize``, and the global gradient norms.
     ``pipe`` >= 1: GPT-NeoX's pipeline path (``GPT2ModelPipe`` on DeepSpeed's PipelineEngine, its
     ``get_batch_pipe``, ``train_step_pipe``'s ``model.train_batch`` over ``ACCUM`` micro-batches).
-    ``extra``: more of the ``"ds_ext"`` block; ``hand_mask`` (k, h), pipeline path: the batch
-    function multiplies GPT-NeoX's ``loss_mask`` by the hand-written Goldfish rule."""
+    ``extra``: more of the ``"ds_ext"`` block; ``hand_mask`` (k, h): the batch function multiplies
+    GPT-NeoX's ``loss_mask`` by the hand-written Goldfish rule. ``its_loop``, plain path: each step is
+    GPT-NeoX's own ``forward_step`` (its ``get_batch``, model, ``cross_entropy`` as
+    ``megatron.training`` names them), then ``model.backward`` and ``model.step`` as its
+    ``train_step`` calls them; ``info["masks"]`` holds each ``loss_mask`` its ``cross_entropy`` got."""
     if str(NEOX) not in sys.path:
         sys.path.insert(0, str(NEOX))
     import deepspeed
@@ -122,14 +141,21 @@ def _neox_train(
     from megatron.training import get_batch_pipe, get_learning_rate_scheduler, get_model, get_optimizer
     from megatron.utils import get_ltor_masks_and_position_ids
 
+    import megatron.training as neox_training
+
     import ds_ext
     from ds_ext.data import ByteCorpus
     from ds_ext.integration.ds_engine import disable_jit_builds
 
     torch.cuda.current_device = lambda: "cpu"  # see the module docstring
-    if pipe:  # get_batch_pipe -> mpu.broadcast_data builds its buffers with CUDA-only calls
+    if pipe or its_loop:  # get_batch(_pipe) -> mpu.broadcast_data builds its buffers with CUDA-only calls
         torch.cuda.LongTensor = torch.LongTensor
         torch.Tensor.cuda = lambda self, *a, **kw: self
+    masks, its_names = [], (neox_training.cross_entropy, neox_training.get_batch)
+    if its_loop:  # the test's own names in GPT-NeoX's training module, put back below
+        neox_training.cross_entropy = partial(_recording, neox_training.cross_entropy, masks)
+        if hand_mask:
+            neox_training.get_batch = partial(_hand_masked_batch, neox_training.get_batch, *hand_mask)
     args = _neox_args(zero_topo, model_parallel, stage, clip, pipe, extra)
     disable_jit_builds()
     deepspeed.init_distributed(dist_backend=args.distributed_backend, auto_mpi_discovery=False)
@@ -184,6 +210,15 @@ def _neox_train(
             norms.append(model.get_global_grad_norm())
             continue
         x = corpus.micro_batch(step + offset, 0, data_rank, data_size, 2, 1, args.seq_length)
+        if its_loop:  # train_step's body at gradient_accumulation_steps 1
+            loss, _ = neox_training.forward_step(
+                data_iterator=iter([{"text": x}]), model=model, neox_args=args, timers=None, is_train=True
+            )
+            model.backward(loss)
+            model.step()
+            losses.append(loss.item())
+            norms.append(model.get_global_grad_norm())
+            continue
         tokens, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()
         attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(tokens, args.tokenizer.eod)
         loss = cross_entropy(model((tokens, position_ids, attention_mask)), (labels, loss_mask))
@@ -203,6 +238,7 @@ def _neox_train(
         "wrapper": type(model.optimizer).__name__,
         "data": (data_rank, data_size),
         "model": (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()),
+        "masks": masks,
     }
     if params:
         end = parameters()
@@ -212,6 +248,7 @@ def _neox_train(
             "norms": [None if n is None else float(n) for n in norms],
         }
     model.destroy()
+    neox_training.cross_entropy, neox_training.get_batch = its_names
     mpu.destroy_model_parallel()
     dist.barrier()
     return losses, info
@@ -226,6 +263,25 @@ def _hand_masked(batch_fn, k, h, data):
     inputs, (labels, loss_mask) = batch_fn(data)
     keep = torch.tensor([reference_keep(row, k, h) for row in labels.tolist()], dtype=loss_mask.dtype)
     return inputs, (labels, loss_mask * keep)
+
+
+def _hand_masked_batch(get_batch, k, h, neox_args, data_iterator):
+    """GPT-NeoX's ``get_batch`` with its ``loss_mask`` multiplied by the hand-written Goldfish rule on
+    the labels (tests/goldfish_reference.py): the plain path's reference for ``"goldfish"``."""
+    import torch
+    from goldfish_reference import reference_keep
+
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+        neox_args=neox_args, data_iterator=data_iterator
+    )
+    keep = torch.tensor([reference_keep(row, k, h) for row in labels.tolist()], dtype=loss_mask.dtype)
+    return tokens, labels, loss_mask * keep, attention_mask, position_ids
+
+
+def _recording(cross_entropy, masks, output, labels, **kwargs):
+    """GPT-NeoX's ``cross_entropy``, keeping each ``loss_mask`` it is given."""
+    masks.append(labels[1].detach().clone())
+    return cross_entropy(output, labels, **kwargs)
 
 
 def test_neox_trains_zero_topo_with_its_own_optimizer_and_config_section(world):
@@ -305,7 +361,8 @@ def test_neox_pipeline_path_goldfish_masks_its_own_loss_mask(world, pipe):
     """``"goldfish": {"enabled": true, "k": 2, "h": 13}`` in GPT-NeoX's ds_config, its pipeline path
     (``pipe_parallel_size`` 1 and 2) unmodified: the losses equal the same run whose batch function
     multiplies GPT-NeoX's own ``loss_mask`` by the hand-written rule, and differ from the plain run.
-    Last in the module: the pipeline path shims ``Tensor.cuda`` in the ranks, which the world keeps."""
+    After the tensor-parallel tests: the pipeline path shims ``Tensor.cuda`` in the ranks, which the
+    world keeps."""
     run = dict(pipe=pipe, steps=3)
     gold = world.run(_neox_train, None, extra={"goldfish": {"enabled": True, "k": 2, "h": 13}}, **run)
     hand = world.run(_neox_train, None, hand_mask=(2, 13), **run)
@@ -314,6 +371,38 @@ def test_neox_pipeline_path_goldfish_masks_its_own_loss_mask(world, pipe):
         assert info["plugins"] == ["goldfish"]
         assert g == pytest.approx(r, rel=1e-6, abs=0)
         assert all(abs(a - b) > 1e-4 for a, b in zip(g, p))
+
+
+@pytest.mark.parametrize("model_parallel", [1, 2])
+def test_neox_plain_model_goldfish_masks_its_own_loss_mask(world, model_parallel):
+    """``"goldfish"`` in GPT-NeoX's ds_config, its plain model (``pipe_parallel_size: 0``, whose loss
+    its ``forward_step`` computes outside the model) at ``model_parallel_size`` 1 and 2, unmodified,
+    trained by its own ``forward_step``: each ``loss_mask`` its ``cross_entropy`` gets, the losses and
+    every parameter of every rank at the end equal the same run whose ``get_batch`` multiplies its
+    ``loss_mask`` by the hand-written rule; the mask is the same on both tensor ranks and drops
+    about half the labels that have a whole context; losses and parameters differ from the plain run. After the tensor-parallel
+    tests: GPT-NeoX's ``get_batch`` needs the ``Tensor.cuda`` shim."""
+    import torch
+
+    run = dict(its_loop=True, steps=3, params=True, model_parallel=model_parallel)
+    gold = world.run(_neox_train, None, extra={"goldfish": {"enabled": True, "k": 2, "h": 13}}, **run)
+    hand = world.run(_neox_train, None, hand_mask=(2, 13), **run)
+    plain = world.run(_neox_train, None, **run)
+    for (g, mine), (r, ref), (p, base) in zip(gold, hand, plain):
+        assert mine["plugins"] == ["goldfish"] and mine["model"] == ref["model"]
+        assert len(mine["masks"]) == len(ref["masks"]) == run["steps"]
+        assert all(torch.equal(a, b) for a, b in zip(mine["masks"], ref["masks"]))
+        # k = 2 drops half of the labels with a whole context among the labels: 19 of each row's 32
+        dropped = 1 - sum(float(a.sum()) for a in mine["masks"]) / sum(float(c.sum()) for c in base["masks"])
+        assert dropped == pytest.approx(0.5 * 19 / 32, abs=0.1)
+        assert g == pytest.approx(r, rel=1e-6, abs=0)
+        assert all(abs(a - b) > 1e-4 for a, b in zip(g, p))
+        for name, q in ref["params"].items():
+            torch_close(mine["params"][name], q, name)
+        assert any(not torch.allclose(q, base["params"][n]) for n, q in mine["params"].items())
+    if model_parallel == 2:  # ranks (0, 1) and (2, 3) are tensor pairs: one mask for both
+        for a, b in [(0, 1), (2, 3)]:
+            assert all(torch.equal(x, y) for x, y in zip(gold[a][1]["masks"], gold[b][1]["masks"]))
 
 
 def torch_close(actual, expected, name):

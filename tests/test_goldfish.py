@@ -145,7 +145,7 @@ def test_hugging_face_labels_dropped_get_zero_gradient():
 
 
 def test_models_whose_loss_is_not_masked_are_refused():
-    """A pipeline model (GPT-NeoX and Megatron-DeepSpeed build ``PipelineModule``s) and a masked LM,
+    """A pipeline model other than ds_ext's, GPT-NeoX's and Megatron-DeepSpeed's and a masked LM,
     whose labels are not the next tokens, are refused in one line."""
     from deepspeed.pipe import PipelineModule
     from transformers import BertConfig, BertForMaskedLM
@@ -166,6 +166,89 @@ def test_models_whose_loss_is_not_masked_are_refused():
         ):
             plugin.check(model)
     plugin.check(tiny_causal_lm("gpt-neox", layers=1, hidden=32))
+
+
+def _megatron_ltor(data, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss, skip_mask=False):
+    """The call shape of Megatron-DeepSpeed's megatron.utils.get_ltor_masks_and_position_ids; its loss
+    mask is 0 at the end-of-document token when asked, as the client's."""
+    loss_mask = torch.ones(data.shape)
+    if eod_mask_loss:
+        loss_mask[data == eod_token] = 0.0
+    return "attention", loss_mask, "positions"
+
+
+def test_megatron_loss_mask_is_the_hand_written_rule_on_the_labels():
+    """Megatron-DeepSpeed's batch functions build ``loss_mask`` from the tokens ``x_0 .. x_{L-1}``;
+    its column j weighs the label ``x_{j+1}``. Rebound (ds_ext.integration.client_loss), the function
+    returns the client's own mask (end-of-document zeros kept) times the hand-written rule on the whole
+    sequence ``x_0 .. x_L`` at the labels, ``x_h`` included; once per call; restore puts it back."""
+    import types
+
+    from ds_ext.goldfish.mask import GoldfishMask
+    from ds_ext.goldfish.plugin import NextTokensLossMask
+    from ds_ext.integration import client_loss
+
+    script = types.ModuleType("pretrain_gpt")
+    script.get_ltor_masks_and_position_ids = _megatron_ltor
+    mask = GoldfishMask(2, 13)
+    restore = client_loss.rebind(script, "get_ltor_masks_and_position_ids", lambda fn: NextTokensLossMask(fn, mask))
+    x = torch.randint(0, 50, (3, 65), generator=torch.Generator().manual_seed(0))
+    tokens = x[:, :-1]
+    att, loss_mask, pos = script.get_ltor_masks_and_position_ids(tokens, 7, False, False, True)
+    keep = torch.tensor([_reference_keep(row, 2, 13)[1:] for row in x.tolist()])
+    assert (att, pos) == ("attention", "positions") and mask.calls == 1
+    assert torch.equal(loss_mask, (tokens != 7).float() * keep.float())
+    assert 0.3 < 1 - keep.float().mean() < 0.7
+    restore()
+    assert script.get_ltor_masks_and_position_ids is _megatron_ltor
+    script.get_ltor_masks_and_position_ids = later = NextTokensLossMask(_megatron_ltor, mask)
+    restore()  # again (DeepSpeed's __del__ calls destroy() once more): what was bound since stays
+    assert script.get_ltor_masks_and_position_ids is later
+
+
+def test_client_loss_sites_are_refused_where_they_are_not_the_clients(monkeypatch):
+    """The clients' models are recognised by class; a main script without pretrain_gpt.py's
+    ``get_ltor_masks_and_position_ids``, a site another engine rebound already and GPT-NeoX's
+    ``train_impl`` other than ``normal`` are refused in one line naming ``ds_ext.goldfish``."""
+    import sys
+    import types
+
+    from ds_ext.errors import DsExtConfigError
+    from ds_ext.goldfish.mask import GoldfishMask
+    from ds_ext.goldfish.plugin import NextTokensLossMask
+    from ds_ext.integration import client_loss
+
+    def model(module, name, **attrs):
+        return type(name, (), {"__module__": module, **attrs})()
+
+    assert client_loss.client_model(model("megatron.model.gpt_model", "GPTModel")) == "Megatron-DeepSpeed"
+    assert client_loss.client_model(model("megatron.model.gpt_model", "GPTModelPipe")) == "Megatron-DeepSpeed"
+    neox = model("megatron.model.utils", "SequentialWrapper", parent_class_name="GPT2ModelPipe")
+    assert client_loss.client_model(neox) == "GPT-NeoX"
+    assert client_loss.client_model(model("megatron.model.utils", "SequentialWrapper")) is None
+    assert client_loss.client_model(model("megatron.model.gpt2_model", "GPT2ModelPipe")) is None  # its loss_fn
+
+    script = types.ModuleType("__main__")
+    script.__file__ = "my_train.py"
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    with pytest.raises(DsExtConfigError) as err:
+        client_loss.loss_site("Megatron-DeepSpeed", "ds_ext.goldfish")
+    assert str(err.value) == (
+        "ds_ext.goldfish: Megatron-DeepSpeed's loss_mask is built by get_ltor_masks_and_position_ids(data, "
+        "eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss, ...), which the main script "
+        "(my_train.py) does not have; allowed: pretrain_gpt.py run as the main script"
+    )
+    script.get_ltor_masks_and_position_ids = _megatron_ltor
+    assert client_loss.loss_site("Megatron-DeepSpeed", "ds_ext.goldfish") == (script, "get_ltor_masks_and_position_ids")
+    script.get_ltor_masks_and_position_ids = NextTokensLossMask(_megatron_ltor, GoldfishMask(2, 13))
+    with pytest.raises(DsExtConfigError, match=r"^ds_ext.goldfish: the main script \(my_train.py\)'s "):
+        client_loss.loss_site("Megatron-DeepSpeed", "ds_ext.goldfish")
+    with pytest.raises(DsExtConfigError) as err:
+        client_loss.loss_site("GPT-NeoX", "ds_ext.goldfish", types.SimpleNamespace(train_impl="dpo"))
+    assert str(err.value) == (
+        "ds_ext.goldfish: GPT-NeoX's train_impl 'dpo' computes its own loss, not cross_entropy over loss_mask; "
+        "allowed: train_impl 'normal'"
+    )
 
 
 def test_config_errors_name_the_key():
@@ -267,7 +350,9 @@ def _initialize_error(block, model_kind):
             "linear",
             "ds_ext.goldfish: the loss of a torch.nn.modules.linear.Linear is not masked; allowed models: "
             "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, ds_ext.models.gpt_pipe.gpt_pipeline's PipelineModule, "
-            "GPT-NeoX's GPT2ModelPipe (pipe_parallel_size >= 1), a Hugging Face causal LM (AutoModelForCausalLM's classes)",
+            "GPT-NeoX's GPT2ModelPipe (pipe_parallel_size >= 1) and plain model (pipe_parallel_size 0), "
+            "Megatron-DeepSpeed's GPTModel and GPTModelPipe (pretrain_gpt.py), "
+            "a Hugging Face causal LM (AutoModelForCausalLM's classes)",
         ),
     ],
 )

@@ -20,12 +20,21 @@ pipeline, data) and in every epoch. Where it is applied, with the script unchang
 * ds_ext's pipeline GPT (:func:`ds_ext.models.gpt_pipe.gpt_pipeline`) and GPT-NeoX's
   ``GPT2ModelPipe`` (``pipe_parallel_size >= 1``, unmodified) on DeepSpeed's PipelineEngine: the
   ``loss_fn`` on the last stage masks the labels, or multiplies GPT-NeoX's own ``loss_mask``
-  (:class:`MaskedLabelsLoss`).
+  (:class:`MaskedLabelsLoss`);
+* GPT-NeoX's plain model (``pipe_parallel_size: 0``), whose loss its training loop computes outside
+  the model: the ``cross_entropy`` of its ``megatron/training.py`` multiplies its ``loss_mask`` the
+  same way (:class:`MaskedLabelsLoss`, rebound in the client's module while the engine lives);
+* Megatron-DeepSpeed's ``pretrain_gpt.py``, both paths (``GPTModel`` with ``--no-pipeline-parallel``,
+  ``GPTModelPipe`` on the PipelineEngine): the ``get_ltor_masks_and_position_ids`` its batch
+  functions build ``loss_mask`` with returns it multiplied by the mask of the next tokens
+  (:class:`NextTokensLossMask`), from the whole sequence on every tensor rank, before Megatron's
+  vocabulary-parallel cross-entropy and the per-token weighting that follows it.
 
-With 3D-PMM's Z > 1 each Z share of the micro-batch is averaged over its own kept tokens and the
-shares' losses averaged, as data parallelism averages its ranks' losses. Anything else (another
-``PipelineModule``, Megatron-DeepSpeed's models, GPT-NeoX's plain ``pipe_parallel_size: 0`` model,
-whose loss its training loop computes outside the model) is refused before any collective, in one
+The client names rebound are :mod:`ds_ext.integration.client_loss`'s. With 3D-PMM's Z > 1 each Z
+share of the micro-batch is averaged over its own kept tokens and the shares' losses averaged, as
+data parallelism averages its ranks' losses. Anything else (another ``PipelineModule``, another
+model, GPT-NeoX's ``train_impl`` other than ``normal``, a Megatron-DeepSpeed main script without
+``pretrain_gpt.py``'s ``get_ltor_masks_and_position_ids``) is refused before any collective, in one
 line naming ``ds_ext.goldfish``.
 """
 
@@ -38,6 +47,7 @@ import torch
 from ds_ext.errors import DsExtConfigError
 from ds_ext.goldfish.config import KEY, GoldfishConfig
 from ds_ext.goldfish.mask import GoldfishMask, mask_labels
+from ds_ext.integration import client_loss
 from ds_ext.models import GPT
 from ds_ext.models.gpt_moe import GPTMoE
 from ds_ext.models.gpt_pipe import LMLoss
@@ -45,7 +55,9 @@ from ds_ext.plugin import Plugin, register_plugin
 
 SUPPORTED = (
     "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, ds_ext.models.gpt_pipe.gpt_pipeline's PipelineModule, "
-    "GPT-NeoX's GPT2ModelPipe (pipe_parallel_size >= 1), a Hugging Face causal LM (AutoModelForCausalLM's classes)"
+    "GPT-NeoX's GPT2ModelPipe (pipe_parallel_size >= 1) and plain model (pipe_parallel_size 0), "
+    "Megatron-DeepSpeed's GPTModel and GPTModelPipe (pretrain_gpt.py), "
+    "a Hugging Face causal LM (AutoModelForCausalLM's classes)"
 )
 
 
@@ -78,8 +90,15 @@ class GoldfishPlugin(Plugin):
     Config = GoldfishConfig
 
     mask: GoldfishMask
+    # a client whose training code weighs the loss: (client, its module, the name rebound there)
+    site: tuple[str, Any, str] | None = None
 
     def check(self, model: Any) -> None:
+        client = client_loss.client_model(model)
+        if client is not None:
+            args = self.runtime.initialize_kwargs.get("args") if self.runtime is not None else None
+            self.site = (client, *client_loss.loss_site(client, KEY, args))
+            return
         ours = type(model) in (GPT, GPTMoE) or _pipeline_loss(model)
         if not ours and not _is_causal_lm(model):
             raise DsExtConfigError(
@@ -89,6 +108,8 @@ class GoldfishPlugin(Plugin):
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
         self.mask = GoldfishMask(self.config.k, self.config.h)
+        if self.site is not None:  # rebound in attach, once the engine that restores it exists
+            return model, optimizer, ds_config
         if isinstance(model, (GPT, GPTMoE)):
             model.loss_mask = self.mask
         elif _pipeline_loss(model):
@@ -96,6 +117,14 @@ class GoldfishPlugin(Plugin):
         else:
             model.register_forward_pre_hook(self._mask_labels, with_kwargs=True)
         return model, optimizer, ds_config
+
+    def attach(self, engine: Any) -> None:
+        if self.site is None:
+            return
+        client, module, name = self.site
+        wrap = NextTokensLossMask if client == client_loss.MEGATRON_DEEPSPEED else MaskedLabelsLoss
+        restore = client_loss.rebind(module, name, lambda fn: wrap(fn, self.mask))
+        client_loss.restore_on_destroy(engine, restore)
 
     def _mask_labels(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Hugging Face forward pre-hook: the dropped ``labels`` become the ignore index."""
@@ -111,20 +140,38 @@ class GoldfishPlugin(Plugin):
         return args, {**kwargs, "labels": mask_labels(labels, self.mask(input_ids))}
 
 
-class MaskedLabelsLoss:
-    """A pipeline's ``loss_fn`` with the Goldfish-dropped labels left out (picklable, as the
+class MaskedLabelsLoss(client_loss.Rebound):
+    """A loss ``fn(output, labels, **kw)`` with the Goldfish-dropped labels left out (picklable, as the
     PipelineModule is): labels set to -100 (ds_ext's ``LMLoss``), or, for ``(labels, loss_mask)``
-    (GPT-NeoX), the client's own ``loss_mask`` multiplied by the mask, so its loss divides by the
-    tokens kept. The last stage holds the labels ``x_1 .. x_L`` only, so the context of label ``x_i``
-    is read from the labels: the first token with a whole context, ``x_h``, whose context starts at
-    ``x_0``, is always kept there; every later token as :func:`goldfish_keep` decides."""
+    (GPT-NeoX's ``cross_entropy``, its pipeline's ``loss_fn`` and its plain loop's), the client's
+    own ``loss_mask`` multiplied by the mask, so its loss divides by the tokens kept. Only the labels
+    ``x_1 .. x_L`` are at hand (a pipeline's last stage holds nothing else), so the context of label
+    ``x_i`` is read from the labels: the first token with a whole context, ``x_h``, whose context
+    starts at ``x_0``, is always kept there; every later token as :func:`goldfish_keep` decides."""
 
     def __init__(self, loss_fn: Any, mask: GoldfishMask) -> None:
-        self.loss_fn, self.mask = loss_fn, mask
+        self.wrapped, self.mask = loss_fn, mask
 
-    def __call__(self, output: torch.Tensor, labels: Any) -> torch.Tensor:
+    def __call__(self, output: torch.Tensor, labels: Any, **kwargs: Any) -> torch.Tensor:
         if isinstance(labels, (tuple, list)):
             ids, loss_mask, *rest = labels
             keep = self.mask(ids).to(loss_mask.dtype)
-            return self.loss_fn(output, (ids, loss_mask * keep, *rest))
-        return self.loss_fn(output, mask_labels(labels, self.mask(labels)))
+            return self.wrapped(output, (ids, loss_mask * keep, *rest), **kwargs)
+        return self.wrapped(output, mask_labels(labels, self.mask(labels)), **kwargs)
+
+
+class NextTokensLossMask(client_loss.Rebound):
+    """Megatron-DeepSpeed's ``get_ltor_masks_and_position_ids(data, ...)`` whose ``loss_mask`` comes
+    back multiplied by the Goldfish mask of the next tokens. Its batch functions pass the tokens
+    ``x_0 .. x_{L-1}`` and weigh the label ``x_{j+1}`` by column ``j``; that label's context
+    ``x_{j+1-h} .. x_j`` lies in ``data``, so every label is masked as in the whole sequence
+    (``x_h`` included), from the same tokens on every tensor rank."""
+
+    def __init__(self, fn: Any, mask: GoldfishMask) -> None:
+        self.wrapped, self.mask = fn, mask
+
+    def __call__(self, data: torch.Tensor, *args: Any, **kwargs: Any) -> tuple:
+        attention_mask, loss_mask, position_ids = self.wrapped(data, *args, **kwargs)
+        # the sequence x_0 .. x_L with a stand-in for x_L, which is in no context
+        keep = self.mask(torch.cat([data, data[..., -1:]], dim=-1))[..., 1:]
+        return attention_mask, loss_mask * keep.to(loss_mask.dtype), position_ids

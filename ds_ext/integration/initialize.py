@@ -230,7 +230,7 @@ def initialize(
     ds_config = cfgmod.load_ds_config(_resolve_config(args, config, config_params))
     parsed = cfgmod.parse(ds_config.get(cfgmod.BLOCK))
     ds_engine.init_distributed(dist_init_required, parsed.comm.timeout_s)
-    runtime = Runtime.create(parsed, initialize_kwargs=kwargs)
+    runtime = Runtime.create(parsed, initialize_kwargs={**kwargs, "args": args})
     for plugin in runtime.plugins:
         plugin.check(model)
     if mpu is not None:
