@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import torch
 
+from ds_ext.errors import DsExtConfigError
+
 INDEX_DTYPE = torch.int32  # 001 §4.1.2: "32-bit is sufficient for the largest models in existence"
 
 
 def flat_index(mask: torch.Tensor) -> torch.Tensor:
     """The 1-D int32 index of ``mask``'s True entries in its flattened view, on its device."""
     if mask.numel() >= 2**31:
-        raise ValueError(f"a 32-bit index addresses at most 2^31 - 1 entries (got a tensor of {mask.numel()})")
+        raise DsExtConfigError(
+            f"ds_ext.samo: a parameter of {mask.numel()} entries; its 32-bit index (001 §4.1.2) addresses at most "
+            "2^31 - 1; allowed: parameters below 2^31 entries"
+        )
     return torch.nonzero(mask.reshape(-1), as_tuple=True)[0].to(INDEX_DTYPE)
 
 
