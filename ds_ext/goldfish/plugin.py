@@ -124,7 +124,9 @@ class GoldfishPlugin(Plugin):
         client, module, name = self.site
         wrap = NextTokensLossMask if client == client_loss.MEGATRON_DEEPSPEED else MaskedLabelsLoss
         restore = client_loss.rebind(module, name, lambda fn: wrap(fn, self.mask))
-        client_loss.restore_on_destroy(engine, restore)
+        from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
+
+        ds_engine.restore_on_destroy(engine, restore)
 
     def _mask_labels(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Hugging Face forward pre-hook: the dropped ``labels`` become the ignore index."""

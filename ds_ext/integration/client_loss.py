@@ -106,16 +106,3 @@ def rebind(module: ModuleType, name: str, wrap: Callable[[Callable], Rebound]) -
             setattr(module, name, before)
 
     return restore
-
-
-def restore_on_destroy(engine: Any, restore: Callable[[], None]) -> None:
-    """Call ``restore`` when ``engine.destroy()`` runs (DeepSpeed's public teardown)."""
-    destroy = engine.destroy
-
-    def destroy_and_restore(*args, **kwargs):
-        try:
-            return destroy(*args, **kwargs)
-        finally:
-            restore()
-
-    engine.destroy = destroy_and_restore

@@ -227,6 +227,20 @@ def training_dtype(ds_config: dict[str, Any]):
     return torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
 
 
+def restore_on_destroy(engine, restore: Callable[[], None]) -> None:
+    """Call ``restore`` when ``engine.destroy()`` runs (DeepSpeed's public teardown): a plugin's
+    rebinding (PCCL's collectives, Goldfish's client loss site) undone with the engine."""
+    destroy = engine.destroy
+
+    def destroy_and_restore(*args, **kwargs):
+        try:
+            return destroy(*args, **kwargs)
+        finally:
+            restore()
+
+    engine.destroy = destroy_and_restore
+
+
 def report_precision(engine, dtype) -> None:
     """Make ``engine.fp16_enabled()`` / ``bfloat16_enabled()`` report the dtype a plugin
     trains in after it took mixed precision over from DeepSpeed (engine.py:1724 and the

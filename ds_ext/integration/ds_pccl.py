@@ -49,16 +49,3 @@ def route_backend_collectives(comm: Communicator, algorithm: str) -> Callable[[]
         cdb.all_gather_function, cdb.reduce_scatter_function = before
 
     return restore
-
-
-def restore_on_destroy(engine, restore: Callable[[], None]) -> None:
-    """Call ``restore`` when ``engine.destroy()`` runs (DeepSpeed's public teardown)."""
-    destroy = engine.destroy
-
-    def destroy_and_restore(*args, **kwargs):
-        try:
-            return destroy(*args, **kwargs)
-        finally:
-            restore()
-
-    engine.destroy = destroy_and_restore

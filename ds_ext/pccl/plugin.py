@@ -40,6 +40,6 @@ class PCCLPlugin(Plugin):
         return model, optimizer, ds_config
 
     def attach(self, engine: Any) -> None:
-        from ds_ext.integration import ds_pccl
+        from ds_ext.integration import ds_engine
 
-        ds_pccl.restore_on_destroy(engine, self._restore)
+        ds_engine.restore_on_destroy(engine, self._restore)
