@@ -270,6 +270,36 @@ def test_zero1_shards_equal_deepspeeds_zero1_and_masked_dense(worlds):
         assert run["state_bytes"]["masters"] == 4 * own and run["state_bytes"]["optimizer"] == 8 * own
 
 
+def _zero1_checkpoint_error(save_dir: str) -> tuple[str, str] | None:
+    import ds_ext
+    from ds_ext.integration import ds_engine
+
+    ds_engine.init_distributed()
+    model = mlp()
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 1},
+        "ds_ext": {"topology": TOPOLOGY, "samo": {"enabled": True}},
+    }
+    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
+    try:
+        engine.save_checkpoint(save_dir)
+    except Exception as err:  # noqa: BLE001 - the test inspects the type and message
+        return type(err).__name__, str(err)
+    finally:
+        engine.destroy()
+    return None
+
+
+def test_zero1_checkpoints_are_refused_on_every_rank(worlds, tmp_path):
+    message = (
+        "ds_ext.samo with zero_optimization.stage 1: saving or loading the sharded compressed optimizer state is not "
+        "implemented; allowed: zero_optimization.stage 0 for checkpoints"
+    )
+    assert worlds(2).run(_zero1_checkpoint_error, str(tmp_path), timeout=120) == [("DsExtConfigError", message)] * 2
+
+
 # ---- memory (Eq. 4.1) and communication (§4.2.1) ------------------------------------------------
 def test_measured_state_bytes_equal_eq_4_1(worlds):
     """bf16, every parameter masked (no biases): the bytes of every tensor SAMO holds at the step's

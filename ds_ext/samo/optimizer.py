@@ -144,7 +144,8 @@ class SamoOptimizer(torch.optim.Optimizer):
         """θ16's pruned entries written as zero (its kept entries as they are)."""
         self._expand([compress(e.param.detach(), e.index) for e in self.grads.entries])
 
-    def _refuse_sharded_checkpoint(self) -> None:
+    def check_checkpointable(self) -> None:
+        """Refuse, in one line, a checkpoint of the sharded state (ZeRO-1: not implemented)."""
         if self.sharded:
             raise DsExtConfigError(
                 f"{KEY} with zero_optimization.stage 1: saving or loading the sharded compressed optimizer state is not "
@@ -239,13 +240,13 @@ class SamoOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state (over the compressed masters) and the masters themselves."""
-        self._refuse_sharded_checkpoint()
+        self.check_checkpointable()
         return {"inner": self.inner.state_dict(), "masters": [m.clone() for m in self.masters]}
 
     def refresh_fp32_params(self) -> None:
         """The masters from θ16 (DeepSpeed calls this after loading the module alone); θ16's pruned
         entries are written as zero again."""
-        self._refuse_sharded_checkpoint()
+        self.check_checkpointable()
         with torch.no_grad():
             for entry, master in zip(self.grads.entries, self.masters):
                 master.copy_(compress(entry.param.detach(), entry.index))
@@ -255,7 +256,7 @@ class SamoOptimizer(torch.optim.Optimizer):
         """Restore :meth:`state_dict`'s masters and optimizer state and expand the masters into θ16;
         ``load_optimizer_states`` False (DeepSpeed's argument): the masters from the loaded θ16 and
         an empty optimizer state, as DeepSpeed's optimizers do."""
-        self._refuse_sharded_checkpoint()
+        self.check_checkpointable()
         if set(state_dict) != {"inner", "masters"} or len(state_dict["masters"]) != len(self.masters):
             raise DsExtConfigError(
                 f"{KEY}: this optimizer state was not saved by {KEY} for this model; allowed: a checkpoint saved with "

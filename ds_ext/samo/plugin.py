@@ -13,7 +13,8 @@ state but the dense 16-bit weights compressed by its pruning mask:
   holds the same mask, builds the shared indices and the compressed gradient buffer with its
   backward hooks (:mod:`ds_ext.samo.state`), swaps the engine's optimizer for
   :class:`~ds_ext.samo.optimizer.SamoOptimizer` (which all-reduces the compressed gradients over
-  the data-parallel group and stops DeepSpeed's dense all-reduce), scales the loss for fp16 (on the
+  the data-parallel group and stops DeepSpeed's dense all-reduce; under ZeRO-1 it shards them and
+  the engine's save / load_checkpoint are refused on every rank), scales the loss for fp16 (on the
   last stage of a PipelineEngine) and makes the engine report the dtype and clipping it applies.
 """
 
@@ -96,6 +97,12 @@ class SamoPlugin(Plugin):
             self.grads, engine.optimizer, rt.comm, self.clip, self.scaler, data_group, model_group, shard
         )
         ds_engine.replace_optimizer(engine, self.optimizer)
+        if shard:  # refused on every rank, before DeepSpeed saves on data-parallel rank 0 alone
+
+            def refuse(original: Any, **arguments: Any) -> None:
+                self.optimizer.check_checkpointable()
+
+            ds_engine.wrap_checkpoint_methods(engine, save_checkpoint=refuse, load_checkpoint=refuse)
         if self.dtype == torch.float16 and ds_engine.is_pipeline_engine(engine):
             ds_engine.scale_pipeline_loss(engine, lambda: self.scaler.loss_scale)
         elif self.dtype == torch.float16:
