@@ -9,7 +9,9 @@
 # usage: examples/megatron_deepspeed_goldfish.sh MODE(goldfish|plain) [ARGS...]
 # MODE goldfish: "ds_ext": {"goldfish": {"enabled": true, "k": K, "h": H}} (K, H from the environment, default
 # 2 and 13) through python -m ds_ext.run; plain: the same run without ds_ext. ARGS are appended to
-# pretrain_gpt.py's (later flags win, e.g. --train-iters 5).
+# pretrain_gpt.py's (later flags win, e.g. --train-iters 5). Sequence-sharded: PP=2 with --sequence-parallel
+# --no-position-embedding (Megatron's, over the tensor group); the client's other sequence-sharded modes do not run
+# (docs/plugins/goldfish.md, "Sequence-sharded inputs").
 # needs MDS, DS0196, EXTRA, DATA: see examples/megatron_deepspeed_common.sh (examples/megatron_deepspeed_env.sh
 # builds them and prints the exports).
 # DUMP=DIR (tests/test_megatron_deepspeed_goldfish.py): through tests/megatron_goldfish_run.py, which writes

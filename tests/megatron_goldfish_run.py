@@ -10,16 +10,19 @@ MODE ``goldfish``: the script runs as under ``python -m ds_ext.run`` (``ds_ext.p
 its ds_config's ``"goldfish"`` block masks); ``plain``: plain DeepSpeed, ds_ext never imported;
 ``hand``: plain DeepSpeed, and the script's ``get_batch`` and ``get_batch_pipe`` return their
 ``loss_mask`` multiplied by the hand-written rule (tests/goldfish_reference.py, k = K, h = H) over
-the whole sequence ``x_0 .. x_L`` (the tokens, then the last label): the reference.
+the whole sequence ``x_0 .. x_L`` as ``tensor_parallel.broadcast_data`` handed it to them, before
+the script shards it (``--sequence-parallel``, ``--ds-sequence-parallel-size``): the reference.
 
 The script is run unmodified as ``__main__``. What this file adds, through names the script
 looks up when it calls them: ``megatron.training.pretrain`` is wrapped before the script imports
 it, and, once the script calls it, the script's ``loss_func`` (the plain path's loss) records each
-``loss_mask`` it gets (and in ``hand`` mode its batch functions are wrapped as above);
+``loss_mask`` it gets (and in ``hand`` mode its batch functions are wrapped as above, its
+``tensor_parallel`` keeps what ``broadcast_data`` returns);
 ``deepspeed.initialize`` is wrapped to keep the engine and its initial parameters, and on the
 PipelineEngine the module's ``loss_fn`` records the last stage's ``loss_mask``. Written to
-``DIR/rank<r>.pt``: the tensor, pipeline and data ranks, the ``masks`` in the order the loss used
-them, and the ``init`` and ``final`` parameters (``engine.module.named_parameters()``).
+``DIR/rank<r>.pt``: the tensor, pipeline, data and (DeepSpeed-Ulysses) sequence ranks, whether
+Megatron's ``sequence_parallel`` is on, the ``masks`` in the order the loss used them, and the
+``init`` and ``final`` parameters (``engine.module.named_parameters()``).
 """
 
 from __future__ import annotations
@@ -39,21 +42,40 @@ def _keep(full: torch.Tensor, k: int, h: int) -> torch.Tensor:
     return torch.tensor([reference_keep(row, k, h)[1:] for row in full.tolist()])
 
 
-def _hand_batch(get_batch, k: int, h: int):
+class _WholeSequence:
+    """The script's ``tensor_parallel`` (``hand`` mode): the same module, but it keeps the whole
+    sequence ``x_0 .. x_L`` that ``broadcast_data`` hands the batch functions, before they shard it
+    (``--sequence-parallel``: the tokens per tensor rank; ``--ds-sequence-parallel-size``: tokens
+    and labels per sequence rank)."""
+
+    def __init__(self, module):
+        self._module = module
+        self.text: torch.Tensor | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def broadcast_data(self, keys, data, datatype):
+        data_b = self._module.broadcast_data(keys, data, datatype)
+        self.text = data_b["text"].long()
+        return data_b
+
+
+def _hand_batch(get_batch, whole: _WholeSequence, k: int, h: int):
     @functools.wraps(get_batch)
     def masked(data_iterator):
         tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
-        keep = _keep(torch.cat([tokens[:, :1], labels], dim=1), k, h)
+        keep = _keep(whole.text, k, h)
         return tokens, labels, loss_mask * keep.to(loss_mask.dtype), attention_mask, position_ids
 
     return masked
 
 
-def _hand_batch_pipe(get_batch_pipe, k: int, h: int):
+def _hand_batch_pipe(get_batch_pipe, whole: _WholeSequence, k: int, h: int):
     @functools.wraps(get_batch_pipe)
     def masked(data):
         (tokens, position_ids, attention_mask), (labels, loss_mask) = get_batch_pipe(data)
-        keep = _keep(torch.cat([tokens[:, :1], labels], dim=1), k, h)
+        keep = _keep(whole.text, k, h)
         return (tokens, position_ids, attention_mask), (labels, loss_mask * keep.to(loss_mask.dtype))
 
     return masked
@@ -106,8 +128,10 @@ if __name__ == "__main__":
         script_globals = forward_step_func.__globals__  # the script's module, run as __main__
         script_globals["loss_func"] = _recording_loss_func(script_globals["loss_func"], masks)
         if mode == "hand":
-            script_globals["get_batch"] = _hand_batch(script_globals["get_batch"], k, h)
-            script_globals["get_batch_pipe"] = _hand_batch_pipe(script_globals["get_batch_pipe"], k, h)
+            whole = _WholeSequence(script_globals["tensor_parallel"])
+            script_globals["tensor_parallel"] = whole
+            script_globals["get_batch"] = _hand_batch(script_globals["get_batch"], whole, k, h)
+            script_globals["get_batch_pipe"] = _hand_batch_pipe(script_globals["get_batch_pipe"], whole, k, h)
         return pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, **kw)
 
     megatron.training.pretrain = pretrain_recording
@@ -125,14 +149,18 @@ if __name__ == "__main__":
     deepspeed.initialize = initialize_and_keep
     runpy.run_path(script, run_name="__main__")
 
+    from megatron import get_args
     from megatron.core import parallel_state
 
+    args = get_args()
     ((engine, init),) = engines
     torch.save(
         {
             "tensor_rank": parallel_state.get_tensor_model_parallel_rank(),
             "pipeline_rank": parallel_state.get_pipeline_model_parallel_rank(),
             "data_rank": parallel_state.get_data_parallel_rank(),
+            "sequence_parallel": args.sequence_parallel,  # Megatron's, over the tensor group
+            "sequence_rank": parallel_state.get_sequence_parallel_rank(),  # DeepSpeed-Ulysses'
             "masks": masks,
             "init": init,
             "final": _params(engine),
