@@ -20,11 +20,15 @@
 # step's ledger (tests/megatron_dump_final.py).
 # PLUGINS='"tiled_optimizer": {...}' (or "pccl"): more ds_ext sections, beside ZeRO-topo or, with zero1,
 # beside DeepSpeed's ZeRO-1 (then through ds_ext's launcher too).
+# FP16 (set, possibly empty): train in fp16, --fp16 and the ds_config's "fp16" section (DeepSpeed's dynamic
+# loss scaler) with FP16's keys added, e.g. FP16='"initial_scale_power": 24, "loss_scale_window": 2'.
 set -euo pipefail
 mode=$1; shift
 source "$(dirname "$0")/megatron_deepspeed_common.sh"  # repo, mds_env, mds_gpt
 topology='"topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": true}'
 plugins=${PLUGINS:+, $PLUGINS}
+fp16=''
+[ -n "${FP16+set}" ] && fp16=', "fp16": {"enabled": true'${FP16:+, $FP16}'}'
 case $mode in
   zero1) stage=1 ds_ext=''
     [ -n "${PLUGINS:-}" ] && ds_ext=', "ds_ext": {'$topology$plugins'}' ;;
@@ -45,9 +49,9 @@ cfg=$(mktemp --suffix=.json)
 trap 'rm -f "$cfg"' EXIT
 cat > "$cfg" <<JSON
 {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1,
- "zero_optimization": {"stage": $stage}, "zero_allow_untested_optimizer": true, "gradient_clipping": 1.0$ds_ext}
+ "zero_optimization": {"stage": $stage}, "zero_allow_untested_optimizer": true, "gradient_clipping": 1.0$fp16$ds_ext}
 JSON
 cd "$MDS"
 env "${mds_env[@]}" LOCAL_SIZE=8 torchrun --standalone --nproc_per_node 8 "${run[@]}" \
   --tensor-model-parallel-size 2 --use-cpu-initialization --global-batch-size 4 --deepspeed_config "$cfg" \
-  "${mds_gpt[@]}" "$@"
+  "${mds_gpt[@]}" ${fp16:+--fp16} "$@"

@@ -29,6 +29,27 @@ MDS_SKIP = (
 _LM_LOSS = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?\| lm loss: ([0-9.E+-]+) \|")
 
 
+_ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*")
+_LOSS_FIELD = re.compile(r"\| lm loss: ([0-9.E+-]+) \|")
+
+
+def lm_log(out: str, iterations: int = 10) -> list[tuple[float | None, float, int]]:
+    """(lm loss or None, loss scale, skipped) of each iteration as pretrain_gpt.py prints it under fp16
+    with ``--log-interval 1``: a skipped iteration (overflow) prints no lm loss."""
+    rows = []
+    for line in (m.group(0) for m in _ITERATION.finditer(out)):
+        loss = _LOSS_FIELD.search(line)
+        rows.append(
+            (
+                float(loss.group(1)) if loss else None,
+                float(re.search(r"\| loss scale: ([0-9.]+) \|", line).group(1)),
+                int(re.search(r"number of skipped iterations:\s+(\d+) \|", line).group(1)),
+            )
+        )
+    assert len(rows) == iterations, out[-3000:]
+    return rows
+
+
 def lm_losses(out: str, iterations: int = 10) -> list[float]:
     """The lm loss of each iteration as pretrain_gpt.py prints it (7 significant digits)."""
     got = [(int(i), int(n), float(v)) for i, n, v in _LM_LOSS.findall(out)]

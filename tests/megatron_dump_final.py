@@ -161,6 +161,23 @@ def _traffic(engine) -> dict:
     }
 
 
+def _cpu_accelerator_gaps(argv: list[str]) -> None:
+    """Two gaps of DeepSpeed 0.19.6's CPU accelerator that the shrunk Frontier recipes (fp16, activation
+    checkpointing on the PipelineEngine) meet on both sides, plain and ds_ext alike: ``is_fp16_supported``
+    is False without oneDNN fp16 kernels (engine.py refuses the fp16 section; torch's fp16 CPU arithmetic
+    is enough for the tiny model), and ``Stream`` is None where the pipeline's activation checkpoint
+    (runtime/activation_checkpointing/checkpointing.py) constructs a transport stream it never uses."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        return
+    if "--fp16" in argv:
+        accelerator.is_fp16_supported = lambda: True
+    if "--checkpoint-activations" in argv:
+        type(accelerator).Stream = property(lambda self: lambda device=None: None)
+
+
 if __name__ == "__main__":
     out, mode, script = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     assert mode in ("ds_ext", "plain"), mode
@@ -172,6 +189,7 @@ if __name__ == "__main__":
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # unused on CPU, a 1-min JIT build otherwise
+    _cpu_accelerator_gaps(sys.argv)
     if mode == "ds_ext":
         import ds_ext
         from ds_ext.run import _exit_report

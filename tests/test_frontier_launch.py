@@ -281,3 +281,49 @@ def test_refuses_to_start_without_the_plugin_or_the_environment(slurm, missing, 
     else:
         done = run("frontier.sbatch", **{missing: ""})
     assert done.returncode != 0 and message in done.stderr, done.stderr
+
+
+def _shrink(recipe: str, mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(ROOT / "examples" / "frontier_recipe_cpu.sh"), recipe, mode],
+        env={**os.environ, "SHRINK_ONLY": "1"},
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE_FILES))
+def test_each_recipe_shrinks_to_8_cpu_ranks_keeping_what_it_fixes(recipe):
+    """examples/frontier_recipe_cpu.sh (issue 49 item 4; its runs: tests/test_megatron_deepspeed_zero_topo.py,
+    opt-in): TP 2 x PP 2 x DP 2, the recipe's micro-batch, fp16 and activation checkpointing kept,
+    2 x PP micro-batches per step; the recipe's ds_ext config or its published ZeRO-1 config; no fp16 in
+    the fp32 modes."""
+    want = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+    want += ["--micro-batch-size", "1", "--global-batch-size", "8"]
+    flags = ["--fp16", "--checkpoint-activations", "--deepspeed-activation-checkpointing"]
+    stem = f"configs/frontier/{recipe.removesuffix('.recipe')}"
+    for mode, config, fp16 in (
+        ("ds_ext", f"{stem}_zero_topo.json", True),
+        ("plain", f"{stem}.json", True),
+        ("unquantized-fp32", f"{stem}_zero_topo.json", False),
+        ("plain-fp32", f"{stem}.json", False),
+    ):
+        done = _shrink(f"configs/frontier/{recipe}", mode)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == [config, *want, *(flags if fp16 else flags[1:])]
+
+
+def test_recipe_shrink_refuses_what_it_cannot_shrink(tmp_path):
+    """An argument without a CPU shrink, and an unknown mode, are refused in one line."""
+    recipe = tmp_path / "odd.recipe"
+    text = (ROOT / "configs" / "frontier" / "gpt_22b_004.recipe").read_text()
+    recipe.write_text(text.replace("--use-flash-attn-v2", "--use-flash-attn-v2 --num-experts 8"))
+    done = _shrink(str(recipe), "ds_ext")
+    assert (done.returncode, done.stderr) == (
+        2,
+        "frontier_recipe_cpu.sh: recipe argument --num-experts has no CPU shrink\n",
+    )
+    done = _shrink("configs/frontier/gpt_22b_004.recipe", "zero3")
+    assert (done.returncode, done.stderr) == (2, "MODE: ds_ext | plain | unquantized-fp32 | plain-fp32 (got zero3)\n")

@@ -1054,3 +1054,70 @@ def test_nic_bytes_are_the_node_crossing_hops_of_each_ring():
     assert zpp.traffic.bytes[top] / p < zpp.nic_bytes < zpp.traffic.bytes[top]
     e = evaluate(job, zero_plans.candidate(job, {"preset": "zero3"}, collectives="pccl"))
     assert e is not None and e.nic_bytes is None
+
+
+# 004's Frontier recipes (configs/frontier/*.recipe): model, nodes, (TP, PP, DP) (issue 49 item 3)
+FRONTIER_RECIPES = {
+    "gpt_22b_004": ("gpt-22b", 8, (2, 2, 16)),
+    "gpt_175b_004": ("gpt-175b", 128, (4, 16, 16)),
+    "gpt_1t_004": ("gpt-1t", 128, (8, 64, 2)),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(FRONTIER_RECIPES))
+def test_plan_predicts_each_frontier_recipe_with_ds_ext_and_plain(tmp_path, recipe):
+    """``ds-ext plan --ds-config configs/frontier/<recipe>_zero_topo.json`` (ZeRO-topo's pipeline form)
+    plans the recipe's Megatron layout both ways: the configured row differs from the published ZeRO-1
+    row only in the step (the same compute, the same 16-bit weights and gradients
+    and fp32 optimizer state per GCD up to ZeRO-topo's block padding) and sends fewer bytes across
+    nodes (its int4 gradient reduction)."""
+    from ds_ext.cli import main
+
+    model, nodes, (tp, pp, dp) = FRONTIER_RECIPES[recipe]
+    out = tmp_path / "plan.json"
+    config = f"configs/frontier/{recipe}_zero_topo.json"
+    args = ["plan", "--model", model, "--nodes", str(nodes), "--ds-config", config, "--top-k", "1", "--out", str(out)]
+    assert main(args) == 0
+    plans = {p["name"]: p for p in json.loads(out.read_text())["plans"]}
+    plain = plans[f"megatron tp{tp} pp{pp} dp{dp} mb1"]
+    ours = plans[f"configured megatron tp{tp} pp{pp} dp{dp} mb1 + zero_topo zero_topo"]
+    assert (
+        ours["config"]["ds_ext"]["zero_topo"]["form"] == "pipeline"
+        and ours["config"]["zero_optimization"]["stage"] == 0
+    )
+    assert ours["compute_s"] == plain["compute_s"]
+    for state in ("weights", "gradients", "optimizer"):
+        assert 1 <= ours["memory_bytes"][state] / plain["memory_bytes"][state] < 1.001, state
+    assert ours["memory_bytes"]["activations"] == plain["memory_bytes"]["activations"]
+    assert ours["bytes_per_level"]["node"] < plain["bytes_per_level"]["node"]
+
+
+def test_plan_refuses_the_pipeline_form_without_a_megatron_recipe(tmp_path, capsys):
+    from ds_ext.cli import main
+
+    path = tmp_path / "ds.json"
+    path.write_text(
+        json.dumps({"train_batch_size": 64, "ds_ext": {"zero_topo": {"enabled": True, "form": "pipeline"}}})
+    )
+    assert main(["plan", "--model", "gpt-5b", "--nodes", "2", "--ds-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ds_ext.zero_topo.form 'pipeline' is planned on the model's Megatron recipe" in err
+
+
+def test_pipeline_form_step_equals_the_ledger_of_the_shrunk_recipe_run():
+    """The planner's ZeRO-topo pipeline-form step for the 22B recipe shrunk to 8 CPU ranks
+    (examples/frontier_recipe_cpu.sh: the real pretrain_gpt.py, TP 2 x PP 2 x DP 2, hidden 64, 4 layers,
+    Megatron's vocabulary padded to 768, fp16) equals the bytes rank 0's ledger recorded in that run's
+    last step (tests/test_megatron_deepspeed_zero_topo.py checks it on every opt-in run)."""
+    from ds_ext.planner import megatron_plans
+    from ds_ext.planner.estimate import Job
+    from ds_ext.planner.machine import lookup
+    from ds_ext.planner.models import Arch
+    from ds_ext.topology import Topology
+
+    arch = Arch(name="shrunk", layers=4, hidden=64, heads=4, vocab=768, seq=64)
+    job = Job(
+        arch=arch, machine=lookup("frontier"), topology=Topology.from_preset("frontier", 8, {"gpu": 2}), global_batch=8
+    )
+    step = megatron_plans.zero_topo_step_traffic(job, 2, 2, 2, {"preset": "zero_topo", "form": "pipeline"})
+    assert step.bytes == {"gpu": 115504.0, "node": 12.0}

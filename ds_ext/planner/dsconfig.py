@@ -6,7 +6,9 @@ Read as DeepSpeed reads it (``ds_ext.config.load_ds_config``: JSON, hjson or bas
 replica, as under ZeRO); ``bf16`` / ``fp16`` mean 2-byte elements, neither 4; activation
 checkpointing is on when the ds_config has DeepSpeed's ``activation_checkpointing`` section (the one
 Megatron-DeepSpeed's and GPT-NeoX's ``--checkpoint-activations`` runs configure), off without it. An enabled
-``zero_topo`` section, or ``pmm3d`` with an explicit grid, becomes one more candidate, named ``configured <plan>``.
+``zero_topo`` section, or ``pmm3d`` with an explicit grid, becomes one more candidate, named ``configured <plan>``;
+a ``zero_topo`` section with ``form: pipeline`` (004's Frontier recipes, ``configs/frontier/*_zero_topo.json``)
+is planned on the model's Megatron recipe layout, ZeRO-topo's pipeline form in place of ZeRO-1 (issue 49).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from ds_ext import config as cfgmod
 from ds_ext.parallel import Grid
-from ds_ext.planner import PlannerError, pmm_grids, zero_plans
+from ds_ext.planner import PlannerError, megatron_plans, pmm_grids, zero_plans
 from ds_ext.planner.estimate import Candidate, Job
 
 CONFIGURED = "configured"
@@ -47,7 +49,10 @@ class DsConfig:
         out = []
         if "zero_topo" in self.sections:
             section = {k: v for k, v in self.sections["zero_topo"].items() if k != "enabled"}
-            out.append(zero_plans.candidate(job, section))
+            if section.get("form") == "pipeline":
+                out.append(self._pipeline_form(job, section))
+            else:
+                out.append(zero_plans.candidate(job, section))
         grid = self.sections.get("pmm3d", {}).get("grid", "auto")
         if grid != "auto":
             g = Grid(**grid)
@@ -58,6 +63,22 @@ class DsConfig:
                 )
             out.append(pmm_grids.candidate(job, g))
         return [replace(c, name=f"{CONFIGURED} {c.name}") for c in out]
+
+    def _pipeline_form(self, job: Job, section: dict[str, Any]) -> Candidate:
+        """ZeRO-topo's pipeline form on the model's Megatron recipe layout (004 Table V), ZeRO-1's
+        plan beside it (``megatron_plans``); a model without one is refused."""
+        recipe = job.arch.recipe
+        if recipe.megatron is None:
+            raise DsConfigError(
+                f"--ds-config {self.path}: ds_ext.zero_topo.form 'pipeline' is planned on the model's Megatron "
+                f"recipe (TP, PP); {job.arch.name} has none (allowed: a model with one, e.g. gpt-22b, gpt-175b, gpt-1t)"
+            )
+        tp, pp = recipe.megatron
+        if job.world % (tp * pp):
+            raise DsConfigError(
+                f"--ds-config {self.path}: {job.arch.name}'s recipe TP {tp} x PP {pp} does not divide {job.world} ranks"
+            )
+        return megatron_plans.candidate(job, tp, pp, job.world // (tp * pp), recipe.micro_batch or 1, section)
 
 
 def _positive(cfg: dict[str, Any], key: str, path: str) -> int | None:

@@ -27,6 +27,14 @@ share of F (Narayanan et al.'s formula, ``perf.compute.step_flops``) that the me
 * t_DP: ZeRO-1 once per step, as DeepSpeed's ZeRO-1 does it (``ted_layouts``): an all-reduce of
   the 16-bit gradients and an all-gather of the updated weights of the rank's parameters.
 
+With ``zero_topo`` (a ``ds_ext.zero_topo`` section: ZeRO-topo's pipeline form in place of ZeRO-1,
+``ds_ext.zero_topo.pipeline``, issue 49) t_DP is instead ZeRO-topo's step over the data-parallel group
+of rank 0 (its members' hierarchy, ``Topology.of_group``; the plan resolved there, then
+``ShardingPlan.pipeline_form``): the larger end stage's parameters as one whole-mode unit,
+``zero_topo.perf.traffic(..., pipeline=True)``, the model the ledger tests hold the engine to; its
+memory keeps 16-bit weights and gradients whole and the fp32 master and moments sharded at the
+plan's optimizer level (``zero_topo.perf.memory``).
+
 Memory per rank, the larger of the first stage (the embedding, p micro-batches in flight under
 1F1B) and the last stage (the head, fp32 logits of its micro-batch, one in flight): 2 + 2 bytes per
 parameter of 16-bit weights and gradients, 12 / DP of fp32 master and Adam moments (ZeRO-1);
@@ -38,6 +46,7 @@ working set, without it every in-flight layer's working set.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 from ds_ext.comm.emulation import message_steps
 from ds_ext.comm.ledger import all_gather_bytes, all_reduce_bytes
@@ -45,6 +54,9 @@ from ds_ext.perf.compute import ActivationSplit, activation_bytes
 from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic, comm_seconds, divisors
 from ds_ext.planner.models import Arch
 from ds_ext.topology import Topology
+from ds_ext.zero_topo import perf
+from ds_ext.zero_topo.perf import UnitSpec
+from ds_ext.zero_topo.plan import ShardingPlan, ZeroTopoConfig, resolve_plan
 
 MICRO_BATCHES = (1, 2, 4, 8)  # swept (004 §IV); a recipe's own is added
 
@@ -67,6 +79,40 @@ def stage_params(arch: Arch, tp: int, pp: int) -> int:
     else:
         ends = table + max(positions, 2 * h)
     return arch.layers // pp * block + ends
+
+
+def stage_param_shapes(arch: Arch, tp: int, pp: int) -> list[tuple[int, int]]:
+    """The parameters of :func:`stage_params`, (numel, ndim) each: the larger end stage's table
+    and positions or final norm, then its L / p blocks (``zero_plans._params``' order, split over TP)."""
+    h, f = arch.hidden, arch.ffn_mult * arch.hidden
+    block = [(h, 1), (h, 1), (3 * h * h // tp, 2), (3 * h // tp, 1), (h * h // tp, 2), (h, 1)]
+    block += [(h, 1), (h, 1), (f * h // tp, 2), (f // tp, 1), (f * h // tp, 2), (h, 1)]
+    table = [(arch.vocab * h // tp, 2)]
+    positions = [(arch.seq * h, 2)] if arch.learned_positions else []
+    if pp == 1:
+        ends = table * (1 if arch.tied_embeddings else 2) + positions + [(h, 1), (h, 1)]
+    else:
+        ends = table + (positions if positions and arch.seq >= 2 else [(h, 1), (h, 1)])  # the larger end
+    return ends + block * (arch.layers // pp)
+
+
+def pipeline_form(job: Job, tp: int, pp: int, dp: int, section: dict[str, Any]) -> tuple[ShardingPlan, UnitSpec]:
+    """ZeRO-topo's plan over the data-parallel group of rank 0 in its pipeline form, and the larger
+    end stage as its one whole-mode unit (module docstring)."""
+    members = list(range(0, tp * dp, tp))
+    topology = job.topology
+    if len(members) < topology.world_size:
+        topology = topology.of_group(members, f"{topology.name}, data-parallel group of tp {tp} x pp {pp} x dp {dp}")
+    plan = resolve_plan(ZeroTopoConfig(enabled=True, **section), topology).pipeline_form()
+    return plan, perf.unit_spec(plan, stage_param_shapes(job.arch, tp, pp))
+
+
+def zero_topo_step_traffic(job: Job, tp: int, pp: int, dp: int, section: dict[str, Any]) -> Traffic:
+    """ZeRO-topo's pipeline form once per step, with the grad-norm all-reduce over the model group."""
+    plan, unit = pipeline_form(job, tp, pp, dp, section)
+    model = job.topology.level_of([r * tp * dp + t for r in range(pp) for t in range(tp)]) if tp * pp > 1 else None
+    t = perf.traffic(plan, [unit], 1, job.elem_bytes, pipeline=True, model_parallel=(model, tp * pp))
+    return Traffic(t.by_level(), t.steps_by_level())
 
 
 def _levels(topology: Topology, tp: int, pp: int, dp: int) -> dict[str, str | None]:
@@ -136,33 +182,56 @@ def _sum(x: Traffic, y: Traffic) -> Traffic:
     )
 
 
-def seconds(job: Job, tp: int, pp: int, dp: int, micro: int, m: int) -> dict[str, float]:
-    """Per level: the micro-batches' TP / PP time stretched by the bubble, plus ZeRO-1's step."""
+def seconds(job: Job, tp: int, pp: int, dp: int, micro: int, m: int, step_t: Traffic) -> dict[str, float]:
+    """Per level: the micro-batches' TP / PP time stretched by the bubble, plus the step's (``step_t``)."""
     stretched = comm_seconds(micro_traffic(job.arch, job, tp, pp, dp, micro, m), job.topology, job.latency)
-    step = comm_seconds(step_traffic(job.arch, job, tp, pp, dp), job.topology, job.latency)
+    step = comm_seconds(step_t, job.topology, job.latency)
     bubble = (m + pp - 1) / m
     return {k: stretched.get(k, 0.0) * bubble + step.get(k, 0.0) for k in {*stretched, *step}}
 
 
-def candidate(job: Job, tp: int, pp: int, dp: int, micro: int = 1) -> Candidate:
+def candidate(
+    job: Job, tp: int, pp: int, dp: int, micro: int = 1, zero_topo: dict[str, Any] | None = None
+) -> Candidate:
+    """The layout with DeepSpeed's ZeRO-1, or with ``zero_topo`` (a ``ds_ext.zero_topo`` section)
+    ZeRO-topo's pipeline form in its place (module docstring)."""
     a = job.arch
     n = stage_params(a, tp, pp)
+    config = {
+        "zero_optimization": {"stage": 1},
+        "train_micro_batch_size_per_gpu": micro,
+        "megatron": {"tensor-model-parallel-size": tp, "pipeline-model-parallel-size": pp},
+    }
+    states = {"weights": 2.0 * n, "secondary": 0.0, "gradients": 2.0 * n, "optimizer": 12.0 * n / dp}
+    step_t = step_traffic(a, job, tp, pp, dp)
+    suffix, notes = "", ()
+    if zero_topo is not None:
+        plan, unit = pipeline_form(job, tp, pp, dp, zero_topo)
+        e = job.elem_bytes
+        states = {
+            "weights": e * unit.U,
+            "secondary": 0.0,
+            "gradients": e * unit.U,
+            "optimizer": perf.memory(plan, [unit], 0, e)["optimizer"],
+        }
+        step_t = zero_topo_step_traffic(job, tp, pp, dp, zero_topo)
+        config |= {"zero_optimization": {"stage": 0}, "ds_ext": {"zero_topo": {"enabled": True, **zero_topo}}}
+        suffix, notes = f" + zero_topo {zero_topo.get('preset', 'zero_topo')}", (plan.describe(),)
     return Candidate(
         family="megatron",
-        name=name(tp, pp, dp, micro),
+        name=name(tp, pp, dp, micro) + suffix,
         micro=micro,
-        config={
-            "zero_optimization": {"stage": 1},
-            "train_micro_batch_size_per_gpu": micro,
-            "megatron": {"tensor-model-parallel-size": tp, "pipeline-model-parallel-size": pp},
-        },
+        config=config,
         data=dp,
-        states={"weights": 2.0 * n, "secondary": 0.0, "gradients": 2.0 * n, "optimizer": 12.0 * n / dp},
+        states=states,
         activations=lambda b: activations(a, tp, pp, b, job.global_batch // (dp * b), job.checkpointing),
-        traffic=lambda b, g: _sum(micro_traffic(a, job, tp, pp, dp, b, g), step_traffic(a, job, tp, pp, dp)),
-        seconds=lambda b, g: seconds(job, tp, pp, dp, b, g),
+        traffic=lambda b, g: _sum(micro_traffic(a, job, tp, pp, dp, b, g), step_t),
+        seconds=lambda b, g: seconds(job, tp, pp, dp, b, g, step_t),
         stretch=lambda b, g: (g + pp - 1) / g * stage_imbalance(a, pp),  # m = g micro-batches per replica
-        notes=(f"1F1B bubble (p - 1) / m with p = {pp}; last stage (+ head) {stage_imbalance(a, pp):.3f} x the mean",),
+        notes=(
+            f"1F1B bubble (p - 1) / m with p = {pp}; last stage (+ head) {stage_imbalance(a, pp):.3f} x the mean",
+            *notes,
+        ),
     )
 
 

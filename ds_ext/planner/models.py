@@ -160,7 +160,13 @@ CATALOGUE: dict[str, Arch] = {
         6144,
         48,
         "004 Table I",
-        Recipe(global_batch=640, source="004 gives no 22B batch: 175B's Table V GBS 640 (an assumption)"),
+        Recipe(
+            global_batch=640,
+            megatron=(2, 2),
+            micro_batch=1,
+            source="004 gives no 22B recipe: 175B's Table V GBS 640 and MBS 1, TP 2 x PP 2 the planner's first "
+            "choice there (configs/frontier/gpt_22b_004.recipe; an assumption)",
+        ),
     ),
     "gpt-175b": _gpt3_like(
         "gpt-175b",
