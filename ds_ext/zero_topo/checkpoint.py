@@ -45,7 +45,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ds_ext.comm.collectives import backend_device
+from ds_ext.comm.collectives import backend_device, torch_op
 from ds_ext.errors import DsExtError
 from ds_ext.zero_topo.layout import shard_count, shard_index
 
@@ -182,15 +182,17 @@ def check_model_parallel(tag_dir: Path, model_size: int, expert_model_size: int 
 
 
 # ---- agreement -----------------------------------------------------------------------
-def agree(error: str | None, what: str) -> None:
+def agree(error: str | None, what: str, group: object | None = None) -> None:
     """Collective: raise the same one-line :class:`CheckpointError` on every rank if any
-    rank failed (naming the first failing rank and its reason)."""
-    flag = torch.tensor([0.0 if error is None else 1.0], device=backend_device())
-    dist.all_reduce(flag)
+    rank failed (naming the first failing rank and its reason). ``group``: a group of every
+    rank other than the world's (the background writer's, ``ds_ext.zero_topo.async_save``),
+    whose collectives the ledger does not count."""
+    flag = torch.tensor([0.0 if error is None else 1.0], device=backend_device(group))
+    (dist.all_reduce if group is None else torch_op("all_reduce"))(flag, group=group)
     if flag.item() == 0:
         return
     errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    dist.all_gather_object(errors, error, group=group)
     rank, msg = next((r, e) for r, e in enumerate(errors) if e is not None)
     raise CheckpointError(f"ds_ext.zero_topo: {what} failed on rank {rank}: {msg}")
 
