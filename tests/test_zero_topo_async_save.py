@@ -48,14 +48,15 @@ def _config(async_save):
     return cfg
 
 
-def _engine(async_save, seed=1234):
+def _engine(async_save, seed=1234, writer=None):
     import ds_ext
     from ds_ext.models import GPT, GPTConfig
 
     torch.manual_seed(seed)
     model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=4))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=_config(async_save))
+    cfg = {**_config(async_save), **({"checkpoint": {"writer": writer}} if writer else {})}
+    engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     return engine
 
 
@@ -74,13 +75,17 @@ def _steps(engine, steps, start):
 
 
 def _state(engine, client_state=None):
-    """What a load installed: the rank's ZeRO-topo shard state and DeepSpeed's own."""
+    """What a load installed: the rank's ZeRO-topo shard state (weights, fp32 masters, optimizer
+    state), the module's full weights and buffers, and DeepSpeed's own state."""
     shard = engine.ds_ext.plugin("zero_topo").state_dict()
+    with engine.ds_ext.gathered_parameters():
+        module = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     return {
         "shard": {k: shard[k] for k in ("slices", "segments", "optimizer", "loss_scaler")},
+        "module": module,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
-        "lr_scheduler": engine.lr_scheduler.state_dict(),
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "client": {k: v for k, v in (client_state or {}).items() if k == "note"},
     }
 
@@ -130,7 +135,9 @@ def _async_and_sync(tmp):
     finally:
         ungate()
     _steps(engine, 1, STEPS + 1)  # s3's agreement runs beside these steps' collectives
-    engine.destroy()  # waits for s3
+    engine.ds_ext.plugin("zero_topo").background.wait()
+    failure = _failed_write(engine, tmp / "async")
+    engine.destroy()
     latest = (tmp / "async" / "latest").read_text()
 
     fresh = _engine(False, seed=7)
@@ -140,7 +147,40 @@ def _async_and_sync(tmp):
             _, client = fresh.load_checkpoint(tmp / kind, tag=tag)
             states[kind, tag] = _state(fresh, client)
     fresh.destroy()
-    return returned, unwritten, staged, waited, first_published, latest, states
+    return returned, unwritten, staged, waited, first_published, latest, states, failure, _refused()
+
+
+def _failed_write(engine, where):
+    """A write that fails on rank 3 in the background: save_checkpoint returns, the next save raises."""
+    import torch.distributed as dist
+
+    from ds_ext.zero_topo import checkpoint as ckpt
+
+    save = ckpt.atomic_save
+
+    def broken(obj, path):
+        if dist.get_rank() == 3:
+            raise OSError(28, "No space left on device")
+        save(obj, path)
+
+    ckpt.atomic_save = broken
+    try:
+        engine.save_checkpoint(where, tag="s4")
+        engine.save_checkpoint(where, tag="s5")
+    except ckpt.CheckpointError as err:
+        return str(err)
+    finally:
+        ckpt.atomic_save = save
+
+
+def _refused():
+    """async_save beside DeepSpeed's own background writer, before any training."""
+    from ds_ext.errors import DsExtConfigError
+
+    try:
+        _engine(True, writer={"type": "python", "decoupled": True})
+    except DsExtConfigError as err:
+        return str(err)
 
 
 def _equal(a, b, where=""):
@@ -160,10 +200,18 @@ def _equal(a, b, where=""):
 
 def test_async_save_loads_into_the_state_the_sync_save_loads_into(world, tmp_path):
     results = world.run(_async_and_sync, str(tmp_path))
-    for rank, (returned, unwritten, staged, waited, first_published, latest, states) in enumerate(results):
+    for rank, (returned, unwritten, staged, waited, first_published, latest, states, failure, refused) in enumerate(
+        results
+    ):
         assert unwritten == (True, True) and staged == [], (rank, unwritten, staged)
         assert waited >= 0.9 and first_published, (rank, waited)  # the second save waited for the first
-        assert latest == "s3"
+        assert latest == "s3"  # s4 failed in the background: the next save raised it, on every rank
+        assert failure.startswith(f"ds_ext.zero_topo: saving checkpoint {tmp_path}/async/s4 failed on rank 3: cannot ")
+        assert "No space left on device" in failure
+        assert refused == (
+            "ds_ext.zero_topo.async_save with DeepSpeed's checkpoint.writer: both write checkpoints in the background; "
+            "allowed: one of them (async_save false, or no checkpoint.writer section)"
+        )
         for tag, step in (("s2", 2), ("s3", 3)):
             assert states["async", tag]["global_steps"] == step
             assert states["async", tag]["client"] == {"note": step}
@@ -172,9 +220,117 @@ def test_async_save_loads_into_the_state_the_sync_save_loads_into(world, tmp_pat
             states["async", "s2"]["shard"]["segments"][0]["master"],
             states["async", "s3"]["shard"]["segments"][0]["master"],
         )
-    assert sorted(p.name for p in (tmp_path / "async").iterdir()) == ["latest", "s2", "s3"]
+    assert sorted(p.name for p in (tmp_path / "async").iterdir()) == [".s4.partial", "latest", "s2", "s3"]
     shards = sorted(p.name for p in (tmp_path / "async" / "s2").iterdir())
     assert shards == sorted(["mp_rank_00_model_states.pt"] + [f"ds_ext_zero_topo_rank{r:05d}.pt" for r in range(4)])
+
+
+# ---- the other layouts ZeRO-topo shards -----------------------------------------------------------
+TOPOLOGY = CONFIG["ds_ext"]["topology"]
+ZERO_TOPO = {"preset": "zero_topo", "compile_quantizer": False}
+
+
+def _layout_engine(layout, async_save):
+    """(engine, step function) of ZeRO-topo in ``layout``: 'pipeline' (its pipeline form, PP 2 x
+    DP 2 on DeepSpeed's PipelineEngine), 'ted' (TED MoE, TP 2 x EP 2: experts sharded in their own
+    folder) or 'pmm3d' (3D-PMM grid 2 x 1 x 1 x data 2: one folder per tensor-grid rank)."""
+    import torch.distributed as dist
+
+    import ds_ext
+    from ds_ext.integration import ds_engine
+
+    zero_topo = {"enabled": True, **ZERO_TOPO, "async_save": async_save}
+    torch.manual_seed(1234)
+    if layout == "pipeline":
+        import test_zero_topo_pipeline as tp
+
+        ds_engine.init_distributed()  # as the clients do before building a PipelineModule
+        model = tp._pipe(2)
+        cfg = {
+            "train_batch_size": tp.MICRO * tp.ACCUM * 2,
+            "train_micro_batch_size_per_gpu": tp.MICRO,
+            "zero_optimization": {"stage": 0},
+            "steps_per_print": 10**6,
+            "ds_ext": {"topology": TOPOLOGY, "zero_topo": zero_topo},
+        }
+        engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
+        return engine, lambda s: engine.train_batch(iter(tp._batches(s, engine.grid.get_data_parallel_rank())))
+    if layout == "ted":
+        import ted_support as ts
+        from ds_ext.parallel import TEDLayout
+
+        moe = ts.config()
+        model = ts.ted_model(moe, ts.serial_model(moe).state_dict(), TEDLayout.build(WORLD_SIZE, 2, 2), dist.get_rank())
+        cfg = ts.ds_config(2, 2, 0, plugins={"zero_topo": zero_topo}, bf16={"enabled": True})
+        cfg["ds_ext"]["topology"] = TOPOLOGY
+        engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
+        ted = engine.ds_ext.plugin("ted").ted
+        return engine, lambda s: _one_step(engine, ts.shards(ted.layout, s)[ted.data_rank])
+    from ds_ext.data import ByteCorpus
+    from ds_ext.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=4))
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 10**6,
+        "ds_ext": {
+            "topology": TOPOLOGY,
+            "pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 1, "data": 2}},
+            "zero_topo": zero_topo,
+        },
+    }
+    engine, *_ = ds_ext.initialize(model=model, optimizer=lambda params: torch.optim.AdamW(params), config=cfg)
+    corpus = ByteCorpus(max_bytes=200_000)
+    return engine, lambda s: _one_step(engine, corpus.micro_batch(s, 0, 0, 1, 2, 1, 32))
+
+
+def _one_step(engine, batch):
+    engine.backward(engine(batch))
+    engine.step()
+
+
+def _layouts(tmp):
+    out = {}
+    for layout in ("pipeline", "ted", "pmm3d"):
+        where = Path(tmp, layout)
+        engine, step = _layout_engine(layout, True)
+        step(0)
+        gate, ungate = _gate()
+        try:
+            engine.save_checkpoint(where / "async", tag="t", client_state={"note": layout})
+            step(1)  # the snapshot must not see this step
+            gate.set()
+        finally:
+            ungate()
+        engine.destroy()  # waits for the save
+        engine, step = _layout_engine(layout, False)
+        step(0)
+        engine.save_checkpoint(where / "sync", tag="t", client_state={"note": layout})
+        step(1)  # away from the saved state: each load must restore it
+        states = {}
+        for kind in ("sync", "async"):
+            _, client = engine.load_checkpoint(where / kind, tag="t")
+            states[kind] = _state(engine, client)
+        engine.destroy()
+        out[layout] = (
+            states,
+            sorted(str(p.relative_to(where / "async" / "t")) for p in (where / "async" / "t").rglob("*.pt")),
+        )
+    return out
+
+
+def test_async_save_equals_sync_save_in_the_pipeline_form_with_ted_and_with_3d_pmm(world, tmp_path):
+    for rank, result in enumerate(world.run(_layouts, str(tmp_path))):
+        for layout, (states, files) in result.items():
+            assert states["async"]["client"] == {"note": layout} and states["async"]["global_steps"] == 1
+            _equal(states["sync"], states["async"], f"rank {rank} {layout}")
+            sync_files = sorted(
+                str(p.relative_to(tmp_path / layout / "sync" / "t"))
+                for p in (tmp_path / layout / "sync" / "t").rglob("*.pt")
+            )
+            assert files == sync_files, (layout, files, sync_files)
 
 
 # ---- kill -9 during the background write -------------------------------------------------------

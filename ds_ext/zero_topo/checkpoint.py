@@ -28,7 +28,8 @@ Saving is atomic: DeepSpeed writes into a staging directory ``.<tag>.partial``, 
 rank writes its shard under a temporary name, flushes and renames it, the ranks agree on
 success with a collective, then rank 0 renames the directory to ``<tag>`` and only then
 writes ``latest`` (temporary name + rename). A crash at any point leaves the previous
-checkpoint and ``latest`` untouched. Loading validates every file it needs and the ranks
+checkpoint and ``latest`` untouched. With ``zero_topo.async_save`` the files are snapshot into
+host memory and this protocol runs in a background thread (:mod:`ds_ext.zero_topo.async_save`). Loading validates every file it needs and the ranks
 agree (a collective) before anything is modified, so a bad checkpoint is refused on
 every rank with one line and never hangs the others.
 """

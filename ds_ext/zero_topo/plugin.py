@@ -14,7 +14,8 @@ plain (stage 0, fp32-looking) engine around a model whose parameters ds_ext shar
   swaps the engine's optimizer for :class:`ZeroTopoOptimizer` around the user's torch
   optimizer, makes ``engine.fp16_enabled()`` / ``bfloat16_enabled()`` tell the truth, and
   adds loss scaling (fp16), ``gathered_parameters`` and sharded checkpoints
-  (``ds_ext.zero_topo.checkpoint``) to the engine.
+  (``ds_ext.zero_topo.checkpoint``; saved in the background with ``async_save``:
+  ``ds_ext.zero_topo.async_save``) to the engine.
 """
 
 from __future__ import annotations
