@@ -74,10 +74,20 @@ def _steps(engine, steps, start):
             engine.step()
 
 
+def _cloned(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj
+
+
 def _state(engine, client_state=None):
     """What a load installed: the rank's ZeRO-topo shard state (weights, fp32 masters, optimizer
     state), the module's full weights and buffers, and DeepSpeed's own state."""
-    shard = engine.ds_ext.plugin("zero_topo").state_dict()
+    shard = _cloned(engine.ds_ext.plugin("zero_topo").state_dict())  # independent of state_dict's own copies
     with engine.ds_ext.gathered_parameters():
         module = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     return {
@@ -113,7 +123,6 @@ def _async_and_sync(tmp):
     sync.save_checkpoint(tmp / "sync", tag="s2", client_state={"note": 2})
     _steps(sync, 1, STEPS)
     sync.save_checkpoint(tmp / "sync", tag="s3", client_state={"note": 3})
-    sync.destroy()
 
     engine = _engine(True)
     _steps(engine, STEPS, 0)
@@ -140,13 +149,12 @@ def _async_and_sync(tmp):
     engine.destroy()
     latest = (tmp / "async" / "latest").read_text()
 
-    fresh = _engine(False, seed=7)
-    states = {}
+    states = {}  # loaded into the synchronous run's engine, which has trained past both saves
     for kind in ("sync", "async"):
         for tag in ("s2", "s3"):
-            _, client = fresh.load_checkpoint(tmp / kind, tag=tag)
-            states[kind, tag] = _state(fresh, client)
-    fresh.destroy()
+            _, client = sync.load_checkpoint(tmp / kind, tag=tag)
+            states[kind, tag] = _state(sync, client)
+    sync.destroy()
     return returned, unwritten, staged, waited, first_published, latest, states, failure, _refused()
 
 
