@@ -339,6 +339,10 @@ def test_async_save_equals_sync_save_in_the_pipeline_form_with_ted_and_with_3d_p
                 for p in (tmp_path / layout / "sync" / "t").rglob("*.pt")
             )
             assert files == sync_files, (layout, files, sync_files)
+        folders = {layout: {f.split("/")[0] for f in files if "/" in f} for layout, (_, files) in result.items()}
+        assert folders["ted"] >= {"ds_ext_zero_topo_experts_mp00", "ds_ext_zero_topo_experts_mp01"}, folders
+        assert folders["pmm3d"] >= {"ds_ext_zero_topo_mp00", "ds_ext_zero_topo_mp01"}, folders
+        assert any(f.startswith("layer_") for f in result["pipeline"][1]), result["pipeline"][1]  # DeepSpeed's
 
 
 # ---- kill -9 during the background write -------------------------------------------------------
