@@ -923,6 +923,91 @@ def memorization_table() -> str:
     return _md(head, rows) + note
 
 
+def _interval(iv: dict[str, Any]) -> str:
+    return f"{iv['ratio']:.3f} [{iv['lo']:.3f}, {iv['hi']:.3f}]"
+
+
+def samo_table() -> str:
+    """``ds-ext bench samo``: per sparsity, the state bytes against Eq. 4.1 / Fig. 4.2, the
+    all-reduce bytes against (1 - p) of the dense ones, the synchronisation and step times."""
+    d = _load("bench_samo.json")
+    rows = []
+    for r in d["records"]:
+        rows.append(
+            [
+                f"{r['sparsity']:g}",
+                f"{r['kept']:,} / {r['phi']:,}",
+                f"{r['state_bytes'] / 1e6:.3f} / {r['model_state_bytes'] / 1e6:.3f}",
+                f"{r['memory_saved']:.1%} / {r['memory_saved_eq_4_5']:.1%}",
+                f"{r['allreduce_bytes'] / 1e6:.3f} / {r['dense_allreduce_bytes'] / 1e6:.3f}"
+                f" = {r['allreduce_bytes'] / r['dense_allreduce_bytes']:.4f}",
+                f"{r['samo']['sync_time_s'] * 1e3:.1f} / {r['dense']['sync_time_s'] * 1e3:.1f}",
+                _interval(r["sync_time_ratio"]),
+                f"{r['samo']['step_time_s'] * 1e3:.1f} / {r['dense']['step_time_s'] * 1e3:.1f}",
+                _interval(r["step_time_ratio"]),
+            ]
+        )
+    return _md(
+        [
+            "p",
+            "kept / φ",
+            "state MB measured / Eq. 4.1",
+            "saved vs 20 φ: measured / Eq. 4.5",
+            "all-reduce MB per rank per step: SAMO / dense = ratio",
+            "sync ms SAMO / dense",
+            "sync ratio [95 %]",
+            "step ms SAMO / dense",
+            "step ratio [95 %]",
+        ],
+        rows,
+    )
+
+
+def samo_layout_table() -> str:
+    """``ds-ext bench samo``: §4.2.2's layouts as ``choose_split`` lays them out, and their step times."""
+    d = _load("bench_samo.json")
+    split, lay, prov = d["split"], d["layout"], d["provenance"]
+    rows = [
+        [
+            f"dense `{lay['dense_variant']}`",
+            f"{split['dense']['inter']} x {split['dense']['data']}",
+            f"{split['dense']['state_bytes_per_gpu'] / 1e6:.1f}",
+            f"{lay['dense']['allreduce_bytes'] / 1e6:.3f}",
+            f"{lay['dense']['step_time_s'] * 1e3:.1f}",
+            "1",
+        ],
+        [
+            f"SAMO `{lay['samo_variant']}`",
+            f"{split['samo']['inter']} x {split['samo']['data']}",
+            f"{split['samo']['state_bytes_per_gpu'] / 1e6:.1f}",
+            f"{lay['samo']['allreduce_bytes'] / 1e6:.3f}",
+            f"{lay['samo']['step_time_s'] * 1e3:.1f}",
+            _interval(lay["step_time_ratio"]),
+        ],
+    ]
+    host = prov["host"]
+    note = (
+        f"\n\nAssumed device capacity for model states: {split['device_state_bytes'] / 1e6:.1f} MB "
+        f"({split['device_state_bytes'] / d['phi']:g} φ). Run: commit `{(prov['commit'] or '')[:12]}`, {prov['date']}, "
+        f"{host['cpu']} x {host['cores']}, load average before {host['load_average_before']}, after "
+        f"{host['load_average_after']}; `{prov['command']}`"
+    )
+    return (
+        _md(
+            [
+                "layout",
+                "G_inter x G_data",
+                "model state per GPU MB (choose_split)",
+                "all-reduce MB per rank per step",
+                "step ms (median)",
+                "SAMO / dense [95 %]",
+            ],
+            rows,
+        )
+        + note
+    )
+
+
 SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_zero.md": ("examples/results/bench_zero.json", zero_table),
     "bench_zero_tp2.md": ("examples/results/bench_zero_tp2.json", lambda: zero_table("bench_zero_tp2.json")),
@@ -983,6 +1068,8 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_pccl_repeats.md": ("examples/results/bench_pccl_netns*.json", pccl_repeats_table),
     "simulate_validate.md": ("examples/results/simulate_validate.json", validate_table),
     "memorization.md": ("examples/results/memorization.json", memorization_table),
+    "bench_samo.md": ("examples/results/bench_samo.json", samo_table),
+    "bench_samo_layout.md": ("examples/results/bench_samo.json", samo_layout_table),
 }
 
 

@@ -33,6 +33,9 @@ one left it: DeepSpeed ZeRO-3 installs its memory-efficient linear for the rest 
 ("This will persist unless manually reset"), which changes bf16 results in the last bits; each
 task ends with the original restored.
 
+A rank whose owner (the process that started the World) is gone, killed before it could close
+the World, exits within ``OWNER_POLL_S``: nothing is left polling its gloo groups.
+
 ``rank_env`` (one dict per rank, applied last) and ``rank_setup`` (one picklable callable or None
 per rank, run before anything else: entering the rank's network namespace) place the ranks on an
 emulated cluster (:func:`ds_ext.cluster.world.cluster_world`).
@@ -80,6 +83,7 @@ PG_TIMEOUT_S = 90
 GRACE_AFTER_ERROR_S = 10
 GRACE_AFTER_DEATH_S = 2  # the others wait for the dead rank: no more answers will come
 POLL_S = 0.5  # how often a wait looks for ranks that died without answering
+OWNER_POLL_S = 2.0  # how often an idle rank looks whether its owner is still there
 MAX_GROUPS = 32  # process groups a rank may have created before the world is replaced
 
 
@@ -101,6 +105,22 @@ def _groups_created() -> int:
     return distributed_c10d._world.group_count
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs; one that has exited and waits to be reaped (a zombie: a
+    killed owner whose parent reads its output before reaping it) does not."""
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -111,6 +131,7 @@ def _worker(
     setup: Callable[[], None] | None = None,
     parent_env: dict[str, str] | None = None,
     backend: str = "gloo",
+    owner: int | None = None,
 ) -> None:
     if setup is not None:
         setup()
@@ -144,7 +165,12 @@ def _worker(
         results.put((rank, "error", traceback.format_exc(), 0))
         return
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=OWNER_POLL_S)
+        except queue.Empty:
+            if owner is not None and not _alive(owner):  # module docstring
+                os._exit(0)
+            continue
         if task is None:
             break
         fn, args, kwargs = task
@@ -209,6 +235,7 @@ class World:
                     self.rank_setup[r],
                     dict(os.environ),
                     self.backend,
+                    os.getpid(),
                 ),
                 daemon=True,
             )

@@ -111,3 +111,38 @@ def test_a_task_does_not_see_the_linear_an_earlier_task_installed():
     with World(2) as world:
         assert world.run(_linear_name, True) == ["linear"] * 2
         assert world.run(_linear_name, False) == ["linear"] * 2
+
+
+OWNER = """
+import os, signal
+from ds_ext.local_world import World
+w = World(2)
+print(*w.run(os.getpid), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_ranks_exit_when_the_process_that_owns_the_world_is_killed():
+    """A killed owner (a test run stopped with kill) leaves no rank waiting for tasks for good, also
+    while the owner is a zombie: ``subprocess.run`` reaps it only after its output ends, which the
+    ranks hold open (they inherited it)."""
+    import subprocess
+    import sys
+
+    from ds_ext.local_world import OWNER_POLL_S
+
+    owner = subprocess.run([sys.executable, "-c", OWNER], capture_output=True, text=True, timeout=120)
+    pids = [int(v) for v in owner.stdout.splitlines()[-1].split()]
+    assert owner.returncode == -9 and len(pids) == 2, owner.stderr[-2000:]
+
+    def alive(pid: int) -> bool:  # a zombie has exited; its parent (not this process) has not reaped it yet
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 5 * OWNER_POLL_S
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in pids)

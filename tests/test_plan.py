@@ -1035,3 +1035,22 @@ def test_pccl_costing_of_zero3_world_collectives():
     assert p.bytes["gpu"] == pytest.approx(full * 7 / 8) and p.messages["gpu"] == calls * 7
     with pytest.raises(ValueError, match="zero3"):
         zero_plans.pccl(t, resolve_plan(ZeroTopoConfig(enabled=True, preset="zeropp"), topo))
+
+
+def test_nic_bytes_are_the_node_crossing_hops_of_each_ring():
+    """Issue 48: the planner's NIC column by the rings' structure, written apart from the link model.
+    ZeRO-3's node-level collectives are rings over the world in rank order: of a node's P ranks only
+    the last sends across the node, its whole volume, so the mean over the node is the volume / P.
+    ZeRO-topo's node-level groups hold one rank of each node: every hop crosses, NIC = volume.
+    ZeRO++ sits between; PCCL's phases book no links (None)."""
+    job = make_job(models.lookup("gpt3-1.3b"), MACHINES["frontier"], 4)
+    p = job.topology.ranks_per_node
+    top = job.topology.levels[-1].name
+    result = {e.name: e for e in plan(job, ["zero"]).estimates}
+    zero3, topo, zpp = result["zero3"], result["zero_topo"], result["zeropp"]
+    assert zero3.nic_bytes == pytest.approx(zero3.traffic.bytes[top] / p, rel=1e-9)
+    # but for the step's few bytes of norms over the world (a ring: 1 / P of them cross)
+    assert topo.nic_bytes == pytest.approx(topo.traffic.bytes[top], abs=64)
+    assert zpp.traffic.bytes[top] / p < zpp.nic_bytes < zpp.traffic.bytes[top]
+    e = evaluate(job, zero_plans.candidate(job, {"preset": "zero3"}, collectives="pccl"))
+    assert e is not None and e.nic_bytes is None

@@ -107,9 +107,11 @@ def _train(
     steps: int = STEPS,
     bias: bool = True,
     samo: dict | None = None,
+    zero: int = 0,
 ) -> dict:
-    """Train with SAMO (``samo`` None: DeepSpeed's dense stage-0 engine on the pruned model, for the
-    ledger baseline); ``stages`` > 0: a PipelineModule of that many stages on the PipelineEngine."""
+    """Train with SAMO (``samo`` None: DeepSpeed's dense engine on the pruned model, for the ledger
+    baseline and DeepSpeed's own ZeRO-1); ``stages`` > 0: a PipelineModule of that many stages on the
+    PipelineEngine; ``zero``: the ds_config's ZeRO stage."""
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
@@ -137,6 +139,8 @@ def _train(
         "gradient_clipping": CLIP,
         "steps_per_print": 10**9,
         "ds_ext": {"topology": TOPOLOGY},
+        "zero_optimization": {"stage": zero},
+        "zero_allow_untested_optimizer": True,  # torch's AdamW under DeepSpeed's own ZeRO-1
     }
     if precision != "fp32":
         cfg[precision] = {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}
@@ -157,9 +161,13 @@ def _train(
                 engine.step()
         norm = engine.get_global_grad_norm()  # None for DeepSpeed's dense engine (the ledger baseline)
         norms.append(None if norm is None else float(norm))
+    weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    for name, buf in engine.module.named_buffers():  # DeepSpeed's dense engine: weight = weight_orig x mask
+        if name.endswith("weight_mask"):
+            weights[name.removesuffix("_mask")] = weights.pop(name.removesuffix("_mask") + "_orig") * buf
     out = {
         "rank": dist.get_rank(),
-        "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        "weights": weights,
         "norms": norms,
         "allreduce": sum(b for (_, op, _), b in engine.ds_ext.ledger.steps[-1].bytes.items() if op == "all_reduce"),
     }
@@ -234,6 +242,62 @@ def test_samo_on_a_two_stage_pipeline_engine_equals_masked_dense(worlds):
     _assert_equals_reference(runs, reference(2))
     assert {n.split(".")[0] for n in runs[0]["weights"]} == {"0", "1"}
     assert {n.split(".")[0] for n in runs[-1]["weights"]} == {"2", "3"}
+
+
+def test_zero1_shards_equal_deepspeeds_zero1_and_masked_dense(worlds):
+    """ZeRO stage 1 on 2 ranks (the compressed optimizer state sharded, one shard boundary inside a
+    parameter and one entry of padding): every parameter equals DeepSpeed's own ZeRO-1 training the
+    pruned model densely (its masks applied in forward) and the serial reference within 1e-6 (fp32),
+    the pruned entries exactly zero; the same on a 2-stage PipelineEngine x 2 data ranks; in bf16 each rank holds what
+    ``ds_ext.perf.samo.sharded_model_state_bytes`` predicts, its half of θ32 and os."""
+    from ds_ext.perf import samo as model
+
+    runs = worlds(2).run(_train, samo={}, zero=1)
+    theirs = worlds(2).run(_train, zero=1)
+    _assert_equals_reference(runs, reference(2))
+    for ours, deepspeed in zip(runs, theirs):
+        assert ours["weights"].keys() == deepspeed["weights"].keys()
+        for name, want in deepspeed["weights"].items():
+            torch.testing.assert_close(ours["weights"][name], want, **FP32, msg=name)
+    assert runs[0]["kept"] % 2 == 1  # a padded entry
+    _assert_equals_reference(worlds(4).run(_train, stages=2, samo={}, zero=1), reference(2))  # PP 2 x data 2
+    bf16 = worlds(2).run(_train, precision="bf16", steps=2, bias=False, samo={}, zero=1)
+    for rank, run in enumerate(bf16):
+        phi, k = run["phi"], run["kept"]
+        want = model.sharded_model_state_bytes(phi, k, k, 2, 2, rank)
+        assert sum(run["state_bytes"].values()) == want == run["analytic_state_bytes"]
+        own = min(max(k - rank * (-(-k // 2)), 0), -(-k // 2))
+        assert run["state_bytes"]["masters"] == 4 * own and run["state_bytes"]["optimizer"] == 8 * own
+
+
+def _zero1_checkpoint_error(save_dir: str) -> tuple[str, str] | None:
+    import ds_ext
+    from ds_ext.integration import ds_engine
+
+    ds_engine.init_distributed()
+    model = mlp()
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 1},
+        "ds_ext": {"topology": TOPOLOGY, "samo": {"enabled": True}},
+    }
+    engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
+    try:
+        engine.save_checkpoint(save_dir)
+    except Exception as err:  # noqa: BLE001 - the test inspects the type and message
+        return type(err).__name__, str(err)
+    finally:
+        engine.destroy()
+    return None
+
+
+def test_zero1_checkpoints_are_refused_on_every_rank(worlds, tmp_path):
+    message = (
+        "ds_ext.samo with zero_optimization.stage 1: saving or loading the sharded compressed optimizer state is not "
+        "implemented; allowed: zero_optimization.stage 0 for checkpoints"
+    )
+    assert worlds(2).run(_zero1_checkpoint_error, str(tmp_path), timeout=120) == [("DsExtConfigError", message)] * 2
 
 
 # ---- memory (Eq. 4.1) and communication (§4.2.1) ------------------------------------------------
@@ -425,11 +489,11 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
     "extra, optimizer, model_kind, message",
     [
         (
-            {"zero_optimization": {"stage": 1}},
+            {"zero_optimization": {"stage": 2}},
             "adamw",
             "mlp",
-            "ds_ext.samo with zero_optimization.stage 1: SAMO keeps the compressed optimizer state whole on every "
-            "data-parallel rank; allowed: 0",
+            "ds_ext.samo with zero_optimization.stage 2: SAMO shards the compressed optimizer state (stage 1) but "
+            "keeps the compressed gradients and the weights whole on every data-parallel rank; allowed: 0, 1",
         ),
         (
             {"ds_ext": {"zero_topo": {"enabled": True}}},
@@ -477,7 +541,7 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
             "over their stages; allowed: a PipelineModule without tied layers",
         ),
     ],
-    ids=["zero1", "zero_topo", "tiled", "ted", "pmm3d", "pccl", "goldfish", "sgd", "no-mask", "tied"],
+    ids=["zero2", "zero_topo", "tiled", "ted", "pmm3d", "pccl", "goldfish", "sgd", "no-mask", "tied"],
 )
 def test_unsupported_combinations_are_refused_in_one_line(worlds, extra, optimizer, model_kind, message):
     for res in worlds(2).run(_initialize_error, extra, optimizer, model_kind, timeout=120):

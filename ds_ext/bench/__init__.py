@@ -24,6 +24,7 @@ BENCHMARKS: tuple[str, ...] = (
     "pccl",
     "scale",
     "memorization",
+    "samo",
 )
 
 

@@ -51,6 +51,17 @@ def model_state_bytes(phi: int, kept: int, indexed: int | None = None, weight_by
     return w * phi + (w + 4 + 8) * kept + INDEX_BYTES * indexed + upcast
 
 
+def sharded_model_state_bytes(phi: int, kept: int, indexed: int, weight_bytes: int, shards: int, rank: int) -> int:
+    """Eq. 4.1 under ZeRO-1 (``ds_ext.samo.optimizer``) on data-parallel ``rank`` of ``shards``:
+    θ16 dense (w φ), the flat ∇θ16 padded to ``shards`` chunks of s = ceil(k / shards) (w s shards),
+    the rank's chunk of ∇θ16, reused for its 16-bit copy (w s), its fp32 gradient in 16-bit
+    training (4 s), θ32 and os over the k_r kept entries the chunk holds (12 k_r), the indices."""
+    w, s = weight_bytes, -(-kept // shards)
+    own = min(max(kept - rank * s, 0), s)
+    upcast = 0 if w == 4 else 4 * s
+    return w * phi + w * s * shards + w * s + upcast + (4 + 8) * own + INDEX_BYTES * indexed
+
+
 def model_state_bytes_at(phi: int, p: float) -> float:
     """M^SAMO = 24 (1 - p) φ + 2 φ (Eq. 4.3) for uniform pruning of a fraction ``p``."""
     return 24 * (1 - p) * phi + 2 * phi

@@ -5,8 +5,13 @@ Step time (α-β per level, compute at the machine's efficiency, no overlap)::
     t_step = F / (W peak efficiency) + Σ_L (bytes_L / β_L + messages_L α_L)
 
 with F the step's FLOPs (``ds_ext.perf.compute.step_flops``), W ranks, and bytes_L /
-messages_L what one rank sends over level L per optimizer step (the ledger's convention) by
-the plan's own analytic model (``ds_ext.zero_topo.perf``, ``ds_ext.perf.pmm``, ``ds_ext.perf.ted``).
+messages_L what one rank sends over level L per optimizer step by the plan's own analytic model
+(``ds_ext.zero_topo.perf``, ``ds_ext.perf.pmm``, ``ds_ext.perf.ted``), in 003's volume convention:
+each collective at the outermost level its group spans. That is the convention of a ring's time:
+every hop of a ring carries the same bytes at once, so the ring waits on its slowest hop, the
+outermost link it crosses, whatever share of its hops cross it. What the NICs carry is another
+figure (issue 48): ``nic_bytes``, the link bytes (``ds_ext.comm.hops``: each byte at the level of the
+link it crosses) leaving a node per rank, for the plans whose model books links (ZeRO-topo's presets).
 Communication is not overlapped with compute: 003's ratios between ZeRO-3, ZeRO++ and
 ZeRO-topo show that it was not hidden on Frontier, and it is the bound ds_ext's engines reach
 without prefetch. TFLOPS per rank = F / (t_step W), GPT-NeoX's definition (spec A1).
@@ -23,6 +28,7 @@ activations"), the size at which they fill the device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 from ds_ext.perf.compute import step_flops
@@ -86,6 +92,14 @@ class Estimate:
     reason: str  # why it does not fit ("" if it does)
     max_params: float
     notes: tuple[str, ...] = field(default_factory=tuple)
+    nic: Callable[[], float] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def nic_bytes(self) -> float | None:
+        """Bytes per rank and step over the links out of its node (the NICs), the mean over a node's
+        ranks, by the link model (module docstring); None where the plan's model books no links.
+        Computed when asked: it evaluates the model once per rank of a node."""
+        return None if self.nic is None else self.nic()
 
     @property
     def step_s(self) -> float:
@@ -150,6 +164,7 @@ class Candidate:
     seconds: Callable[[int, int], dict[str, float]] | None = None  # another time model than α-β per level
     micro: int | None = None  # a fixed micro-batch (batch_options)
     stretch: Callable[[int, int], float] = lambda micro, accum: 1.0  # compute slots per busy slot (pipeline bubble)
+    nic: Callable[[int, int], float] | None = None  # (micro-batch, accumulation) -> Estimate.nic_bytes
 
 
 def unsplittable(job: Job, cand: Candidate) -> str:
@@ -200,4 +215,5 @@ def evaluate(job: Job, cand: Candidate) -> Estimate | None:
         reason,
         limit * job.arch.params / states,
         cand.notes,
+        None if cand.nic is None else lambda: cand.nic(b, g),  # type: ignore[misc]
     )

@@ -83,6 +83,7 @@ def table(result: PlanResult, top_k: int = 5) -> str:
         + [SHORT[s] for s in STATES]
         + ["total", "fits"]
         + [f"{lv} GB" for lv in levels]
+        + ["NIC GB"]
         + ["comp s", "comm s", "step s", "TFLOPS", "max B"]
     )
     rows = []
@@ -93,6 +94,7 @@ def table(result: PlanResult, top_k: int = 5) -> str:
             + [_gb(e.memory[s]) for s in STATES]
             + [_gb(e.total_memory), "yes" if e.fits else "no"]
             + [_gb(e.traffic.bytes.get(lv, 0.0)) for lv in levels]
+            + ["-" if e.nic_bytes is None else _gb(e.nic_bytes)]
             + [
                 f"{e.compute_s:.2f}",
                 f"{sum(e.comm_s.values()):.2f}",
@@ -106,8 +108,10 @@ def table(result: PlanResult, top_k: int = 5) -> str:
     lines = [head, "", fmt(cols), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
     lines.append(
         "wts / sec / grad / opt / act: GB per rank of weights, secondary, gradients, optimizer states, "
-        "activations; <level> GB: bytes one rank sends per optimizer step; max B: billions of parameters "
-        "whose model states fill the device at this plan's bytes per parameter"
+        "activations; <level> GB: bytes one rank sends per optimizer step, each collective at the outermost "
+        "level it spans (003's convention, the one a ring's time follows); NIC GB: of those, the bytes "
+        "that cross a node's links, per rank (the link model; - where the plan's model books no links); "
+        "max B: billions of parameters whose model states fill the device at this plan's bytes per parameter"
     )
     hidden = not_shown(result, top_k)
     if hidden:
@@ -133,6 +137,7 @@ def record(e: Estimate) -> dict[str, Any]:
         "fits": e.fits,
         "reason": e.reason,
         "bytes_per_level": e.traffic.bytes,
+        "nic_bytes_per_rank": e.nic_bytes,
         "messages_per_level": e.traffic.messages,
         "compute_s": e.compute_s,
         "comm_s_per_level": e.comm_s,

@@ -140,6 +140,21 @@ def traffic(
     return pccl(t, plan) if collectives == "pccl" else Traffic(t.by_level(), t.steps_by_level())
 
 
+def nic_bytes(plan: ShardingPlan, arch: Arch, grad_accum: int, elem_bytes: int, deepspeed: str | None = None) -> float:
+    """Bytes per rank and step over the links out of its node, the mean over the ranks of node 0
+    (``Estimate.nic_bytes``): ``ds_ext.zero_topo.perf``'s link bytes at the outermost level. A ring
+    over the world crosses a node's boundary on one hop of each node, so of its volume the NICs
+    carry about 1 / P per rank (P ranks a node); a ring over one rank of each node crosses it on
+    every hop."""
+    top = plan.topology.levels[-1].name
+    us = units(arch, plan, deepspeed is not None)
+    total = 0.0
+    for rank in range(plan.topology.ranks_per_node):
+        t = perf.traffic(plan, us, grad_accum, elem_bytes, secondary_serves_forward=deepspeed != "0.13.1", rank=rank)
+        total += sum(per.get(top, 0.0) for per in (t.links or {}).values())
+    return total / plan.topology.ranks_per_node
+
+
 def states(plan: ShardingPlan, arch: Arch, elem_bytes: int) -> dict[str, float]:
     m = perf.memory(plan, units(arch, plan), 0, elem_bytes)
     return {
@@ -174,6 +189,7 @@ def candidate(
         ),
         traffic=lambda b, g: traffic(plan, a, g, e, deepspeed, collectives),
         notes=(plan.describe(),),
+        nic=None if collectives == "pccl" else lambda b, g: nic_bytes(plan, a, g, e, deepspeed),
     )
 
 

@@ -19,6 +19,12 @@ degree, ``s`` the fp16 loss scale, ``c`` the clip coefficient. Per optimizer ste
 
 :meth:`SamoOptimizer.state_bytes` measures every tensor SAMO holds at the step's peak (after 5's
 copies exist), each storage once: what :func:`ds_ext.perf.samo.model_state_bytes` predicts.
+
+ZeRO-1 (``zero_optimization.stage`` 1, compressed optimizer shards): the flat ∇θ16 (padded to d
+equal chunks, :mod:`ds_ext.samo.state`) is reduce-scattered instead of all-reduced (the same bytes),
+data-parallel rank r keeps chunk r; ∇θ32, θ32 and os exist for that chunk only (one piece per
+parameter the chunk overlaps), the squared norm is summed over the data group too, and after the
+step the chunk's 16-bit copy is all-gathered into the flat buffer and expanded into θ16 from there.
 """
 
 from __future__ import annotations
@@ -58,7 +64,8 @@ class SamoOptimizer(torch.optim.Optimizer):
     compressed fp32 masters. ``inner`` keeps its class, hyper-parameters and param groups (LR
     schedulers built on it keep working). ``scaler`` is DeepSpeed's own loss scaler
     (``ds_engine.loss_scaler``); ``data_group`` the data-parallel group (None: one rank);
-    ``model_group`` the pipeline stages' group the norm sums over (None: one stage)."""
+    ``model_group`` the pipeline stages' group the norm sums over (None: one stage); ``shard``:
+    ZeRO-1 over ``data_group`` (module docstring)."""
 
     def __init__(
         self,
@@ -69,6 +76,7 @@ class SamoOptimizer(torch.optim.Optimizer):
         scaler: Any,
         data_group: object | None,
         model_group: object | None,
+        shard: bool = False,
     ) -> None:
         self.grads, self.inner, self.comm = grads, inner, comm
         self.clip, self.scaler = clip, scaler
@@ -86,7 +94,13 @@ class SamoOptimizer(torch.optim.Optimizer):
                 f"{KEY}: param group {stray[0]} of the optimizer holds a tensor that is no trainable parameter of the "
                 "model; allowed: an optimizer over the model's trainable parameters"
             )
+        self.sharded = shard and data_group is not None
+        # this rank's chunk [lo, lo + size) of the flat buffer (ZeRO-1), else the whole buffer
+        size = grads.shard_size if self.sharded else grads.flat.numel()
+        self.lo = torch.distributed.get_rank(data_group) * size if self.sharded else 0
+        self.shard = torch.zeros(size, dtype=self.dtype, device=grads.flat.device) if self.sharded else None
         per_group: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
+        self.pieces: list[tuple[int, int]] = []  # (start, stop) in the flat buffer of each master
         self.masters: list[torch.Tensor] = []
         for entry in grads.entries:
             if id(entry.param) not in group_of:
@@ -94,14 +108,19 @@ class SamoOptimizer(torch.optim.Optimizer):
                     f"{KEY}: a trainable parameter of shape {tuple(entry.param.shape)} is in none of the optimizer's "
                     "param groups; allowed: an optimizer over every trainable parameter (or freeze it)"
                 )
-            master = compress(entry.param.detach(), entry.index).float().clone()
+            start, stop = max(entry.offset, self.lo), min(entry.end, self.lo + size)
+            if start >= stop:
+                continue
+            values = compress(entry.param.detach(), entry.index)[start - entry.offset : stop - entry.offset]
+            master = values.float().clone()
+            self.pieces.append((start - self.lo, stop - self.lo))
             self.masters.append(master)
             per_group[group_of[id(entry.param)]].append(master)
         for g, params in zip(inner.param_groups, per_group):
             g["params"] = params
         inner.state.clear()
         with torch.no_grad():
-            self._expand(self.masters)  # the pruned entries of θ16 are zero from the start
+            self._zero_pruned()  # the pruned entries of θ16 are zero from the start
 
     @property
     def param_groups(self) -> list[dict]:  # type: ignore[override]
@@ -121,9 +140,24 @@ class SamoOptimizer(torch.optim.Optimizer):
         for entry, v in zip(self.grads.entries, values, strict=True):
             expand(v, entry.index, entry.param.data)
 
+    def _zero_pruned(self) -> None:
+        """θ16's pruned entries written as zero (its kept entries as they are)."""
+        self._expand([compress(e.param.detach(), e.index) for e in self.grads.entries])
+
+    def check_checkpointable(self) -> None:
+        """Refuse, in one line, a checkpoint of the sharded state (ZeRO-1: not implemented)."""
+        if self.sharded:
+            raise DsExtConfigError(
+                f"{KEY} with zero_optimization.stage 1: saving or loading the sharded compressed optimizer state is not "
+                "implemented; allowed: zero_optimization.stage 0 for checkpoints"
+            )
+
     def _norm(self, g32: torch.Tensor) -> float:
-        """The global 2-norm of the unscaled compressed gradients, over every pipeline stage."""
+        """The global 2-norm of the unscaled compressed gradients, over every data-parallel shard
+        (ZeRO-1) and pipeline stage."""
         sumsq = torch.linalg.vector_norm(g32).double().square().reshape(1)
+        if self.sharded:
+            self.comm.all_reduce(sumsq, group=self.data_group)
         if self.model_group is not None:
             self.comm.all_reduce(sumsq, group=self.model_group)
         value = sumsq.item()
@@ -134,10 +168,15 @@ class SamoOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise DsExtConfigError(f"{KEY}: step(closure) is not supported; call step() after backward")
         flat = self.grads.flat
-        if self.data_group is not None:
+        local = flat
+        if self.sharded:
+            local = self.shard
+            self.comm.reduce_scatter(local, flat, group=self.data_group)
+            local.div_(self.data_size)
+        elif self.data_group is not None:
             self.comm.all_reduce(flat, group=self.data_group)
             flat.div_(self.data_size)
-        g32 = flat.float()  # ∇θ32 (the same tensor in fp32 training)
+        g32 = local.float()  # ∇θ32 (the same tensor in fp32 training)
         scale = self.scaler.loss_scale
         if scale != 1.0:
             g32.div_(scale)
@@ -149,14 +188,21 @@ class SamoOptimizer(torch.optim.Optimizer):
             coef = self.clip / (norm + 1e-6)
             if self.clip > 0 and coef < 1.0:
                 g32.mul_(coef)
-            for entry, master in zip(self.grads.entries, self.masters):
-                master.grad = g32[entry.offset : entry.end]
+            for (start, stop), master in zip(self.pieces, self.masters):
+                master.grad = g32[start:stop]
             self.inner.step()
-            copies = [m.to(self.dtype) for m in self.masters]  # the temporary compressed θ16 (§4.1.3)
-            self._sample_bytes(g32, copies)
-            self._expand(copies)
             for master in self.masters:
                 master.grad = None
+            if self.sharded:  # the chunk's 16-bit copy, all-gathered into the flat buffer
+                for (start, stop), master in zip(self.pieces, self.masters):
+                    self.shard[start:stop].copy_(master)
+                self._sample_bytes(g32, [self.shard])
+                self.comm.all_gather(flat, self.shard, group=self.data_group)
+                self._expand([flat[e.offset : e.end] for e in self.grads.entries])
+            else:
+                copies = [m.to(self.dtype) for m in self.masters]  # the temporary compressed θ16 (§4.1.3)
+                self._sample_bytes(g32, copies)
+                self._expand(copies)
         flat.zero_()
 
     def _sample_bytes(self, g32: torch.Tensor, copies: list[torch.Tensor]) -> None:
@@ -194,11 +240,13 @@ class SamoOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state (over the compressed masters) and the masters themselves."""
+        self.check_checkpointable()
         return {"inner": self.inner.state_dict(), "masters": [m.clone() for m in self.masters]}
 
     def refresh_fp32_params(self) -> None:
         """The masters from θ16 (DeepSpeed calls this after loading the module alone); θ16's pruned
         entries are written as zero again."""
+        self.check_checkpointable()
         with torch.no_grad():
             for entry, master in zip(self.grads.entries, self.masters):
                 master.copy_(compress(entry.param.detach(), entry.index))
@@ -208,6 +256,7 @@ class SamoOptimizer(torch.optim.Optimizer):
         """Restore :meth:`state_dict`'s masters and optimizer state and expand the masters into θ16;
         ``load_optimizer_states`` False (DeepSpeed's argument): the masters from the loaded θ16 and
         an empty optimizer state, as DeepSpeed's optimizers do."""
+        self.check_checkpointable()
         if set(state_dict) != {"inner", "masters"} or len(state_dict["masters"]) != len(self.masters):
             raise DsExtConfigError(
                 f"{KEY}: this optimizer state was not saved by {KEY} for this model; allowed: a checkpoint saved with "

@@ -5,7 +5,7 @@ state but the dense 16-bit weights compressed by its pruning mask:
 
 * ``check``: refuses, before any collective, every other ds_ext plugin, DeepSpeed-MoE experts and
   a PipelineModule's tied layers (:mod:`ds_ext.samo.support`);
-* ``prepare``: refuses the DeepSpeed settings SAMO does not implement (ZeRO stage > 0, tensor
+* ``prepare``: refuses the DeepSpeed settings SAMO does not implement (ZeRO stage > 1, tensor
   parallelism, optimizers other than Adam / AdamW), reads the mask (:mod:`ds_ext.samo.mask`),
   reads ``bf16`` / ``fp16`` (DeepSpeed's own loss scaler) / ``gradient_clipping`` and hands
   DeepSpeed a copy with those off; casts the model to the training dtype;
@@ -13,7 +13,8 @@ state but the dense 16-bit weights compressed by its pruning mask:
   holds the same mask, builds the shared indices and the compressed gradient buffer with its
   backward hooks (:mod:`ds_ext.samo.state`), swaps the engine's optimizer for
   :class:`~ds_ext.samo.optimizer.SamoOptimizer` (which all-reduces the compressed gradients over
-  the data-parallel group and stops DeepSpeed's dense all-reduce), scales the loss for fp16 (on the
+  the data-parallel group and stops DeepSpeed's dense all-reduce; under ZeRO-1 it shards them and
+  the engine's save / load_checkpoint are refused on every rank), scales the loss for fp16 (on the
   last stage of a PipelineEngine) and makes the engine report the dtype and clipping it applies.
 """
 
@@ -57,7 +58,7 @@ class SamoPlugin(Plugin):
         layout = self.runtime.parallel
         support.check_layout(layout.degree("tensor"), layout.source)
         self.dtype = ds_engine.training_dtype(ds_config)
-        support.check_ds_config(ds_config, self.dtype)
+        self.stage = support.check_ds_config(ds_config, self.dtype)
         support.check_optimizer(optimizer, ds_config)
         self.masks = read_masks(model, self.config.mask, self.config.mask_file)
         if not self.masks and ds_engine.pipeline_grid(model) is None:
@@ -71,6 +72,7 @@ class SamoPlugin(Plugin):
         for key in ("bf16", "fp16"):
             cfg.setdefault(key, {})["enabled"] = False
         cfg["gradient_clipping"] = 0.0
+        cfg.setdefault("zero_optimization", {})["stage"] = 0  # stage 1: SAMO shards (SamoOptimizer)
         (cfg.get("data_types") or {}).pop("grad_accum_dtype", None)
         return model.to(self.dtype), optimizer, cfg
 
@@ -87,13 +89,20 @@ class SamoPlugin(Plugin):
         layout = rt.parallel
         data_group = rt.groups.group(layout.partition("data")) if layout.degree("data") > 1 else None
         model_group = rt.groups.group(layout.partition("model")) if layout.degree("model") > 1 else None
-        self.grads = CompressedGradients(params, self.masks, self.dtype)
+        shard = self.stage == 1 and data_group is not None
+        self.grads = CompressedGradients(params, self.masks, self.dtype, layout.degree("data") if shard else 1)
         del self.masks  # the indices hold them now
         self._check_masks_agree(data_group)
         self.optimizer = SamoOptimizer(
-            self.grads, engine.optimizer, rt.comm, self.clip, self.scaler, data_group, model_group
+            self.grads, engine.optimizer, rt.comm, self.clip, self.scaler, data_group, model_group, shard
         )
         ds_engine.replace_optimizer(engine, self.optimizer)
+        if shard:  # refused on every rank, before DeepSpeed saves on data-parallel rank 0 alone
+
+            def refuse(original: Any, **arguments: Any) -> None:
+                self.optimizer.check_checkpointable()
+
+            ds_engine.wrap_checkpoint_methods(engine, save_checkpoint=refuse, load_checkpoint=refuse)
         if self.dtype == torch.float16 and ds_engine.is_pipeline_engine(engine):
             ds_engine.scale_pipeline_loss(engine, lambda: self.scaler.loss_scale)
         elif self.dtype == torch.float16:
@@ -135,11 +144,17 @@ class SamoPlugin(Plugin):
         return self.optimizer.state_bytes()
 
     def analytic_state_bytes(self) -> int:
-        """Eq. 4.1 for this run's parameters, kept entries and dtype."""
-        g = self.grads
+        """Eq. 4.1 for this run's parameters, kept entries and dtype (under ZeRO-1, this rank's share)."""
+        g, o = self.grads, self.optimizer
+        if o.sharded:
+            rank = o.lo // g.shard_size
+            return samo_model.sharded_model_state_bytes(
+                g.phi, g.kept, g.indexed, self.dtype.itemsize, o.data_size, rank
+            )
         return samo_model.model_state_bytes(g.phi, g.kept, g.indexed, self.dtype.itemsize)
 
     def analytic_allreduce_bytes(self) -> tuple[float, float]:
-        """(SAMO's, dense training's) gradient all-reduce bytes per step on this rank (§4.2.1)."""
+        """(SAMO's, dense training's) gradient all-reduce bytes per step on this rank (§4.2.1; under
+        ZeRO-1 the reduce-scatter and all-gather of the padded buffer, the same sum)."""
         d, w, g = self.optimizer.data_size, self.dtype.itemsize, self.grads
-        return samo_model.allreduce_bytes(g.kept, w, d), samo_model.allreduce_bytes(g.phi, w, d)
+        return samo_model.allreduce_bytes(g.flat.numel(), w, d), samo_model.allreduce_bytes(g.phi, w, d)

@@ -6,7 +6,8 @@ parameter θ_i, in model order, owns the slice ``[offset_i, offset_i + k_i)`` of
 buffer of ``k = Σ k_i`` elements in the training dtype, which holds its compressed gradient in
 the order of its index (:mod:`ds_ext.samo.index`); a parameter without a mask owns ``n_i``
 entries (kept whole, no index). The buffer is the same on every data-parallel rank, so the
-all-reduce of §4.2.1 is one call on it.
+all-reduce of §4.2.1 is one call on it. With ``shards`` = d (ZeRO-1) it is padded with zeros to
+d equal chunks of ``shard_size`` = ceil(k / d) entries, data-parallel rank r owning chunk r.
 
 Backward: a post-accumulate-grad hook on each parameter adds the compressed gradient to its
 slice as soon as autograd has produced the dense gradient of that parameter and drops the dense
@@ -43,7 +44,9 @@ class Entry:
 class CompressedGradients:
     """The flat compressed ∇θ16 of ``params`` (module docstring) and the hooks that fill it."""
 
-    def __init__(self, params: list[nn.Parameter], masks: dict[nn.Parameter, torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(
+        self, params: list[nn.Parameter], masks: dict[nn.Parameter, torch.Tensor], dtype: torch.dtype, shards: int = 1
+    ) -> None:
         self.entries: list[Entry] = []
         offset = 0
         for p in params:
@@ -53,7 +56,9 @@ class CompressedGradients:
             self.entries.append(Entry(p, index, offset, kept))
             offset += kept
         device = params[0].device if params else torch.device("cpu")
-        self.flat = torch.zeros(offset, dtype=dtype, device=device)
+        self.kept = offset  # Σ k_i: the entries every compressed state holds
+        self.shard_size = -(-offset // shards)  # ZeRO-1: the buffer padded to ``shards`` equal chunks
+        self.flat = torch.zeros(self.shard_size * shards, dtype=dtype, device=device)
         for entry in self.entries:
             entry.param.register_post_accumulate_grad_hook(self._compress_hook(entry))
 
@@ -69,11 +74,6 @@ class CompressedGradients:
     def phi(self) -> int:
         """φ: elements of the trained parameters, pruned ones included."""
         return sum(e.param.numel() for e in self.entries)
-
-    @property
-    def kept(self) -> int:
-        """Σ k_i: the entries every compressed state holds."""
-        return self.flat.numel()
 
     @property
     def indexed(self) -> int:

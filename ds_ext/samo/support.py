@@ -3,8 +3,9 @@
 SAMO takes over DeepSpeed's mixed precision, gradient all-reduce, clipping and optimizer step,
 so DeepSpeed runs underneath as a plain stage-0 engine (or PipelineEngine). It runs in data
 parallelism (ZeRO stage 0) and on DeepSpeed's PipelineEngine (001 §4.2.2's inter-layer
-parallelism), with torch's Adam / AdamW or DeepSpeed's FusedAdam, fp32, fp16 (DeepSpeed's loss
-scaler) or bf16, gradient accumulation and clipping. Everything else is refused here in one line
+parallelism), with ZeRO stage 1 (compressed optimizer shards), with torch's Adam / AdamW or
+DeepSpeed's FusedAdam, fp32, fp16 (DeepSpeed's loss scaler) or bf16, gradient accumulation and
+clipping. Everything else is refused here in one line
 naming both settings and what is allowed.
 """
 
@@ -51,15 +52,17 @@ def check_layout(tensor: int, source: str) -> None:
         )
 
 
-def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
-    """Refuse the DeepSpeed settings SAMO does not implement."""
+def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> int:
+    """Refuse the DeepSpeed settings SAMO does not implement; the ZeRO stage SAMO runs (0, or 1:
+    the compressed optimizer state sharded over the data-parallel ranks)."""
     zero = ds_config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
-    if stage != 0:
+    if stage not in (0, 1):
         _refuse(
             "zero_optimization.stage",
-            "SAMO keeps the compressed optimizer state whole on every data-parallel rank",
-            "0",
+            "SAMO shards the compressed optimizer state (stage 1) but keeps the compressed gradients and the "
+            "weights whole on every data-parallel rank",
+            "0, 1",
             stage,
         )
     for key in ("amp", "torch_autocast"):
@@ -93,6 +96,7 @@ def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> None:
         _refuse(
             "data_types.grad_accum_dtype", "SAMO accumulates compressed gradients in the training dtype", "unset", accum
         )
+    return stage
 
 
 def check_optimizer(optimizer: Any, ds_config: Mapping[str, Any]) -> None:

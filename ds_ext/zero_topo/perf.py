@@ -378,7 +378,12 @@ def _gradient_reduce(
     mine, mine_g = shard_index(topo, rank, g - 1), topo.coords(rank)[g]
     peers = [k for k in range(d) if k // n != mine]  # shard k = (intra digits, level-g digit)
     t.add(phase, _level(plan, inner), sent(peers), calls(range(d)), times, d=p)
-    hop1 = {r: sent([k for k in range(d) if k // n == shard_index(topo, r, g - 1)]) for r in t.members(rank, inner)}
+
+    def reduced_by(r: int) -> list[int]:  # the shards whose inner digits are r's: hop 1 sends them to r
+        s = shard_index(topo, r, g - 1)
+        return list(range(s * n, (s + 1) * n))
+
+    hop1 = {r: sent(reduced_by(r)) for r in t.members(rank, inner)}
     t.link(phase, "all_to_all", inner, 0.0, times, hop1)
     own = [mine * n + c for c in range(n)]  # the partial sums this rank holds after hop 1
     t.add(phase, _level(plan, [g]), sent([k for k in own if k % n != mine_g]), calls(own), times, d=n)
