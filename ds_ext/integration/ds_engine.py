@@ -241,6 +241,19 @@ def restore_on_destroy(engine, restore: Callable[[], None]) -> None:
     engine.destroy = destroy_and_restore
 
 
+def before_destroy(engine, first: Callable[[], None]) -> None:
+    """Call ``first`` when ``engine.destroy()`` is called, before DeepSpeed's teardown runs (a
+    plugin's background work completed while the engine is whole)."""
+    destroy = engine.destroy
+
+    @functools.wraps(destroy)
+    def first_then_destroy(*args, **kwargs):
+        first()
+        return destroy(*args, **kwargs)
+
+    engine.destroy = first_then_destroy
+
+
 def report_precision(engine, dtype) -> None:
     """Make ``engine.fp16_enabled()`` / ``bfloat16_enabled()`` report the dtype a plugin
     trains in after it took mixed precision over from DeepSpeed (engine.py:1724 and the

@@ -28,7 +28,8 @@ Saving is atomic: DeepSpeed writes into a staging directory ``.<tag>.partial``, 
 rank writes its shard under a temporary name, flushes and renames it, the ranks agree on
 success with a collective, then rank 0 renames the directory to ``<tag>`` and only then
 writes ``latest`` (temporary name + rename). A crash at any point leaves the previous
-checkpoint and ``latest`` untouched. Loading validates every file it needs and the ranks
+checkpoint and ``latest`` untouched. With ``zero_topo.async_save`` the files are snapshot into
+host memory and this protocol runs in a background thread (:mod:`ds_ext.zero_topo.async_save`). Loading validates every file it needs and the ranks
 agree (a collective) before anything is modified, so a bad checkpoint is refused on
 every rank with one line and never hangs the others.
 """
@@ -45,7 +46,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from ds_ext.comm.collectives import backend_device
+from ds_ext.comm.collectives import backend_device, torch_op
 from ds_ext.errors import DsExtError
 from ds_ext.zero_topo.layout import shard_count, shard_index
 
@@ -182,15 +183,17 @@ def check_model_parallel(tag_dir: Path, model_size: int, expert_model_size: int 
 
 
 # ---- agreement -----------------------------------------------------------------------
-def agree(error: str | None, what: str) -> None:
+def agree(error: str | None, what: str, group: object | None = None) -> None:
     """Collective: raise the same one-line :class:`CheckpointError` on every rank if any
-    rank failed (naming the first failing rank and its reason)."""
-    flag = torch.tensor([0.0 if error is None else 1.0], device=backend_device())
-    dist.all_reduce(flag)
+    rank failed (naming the first failing rank and its reason). ``group``: a group of every
+    rank other than the world's (the background writer's, ``ds_ext.zero_topo.async_save``),
+    whose collectives the ledger does not count."""
+    flag = torch.tensor([0.0 if error is None else 1.0], device=backend_device(group))
+    (dist.all_reduce if group is None else torch_op("all_reduce"))(flag, group=group)
     if flag.item() == 0:
         return
     errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    dist.all_gather_object(errors, error, group=group)
     rank, msg = next((r, e) for r, e in enumerate(errors) if e is not None)
     raise CheckpointError(f"ds_ext.zero_topo: {what} failed on rank {rank}: {msg}")
 

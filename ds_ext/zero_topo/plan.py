@@ -151,6 +151,16 @@ class ZeroTopoConfig(PluginConfig):
         "waiting for ds_ext.comm.timeout_s; equal units keep waiting. On gloo (timed waits); "
         "0 = off. On NCCL torch's TORCH_NCCL_DESYNC_DEBUG=1 reports such mismatches.",
     )
+    async_save: bool = Field(
+        False,
+        description="engine.save_checkpoint copies the rank's checkpoint (its ZeRO-topo shard with TED experts, "
+        "3D-PMM slices and the tiled optimizer's state, and DeepSpeed's own files) into host memory and returns; a "
+        "background thread writes it and completes the atomic save (staging directory, agreement of the ranks on "
+        "a gloo group of its own, 'latest' last). A later save, load_checkpoint or engine.destroy() first waits "
+        "for it and raises its failure. Default false: the snapshot holds a second copy of the rank's state in "
+        "host memory until written, and a failed write is reported at that later call instead of by "
+        "save_checkpoint itself (issue 50; ds_ext.zero_topo.plugin).",
+    )
     quantization_groups: Literal["per_parameter", "packed"] = Field(
         "per_parameter",
         description="'per_parameter': every parameter starts on a block boundary of its unit and 1-D parameters' "

@@ -14,7 +14,8 @@ plain (stage 0, fp32-looking) engine around a model whose parameters ds_ext shar
   swaps the engine's optimizer for :class:`ZeroTopoOptimizer` around the user's torch
   optimizer, makes ``engine.fp16_enabled()`` / ``bfloat16_enabled()`` tell the truth, and
   adds loss scaling (fp16), ``gathered_parameters`` and sharded checkpoints
-  (``ds_ext.zero_topo.checkpoint``) to the engine.
+  (``ds_ext.zero_topo.checkpoint``; saved in the background with ``async_save``:
+  ``ds_ext.zero_topo.async_save``) to the engine.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from ds_ext.zero_topo.plan import ZeroTopoConfig, resolve_plan
 from ds_ext.zero_topo.layout import shard_count, shard_index
 from ds_ext.zero_topo.perf import memory, traffic
 from ds_ext.zero_topo.agreement import UnitTrace
+from ds_ext.zero_topo.async_save import BackgroundSave, agreement_group
 from ds_ext.zero_topo.data_group import DataGroup
 from ds_ext.zero_topo.units import ShardContext
 
@@ -83,7 +85,7 @@ class ZeroTopoPlugin(Plugin):
         self._form(model)
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
-        from ds_ext.integration import ds_engine, ds_offload  # DeepSpeed is imported on use
+        from ds_ext.integration import ds_checkpoint, ds_engine, ds_offload  # DeepSpeed is imported on use
 
         self.pipeline = self._form(model) == "pipeline"
         self.data = self._data_group()
@@ -105,6 +107,11 @@ class ZeroTopoPlugin(Plugin):
             log.warn(note)  # DeepSpeed logs below WARNING by default: a user must see this
         self.scaler = ds_engine.loss_scaler(ds_config)
         self.clip = ds_engine.gradient_clipping(ds_config)
+        if self.config.async_save and ds_checkpoint.writer_section(ds_config) is not None:
+            raise DsExtConfigError(
+                f"{support.KEY}.async_save with DeepSpeed's checkpoint.writer: both write checkpoints in the "
+                "background; allowed: one of them (async_save false, or no checkpoint.writer section)"
+            )
         cfg = copy.deepcopy(ds_config)
         for key in ("bf16", "fp16"):
             cfg.setdefault(key, {})["enabled"] = False
@@ -241,6 +248,11 @@ class ZeroTopoPlugin(Plugin):
         ds_engine.report_precision(engine, self.dtype)
         ds_engine.report_gradient_clipping(engine, self.clip)
         self.engine = engine
+        self.background = None
+        if self.config.async_save:  # collective: every rank makes the writer's group now
+            self.background = BackgroundSave()
+            self.agreement_group = agreement_group(rt.groups.timeout)
+            ds_engine.before_destroy(engine, self.background.wait)
         ds_engine.wrap_checkpoint_methods(
             engine,
             save_checkpoint=self._save_checkpoint,
@@ -329,10 +341,17 @@ class ZeroTopoPlugin(Plugin):
 
     # ---- checkpoints (ds_ext.zero_topo.checkpoint) ---------------------------------------
     def _save_checkpoint(self, original, save_dir, tag, client_state, save_latest, exclude_frozen_parameters):
-        engine, rank = self.engine, self.runtime.rank
+        """The atomic save (:mod:`ds_ext.zero_topo.checkpoint`); with ``async_save`` every file is
+        snapshot into host memory here and written in the background (:mod:`ds_ext.zero_topo.async_save`)."""
+        from ds_ext.integration import ds_checkpoint  # DeepSpeed is imported on use
+
+        engine, rank, background = self.engine, self.runtime.rank, self.background
+        if background is not None:
+            background.wait()  # a second save waits for the first (and raises its failure)
         save_dir = Path(save_dir)
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
         staged = ckpt.staging_dir(save_dir, tag)
+        what = f"saving checkpoint {save_dir / tag}"
         with self.runtime.ledger.phase("checkpoint"):
             error = None
             if rank == 0:
@@ -342,8 +361,9 @@ class ZeroTopoPlugin(Plugin):
                         shutil.rmtree(staged)  # left by a save that crashed
                 except OSError as err:
                     error = f"cannot prepare {staged}: {err}"
-            ckpt.agree(error, f"saving checkpoint {save_dir / tag}")
-            with self.sharded.held(self.sharded.all_units):
+            ckpt.agree(error, what)
+            captured = ds_checkpoint.capture(engine) if background is not None else contextlib.nullcontext([])
+            with self.sharded.held(self.sharded.all_units), captured as deepspeed_files:
                 original(
                     str(save_dir),
                     staged.name,
@@ -353,22 +373,40 @@ class ZeroTopoPlugin(Plugin):
                 )
             save_id = ckpt.new_save_id()
             degrees = {axis: self.runtime.parallel.degree(axis) for axis in ("tensor", "pipeline")}
-            for group, ctx, units, folder in self._stores(staged):
-                path = folder / ckpt.SHARD_FILE.format(rank=group.rank)
-                try:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    ckpt.atomic_save(
-                        ckpt.shard_state(ctx, engine.global_steps, save_id, self.state_dict(units), degrees), path
-                    )
-                except OSError as err:
-                    error = error or f"cannot write {path}: {err}"
-            ckpt.agree(error, f"saving checkpoint {save_dir / tag}")
-            if rank == 0:
-                try:
-                    ckpt.publish(save_dir, tag, save_latest)
-                except OSError as err:
-                    error = f"cannot publish {save_dir / tag}: {err}"
-            ckpt.agree(error, f"saving checkpoint {save_dir / tag}")
+            shards = (  # one part's state at a time on the synchronous path
+                (
+                    folder / ckpt.SHARD_FILE.format(rank=group.rank),
+                    ckpt.shard_state(ctx, engine.global_steps, save_id, self.state_dict(units), degrees),
+                )
+                for group, ctx, units, folder in self._stores(staged)
+            )
+            if background is None:
+                self._write_and_publish(shards, save_dir, tag, save_latest, None)
+                return
+            files = [(path, ds_checkpoint.host_copy(state, False)) for path, state in shards]  # cloned already
+            files += [(Path(path), state) for path, state in deepspeed_files]
+        group = self.agreement_group
+        background.start(lambda: self._write_and_publish(files, save_dir, tag, save_latest, group))
+
+    def _write_and_publish(
+        self, files: Iterable[tuple[Path, Any]], save_dir: Path, tag: str, save_latest: bool, group: object | None
+    ) -> None:
+        """Write ``files`` (each atomically), agree, publish (rank 0: the staging directory becomes
+        ``tag``, then ``latest``), agree; ``group`` None: on the world, else the writer's group."""
+        what, error = f"saving checkpoint {save_dir / tag}", None
+        for path, state in files:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                ckpt.atomic_save(state, path)
+            except OSError as err:
+                error = error or f"cannot write {path}: {err}"
+        ckpt.agree(error, what, group)
+        if self.runtime.rank == 0:
+            try:
+                ckpt.publish(save_dir, tag, save_latest)
+            except OSError as err:
+                error = f"cannot publish {save_dir / tag}: {err}"
+        ckpt.agree(error, what, group)
 
     def _load_checkpoint(
         self,
@@ -381,6 +419,8 @@ class ZeroTopoPlugin(Plugin):
         load_module_only,
         custom_load_fn,
     ):
+        if self.background is not None:
+            self.background.wait()  # the save in flight first (it may be the one to load)
         optimizer_states = load_optimizer_states and not load_module_only
         if tag is None and not ckpt.agree_present(Path(load_dir) / ckpt.LATEST, f"loading checkpoint from {load_dir}"):
             if self.runtime.rank == 0:
