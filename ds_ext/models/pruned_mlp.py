@@ -14,7 +14,7 @@ def layer_mask(i: int, shape: tuple[int, int], p: float) -> torch.Tensor:
     """Layer ``i``'s bool mask (True = kept): exactly round(p n) pruned entries, seeded."""
     n = shape[0] * shape[1]
     pruned = torch.randperm(n, generator=torch.Generator().manual_seed(11 + i))[: round(p * n)]
-    mask = torch.ones(n, dtype=torch.bool)
+    mask = torch.ones(n, dtype=torch.bool, device="cpu")  # built on the host, like the module: the engine moves both
     mask[pruned] = False
     return mask.view(shape)
 
@@ -28,7 +28,7 @@ class PrunedLayer(nn.Module):
         self.fc, self.last = nn.Linear(width, width, bias=False), i == layers - 1
         with torch.no_grad():
             g = torch.Generator().manual_seed(1000 + i)
-            self.fc.weight.copy_(torch.randn(width, width, generator=g) / width**0.5)
+            self.fc.weight.copy_(torch.randn(width, width, generator=g, device="cpu") / width**0.5)  # host generator
         prune.custom_from_mask(self.fc, "weight", layer_mask(i, (width, width), p))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
