@@ -1,7 +1,9 @@
 """GPT-NeoX's Goldfish paths, unmodified client (its pipeline path and its plain model), in a
-world of their own: after the other tests of ``test_client_gpt_neox`` in one world, the plain
-model's run at model parallel 1 did not finish (found when the module grew these tests; not yet
-traced), alone they pass. The runs and their checks are ``test_client_gpt_neox``'s."""
+world of their own (the runs and their checks are ``test_client_gpt_neox``'s). These runs found a
+hang: an earlier engine's ``destroy()``, run again by DeepSpeed's ``__del__`` when the collector
+freed it mid-step on one rank, released the mpu a later engine had set (GPT-NeoX's ``mpu`` module,
+the same object), so that rank's data-parallel all-reduce took another group than the others'
+(fixed in ``ds_engine.release_mpu_on_destroy``; tests/test_initialize.py)."""
 
 from __future__ import annotations
 

@@ -164,3 +164,69 @@ def test_start_up_banner_and_warnings_once_on_rank_0(world):
     assert banner.startswith("[Rank 0] ds_ext 0.1.0: frontier: world 4") and banner.count("ds_ext 0.1.0") == 1
     assert "\n  zero_topo: weights gcd" in banner and "\ncomm: ledger on" in banner
     assert "\ngroups of rank 0: gcd [0, 1]; gpu [0, 1]; node [0, 1, 2, 3]" in banner
+
+
+class _DataParallelMpu:
+    """A Megatron-style mpu (the names DeepSpeed reads) of pure data parallelism over the world."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.model_group = dist.new_group([dist.get_rank()])  # collective: every rank makes its own
+
+    def get_model_parallel_rank(self):
+        return 0
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+    def get_model_parallel_group(self):
+        return self.model_group
+
+    def get_data_parallel_rank(self):
+        return self.dist.get_rank()
+
+    def get_data_parallel_world_size(self):
+        return self.dist.get_world_size()
+
+    def get_data_parallel_group(self):
+        return self.dist.group.WORLD
+
+
+def _mpu_release_after_a_late_destroy():
+    """Engine A and then B with the same mpu object; A's ``destroy()`` runs again after B exists,
+    as DeepSpeed's ``__del__`` runs it when the collector frees A (at a moment that differs between
+    ranks). Returns ``groups.mpu is mpu`` after each event."""
+    import torch
+    from deepspeed.utils import groups
+
+    import ds_ext
+    from ds_ext.models import GPT, GPTConfig
+
+    mpu = _DataParallelMpu()
+
+    def engine():
+        model = GPT(GPTConfig(seq_len=16, d_model=32, n_layers=1, n_heads=2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        config = {**_ds_config(0, False), "ds_ext": {}}
+        return ds_ext.initialize(model=model, optimizer=opt, config=config, mpu=mpu).engine
+
+    seen = []
+    a = engine()
+    seen.append(groups.mpu is mpu)
+    a.destroy()
+    seen.append(groups.mpu is mpu)
+    b = engine()
+    a.destroy()  # the collector's late call: B keeps its mpu
+    seen.append(groups.mpu is mpu)
+    b.destroy()
+    seen.append(groups.mpu is mpu)
+    return seen
+
+
+def test_a_late_destroy_of_an_earlier_engine_leaves_the_live_engines_mpu(world):
+    """Released on an engine's destroy, DeepSpeed's global ``groups.mpu`` is not released by an
+    earlier engine's destroy after a later engine set the same mpu (that had one rank's GPT-NeoX
+    run take another data-parallel group than the others, and hang)."""
+    assert world.run(_mpu_release_after_a_late_destroy) == [[True, False, True, False]] * WORLD_SIZE

@@ -127,22 +127,37 @@ def load_loss_scaler_state(scaler, state: dict[str, float]) -> None:
             setattr(scaler, k, v)
 
 
+_MPU_OWNER: list[Any] = [None]  # a weak reference to the engine that last put its mpu in groups.mpu
+
+
 def release_mpu_on_destroy(engine) -> None:
     """Make ``engine.destroy()`` also drop the engine's mpu (the caller's, a plugin's, or a
     PipelineEngine's grid) from DeepSpeed's module-global ``deepspeed.utils.groups.mpu``, which
     the engine leaves behind: a later engine without an mpu would read its groups (a model-parallel
-    size above 1, then ``None.get_model_parallel_rank()`` in ``_configure_distributed_model``)."""
+    size above 1, then ``None.get_model_parallel_rank()`` in ``_configure_distributed_model``).
+
+    Only while ``engine`` is the last engine that set it: DeepSpeed's ``__del__`` calls
+    ``destroy()`` again when the collector frees an engine, at a moment that differs between ranks,
+    and a later engine often sets the same mpu object (a client's ``mpu`` module). Released then,
+    one rank's later engine would lose its mpu mid-step, take DeepSpeed's lazily cloned world group
+    for its data-parallel all-reduce while the other ranks use the mpu's, and hang
+    (GPT-NeoX's plain model after earlier runs in one process)."""
+    import weakref
+
     from deepspeed.utils import groups
 
     mpu, destroy = getattr(engine, "mpu", None), engine.destroy
     if mpu is None:
         return
+    _MPU_OWNER[0] = weakref.ref(engine)
 
     @functools.wraps(destroy)
     def destroy_and_release(*args, **kwargs):
         out = destroy(*args, **kwargs)
-        if groups.mpu is mpu:
+        owner = _MPU_OWNER[0]
+        if groups.mpu is mpu and owner is not None and owner() is engine:
             groups.mpu = None
+            _MPU_OWNER[0] = None
         return out
 
     engine.destroy = destroy_and_release
