@@ -130,6 +130,19 @@ def load_loss_scaler_state(scaler, state: dict[str, float]) -> None:
 _MPU_OWNER: list[Any] = [None]  # a weak reference to the engine that last put its mpu in groups.mpu
 
 
+def torch_optimizer(engine, key: str, allowed: str = "a torch.optim.Optimizer") -> Any:
+    """``engine.optimizer`` if it is a ``torch.optim.Optimizer`` (the one a plugin that owns the step
+    swaps for its own), else refused in one line naming ``key``: DeepSpeed wrapped it in one of its
+    own (a ZeRO or fp16 optimizer), whose step the plugin cannot take over."""
+    import torch
+
+    if not isinstance(engine.optimizer, torch.optim.Optimizer):
+        raise DsExtConfigError(
+            f"{key}: DeepSpeed built a {type(engine.optimizer).__name__} around the optimizer; allowed: {allowed}"
+        )
+    return engine.optimizer
+
+
 def release_mpu_on_destroy(engine) -> None:
     """Make ``engine.destroy()`` also drop the engine's mpu (the caller's, a plugin's, or a
     PipelineEngine's grid) from DeepSpeed's module-global ``deepspeed.utils.groups.mpu``, which

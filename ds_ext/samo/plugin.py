@@ -80,11 +80,7 @@ class SamoPlugin(Plugin):
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
 
         rt = self.runtime
-        if not isinstance(engine.optimizer, torch.optim.Optimizer):
-            raise DsExtConfigError(
-                f"{KEY}: DeepSpeed built a {type(engine.optimizer).__name__} around the optimizer; allowed: "
-                f"a torch.optim.Optimizer ({support.ALLOWED_OPTIMIZERS})"
-            )
+        ds_engine.torch_optimizer(engine, KEY, f"a torch.optim.Optimizer ({support.ALLOWED_OPTIMIZERS})")
         params = [p for p in engine.module.parameters() if p.requires_grad]
         layout = rt.parallel
         data_group = rt.groups.group(layout.partition("data")) if layout.degree("data") > 1 else None

@@ -194,11 +194,7 @@ class ZeroTopoPlugin(Plugin):
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
 
         rt = self.runtime
-        if not isinstance(engine.optimizer, torch.optim.Optimizer):
-            raise DsExtConfigError(
-                f"optimizer: not supported with {support.KEY} (DeepSpeed built a "
-                f"{type(engine.optimizer).__name__}); allowed: a torch.optim.Optimizer"
-            )
+        ds_engine.torch_optimizer(engine, support.KEY)
         trace = None
         if self.config.agreement_check_s > 0:
             peers = self.data.members if self.pipeline else None  # each stage runs a unit of its own
