@@ -18,6 +18,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 # Hugging Face's classes, imported by the ranks of several modules (about 3 s of CPU per rank),
 # once in the forkserver the worlds' ranks are forked from
 preload(
+    "pytest",  # the test modules the ranks unpickle their tasks from import it
     "transformers.models.auto.modeling_auto",
     "transformers.models.llama.modeling_llama",
     "transformers.models.gpt_neox.modeling_gpt_neox",
