@@ -26,7 +26,13 @@ def _train_py(config: str, *argv: str) -> str:
     from unittest import mock
 
     out = io.StringIO()
-    cmd = ["examples/train.py", f"--local_rank={os.environ['LOCAL_RANK']}", "--deepspeed_config", str(ROOT / config), *argv]
+    cmd = [
+        "examples/train.py",
+        f"--local_rank={os.environ['LOCAL_RANK']}",
+        "--deepspeed_config",
+        str(ROOT / config),
+        *argv,
+    ]
     with mock.patch.object(sys, "argv", cmd), contextlib.redirect_stdout(out):
         runpy.run_path(str(ROOT / "examples" / "train.py"), run_name="__main__")
     return out.getvalue()
