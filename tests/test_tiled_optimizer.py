@@ -27,7 +27,7 @@ HIDDEN, FFN = 32, 64
         (torch.optim.AdamW, {"foreach": False}),
     ],
 )
-@pytest.mark.parametrize("tile", [1, 7, 4099, 10**6])
+@pytest.mark.parametrize("tile", [7, 4099, 10**6])  # 7: tiles cross every piece and tensor boundary
 def test_tiles_match_torch_step_bit_for_bit(cls, kw, tile):
     _tiles_match(cls, kw, tile)
 

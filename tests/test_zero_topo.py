@@ -103,7 +103,9 @@ def _assert_close(a, b, rel):
         assert math.isclose(x, y, rel_tol=rel), (x, y)
 
 
-@pytest.mark.parametrize("preset", ["zero_topo", "zero_topo_paper", "zero3", "zeropp", "mics"])
+# with Adam and clipping on, 1-level and 2-level reduction; every preset's norms and parameters
+# equal plain data parallelism's exactly is tests/test_zero_topo_hardening.py's (SGD, no clipping)
+@pytest.mark.parametrize("preset", ["zero_topo", "zeropp"])
 def test_unquantized_presets_match_plain_data_parallel(world, preset):
     ref = _reference(world)
     ours = world.run(_train, _ds_config(0, zero_topo={"preset": preset, **UNQUANTIZED}))
