@@ -236,6 +236,10 @@ def cmd_checkpoint(ns: argparse.Namespace) -> int:
         raise ckpt.CheckpointError(f"checkpoint directory {save_dir} {why}")
     pmm_dir = _pmm_tag_dir(save_dir, ns.tag)
     if pmm_dir is not None:
+        if ns.action == "export":
+            raise ArgumentError(
+                "checkpoint export: a ZeRO-topo checkpoint; for a 3D-PMM one of a Hugging Face model: consolidate --hf-dir"
+            )
         return cmd_pmm_checkpoint(ns, pmm_dir)
     if getattr(ns, "hf_dir", None):
         raise ArgumentError("--hf-dir: only a 3D-PMM checkpoint (with pmm3d/) of a Hugging Face model")
@@ -243,10 +247,27 @@ def cmd_checkpoint(ns: argparse.Namespace) -> int:
     if ns.action == "inspect":
         print(ckpt.describe(tag_dir))
         return 0
+    if ns.action == "export":
+        return cmd_checkpoint_export(ns, tag_dir)
     state = ckpt.consolidate(tag_dir)
     torch.save(state, ns.out)
     n = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
     print(f"wrote {ns.out}: {len(state)} tensors, {n:,} fp32 parameters from {tag_dir}")
+    return 0
+
+
+def cmd_checkpoint_export(ns: argparse.Namespace, tag_dir: Path) -> int:
+    from ds_ext.zero_topo import export
+
+    out = Path(ns.out_dir)
+    if ns.format == "safetensors":
+        done = export.export_safetensors(tag_dir, out, int(ns.max_shard_MB * 2**20), ns.dtype)
+    else:
+        done = export.export_dcp(tag_dir, out, ns.dtype)
+    print(
+        f"wrote {out}: {ns.format}, {len(done.files)} files, {done.tensors} tensors, {done.parameters:,} "
+        f"{ns.dtype} parameters ({done.total_bytes:,} bytes) from {tag_dir}"
+    )
     return 0
 
 
@@ -385,7 +406,19 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     )
     ci = csub.add_parser("inspect", help="print what a checkpoint holds")
     ci.add_argument("ckpt_dir", help="the save directory (uses its 'latest') or a tag directory")
-    for sp in (cc, ci):
+    ce = csub.add_parser(
+        "export",
+        help="write a ZeRO-topo checkpoint as sharded Hugging Face safetensors (streamed) or a "
+        "torch.distributed.checkpoint (FSDP2 / torchtitan load it at any world size)",
+    )
+    ce.add_argument("ckpt_dir", help="the save directory (uses its 'latest') or a tag directory")
+    ce.add_argument("out_dir", help="a new or empty output directory")
+    ce.add_argument("--format", choices=("safetensors", "dcp"), required=True)
+    ce.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32", help="default: fp32, the masters")
+    ce.add_argument(
+        "--max-shard-MB", type=float, default=2048.0, help="safetensors: the largest output file (default 2048)"
+    )
+    for sp in (cc, ci, ce):
         sp.add_argument("--tag", default=None, help="tag to use instead of 'latest'")
         sp.set_defaults(func=cmd_checkpoint)
     cl = sub.add_parser(

@@ -90,10 +90,10 @@ def _train(ds_cfg, steps=10, checkpoint=False):
 _REFERENCE = {}
 
 
-def _reference(world, precision="fp32", checkpoint=False):
-    key = (precision, checkpoint)
+def _reference(world, precision="fp32", checkpoint=False, steps=10):
+    key = (precision, checkpoint, steps)
     if key not in _REFERENCE:
-        _REFERENCE[key] = world.run(_train, _ds_config(0, precision), 10, checkpoint)
+        _REFERENCE[key] = world.run(_train, _ds_config(0, precision), steps, checkpoint)
     return _REFERENCE[key]
 
 
@@ -121,17 +121,17 @@ def test_activation_checkpointing_matches(world):
 
 
 def test_zero3_preset_matches_deepspeed_zero3(world):
-    ds = world.run(_train, _ds_config(3), 6)
-    ours = world.run(_train, _ds_config(0, zero_topo={"preset": "zero3"}), 6)
+    ds = world.run(_train, _ds_config(3), 4)
+    ours = world.run(_train, _ds_config(0, zero_topo={"preset": "zero3"}), 4)
     _assert_close(ours[0]["losses"], ds[0]["losses"], 1e-5)
     # DeepSpeed's own reduce-scatters on gloo sent as ds_ext's are (comm.torch_gloo_reduce_scatter, the
     # bench's fair baseline): the same training, the same volume booked, half of gloo's all-reduce on the links
     fair = _ds_config(3)
     fair["ds_ext"]["comm"] = {"torch_gloo_reduce_scatter": "all_to_all"}
-    rerouted = world.run(_train, fair, 6)
+    rerouted = world.run(_train, fair, 4)
     for r, n in zip(rerouted, ds):
         _assert_close(r["losses"], n["losses"], 1e-5)
-        assert len(r["reduce_scatter"]) == len(n["reduce_scatter"]) == 6
+        assert len(r["reduce_scatter"]) == len(n["reduce_scatter"]) == 4
         for (volume, links), (native_volume, native_links) in zip(r["reduce_scatter"], n["reduce_scatter"]):
             assert volume == native_volume and volume["node"] > 0
             assert sum(links.values()) == pytest.approx(sum(native_links.values()) / 2, rel=1e-9)
@@ -281,10 +281,10 @@ def test_a_unit_reduced_twice_in_one_backward_is_reduced_again_with_the_same_bit
 
 
 def test_bf16_and_fp16(world):
-    ref = _reference(world, "bf16")
-    ours = world.run(_train, _ds_config(0, "bf16", zero_topo={"preset": "zero_topo", **UNQUANTIZED}))
+    ref = _reference(world, "bf16", steps=6)
+    ours = world.run(_train, _ds_config(0, "bf16", zero_topo={"preset": "zero_topo", **UNQUANTIZED}), 6)
     _assert_close(ours[0]["losses"], ref[0]["losses"], 2e-2)
-    fp16 = world.run(_train, _ds_config(0, "fp16", zero_topo={"preset": "zero_topo", **UNQUANTIZED}))
+    fp16 = world.run(_train, _ds_config(0, "fp16", zero_topo={"preset": "zero_topo", **UNQUANTIZED}), 6)
     assert fp16[0]["losses"][-1] < fp16[0]["losses"][0] - 0.5
 
 

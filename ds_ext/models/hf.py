@@ -6,6 +6,8 @@ library's requirements.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def tiny_causal_lm(kind: str, layers: int = 2, hidden: int = 64, heads: int = 4, seq: int = 64):
     """A randomly initialised GPT-NeoX or Llama causal LM over the 256 byte tokens."""
@@ -35,3 +37,12 @@ def tiny_causal_lm(kind: str, layers: int = 2, hidden: int = 64, heads: int = 4,
         )
         return LlamaForCausalLM(cfg)
     raise ModelConfigError(f"model kind must be 'gpt-neox' or 'llama', got {kind!r}")
+
+
+def hf_record(model: Any) -> dict[str, Any] | None:
+    """``{"class", "config"}`` of a Hugging Face model (what a checkpoint records to rebuild it and
+    to write its ``config.json``), None for any other module."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    return {"class": type(model).__name__, "config": config.to_dict()}

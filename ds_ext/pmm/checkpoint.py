@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ds_ext.errors import DsExtError
+from ds_ext.models.hf import hf_record
 from ds_ext.pmm.config import KEY
 from ds_ext.pmm.layers import _FeatureSharded
 from ds_ext.pmm.layout import LinearLayout, feature_slice
@@ -70,13 +71,6 @@ def layout_record(model: nn.Module) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _hf_record(model: nn.Module) -> dict[str, Any] | None:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_dict"):
-        return None
-    return {"class": type(model).__name__, "config": config.to_dict()}
-
-
 def _optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, steps: int
 ) -> dict[str, dict[str, torch.Tensor]] | None:
@@ -111,7 +105,7 @@ def save(
         record = {
             "grid": {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data},
             "counters": counters,
-            "hf": _hf_record(model),
+            "hf": hf_record(model),
             "params": layout_record(model),
             "optimizer": state is not None,
         }

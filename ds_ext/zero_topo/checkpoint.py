@@ -41,7 +41,7 @@ import shutil
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -233,11 +233,15 @@ def new_save_id() -> str:
     return box[0]
 
 
-def shard_state(ctx: Any, step: int, save_id: str, state: dict, model_parallel: dict[str, int]) -> dict:
+def shard_state(
+    ctx: Any, step: int, save_id: str, state: dict, model_parallel: dict[str, int], hf: dict | None = None
+) -> dict:
     """This rank's shard (module docstring): the metadata of the save, of ``ctx`` (the rank's
     :class:`~ds_ext.zero_topo.units.ShardContext`: topology, plan, dtype), the job's
-    ``model_parallel`` degrees (``tensor``, ``pipeline``) and ``state`` (the plugin's
-    ``state_dict()``: units, optimizer slices, segments, optimizer, loss scaler)."""
+    ``model_parallel`` degrees (``tensor``, ``pipeline``), ``state`` (the plugin's
+    ``state_dict()``: units, optimizer slices, segments, optimizer, loss scaler) and ``hf``, the
+    Hugging Face class and config of the model (:func:`ds_ext.models.hf.hf_record`; None for
+    another model), which :mod:`ds_ext.zero_topo.export` writes beside its safetensors."""
     topo, plan = ctx.topo, ctx.plan
     n_opt = shard_count(topo, plan.optimizer)
     return {
@@ -257,6 +261,7 @@ def shard_state(ctx: Any, step: int, save_id: str, state: dict, model_parallel: 
         "segments": state["segments"],
         "optimizer": state["optimizer"],
         "loss_scaler": state["loss_scaler"],
+        "hf": hf,
     }
 
 
@@ -381,12 +386,37 @@ def compare_units(saved: list[dict], here: list[dict], where: Path) -> str | Non
 
 
 def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict (every name of tied parameters) from a checkpoint's shards:
-    trainable parameters from the fp32 masters, frozen ones from the 16-bit weights. Pipeline
-    stages (tensor parallel 1: each part holds whole parameters of its own layers) are joined by
-    name, a weight tied across stages (held by each) once, after checking its copies agree; a
-    checkpoint of tensor-parallel slices is refused (joining them needs the model's partition
-    dimensions)."""
+    """The full fp32 state dict (every name of tied parameters, one tensor) from a checkpoint's
+    shards (:func:`iter_params`)."""
+    out: dict[str, torch.Tensor] = {}
+    for param in iter_params(tag_dir):
+        value = param.load()
+        for name in param.names:
+            out[name] = value
+    return out
+
+
+@dataclass(frozen=True)
+class SavedParam:
+    """One parameter of a checkpoint: its names (tied ones share it), its shape, and ``load()``,
+    which reads its fp32 value (a new tensor) from the memory-mapped shards."""
+
+    names: list[str]
+    shape: list[int]
+    load: Callable[[], torch.Tensor]
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+def iter_params(tag_dir: Path) -> Iterator[SavedParam]:
+    """Every parameter of a checkpoint, in the saved units' order, loaded only when asked
+    (:class:`SavedParam`): trainable parameters from the fp32 masters, frozen ones from the 16-bit
+    weights. Pipeline stages (tensor parallel 1: each part holds whole parameters of its own
+    layers) are joined by name, a weight tied across stages (held by each) once, after checking
+    its copies agree (by digest); a checkpoint of tensor-parallel slices is refused (joining them
+    needs the model's partition dimensions), as is one of TED's experts."""
     if expert_parts(tag_dir):
         raise CheckpointError(
             f"checkpoint {tag_dir} holds MoE experts sharded over expert-data-parallel groups (ds_ext.ted), "
@@ -394,7 +424,8 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
         )
     parts = model_parallel_parts(tag_dir)
     if not parts:
-        return _consolidate_part(SavedCheckpoint.open(tag_dir))
+        yield from _iter_part(SavedCheckpoint.open(tag_dir))
+        return
     opened = [SavedCheckpoint.open(part) for part in parts]
     degrees = opened[0].meta.get("model_parallel", {})
     if degrees.get("tensor") != 1:
@@ -403,37 +434,53 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
             f"{degrees.get('tensor', 'unrecorded')}), which ds_ext cannot join without the model's partition "
             "dimensions; allowed: a checkpoint saved with tensor parallel 1 (pipeline stages are joined)"
         )
-    out: dict[str, torch.Tensor] = {}
+    seen: dict[str, str] = {}  # name -> digest of the value yielded under it
     for stage, part in enumerate(opened):
-        for name, value in _consolidate_part(part).items():
-            if name in out and not torch.equal(out[name], value):
-                raise CheckpointError(
-                    f"checkpoint {tag_dir}: {name!r} differs between pipeline stages (a tied weight's copies "
-                    f"must agree; stage {stage} holds another value)"
-                )
-            out.setdefault(name, value)
-    return out
+        for param in _iter_part(part):
+            value = param.load()
+            digest = _digest(value)
+            for name in param.names:
+                if seen.get(name, digest) != digest:
+                    raise CheckpointError(
+                        f"checkpoint {tag_dir}: {name!r} differs between pipeline stages (a tied weight's "
+                        f"copies must agree; stage {stage} holds another value)"
+                    )
+            new = [n for n in param.names if n not in seen]
+            seen.update((n, digest) for n in param.names)
+            if new:
+                yield SavedParam(new, param.shape, param.load)
 
 
-def _consolidate_part(ckpt: SavedCheckpoint) -> dict[str, torch.Tensor]:
-    """:func:`consolidate` of one data-parallel group's shards."""
+def _digest(value: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(value.numpy().tobytes()).hexdigest()
+
+
+def hf_of(tag_dir: Path) -> dict | None:
+    """The Hugging Face class and config a checkpoint recorded (:func:`shard_state`), or None."""
+    parts = model_parallel_parts(tag_dir)
+    return SavedCheckpoint.open(parts[0] if parts else tag_dir).meta.get("hf")
+
+
+def _iter_part(ckpt: SavedCheckpoint) -> Iterator[SavedParam]:
+    """:func:`iter_params` of one data-parallel group's shards."""
     ckpt.verify(range(ckpt.meta["world_size"]))
-    out: dict[str, torch.Tensor] = {}
     trainable = {(s["unit"], s["start"]) for r in ckpt._open for s in ckpt._open[r]["segments"]}
+
+    def loader(unit: str, a: int, b: int, shape: list[int], masters: bool) -> Callable[[], torch.Tensor]:
+        def load() -> torch.Tensor:  # each a new tensor: the pieces are concatenated out of the shards
+            values = ckpt.segment_values(unit, a, b, None) if masters else ckpt.weights(unit, a, b).float()
+            return values.reshape(shape)
+
+        return load
+
     for unit in ckpt.meta["units"]:
         for p in unit["params"]:
             n = int(torch.Size(p["shape"]).numel())
             a, b = p["offset"], p["offset"] + n
             is_trainable = n > 0 and any(u == unit["name"] and a <= s < b for u, s in trainable)
-            values = (
-                ckpt.segment_values(unit["name"], a, b, None)
-                if is_trainable
-                else ckpt.weights(unit["name"], a, b).float()
-            )
-            value = values.reshape(p["shape"]).clone()
-            for name in p["names"]:
-                out[name] = value
-    return out
+            yield SavedParam(list(p["names"]), list(p["shape"]), loader(unit["name"], a, b, p["shape"], is_trainable))
 
 
 def describe(tag_dir: Path) -> str:

@@ -33,6 +33,7 @@ import torch
 from ds_ext import log
 from ds_ext.comm import hops
 from ds_ext.errors import DsExtConfigError
+from ds_ext.models.hf import hf_record
 from ds_ext.optim.offload import OffloadStore, copies_are_asynchronous
 from ds_ext.parallel import member_group
 from ds_ext.plugin import Plugin, register_plugin
@@ -369,10 +370,11 @@ class ZeroTopoPlugin(Plugin):
                 )
             save_id = ckpt.new_save_id()
             degrees = {axis: self.runtime.parallel.degree(axis) for axis in ("tensor", "pipeline")}
+            hf = hf_record(engine.module)
             shards = (  # one part's state at a time on the synchronous path
                 (
                     folder / ckpt.SHARD_FILE.format(rank=group.rank),
-                    ckpt.shard_state(ctx, engine.global_steps, save_id, self.state_dict(units), degrees),
+                    ckpt.shard_state(ctx, engine.global_steps, save_id, self.state_dict(units), degrees, hf),
                 )
                 for group, ctx, units, folder in self._stores(staged)
             )
