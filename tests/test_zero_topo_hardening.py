@@ -121,14 +121,15 @@ _DEEPSPEED_FP16 = []
 
 
 @pytest.mark.parametrize("preset", ["zero_topo", "zeropp"])
-def test_fp16_quantized_overflow_skips_like_deepspeed_zero3(world, preset):
+def test_fp16_quantized_overflow_skips_like_deepspeed(world, preset):
     """The quantized presets in fp16 (int4 gradients over 1 hop, and ZeRO++'s 2 hops) with
     overflows forced on chosen steps and ranks: the same skipped steps and loss scales as
-    DeepSpeed ZeRO-3 fp16 (hysteresis 2, the DeepSpeed default, included); no rank hangs.
-    On today's main the first overflow raised inside the backward hook on one rank and hung
-    the others."""
+    DeepSpeed fp16 (hysteresis 2, the DeepSpeed default, included); no rank hangs. Once the
+    first overflow raised inside the backward hook on one rank and hung the others. The reference
+    is DeepSpeed ZeRO-1's loss scaler, whose schedule here equals ZeRO-3's step for step and
+    scale for scale (measured 2026-11-29; ZeRO-3 takes 8x as long on CPU)."""
     if not _DEEPSPEED_FP16:
-        _DEEPSPEED_FP16.append(world.run(_overflow_schedule, _cfg(precision="fp16", stage=3, fp16=FP16), 10, OVERFLOWS))
+        _DEEPSPEED_FP16.append(world.run(_overflow_schedule, _cfg(precision="fp16", stage=1, fp16=FP16), 10, OVERFLOWS))
     ds = _DEEPSPEED_FP16[0]
     ours = world.run(_overflow_schedule, _cfg({"preset": preset}, precision="fp16", fp16=FP16), 10, OVERFLOWS)
     assert ours[0]["skipped"] == ds[0]["skipped"], (ours[0]["skipped"], ds[0]["skipped"])
