@@ -48,20 +48,14 @@ def world2():
 
 
 def _model(kind: str):
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ds_ext.models.hf import tiny_causal_lm
 
     m = MODELS[kind]
     if kind == "gpt-neox":
-        cfg = GPTNeoXConfig(
-            vocab_size=256,
-            hidden_size=m["hidden"],
-            num_hidden_layers=m["layers"],
-            num_attention_heads=m["heads"],
-            intermediate_size=4 * m["hidden"],
-            max_position_embeddings=SEQ,
-        )
-        return GPTNeoXForCausalLM(cfg)
-    cfg = LlamaConfig(
+        return tiny_causal_lm(kind, layers=m["layers"], hidden=m["hidden"], heads=m["heads"], seq=SEQ)
+    cfg = LlamaConfig(  # tiny_causal_lm's Llama, its embeddings tied
         vocab_size=256,
         hidden_size=m["hidden"],
         intermediate_size=2 * m["hidden"],
