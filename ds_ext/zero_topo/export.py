@@ -93,7 +93,7 @@ def _write_safetensors(
             written.append((path, list(shard)))
             shard, held = {}, 0
 
-    size = torch.tensor([], dtype=to).element_size()
+    size = to.itemsize
     for param in iter_params(tag_dir):
         if held and held + param.numel * size > max_shard_bytes:
             flush()  # before the next parameter is read: the file's tensors and it are all that is held
