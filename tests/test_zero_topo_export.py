@@ -181,6 +181,7 @@ def test_bf16_export_of_a_tied_llama_keeps_its_bf16_weights_and_names_the_tie(wo
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "lm_head.weight" not in index["weight_map"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
     state = dict(loaded.named_parameters(remove_duplicate=False))
     assert set(state) == set(running) | {"lm_head.weight"}

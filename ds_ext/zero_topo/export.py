@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,8 +113,10 @@ def _write_safetensors(
         weight_map.update((name, final.name) for name in names)
     index = {"metadata": {"total_size": total, "tied": tied}, "weight_map": weight_map}
     (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    if hf is not None:
-        (out_dir / "config.json").write_text(json.dumps(hf["config"] | {"architectures": [hf["class"]]}, indent=2))
+    if hf is not None:  # the dtype written, under the key this config uses (transformers renamed it)
+        key = "torch_dtype" if "torch_dtype" in hf["config"] else "dtype"
+        config = hf["config"] | {"architectures": [hf["class"]], key: str(to).removeprefix("torch.")}
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return Exported(files, len(weight_map), parameters, total)
 
 
@@ -132,7 +135,9 @@ def export_dcp(tag_dir: Path, out_dir: Path, dtype: str = "fp32") -> Exported:
             state[name] = value if i == 0 else value.clone()
     _fresh_dir(out_dir)
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out_dir)), no_dist=True)
+        with warnings.catch_warnings():  # DCP says it assumes one process: that is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(out_dir)), no_dist=True)
     except BaseException:
         shutil.rmtree(out_dir, ignore_errors=True)
         raise
