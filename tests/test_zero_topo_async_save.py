@@ -160,25 +160,16 @@ def _async_and_sync(tmp):
 
 def _failed_write(engine, where):
     """A write that fails on rank 3 in the background: save_checkpoint returns, the next save raises."""
-    import torch.distributed as dist
+    from test_zero_topo_checkpoint import no_space_on_rank
 
     from ds_ext.zero_topo import checkpoint as ckpt
 
-    save = ckpt.atomic_save
-
-    def broken(obj, path):
-        if dist.get_rank() == 3:
-            raise OSError(28, "No space left on device")
-        save(obj, path)
-
-    ckpt.atomic_save = broken
-    try:
-        engine.save_checkpoint(where, tag="s4")
-        engine.save_checkpoint(where, tag="s5")
-    except ckpt.CheckpointError as err:
-        return str(err)
-    finally:
-        ckpt.atomic_save = save
+    with no_space_on_rank(3):
+        try:
+            engine.save_checkpoint(where, tag="s4")
+            engine.save_checkpoint(where, tag="s5")
+        except ckpt.CheckpointError as err:
+            return str(err)
 
 
 def _refused():

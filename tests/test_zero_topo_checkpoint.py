@@ -7,6 +7,7 @@ smaller job. The reference for resharding is the original run continued without 
 checkpoint; for consolidation, the fp32 masters gathered in the running job.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -86,28 +87,38 @@ def _catch(fn, *args, **kwargs):
         return str(err)
 
 
-# ---- atomic saves ------------------------------------------------------------------------------
-def _failing_save(tmp):
+@contextlib.contextmanager
+def no_space_on_rank(rank: int):
+    """Inside: every checkpoint file ``rank`` writes fails with ENOSPC (tests/test_zero_topo_async_save.py
+    too, for a write that fails in the background)."""
     import torch.distributed as dist
 
     from ds_ext.zero_topo import checkpoint as ckpt
 
-    engine = _engine(_cfg({"preset": "zero_topo"}))
-    _steps(engine, 2)
-    engine.save_checkpoint(tmp, tag="a")
-    _steps(engine, 1, start=2)
     save = ckpt.atomic_save
 
     def broken(obj, path):
-        if dist.get_rank() == 3:
+        if dist.get_rank() == rank:
             raise OSError(28, "No space left on device")
         save(obj, path)
 
     ckpt.atomic_save = broken
     try:
-        error = _catch(engine.save_checkpoint, tmp, tag="b")
+        yield
     finally:
         ckpt.atomic_save = save
+
+
+# ---- atomic saves ------------------------------------------------------------------------------
+def _failing_save(tmp):
+    import torch.distributed as dist
+
+    engine = _engine(_cfg({"preset": "zero_topo"}))
+    _steps(engine, 2)
+    engine.save_checkpoint(tmp, tag="a")
+    _steps(engine, 1, start=2)
+    with no_space_on_rank(3):
+        error = _catch(engine.save_checkpoint, tmp, tag="b")
     dist.barrier()
     listing = sorted(os.listdir(tmp))
     latest = Path(tmp, "latest").read_text()

@@ -217,12 +217,12 @@ def _fsdp2_load(dcp_dir: str, config: dict) -> dict | None:
 
 
 def test_dcp_export_loads_into_fsdp2_at_another_world_size(neox, world2, tmp_path):
-    from ds_ext.zero_topo.checkpoint import consolidate, hf_of
+    from ds_ext.zero_topo.checkpoint import consolidate
     from ds_ext.zero_topo.export import export_dcp
 
     tag_dir, _ = neox
     export_dcp(tag_dir, tmp_path / "dcp")
-    full = world2.run(_fsdp2_load, str(tmp_path / "dcp"), hf_of(tag_dir)["config"])[0]
+    full = world2.run(_fsdp2_load, str(tmp_path / "dcp"), _model("gpt-neox").config.to_dict())[0]
     reference = consolidate(tag_dir)
     assert set(full) == set(reference)
     for name, value in reference.items():

@@ -8,19 +8,9 @@ as long.
 """
 
 import pytest
+from test_zero_topo_layouts import STEPS, UNQUANTIZED, _params
 
 WORLD_SIZE = 8
-UNQUANTIZED = {"weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}}
-STEPS = 4
-
-
-def _params(engine):
-    """This rank's full parameters, gathered where ZeRO-topo shards them."""
-    import torch
-
-    with engine.ds_ext.gathered_parameters() if hasattr(engine, "ds_ext") else torch.no_grad():
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-
 
 PMM_GRID = (2, 1, 2, 2)  # x, y, z, data: the data axis pairs the two nodes
 SEQ_PMM = 16  # tests/pmm_helpers.py's SEQ

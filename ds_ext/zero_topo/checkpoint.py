@@ -389,7 +389,7 @@ def consolidate(tag_dir: Path) -> dict[str, torch.Tensor]:
     """The full fp32 state dict (every name of tied parameters, one tensor) from a checkpoint's
     shards (:func:`iter_params`)."""
     out: dict[str, torch.Tensor] = {}
-    for param in iter_params(tag_dir):
+    for param in iter_params(open_parts(tag_dir)):
         value = param.load()
         for name in param.names:
             out[name] = value
@@ -410,13 +410,12 @@ class SavedParam:
         return int(torch.Size(self.shape).numel())
 
 
-def iter_params(tag_dir: Path) -> Iterator[SavedParam]:
-    """Every parameter of a checkpoint, in the saved units' order, loaded only when asked
-    (:class:`SavedParam`): trainable parameters from the fp32 masters, frozen ones from the 16-bit
-    weights. Pipeline stages (tensor parallel 1: each part holds whole parameters of its own
-    layers) are joined by name, a weight tied across stages (held by each) once, after checking
-    its copies agree (by digest); a checkpoint of tensor-parallel slices is refused (joining them
-    needs the model's partition dimensions), as is one of TED's experts."""
+def open_parts(tag_dir: Path) -> list[SavedCheckpoint]:
+    """The data-parallel parts of a checkpoint that :func:`iter_params` joins: the checkpoint
+    itself, or its pipeline stages (tensor parallel 1: each part holds whole parameters of its own
+    layers). A checkpoint of tensor-parallel slices is refused (joining them needs the model's
+    partition dimensions), as is one of TED's experts. Rank 0's shard of the first part carries
+    what the save recorded of the model (``meta["hf"]``)."""
     if expert_parts(tag_dir):
         raise CheckpointError(
             f"checkpoint {tag_dir} holds MoE experts sharded over expert-data-parallel groups (ds_ext.ted), "
@@ -424,8 +423,7 @@ def iter_params(tag_dir: Path) -> Iterator[SavedParam]:
         )
     parts = model_parallel_parts(tag_dir)
     if not parts:
-        yield from _iter_part(SavedCheckpoint.open(tag_dir))
-        return
+        return [SavedCheckpoint.open(tag_dir)]
     opened = [SavedCheckpoint.open(part) for part in parts]
     degrees = opened[0].meta.get("model_parallel", {})
     if degrees.get("tensor") != 1:
@@ -434,33 +432,40 @@ def iter_params(tag_dir: Path) -> Iterator[SavedParam]:
             f"{degrees.get('tensor', 'unrecorded')}), which ds_ext cannot join without the model's partition "
             "dimensions; allowed: a checkpoint saved with tensor parallel 1 (pipeline stages are joined)"
         )
-    seen: dict[str, str] = {}  # name -> digest of the value yielded under it
-    for stage, part in enumerate(opened):
+    return opened
+
+
+def iter_params(parts: list[SavedCheckpoint]) -> Iterator[SavedParam]:
+    """Every parameter of the parts :func:`open_parts` opened, in the saved units' order, loaded
+    only when asked (:class:`SavedParam`): trainable parameters from the fp32 masters, frozen ones
+    from the 16-bit weights. Pipeline stages are joined by name: a weight tied across stages (held
+    by each) once, after checking its copies agree (by digest; only such weights are read here)."""
+    names = [{n for u in part.meta["units"] for p in u["params"] for n in p["names"]} for part in parts]
+    shared = {n for i, mine in enumerate(names) for other in names[i + 1 :] for n in mine & other}
+    seen: dict[str, str] = {}  # a name held by several stages -> digest of the value yielded under it
+    for stage, part in enumerate(parts):
         for param in _iter_part(part):
+            if shared.isdisjoint(param.names):
+                yield param
+                continue
             value = param.load()
             digest = _digest(value)
             for name in param.names:
                 if seen.get(name, digest) != digest:
                     raise CheckpointError(
-                        f"checkpoint {tag_dir}: {name!r} differs between pipeline stages (a tied weight's "
-                        f"copies must agree; stage {stage} holds another value)"
+                        f"checkpoint {part.tag_dir.parent}: {name!r} differs between pipeline stages (a tied "
+                        f"weight's copies must agree; stage {stage} holds another value)"
                     )
             new = [n for n in param.names if n not in seen]
             seen.update((n, digest) for n in param.names)
             if new:
-                yield SavedParam(new, param.shape, param.load)
+                yield SavedParam(new, param.shape, lambda value=value: value)
 
 
 def _digest(value: torch.Tensor) -> str:
     import hashlib
 
     return hashlib.sha256(value.numpy().tobytes()).hexdigest()
-
-
-def hf_of(tag_dir: Path) -> dict | None:
-    """The Hugging Face class and config a checkpoint recorded (:func:`shard_state`), or None."""
-    parts = model_parallel_parts(tag_dir)
-    return SavedCheckpoint.open(parts[0] if parts else tag_dir).meta.get("hf")
 
 
 def _iter_part(ckpt: SavedCheckpoint) -> Iterator[SavedParam]:

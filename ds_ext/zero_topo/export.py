@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from ds_ext.zero_topo.checkpoint import CheckpointError, hf_of, iter_params
+from ds_ext.zero_topo.checkpoint import CheckpointError, SavedCheckpoint, iter_params, open_parts
 
 INDEX = "model.safetensors.index.json"
 SHARD = "model-{i:05d}-of-{n:05d}.safetensors"
@@ -67,18 +67,16 @@ def export_safetensors(tag_dir: Path, out_dir: Path, max_shard_bytes: int = 2 * 
     if max_shard_bytes <= 0:
         raise CheckpointError(f"export max shard bytes must be positive, got {max_shard_bytes}")
     to = _dtype(dtype)
-    hf = hf_of(tag_dir)
+    parts = open_parts(tag_dir)
     _fresh_dir(out_dir)
     try:
-        return _write_safetensors(tag_dir, out_dir, max_shard_bytes, to, hf)
+        return _write_safetensors(parts, out_dir, max_shard_bytes, to)
     except BaseException:
         shutil.rmtree(out_dir, ignore_errors=True)
         raise
 
 
-def _write_safetensors(
-    tag_dir: Path, out_dir: Path, max_shard_bytes: int, to: torch.dtype, hf: dict | None
-) -> Exported:
+def _write_safetensors(parts: list[SavedCheckpoint], out_dir: Path, max_shard_bytes: int, to: torch.dtype) -> Exported:
     from safetensors.torch import save_file
 
     written: list[tuple[Path, list[str]]] = []
@@ -95,7 +93,7 @@ def _write_safetensors(
             shard, held = {}, 0
 
     size = to.itemsize
-    for param in iter_params(tag_dir):
+    for param in iter_params(parts):
         if held and held + param.numel * size > max_shard_bytes:
             flush()  # before the next parameter is read: the file's tensors and it are all that is held
         value = param.load().to(to)
@@ -113,6 +111,7 @@ def _write_safetensors(
         weight_map.update((name, final.name) for name in names)
     index = {"metadata": {"total_size": total, "tied": tied}, "weight_map": weight_map}
     (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    hf = parts[0].meta.get("hf")
     if hf is not None:  # the dtype written, under the key this config uses (transformers renamed it)
         key = "torch_dtype" if "torch_dtype" in hf["config"] else "dtype"
         config = hf["config"] | {"architectures": [hf["class"]], key: str(to).removeprefix("torch.")}
@@ -128,7 +127,7 @@ def export_dcp(tag_dir: Path, out_dir: Path, dtype: str = "fp32") -> Exported:
     to = _dtype(dtype)
     state: dict[str, torch.Tensor] = {}
     parameters = total = 0
-    for param in iter_params(tag_dir):
+    for param in iter_params(open_parts(tag_dir)):
         value = param.load().to(to)
         parameters, total = parameters + value.numel(), total + value.nbytes
         for i, name in enumerate(param.names):
