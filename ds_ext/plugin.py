@@ -87,6 +87,10 @@ class Plugin:
     def attach(self, engine: Any) -> None:
         """Called with the DeepSpeed engine after ``deepspeed.initialize``."""
 
+    def settle(self) -> None:
+        """Complete the collectives this plugin left in flight past the optimizer step
+        (collective; ``Runtime.settle``); by default it leaves none."""
+
     def parameters_sharded(self, units: list[list[Any]]) -> None:
         """Told by a plugin that shards parameters into gather units (ZeRO-topo, at its attach):
         each unit's parameters, valid only while that unit is gathered (inside its modules'

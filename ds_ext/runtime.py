@@ -76,6 +76,14 @@ class Runtime:
                 return ctx
         return contextlib.nullcontext()
 
+    def settle(self) -> None:
+        """Complete every collective a plugin left in flight past the last optimizer step
+        (collective): ZeRO-topo's weight all-gathers under ``gather_across_step``, which the next
+        forward would otherwise wait for. For a timed region that must hold all of its steps' work,
+        or before reading the weights' storage outside the model."""
+        for plugin in self.plugins:
+            plugin.settle()
+
     @classmethod
     def create(
         cls, config: BaseModel, world_size: int | None = None, initialize_kwargs: dict | None = None

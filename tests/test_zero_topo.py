@@ -219,8 +219,12 @@ def _overlapped_or_not(preset, accum, schedule, first_block_twice=False):
             issued.append(ledger.current.by_phase().get("step", {}).get("node", 0))
             engine.step()
             losses.append(loss.item())
+    held = ledger.current.by_phase().get("step", {}).get("gpu", 0)
+    engine.ds_ext.settle()  # the last step's gathers, completed now (booked in the open record)
+    settled = ledger.current.by_phase().get("step", {}).get("gpu", 0) - held
     plugin = engine.ds_ext.plugins[0]
     out = {
+        "settled": settled,
         "in_forward": in_forward,
         "issued": issued,
         "warned": warned,
@@ -240,7 +244,8 @@ def test_step_boundary_overlaps_backward_and_the_next_forward_with_the_same_bits
     reduce-scatter; int8 all-to-all) is issued inside the last micro-batch's backward (booked as
     phase ``step``), never in an earlier one; with it off nothing is issued before the step. With
     ``gather_across_step`` (the default) the weight gathers inside the node are issued in the next
-    step's first forward (still phase ``step``), else inside the step. All three schedules give
+    step's first forward (still phase ``step``), else inside the step; ``engine.ds_ext.settle()``
+    completes them after the last step (nothing left to settle otherwise). All three schedules give
     the same bits and, summed over the run, the same ledger."""
     import torch
 
@@ -257,6 +262,7 @@ def test_step_boundary_overlaps_backward_and_the_next_forward_with_the_same_bits
                 assert len({x for x in a["issued"] if x}) == 1  # the whole reduction, every step
             after_a_step = [0] * accum + [gathered_in_step] * (2 * accum)
             assert a["in_forward"] == (after_a_step if name == "across" else [0] * len(boundary)), (name, a)
+            assert a["settled"] == (gathered_in_step if name == "across" else 0), (name, a["settled"])
             assert a["losses"] == serial["losses"]
             assert all(torch.equal(x, y) for x, y in zip(a["primaries"], serial["primaries"]))
             assert all(torch.equal(x, y) for x, y in zip(a["masters"], serial["masters"]))

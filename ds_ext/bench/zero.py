@@ -45,6 +45,11 @@ stages' activation send / recv (point to point) are not ledger collectives: they
 step over those links and ``step_time_emulated_s`` is None. ``--quick``: the tiny model,
 GA 1, one step each of ds_ext_zero_topo, ds_ext_zero3 and deepspeed_zero3 unless ``--variants`` says (a
 plumbing check).
+
+Timing (DESIGN.md §6): ``--rounds`` R runs every variant R times, round-robin, each run a fresh world
+(warm-up steps, one untimed bridge step, then ``2 * --steps`` timed steps back to back: see
+:func:`_measure`); ratios are medians with a 95 % interval from a bootstrap over rounds
+(:func:`ds_ext.bench.stats.round_ratio_interval`), so drift between rounds widens it.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds_ext.bench import mean_over_world, median, write_json
-from ds_ext.bench.stats import ratio_interval
+from ds_ext.bench.stats import round_ratio_interval
 from ds_ext.cluster.world import add_network_arguments
 
 LEVELS = ("gcd", "gpu", "node")
@@ -384,8 +389,8 @@ def _measure(
     pipeline: int = 0,
     seq_len: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Runs on every rank: train ``warmup + 2 * steps`` steps per grad_accum and measure
-    (sequences of ``seq_len`` tokens, default the model's)."""
+    """Runs on every rank: train ``warmup + 1 + 2 * steps`` steps per grad_accum and time the last
+    ``2 * steps`` back to back (sequences of ``seq_len`` tokens, default the model's)."""
     import torch
     import torch.distributed as dist
 
@@ -433,15 +438,32 @@ def _measure(
         rt = engine.ds_ext
         emulator = rt.comm.emulator
         times: dict[bool, list[float]] = {False: [], True: []}
+        busy: dict[str, Any] = {}
         losses, state = [], {}
-        wire = _WireWindow(time_scale is None, warmup)
+        wire = _WireWindow(time_scale is None)
         quantizer_s, clock = [], _quantizer_clock()
-        for step in range(warmup + 2 * steps):
-            wire.at(step)
-            emulate = emulator is not None and step >= warmup and (step - warmup) % 2 == 1
+        # The timed steps run back to back: step k's time runs from the barrier that ends step k - 1
+        # to the one that ends step k, so nothing a variant leaves in flight past its step
+        # (ZeRO-topo's gather_across_step) progresses in an untimed gap. Before them, the warm-up's
+        # collectives still in flight are completed (Runtime.settle), the wire window opens, and one
+        # bridge step runs untimed: the first timed step then waits for a step's carried work, as
+        # every later one does. After them, settle again: the window holds 2 * steps + 1 steps.
+        bridge = warmup
+        for step in range(warmup + 1 + 2 * steps):
+            measured = step - bridge - 1  # the timed steps' index, < 0 before them
+            emulate = emulator is not None and measured >= 0 and measured % 2 == 1
             rt.comm.emulator = emulator if emulate else None
-            dist.barrier()
-            t0, q0 = time.perf_counter(), clock()
+            if step == bridge:
+                rt.settle()
+                dist.barrier()
+                wire.open()
+                dist.barrier()
+                t0, q0 = time.perf_counter(), clock()
+            elif step < bridge:
+                dist.barrier()
+                t0, q0 = time.perf_counter(), clock()
+            if measured == 2 * steps - 1:  # the last timed step: its spans, for level_busy
+                rt.ledger.trace = []
             step_losses = []
             if pipeline:  # one train_batch: GA micro-batches through the 1F1B schedule, then the step
                 batch = [corpus.micro_batch(step, m, data_rank, data_world, 2, ga, seq) for m in range(ga)]
@@ -455,14 +477,19 @@ def _measure(
                 engine.step()
                 step_losses.append(loss.item())
             dist.barrier()
-            if step >= warmup:
-                times[emulate].append(time.perf_counter() - t0)
+            t1, q1 = time.perf_counter(), clock()
+            if rt.ledger.trace is not None:
+                busy, rt.ledger.trace = level_busy(rt.ledger.trace, t0, t1), None
+            if measured >= 0:
+                times[emulate].append(t1 - t0)
                 if not emulate:
-                    quantizer_s.append(clock() - q0)
+                    quantizer_s.append(q1 - q0)
+            t0, q0 = t1, q1
             losses.append(sum(step_losses) / ga)
+        rt.settle()
         rt.comm.emulator = emulator
         led = rt.ledger
-        wire_bytes = wire.close(2 * steps, led.mean_by_level(warmup), led.mean_link_bytes_by_level(warmup))
+        wire_bytes = wire.close(2 * steps + 1, led.mean_by_level(warmup), led.mean_link_bytes_by_level(warmup))
         floor = data_group_floor(rt.topology, data_ranks, rank_bytes)
         record: dict[str, Any] = {
             "variant": variant,
@@ -484,6 +511,7 @@ def _measure(
             # seconds in the quantizer per measured plain step (mean over ranks)
             "quantizer_s_per_step": mean_over_world(quantizer_s),
             "wire_bytes_per_step": wire_bytes,
+            "level_busy_last_step": busy,
             "step_time_emulated_s": median(times[True]) if times[True] else None,
             "time_scale": time_scale,
             "losses": losses,
@@ -586,11 +614,11 @@ class _WireWindow:
     steps (``ds_ext.cluster.wire``), per step, beside the ledger's bytes of all ranks (rank 0's
     record; None elsewhere and when emulating)."""
 
-    def __init__(self, active: bool, warmup: int) -> None:
-        self.active, self.warmup, self.region, self._ctx = active, warmup, None, None
+    def __init__(self, active: bool) -> None:
+        self.active, self.region, self._ctx = active, None, None
 
-    def at(self, step: int) -> None:
-        if self.active and step == self.warmup:
+    def open(self) -> None:
+        if self.active:
             from ds_ext.cluster.wire import wire_region
 
             self._ctx = wire_region()
@@ -641,13 +669,42 @@ STAGE_FIELDS = (
 )
 
 
+def level_busy(trace: list[tuple[tuple[str, str, str], float, float]], t0: float, t1: float) -> dict[str, Any]:
+    """Where one step of ``t1 - t0`` seconds waited on which level: per level, the union of the
+    ledger's spans (``Ledger.trace``: from a collective's call until its wait returns) inside the
+    step (``busy_s``), the first call and the last return (``first_s`` / ``last_s``, from the step's
+    start; a span open at the start counts from 0), and the spans."""
+    by_level: dict[str, list[tuple[float, float]]] = {}
+    for (_, _, level), start, end in trace:
+        lo, hi = max(start, t0), min(end, t1)
+        if hi > lo:
+            by_level.setdefault(level, []).append((lo - t0, hi - t0))
+    out: dict[str, Any] = {"step_s": t1 - t0, "levels": {}}
+    for level, spans in sorted(by_level.items()):
+        spans.sort()
+        busy, reach = 0.0, 0.0
+        for lo, hi in spans:
+            busy += max(0.0, hi - max(lo, reach))
+            reach = max(reach, hi)
+        out["levels"][level] = {
+            "busy_s": busy,
+            "first_s": spans[0][0],
+            "last_s": max(hi for _, hi in spans),
+            "spans": len(spans),
+        }
+    return out
+
+
 def _merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Rank 0's record with the loss averaged over ranks (traffic is symmetric over the data-parallel
-    group); under a PipelineEngine also the first rank of every stage (``stages``) and the largest
+    group) and every rank's :func:`level_busy` of its last timed step (``level_busy_by_rank``);
+    under a PipelineEngine also the first rank of every stage (``stages``) and the largest
     ledger-vs-model errors over all ranks."""
     merged = []
     for i, rec in enumerate(per_rank[0]):
         rec = dict(rec)
+        rec["level_busy_by_rank"] = [r[i].pop("level_busy_last_step") for r in per_rank]
+        del rec["level_busy_last_step"]
         rec["losses"] = [sum(r[i]["losses"][k] for r in per_rank) / len(per_rank) for k in range(len(rec["losses"]))]
         rec["loss"] = rec["losses"][-1]
         if rec.get("pipeline_parallel"):
@@ -663,8 +720,8 @@ def _merge_ranks(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def merge_rounds(per_round: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One record per (variant, GA) from its rounds (``--rounds``): the first round's bytes and
-    model (the same every round: the ledger is deterministic), every round's step times in round
+    """One record per (variant, GA) from its rounds (``--rounds``): the first round's bytes, model
+    and ``level_busy_by_rank`` (the bytes are the same every round: the ledger is deterministic), every round's step times in round
     order (``step_times_s``; ``step_time_s`` their median), per round too (``step_times_by_round``),
     with the quantizer seconds, the losses and the emulated step time (median) of each round."""
     merged: dict[tuple[str, int], dict[str, Any]] = {}
@@ -703,7 +760,7 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
         "zero_topo_vs_floor": {},
         "step_time_ratio_emulated": {},
         "step_time_ratio": {},
-        # the ratio of median step times with its bootstrap 95 % interval (ds_ext.bench.stats)
+        # the ratio of median step times with its 95 % interval, bootstrapped over rounds (ds_ext.bench.stats)
         "step_time_ratio_interval": {},
         "inter_node_x_M": {},
         # DeepSpeed ZeRO++'s steps less the seconds in its pure-torch CPU quantizer (a CUDA kernel on a GPU)
@@ -751,12 +808,14 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
                             by[theirs, ga]["step_time_emulated_s"] / r["step_time_emulated_s"]
                         )
                     out["step_time_ratio"][key] = by[theirs, ga]["step_time_s"] / r["step_time_s"]
-                    out["step_time_ratio_interval"][key] = ratio_interval(
-                        by[theirs, ga]["step_times_s"], r["step_times_s"]
+                    out["step_time_ratio_interval"][key] = round_ratio_interval(
+                        _by_round(by[theirs, ga], by[theirs, ga]["step_times_s"]),
+                        _by_round(r, r["step_times_s"]),
                     )
                     if theirs == "deepspeed_zeropp" and by[theirs, ga]["quantizer_s_per_step"] is not None:
-                        out["step_time_ratio_interval_without_deepspeed_quantizer"][key] = ratio_interval(
-                            steps_without_quantizer(by[theirs, ga]), r["step_times_s"]
+                        out["step_time_ratio_interval_without_deepspeed_quantizer"][key] = round_ratio_interval(
+                            _by_round(by[theirs, ga], steps_without_quantizer(by[theirs, ga])),
+                            _by_round(r, r["step_times_s"]),
                         )
         nic = nic_bytes(r)
         if nic is not None:
@@ -770,6 +829,13 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 GOAL_RATIO, GOAL_LOWER_BOUND = 1.3, 1.2  # issue 48 item 5: ratio of medians, lower 95 % bound
+
+
+def _by_round(record: dict[str, Any], steps: list[float]) -> list[list[float]]:
+    """``steps`` (one value per step of ``record``, in round order) split into its rounds."""
+    sizes = [len(r) for r in record.get("step_times_by_round") or [record["step_times_s"]]]
+    cuts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [steps[lo:hi] for lo, hi in zip(cuts, cuts[1:])]
 
 
 def steps_without_quantizer(record: dict[str, Any]) -> list[float]:
@@ -925,7 +991,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     world = args.nodes * RANKS_PER_NODE
     time_scale = None if args.network == "netns" else args.time_scale
-    from ds_ext.bench.stats import load_average, provenance
+    from ds_ext.bench.stats import load_average, provenance, utc_now
     from ds_ext.cluster.world import bench_cluster_spec
 
     prov = provenance(
@@ -963,6 +1029,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         per_round.extend({**rec, "round": round_} for rec in _merge_ranks(per_rank))
     prov["host"]["load_average_after"] = load_average()
+    prov["finished"] = utc_now()
     records = merge_rounds(per_round)
     records.sort(key=lambda r: (r["grad_accum"], ALL_VARIANTS.index(r["variant"])))
     import os

@@ -41,6 +41,9 @@ On a GPU (NCCL / RCCL) a collective returns once it is enqueued and ``wait()`` o
 streams, so a span is launch time; set :attr:`Ledger.synchronize` (e.g.
 ``torch.cuda.synchronize``) to have each span start and end on a synchronized device: it then
 covers the transfer, at the price of serializing the collective with compute around it.
+With :attr:`Ledger.trace` a list, each closed span is also appended to it as
+``(key, start, end)`` (perf_counter seconds): a timeline of where the step waited on which level
+(``ds-ext bench zero``'s per-level busy time).
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ class Ledger:
 
     def __init__(self, levels: tuple[str, ...]) -> None:
         self.levels = levels
+        self.trace: list[tuple[Key, float, float]] | None = None  # closed spans, while a list
         self.enabled = True
         self._phase = "other"
         self.steps: list[Traffic] = []
@@ -184,7 +188,10 @@ class Ledger:
             return
         if self.synchronize is not None:
             self.synchronize()
-        self.current.seconds[key] += time.perf_counter() - span[1]
+        end = time.perf_counter()
+        self.current.seconds[key] += end - span[1]
+        if self.trace is not None:
+            self.trace.append((key, span[1], end))
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:

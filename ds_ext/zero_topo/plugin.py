@@ -313,6 +313,10 @@ class ZeroTopoPlugin(Plugin):
 
         return ds_engine.loss_scaler_state(self.scaler)
 
+    def settle(self) -> None:
+        """Complete the step's weight all-gathers left in flight (``gather_across_step``)."""
+        self.optimizer.settle()
+
     # ---- full parameters on demand -----------------------------------------------------
     @contextlib.contextmanager
     def gathered_parameters(
