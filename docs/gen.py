@@ -408,6 +408,39 @@ def zero_reviewer_ratios(run: str = REVIEWER_RUN, repeat: str | None = REVIEWER_
     )
 
 
+BACK_TO_BACK_RUN = "bench_zero_back_to_back_ga1.json"
+BACK_TO_BACK_REPEAT = "bench_zero_back_to_back_ga1_repeat.json"
+
+
+def zero_level_busy_table(run: str = BACK_TO_BACK_RUN) -> str:
+    """Where the last timed step of each variant waited, level by level (``level_busy_by_rank``, the
+    ledger's spans from a collective's call to its wait's return, first round): per level the busy
+    seconds (union of the spans) as min-max over the ranks and the latest return from the step's
+    start over the ranks, beside the step's seconds."""
+    rows = []
+    for r in _load(run)["records"]:
+        ranks = r["level_busy_by_rank"]
+        cells = []
+        for lv in _LEVEL_NAMES:
+            got = [b["levels"][lv] for b in ranks if lv in b["levels"]]
+            cells.append(
+                f"{min(g['busy_s'] for g in got):.1f}-{max(g['busy_s'] for g in got):.1f} "
+                f"(last {max(g['last_s'] for g in got):.1f})"
+                if got
+                else "-"
+            )
+        rows.append([r["variant"], str(r["grad_accum"]), f"{max(b['step_s'] for b in ranks):.1f}", *cells])
+    return _md(
+        [
+            "variant",
+            "GA",
+            "step s",
+            *(f"{name}: busy s over ranks (last return s)" for name in _LEVEL_NAMES.values()),
+        ],
+        rows,
+    )
+
+
 _PEER_NAMES = {
     "ds_ext_zeropp": "ds_ext zeropp",
     "ds_ext_zero3": "ds_ext zero3",
@@ -1050,6 +1083,15 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
         f"examples/results/{ACROSS_STEP_RUN_GA8}",
         lambda: zero_reviewer_ratios(ACROSS_STEP_RUN_GA8, None),
     ),
+    "bench_zero_back_to_back.md": (
+        f"examples/results/{BACK_TO_BACK_RUN}",
+        lambda: zero_reviewer_table(BACK_TO_BACK_RUN),
+    ),
+    "bench_zero_back_to_back_ratios.md": (
+        f"examples/results/{BACK_TO_BACK_RUN}, {BACK_TO_BACK_REPEAT}",
+        lambda: zero_reviewer_ratios(BACK_TO_BACK_RUN, BACK_TO_BACK_REPEAT),
+    ),
+    "bench_zero_back_to_back_levels.md": (f"examples/results/{BACK_TO_BACK_RUN}", zero_level_busy_table),
     "bench_zero_4nodes_wire.md": (f"examples/results/{FOUR_NODE_RUN}", lambda: zero_reviewer_table(FOUR_NODE_RUN)),
     "bench_tiled.md": ("examples/results/bench_tiled.json", tiled_table),
     "bench_pmm.md": ("examples/results/bench_pmm.json", pmm_table),
