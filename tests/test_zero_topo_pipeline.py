@@ -139,9 +139,11 @@ def _run(stages, zero_topo, extra=None, seed=0, adam=False, bf16=False, fp16=Non
 # bf16 against DeepSpeed ZeRO-1 bf16 on the same PipelineEngine: both keep fp32 masters, but reduce
 # the bf16 gradients in different orders (ZeRO-topo: reduce-scatter per level, DeepSpeed: bucketed
 # all-reduce), so gradients differ by a few bf16 roundings (2^-8 relative) and the weights, rounded
-# back to bf16, by about one bf16 ulp of their scale.
-BF16 = {"rtol": 2e-2, "atol": 4e-3, "norm": 2e-3}
-FP32 = {"rtol": 1e-6, "atol": 1e-6, "norm": 1e-6}
+# back to bf16, by about one bf16 ulp of their scale. The losses are bf16 numbers, so they may land
+# one bf16 ulp apart ("loss": bf16's epsilon 2^-7, relative, is at least one ulp of any value; the
+# loss of step 4 was 21.5 against 21.625 on another CPU, one ulp at 16-32).
+BF16 = {"rtol": 2e-2, "atol": 4e-3, "norm": 2e-3, "loss": 2**-7}
+FP32 = {"rtol": 1e-6, "atol": 1e-6, "norm": 1e-6, "loss": 1e-6}
 
 
 @pytest.mark.parametrize("stages,bf16", [(1, False), (2, False), (2, True)], ids=["pp1", "pp2", "pp2-bf16"])
@@ -157,7 +159,7 @@ def test_unquantized_pipeline_form_equals_deepspeed_zero1_on_the_pipeline_engine
     ref = world.run(_run, stages, None, bf16=bf16)
     ours = world.run(_run, stages, UNQUANTIZED, bf16=bf16)
     for r, o in zip(ref, ours):
-        assert o["losses"] == pytest.approx(r["losses"], rel=tol["norm"], abs=0)
+        assert o["losses"] == pytest.approx(r["losses"], rel=tol["loss"], abs=0)
         assert o["norms"] == pytest.approx(r["norms"], rel=tol["norm"], abs=0)
         assert r["norms"][0] > 0.05  # the clip is active
         assert o["still"] == [] and r["still"] == []
