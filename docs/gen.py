@@ -11,14 +11,18 @@ page differs from what they produce now):
 * the API reference: one ``:::`` directive of mkdocstrings per public module of ``ds_ext``,
   rendered from the docstrings when the site is built -> ``docs/reference/api.md``;
 * the benchmark tables, from ``examples/results/*.json`` -> ``docs/snippets/*.md``, included
-  into the benchmark pages (``--8<--``, pymdownx.snippets).
+  into the benchmark pages (``--8<--``, pymdownx.snippets);
+* the architecture page's file map (every module's docstring summary, read from the source without
+  importing it) and its layer diagram (``.importlinter``'s layers with their comments).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import pkgutil
+import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -1042,6 +1046,49 @@ def samo_layout_table() -> str:
     )
 
 
+# --------------------------------------------------------------------------- architecture
+
+
+def _summary(path: Path) -> str:
+    """The first sentence of a module's docstring (its summary line), read from the source."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    first = " ".join(doc.split("\n\n")[0].split())
+    end = re.search(r"\.\s(?=[A-Z])", first)  # not "ch. 7", "e.g. ``x``"
+    return first[: end.start() + 1] if end else first
+
+
+def file_map() -> str:
+    """Every package and module of ds_ext with its docstring's summary, in path order."""
+    rows = []
+    for path in sorted((ROOT / "ds_ext").rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if path.name == "__init__.py":
+            rel = rel.parent
+            if not _summary(path):
+                continue
+        rows.append([f"`{rel.as_posix()}`", _cell(_summary(path))])
+    return _md(["module", "what it is (its docstring's first sentence)"], rows)
+
+
+def layer_diagram() -> str:
+    """``.importlinter``'s layers, top to bottom, each with the comment above it."""
+    text = (ROOT / ".importlinter").read_text()
+    section = text[text.index("[importlinter:contract:layers]") :]
+    body = section[section.index("layers =\n") + len("layers =\n") :].splitlines()
+    lines, comment = [], []
+    for raw in body:
+        if not raw.startswith(" "):  # the value's indented lines end the layers
+            break
+        line = raw.strip()
+        if line.startswith("#"):
+            comment.append(line.lstrip("# "))
+            continue
+        names = " : ".join(n.strip().removeprefix("ds_ext.") for n in line.split(":"))
+        lines.append([f"`{names}`", _cell(" ".join(comment))])
+        comment = []
+    return _md(["layer (top imports the ones below; `:` siblings import none of each other)", "what it holds"], lines)
+
+
 SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_zero.md": ("examples/results/bench_zero.json", zero_table),
     "bench_zero_tp2.md": ("examples/results/bench_zero_tp2.json", lambda: zero_table("bench_zero_tp2.json")),
@@ -1121,6 +1168,8 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "memorization.md": ("examples/results/memorization.json", memorization_table),
     "bench_samo.md": ("examples/results/bench_samo.json", samo_table),
     "bench_samo_layout.md": ("examples/results/bench_samo.json", samo_layout_table),
+    "architecture_files.md": ("the docstrings of ds_ext/", file_map),
+    "architecture_layers.md": (".importlinter", layer_diagram),
 }
 
 

@@ -16,7 +16,7 @@ from ds_ext.version import __version__
 if TYPE_CHECKING:
     import torch
 
-    from ds_ext.integration.initialize import Initialized
+    from ds_ext.entry.initialize import Initialized
 
 
 def initialize(
@@ -60,10 +60,10 @@ def initialize(
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed returns them, a
-        named tuple (:class:`ds_ext.integration.initialize.Initialized`: ``result.engine`` ...);
+        named tuple (:class:`ds_ext.entry.initialize.Initialized`: ``result.engine`` ...);
         ``engine.ds_ext`` is the :class:`ds_ext.runtime.Runtime` (topology, groups, ledger, plugins).
     """
-    from ds_ext.integration.initialize import initialize as _initialize
+    from ds_ext.entry.initialize import initialize as _initialize
 
     return _initialize(
         args,
@@ -83,15 +83,15 @@ def initialize(
 
 
 def patch_deepspeed() -> None:
-    """See :func:`ds_ext.integration.activation.patch_deepspeed`."""
-    from ds_ext.integration.activation import patch_deepspeed as _patch
+    """See :func:`ds_ext.entry.activation.patch_deepspeed`."""
+    from ds_ext.entry.activation import patch_deepspeed as _patch
 
     _patch()
 
 
 def unpatch_deepspeed() -> None:
-    """See :func:`ds_ext.integration.activation.unpatch_deepspeed`."""
-    from ds_ext.integration.activation import unpatch_deepspeed as _unpatch
+    """See :func:`ds_ext.entry.activation.unpatch_deepspeed`."""
+    from ds_ext.entry.activation import unpatch_deepspeed as _unpatch
 
     _unpatch()
 

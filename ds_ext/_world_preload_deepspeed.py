@@ -14,14 +14,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402,F401
 import deepspeed.ops  # noqa: E402
 
-import ds_ext.integration.initialize  # noqa: E402,F401
-from ds_ext.plugin import registered_configs, registered_plugins  # noqa: E402
+import ds_ext.entry.initialize  # noqa: E402,F401
+from ds_ext.runtime import builtin_plugins  # noqa: E402
 
 # the op builders' compatibility probe, which DeepSpeed runs on first use (init_distributed reads
 # it): a compiler run per op, about 0.5 s of CPU and a child process for every rank otherwise
 deepspeed.ops.__compatible_ops__  # noqa: B018
-registered_plugins()  # every built-in plugin and config module (goldfish, samo, TED's layers, ...)
-registered_configs()
+builtin_plugins()  # every built-in plugin module (goldfish, samo, TED's layers, ...); ds_ext.config their sections
 
 try:  # DeepSpeed imports it in ZeRO's optimizer check (stage >= 1); it builds a torch.compile wrapper (~1 s)
     import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401

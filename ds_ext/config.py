@@ -26,10 +26,40 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, create_m
 
 from ds_ext.config_base import ConfigSection
 from ds_ext.errors import DsExtConfigError, DsExtError
-from ds_ext.plugin import PluginConfig, registered_configs
+from ds_ext.goldfish.config import GoldfishConfig
+from ds_ext.moe.config import TEDConfig
+from ds_ext.optim.config import TiledOptimizerConfig
+from ds_ext.pccl.config import PCCLConfig
+from ds_ext.plugin import PluginConfig, PluginError, registered_plugins
+from ds_ext.pmm.config import Pmm3dConfig
+from ds_ext.samo.config import SamoConfig
+from ds_ext.zero_topo.plan import ZeroTopoConfig
 from ds_ext.topology import DETECTED_LEVELS, GB, PRESET_NAMES, US, Level, preset_levels
 
 BLOCK = "ds_ext"
+
+# The built-in plugins' sections, from modules that import no torch (``ds-ext schema``, the
+# planner): one line per built-in plugin (its class is listed in ``ds_ext.runtime.builtin_plugins``).
+BUILTIN_SECTIONS: dict[str, type[PluginConfig]] = {
+    "zero_topo": ZeroTopoConfig,
+    "tiled_optimizer": TiledOptimizerConfig,
+    "pmm3d": Pmm3dConfig,
+    "ted": TEDConfig,
+    "pccl": PCCLConfig,
+    "goldfish": GoldfishConfig,
+    "samo": SamoConfig,
+}
+
+
+def plugin_sections() -> dict[str, type[PluginConfig]]:
+    """Name -> section of every plugin: the built-ins', then those of the plugins registered with
+    :func:`ds_ext.plugin.register_plugin`; a registered plugin may not take a built-in's name."""
+    out = dict(BUILTIN_SECTIONS)
+    for name, plugin in registered_plugins().items():
+        if name in out:
+            raise PluginError(f"plugin name {name!r} is a built-in ds_ext plugin's ({plugin.__module__} registers it)")
+        out[name] = plugin.Config
+    return out
 
 
 class ConfigNotFoundError(DsExtConfigError):
@@ -155,7 +185,7 @@ def _schema_model() -> type[BaseModel]:
         "topology": (TopologyConfig, Field(default_factory=TopologyConfig)),
         "comm": (CommConfig, Field(default_factory=CommConfig)),
     }
-    for name, section in registered_configs().items():
+    for name, section in plugin_sections().items():
         fields[name] = (section, Field(default_factory=section))
     return create_model("DsExtConfig", __base__=ConfigSection, **fields)
 

@@ -8,7 +8,7 @@ Two sources of groups:
 * a plugin's :class:`~ds_ext.parallel.Layout` (a view of :class:`~ds_ext.parallel.ParallelDims`):
   :func:`build_process_groups` creates its named groups and hands the plugin one explicit
   :class:`ProcessGroups` bundle (megatron-core's ``ProcessGroupCollection``); layers take their
-  groups from it, never from globals (DESIGN.md §4).
+  groups from it, never from globals (docs/architecture.md, Style).
 
 :class:`GroupRegistry` turns a partition into torch process groups. Creating a group is
 collective: every rank creates every group of a partition, in the same order, once; the

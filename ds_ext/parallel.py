@@ -1,4 +1,4 @@
-"""The parallel dimensions of a job, stated once (DESIGN.md §1 ``parallel``; torchtitan's ``ParallelDims``).
+"""The parallel dimensions of a job, stated once (the ``parallel`` layer of docs/architecture.md; torchtitan's ``ParallelDims``).
 
 :class:`ParallelDims` holds validated degrees of named axes, innermost first, laid over the
 ranks in that order::

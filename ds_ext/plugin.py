@@ -1,9 +1,12 @@
-"""Plugin contract and registry: each ds_ext plugin is one module and one config section.
+"""Plugin contract: each ds_ext plugin is one module and one config section.
 
-A plugin subclasses :class:`Plugin`, sets ``name`` (its key in the ``"ds_ext"`` block)
-and ``Config`` (a :class:`PluginConfig`), and decorates itself with
-:func:`register_plugin`. ``ds_ext.initialize`` instantiates every *enabled* plugin in
-hook order (:data:`HOOK_ORDER`) and calls its hooks around ``deepspeed.initialize``:
+A plugin subclasses :class:`Plugin` and sets ``name`` (its key in the ``"ds_ext"`` block) and
+``Config`` (a :class:`PluginConfig`). The built-in plugins are listed where they are used: their
+sections in ``ds_ext.config.BUILTIN_SECTIONS`` (torch-free), their classes in hook order in
+``ds_ext.runtime.builtin_plugins``; a plugin outside ds_ext decorates itself with
+:func:`register_plugin` (docs/adding-a-plugin.md). This module imports no plugin.
+``ds_ext.initialize`` instantiates every *enabled* plugin in hook order (the built-ins', then the
+registered ones) and calls its hooks around ``deepspeed.initialize``:
 
 0. ``check(model)`` right after the runtime is built, before any collective: refuses in one
    line what the plugin cannot run beside (the other enabled plugins, the caller's ``mpu``,
@@ -19,14 +22,16 @@ hook order (:data:`HOOK_ORDER`) and calls its hooks around ``deepspeed.initializ
    job layout is read from it before any ``prepare``) or one plugin's;
 3. ``attach(engine)`` once the DeepSpeed engine exists.
 
-A plugin that replaces DeepSpeed's optimizer step sets ``owns_step`` (ZeRO-topo): the others ask
-``runtime.step_owner()`` before checking anything of DeepSpeed's step (its ZeRO stage, its fp16 /
-bf16 optimizers' norm and clipping), which then does not run.
+What one plugin asks of another is a capability of this contract, never a name: ``owns_step`` (it
+replaces DeepSpeed's optimizer step: the others ask ``runtime.step_owner()`` before checking anything
+of DeepSpeed's step, its ZeRO stage, its fp16 / bf16 optimizers' norm and clipping, which then does
+not run; :meth:`Plugin.use_tiles` runs that step tiled), ``shards_parameters``
+(``runtime.parameter_sharder()``; :meth:`Plugin.gathered_parameters`,
+:meth:`Plugin.parameters_sharded`) and ``builds_model_parallel`` (at most one per job).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
@@ -36,6 +41,10 @@ from ds_ext.errors import DsExtError
 
 if TYPE_CHECKING:
     from ds_ext.parallel import JobLayout
+
+
+# The ``"ds_ext"`` block's own sections: no plugin takes these names.
+RESERVED: tuple[str, ...] = ("topology", "comm")
 
 
 class PluginError(DsExtError, ValueError):
@@ -57,6 +66,13 @@ class Plugin:
     # optimizer wrappers and their gradient norm, clipping and loss scaling (ZeRO-topo). The checks
     # other plugins make of DeepSpeed's step then do not apply: ask ``Runtime.step_owner()``.
     owns_step: ClassVar[bool] = False
+    # True for a plugin that shards the model's parameters into units gathered inside forward and
+    # backward and saves the engine's checkpoints as its shards (ZeRO-topo): ask
+    # ``Runtime.parameter_sharder()``.
+    shards_parameters: ClassVar[bool] = False
+    # True for a plugin that builds the job's model-parallel groups and hands DeepSpeed its mpu
+    # (TED, 3D-PMM): at most one is enabled in a job.
+    builds_model_parallel: ClassVar[bool] = False
 
     def __init__(self, config: PluginConfig, runtime: Any) -> None:
         """``runtime``: this rank's :class:`ds_ext.runtime.Runtime` (topology, groups, communicator),
@@ -87,6 +103,12 @@ class Plugin:
     def attach(self, engine: Any) -> None:
         """Called with the DeepSpeed engine after ``deepspeed.initialize``."""
 
+    def use_tiles(self, tile_size: int) -> Any:
+        """For a step owner (``owns_step``) whose step can run tiled (001 §7.2, the
+        ``tiled_optimizer`` plugin): run it in tiles of ``tile_size`` elements and return the tiled
+        stepper; None where it cannot."""
+        return None
+
     def settle(self) -> None:
         """Complete the collectives this plugin left in flight past the optimizer step
         (collective; ``Runtime.settle``); by default it leaves none."""
@@ -105,30 +127,17 @@ class Plugin:
 
 _REGISTRY: dict[str, type[Plugin]] = {}
 
-# Modules that register the built-in plugins when imported (one module per plugin).
-BUILTIN_PLUGIN_MODULES: tuple[str, ...] = (
-    "ds_ext.zero_topo.plugin",
-    "ds_ext.optim.plugin",
-    "ds_ext.pmm.plugin",
-    "ds_ext.moe.plugin",
-    "ds_ext.pccl.plugin",
-    "ds_ext.goldfish.plugin",
-    "ds_ext.samo.plugin",
-)
-# The order of the built-ins' hooks: the plugins that define the job's layout (3D-PMM, TED)
-# prepare first, so ZeRO-topo shards over the data axis of the model they converted, and attach
-# first, before ZeRO-topo swaps the engine's optimizer; others follow in registration order. SAMO runs
-# beside no other plugin and checks first, so its refusal is the one that names both settings.
-HOOK_ORDER: tuple[str, ...] = ("samo", "pmm3d", "ted", "zero_topo", "tiled_optimizer", "pccl")
-
 
 def register_plugin(cls: type[Plugin]) -> type[Plugin]:
-    """Class decorator: make ``cls`` configurable as ``"ds_ext": {cls.name: {...}}``."""
+    """Class decorator for a plugin outside ds_ext: make ``cls`` configurable as
+    ``"ds_ext": {cls.name: {...}}`` (the built-ins are listed where they are used: their sections
+    in ``ds_ext.config``, their classes in ``ds_ext.runtime``, which refuse a registered plugin that
+    takes a built-in's name)."""
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise PluginError(
             f"a ds_ext plugin named {cls.name!r} is already registered ({_REGISTRY[cls.name].__module__})"
         )
-    if cls.name in ("topology", "comm"):
+    if cls.name in RESERVED:
         raise PluginError(f'plugin name {cls.name!r} is reserved (a section of the "ds_ext" block)')
     _REGISTRY[cls.name] = cls
     return cls
@@ -138,29 +147,6 @@ def unregister_plugin(name: str) -> None:
     _REGISTRY.pop(name, None)
 
 
-# The built-ins' config sections, in modules that import no torch (``ds-ext schema``, the planner).
-BUILTIN_CONFIGS: dict[str, tuple[str, str]] = {
-    "zero_topo": ("ds_ext.zero_topo.plan", "ZeroTopoConfig"),
-    "tiled_optimizer": ("ds_ext.optim.config", "TiledOptimizerConfig"),
-    "pmm3d": ("ds_ext.pmm.config", "Pmm3dConfig"),
-    "ted": ("ds_ext.moe.config", "TEDConfig"),
-    "pccl": ("ds_ext.pccl.plugin", "PCCLConfig"),  # the plugin module imports no torch
-    "goldfish": ("ds_ext.goldfish.config", "GoldfishConfig"),
-    "samo": ("ds_ext.samo.config", "SamoConfig"),
-}
-
-
-def registered_configs() -> dict[str, type[PluginConfig]]:
-    """Name -> config section of every plugin: the built-ins' without importing their plugin
-    modules (torch), then those of the plugins registered so far."""
-    out = {name: getattr(importlib.import_module(mod), cls) for name, (mod, cls) in BUILTIN_CONFIGS.items()}
-    out.update({name: plugin.Config for name, plugin in _REGISTRY.items()})
-    return out
-
-
 def registered_plugins() -> dict[str, type[Plugin]]:
-    """Name -> plugin class in hook order (:data:`HOOK_ORDER`, then the others as registered)."""
-    for mod in BUILTIN_PLUGIN_MODULES:
-        importlib.import_module(mod)
-    rank = {name: i for i, name in enumerate(HOOK_ORDER)}
-    return dict(sorted(_REGISTRY.items(), key=lambda item: rank.get(item[0], len(rank))))
+    """Name -> class of the plugins registered with :func:`register_plugin`, in registration order."""
+    return dict(_REGISTRY)

@@ -2,7 +2,7 @@
 
 Built once by ``ds_ext.initialize`` after torch.distributed is up, and reachable as
 ``engine.ds_ext``. Plugins get it in their constructor and take groups and the
-communicator from it explicitly (DESIGN.md §4).
+communicator from it explicitly (docs/architecture.md, Style).
 """
 
 from __future__ import annotations
@@ -23,6 +23,31 @@ from ds_ext.perf import collectives
 from ds_ext.plugin import Plugin, registered_plugins
 from ds_ext.topology import JobEnvironment, Topology, detect_environment, resolve_topology
 from ds_ext.version import __version__
+
+
+def builtin_plugins() -> tuple[type[Plugin], ...]:
+    """The built-in plugins in hook order: one line per built-in plugin (its section is listed in
+    ``ds_ext.config.BUILTIN_SECTIONS``). The plugins that define the job's layout (3D-PMM, TED)
+    prepare first, so ZeRO-topo shards over the data axis of the model they converted, and attach
+    first, before ZeRO-topo swaps the engine's optimizer; SAMO runs beside no other plugin and
+    checks first, so its refusal is the one that names both settings. Imported here, on use: the
+    plugin modules import DeepSpeed."""
+    from ds_ext.goldfish.plugin import GoldfishPlugin
+    from ds_ext.moe.plugin import TEDPlugin
+    from ds_ext.optim.plugin import TiledOptimizerPlugin
+    from ds_ext.pccl.plugin import PCCLPlugin
+    from ds_ext.pmm.plugin import Pmm3dPlugin
+    from ds_ext.samo.plugin import SamoPlugin
+    from ds_ext.zero_topo.plugin import ZeroTopoPlugin
+
+    return (SamoPlugin, Pmm3dPlugin, TEDPlugin, ZeroTopoPlugin, TiledOptimizerPlugin, PCCLPlugin, GoldfishPlugin)
+
+
+def plugin_classes() -> dict[str, type[Plugin]]:
+    """Name -> plugin class in hook order: the built-ins, then the plugins registered with
+    :func:`ds_ext.plugin.register_plugin`, as registered (``ds_ext.config.plugin_sections`` refuses a
+    registered name that is a built-in's)."""
+    return {p.name: p for p in builtin_plugins()} | registered_plugins()
 
 
 @dataclass
@@ -58,6 +83,11 @@ class Runtime:
         """The enabled plugin that replaces DeepSpeed's optimizer step (``Plugin.owns_step``), or
         None when DeepSpeed's own optimizer (ZeRO stage, fp16 / bf16 wrappers) steps."""
         return next((p for p in self.plugins if p.owns_step), None)
+
+    def parameter_sharder(self) -> Plugin | None:
+        """The enabled plugin that shards the parameters into gathered units and saves them sharded
+        (``Plugin.shards_parameters``), or None."""
+        return next((p for p in self.plugins if p.shards_parameters), None)
 
     @property
     def ledger(self) -> Ledger:
@@ -111,7 +141,7 @@ class Runtime:
             parallel=JobLayout.data_parallel(topology.world_size),
         )
         sections = cfgmod.plugin_configs(config)
-        for name, plugin in registered_plugins().items():  # in hook order
+        for name, plugin in plugin_classes().items():  # in hook order
             if name in sections and sections[name].enabled:
                 runtime.plugins.append(plugin(sections[name], runtime))
         _CREATED.append(runtime)

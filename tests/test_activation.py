@@ -194,7 +194,8 @@ def test_neox_and_megatron_deepspeed_call_shapes_train_like_ds_ext_initialize(wo
 def _ignored_block():
     import deepspeed
 
-    from ds_ext.integration import activation, ds_engine
+    from ds_ext.entry import activation
+    from ds_ext.integration import ds_engine
 
     ds_engine.disable_jit_builds()  # DeepSpeed alone would build its shm op (when this test runs first)
     activation.patch_deepspeed()  # importing ds_ext wraps nothing: activation does
@@ -211,7 +212,7 @@ def _ignored_block():
 
 def test_an_ignored_ds_ext_block_is_reported(world):
     """ds_ext activated, then switched off: DeepSpeed would silently keep the block."""
-    from ds_ext.integration.activation import IGNORED
+    from ds_ext.entry.activation import IGNORED
 
     for rank, (messages, has_ds_ext, active) in enumerate(world.run(_ignored_block)):
         assert not active and not has_ds_ext
@@ -333,7 +334,7 @@ def test_autoload_path_activates_ds_ext_in_every_process_without_importing_deeps
     env["PYTHONPATH"] = path.stdout.strip() + os.pathsep + env.get("PYTHONPATH", "")
     probe = (
         "import sys; before = ('deepspeed' in sys.modules, 'torch' in sys.modules); import deepspeed; "
-        "from ds_ext.integration import activation; "
+        "from ds_ext.entry import activation; "
         "print(before, getattr(deepspeed.initialize, '__ds_ext_dispatcher__', False), activation.active())"
     )
     out = subprocess.run(["python", "-c", probe], capture_output=True, text=True, env=env, timeout=300, cwd="/")
@@ -499,7 +500,7 @@ def test_megatron_deepspeed_moe_script_gets_tedmoe_from_the_config(world, tmp_pa
 def test_moe_substitution_reads_the_command_line_config(tmp_path):
     import deepspeed.moe.layer
 
-    from ds_ext.integration import moe_substitution as ms
+    from ds_ext.entry import moe_substitution as ms
 
     ted, plain = tmp_path / "ted.json", tmp_path / "plain.json"
     ted.write_text(json.dumps(_ted_config(True)))

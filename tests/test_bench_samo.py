@@ -27,7 +27,7 @@ def test_records_carry_the_fields_at_the_required_sparsities(data):
             assert r[key] > 0, key
         for key in ("sync_time_ratio", "step_time_ratio"):
             assert set(r[key]) == INTERVAL and r[key]["lo"] <= r[key]["ratio"] <= r[key]["hi"], key
-            assert r[key]["n"] >= 5, key  # DESIGN.md §6: at least 5 measured steps
+            assert r[key]["n"] >= 5, key  # docs/architecture.md, Benchmarks: at least 5 measured steps
         for side in ("samo", "dense"):
             assert r[side]["sync_time_s"] > 0 and r[side]["step_time_s"] > 0
     assert set(data["layout"]["step_time_ratio"]) == INTERVAL and data["layout"]["step_time_ratio"]["n"] >= 5

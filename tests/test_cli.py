@@ -33,7 +33,7 @@ HELP_COMMANDS = (["--help"], ["--version"], ["run", "--help"], ["detect", "--hel
 def test_pure_commands_and_help_import_no_torch_and_install_no_hook():
     script = f"""
 import contextlib, io, sys
-import ds_ext, ds_ext.config, ds_ext.integration.activation
+import ds_ext, ds_ext.config, ds_ext.entry.activation
 from ds_ext.cli import main
 for argv in {list(PURE_COMMANDS)!r}:
     with contextlib.redirect_stdout(io.StringIO()):
@@ -214,7 +214,7 @@ def _converted():
     """(call, error class, built-in base) of errors issue 39 made ds_ext errors."""
     from ds_ext.data import ByteCorpus
     from ds_ext.errors import DsExtConfigError, DsExtSetupError
-    from ds_ext.integration.initialize import _resolve_config
+    from ds_ext.entry.initialize import _resolve_config
     from ds_ext.models import GPTConfig, ModelConfigError
     from ds_ext.moe.cac import Frame, ReplayError
     from ds_ext.optim.tiled import refuse_closure

@@ -179,14 +179,14 @@ def _megatron_ltor(data, eod_token, reset_position_ids, reset_attention_mask, eo
 
 def test_megatron_loss_mask_is_the_hand_written_rule_on_the_labels():
     """Megatron-DeepSpeed's batch functions build ``loss_mask`` from the tokens ``x_0 .. x_{L-1}``;
-    its column j weighs the label ``x_{j+1}``. Rebound (ds_ext.integration.client_loss), the function
+    its column j weighs the label ``x_{j+1}``. Rebound (ds_ext.goldfish.client_loss), the function
     returns the client's own mask (end-of-document zeros kept) times the hand-written rule on the whole
     sequence ``x_0 .. x_L`` at the labels, ``x_h`` included; once per call; restore puts it back."""
     import types
 
     from ds_ext.goldfish.mask import GoldfishMask
     from ds_ext.goldfish.plugin import NextTokensLossMask
-    from ds_ext.integration import client_loss
+    from ds_ext.goldfish import client_loss
 
     script = types.ModuleType("pretrain_gpt")
     script.get_ltor_masks_and_position_ids = _megatron_ltor
@@ -216,7 +216,7 @@ def test_client_loss_sites_are_refused_where_they_are_not_the_clients(monkeypatc
     from ds_ext.errors import DsExtConfigError
     from ds_ext.goldfish.mask import GoldfishMask
     from ds_ext.goldfish.plugin import NextTokensLossMask
-    from ds_ext.integration import client_loss
+    from ds_ext.goldfish import client_loss
 
     def model(module, name, **attrs):
         return type(name, (), {"__module__": module, **attrs})()

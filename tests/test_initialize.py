@@ -230,3 +230,50 @@ def test_a_late_destroy_of_an_earlier_engine_leaves_the_live_engines_mpu(world):
     earlier engine's destroy after a later engine set the same mpu (that had one rank's GPT-NeoX
     run take another data-parallel group than the others, and hang)."""
     assert world.run(_mpu_release_after_a_late_destroy) == [[True, False, True, False]] * WORLD_SIZE
+
+
+def _step_clock(every: int) -> tuple[int, str, str]:
+    """examples/step_clock_plugin.py, imported as a user imports their plugin, enabled from the
+    block: the optimizer steps it timed, the banner's plugin lines, and the refusal of an unknown
+    key in its section."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    import ds_ext
+    from ds_ext.errors import DsExtConfigError
+    from ds_ext.models import GPT, GPTConfig
+    from ds_ext.plugin import unregister_plugin
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import step_clock_plugin  # noqa: F401  (registers "step_clock")
+
+    try:
+        model = GPT(GPTConfig(seq_len=16, d_model=32, n_layers=1, n_heads=2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        config = {**_ds_config(0, False), "ds_ext": {"step_clock": {"enabled": True, "every": every}}}
+        engine = ds_ext.initialize(model=model, optimizer=opt, config=config).engine
+        rank, dp = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        for step in range(3):  # 3 optimizer steps of 2 micro-batches
+            for micro in range(2):
+                engine.backward(engine(_corpus().micro_batch(step, micro, rank, dp, 2, 2, 16)))
+                engine.step()
+        timed, banner = len(engine.ds_ext.plugin("step_clock").seconds), engine.ds_ext.banner()
+        engine.destroy()
+        try:
+            ds_ext.initialize(model=model, optimizer=opt, config={**config, "ds_ext": {"step_clock": {"evry": 1}}})
+        except DsExtConfigError as err:
+            refused = str(err)
+    finally:
+        unregister_plugin("step_clock")
+    return timed, banner[banner.index("plugins:") :], refused
+
+
+def test_a_plugin_from_outside_the_library(world):
+    """docs/adding-a-plugin.md's example: registered from its own module, its section validated with
+    the built-ins', its hooks run in the engine (one timing per optimizer step, not per micro-batch)."""
+    timed, plugins, refused = world.run(_step_clock, 2)[0]
+    assert timed == 3
+    assert plugins.startswith("plugins:\n  step_clock: each optimizer step timed, the mean of every 2 logged")
+    assert refused == "ds_ext.step_clock.evry: unknown key; allowed keys: enabled, every"

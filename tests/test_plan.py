@@ -782,13 +782,15 @@ def test_planner_commands_import_no_torch_and_help_is_cheap():
 
 
 def test_builtin_config_sections_are_the_plugins_own():
-    """``ds-ext schema`` reads the built-ins' sections from torch-free modules: the same classes
-    the plugins validate with."""
-    from ds_ext.plugin import BUILTIN_CONFIGS, registered_configs, registered_plugins
+    """``ds-ext schema`` reads the built-ins' sections from torch-free modules (``ds_ext.config``'s
+    list): the same classes the plugins validate with, one for each built-in plugin of the runtime's
+    list and no other."""
+    from ds_ext.config import BUILTIN_SECTIONS
+    from ds_ext.runtime import builtin_plugins
 
-    configs, plugins = registered_configs(), registered_plugins()
-    assert set(BUILTIN_CONFIGS) <= set(plugins)
-    assert all(configs[name] is plugins[name].Config for name in plugins)
+    plugins = {p.name: p for p in builtin_plugins()}
+    assert set(BUILTIN_SECTIONS) == set(plugins)
+    assert all(BUILTIN_SECTIONS[name] is plugins[name].Config for name in plugins)
 
 
 def test_simulate_honours_bandwidth_and_latency(tmp_path, capsys):

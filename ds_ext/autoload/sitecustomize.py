@@ -4,7 +4,7 @@
 at start (``site`` imports the first ``sitecustomize`` on the path), so scripts whose
 launcher builds the rank command itself (GPT-NeoX's ``deepy.py``, a site's wrapper) get
 ds_ext with no code change: ``deepspeed.initialize`` goes through ds_ext when its config
-holds a ``"ds_ext"`` block (``ds_ext.integration.activation.activate_on_import``; DeepSpeed
+holds a ``"ds_ext"`` block (``ds_ext.entry.activation.activate_on_import``; DeepSpeed
 is not imported here). A ``sitecustomize`` this one shadows still runs.
 """
 
@@ -26,7 +26,7 @@ def _chain() -> None:
             return
 
 
-from ds_ext.integration.activation import activate_on_import  # noqa: E402
+from ds_ext.entry.activation import activate_on_import  # noqa: E402
 
 activate_on_import()
 _chain()

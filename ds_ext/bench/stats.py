@@ -1,4 +1,4 @@
-"""What a benchmark record must carry for a reviewer (DESIGN.md §6): ratios with intervals and the
+"""What a benchmark record must carry for a reviewer (docs/architecture.md, Benchmarks): ratios with intervals and the
 provenance of the run.
 
 * :func:`ratio_interval`: the ratio of two variants' median step times with a percentile-bootstrap

@@ -46,7 +46,7 @@ step over those links and ``step_time_emulated_s`` is None. ``--quick``: the tin
 GA 1, one step each of ds_ext_zero_topo, ds_ext_zero3 and deepspeed_zero3 unless ``--variants`` says (a
 plumbing check).
 
-Timing (DESIGN.md §6): ``--rounds`` R runs every variant R times, round-robin, each run a fresh world
+Timing (docs/architecture.md, Benchmarks): ``--rounds`` R runs every variant R times, round-robin, each run a fresh world
 (warm-up steps, one untimed bridge step, then ``2 * --steps`` timed steps back to back: see
 :func:`_measure`); ratios are medians with a 95 % interval from a bootstrap over rounds
 (:func:`ds_ext.bench.stats.round_ratio_interval`), so drift between rounds widens it.

@@ -30,7 +30,7 @@ pipeline, data) and in every epoch. Where it is applied, with the script unchang
   (:class:`NextTokensLossMask`), from the whole sequence on every tensor rank, before Megatron's
   vocabulary-parallel cross-entropy and the per-token weighting that follows it.
 
-The client names rebound are :mod:`ds_ext.integration.client_loss`'s. With 3D-PMM's Z > 1 each Z
+The client names rebound are :mod:`ds_ext.goldfish.client_loss`'s. With 3D-PMM's Z > 1 each Z
 share of the micro-batch is averaged over its own kept tokens and the shares' losses averaged, as
 data parallelism averages its ranks' losses. Anything else (another ``PipelineModule``, another
 model, GPT-NeoX's ``train_impl`` other than ``normal``, a Megatron-DeepSpeed main script without
@@ -47,11 +47,11 @@ import torch
 from ds_ext.errors import DsExtConfigError
 from ds_ext.goldfish.config import KEY, GoldfishConfig
 from ds_ext.goldfish.mask import GoldfishMask, mask_labels
-from ds_ext.integration import client_loss
+from ds_ext.goldfish import client_loss
 from ds_ext.models import GPT
 from ds_ext.models.gpt_moe import GPTMoE
 from ds_ext.models.gpt_pipe import LMLoss
-from ds_ext.plugin import Plugin, register_plugin
+from ds_ext.plugin import Plugin
 
 SUPPORTED = (
     "ds_ext.models.GPT, ds_ext.models.gpt_moe.GPTMoE, ds_ext.models.gpt_pipe.gpt_pipeline's PipelineModule, "
@@ -82,7 +82,6 @@ def _is_causal_lm(model: Any) -> bool:
     return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
-@register_plugin
 class GoldfishPlugin(Plugin):
     """Installs the Goldfish mask on the model's loss (module docstring)."""
 

@@ -1,7 +1,7 @@
 """DeepSpeed's own ``deepspeed.initialize``, kept when activation wraps it.
 
-:mod:`ds_ext.integration.activation` wraps ``deepspeed.initialize`` (:func:`wrap`);
-:mod:`ds_ext.integration.initialize` calls the original after the plugins
+:mod:`ds_ext.entry.activation` wraps ``deepspeed.initialize`` (:func:`wrap`);
+:mod:`ds_ext.entry.initialize` calls the original after the plugins
 (:func:`deepspeed_initialize`). No DeepSpeed import when this module is imported:
 activation runs at interpreter start through the autoload directory.
 """

@@ -2,7 +2,7 @@
 
 Built once by the ``ted`` plugin (or by hand, from a :class:`~ds_ext.comm.Communicator`)
 and handed to every TED layer in ``ted_bind``; layers never look groups up globally
-(DESIGN.md §4). Groups are the bundle :func:`ds_ext.groups.build_process_groups` makes of a
+(docs/architecture.md, Style). Groups are the bundle :func:`ds_ext.groups.build_process_groups` makes of a
 :class:`ds_ext.parallel.TEDLayout` (001 §7.1, Eq 7.1 / 7.7).
 """
 

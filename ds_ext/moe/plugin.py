@@ -32,7 +32,7 @@ from ds_ext.moe.config import TEDConfig
 from ds_ext.moe.context import TEDContext
 from ds_ext.mpu import MegatronMPU
 from ds_ext.parallel import GroupError, JobLayout, TEDLayout
-from ds_ext.plugin import Plugin, register_plugin
+from ds_ext.plugin import Plugin
 
 KEY = "ds_ext.ted"
 DRAWS_KEY = "ds_ext_ted_gate_draws"
@@ -105,12 +105,12 @@ def _whole_experts(layout: TEDLayout, layers: list[tuple[str, Any]], beside_zero
     return any(whole.values())
 
 
-@register_plugin
 class TEDPlugin(Plugin):
     """TED as a ds_ext plugin (see module docstring)."""
 
     name = "ted"
     Config = TEDConfig
+    builds_model_parallel = True  # G_tensor, G_expert and the data groups (mpu)
 
     ted: TEDContext
     whole_experts: bool  # experts whole on every tensor rank beside tensor parallelism (see _whole_experts)
@@ -132,7 +132,7 @@ class TEDPlugin(Plugin):
         except GroupError as err:
             raise DsExtConfigError(str(err)) from None
         layers = self._layers(model, layout)
-        self.whole_experts = _whole_experts(layout, layers, any(p.name == "zero_topo" for p in rt.plugins))
+        self.whole_experts = _whole_experts(layout, layers, rt.parameter_sharder() is not None)
         _check_param_groups(optimizer, ds_config)
         self.ted = TEDContext.create(
             layout,

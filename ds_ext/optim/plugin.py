@@ -50,7 +50,7 @@ from ds_ext.optim.tiled import (
     piecewise_loader,
     refuse_closure,
 )
-from ds_ext.plugin import Plugin, register_plugin
+from ds_ext.plugin import Plugin
 
 
 def _check_ds_config(
@@ -112,7 +112,6 @@ def _check_ds_config(
         )
 
 
-@register_plugin
 class TiledOptimizerPlugin(Plugin):
     """The tiled mixed-precision optimizer step (001 §7.2) as a ds_ext plugin."""
 
@@ -129,9 +128,14 @@ class TiledOptimizerPlugin(Plugin):
         from ds_ext.integration import ds_zero12_step  # DeepSpeed is imported on use
 
         ts = self.config.tile_size
-        zero_topo = next((p for p in self.runtime.plugins if p.name == "zero_topo"), None)
-        if zero_topo is not None:  # its step runs tiled (on the host with optimizer offload)
-            self.tiled = zero_topo.optimizer.use_tiles(ts)
+        owner = self.runtime.step_owner()
+        if owner is not None:  # a plugin's own step (ZeRO-topo's: on the host with optimizer offload)
+            tiled = owner.use_tiles(ts)
+            if tiled is None:
+                raise DsExtConfigError(
+                    f"{KEY} with ds_ext.{owner.name}: its optimizer step does not run tiled; allowed: one of the two"
+                )
+            self.tiled = tiled
             return
         opt = engine.optimizer
         kind = ds_zero12_step.optimizer_kind(opt)

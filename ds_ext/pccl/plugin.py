@@ -9,24 +9,12 @@ ledger with its messages per level. DeepSpeed's other collectives are untouched.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field
-
-from ds_ext.plugin import Plugin, PluginConfig, register_plugin
-
-
-class PCCLConfig(PluginConfig):
-    """``"ds_ext": {"pccl": {...}}``."""
-
-    algorithm: Literal["pccl", "ring", "auto"] = Field(
-        "pccl",
-        description="Algorithm for DeepSpeed's all-gathers / reduce-scatters: 'pccl' (001 §6.2), 'ring', or 'auto' "
-        "(pccl where ds_ext.perf.collectives predicts it faster than a ring, per call, else DeepSpeed's own).",
-    )
+from ds_ext.pccl.config import PCCLConfig
+from ds_ext.plugin import Plugin
 
 
-@register_plugin
 class PCCLPlugin(Plugin):
     """Routes DeepSpeed's backend all-gather / reduce-scatter through ``runtime.comm``."""
 

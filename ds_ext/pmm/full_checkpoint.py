@@ -3,7 +3,7 @@
 :func:`ds_ext.pmm.build_on_meta` with ``checkpoint=`` binds each meta parameter to its tensor
 here (:func:`bind`); :func:`ds_ext.pmm.parallelize` reads it while converting the parameter's
 module, cuts this rank's shard (001 Algorithm 3's layout) and drops the full tensor. Hugging
-Face keys are renamed as ``from_pretrained`` renames them (:mod:`ds_ext.integration.hf_keys`).
+Face keys are renamed as ``from_pretrained`` renames them (:mod:`ds_ext.pmm.hf_keys`).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def bind(model: nn.Module, ckpt: FullCheckpoint) -> None:
     """Each parameter (under any of its tied names) and persistent buffer to its checkpoint
     tensor; a Hugging Face model's keys renamed as ``from_pretrained`` does."""
     if _is_hf(model):
-        from ds_ext.integration.hf_keys import model_names
+        from ds_ext.pmm.hf_keys import model_names
 
         keys = model_names(model, ckpt.keys(), str(ckpt.path))
     else:

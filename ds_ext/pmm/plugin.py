@@ -28,7 +28,7 @@ from ds_ext.errors import DsExtConfigError
 from ds_ext.groups import build_process_groups
 from ds_ext.mpu import MegatronMPU
 from ds_ext.parallel import Grid, GridError, JobLayout
-from ds_ext.plugin import Plugin, register_plugin
+from ds_ext.plugin import Plugin
 from ds_ext.pmm.config import KEY, Pmm3dConfig
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.grid import grid_axes
@@ -39,12 +39,12 @@ from ds_ext.pmm.plans import ConversionError, plan_for
 ALLOWED_STAGES = (0, 1, 2)
 
 
-@register_plugin
 class Pmm3dPlugin(Plugin):
     """AxoNN's 4D hybrid parallelism as a ds_ext plugin."""
 
     name = "pmm3d"
     Config = Pmm3dConfig
+    builds_model_parallel = True  # the tensor grid X x Y x Z and the data axis (mpu)
     _mpu: MegatronMPU | None = None
 
     def check(self, model: Any) -> None:
@@ -56,11 +56,6 @@ class Pmm3dPlugin(Plugin):
 
         rt = self.runtime
         ds_engine.refuse_pipeline_module(model, KEY, "3D-PMM's grid (x, y, z, data)")
-        if any(p.name == "ted" for p in rt.plugins):
-            raise DsExtConfigError(
-                f"{KEY} with ds_ext.ted: each builds the job's model-parallel groups and hands "
-                "DeepSpeed its mpu; allowed: one of the two"
-            )
         mpu = rt.initialize_kwargs.get("mpu")
         sizes = {} if mpu is None else model_parallel_sizes(mpu)
         if any(size != 1 for size in sizes.values()):
@@ -93,12 +88,12 @@ class Pmm3dPlugin(Plugin):
                 f"{', '.join(map(str, ALLOWED_STAGES))} (3D-PMM's Z axis shards like ZeRO-3)"
             )
         rt = self.runtime
-        self.zero_topo = any(p.name == "zero_topo" for p in rt.plugins)
-        for key in ("reduce_scatter", "all_gather") if self.zero_topo else ():
+        self.sharder = rt.parameter_sharder()
+        for key in ("reduce_scatter", "all_gather") if self.sharder is not None else ():
             if getattr(self.config.overlap, key):
                 raise DsExtConfigError(
-                    f"{KEY}.overlap.{key} with ds_ext.zero_topo: not supported (ZeRO-topo gathers the weights unit by "
-                    f"unit inside the forward, {'ORS gates' if key == 'reduce_scatter' else 'OAG prefetches'} them "
+                    f"{KEY}.overlap.{key} with ds_ext.{self.sharder.name}: not supported (it gathers the weights unit "
+                    f"by unit inside the forward, {'ORS gates' if key == 'reduce_scatter' else 'OAG prefetches'} them "
                     "across units); allowed: false"
                 )
         plan = plan_for(model)
@@ -187,7 +182,7 @@ class Pmm3dPlugin(Plugin):
         from ds_ext.integration import ds_engine
 
         self.ds_engine = engine
-        if not self.zero_topo:  # else ZeRO-topo's sharded checkpoints, one folder per tensor-grid rank
+        if self.sharder is None:  # else the sharder's checkpoints (ZeRO-topo: one folder per tensor-grid rank)
             ds_engine.wrap_checkpoint_methods(
                 engine, save_checkpoint=self._save_checkpoint, load_checkpoint=self._load_checkpoint
             )

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ds_ext.comm import backend_device
 from ds_ext.errors import DsExtConfigError
 from ds_ext.perf import samo as samo_model
-from ds_ext.plugin import Plugin, register_plugin
+from ds_ext.plugin import Plugin
 from ds_ext.samo import support
 from ds_ext.samo.config import KEY, SamoConfig
 from ds_ext.samo.mask import read_masks
@@ -37,7 +37,6 @@ from ds_ext.samo.optimizer import SamoOptimizer
 from ds_ext.samo.state import CompressedGradients
 
 
-@register_plugin
 class SamoPlugin(Plugin):
     """SAMO (001 ch. 4) as a ds_ext plugin (module docstring)."""
 

@@ -36,7 +36,7 @@ from ds_ext.errors import DsExtConfigError
 from ds_ext.models.hf import hf_record
 from ds_ext.optim.offload import OffloadStore, copies_are_asynchronous
 from ds_ext.parallel import member_group
-from ds_ext.plugin import Plugin, register_plugin
+from ds_ext.plugin import Plugin
 from ds_ext.zero_topo import checkpoint as ckpt
 from ds_ext.zero_topo import support
 from ds_ext.zero_topo.engine import ShardedModel, ZeroTopoOptimizer
@@ -73,13 +73,13 @@ def _place_optimizer(out: dict, optimizer_bytes: Any, offloaded: bool) -> dict:
     return out
 
 
-@register_plugin
 class ZeroTopoPlugin(Plugin):
     """3-level hierarchical partitioning (003) as a ds_ext plugin."""
 
     name = "zero_topo"
     Config = ZeroTopoConfig
     owns_step = True  # its sharded step: norm over every shard, clipping, DeepSpeed's loss scaler
+    shards_parameters = True
 
     def check(self, model: Any) -> None:
         """Before any collective: refuse a form that cannot run (see :meth:`_form`)."""
@@ -312,6 +312,11 @@ class ZeroTopoPlugin(Plugin):
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
 
         return ds_engine.loss_scaler_state(self.scaler)
+
+    def use_tiles(self, tile_size: int) -> Any:
+        """The sharded step in tiles of ``tile_size`` (the ``tiled_optimizer`` plugin; on the host
+        with optimizer offload)."""
+        return self.optimizer.use_tiles(tile_size)
 
     def settle(self) -> None:
         """Complete the step's weight all-gathers left in flight (``gather_across_step``)."""

@@ -9,7 +9,7 @@ block without a word. Two ways in:
   ``args.deepspeed_config``: a dict, a JSON/hjson path or a base64 string) goes through
   :func:`ds_ext.initialize`, any other goes to DeepSpeed untouched; if the command line's
   ``--deepspeed_config`` enables TED, ``deepspeed.moe.layer.MoE`` becomes TEDMoE
-  (:mod:`ds_ext.integration.moe_substitution`). ``python -m
+  (:mod:`ds_ext.entry.moe_substitution`). ``python -m
   ds_ext.run script.py ...`` patches and then runs the script (``ds_ext/run.py``).
 * :func:`unpatch_deepspeed` switches routing off again: from then on a direct
   ``deepspeed.initialize`` with a ``"ds_ext"`` block warns that the block is ignored and
@@ -41,7 +41,7 @@ IGNORED = (
 
 def _has_ds_ext_block(arguments: dict) -> bool:
     from ds_ext import config as cfgmod
-    from ds_ext.integration.initialize import _resolve_config
+    from ds_ext.entry.initialize import _resolve_config
 
     try:
         resolved = _resolve_config(arguments.get("args"), arguments.get("config"), arguments.get("config_params"))
@@ -62,7 +62,7 @@ def _dispatcher(original: Callable) -> Callable:
         if not _has_ds_ext_block(arguments):
             return original(*args, **kwargs)
         if _ACTIVE:
-            from ds_ext.integration.initialize import initialize as ds_ext_initialize
+            from ds_ext.entry.initialize import initialize as ds_ext_initialize
 
             return ds_ext_initialize(**arguments)
         log.warn(IGNORED)
@@ -92,8 +92,8 @@ def patch_deepspeed() -> None:
 
 def _substitute_moe() -> None:
     """TEDMoE for ``deepspeed.moe.layer.MoE`` when the command line's ds_config enables TED
-    (:mod:`ds_ext.integration.moe_substitution`)."""
-    from ds_ext.integration.moe_substitution import substitute_from_argv
+    (:mod:`ds_ext.entry.moe_substitution`)."""
+    from ds_ext.entry.moe_substitution import substitute_from_argv
 
     substitute_from_argv()
 

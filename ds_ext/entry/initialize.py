@@ -233,6 +233,12 @@ def initialize(
     runtime = Runtime.create(parsed, initialize_kwargs={**kwargs, "args": args})
     for plugin in runtime.plugins:
         plugin.check(model)
+    builders = [p for p in runtime.plugins if p.builds_model_parallel]
+    if len(builders) > 1:
+        raise cfgmod.DsExtConfigError(
+            f"ds_ext.{builders[0].name} with ds_ext.{builders[1].name}: each builds the job's model-parallel groups "
+            "and hands DeepSpeed its mpu; allowed: one of the two"
+        )
     if mpu is not None:
         runtime.parallel = _caller_layout(runtime.topology.world_size, runtime.rank, mpu)
     elif (grid := ds_engine.pipeline_grid(model)) is not None:  # DeepSpeed's PipelineEngine takes it as the mpu
