@@ -62,6 +62,15 @@ class CheckpointError(DsExtError, RuntimeError):
     """A checkpoint that cannot be written or loaded here; the message names the file."""
 
 
+class MissingShardError(CheckpointError):
+    """A shard file that is not there (``path``): a node-local tier fetches it from a node that
+    holds a copy (:mod:`ds_ext.zero_topo.tiers`)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"checkpoint shard {path} is missing")
+        self.path = path
+
+
 # ---- files ---------------------------------------------------------------------------
 def atomic_save(obj: Any, path: Path) -> None:
     """``torch.save`` under a temporary name, flush to disk, rename into place."""
@@ -94,7 +103,7 @@ def _fsync_dir(path: Path) -> None:
 def read_shard(path: Path) -> dict:
     """A shard file's contents (tensors memory-mapped), or :class:`CheckpointError`."""
     if not path.is_file():
-        raise CheckpointError(f"checkpoint shard {path} is missing")
+        raise MissingShardError(path)
     check_zip(path, "checkpoint shard")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

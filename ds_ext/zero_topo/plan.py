@@ -87,6 +87,32 @@ class StepConfig(ConfigSection):
     )
 
 
+class CheckpointTiersConfig(ConfigSection):
+    """``zero_topo.checkpoint_tiers``: node-local saves with a partner copy, the shared directory
+    every few saves (:mod:`ds_ext.zero_topo.tiers`)."""
+
+    local_dir: str = Field(
+        description="Each node's local checkpoint directory (on Frontier its NVMe, e.g. /mnt/bb/$USER/ckpt); "
+        "'{node}' is replaced by the node's index (emulated nodes on one host)."
+    )
+    local_every: int = Field(1, ge=1, description="Every this many saves go to the local tier (with a partner copy).")
+    shared_every: int = Field(
+        10,
+        ge=1,
+        description="Every this many saves go to the shared directory (save_checkpoint's save_dir); a multiple of "
+        "local_every, so a shared save is a local one too and the local tier holds the newest save.",
+    )
+
+    @model_validator(mode="after")
+    def _shared_is_local(self) -> "CheckpointTiersConfig":
+        if self.shared_every % self.local_every:
+            raise ValueError(
+                f"shared_every {self.shared_every} is not a multiple of local_every {self.local_every}; allowed: "
+                "a multiple, so that every shared save is also a local one"
+            )
+        return self
+
+
 class ZeroTopoConfig(PluginConfig):
     """``"ds_ext": {"zero_topo": {...}}``."""
 
@@ -160,6 +186,14 @@ class ZeroTopoConfig(PluginConfig):
         "for it and raises its failure. Default false: the snapshot holds a second copy of the rank's state in "
         "host memory until written, and a failed write is reported at that later call instead of by "
         "save_checkpoint itself (issue 50; ds_ext.zero_topo.plugin).",
+    )
+    checkpoint_tiers: CheckpointTiersConfig | None = Field(
+        None,
+        description="Two checkpoint tiers: save k goes to each node's local_dir (every local_every saves; each "
+        "rank's files also copied to the rank at its place on the next node) and to save_dir (every shared_every "
+        "saves); load_checkpoint(save_dir) loads the newest local save the nodes hold whole (a lost node's files "
+        "from its partner's copies), else the newest shared save, saying so. Needs 2 or more nodes; with "
+        "async_save both are written in the background. Default none: every save to save_dir.",
     )
     quantization_groups: Literal["per_parameter", "packed"] = Field(
         "per_parameter",

@@ -15,7 +15,8 @@ plain (stage 0, fp32-looking) engine around a model whose parameters ds_ext shar
   optimizer, makes ``engine.fp16_enabled()`` / ``bfloat16_enabled()`` tell the truth, and
   adds loss scaling (fp16), ``gathered_parameters`` and sharded checkpoints
   (``ds_ext.zero_topo.checkpoint``; saved in the background with ``async_save``:
-  ``ds_ext.zero_topo.async_save``) to the engine.
+  ``ds_ext.zero_topo.async_save``; on node-local storage with a partner copy with
+  ``checkpoint_tiers``: ``ds_ext.zero_topo.tiers``) to the engine.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from ds_ext.zero_topo.perf import memory, traffic
 from ds_ext.zero_topo.agreement import UnitTrace
 from ds_ext.zero_topo.async_save import BackgroundSave, agreement_group
 from ds_ext.zero_topo.data_group import DataGroup
+from ds_ext.zero_topo.tiers import Tiers, node_ranks
 from ds_ext.zero_topo.units import ShardContext
 
 
@@ -113,6 +115,7 @@ class ZeroTopoPlugin(Plugin):
                 f"{support.KEY}.async_save with DeepSpeed's checkpoint.writer: both write checkpoints in the "
                 "background; allowed: one of them (async_save false, or no checkpoint.writer section)"
             )
+        self._check_tiers()
         cfg = copy.deepcopy(ds_config)
         for key in ("bf16", "fp16"):
             cfg.setdefault(key, {})["enabled"] = False
@@ -121,6 +124,16 @@ class ZeroTopoPlugin(Plugin):
         for key in ds_offload.OPTIMIZER_OFFLOAD_KEYS:  # offload is ZeRO-topo's, not DeepSpeed's CPU Adam
             (cfg.get("zero_optimization") or {}).pop(key, None)
         return model.to(self.dtype), optimizer, cfg
+
+    def _check_tiers(self) -> None:
+        """``checkpoint_tiers`` needs a partner node."""
+        if self.config.checkpoint_tiers is None:
+            return
+        if len(node_ranks(self.runtime.topology)) < 2:
+            raise DsExtConfigError(
+                f"{support.KEY}.checkpoint_tiers on one node: the partner copy needs another node; allowed: 2 or more "
+                "nodes, or no checkpoint_tiers"
+            )
 
     def _data_group(self) -> DataGroup:
         """The data-parallel group to shard over, from the job layout (before any collective of
@@ -250,6 +263,10 @@ class ZeroTopoPlugin(Plugin):
             self.background = BackgroundSave()
             self.agreement_group = agreement_group(rt.groups.timeout)
             ds_engine.before_destroy(engine, self.background.wait)
+        self.tiers = None
+        if self.config.checkpoint_tiers is not None:  # collective: the transfers' group
+            group = agreement_group(rt.groups.timeout)
+            self.tiers = Tiers(self.config.checkpoint_tiers, rt.topology, rt.rank, group)
         ds_engine.wrap_checkpoint_methods(
             engine,
             save_checkpoint=self._save_checkpoint,
@@ -347,53 +364,102 @@ class ZeroTopoPlugin(Plugin):
 
     # ---- checkpoints (ds_ext.zero_topo.checkpoint) ---------------------------------------
     def _save_checkpoint(self, original, save_dir, tag, client_state, save_latest, exclude_frozen_parameters):
-        """The atomic save (:mod:`ds_ext.zero_topo.checkpoint`); with ``async_save`` every file is
-        snapshot into host memory here and written in the background (:mod:`ds_ext.zero_topo.async_save`)."""
-        from ds_ext.integration import ds_checkpoint  # DeepSpeed is imported on use
-
-        engine, rank, background = self.engine, self.runtime.rank, self.background
+        """The atomic save (:mod:`ds_ext.zero_topo.checkpoint`) to ``save_dir`` and, with
+        ``checkpoint_tiers``, to the node-local tier (:mod:`ds_ext.zero_topo.tiers`); with
+        ``async_save`` every file is snapshot into host memory here and both are written in the
+        background (:mod:`ds_ext.zero_topo.async_save`), the local tier first."""
+        engine, background = self.engine, self.background
         if background is not None:
             background.wait()  # a second save waits for the first (and raises its failure)
-        save_dir = Path(save_dir)
         tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-        staged = ckpt.staging_dir(save_dir, tag)
-        what = f"saving checkpoint {save_dir / tag}"
+        local, shared = self.tiers.next_save() if self.tiers is not None else (False, True)
+        finish = []
         with self.runtime.ledger.phase("checkpoint"):
-            error = None
-            if rank == 0:
-                try:
-                    save_dir.mkdir(parents=True, exist_ok=True)
-                    if staged.exists():
-                        shutil.rmtree(staged)  # left by a save that crashed
-                except OSError as err:
-                    error = f"cannot prepare {staged}: {err}"
-            ckpt.agree(error, what)
-            captured = ds_checkpoint.capture(engine) if background is not None else contextlib.nullcontext([])
-            with self.sharded.held(self.sharded.all_units), captured as deepspeed_files:
-                original(
-                    str(save_dir),
-                    staged.name,
-                    client_state=client_state,
-                    save_latest=False,
-                    exclude_frozen_parameters=exclude_frozen_parameters,
+            if local:
+                finish.append(self._save_local(original, tag, client_state, exclude_frozen_parameters))
+            if shared:
+                finish.append(
+                    self._save_shared(
+                        original, Path(save_dir), tag, client_state, save_latest, exclude_frozen_parameters
+                    )
                 )
-            save_id = ckpt.new_save_id()
-            degrees = {axis: self.runtime.parallel.degree(axis) for axis in ("tensor", "pipeline")}
-            hf = hf_record(engine.module)
-            shards = (  # one part's state at a time on the synchronous path
-                (
-                    folder / ckpt.SHARD_FILE.format(rank=group.rank),
-                    ckpt.shard_state(ctx, engine.global_steps, save_id, self.state_dict(units), degrees, hf),
-                )
-                for group, ctx, units, folder in self._stores(staged)
-            )
             if background is None:
-                self._write_and_publish(shards, save_dir, tag, save_latest, None)
-                return
-            files = [(path, ds_checkpoint.host_copy(state, False)) for path, state in shards]  # cloned already
-            files += [(Path(path), state) for path, state in deepspeed_files]
+                for step in finish:
+                    step()
+        if background is not None:
+            background.start(lambda: [step() for step in finish])
+
+    def _save_shared(self, original, save_dir: Path, tag: str, client_state, save_latest, exclude_frozen_parameters):
+        """The shared directory's save of ``tag``: what must run in step on the training thread now;
+        returns what writes and publishes it (in the background with ``async_save``)."""
+        from ds_ext.integration import ds_checkpoint  # DeepSpeed is imported on use
+
+        engine, background = self.engine, self.background
+        staged = ckpt.staging_dir(save_dir, tag)
+        error = None
+        if self.runtime.rank == 0:
+            try:
+                save_dir.mkdir(parents=True, exist_ok=True)
+                if staged.exists():
+                    shutil.rmtree(staged)  # left by a save that crashed
+            except OSError as err:
+                error = f"cannot prepare {staged}: {err}"
+        ckpt.agree(error, f"saving checkpoint {save_dir / tag}")
+        captured = ds_checkpoint.capture(engine) if background is not None else contextlib.nullcontext([])
+        with self.sharded.held(self.sharded.all_units), captured as deepspeed_files:
+            original(
+                str(save_dir),
+                staged.name,
+                client_state=client_state,
+                save_latest=False,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            )
+        shards = self._shards(staged)  # one part's state at a time on the synchronous path
+        if background is None:
+            return lambda: self._write_and_publish(shards, save_dir, tag, save_latest, None)
+        files = [(path, ds_checkpoint.host_copy(state, False)) for path, state in shards]  # cloned already
+        files += [(Path(path), state) for path, state in deepspeed_files]
         group = self.agreement_group
-        background.start(lambda: self._write_and_publish(files, save_dir, tag, save_latest, group))
+        return lambda: self._write_and_publish(files, save_dir, tag, save_latest, group)
+
+    def _shards(self, staged: Path) -> Iterator[tuple[Path, dict]]:
+        """(path, state) of each of this rank's shard files of a save into ``staged``, one part's
+        state made at a time (the save's id is agreed now: collective)."""
+        engine, save_id = self.engine, ckpt.new_save_id()
+        degrees = {axis: self.runtime.parallel.degree(axis) for axis in ("tensor", "pipeline")}
+        hf = hf_record(engine.module)
+        return (
+            (
+                folder / ckpt.SHARD_FILE.format(rank=group.rank),
+                ckpt.shard_state(ctx, engine.global_steps, save_id, self.state_dict(units), degrees, hf),
+            )
+            for group, ctx, units, folder in self._stores(staged)
+        )
+
+    def _save_local(self, original, tag: str, client_state, exclude_frozen_parameters):
+        """The local tier's save of ``tag`` (:mod:`ds_ext.zero_topo.tiers`): DeepSpeed's files and the
+        shards snapshot now; returns what writes them into the node's directory, copies them to the
+        partner node and publishes the save (in the background with ``async_save``)."""
+        from ds_ext.integration import ds_checkpoint  # DeepSpeed is imported on use
+
+        tiers, engine = self.tiers, self.engine
+        staged = tiers.prepare(tag)
+        with self.sharded.held(self.sharded.all_units), ds_checkpoint.capture(engine) as deepspeed_files:
+            original(
+                str(tiers.local_dir()),
+                staged.name,
+                client_state=client_state,
+                save_latest=False,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            )
+        root = staged.resolve()
+        copy_state = (
+            (lambda state: state) if self.background is None else (lambda state: ds_checkpoint.host_copy(state, False))
+        )
+        files = [(path.relative_to(staged).as_posix(), copy_state(state)) for path, state in self._shards(staged)]
+        files += [(Path(p).resolve().relative_to(root).as_posix(), state) for p, state in deepspeed_files]
+        step = engine.global_steps
+        return lambda: tiers.save(tag, staged, files, step)
 
     def _write_and_publish(
         self, files: Iterable[tuple[Path, Any]], save_dir: Path, tag: str, save_latest: bool, group: object | None
@@ -429,6 +495,14 @@ class ZeroTopoPlugin(Plugin):
         if self.background is not None:
             self.background.wait()  # the save in flight first (it may be the one to load)
         optimizer_states = load_optimizer_states and not load_module_only
+        restore = None
+        if self.tiers is not None:
+            restore, why = self.tiers.choose(tag)
+            if restore is None:
+                log.warn(f"{support.KEY}.checkpoint_tiers: {why}: loading the newest shared save from {load_dir}")
+            else:
+                self.tiers.fill_common(restore)
+                load_dir, tag = self.tiers.local_dir(), restore.tag
         if tag is None and not ckpt.agree_present(Path(load_dir) / ckpt.LATEST, f"loading checkpoint from {load_dir}"):
             if self.runtime.rank == 0:
                 from deepspeed.utils import logger
@@ -439,24 +513,18 @@ class ZeroTopoPlugin(Plugin):
                 )
             return None, None
         with self.runtime.ledger.phase("checkpoint"):
-            error, loaded = None, None
-            try:
-                tag_dir = ckpt.resolve_tag_dir(load_dir, tag)
-                ckpt.check_model_parallel(
-                    tag_dir, self.data.model_size, self.experts.model_size if self.experts is not None else 0
-                )
-                ckpt.check_zip(tag_dir / ckpt.DEEPSPEED_MODULE_FILE.format(rank=self.data.model_rank))
-                parts = [
-                    self._read_shards(folder, group, ctx, units, optimizer_states)
-                    for group, ctx, units, folder in self._stores(tag_dir)
-                ]
-                loaded = {  # the optimizer's param groups and the loss scaler: the dense part's
-                    **parts[0],
-                    "primaries": {k: v for part in parts for k, v in part["primaries"].items()},
-                    "segments": {k: v for part in parts for k, v in part["segments"].items()},
-                }
-            except ckpt.CheckpointError as err:
-                error = str(err)
+            for _ in range(len(restore.files) + 1 if restore is not None else 1):
+                error, loaded, missing = None, None, None
+                try:
+                    tag_dir = ckpt.resolve_tag_dir(load_dir, tag)
+                    loaded = self._read(tag_dir, optimizer_states)
+                except ckpt.MissingShardError as err:
+                    error, missing = str(err), err.path
+                except ckpt.CheckpointError as err:
+                    error = str(err)
+                # the local tier: fetch the shards the ranks found missing, and read again
+                if restore is None or not self.tiers.fill_missing(restore, missing):
+                    break
             ckpt.agree(error, f"loading checkpoint from {load_dir}")
             with self.sharded.held(self.sharded.all_units):
                 path, client_state = original(
@@ -471,6 +539,22 @@ class ZeroTopoPlugin(Plugin):
                 with torch.no_grad():
                     self.load_state_dict(loaded, optimizer_states)
         return path, client_state
+
+    def _read(self, tag_dir: Path, optimizer_states: bool) -> dict:
+        """Everything this rank loads from the checkpoint in ``tag_dir``, checked, nothing changed."""
+        ckpt.check_model_parallel(
+            tag_dir, self.data.model_size, self.experts.model_size if self.experts is not None else 0
+        )
+        ckpt.check_zip(tag_dir / ckpt.DEEPSPEED_MODULE_FILE.format(rank=self.data.model_rank))
+        parts = [
+            self._read_shards(folder, group, ctx, units, optimizer_states)
+            for group, ctx, units, folder in self._stores(tag_dir)
+        ]
+        return {  # the optimizer's param groups and the loss scaler: the dense part's
+            **parts[0],
+            "primaries": {k: v for part in parts for k, v in part["primaries"].items()},
+            "segments": {k: v for part in parts for k, v in part["segments"].items()},
+        }
 
     def _stores(self, tag_dir: Path) -> Iterator[tuple[DataGroup, ShardContext, list, Path]]:
         """(group, context, units, folder) of each part of a checkpoint: the dense parameters' shards

@@ -1,0 +1,190 @@
+"""Two checkpoint tiers (``zero_topo.checkpoint_tiers``, :mod:`ds_ext.zero_topo.tiers`).
+
+The reference is the uninterrupted run: saves into node-local directories (every save, each rank's
+files also copied to its partner rank on the other node) and into the shared directory (every
+second save), training on past the last save. Then node 1 is lost: its engines are gone (the job's
+engines destroyed, as a restarted job starts new ones in the same world) and its local directory
+deleted. The restarted job loads from the shared directory's path: the newest save is the local
+tier's, node 1's shards come from node 0's partner copies, and the two steps after it give the
+uninterrupted run's losses and every rank's state bit for bit. With node 1 lost again and node 0's copy of rank 2's shard gone,
+no copy of rank 2's shard is left: the load falls back to the newest shared save, an older one,
+and says so in one line.
+
+World: 4 gloo ranks (2 nodes x 1 GPU x 2 GCDs), ZeRO-topo's default quantized preset, bf16; the
+saves synchronous, and with ``async_save`` (the last save written while training goes on).
+"""
+
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+WORLD_SIZE = 4
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 0},
+    "steps_per_print": 10**9,
+    "ds_ext": {
+        "topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True},
+        "comm": {"timeout_s": 60},
+        "zero_topo": {"enabled": True, "preset": "zero_topo", "compile_quantizer": False},
+    },
+}
+
+
+def _engine(tiers, seed=1234, topology=None, async_save=False):
+    import ds_ext
+    from ds_ext.models import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=4))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    block = {**CONFIG["ds_ext"], "topology": topology or CONFIG["ds_ext"]["topology"]}
+    block["zero_topo"] = {**block["zero_topo"], "checkpoint_tiers": tiers, "async_save": async_save}
+    engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config={**CONFIG, "ds_ext": block})
+    return engine
+
+
+def _steps(engine, steps, start):
+    import torch.distributed as dist
+
+    from ds_ext.data import ByteCorpus
+
+    corpus = ByteCorpus(max_bytes=200_000)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(start, start + steps):
+        for micro in range(2):
+            loss = engine(corpus.micro_batch(step, micro, rank, world, 2, 2, 32))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def _state(engine):
+    """The rank's ZeRO-topo shard (weights, fp32 masters, optimizer state) and the full module."""
+    shard = engine.ds_ext.plugin("zero_topo").state_dict()
+    with engine.ds_ext.gathered_parameters():
+        module = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return {"slices": shard["slices"], "segments": shard["segments"], "module": module, "step": engine.global_steps}
+
+
+def _lose(path: Path) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    dist.barrier()
+
+
+def _lost_node_restore(tmp, async_save):
+    tmp = Path(tmp)
+    shared, local = tmp / "shared", tmp / "local"
+    tiers = {"local_dir": str(local / "node{node}"), "local_every": 1, "shared_every": 2}
+
+    engine = _engine(tiers, async_save=async_save)
+    for start in (0, 2, 3):  # saves after global steps 2 (local), 3 (local and shared) and 4 (local)
+        _steps(engine, 2 if start == 0 else 1, start)
+        engine.save_checkpoint(shared)
+    reference = _steps(engine, 2, 4), _state(engine)  # the last save is written beside these steps
+    if async_save:
+        engine.ds_ext.plugin("zero_topo").background.wait()
+    layout = {
+        n: sorted(
+            p.relative_to(local / n / "global_step4").as_posix() for p in (local / n / "global_step4").rglob("*.pt")
+        )
+        for n in ("node0", "node1")
+    }
+    tiers_seen = (sorted(p.name for p in shared.iterdir()), sorted(p.name for p in (local / "node0").iterdir()))
+    engine.destroy()
+
+    _lose(local / "node1")
+    engine = _engine(tiers, seed=99, async_save=async_save)
+    engine.load_checkpoint(shared)
+    restored_step = engine.global_steps
+    restored = _steps(engine, 2, 4), _state(engine)
+    refetched = sorted(p.name for p in (local / "node1" / "global_step4").rglob("*.pt"))
+    engine.destroy()
+
+    _lose(local / "node1")  # lost again, and node 0's copy of rank 2's shard with it
+    _lose(local / "node0" / "global_step4" / "ds_ext_zero_topo_rank00002.pt")
+    engine = _engine(tiers, seed=99, async_save=async_save)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.load_checkpoint(shared)
+    fallback_step = engine.global_steps
+    engine.destroy()
+    said = [str(w.message) for w in caught if "checkpoint_tiers" in str(w.message)]
+    return layout, tiers_seen, reference, restored_step, restored, refetched, fallback_step, said
+
+
+def _equal(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            _equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_lost_node_restores_from_its_partners_copies_bit_exact(world, tmp_path, async_save):
+    results = world.run(_lost_node_restore, str(tmp_path), async_save)
+    shards = [f"ds_ext_zero_topo_rank{r:05d}.pt" for r in range(4)]
+    for rank, (layout, seen, reference, step, restored, refetched, fallback_step, said) in enumerate(results):
+        # each node holds its own ranks' files and its partner node's (DeepSpeed's file is rank 0's)
+        assert layout["node0"] == sorted(["mp_rank_00_model_states.pt", *shards])
+        assert layout["node1"] == sorted(["mp_rank_00_model_states.pt", *shards])
+        assert seen == (["global_step3", "latest"], ["global_step2", "global_step3", "global_step4", "latest"])
+        assert step == 4  # the local tier's save, newer than the shared one
+        _equal(reference, restored, f"rank {rank}")
+        assert "ds_ext_zero_topo_rank00002.pt" in refetched and "ds_ext_zero_topo_rank00003.pt" in refetched
+        assert fallback_step == 3  # the newest shared save
+        assert (
+            said == []
+            if rank
+            else said
+            == [
+                "ds_ext.zero_topo.checkpoint_tiers: the local save global_step4 has no copy of ds_ext_zero_topo_rank00002.pt "
+                f"on any node: loading the newest shared save from {tmp_path}/shared"
+            ]
+        )
+
+
+def _refusal():
+    from ds_ext.errors import DsExtConfigError
+
+    try:
+        _engine(
+            {"local_dir": "/nonexistent/{node}"}, topology={"preset": "frontier", "sizes": {"gpu": 2}, "emulate": True}
+        )
+    except DsExtConfigError as err:
+        return str(err)
+
+
+def test_tiers_refuse_one_node(world):
+    assert world.run(_refusal)[0] == (
+        "ds_ext.zero_topo.checkpoint_tiers on one node: the partner copy needs another node; allowed: 2 or more "
+        "nodes, or no checkpoint_tiers"
+    )
+
+
+def test_shared_every_is_a_multiple_of_local_every():
+    from ds_ext import config as cfgmod
+
+    block = {"zero_topo": {"checkpoint_tiers": {"local_dir": "/x", "local_every": 2, "shared_every": 3}}}
+    with pytest.raises(cfgmod.DsExtConfigError, match="shared_every 3 is not a multiple of local_every 2"):
+        cfgmod.parse(block)
