@@ -415,6 +415,7 @@ def zero_reviewer_ratios(run: str = REVIEWER_RUN, repeat: str | None = REVIEWER_
 BACK_TO_BACK_RUN = "bench_zero_back_to_back_ga1.json"
 BACK_TO_BACK_REPEAT = "bench_zero_back_to_back_ga1_repeat.json"
 BACK_TO_BACK_GATHER = "bench_zero_back_to_back_gather_ga1.json"
+BACK_TO_BACK_GA8 = "bench_zero_back_to_back_ga8.json"
 
 
 def zero_level_busy_table(run: str = BACK_TO_BACK_RUN) -> str:
@@ -1140,6 +1141,15 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
         lambda: zero_reviewer_ratios(BACK_TO_BACK_RUN, BACK_TO_BACK_REPEAT),
     ),
     "bench_zero_back_to_back_levels.md": (f"examples/results/{BACK_TO_BACK_RUN}", zero_level_busy_table),
+    "bench_zero_back_to_back_ga8.md": (f"examples/results/{BACK_TO_BACK_GA8}", lambda: zero_reviewer_table(BACK_TO_BACK_GA8)),
+    "bench_zero_back_to_back_ga8_ratios.md": (
+        f"examples/results/{BACK_TO_BACK_GA8}",
+        lambda: zero_reviewer_ratios(BACK_TO_BACK_GA8, None),
+    ),
+    "bench_zero_back_to_back_ga8_levels.md": (
+        f"examples/results/{BACK_TO_BACK_GA8}",
+        lambda: zero_level_busy_table(BACK_TO_BACK_GA8),
+    ),
     "bench_zero_back_to_back_gather.md": (
         f"examples/results/{BACK_TO_BACK_GATHER}",
         lambda: zero_reviewer_table(BACK_TO_BACK_GATHER),
