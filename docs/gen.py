@@ -1141,7 +1141,10 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
         lambda: zero_reviewer_ratios(BACK_TO_BACK_RUN, BACK_TO_BACK_REPEAT),
     ),
     "bench_zero_back_to_back_levels.md": (f"examples/results/{BACK_TO_BACK_RUN}", zero_level_busy_table),
-    "bench_zero_back_to_back_ga8.md": (f"examples/results/{BACK_TO_BACK_GA8}", lambda: zero_reviewer_table(BACK_TO_BACK_GA8)),
+    "bench_zero_back_to_back_ga8.md": (
+        f"examples/results/{BACK_TO_BACK_GA8}",
+        lambda: zero_reviewer_table(BACK_TO_BACK_GA8),
+    ),
     "bench_zero_back_to_back_ga8_ratios.md": (
         f"examples/results/{BACK_TO_BACK_GA8}",
         lambda: zero_reviewer_ratios(BACK_TO_BACK_GA8, None),
