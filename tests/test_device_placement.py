@@ -42,6 +42,7 @@ HOST_SIDE = {  # (file, factory): (calls, why they stay on the host)
     ("ds_ext/pmm/tuning.py", "zeros"): (1, "host JSON of timings; PMMEngine.all_gather_world moves it"),
     ("ds_ext/zero_topo/checkpoint.py", "empty"): (1, "reads a checkpoint file on the host"),
     ("ds_ext/zero_topo/plugin.py", "zeros"): (1, "host staging of loaded weights, copied into the unit"),
+    ("ds_ext/zero_topo/tiers.py", "frombuffer"): (1, "checkpoint file bytes sent over the tiers' own gloo group"),
 }
 
 

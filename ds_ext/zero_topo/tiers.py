@@ -63,7 +63,7 @@ def _is_shard(rel: str) -> bool:
 def _send_bytes(data: bytes, dst: int, group: Any) -> list:
     """Start sending ``data`` to ``dst`` (its size, then its bytes); wait on what it returns (the
     requests hold their tensors)."""
-    size = torch.tensor([len(data)], dtype=torch.int64)
+    size = torch.tensor([len(data)], dtype=torch.int64, device="cpu")  # the tiers' gloo group: host
     sends = [(dist.isend(size, dst, group=group), size)]
     if data:
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -72,9 +72,9 @@ def _send_bytes(data: bytes, dst: int, group: Any) -> list:
 
 
 def _recv_bytes(src: int, group: Any) -> bytes:
-    size = torch.zeros(1, dtype=torch.int64)
+    size = torch.zeros(1, dtype=torch.int64, device="cpu")
     dist.recv(size, src, group=group)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device="cpu")
     if payload.numel():
         dist.recv(payload, src, group=group)
     return payload.numpy().tobytes()
