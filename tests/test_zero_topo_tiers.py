@@ -125,23 +125,10 @@ def _lost_node_restore(tmp, async_save):
     return layout, tiers_seen, reference, restored_step, restored, refetched, fallback_step, said
 
 
-def _equal(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
-
-
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_lost_node_restores_from_its_partners_copies_bit_exact(world, tmp_path, async_save):
+    from test_zero_topo_async_save import _equal
+
     results = world.run(_lost_node_restore, str(tmp_path), async_save)
     shards = [f"ds_ext_zero_topo_rank{r:05d}.pt" for r in range(4)]
     for rank, (layout, seen, reference, step, restored, refetched, fallback_step, said) in enumerate(results):

@@ -41,7 +41,7 @@ import shutil
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -72,23 +72,23 @@ class MissingShardError(CheckpointError):
 
 
 # ---- files ---------------------------------------------------------------------------
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` under a temporary name, flush to disk, rename into place."""
+def atomic_write(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """``write`` into a temporary file beside ``path``, flush it to disk, rename it into place."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """``torch.save`` under a temporary name, flush to disk, rename into place."""
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write(text.encode()))
     _fsync_dir(path.parent)
 
 

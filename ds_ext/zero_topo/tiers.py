@@ -32,7 +32,6 @@ host bytes, not training traffic, so the ledger does not count them.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,12 +95,7 @@ def _unpack(blob: bytes) -> dict[str, bytes]:
 
 def _write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    ckpt.atomic_write(path, lambda f: f.write(data))
 
 
 def _held(tag_dir: Path, rels: list[str]) -> list[str]:
