@@ -33,8 +33,8 @@ from ds_ext.pccl.config import PCCLConfig
 from ds_ext.plugin import PluginConfig, PluginError, registered_plugins
 from ds_ext.pmm.config import Pmm3dConfig
 from ds_ext.samo.config import SamoConfig
-from ds_ext.zero_topo.plan import ZeroTopoConfig
 from ds_ext.topology import DETECTED_LEVELS, GB, PRESET_NAMES, US, Level, preset_levels
+from ds_ext.zero_topo.plan import ZeroTopoConfig
 
 BLOCK = "ds_ext"
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from ds_ext.local_world import World  # noqa: E402
 from test_zero_topo import UNQUANTIZED, _corpus, _ds_config, _engine, _run_steps  # noqa: E402
+
+from ds_ext.local_world import World  # noqa: E402
 
 
 def _held_out(zero_topo: dict, steps: int, seed: int) -> float:

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import ds_ext
-from ds_ext.data import ByteCorpus
 from ds_ext import config as cfgmod
+from ds_ext.data import ByteCorpus
 from ds_ext.models import GPT, GPTConfig
 
 

@@ -234,8 +234,8 @@ def context(T, P, **kw):
     import torch.distributed as dist
 
     from ds_ext import config as cfgmod
-    from ds_ext.parallel import TEDLayout
     from ds_ext.moe import TEDContext
+    from ds_ext.parallel import TEDLayout
     from ds_ext.runtime import Runtime
 
     runtime = Runtime.create(cfgmod.parse({"topology": TOPOLOGY}))

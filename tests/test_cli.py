@@ -213,8 +213,8 @@ def test_user_errors_are_ds_ext_errors_and_builtin_ones_are_listed_invariants():
 def _converted():
     """(call, error class, built-in base) of errors issue 39 made ds_ext errors."""
     from ds_ext.data import ByteCorpus
-    from ds_ext.errors import DsExtConfigError, DsExtSetupError
     from ds_ext.entry.initialize import _resolve_config
+    from ds_ext.errors import DsExtConfigError, DsExtSetupError
     from ds_ext.models import GPTConfig, ModelConfigError
     from ds_ext.moe.cac import Frame, ReplayError
     from ds_ext.optim.tiled import refuse_closure

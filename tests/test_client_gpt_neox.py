@@ -47,7 +47,6 @@ import sys
 from functools import partial
 
 import pytest
-
 from clients import client_dir, skip_reason
 
 WORLD_SIZE = 4
@@ -61,9 +60,8 @@ ACCUM = 2  # micro-batches per train_batch on the pipeline path
 
 
 def _neox_args(zero_topo, model_parallel=1, stage=0, clip=0.0, pipe=0, extra=None):
-    from megatron.neox_arguments import NeoXArgs
-
     import torch.distributed as dist
+    from megatron.neox_arguments import NeoXArgs
 
     block = {"topology": {"preset": "frontier", "sizes": {"gpu": 1}, "emulate": True}}
     if zero_topo is not None:
@@ -132,6 +130,7 @@ def _neox_train(
     if str(NEOX) not in sys.path:
         sys.path.insert(0, str(NEOX))
     import deepspeed
+    import megatron.training as neox_training
     import torch
     import torch.distributed as dist
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
@@ -140,8 +139,6 @@ def _neox_train(
     from megatron.model.gpt2_model import cross_entropy
     from megatron.training import get_batch_pipe, get_learning_rate_scheduler, get_model, get_optimizer
     from megatron.utils import get_ltor_masks_and_position_ids
-
-    import megatron.training as neox_training
 
     import ds_ext
     from ds_ext.data import ByteCorpus

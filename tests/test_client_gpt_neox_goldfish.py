@@ -8,9 +8,8 @@ the same object), so that rank's data-parallel all-reduce took another group tha
 from __future__ import annotations
 
 import pytest
-from test_client_gpt_neox import NEOX, WORLD_MAX_GROUPS, WORLD_SIZE, _neox_train, torch_close
-
 from clients import skip_reason
+from test_client_gpt_neox import NEOX, WORLD_MAX_GROUPS, WORLD_SIZE, _neox_train, torch_close
 
 pytestmark = pytest.mark.skipif(NEOX is None, reason=skip_reason("gpt-neox"))
 __all__ = ["WORLD_MAX_GROUPS", "WORLD_SIZE"]  # read by the world fixture (tests/conftest.py)

@@ -184,9 +184,9 @@ def test_megatron_loss_mask_is_the_hand_written_rule_on_the_labels():
     sequence ``x_0 .. x_L`` at the labels, ``x_h`` included; once per call; restore puts it back."""
     import types
 
+    from ds_ext.goldfish import client_loss
     from ds_ext.goldfish.mask import GoldfishMask
     from ds_ext.goldfish.plugin import NextTokensLossMask
-    from ds_ext.goldfish import client_loss
 
     script = types.ModuleType("pretrain_gpt")
     script.get_ltor_masks_and_position_ids = _megatron_ltor
@@ -214,9 +214,9 @@ def test_client_loss_sites_are_refused_where_they_are_not_the_clients(monkeypatc
     import types
 
     from ds_ext.errors import DsExtConfigError
+    from ds_ext.goldfish import client_loss
     from ds_ext.goldfish.mask import GoldfishMask
     from ds_ext.goldfish.plugin import NextTokensLossMask
-    from ds_ext.goldfish import client_loss
 
     def model(module, name, **attrs):
         return type(name, (), {"__module__": module, **attrs})()

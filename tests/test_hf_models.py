@@ -64,11 +64,11 @@ def _trainer(zero_topo, tmp):
     """The Hugging Face Trainer (TrainingArguments(deepspeed=...)) with ds_ext active."""
     import torch
     import torch.distributed as dist
+    from hf_support import ByteWindows
+    from transformers import Trainer, TrainingArguments
 
     import ds_ext
     from ds_ext.models.hf import tiny_causal_lm
-    from hf_support import ByteWindows
-    from transformers import Trainer, TrainingArguments
 
     cfg = {
         "train_micro_batch_size_per_gpu": "auto",

@@ -45,7 +45,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from clients import MDS_ENV, MDS_READY, MDS_SKIP, lm_losses
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,8 +22,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from clients import MDS_ENV as ENV, MDS_READY, MDS_SKIP, lm_losses as _losses
+from clients import MDS_ENV as ENV
+from clients import MDS_READY, MDS_SKIP
+from clients import lm_losses as _losses
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not MDS_READY, reason=MDS_SKIP)

@@ -9,7 +9,6 @@ import pytest
 
 from ds_ext.parallel import Grid, TEDLayout
 from ds_ext.perf import pmm as perf_pmm
-from ds_ext.zero_topo import perf as perf_zero
 from ds_ext.perf.compute import ActivationSplit, activation_bytes, step_flops
 from ds_ext.perf.ted import eq_7_5, moe_block_traffic
 from ds_ext.planner import compute_rate, models, pmm_grids, ted_layouts, zero_plans
@@ -17,6 +16,7 @@ from ds_ext.planner.estimate import Candidate, Traffic, batch_options, comm_seco
 from ds_ext.planner.machine import MACHINES, GiB
 from ds_ext.planner.plan import PlanInputError, make_job, plan
 from ds_ext.topology import Topology
+from ds_ext.zero_topo import perf as perf_zero
 from ds_ext.zero_topo.plan import PRESETS, ZeroTopoConfig, resolve_plan
 
 EMULATED = Topology.from_preset("frontier", 8, {"gpu": 2})  # the plugin tests' 2 nodes x 2 GPUs x 2 GCDs
@@ -875,7 +875,6 @@ def test_tune_and_plan_pmm3d_are_one_ranker(tmp_path, capsys):
     """Issue 23 deliver 4: ``ds-ext tune`` and ``ds-ext plan --families pmm3d`` answer the same
     question with the same plans, batch and memory; --measure refuses the ranking flags."""
     from ds_ext.cli import main
-
     from ds_ext.planner import report
 
     tune_out = tmp_path / "tune.json"

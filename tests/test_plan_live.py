@@ -104,10 +104,10 @@ def test_pmm3d_ledger_equals_the_planner(world):
     from pmm_helpers import GLOBAL_BATCH, SEQ
 
     from ds_ext.models import GPTConfig
+    from ds_ext.parallel import Grid
     from ds_ext.perf.pmm import memory
     from ds_ext.planner import pmm_grids
     from ds_ext.planner.models import Arch
-    from ds_ext.parallel import Grid
     from ds_ext.topology import Topology
 
     topo = Topology.from_preset("frontier", 8, {"gpu": 2})
@@ -126,12 +126,12 @@ def test_pmm3d_ledger_equals_the_planner(world):
 def _ted_run(T, P, checkpoint):
     import dataclasses
 
+    import ted_support as ts
     import torch
     import torch.distributed as dist
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     import ds_ext
-    import ted_support as ts
     from ds_ext.parallel import TEDLayout
 
     cfg = dataclasses.replace(ts.config(), checkpoint=checkpoint)

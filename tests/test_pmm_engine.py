@@ -6,7 +6,7 @@ switches, and ``ds_ext.perf.pmm`` (Eqs 5.1-5.5 plus the terms ds_ext adds) for t
 
 import pytest
 from ledger_support import assert_links_equal
-from pmm_helpers import GLOBAL_BATCH, SEQ, engine_for, ds_config, parity, tokens, train_and_compare
+from pmm_helpers import GLOBAL_BATCH, SEQ, ds_config, engine_for, parity, tokens, train_and_compare
 
 WORLD_SIZE = 8
 ALL_ON = {"all_reduce": True, "reduce_scatter": True, "all_gather": True}
@@ -119,10 +119,10 @@ def _checkpoint_continuation(tmp):
 
     import torch
     import torch.distributed as dist
+    from pmm_helpers import MODELS
 
     from ds_ext.config import DsExtConfigError
     from ds_ext.pmm import checkpoint
-    from pmm_helpers import MODELS
 
     engine = engine_for("gpt", ds_config((2, 2, 2, 1)))
     engine.save_checkpoint(tmp, tag="init")
@@ -166,9 +166,9 @@ def _replicated_tables_checkpoint(tmp):
     """Tables replicated over X on (2,2,2,1): save before training and after 2 steps; the first
     consolidates to the serial initialization, the second continues vocabulary-parallel on (2,1,4,1)."""
     import torch
+    from pmm_helpers import MODELS
 
     from ds_ext.pmm import checkpoint
-    from pmm_helpers import MODELS
 
     engine = engine_for("gpt", ds_config((2, 2, 2, 1), tables="replicated"))
     engine.save_checkpoint(tmp, tag="init")
@@ -196,11 +196,11 @@ def _hf_checkpoint(tmp):
     the loss the parallel model computed at step 1."""
     import torch
     import torch.distributed as dist
+    from pmm_helpers import call
     from transformers import LlamaForCausalLM
 
     from ds_ext.cli import main
     from ds_ext.pmm.checkpoint import load_full
-    from pmm_helpers import call
 
     engine = engine_for("llama", ds_config((2, 2, 2, 1)))
     _train_steps(engine, "llama", range(1))
@@ -230,11 +230,11 @@ def test_hf_checkpoint_consolidates_and_loads_shard_by_shard(world, tmp_path):
 
 def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None, tables=None):
     import torch.distributed as dist
+    from pmm_helpers import gpt
 
     from ds_ext.perf.pmm import items, ledger_bytes, ledger_links
     from ds_ext.pmm.plans import plan_for
     from ds_ext.pmm.spec import model_spec
-    from pmm_helpers import gpt
 
     engine = engine_for("gpt", ds_config(grid, bf16=bf16, accum=accum, by_layer=True, overlap=overlap, tables=tables))
     axes = engine.ds_ext.plugin("pmm3d").axes
@@ -275,10 +275,11 @@ def test_replicated_tables_send_what_megatron_tp8_sends(world):
     # sends 29.36 MB: its vocabulary-parallel tables add the token and position lookups' and the
     # head's input-gradient all-reduces over X (and the loss's). Tables replicated over X (the
     # anchor's placement) send exactly Megatron's activation all-reduces, in the ledger and the model.
+    from pmm_helpers import gpt
+
     from ds_ext.perf.pmm import megatron_bytes
     from ds_ext.pmm.plans import plan_for
     from ds_ext.pmm.spec import model_spec
-    from pmm_helpers import gpt
 
     serial = gpt()
     megatron = megatron_bytes(list(model_spec(serial, plan_for(serial)).layers), GLOBAL_BATCH * SEQ, 8, 4)
@@ -322,13 +323,13 @@ def test_ledger_equals_model_per_layer_and_level(world, grid, accum, bf16, overl
 
 def _memory(stage):
     import torch
+    from pmm_helpers import gpt
 
     from ds_ext.integration.ds_pmm import optimizer_state_bytes
     from ds_ext.perf.pmm import memory
     from ds_ext.pmm import Linear
     from ds_ext.pmm.plans import plan_for
     from ds_ext.pmm.spec import model_spec
-    from pmm_helpers import gpt
 
     grid = (2, 1, 2, 2)
     engine = engine_for("gpt", ds_config(grid, stage=stage, bf16=True))
@@ -381,10 +382,10 @@ def _trainer_step_gradients(grid):
     import tempfile
 
     import torch
+    from pmm_helpers import FP32, MODELS, _close
     from transformers import Trainer, TrainingArguments
 
     from ds_ext.pmm import local_shards
-    from pmm_helpers import FP32, MODELS, _close
 
     ids = tokens(0)[:, :-1]
     labels = ids.clone()
@@ -432,10 +433,10 @@ def _initialize_error(grid, micro=None, instance=False, family="gpt", beside=Non
     (the ds_ext.ted plugin too) or 'moe' (a DeepSpeed-MoE layer in the model)."""
     import torch
     import torch.distributed.distributed_c10d as c10d
+    from pmm_helpers import MODELS
 
     import ds_ext
     from ds_ext.config import DsExtConfigError
-    from pmm_helpers import MODELS
 
     cfg = ds_config(grid)
     if micro is not None:
@@ -510,10 +511,11 @@ def test_tune_measure_database_reads_the_emulated_machine(world):
 
 
 def _auto_grid():
+    from pmm_helpers import gpt
+
     from ds_ext.perf.pmm import rank_grids
     from ds_ext.pmm.plans import plan_for
     from ds_ext.pmm.spec import model_spec
-    from pmm_helpers import gpt
 
     cfg = ds_config((1, 1, 1, 1))
     cfg["ds_ext"]["pmm3d"]["grid"] = "auto"

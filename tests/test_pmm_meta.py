@@ -36,8 +36,8 @@ def _grid_ranks():
 
 def _engine(grid, rank):
     """An engine with grid rank ``rank``'s coordinates: conversion needs no collective."""
-    from ds_ext.pmm.engine import PMMEngine
     from ds_ext.parallel import Grid
+    from ds_ext.pmm.engine import PMMEngine
     from ds_ext.pmm.grid import Axis
 
     coords = Grid(*grid).coords(rank)

@@ -14,10 +14,10 @@
 import itertools
 import math
 
+import moe_reference as ref
 import pytest
 import torch
 
-import moe_reference as ref
 from ds_ext.errors import DsExtError, DsExtSetupError
 from ds_ext.moe import TEDError
 

@@ -14,7 +14,6 @@
 import dataclasses
 
 import pytest
-
 from ledger_support import assert_links_equal
 from ted_support import MICRO, SEQ
 
@@ -24,11 +23,11 @@ LAYOUTS = [(2, 2, 2), (2, 4, 1), (1, 4, 2), (4, 2, 1)]
 
 # ---- parity with the serial reference, through ds_ext.initialize and DeepSpeed ---------------
 def _parity(T, P):
+    import ted_support as ts
     import torch
     import torch.distributed as dist
 
     import ds_ext
-    import ted_support as ts
     from ds_ext.parallel import TEDLayout
 
     rank = dist.get_rank()
@@ -68,10 +67,10 @@ def _variants(T, P, modes, dropless=False, capacity_factor=1.0, capacity=None):
     """Gradients and ledger traffic of one MoE block for every (checkpoint mode, DTD, CAC);
     ``capacity``: the buffer slots per expert the caller computed by hand (else C = S / E,
     or the dropless C from the serial model's counts)."""
+    import ted_support as ts
     import torch
     import torch.distributed as dist
 
-    import ted_support as ts
     from ds_ext.moe import TEDMoE
     from ds_ext.perf.ted import MoEBlockShape, moe_block_traffic
 
@@ -159,11 +158,11 @@ def test_dtd_cac_bit_identical_and_ledger_equals_model(world):
 def _default_stash(T, P):
     """One step through ``ds_ext.initialize`` under torch checkpointing with CAC and DTD, the ted
     block without ``cac_stash`` (the default) and with ``cac_stash: full``."""
+    import ted_support as ts
     import torch
     import torch.distributed as dist
 
     import ds_ext
-    import ted_support as ts
     from ds_ext.parallel import TEDLayout
 
     rank = dist.get_rank()
@@ -210,10 +209,9 @@ def test_dropless_capacity_agreed_over_expert_group(world):
 
 # ---- noisy gates under checkpointing, bad input ---------------------------------------------
 def _noisy_replay():
+    import ted_support as ts
     import torch
     import torch.distributed as dist
-
-    import ted_support as ts
 
     _, ted = ts.context(2, 4)
     grads = {}
@@ -245,12 +243,12 @@ def _megatron_attention(T, P):
     tensor group; the MoE blocks are TEDMoE on the same groups. Data-parallel gradient
     averaging as DeepSpeed does it (non-expert over G_data^nonexp, experts over G_data^exp,
     both divided by G_data^nonexp). Loss and every gradient match the serial model."""
+    import ted_support as ts
     import torch
     import torch.distributed as dist
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    import ted_support as ts
     from ds_ext.moe.reference import tensor_shard
 
     class Megatron(torch.nn.Module):
@@ -307,10 +305,9 @@ def _residual_reference(W, x, gen):
     """DeepSpeed's residual MoE (``MoE(use_residual=True)``) in plain torch on ``x`` [S, H]: the
     MoE output (tests/moe_reference.py, every expert whole) and the MLP mixed by
     softmax(coefficient(x))."""
+    import moe_reference as ref
     import torch
     import torch.nn.functional as F
-
-    import moe_reference as ref
 
     pre = "deepspeed_moe.experts.deepspeed_experts"
     experts = [
@@ -327,12 +324,12 @@ def _residual_reference(W, x, gen):
 def _residual_layer(T, P):
     """TEDMoE(use_residual=True, k=2) as a drop-in layer: output and every gradient equal the
     plain-torch residual MoE holding all experts (serial), each data shard run in turn."""
+    import moe_reference as ref
+    import ted_support as ts
     import torch
     import torch.distributed as dist
     from torch import nn
 
-    import moe_reference as ref
-    import ted_support as ts
     from ds_ext.moe import TEDMoE
     from ds_ext.moe.reference import local_expert_state
 

@@ -95,10 +95,10 @@ def _fc(expert):
 def _ted_layer(mode, W, ted, P, etp=True, megatron=None):
     """The layer with the weights ``W``; ``megatron``: the client's ParallelMLP experts, built
     from this config (already split over Megatron's tensor group when ``etp``)."""
+    import ted_support as ts
     import torch
     from torch import nn
 
-    import ted_support as ts
     from ds_ext.moe import TEDMoE
 
     if megatron is None:
@@ -143,10 +143,9 @@ def _average_gradients(layer, ted):
 def _run(T, P, etp=True, modes=tuple(MODES), megatron=False):
     import dataclasses
 
+    import ted_support as ts
     import torch
     import torch.utils.checkpoint as ckpt
-
-    import ted_support as ts
 
     _, base = ts.context(T, P)
     config = _megatron(T) if megatron else None
@@ -255,9 +254,8 @@ def _megatron_recompute(T, P, etp):
     import dataclasses
     import sys
 
-    import torch
-
     import ted_support as ts
+    import torch
 
     sys.path.insert(0, str(CLIENT))
     from megatron.core.tensor_parallel.random import CheckpointFunction, checkpoint

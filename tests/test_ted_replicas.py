@@ -17,7 +17,6 @@ group) the copies start apart and stay apart, so the check can fail.
 from pathlib import Path
 
 import pytest
-
 from test_ted_reference import CLIENT, E, H, _megatron, _shard
 
 WORLD_SIZE = 4
@@ -33,13 +32,13 @@ def _replicas(skip=()):
     import sys
     from unittest import mock
 
+    import ted_support as ts
     import torch
     import torch.distributed as dist
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from torch import nn
 
     import ds_ext
-    import ted_support as ts
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from ds_ext.moe import TEDMoE
 
     config = _megatron(T)

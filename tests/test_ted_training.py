@@ -9,7 +9,6 @@ megatron-core's tensor-parallel layers (interoperability).
 import pytest
 from ledger_support import assert_links_equal
 
-
 WORLD_SIZE = 8
 LR, WD = 1e-2, 0.01
 
@@ -28,10 +27,10 @@ def _optimizer(model, lr=LR, sgd=False):
 
 
 def _engine(cfg, serial_state, T, P, stage, plugins=None, sgd=False, **ds_extra):
+    import ted_support as ts
     import torch.distributed as dist
 
     import ds_ext
-    import ted_support as ts
     from ds_ext.parallel import TEDLayout
 
     layout = TEDLayout.build(dist.get_world_size(), T, P)
@@ -71,9 +70,8 @@ def _serial_norm_at_start(cfg, serial_state, layout, bf16):
     when the run trains in bf16) on step 0's global batch."""
     import math
 
-    import torch
-
     import ted_support as ts
+    import torch
 
     serial = ts.serial_model(cfg)
     with torch.no_grad():
@@ -90,10 +88,9 @@ def _zero_topo_run(zero_topo, whole, steps=4, P=2, bf16=False, clip=0.05):
     DeepSpeed ZeRO-1 (None). Losses, global norms, the serial model's hand-written norm at step 0
     and this rank's parameters after ``steps`` steps; with ZeRO-topo also its ledger's step phase
     and analytic model."""
+    import ted_support as ts
     import torch
     import torch.distributed as dist
-
-    import ted_support as ts
 
     cfg = ts.config(drop_tokens=False, expert_tensor_parallel=not whole)
     plugins = (
@@ -226,9 +223,8 @@ def _pccl_run(pccl, steps=3):
     """TED at T 2 x P 2 with DTD under DeepSpeed ZeRO-1, with ``comm.algorithm`` pccl and the pccl
     plugin (DeepSpeed's partition all-gathers) or neither: losses, this rank's parameters, and
     the topology levels of the step's all-gathers."""
-    import torch.distributed as dist
-
     import ted_support as ts
+    import torch.distributed as dist
 
     cfg = ts.config()
     plugins = {"comm": {"algorithm": "pccl"}, "pccl": {"enabled": True}} if pccl else None
@@ -258,10 +254,9 @@ def test_pccl_equals_native_collectives(world):
 
 # ---- ZeRO-1/2 with gradient clipping against the serial model ------------------------------
 def _zero_vs_serial(stage, clip, whole=False, steps=5):
+    import ted_support as ts
     import torch
     import torch.distributed as dist
-
-    import ted_support as ts
 
     cfg = ts.config(drop_tokens=False, expert_tensor_parallel=not whole)
     serial = ts.serial_model(cfg)
@@ -377,12 +372,12 @@ def _vs_deepspeed(k, steps=10):
     (its own groups and all-to-alls) and TEDMoE (TP 1, EP 4, expert data 2)."""
     import dataclasses
 
+    import ted_support as ts
     import torch.distributed as dist
 
     import ds_ext
-    import ted_support as ts
-    from ds_ext.parallel import TEDLayout
     from ds_ext.moe.reference import local_expert_state
+    from ds_ext.parallel import TEDLayout
 
     # top-1 dropless; top-2 with capacity factor 1: tokens are dropped (DeepSpeed's top-2 drops
     # by position, deterministically)
@@ -424,9 +419,9 @@ def test_losses_equal_deepspeed_moe_at_tp1(world, k):
 def _state_bytes():
     """16-bit parameter and gradient bytes (a non-boundary micro-step of ZeRO-1 keeps whole
     gradients) and optimizer bytes (fp32 partitions + Adam m, v) of this rank, bf16 ZeRO-1."""
+    import ted_support as ts
     import torch
 
-    import ted_support as ts
     from ds_ext.perf.ted import eq_7_4
 
     cfg = ts.config(d_model=64, drop_tokens=False)
@@ -460,12 +455,12 @@ def test_state_memory_equals_eq_7_4(world):
 
 # ---- bad input: one line, before any collective ---------------------------------------------
 def _bad(case):
+    import ted_support as ts
     import torch
     import torch.distributed.distributed_c10d as c10d
     from torch import nn
 
     import ds_ext
-    import ted_support as ts
     from ds_ext.moe import ColumnParallelLinear, TEDMoE
 
     def moe(**kw):
@@ -582,10 +577,9 @@ def _converge(steps):
     balanced expert gets x 1.25 when routing is skewed)."""
     import dataclasses
 
+    import ted_support as ts
     import torch
     import torch.distributed as dist
-
-    import ted_support as ts
 
     cfg = ts.config(capacity_factor=1.25, use_rts=True, checkpoint="torch")
     serial = ts.serial_model(dataclasses.replace(cfg, checkpoint="none"))

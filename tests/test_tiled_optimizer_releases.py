@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_tiled_optimizer import OVERFLOW_STEP, _assert_identical, _train
 
 WORLD_SIZE = 4

@@ -256,6 +256,7 @@ def _layout_engine(layout, async_save):
         return engine, lambda s: engine.train_batch(iter(tp._batches(s, engine.grid.get_data_parallel_rank())))
     if layout == "ted":
         import ted_support as ts
+
         from ds_ext.parallel import TEDLayout
 
         moe = ts.config()

@@ -265,10 +265,10 @@ def _pipeline(tmp, save):
     """ZeRO-topo's pipeline form, PP 2, unquantized, AdamW, global batch 16 (8 micro-batches of 2
     split over the data ranks): with ``save``, 2 steps, save, 2 more; else a perturbed engine loads
     the save and runs the 2 more. Returns the losses of steps 2 and 3."""
+    import test_zero_topo_pipeline as tp
     import torch.distributed as dist
 
     import ds_ext
-    import test_zero_topo_pipeline as tp
     from ds_ext.integration import ds_engine
 
     ds_engine.init_distributed()

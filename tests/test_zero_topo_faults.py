@@ -74,6 +74,7 @@ def _job(rank, port, tmp, name, kill, resume_from, branch=None, pipeline=False):
         torch.manual_seed(1234)
         if pipeline:
             import test_zero_topo_pipeline as tp
+
             from ds_ext.integration import ds_engine
 
             ds_engine.init_distributed()  # as the clients do before building a PipelineModule

@@ -345,8 +345,9 @@ class _TensorParallelMpu:
 
 
 def _refused_in_initialize(case):
-    import ds_ext
     from deepspeed.pipe import PipelineModule
+
+    import ds_ext
 
     cfg = _cfg({"preset": "zero_topo"})
     model, kwargs = _gpt(), {}
@@ -545,8 +546,8 @@ def test_gradient_clipping_default_is_deepspeeds():
 
     from ds_ext.parallel import JobLayout
     from ds_ext.topology import Topology
-    from ds_ext.zero_topo.plugin import ZeroTopoPlugin
     from ds_ext.zero_topo.plan import ZeroTopoConfig
+    from ds_ext.zero_topo.plugin import ZeroTopoPlugin
 
     runtime = SimpleNamespace(
         topology=Topology.from_preset("frontier", 8, {"gpu": 2}),

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from ds_ext.zero_topo.perf import UnitSpec, memory, traffic
 from ds_ext.topology import Topology
 from ds_ext.zero_topo.layout import (
     from_shard_order,
@@ -13,6 +12,7 @@ from ds_ext.zero_topo.layout import (
     sub_chunk,
     to_shard_order,
 )
+from ds_ext.zero_topo.perf import UnitSpec, memory, traffic
 from ds_ext.zero_topo.plan import PlanError, ZeroTopoConfig, resolve_plan
 
 FRONTIER_48 = Topology.from_preset("frontier", 384)

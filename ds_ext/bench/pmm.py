@@ -44,8 +44,8 @@ import time
 from typing import Any
 
 from ds_ext.bench import mean_over_world, median, write_json
-from ds_ext.errors import require_extra
 from ds_ext.cluster.world import BENCH_MESSAGE_BYTES, add_network_arguments
+from ds_ext.errors import require_extra
 
 WORLD = 8
 LEVELS = ("gcd", "gpu", "node")
@@ -336,8 +336,9 @@ def _measure_megatron(
     model: str, global_batch: int, warmup: int, steps: int, time_scale: float | None
 ) -> dict[str, Any]:
     """megatron-core tensor parallelism over 8 ranks, counted by a ds_ext ledger."""
-    import torch
     import warnings
+
+    import torch
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
-import inspect
 import importlib.util
+import inspect
 import sys
 from typing import Any, Callable
 

@@ -45,9 +45,9 @@ from typing import Any
 import torch
 
 from ds_ext.errors import DsExtConfigError
+from ds_ext.goldfish import client_loss
 from ds_ext.goldfish.config import KEY, GoldfishConfig
 from ds_ext.goldfish.mask import GoldfishMask, mask_labels
-from ds_ext.goldfish import client_loss
 from ds_ext.models import GPT
 from ds_ext.models.gpt_moe import GPTMoE
 from ds_ext.models.gpt_pipe import LMLoss

@@ -8,7 +8,6 @@ from ds_ext.planner.dsconfig import CONFIGURED
 from ds_ext.planner.estimate import STATES, Dropped, Estimate
 from ds_ext.planner.plan import PlanResult
 
-
 MANY = ("pmm3d", "megatron")  # families with many layouts: the top_k fastest shown in full
 
 

@@ -26,13 +26,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ds_ext.zero_topo import perf
 from ds_ext.perf.compute import activation_bytes
 from ds_ext.planner import PlannerError
 from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic
 from ds_ext.planner.models import Arch
+from ds_ext.zero_topo import perf
 from ds_ext.zero_topo.plan import PRESETS, ShardingPlan, ZeroTopoConfig, resolve_plan
-
 
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed stage3_param_persistence_threshold default (runtime/zero/config.py)
 DEEPSPEED_VERSIONS = ("0.13.1", "0.19.8")  # 003's (Table IX) and today's

@@ -48,8 +48,8 @@ from torch import nn
 
 from ds_ext.pmm.engine import PMMEngine
 from ds_ext.pmm.grid import Axis
-from ds_ext.pmm.linear import Linear
 from ds_ext.pmm.layout import ConversionError
+from ds_ext.pmm.linear import Linear
 
 
 def _vocab_block(layer: Linear, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,14 +40,14 @@ from ds_ext.parallel import member_group
 from ds_ext.plugin import Plugin
 from ds_ext.zero_topo import checkpoint as ckpt
 from ds_ext.zero_topo import support
-from ds_ext.zero_topo.engine import ShardedModel, ZeroTopoOptimizer
-from ds_ext.zero_topo.pipeline import PipelineStage
-from ds_ext.zero_topo.plan import ZeroTopoConfig, resolve_plan
-from ds_ext.zero_topo.layout import shard_count, shard_index
-from ds_ext.zero_topo.perf import memory, traffic
 from ds_ext.zero_topo.agreement import UnitTrace
 from ds_ext.zero_topo.async_save import BackgroundSave, agreement_group
 from ds_ext.zero_topo.data_group import DataGroup
+from ds_ext.zero_topo.engine import ShardedModel, ZeroTopoOptimizer
+from ds_ext.zero_topo.layout import shard_count, shard_index
+from ds_ext.zero_topo.perf import memory, traffic
+from ds_ext.zero_topo.pipeline import PipelineStage
+from ds_ext.zero_topo.plan import ZeroTopoConfig, resolve_plan
 from ds_ext.zero_topo.tiers import Tiers, node_ranks
 from ds_ext.zero_topo.units import ShardContext
 

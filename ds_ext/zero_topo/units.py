@@ -39,6 +39,8 @@ from torch import nn
 from ds_ext.comm import Communicator
 from ds_ext.comm.quant import BlockQuantizer, QuantizedTensor
 from ds_ext.comm.quantized import all_gather_int, all_gather_quantized, all_to_all_reduce, all_to_all_reduce_2hop
+from ds_ext.zero_topo.agreement import UnitTrace
+from ds_ext.zero_topo.data_group import DataGroup
 from ds_ext.zero_topo.layout import (
     chunk,
     from_shard_order,
@@ -50,8 +52,6 @@ from ds_ext.zero_topo.layout import (
     sub_chunk,
     to_shard_order,
 )
-from ds_ext.zero_topo.agreement import UnitTrace
-from ds_ext.zero_topo.data_group import DataGroup
 from ds_ext.zero_topo.plan import ShardingPlan
 
 
