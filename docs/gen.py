@@ -333,7 +333,7 @@ _LEVEL_NAMES = {"gcd": "GCD pair", "gpu": "GPU pair", "node": "NICs"}
 
 
 def zero_reviewer_table(run: str = REVIEWER_RUN) -> str:
-    """Issue 48's run (every level shaped, variants interleaved over rounds): each variant's median
+    """The run (every level shaped, variants interleaved over rounds): each variant's median
     step with every step kept, DeepSpeed ZeRO++'s quantizer seconds, and per level the bytes all
     ranks put on that level's links per step: the ledger's link model (``links``: each byte at the
     level of the link it crosses) beside the kernel's counters (``wire_up``)."""
@@ -370,7 +370,7 @@ def zero_reviewer_table(run: str = REVIEWER_RUN) -> str:
 
 
 def zero_reviewer_ratios(run: str = REVIEWER_RUN, repeat: str | None = REVIEWER_REPEAT) -> str:
-    """The step-time ratios peer / ZeRO-topo of issue 48's run with their bootstrap 95 % intervals
+    """The step-time ratios peer / ZeRO-topo of the reviewer's run with their bootstrap 95 % intervals
     (``ds_ext.bench.zero.checks``, recomputed from the records by this commit's code), DeepSpeed
     ZeRO++ also without its CPU quantizer's seconds, the NIC bytes against ``zeropp``'s, and the
     same command's repeat: its ratio and whether it falls inside the first run's interval."""

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One of 004's Frontier recipes (configs/frontier/*.recipe, as launch/frontier_megatron.sbatch runs it)
 # shrunk to 8 CPU ranks and run on Megatron-DeepSpeed's unmodified pretrain_gpt.py (its default path,
-# GPTModelPipe on DeepSpeed's PipelineEngine), issue 49 item 4. 8 ranks emulate Frontier in miniature
+# GPTModelPipe on DeepSpeed's PipelineEngine). 8 ranks emulate Frontier in miniature
 # (2 nodes x 2 MI250X x 2 GCDs).
 #
 # usage: examples/frontier_recipe_cpu.sh RECIPE MODE [ARGS...]

@@ -1,4 +1,4 @@
-"""ds_ext without editing the script (issue 11, items 1-3): ``ds_ext.patch_deepspeed`` /
+"""ds_ext without editing the script (items 1-3): ``ds_ext.patch_deepspeed`` /
 ``python -m ds_ext.run`` route ``deepspeed.initialize`` through ds_ext; GPT-NeoX's and
 Megatron-DeepSpeed's call shapes train exactly like a direct ``ds_ext.initialize``; an
 ignored ``"ds_ext"`` block is reported; an unmodified DeepSpeed script launched the
@@ -475,7 +475,7 @@ def _run_moe_script(script, config, out, explicit):
 
 
 def test_megatron_deepspeed_moe_script_gets_tedmoe_from_the_config(world, tmp_path):
-    """Issue 11 item 3: under ``ds_ext.run`` with TED enabled in --deepspeed_config, a script
+    """Under ``ds_ext.run`` with TED enabled in --deepspeed_config, a script
     building ``deepspeed.moe.layer.MoE`` and passing its own mpu trains TEDMoE exactly like
     the same script with TEDMoE written in; DTD and CAC follow the config."""
     script = tmp_path / "pretrain_moe.py"

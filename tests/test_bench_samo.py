@@ -1,4 +1,4 @@
-"""The committed ``examples/results/bench_samo.json`` (``ds-ext bench samo``, issue 53's acceptance;
+"""The committed ``examples/results/bench_samo.json`` (``ds-ext bench samo``,
 001 ch. 4): a record per sparsity (0.5, 0.8, 0.9 at least) whose measured state bytes equal Eq. 4.1
 (``ds_ext.perf.samo``, recomputed here from the record's φ and kept entries), whose ledger all-reduce
 bytes are (1 - p) of DeepSpeed's dense ones, with the timing fields of the shaped-cluster run and

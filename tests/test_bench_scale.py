@@ -1,5 +1,4 @@
-"""The real engines as one rank of a world at the papers' scale (``ds-ext bench scale``, issue 38
-item 7): ``ds_ext.comm.mirror`` (torch's fake process group with outputs filled as in a symmetric
+"""The real engines as one rank of a world at the papers' scale (``ds-ext bench scale``): ``ds_ext.comm.mirror`` (torch's fake process group with outputs filled as in a symmetric
 world) places one process into Frontier's 48 nodes x 4 MI250X x 2 GCDs; the ledger of the real
 code path equals the analytic model each plugin is held to, at 384 ranks (003's largest run)."""
 

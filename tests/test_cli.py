@@ -1,4 +1,4 @@
-"""The command line and the package surface a new user meets first (issue 24, items 4 and 6):
+"""The command line and the package surface a new user meets first (items 4 and 6):
 pure commands and every ``--help`` import no torch and install nothing; every ds_ext error is one
 line with exit status 2; ``ds_ext.initialize`` has DeepSpeed's signature and a real docstring."""
 
@@ -197,7 +197,7 @@ def _builtin_raises(tree: ast.AST) -> list[tuple[str, int]]:
 
 def test_user_errors_are_ds_ext_errors_and_builtin_ones_are_listed_invariants():
     """No ``raise ValueError / RuntimeError / TypeError`` in ds_ext but the listed internal invariants
-    (issue 39): an error a user meets is a :class:`ds_ext.errors.DsExtError`."""
+    : an error a user meets is a :class:`ds_ext.errors.DsExtError`."""
     raw, used = [], set()
     for path in sorted((ROOT / "ds_ext").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
@@ -211,7 +211,7 @@ def test_user_errors_are_ds_ext_errors_and_builtin_ones_are_listed_invariants():
 
 
 def _converted():
-    """(call, error class, built-in base) of errors issue 39 made ds_ext errors."""
+    """(call, error class, built-in base) of errors that are ds_ext errors."""
     from ds_ext.data import ByteCorpus
     from ds_ext.entry.initialize import _resolve_config
     from ds_ext.errors import DsExtConfigError, DsExtSetupError

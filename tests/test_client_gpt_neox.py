@@ -1,5 +1,4 @@
-"""ZeRO-topo under GPT-NeoX's own setup path (issue 18, defect 1 and acceptance; issue 36
-acceptance at model parallel 2).
+"""ZeRO-topo under GPT-NeoX's own setup path (and at model parallel 2).
 
 The real GPT-NeoX (../shared/clients/gpt-neox, unmodified) builds everything: ``NeoXArgs``
 from its shipped ``configs/19M.yml`` (shrunk, ``pipe_parallel_size: 0`` for the plain
@@ -12,7 +11,7 @@ its mpu (the lines after that call count parameters on a CUDA device). The train
 step is GPT-NeoX's: its masks, its model, its ``cross_entropy``, ``model.backward``,
 ``model.step``. 4 gloo ranks, fp32, 5 steps (of a 10-iteration schedule).
 
-Model parallelism (issue 36 acceptance): the same route with ``model_parallel_size: 2``,
+Model parallelism: the same route with ``model_parallel_size: 2``,
 ``pipe_parallel_size: 0``: the mpu is built with the topology GPT-NeoX's
 ``_initialize_distributed`` builds (``PipeModelDataParallelTopology(num_pp=1, num_mp=2,
 num_dp=2)``: tensor pairs (0, 1), (2, 3), each a GCD pair of the emulated frontier topology, so
@@ -36,7 +35,7 @@ gets the CPU for that device on this CPU-only host (the rank process's torch, no
 client's code, is shimmed; on the pipeline path and in its own ``forward_step`` also
 ``torch.cuda.LongTensor`` and ``Tensor.cuda``, which its ``mpu.broadcast_data`` calls).
 
-Goldfish (issue 52): ``"goldfish"`` in the ds_config on the pipeline path (the last stage's
+Goldfish: ``"goldfish"`` in the ds_config on the pipeline path (the last stage's
 ``loss_fn``) and on the plain path (GPT-NeoX's own ``forward_step``, whose ``cross_entropy`` ds_ext
 rebinds in ``megatron.training`` while the engine lives) equals the same run whose batch function
 multiplies GPT-NeoX's ``loss_mask`` by the hand-written rule (tests/goldfish_reference.py), and

@@ -236,7 +236,7 @@ def test_each_level_runs_at_its_shape(world, level, pair, mbit):
 
 @pytest.mark.parametrize("kind", [k for k in LINK_KINDS if k not in ("world_broadcast", "ring", "torch_reduce")])
 def test_link_bytes_equal_the_wire_of_every_level(world, kind):
-    """Issue 48, every level shaped: the ledger's link bytes equal the kernel's counters of each
+    """Every level shaped: the ledger's link bytes equal the kernel's counters of each
     GCD's own link (its rank's ``gcd`` bytes) and of each GPU's link and NIC (the ``gpu`` / ``node``
     bytes of its two GCDs), for the collective kinds of ``wire_support.LINK_KINDS`` (broadcast, reduce
     and ds_ext's ring, rarer in a step, on the NIC-per-GPU cluster only: tests/test_cluster_nic.py)."""

@@ -232,7 +232,7 @@ def test_wire_bytes_bound_the_ledgers(world, kind, level):
 
 @pytest.mark.parametrize("kind", LINK_KINDS)
 def test_link_bytes_equal_the_wire_of_each_rank(world, kind):
-    """Issue 48: the ledger's link bytes (where each algorithm's bytes travel) equal the kernel's
+    """The ledger's link bytes (where each algorithm's bytes travel) equal the kernel's
     counters of each rank's own links (``wire_support``): rank r of node n, GPU g (one rank per
     GPU) sends its node bytes up its NIC ``node:n{n}g{g}`` and its bytes to the other GPU up
     ``gpu:n{n}g{g}``. The volume convention (everything at the outermost level the group spans)

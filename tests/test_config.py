@@ -108,7 +108,7 @@ def test_cli_schema_and_detect():
     assert sum(line.startswith("rank ") for line in all_ranks.stdout.splitlines()) == 384
 
 
-# ---- issue 24, items 1-3: one strict base, clear errors, ds_config files -----------------------
+# ---- one strict base, clear errors, ds_config files -----------------------
 def _sections(model):
     """Every config section class reachable from ``model``'s fields."""
     from typing import get_args

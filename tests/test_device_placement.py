@@ -1,4 +1,4 @@
-"""Tensors ds_ext creates itself live where their collective's backend takes them (issue 25).
+"""Tensors ds_ext creates itself live where their collective's backend takes them.
 
 NCCL and RCCL refuse host tensors, and a CPU-only machine cannot notice a flag or a count made
 on the host and handed to a collective: on gloo every tensor is a host tensor. A GPU run found

@@ -1,4 +1,4 @@
-"""Frontier launch scripts (issue 11, item 5) run against a simulated Slurm: a fake ``srun``
+"""Frontier launch scripts (item 5) run against a simulated Slurm: a fake ``srun``
 starts every task with Slurm's variables and the GCD ``--gpu-bind=closest`` picks on
 Frontier (7 cores per task in order: local tasks 0..7 get GCDs 4 5 2 3 6 7 0 1), a fake
 ``python`` records each task's environment and arguments, a fake ``scontrol`` lists hosts.
@@ -296,7 +296,7 @@ def _shrink(recipe: str, mode: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("recipe", sorted(RECIPE_FILES))
 def test_each_recipe_shrinks_to_8_cpu_ranks_keeping_what_it_fixes(recipe):
-    """examples/frontier_recipe_cpu.sh (issue 49 item 4; its runs: tests/test_megatron_deepspeed_zero_topo.py,
+    """examples/frontier_recipe_cpu.sh (its runs: tests/test_megatron_deepspeed_zero_topo.py,
     opt-in): TP 2 x PP 2 x DP 2, the recipe's micro-batch, fp16 and activation checkpointing kept,
     2 x PP micro-batches per step; the recipe's ds_ext config or its published ZeRO-1 config; no fp16 in
     the fp32 modes."""

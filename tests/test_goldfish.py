@@ -1,4 +1,4 @@
-"""Goldfish loss (issue 52; 000 §VIII-D, Hans et al. arXiv 2406.10209).
+"""Goldfish loss (000 §VIII-D, Hans et al. arXiv 2406.10209).
 
 The mask equals a hand-written, loop-by-loop reading of the rule that shares no code with
 ``ds_ext.goldfish.mask``; with ``k = 10**9`` (nothing dropped) the loss and gradients equal the

@@ -191,7 +191,7 @@ def _params(engine):
 def zero_topo_run(tmp, topology=TOPOLOGY):
     """Unquantized ZeRO-topo (fp32) equals plain DeepSpeed; a checkpoint round trip continues
     the same run; the default preset (bf16, int4 gradients) with per-parameter quantization
-    groups moves every parameter (issue 18 defect 2: packed int4 blocks leave a LayerNorm
+    groups moves every parameter (packed int4 blocks leave a LayerNorm
     unmoved, even at world size one)."""
     unquantized = {"weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}}
     ref = _train(_deepspeed(_gpt(), _base()), STEPS + 2)

@@ -1,4 +1,4 @@
-"""Hugging Face models under ZeRO-topo (issue 11, item 4): tiny ``GPTNeoXForCausalLM`` and
+"""Hugging Face models under ZeRO-topo (item 4): tiny ``GPTNeoXForCausalLM`` and
 ``LlamaForCausalLM`` (random init from configs, no download) train with ZeRO-topo (units
 found by the decoder-layer class) and the tiled optimizer; fp32, no clipping, 5 steps:
 the losses equal plain data parallelism (DeepSpeed stage 0) on the same data.

@@ -1,4 +1,4 @@
-"""``local_world.World`` notices a rank whose process dies (issue 24, item 8) instead of waiting
+"""``local_world.World`` notices a rank whose process dies (item 8) instead of waiting
 for its timeout."""
 
 import functools

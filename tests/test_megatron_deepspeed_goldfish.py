@@ -1,4 +1,4 @@
-"""Issue 52's Megatron-DeepSpeed acceptance: the real ``pretrain_gpt.py`` (unmodified) with
+"""The Megatron-DeepSpeed acceptance: the real ``pretrain_gpt.py`` (unmodified) with
 ``"goldfish": {"enabled": true, "k": 2, "h": 13}`` in its ds_config, on both of its paths.
 
 4 ranks, tensor parallelism 2 (ranks 0-1 and 2-3), dense GPT, fp32, DeepSpeed ZeRO-1 with the

@@ -1,4 +1,4 @@
-"""Issue 19's acceptance run: the real Megatron-DeepSpeed ``pretrain_gpt.py`` with TED.
+"""The acceptance run: the real Megatron-DeepSpeed ``pretrain_gpt.py`` with TED.
 
 4 ranks, tensor-parallel 2, expert-parallel 2, both expert modes (``--enable-expert-tensor-parallelism``
 and its default, experts whole), with and without Megatron's recompute, under
@@ -171,7 +171,7 @@ def test_pretrain_gpt_tp2_ep2_equals_off_and_serial_reference(request, tmp_path,
 
 @pytest.mark.parametrize("etp", [1, 0], ids=["experts-split", "experts-whole"])
 def test_zero_topo_beside_ted_equals_ted_with_deepspeed_zero1(etp):
-    """Issue 36: 8 ranks (tensor 2 x expert 2 x expert-data 2, global batch 4), experts split over
+    """8 ranks (tensor 2 x expert 2 x expert-data 2, global batch 4), experts split over
     the tensor group (``--enable-expert-tensor-parallelism``) or whole (the client's default): TED
     with ZeRO-topo unquantized (the dense part sharded over the data group, the experts over their
     expert-data group; whole experts over tensor x expert-data) prints the lm losses of TED with

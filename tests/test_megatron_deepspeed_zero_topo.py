@@ -1,4 +1,4 @@
-"""Issue 36's end-to-end acceptance: the real Megatron-DeepSpeed ``pretrain_gpt.py`` (unmodified,
+"""The end-to-end acceptance: the real Megatron-DeepSpeed ``pretrain_gpt.py`` (unmodified,
 ``--no-pipeline-parallel``) with ZeRO-topo under tensor parallelism 2.
 
 8 ranks emulating Frontier in miniature (2 nodes x 2 MI250X x 2 GCDs), TP 2 over each GCD pair, so
@@ -32,7 +32,7 @@ which the client imports), ``EXTRA`` (nltk, pybind11, an import-only torchvision
 NullTokenizer dataset); skipped otherwise. Six runs of 8 ranks, 7 to 9 minutes in all on 2 shared cores: not
 part of the quick suite's budget.
 
-Issue 49: ``-k fp16``, the pipeline form in fp16 against DeepSpeed ZeRO-1 fp16 with forced overflows
+``-k fp16``, the pipeline form in fp16 against DeepSpeed ZeRO-1 fp16 with forced overflows
 (three runs); ``-k recipe``, each of 004's Frontier recipes shrunk to 8 ranks by
 examples/frontier_recipe_cpu.sh (five runs, shared by recipes that shrink to the same job).
 """
@@ -179,7 +179,7 @@ def test_quantized_default_trains_within_the_seed_spread(runs):
         _check_ledger(o, floor=True)  # its step crosses the node in fp32: the floor of its padded shards
 
 
-# ---- issue 37: the client's default path (GPTModelPipe on DeepSpeed's PipelineEngine) ------------
+# ---- the client's default path (GPTModelPipe on DeepSpeed's PipelineEngine) ------------
 @pytest.mark.parametrize("pp,data", [(1, 4), (2, 2)])
 def test_pipeline_engine_pipeline_form_equals_zero1_sgd_every_parameter(runs, pp, data):
     """Without ``--no-pipeline-parallel`` (``PP=1``: TP 2 x PP 1 x DP 4; ``PP=2``: TP 2 x PP 2 x DP 2,
@@ -227,7 +227,7 @@ def _check_pipeline_ledger(dump: dict, pp: int, data: int) -> None:
         assert node == 2 * (dump["padded_bytes"] / 2) * (2 - 1) / 2 + 2 * 8 * (4 - 1) / 4
 
 
-# ---- issue 37: the tiled optimizer and PCCL on the client's pipeline path ----------------------
+# ---- the tiled optimizer and PCCL on the client's pipeline path ----------------------
 TILED = '"tiled_optimizer": {"enabled": true, "tile_size": 4096}'
 PCCL = '"pccl": {"enabled": true}'
 
@@ -265,7 +265,7 @@ def test_pipeline_engine_pccl_equals_native_collectives(runs, mode):
             torch.testing.assert_close(o["final"][name], p, rtol=1e-6, atol=1e-6, msg=name)
 
 
-# ---- issue 49: fp16 in the pipeline form, forced overflows ----------------------------------------
+# ---- fp16 in the pipeline form, forced overflows ----------------------------------------
 # DeepSpeed's dynamic loss scaler from 2^22: the tiny GPT's gradients overflow fp16 until the scale is
 # 2^18 (four skipped iterations), then after two good steps (window 2) it doubles and overflows again
 FORCED_OVERFLOWS = '"initial_scale_power": 22, "loss_scale_window": 2, "hysteresis": 1, "min_loss_scale": 1'
@@ -296,7 +296,7 @@ def test_pipeline_engine_fp16_skips_as_zero1_fp16(runs, mode):
         _check_pipeline_ledger(o, 2, 2)
 
 
-# ---- issue 49 item 4: 004's Frontier recipes shrunk to 8 CPU ranks --------------------------------
+# ---- 004's Frontier recipes shrunk to 8 CPU ranks --------------------------------
 RECIPES = sorted((REPO / "configs" / "frontier").glob("*.recipe"))
 
 

@@ -142,7 +142,7 @@ def test_parallel_dims_planner_and_grid_import_without_torch():
     assert run.returncode == 0, run.stderr[-2000:]
 
 
-# ---- the job's layout and the hierarchy a group sees (issue 36) -------------------------------
+# ---- the job's layout and the hierarchy a group sees -------------------------------
 def test_job_layout_from_megatron_degrees_and_the_data_group_hierarchy():
     """Megatron's order (tensor innermost, then data, then pipeline), written out by hand for 8 ranks
     at TP 2: the data groups hold one GCD of each MI250X, so they span gpu x node only."""

@@ -1,4 +1,4 @@
-"""Planner (issue 13), pure logic: the planner's memory and bytes per level are the plugins'
+"""Planner, pure logic: the planner's memory and bytes per level are the plugins'
 ledger-checked models (``ds_ext.zero_topo.perf``, ``ds_ext.perf.pmm``, ``ds_ext.perf.ted``) on the configurations the
 plugin tests measure; FLOPs, batch choice, step time, max model sizes, CLI and errors."""
 
@@ -456,7 +456,7 @@ def test_validation_rows_and_table():
 
 
 def test_validation_on_a_machine_the_papers_do_not_fit_is_one_line():
-    """``simulate --validate --memory-GB 0.01``: a PlanInputError naming the comparison (issue 39),
+    """``simulate --validate --memory-GB 0.01``: a PlanInputError naming the comparison,
     not an assertion or a RuntimeError."""
     from ds_ext.planner import validate
 
@@ -480,7 +480,7 @@ def test_compute_rate_is_000s_measured_step_and_the_machines():
 
 # The acceptance rows 004 Table V (±20 %) and 001 Fig 6.12 (±15 %), and whether each holds, as the
 # README states it: a row that leaves its band, starts holding or disappears fails here.
-# Between MI250X at 004 §III-A's 100 GB/s (issue 38): the 175B recipe's TP 4 all-reduces get faster and the row
+# Between MI250X at 004 §III-A's 100 GB/s: the 175B recipe's TP 4 all-reduces get faster and the row
 # leaves its band (+25 %; at 003 Table II's 50 GB/s it held at +19 %, the sensitivity row); so does 6.7B at 512 GCDs.
 TABLE_V_ROWS = {
     "gpt-175b Table V recipe": (False, 0.20, 0.30),
@@ -677,7 +677,7 @@ def test_ted_plan_for_an_moe_only_and_layout_constraints():
 
 
 def test_no_candidate_is_dropped_silently(capsys):
-    """Issue 23 deliver 3: every grid and preset is ranked or listed with its reason, in the
+    """Every grid and preset is ranked or listed with its reason, in the
     result, the table and the JSON."""
     from ds_ext.cli import main
     from ds_ext.planner import report
@@ -753,7 +753,7 @@ NO_TORCH_COMMANDS = (
 
 
 def test_planner_commands_import_no_torch_and_help_is_cheap():
-    """Issue 23 deliver 5: plan, simulate, tune (no --measure) and schema are arithmetic: a fresh
+    """Plan, simulate, tune (no --measure) and schema are arithmetic: a fresh
     interpreter runs them without importing torch; ``ds-ext plan --help`` costs under 0.5 s of CPU."""
     import os
     import resource
@@ -794,7 +794,7 @@ def test_builtin_config_sections_are_the_plugins_own():
 
 
 def test_simulate_honours_bandwidth_and_latency(tmp_path, capsys):
-    """Issue 23 deliver 3: simulate's machine flags reach the sweep (they were accepted and ignored);
+    """Simulate's machine flags reach the sweep (they were accepted and ignored);
     --validate refuses the sweep's flags it has no use for."""
     from ds_ext.cli import main
 
@@ -818,7 +818,7 @@ def test_simulate_honours_bandwidth_and_latency(tmp_path, capsys):
 
 
 def test_rccl_alpha_reproduces_001s_speedups_and_is_the_machines():
-    """Issue 23 deliver 1: α per inter-node ring step from 001 §6.3.1 (``planner.rccl``): with the
+    """Α per inter-node ring step from 001 §6.3.1 (``planner.rccl``): with the
     derived ring bandwidth B and α, the RCCL ring time over the PCCL time gives back every
     published speedup, at 2,048 GCDs and at 32; the Frontier preset charges their mean."""
     from ds_ext.planner import rccl
@@ -835,7 +835,7 @@ def test_rccl_alpha_reproduces_001s_speedups_and_is_the_machines():
 
 
 def test_deepspeed_gathers_per_submodule_two_collectives_when_quantized():
-    """Issue 23 deliver 1: DeepSpeed's ZeRO-3 fetches per submodule above the persistence
+    """DeepSpeed's ZeRO-3 fetches per submodule above the persistence
     threshold (4 per GPT-NeoX-20B block, its 2 tables), two all-gathers per quantized fetch;
     bytes are the per-block model's."""
     arch = models.lookup("gpt-neox-20b")
@@ -855,7 +855,7 @@ def test_deepspeed_gathers_per_submodule_two_collectives_when_quantized():
 
 
 def test_batch_default_is_stated_and_printed(capsys):
-    """Issue 23 deliver 1: GPT-NeoX-20B's default batch is 20B.yml's per-GPU keys (micro-batch 4 x 32
+    """GPT-NeoX-20B's default batch is 20B.yml's per-GPU keys (micro-batch 4 x 32
     accumulation steps) on every GCD, 49,152 sequences at 384 GCDs; every plan says where its batch
     comes from."""
     from ds_ext.cli import main
@@ -872,7 +872,7 @@ def test_batch_default_is_stated_and_printed(capsys):
 
 
 def test_tune_and_plan_pmm3d_are_one_ranker(tmp_path, capsys):
-    """Issue 23 deliver 4: ``ds-ext tune`` and ``ds-ext plan --families pmm3d`` answer the same
+    """``ds-ext tune`` and ``ds-ext plan --families pmm3d`` answer the same
     question with the same plans, batch and memory; --measure refuses the ranking flags."""
     from ds_ext.cli import main
     from ds_ext.planner import report
@@ -891,7 +891,7 @@ def test_tune_and_plan_pmm3d_are_one_ranker(tmp_path, capsys):
 
 
 def test_megatron_layouts_bubble_memory_and_the_published_recipe(capsys):
-    """Issue 23 deliver 2: TP x PP x DP with the 1F1B bubble (p - 1) / m, per-stage memory with and
+    """TP x PP x DP with the 1F1B bubble (p - 1) / m, per-stage memory with and
     without activation checkpointing, ZeRO-1 over DP; 004 Table V's recipe is always shown."""
     from ds_ext.cli import main
     from ds_ext.planner import megatron_plans as mp
@@ -928,7 +928,7 @@ def test_megatron_layouts_bubble_memory_and_the_published_recipe(capsys):
 
 
 def test_megatron_micro_batch_is_swept_and_20b_yml_layout_is_shown(capsys):
-    """Issue 38: 004 §IV (Fig 9) found the micro-batch the most impactful setting, so every Megatron
+    """004 §IV (Fig 9) found the micro-batch the most impactful setting, so every Megatron
     layout is planned at micro-batches 1, 2, 4, 8 (and the recipe's); GPT-NeoX 20B.yml's own layout
     (TP 2 x PP 4, micro-batch 4) is planned at 384 GCDs, not dropped, and shown as the published recipe.
     The recipe's 32 accumulation steps are pure data parallelism's and do not bind it (m = 1,024 / 4)."""
@@ -955,7 +955,7 @@ def test_megatron_micro_batch_is_swept_and_20b_yml_layout_is_shown(capsys):
 
 
 def test_hardware_figures_have_sources_and_the_machine_uses_them():
-    """Issue 38: every hardware figure the planner uses is in one table with its source; between MI250X
+    """Every hardware figure the planner uses is in one table with its source; between MI250X
     the planner uses 004 §III-A's 100 GB/s (003 Table II's 50 only in a sensitivity row)."""
     from ds_ext.planner import hardware, rccl, validate
 
@@ -972,7 +972,7 @@ def test_hardware_figures_have_sources_and_the_machine_uses_them():
 
 
 def test_plan_and_validate_share_the_batch_defaults():
-    """Issue 38: the batch each Table V row uses is what ``plan --model M --nodes N`` uses by default."""
+    """The batch each Table V row uses is what ``plan --model M --nodes N`` uses by default."""
     from ds_ext.planner import validate
 
     for model, nodes, batch, _ in validate.TABLE_V:
@@ -1039,7 +1039,7 @@ def test_pccl_costing_of_zero3_world_collectives():
 
 
 def test_nic_bytes_are_the_node_crossing_hops_of_each_ring():
-    """Issue 48: the planner's NIC column by the rings' structure, written apart from the link model.
+    """The planner's NIC column by the rings' structure, written apart from the link model.
     ZeRO-3's node-level collectives are rings over the world in rank order: of a node's P ranks only
     the last sends across the node, its whole volume, so the mean over the node is the volume / P.
     ZeRO-topo's node-level groups hold one rank of each node: every hop crosses, NIC = volume.
@@ -1057,7 +1057,7 @@ def test_nic_bytes_are_the_node_crossing_hops_of_each_ring():
     assert e is not None and e.nic_bytes is None
 
 
-# 004's Frontier recipes (configs/frontier/*.recipe): model, nodes, (TP, PP, DP) (issue 49 item 3)
+# 004's Frontier recipes (configs/frontier/*.recipe): model, nodes, (TP, PP, DP)
 FRONTIER_RECIPES = {
     "gpt_22b_004": ("gpt-22b", 8, (2, 2, 16)),
     "gpt_175b_004": ("gpt-175b", 128, (4, 16, 16)),

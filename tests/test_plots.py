@@ -1,4 +1,4 @@
-"""The PNGs (issue 24, item 7): one colour per meaning across the panels of ``plan_*.png``;
+"""The PNGs (item 7): one colour per meaning across the panels of ``plan_*.png``;
 ``bench_pmm.png`` grid labels written 4x1x1x2 and never overlapping; no module switches
 matplotlib's global backend."""
 

@@ -1,4 +1,4 @@
-"""The 3D-PMM config under configs/ trains with examples/train.py on 8 ranks (issue 20, item 9),
+"""The 3D-PMM config under configs/ trains with examples/train.py on 8 ranks (item 9),
 as ``launch/local_cpu.sh 8 CONFIG`` runs it: the script's own ``main`` with the launcher's
 command line and environment, in a world whose ranks start from the preloaded forkserver (the
 real ``deepspeed`` launcher starting examples/train.py is tests/test_activation.py's; 8 ranks

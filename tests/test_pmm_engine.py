@@ -37,7 +37,7 @@ def test_overlap_bit_identical_to_blocking(world):
 
 
 def test_prefetch_after_a_no_grad_forward_equals_serial(world):
-    # issue 20 defect 1: an evaluation pass before training recorded the order twice, and each
+    # an evaluation pass before training recorded the order twice, and each
     # step then used blocks.0.qkv gathered from the weights before the previous optimizer step
     for out in world.run(train_and_compare, "gpt", (2, 2, 2, 1), overlap=ALL_ON, no_grad_first=True):
         assert len(out["telemetry"]["recorded_order"]) == 11  # embed, pos, 8 layers, embed
@@ -88,7 +88,7 @@ def _uneven_lengths(tune):
 
 
 def test_matmul_tuning_with_uneven_sequence_lengths(world):
-    # issue 20 defect 4: a collective per new shape paired up differently on the two data groups
+    # a collective per new shape paired up differently on the two data groups
     tuned, plain = world.run(_uneven_lengths, True), world.run(_uneven_lengths, False)
     for (losses, modes), (want, _) in zip(tuned, plain):
         assert losses == pytest.approx(want, rel=1e-5)
@@ -114,7 +114,7 @@ def _train_steps(engine, family, steps):
 
 def _checkpoint_continuation(tmp):
     """Save on (2,2,2,1) before training and after 2 of 5 steps; continue on (1,2,4,1) and
-    (1,1,1,8); consolidate the first checkpoint (issue 20 defect 3, acceptance)."""
+    (1,1,1,8); consolidate the first checkpoint (acceptance)."""
     import os
 
     import torch
@@ -271,7 +271,7 @@ def _ledger_vs_model(grid, accum=1, bf16=True, overlap=None, tables=None):
 
 
 def test_replicated_tables_send_what_megatron_tp8_sends(world):
-    # issue 38 item 4: on (8,1,1,1) pmm3d sent 37.18 MB per rank and step where megatron-core TP8
+    # on (8,1,1,1) pmm3d sent 37.18 MB per rank and step where megatron-core TP8
     # sends 29.36 MB: its vocabulary-parallel tables add the token and position lookups' and the
     # head's input-gradient all-reduces over X (and the loss's). Tables replicated over X (the
     # anchor's placement) send exactly Megatron's activation all-reduces, in the ledger and the model.
@@ -317,7 +317,7 @@ def test_ledger_equals_model_per_layer_and_level(world, grid, accum, bf16, overl
         assert measured == model  # exact: {"forward/<layer>": {level: bytes}, ..., "backward": {...}}
         assert_links_equal(*links)  # each byte at the level of the link it crosses (ds_ext.comm.hops)
         if grid[2] > 1 and grid[3] == 1:  # Z's level carries no other backward all-reduce
-            # issue 20 point 8: 8 biases + 10 norm vectors in ONE all-reduce per micro-step (was 18)
+            # 8 biases + 10 norm vectors in ONE all-reduce per micro-step (was 18)
             assert calls == model_calls == accum, (calls, model_calls)
 
 
@@ -378,7 +378,7 @@ def _trainer_step_gradients(grid):
     """Gradients after one Hugging Face Trainer step of 2 accumulated micro-batches: Trainer's
     own get_batch_samples counts the step's label tokens (num_items_in_batch) and its
     training_step passes them to the model; the serial Llama, through the same Trainer, is
-    the reference (issue 20 defect 5)."""
+    the reference."""
     import tempfile
 
     import torch
@@ -533,7 +533,7 @@ def test_auto_grid_is_the_models_first_choice(world):
         assert chosen == expected
 
 
-# ---- vocabulary-parallel tables (issue 20 point 6) against a serial reference written apart -----
+# ---- vocabulary-parallel tables against a serial reference written apart -----
 VOCAB_GRIDS = [(2, 2, 2, 1), (8, 1, 1, 1), (1, 2, 4, 1), (2, 1, 4, 1), (1, 8, 1, 1), (2, 1, 1, 4)]
 
 

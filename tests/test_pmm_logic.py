@@ -57,7 +57,7 @@ def test_config_section_rejects_unknown_keys_and_bad_degrees():
 
 
 def test_defaults_overlap_the_backward_all_reduce_and_keep_vocab_parallel_tables():
-    # issue 38 item 4: megatron-core overlaps its column-parallel dL/dI all-reduce with the
+    # megatron-core overlaps its column-parallel dL/dI all-reduce with the
     # weight-gradient matmul, and AxoNN's optimize_communication has OAR on by default; pmm3d
     # (8,1,1,1) ran it blocking unless asked. ORS / OAG stay opt-in; tables stay vocab-parallel.
     from ds_ext.config import parse
@@ -225,7 +225,7 @@ def test_ranking_filters_by_divisibility_and_memory():
 
 @pytest.mark.parametrize("kind", ["llama", "neox"])
 def test_tied_hugging_face_head_stays_tied(kind):
-    # issue 20 defect 2: lm_head comes before the embedding in named_modules() order
+    # lm_head comes before the embedding in named_modules() order
     from pmm_helpers import MODELS
 
     model = MODELS[f"{kind}_tied"]()
@@ -257,7 +257,7 @@ def test_checkpoint_full_tensor_inverts_every_ranks_shard(transposed, chunks):
     assert torch.equal(full_tensor({"kind": "linear_bias", **rec}, grid, biases), b)
 
 
-# ---- OAG prefetch (001 §5.1.4; issue 20 defect 1) -----------------------------------------
+# ---- OAG prefetch (001 §5.1.4) -----------------------------------------
 def _oag_gpt():
     from ds_ext.pmm.config import OverlapConfig
 
@@ -368,7 +368,7 @@ def test_cli_detect_shows_the_level_each_axis_spans(capsys):
 
 
 def test_cli_tune_prints_and_writes_the_top_k(tmp_path, capsys):
-    """``ds-ext tune`` is the planner's 3D-PMM family (issue 23): per-rank α-β per level by default,
+    """``ds-ext tune`` is the planner's 3D-PMM family: per-rank α-β per level by default,
     Eq 5.7 with ``--links shared``, no α with ``--no-latency``; the planner's batch and memory."""
     import json
 
@@ -474,7 +474,7 @@ def test_bench_pmm_checks_rank_with_the_emulated_machines_model():
     out = checks(records)
     assert out["ranking_model"] == RANKING_MODEL and out["fastest_measured_grid"] == [4, 1, 1, 2]
     assert out[f"spearman[{RANKING_MODEL}]"] == pytest.approx(1.0)  # same order as measured
-    # issue 38: the baseline ranking by inter-node bytes alone, from the same records
+    # the baseline ranking by inter-node bytes alone, from the same records
     assert out["spearman[inter_node_bytes]"] == pytest.approx(0.8)  # bytes rank 2,1,4,3; measured 3,1,4,2
     assert out["model_ranks_better_than_bytes_only"] is True
     assert out[f"model_first_choice_measured_rank[{RANKING_MODEL}]"] == 1.0 and out["ranking_holds"] is True
@@ -485,7 +485,7 @@ def test_bench_pmm_checks_rank_with_the_emulated_machines_model():
     assert out[f"model_first_choice_measured_rank[{RANKING_MODEL}]"] == 3.0
     assert out[f"spearman[{RANKING_MODEL}]"] == pytest.approx(-0.4) and out["ranking_holds"] is False
     assert out["model_ranks_better_than_bytes_only"] is False
-    # issue 38 item 4: every pmm3d variant on megatron's grid over megatron-core TP8's step
+    # every pmm3d variant on megatron's grid over megatron-core TP8's step
     records += [
         {**rec((8, 1, 1, 1), 2.1, 1, 1, 7e6), "variant": "pmm3d+vocab_parallel"},
         {"variant": "megatron_tp8", "grid": [8, 1, 1, 1], "step_time_emulated_s": 2.0},
@@ -495,7 +495,7 @@ def test_bench_pmm_checks_rank_with_the_emulated_machines_model():
     assert out["best_pmm3d_over_megatron_tp8_emulated"] == pytest.approx(0.5)
 
 
-# ---- examples/train.py chooses the model and the optimizer from the config (issue 20, 9) -----
+# ---- examples/train.py chooses the model and the optimizer from the config -----
 def test_example_model_and_optimizer_follow_the_config():
     import importlib.util
     import json
@@ -520,7 +520,7 @@ def test_example_model_and_optimizer_follow_the_config():
 
 @pytest.mark.parametrize("family", ["llama3-8b", "neox-20b"])
 def test_real_size_tables_shard_over_the_tensor_grid(family):
-    """Issue 20 point 6: per-rank parameters of Llama-3-8B and NeoX-20B on (8,1,8,1), read by
+    """Per-rank parameters of Llama-3-8B and NeoX-20B on (8,1,8,1), read by
     ds_ext.perf.pmm from meta-device models, within 1.1x of serial / (G_x G_y G_z) + the
     Z-replicated vectors (biases, norms); the serial count is the built model's own."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM

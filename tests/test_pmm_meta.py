@@ -1,4 +1,4 @@
-"""No full model per rank (issue 20 point 7): build on the meta device, materialise the shards.
+"""No full model per rank: build on the meta device, materialise the shards.
 
 Converting a model needs no collective, so 2 gloo ranks play the 8 ranks of each grid (rank
 r takes the coordinates of grid ranks r, r + 2, r + 4, r + 6):

@@ -36,7 +36,7 @@ def test_hf_parity(world, family, grid):
 
 @pytest.mark.parametrize("family,grid", [("gpt_meta", (2, 2, 2, 1)), ("llama_tied_meta", (1, 2, 4, 1))])
 def test_built_on_meta_parity(world, family, grid):
-    # issue 20 point 7: ds_ext.initialize materialises only this rank's shards of a model built
+    # ds_ext.initialize materialises only this rank's shards of a model built
     # by ds_ext.pmm.build_on_meta (tests/test_pmm_meta.py: bit for bit the serial init's slices)
     world.run(parity, family, grid)
 
@@ -47,7 +47,7 @@ def test_built_on_meta_parity(world, family, grid):
     ids=str,
 )
 def test_tables_replicated_over_x_parity(world, family, grid, kw):
-    # issue 38 item 4: ds_ext.pmm3d.tables "replicated" (tables and LM head whole on every X rank,
+    # ds_ext.pmm3d.tables "replicated" (tables and LM head whole on every X rank,
     # as megatron-core TP8's anchor keeps them). Stage 0: every gradient and ds_ext's norm;
     # ZeRO-1 with clipping: DeepSpeed's norm counts the X-replicated table once; llama: the
     # untied head and Hugging Face's loss

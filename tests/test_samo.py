@@ -1,4 +1,4 @@
-"""SAMO (issue 53; 001 ch. 4): compressed model states of a pruned model, compressed all-reduce.
+"""SAMO (001 ch. 4): compressed model states of a pruned model, compressed all-reduce.
 
 Reference everywhere: masked dense training written here with plain torch, sharing no code with
 ``ds_ext.samo``: the same 4-layer MLP pruned by ``torch.nn.utils.prune`` (weight = weight_orig *

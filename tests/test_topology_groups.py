@@ -164,8 +164,8 @@ def test_slurm_rank_variables_for_srun_tasks():
 
 
 def test_ledger_level_is_computed_once_per_group(monkeypatch):
-    """The ledger's hot path: a group's level is found once, not per collective (issue 8
-    point 10; ``ds-ext bench ledger`` times it for 9,408 ranks)."""
+    """The ledger's hot path: a group's level is found once, not per collective
+    (``ds-ext bench ledger`` times it for 9,408 ranks)."""
     from ds_ext.comm.collectives import Communicator
     from ds_ext.groups import GroupRegistry
 

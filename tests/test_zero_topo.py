@@ -405,7 +405,7 @@ def _int8_boundary(accum):
 
 @pytest.mark.parametrize("accum", [1, 2])
 def test_int8_step_boundary_replicas_identical_and_below_the_16_bit_floor(world, accum):
-    """Below the 16-bit floor (issue 12): across nodes the boundary carries int8 blocks; every
+    """Below the 16-bit floor: across nodes the boundary carries int8 blocks; every
     rank, owners included, continues from the dequantized weights, so all replicas of a
     weight shard are bit-identical, while the fp32 masters keep what the optimizer computed.
     With and without accumulation (micro-batches carry nothing across nodes:

@@ -1,4 +1,4 @@
-"""Asynchronous checkpoint save (issue 50, deliverable 1; ``zero_topo.async_save``).
+"""Asynchronous checkpoint save (deliverable 1; ``zero_topo.async_save``).
 
 The reference is the synchronous save of the same run, loaded back: an asynchronous save (its
 writer held back while training runs on, so the snapshot must not see later steps) loads into

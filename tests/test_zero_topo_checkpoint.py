@@ -1,4 +1,4 @@
-"""ZeRO-topo checkpoints (issue 8, points 5-8): self-describing shards, atomic saves,
+"""ZeRO-topo checkpoints (points 5-8): self-describing shards, atomic saves,
 refusal of bad checkpoints on every rank, resharding to another plan / world size /
 topology, consolidation to one fp32 state dict, inspection, partial loads.
 

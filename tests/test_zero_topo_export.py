@@ -1,4 +1,4 @@
-"""ZeRO-topo checkpoints exported to the tools users leave for (issue 50, item 3):
+"""ZeRO-topo checkpoints exported to the tools users leave for (item 3):
 ``ds-ext checkpoint export --format safetensors | dcp``.
 
 4 gloo ranks (2 nodes x 1 GPU x 2 GCDs) train a tiny Hugging Face model under ZeRO-topo and

@@ -1,4 +1,4 @@
-"""Faults (issue 8, point 9): a rank killed with SIGKILL mid-step ends the job on every
+"""Faults (point 9): a rank killed with SIGKILL mid-step ends the job on every
 other rank with an error naming ``ds_ext.comm.timeout_s``, within the timeout plus a
 margin, and a restart from the last checkpoint reproduces the uninterrupted run's losses
 bit for bit (deterministic CPU run, ZeRO-topo's default quantized preset with the tiled
@@ -242,7 +242,7 @@ def test_kill_9_ends_every_rank_with_a_timeout_error_and_restart_reproduces_the_
 
 
 def test_ranks_that_run_different_units_fail_in_one_line_naming_them(tmp_path):
-    """Issue 18 defect 6: rank 0 skips block 1 in one forward (a branch the others do not take).
+    """Rank 0 skips block 1 in one forward (a branch the others do not take).
     Without the check every rank waits ``comm.timeout_s`` and reports a dead peer; with it, the
     ranks fail well before that, naming the units they disagree on."""
     tmp = str(tmp_path)

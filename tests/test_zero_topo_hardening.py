@@ -1,4 +1,4 @@
-"""ZeRO-topo hardening (issue 8, defects 1-4): fp16 overflow on the default quantized
+"""ZeRO-topo hardening (defects 1-4): fp16 overflow on the default quantized
 preset, released parameters and ``gathered_parameters``, refused combinations, and
 exact parity tests that would see a wrong gradient scale.
 
@@ -212,7 +212,7 @@ def test_released_parameters_and_gathered_parameters(world, tmp_path):
     for r in outs:
         assert r["fp16"] is False and r["bf16"] is True
         assert r["released_shapes"] == {(0,)} and set(r["released_norms"]) == {0.0}
-        assert r["state_dict_outside"] == r["full_shapes"]  # state_dict() gathers (issue 18 defect 3)
+        assert r["state_dict_outside"] == r["full_shapes"]  # state_dict() gathers
         assert "called while the parameters of unit 'blocks.0' are released" in r["leaf_error"]
         assert r["unit_call"] == r["unit_call_inside"]
         assert r["state_dict_kept"] and r["full_shapes"]["blocks.0.fc1.weight"] == (256, 64)
@@ -563,7 +563,7 @@ def test_gradient_clipping_default_is_deepspeeds():
         assert plugin.clip == clip and handed["gradient_clipping"] == 0.0
 
 
-# ---- issue 18, defect 2: quantization never leaves a parameter untrained ----------------------
+# ---- quantization never leaves a parameter untrained ----------------------
 QUANTIZED_PRESETS = ["zero_topo", "zero_topo_paper", "zeropp", "zero_topo_int8"]
 # The demo GPT's units reach COMPILE_MIN_NUMEL, where the default quantizer would compile its
 # kernels (~5 s of CPU per rank, a fresh world's first use): the eager kernels give the same

@@ -1,4 +1,4 @@
-"""ZeRO-topo inside real layouts (issue 36): over the data-parallel group of Megatron tensor
+"""ZeRO-topo inside real layouts: over the data-parallel group of Megatron tensor
 parallelism, with the job's layout read once from the caller's mpu.
 
 8 gloo ranks as Frontier in miniature (2 nodes x 2 MI250X x 2 GCDs). The model is the real

@@ -1,4 +1,4 @@
-"""Optimizer offload (issue 49 deliverable 2; 001 §3.3.2; ``ds_ext.optim.offload``) on 4 gloo ranks.
+"""Optimizer offload (001 §3.3.2; ``ds_ext.optim.offload``) on 4 gloo ranks.
 
 Reference everywhere: the same run without offload, the step on the device (ZeRO-topo's untiled
 step around torch's AdamW, or its tiled step with ``ds_ext.tiled_optimizer``). Offload must give the

@@ -1,4 +1,4 @@
-"""ZeRO-topo's pipeline form inside DeepSpeed's PipelineEngine (issue 37; ``ds_ext.zero_topo.pipeline``).
+"""ZeRO-topo's pipeline form inside DeepSpeed's PipelineEngine (``ds_ext.zero_topo.pipeline``).
 
 8 gloo ranks as Frontier in miniature (2 nodes x 2 MI250X x 2 GCDs). The model is a
 ``deepspeed.pipe.PipelineModule`` with tied embedding / LM head (``TiedLayerSpec``), trained with

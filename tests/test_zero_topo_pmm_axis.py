@@ -1,4 +1,4 @@
-"""ZeRO-topo over the data axis of 3D-PMM (000 §V-B, issue 36) on 8 gloo ranks as Frontier in
+"""ZeRO-topo over the data axis of 3D-PMM (000 §V-B) on 8 gloo ranks as Frontier in
 miniature (2 nodes x 2 MI250X x 2 GCDs), grid (2, 1, 2, 2): the data axis pairs the two nodes.
 
 The reference is 3D-PMM with DeepSpeed's own ZeRO-1 under 3D-PMM's mpu, in the same dtype (shares no

@@ -1,4 +1,4 @@
-"""ZeRO-topo where other code meets it (issue 18): the Hugging Face documented ZeRO template
+"""ZeRO-topo where other code meets it: the Hugging Face documented ZeRO template
 under the Trainer, state dicts that hold the weights, loading where nothing was saved, what
 the engine reports, and checkpoints whose shards come from different saves.
 

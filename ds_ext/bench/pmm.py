@@ -431,7 +431,7 @@ def _rank_of(values: list[float]) -> list[float]:
 def checks(
     records: list[dict[str, Any]], time_key: str = "step_time_emulated_s", ranking_model: str = RANKING_MODEL
 ) -> dict[str, Any]:
-    """The acceptance numbers of issue 10 (issue 21 with ``--network netns``: ``time_key``
+    """The acceptance numbers (with ``--network netns``: ``time_key``
     "step_time_s", ``ranking_model`` the model fed the measured network), from the records."""
     require_extra("scipy", "the grid ranking's Spearman coefficients")
     from scipy.stats import spearmanr
@@ -450,8 +450,8 @@ def checks(
         out[f"model_first_choice[{key}]"] = grids[first]["grid"]
         out[f"model_first_choice_measured_rank[{key}]"] = float(_rank_of(measured)[first])
     rho, rank = out[f"spearman[{ranking_model}]"], out[f"model_first_choice_measured_rank[{ranking_model}]"]
-    out["ranking_holds"] = rho >= 0.6 and rank <= 3  # issue 10: Spearman >= 0.6, first choice in the 3 fastest
-    # issue 38: the model must rank the grids better than their inter-node bytes alone
+    out["ranking_holds"] = rho >= 0.6 and rank <= 3  # Spearman >= 0.6, first choice in the 3 fastest
+    # the model must rank the grids better than their inter-node bytes alone
     out["model_ranks_better_than_bytes_only"] = rho > out[f"spearman[{BYTES_ONLY}]"]
     by_grid = {tuple(r["grid"]): r for r in grids}
     suffix = "emulated" if time_key == "step_time_emulated_s" else "network"
@@ -466,7 +466,7 @@ def checks(
             out[f"{r['variant']}_over_best_pmm3d_{suffix}"] = r[time_key] / best[time_key]
     out["fastest_measured_grid"] = best["grid"]
     megatron = next((r for r in records if r["variant"] == "megatron_tp8"), None)
-    if megatron is not None:  # issue 38 item 4: pmm3d (8,1,1,1) at most 1.05x megatron-core TP8's step
+    if megatron is not None:  # pmm3d (8,1,1,1) at most 1.05x megatron-core TP8's step
         for r in records:
             if r["variant"].startswith("pmm3d") and r["grid"] == megatron["grid"]:
                 out[f"{r['variant']}_x8y1z1d1_over_megatron_tp8_{suffix}"] = r[time_key] / megatron[time_key]

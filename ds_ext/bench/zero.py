@@ -27,7 +27,7 @@ analytic model adds Megatron's 4 activation all-reduces per block and micro-batc
 ``deepspeed_zero1`` is DeepSpeed's ZeRO-1 under the same mpu; ``deepspeed_zeropp`` runs without
 hpZ (see :data:`HPZ_UNDER_TP`).
 
-``--pipeline-parallel 2`` (issue 37): the GPT as a ``deepspeed.pipe.PipelineModule``
+``--pipeline-parallel 2``: the GPT as a ``deepspeed.pipe.PipelineModule``
 (:func:`ds_ext.models.gpt_pipe.gpt_pipeline`: embedding tied to the LM head, 2 stages x data 4, each
 stage on one node as DeepSpeed's pipe-outermost rank order puts it) trained by DeepSpeed's
 PipelineEngine with ``train_batch`` (1F1B over GA micro-batches): ``deepspeed_zero1`` (DeepSpeed's
@@ -89,7 +89,7 @@ HPZ_UNDER_TP = (
     "(utils/groups.py _create_zero_param_parallel_group ignores the mpu), so under tensor "
     "parallelism it would all-gather secondary shards of different tensor ranks' parameters"
 )
-# the fair baseline (issue 48): DeepSpeed's and torch's reduce-scatters on gloo send each chunk to its
+# the fair baseline: DeepSpeed's and torch's reduce-scatters on gloo send each chunk to its
 # owner as ds_ext's own do, not gloo's all-reduce of the whole input (ds_ext.comm.instrument)
 FAIR_GLOO_REDUCE_SCATTER = "all_to_all"
 # DeepSpeed's counterpart of a ds_ext preset, for the "same inter-node bytes" check
@@ -752,7 +752,7 @@ def merge_rounds(per_round: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The acceptance numbers of issue 3, computed from the records."""
+    """The acceptance numbers, computed from the records."""
     by = {(r["variant"], r["grad_accum"]): r for r in records}
     out: dict[str, Any] = {
         "model_vs_measured_max_rel_err": {},
@@ -828,7 +828,7 @@ def checks(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-GOAL_RATIO, GOAL_LOWER_BOUND = 1.3, 1.2  # issue 48 item 5: ratio of medians, lower 95 % bound
+GOAL_RATIO, GOAL_LOWER_BOUND = 1.3, 1.2  # ratio of medians, lower 95 % bound
 
 
 def _by_round(record: dict[str, Any], steps: list[float]) -> list[list[float]]:
@@ -853,7 +853,7 @@ def nic_bytes(record: dict[str, Any]) -> float | None:
 
 
 def goal(checked: dict[str, Any]) -> dict[str, Any]:
-    """Issue 48 item 5 from the checks: each ZeRO-topo preset's ratio over ds_ext ``zeropp`` and
+    """The goal from the checks: each ZeRO-topo preset's ratio over ds_ext ``zeropp`` and
     DeepSpeed ZeRO++ (fair: without its CPU quantizer's seconds) at least :data:`GOAL_RATIO` with
     the lower bound above :data:`GOAL_LOWER_BOUND`, and NIC bytes at most ``zeropp``'s."""
     out: dict[str, Any] = {}
@@ -874,7 +874,7 @@ def goal(checked: dict[str, Any]) -> dict[str, Any]:
 
 
 def pipeline_checks(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Issue 37's numbers on the PipelineEngine: the ``step`` phase against the analytic model and
+    """The numbers on the PipelineEngine: the ``step`` phase against the analytic model and
     DeepSpeed's tied-weight all-reduce against its own count (largest error over all ranks), and each
     variant's step-phase bytes at the data-parallel group's outermost level against its floor there
     (per stage: the first rank of each)."""

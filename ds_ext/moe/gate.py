@@ -19,7 +19,7 @@ T = G_tensor, f the capacity factor (``eval_capacity_factor`` in evaluation).
   :func:`drop_capacity`), at least ``min_capacity``; ``drop_tokens=False`` (dropless): the
   largest expert count. Either way the value is agreed by a MAX all-reduce over the expert
   group (the all-to-all needs one C on every rank: ranks with different token counts would
-  otherwise hang, as DeepSpeed's dropless path did in issue #6809) and the dispatch buffer is
+  otherwise hang, as DeepSpeed's dropless path did in deepspeedai/DeepSpeed#6809) and the dispatch buffer is
   padded to a multiple of T (DTD splits it over the tensor group; padded slots stay empty);
 * combine weight of a route: its gate (k >= 2: normalised over the token's kept routes);
 * l_aux = E sum_e mean_s(gates) mean_s(first choice) (k = 2: E^2 mean_e(...); k >= 3:

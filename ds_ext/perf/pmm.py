@@ -35,7 +35,7 @@ exactly as the engine issues them: norm statistics all-reduced over Y (forward a
 backward, fp32), the vocabulary-parallel cross-entropy over X (row maximum, then target
 logit and sum of exponentials: m / G_z and 2 m / G_z fp32 values), the gradients of the
 parameters replicated over Z (layer biases, n/G_out each, and norm vectors, d/G_y each)
-summed over Z in ONE bucketed all-reduce per micro-step (issue 20 point 8), the loss
+summed over Z in ONE bucketed all-reduce per micro-step, the loss
 averaged over Z, and DeepSpeed's data-parallel all-reduce of every local gradient (Eq 5.5
 for the layers).
 

@@ -1,4 +1,4 @@
-"""Planner and simulator (issues 13, 23): pick a plan for a model on a machine, predict at scale.
+"""Planner and simulator: pick a plan for a model on a machine, predict at scale.
 
 ``models`` (catalogue), ``machine`` (presets with sourced constants), ``rccl`` (Frontier's RCCL
 latency per ring step, derived from 001 §6.3.1), ``estimate`` (memory, bytes per level, α-β step

@@ -1,6 +1,6 @@
 """Arguments and entry points of ``ds-ext plan`` and ``ds-ext simulate`` (heavy imports deferred).
 
-No flag is ignored and no bad value reaches the arithmetic (issue 23): every number is checked
+No flag is ignored and no bad value reaches the arithmetic: every number is checked
 here, before anything runs, and refused in one line that names the flag (:class:`ArgumentError`);
 ``simulate --validate`` refuses the sweep's own flags, which it would not use.
 """
@@ -266,8 +266,7 @@ TUNE_RANKING = ("model", "global_batch", "grad_accum", "memory_GB", "database", 
 
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
-    """``ds-ext tune``: the planner's 3D-PMM family for one model on ``--world`` ranks (issue 23
-    deliver 4: one ranker, one definition of memory and batch with ``plan --families pmm3d``)."""
+    """``ds-ext tune``: the planner's 3D-PMM family for one model on ``--world`` ranks (one ranker, one definition of memory and batch with ``plan --families pmm3d``)."""
     p.add_argument("--model", default=None, help="a catalogue model (default gpt-20b, 001 Table 5.1)")
     p.add_argument("--world", type=int, required=True, help="ranks (GPUs / GCDs); a multiple of the ranks per node")
     p.add_argument("--machine", default="frontier", help="machine preset (default frontier)")

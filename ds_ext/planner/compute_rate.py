@@ -1,4 +1,4 @@
-"""Frontier's compute rate for a training step, derived from 000's measured compute time (issue 23).
+"""Frontier's compute rate for a training step, derived from 000's measured compute time.
 
 The planner's step time is ``compute + communication`` (``ds_ext.planner.estimate``), so the
 compute term wants the rate at which a GCD runs a whole step's computation. That covers the

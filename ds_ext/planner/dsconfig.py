@@ -8,7 +8,7 @@ checkpointing is on when the ds_config has DeepSpeed's ``activation_checkpointin
 Megatron-DeepSpeed's and GPT-NeoX's ``--checkpoint-activations`` runs configure), off without it. An enabled
 ``zero_topo`` section, or ``pmm3d`` with an explicit grid, becomes one more candidate, named ``configured <plan>``;
 a ``zero_topo`` section with ``form: pipeline`` (004's Frontier recipes, ``configs/frontier/*_zero_topo.json``)
-is planned on the model's Megatron recipe layout, ZeRO-topo's pipeline form in place of ZeRO-1 (issue 49).
+is planned on the model's Megatron recipe layout, ZeRO-topo's pipeline form in place of ZeRO-1.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ messages_L what one rank sends over level L per optimizer step by the plan's own
 each collective at the outermost level its group spans. That is the convention of a ring's time:
 every hop of a ring carries the same bytes at once, so the ring waits on its slowest hop, the
 outermost link it crosses, whatever share of its hops cross it. What the NICs carry is another
-figure (issue 48): ``nic_bytes``, the link bytes (``ds_ext.comm.hops``: each byte at the level of the
+figure: ``nic_bytes``, the link bytes (``ds_ext.comm.hops``: each byte at the level of the
 link it crosses) leaving a node per rank, for the plans whose model books links (ZeRO-topo's presets).
 Communication is not overlapped with compute: 003's ratios between ZeRO-3, ZeRO++ and
 ZeRO-topo show that it was not hidden on Frontier, and it is the bound ds_ext's engines reach
@@ -141,7 +141,7 @@ def divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Dropped:
-    """A plan the planner considered and does not rank, with the reason (issue 23: no silent drops)."""
+    """A plan the planner considered and does not rank, with the reason (no silent drops)."""
 
     family: str
     name: str

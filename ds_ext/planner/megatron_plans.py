@@ -28,7 +28,7 @@ share of F (Narayanan et al.'s formula, ``perf.compute.step_flops``) that the me
   the 16-bit gradients and an all-gather of the updated weights of the rank's parameters.
 
 With ``zero_topo`` (a ``ds_ext.zero_topo`` section: ZeRO-topo's pipeline form in place of ZeRO-1,
-``ds_ext.zero_topo.pipeline``, issue 49) t_DP is instead ZeRO-topo's step over the data-parallel group
+``ds_ext.zero_topo.pipeline``) t_DP is instead ZeRO-topo's step over the data-parallel group
 of rank 0 (its members' hierarchy, ``Topology.of_group``; the plan resolved there, then
 ``ShardingPlan.pipeline_form``): the larger end stage's parameters as one whole-mode unit,
 ``zero_topo.perf.traffic(..., pipeline=True)``, the model the ledger tests hold the engine to; its

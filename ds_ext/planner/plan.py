@@ -6,7 +6,7 @@ an MoE; plus the plan a ds_config selects
 (``dsconfig``). Each
 candidate is evaluated at the fewest micro-steps whose memory fits
 (:func:`ds_ext.planner.estimate.evaluate`); the fitting ones are ranked by predicted step
-time, the best and the runner-up first. Nothing is dropped silently (issue 23): every candidate
+time, the best and the runner-up first. Nothing is dropped silently: every candidate
 a family does not build (divisibility, model states over the device) and every one whose batch
 cannot be split is in :attr:`PlanResult.dropped` with its reason; when no plan fits,
 :func:`what_would_fit` finds the fewest nodes, or the smaller batch, at which one does.

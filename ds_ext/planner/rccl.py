@@ -1,4 +1,4 @@
-"""Frontier's RCCL inter-node latency per ring step, derived from 001 §6.3.1 (issue 23).
+"""Frontier's RCCL inter-node latency per ring step, derived from 001 §6.3.1.
 
 Nothing here is fitted to the results the planner is validated against (003's TFLOPS ratios):
 the inputs are 001's published PCCL-over-RCCL speedups and the machine's bandwidths.

@@ -1,4 +1,4 @@
-"""A full serial state dict on disk, read one tensor at a time (issue 20 point 7).
+"""A full serial state dict on disk, read one tensor at a time.
 
 :func:`ds_ext.pmm.build_on_meta` with ``checkpoint=`` binds each meta parameter to its tensor
 here (:func:`bind`); :func:`ds_ext.pmm.parallelize` reads it while converting the parameter's

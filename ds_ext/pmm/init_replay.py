@@ -1,6 +1,6 @@
 """Record a model's initialisation on the meta device; replay it one parameter at a time.
 
-Issue 20 point 7 (001 ch. 5, 000 §V: 4D parallelism exists so that no rank holds the whole
+Building without the serial model in full (001 ch. 5, 000 §V: 4D parallelism exists so that no rank holds the whole
 model). While a model is built under :class:`InitRecorder` (:func:`ds_ext.pmm.meta.build_on_meta`):
 
 * every parameter moves to the meta device when it is registered (``nn.Module.register_parameter``);

@@ -1,6 +1,6 @@
 """No full model per rank: build on the meta device, materialise only this rank's shards.
 
-Issue 20 point 7. AxoNN's 4D hybrid parallelism (001 ch. 5, 000 §V) stores each layer as
+AxoNN's 4D hybrid parallelism (001 ch. 5, 000 §V) stores each layer as
 serial / (G_x G_y G_z) per rank; slicing a serial model built in full on every rank would
 need the whole model in every rank's memory first (a 70B fine-tune could not start).
 

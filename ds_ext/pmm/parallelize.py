@@ -17,7 +17,7 @@
   share, so the loss stays the sum over the step's items / that count). Logits hold this
   rank's Z share of the rows and its X block of the vocabulary.
 
-No full model per rank (issue 20 point 7): ``model`` may come from
+No full model per rank: ``model`` may come from
 :func:`ds_ext.pmm.build_on_meta` (parameters on the meta device, each with its recorded
 initialisation or checkpoint tensor); then each module's full serial parameters are
 materialised while it is converted and dropped once its shards are cut, so a rank holds its

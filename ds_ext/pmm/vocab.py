@@ -1,4 +1,4 @@
-"""Vocabulary-parallel embedding tables and cross-entropy for 3D-PMM (issue 20, point 6).
+"""Vocabulary-parallel embedding tables and cross-entropy for 3D-PMM (point 6).
 
 The table of an embedding (and of the LM head, tied to it or not) is laid out like the
 weight of a *normal* :class:`~ds_ext.pmm.linear.Linear` with n = V rows (vocabulary) and

@@ -1,4 +1,4 @@
-"""Ranks agree on the units of a step (issue 18 defect 6).
+"""Ranks agree on the units of a step.
 
 ZeRO-topo issues one gather per unit a rank runs and one reduction per unit it trained
 (003 §V-A). A rank that takes a branch the others do not (a module called on some ranks

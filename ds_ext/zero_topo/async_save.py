@@ -1,4 +1,4 @@
-"""The background writer of ``zero_topo.async_save`` (issue 50, deliverable 1).
+"""The background writer of ``zero_topo.async_save`` (deliverable 1).
 
 ``save_checkpoint`` takes the save's collectives that need the training ranks in step on the
 main thread (preparing the staging directory, DeepSpeed's own barriers and tag check, the save

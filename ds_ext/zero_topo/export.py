@@ -1,4 +1,4 @@
-"""Portable exports of a ZeRO-topo checkpoint (issue 50, item 3): what a user takes to the tools
+"""Portable exports of a ZeRO-topo checkpoint (item 3): what a user takes to the tools
 they leave for.
 
 * :func:`export_safetensors`: Hugging Face safetensors, sharded (``model-0000i-of-0000n.safetensors``

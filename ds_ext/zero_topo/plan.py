@@ -10,7 +10,7 @@ states of parameters it owns, so ``N_os >= N_g >= N_w`` and ``P_os >= P_g >= P_w
 optimizer level is at or above the gradient level, which is at or above the weight
 level. The secondary weight copy (hpZ / 003's Sec-Degree) may sit at any level.
 
-Presets (issue 3): ``zero3``, ``zeropp`` (qwZ + hpZ + qgZ as DeepSpeed does them),
+Presets: ``zero3``, ``zeropp`` (qwZ + hpZ + qgZ as DeepSpeed does them),
 ``mics``, ``zero_topo_paper`` (003 exactly), ``zero_topo`` (003's partitioning with a
 hierarchical step boundary) and ``zero_topo_int8`` (``zero_topo`` with int8 blocks on the
 cross-node collectives of the step boundary: below the 16-bit floor). Presets name levels relative to the topology (innermost,
@@ -185,7 +185,7 @@ class ZeroTopoConfig(PluginConfig):
         "a gloo group of its own, 'latest' last). A later save, load_checkpoint or engine.destroy() first waits "
         "for it and raises its failure. Default false: the snapshot holds a second copy of the rank's state in "
         "host memory until written, and a failed write is reported at that later call instead of by "
-        "save_checkpoint itself (issue 50; ds_ext.zero_topo.plugin).",
+        "save_checkpoint itself (ds_ext.zero_topo.plugin).",
     )
     checkpoint_tiers: CheckpointTiersConfig | None = Field(
         None,
