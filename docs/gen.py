@@ -12,6 +12,7 @@ page differs from what they produce now):
   rendered from the docstrings when the site is built -> ``docs/reference/api.md``;
 * the benchmark tables, from ``examples/results/*.json`` -> ``docs/snippets/*.md``, included
   into the benchmark pages (``--8<--``, pymdownx.snippets);
+* the README's matrix (each cell's status and first test), from docs/composition.md's full one;
 * the architecture page's file map (every module's docstring summary, read from the source without
   importing it) and its layer diagram (``.importlinter``'s layers with their comments).
 """
@@ -1090,6 +1091,43 @@ def layer_diagram() -> str:
     return _md(["layer (top imports the ones below; `:` siblings import none of each other)", "what it holds"], lines)
 
 
+# --------------------------------------------------------------------------- README's matrix
+
+MATRIX_START, MATRIX_END = "<!-- --8<-- [start:matrix] -->", "<!-- --8<-- [end:matrix] -->"
+
+
+def _compact(cell: str) -> str:
+    """A matrix cell in one line: its status (its first clause where that is short, else ✓ / refused)
+    and its first test, linked."""
+    status = "✓" if cell.startswith("✓") else "refused" if cell.lower().startswith("refused") else cell
+    head = re.split(r" \((?!\d)|: |; |, ", cell)[0]
+    if len(head.split()) <= 7:  # a short statement stays whole: "refused without a `TEDMoE` layer"
+        status = head
+    test = re.search(r"test_\w+\.py", cell)
+    return f"{status} [{test.group(0)[:-3]}](tests/{test.group(0)})" if test else status
+
+
+def readme_with_matrix() -> str:
+    """README.md with its matrix, between its markers, made from docs/composition.md's: each cell's
+    status and first test (the full cells stay on that page)."""
+    full = (DOCS / "composition.md").read_text()
+    rows = [line for line in full[full.index("<!-- matrix -->") : full.index("<!-- end matrix -->")].splitlines()]
+    table = [line for line in rows if line.startswith("|")]
+    out = table[:2]
+    for line in table[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        out.append("| " + " | ".join([cells[0], *map(_compact, cells[1:])]) + " |")
+    block = (
+        "\n\nEach feature (row) in each setting (column): ✓ trains and a test checks it against an independent "
+        "reference;\n*refused*: one line before training, naming both settings. Every cell in full, and the "
+        "settings: [What combines with\nwhat](docs/composition.md) (this table is generated from it by "
+        "`python -m docs.gen`).\n\n" + "\n".join(out) + "\n"
+    )
+    readme = (ROOT / "README.md").read_text()
+    a, b = readme.index(MATRIX_START) + len(MATRIX_START), readme.index(MATRIX_END)
+    return readme[:a] + block + readme[b:]
+
+
 SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_zero.md": ("examples/results/bench_zero.json", zero_table),
     "bench_zero_tp2.md": ("examples/results/bench_zero_tp2.json", lambda: zero_table("bench_zero_tp2.json")),
@@ -1192,6 +1230,7 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
 def generate() -> dict[Path, str]:
     """Every generated page, by path, as the generators produce it now."""
     pages = {DOCS / "reference" / "config.md": config_reference(), DOCS / "reference" / "api.md": api_reference()}
+    pages[ROOT / "README.md"] = readme_with_matrix()
     for name, (source, make) in SNIPPETS.items():
         pages[DOCS / "snippets" / name] = HEADER.format(source=source) + make() + "\n"
     return pages
