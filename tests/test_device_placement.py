@@ -41,7 +41,7 @@ HOST_SIDE = {  # (file, factory): (calls, why they stay on the host)
     ("ds_ext/pmm/tuning.py", "tensor"): (1, "host JSON of timings; PMMEngine.all_gather_world moves it"),
     ("ds_ext/pmm/tuning.py", "zeros"): (1, "host JSON of timings; PMMEngine.all_gather_world moves it"),
     ("ds_ext/zero_topo/checkpoint.py", "empty"): (1, "reads a checkpoint file on the host"),
-    ("ds_ext/zero_topo/plugin.py", "zeros"): (1, "host staging of loaded weights, copied into the unit"),
+    ("ds_ext/zero_topo/checkpoint_io.py", "zeros"): (1, "host staging of loaded weights, copied into the unit"),
     ("ds_ext/zero_topo/tiers.py", "frombuffer"): (1, "checkpoint file bytes sent over the tiers' own gloo group"),
 }
 
@@ -82,7 +82,7 @@ def test_loaded_optimizer_state_is_placed_as_torch_places_it():
     the host unless the optimizer is fused or capturable. The meta device stands in for a GPU."""
     import torch
 
-    from ds_ext.zero_topo.plugin import _state_value
+    from ds_ext.zero_topo.optimizer import _state_value
 
     master = torch.empty(4, device="meta")
     state = {"exp_avg": torch.zeros(4, dtype=torch.float64), "step": torch.tensor(3.0)}

@@ -87,7 +87,7 @@ def _cloned(obj):
 def _state(engine, client_state=None):
     """What a load installed: the rank's ZeRO-topo shard state (weights, fp32 masters, optimizer
     state), the module's full weights and buffers, and DeepSpeed's own state."""
-    shard = _cloned(engine.ds_ext.plugin("zero_topo").state_dict())  # independent of state_dict's own copies
+    shard = _cloned(engine.ds_ext.plugin("zero_topo").optimizer.shard_state())  # independent of state_dict's own copies
     with engine.ds_ext.gathered_parameters():
         module = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     return {
@@ -144,7 +144,7 @@ def _async_and_sync(tmp):
     finally:
         ungate()
     _steps(engine, 1, STEPS + 1)  # s3's agreement runs beside these steps' collectives
-    engine.ds_ext.plugin("zero_topo").background.wait()
+    engine.ds_ext.plugin("zero_topo").checkpoints.background.wait()
     failure = _failed_write(engine, tmp / "async")
     engine.destroy()
     latest = (tmp / "async" / "latest").read_text()
@@ -365,7 +365,7 @@ def _job(rank, port, tmp):
         engine = _engine(True)
         _steps(engine, STEPS, 0)
         engine.save_checkpoint(Path(tmp, "ckpt"), tag="a")
-        engine.ds_ext.plugin("zero_topo").background.wait()  # a is complete
+        engine.ds_ext.plugin("zero_topo").checkpoints.background.wait()  # a is complete
         torch.save(_state(engine), Path(tmp, f"reference.{rank}.pt"))
         save = ckpt.atomic_save
 

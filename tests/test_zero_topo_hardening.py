@@ -231,7 +231,7 @@ class _SharedBlock(nn.Module):
 
 
 def test_parameters_shared_by_two_units_are_refused_by_name():
-    from ds_ext.zero_topo.engine import UnitError, assign_parameters, find_units
+    from ds_ext.zero_topo.sharded_model import UnitError, assign_parameters, find_units
 
     lin = nn.Linear(4, 4)
     model = nn.Sequential(nn.ModuleList([_SharedBlock(lin), _SharedBlock(lin)]))
@@ -245,7 +245,7 @@ def test_parameters_shared_by_two_units_are_refused_by_name():
 
 
 def test_unit_names_that_match_nothing_and_models_without_blocks():
-    from ds_ext.zero_topo.engine import UnitError, find_units
+    from ds_ext.zero_topo.sharded_model import UnitError, find_units
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
     with pytest.raises(UnitError, match=r"no module of class 'Block'.*allowed: 'auto' or class names present"):

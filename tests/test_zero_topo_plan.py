@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ds_ext.topology import Topology
+from ds_ext.zero_topo import schedule
 from ds_ext.zero_topo.layout import (
     from_shard_order,
     level_partition,
@@ -174,3 +175,94 @@ def test_tables_v_vi_memory():
     assert sum(z3.values()) == pytest.approx(16 * PSI / 384)
     zpp = memory(plan("zeropp"), [UnitSpec(PSI, PSI)], 5, 2)
     assert sum(zpp.values()) == pytest.approx(16 * PSI / 384 + 2 * PSI / 8)
+
+
+# 003 §V-C (Fig. 6, Tables VII, VIII) and its ZeRO++ / ZeRO-3 rows on gcd (0) x gpu (1) x node (2),
+# written from the paper, not from the plan: per collective (op, levels, bits).
+# forward (step's first micro-batch), forward (later micro-batches), backward, gradient
+# reduction, step reductions, step gathers.
+SCHEDULES_003 = {
+    "zero3": (
+        ("all_gather", (0, 1, 2), 16),
+        ("all_gather", (0, 1, 2), 16),
+        ("all_gather", (0, 1, 2), 16),
+        ("reduce_scatter", (0, 1, 2), 16),
+        [],
+        [],
+    ),
+    # qwZ over the world, hpZ's secondary inside the node (16-bit), qgZ int4 in two hops
+    "zeropp": (
+        ("all_gather", (0, 1, 2), 8),
+        ("all_gather", (0, 1), 8),
+        ("all_gather", (0, 1), 8),
+        ("all_to_all_reduce", (0, 1, 2), 4),
+        [],
+        [],
+    ),
+    # the paper's: int8 primary and secondary over the GCD pair, int4 1-hop inside the node,
+    # all-reduce among nodes, all-gather over the world
+    "zero_topo_paper": (
+        ("all_gather", (0,), 8),
+        ("all_gather", (0,), 8),
+        ("all_gather", (0,), 8),
+        ("all_to_all_reduce", (0, 1), 4),
+        [("all_reduce", (2,), 16)],
+        [("all_gather", (0, 1, 2), 16)],
+    ),
+    # ds_ext's default: the boundary reduce-scatters across nodes and gathers back level by level
+    "zero_topo": (
+        ("all_gather", (0,), 8),
+        ("all_gather", (0,), 8),
+        ("all_gather", (0,), 8),
+        ("all_to_all_reduce", (0, 1), 4),
+        [("reduce_scatter", (2,), 16)],
+        [("all_gather", (2,), 16), ("all_gather", (1,), 16)],
+    ),
+    "zero_topo_int8": (
+        ("all_gather", (0,), 8),
+        ("all_gather", (0,), 8),
+        ("all_gather", (0,), 8),
+        ("all_to_all_reduce", (0, 1), 4),
+        [("all_to_all_reduce", (2,), 8)],
+        [("all_gather", (2,), 8), ("all_gather", (1,), 16)],
+    ),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(SCHEDULES_003))
+def test_schedule_issues_003s_collectives(preset):
+    """The one description the executor and the analytic model read (``ds_ext.zero_topo.schedule``)
+    holds 003's collectives for each preset."""
+    p = plan(preset, EMULATED)
+    held = p.secondary is not None
+
+    def row(c):
+        return (c.op, c.levels, c.bits)
+
+    got = (
+        row(schedule.weight_gather(p, backward=False, secondary_held=False)),
+        row(schedule.weight_gather(p, backward=False, secondary_held=held)),
+        row(schedule.weight_gather(p, backward=True, secondary_held=held)),
+        row(schedule.gradient_reduce(p)),
+        [row(c) for c in schedule.step_reductions(p)],
+        [row(c) for c in schedule.step_gathers(p)],
+    )
+    assert got == SCHEDULES_003[preset]
+    assert schedule.weight_gather(p, backward=True, secondary_held=held, exact=True).bits == 16  # checkpoints
+
+
+def test_wire_formats_are_read_from_the_schedule_only():
+    """The executor and the analytic model take every collective's wire format from the schedule:
+    no module of ZeRO-topo but the plan and the schedule branches on the plan's wire fields."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "ds_ext" / "zero_topo"
+    wire = re.compile(r"\bplan\.(gather_bits|gradient_hops|step_level_bits|step_bits)\b")
+    found = [
+        f"{path.name}: {m.group(0)}"
+        for path in sorted(root.glob("*.py"))
+        if path.name not in ("plan.py", "schedule.py")
+        for m in wire.finditer(path.read_text())
+    ]
+    assert found == []

@@ -145,7 +145,7 @@ def _state_dicts(tmp):
     import torch
     import torch.distributed as dist
 
-    from ds_ext.zero_topo import engine as zt_engine
+    from ds_ext.zero_topo import sharded_model as zt_engine
 
     engine, model = _gpt_engine({"preset": "zero_topo"})
     x = torch.randint(0, 256, (2, 32))

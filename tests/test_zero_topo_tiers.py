@@ -69,7 +69,7 @@ def _steps(engine, steps, start):
 
 def _state(engine):
     """The rank's ZeRO-topo shard (weights, fp32 masters, optimizer state) and the full module."""
-    shard = engine.ds_ext.plugin("zero_topo").state_dict()
+    shard = engine.ds_ext.plugin("zero_topo").optimizer.shard_state()
     with engine.ds_ext.gathered_parameters():
         module = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     return {"slices": shard["slices"], "segments": shard["segments"], "module": module, "step": engine.global_steps}
@@ -95,7 +95,7 @@ def _lost_node_restore(tmp, async_save):
         engine.save_checkpoint(shared)
     reference = _steps(engine, 2, 4), _state(engine)  # the last save is written beside these steps
     if async_save:
-        engine.ds_ext.plugin("zero_topo").background.wait()
+        engine.ds_ext.plugin("zero_topo").checkpoints.background.wait()
     layout = {
         n: sorted(
             p.relative_to(local / n / "global_step4").as_posix() for p in (local / n / "global_step4").rglob("*.pt")

@@ -150,7 +150,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _unit_elements(net: Any) -> int:
     """Parameters of the model's largest gather unit, as ZeRO-topo's ``units: 'auto'`` finds them
     (a transformer block)."""
-    from ds_ext.zero_topo.engine import find_units
+    from ds_ext.zero_topo.sharded_model import find_units
 
     return max(sum(p.numel() for p in m.parameters()) for _, m in find_units(net, "auto"))
 

@@ -2,7 +2,7 @@
 
 Bytes sent by one rank per optimizer step, per phase and topology level, following the
 ledger's convention (ds_ext/comm/ledger.py) and exactly the collectives the engine
-issues (ds_ext/zero_topo/engine.py), so that a measured ledger equals this model.
+issues (``ds_ext.zero_topo.schedule``, which the executor reads too), so that a measured ledger equals this model.
 
 Notation: U padded unit size (elements), e bytes per 16-bit (or fp32) element,
 n_L = shards(L) = ranks in one domain of level L, d the group size, B the quantization
@@ -46,6 +46,7 @@ from ds_ext.comm import hops
 from ds_ext.comm.emulation import message_steps
 from ds_ext.perf import collectives
 from ds_ext.topology import Topology
+from ds_ext.zero_topo import schedule
 from ds_ext.zero_topo.layout import padded_numel, param_offsets, shard_count, shard_index
 from ds_ext.zero_topo.plan import ShardingPlan
 
@@ -294,44 +295,37 @@ def traffic(
     group, whose members the data group's topology does not hold."""
     t = _Tally(plan.topology, algorithm, rank, gloo)
     model_links = model_links or {}
-    top = len(plan.topology.levels) - 1
     B = plan.block_size
 
-    def gather(phase: str, level: int, u: UnitSpec, quantized: bool, times: int) -> None:
-        """``u.gathers`` all-gathers (payload and scales each when quantized) of the unit's bytes."""
-        levels = list(range(level + 1))
+    def gather(phase: str, c: schedule.Collective, u: UnitSpec, times: int) -> None:
+        """``u.gathers`` all-gathers ``c`` (payload and scales each when quantized) of the unit's bytes."""
+        levels = list(c.levels)
         d = _group_size(plan, levels)
         n = u.U / d
-        if quantized:
+        if c.bits == 8:
             pay, sc = _wire(n, 8, B)
             t.add(phase, _level(plan, levels), (pay + sc) * (d - 1), 2 * u.gathers, times, "all_gather", d, levels)
         else:
             t.add(phase, _level(plan, levels), n * elem_bytes * (d - 1), u.gathers, times, "all_gather", d, levels)
 
-    s, w = plan.secondary, plan.weights
-    sec_quant = plan.secondary_bits == 8 or plan.gather_bits == 8
-    pri_quant = plan.gather_bits == 8
+    held = plan.secondary is not None
+    first = schedule.weight_gather(plan, backward=False, secondary_held=False)  # the step's first forward
+    later = schedule.weight_gather(plan, backward=False, secondary_held=held)  # hpZ: built by the first, kept
     for u in units:
         if pipeline:
             _gradient_reduce(t, plan, u, elem_bytes, 1, rank, "step")
-            _step(t, plan, u.U, elem_bytes, top)
-            gather("step", w, u, False, 1)  # the updated shards back into whole weights
+            _step(t, plan, u.U, elem_bytes)
+            gather("step", schedule.weight_gather(plan, False, False, exact=True), u, 1)  # back into whole weights
             continue
-        # forward: from the primary, or from a narrower secondary once it exists
-        if (
-            secondary_serves_forward and s is not None and s < w
-        ):  # hpZ: built by the step's first gather, kept to the step
-            gather("forward", w, u, pri_quant, 1)
-            gather("forward", s, u, sec_quant, grad_accum - 1)
+        if secondary_serves_forward and later != first:
+            gather("forward", first, u, 1)
+            gather("forward", later, u, grad_accum - 1)
         else:
-            gather("forward", w, u, pri_quant, grad_accum)
+            gather("forward", first, u, grad_accum)
         if not u.root:
-            if s is not None:
-                gather("backward", s, u, sec_quant, grad_accum)
-            else:
-                gather("backward", w, u, pri_quant, grad_accum)
+            gather("backward", schedule.weight_gather(plan, backward=True, secondary_held=held), u, grad_accum)
         _gradient_reduce(t, plan, u, elem_bytes, grad_accum, rank)
-        _step(t, plan, u.U, elem_bytes, top)
+        _step(t, plan, u.U, elem_bytes)
     o_levels = list(range(plan.optimizer + 1))
     d = _group_size(plan, o_levels)
     t.add("step", _level(plan, o_levels), 2 * 8 * (d - 1) / d, 1, op="all_reduce", d=d, levels=o_levels)  # grad norm
@@ -351,14 +345,15 @@ def _gradient_reduce(
     t: _Tally, plan: ShardingPlan, u: UnitSpec, e: int, times: int, rank: int, phase: str = "backward"
 ) -> None:
     U, g, B = u.U, plan.gradients, plan.block_size
-    levels = list(range(g + 1))
+    c = schedule.gradient_reduce(plan)
+    levels = list(c.levels)
     d = _group_size(plan, levels)
-    if plan.gradient_bits == 16:
+    if c.op == schedule.REDUCE_SCATTER:
         t.add(phase, _level(plan, levels), U * e * (d - 1) / d, 1, times, "reduce_scatter", d, levels)
         return
     per = U // (d * B)  # blocks per gradient shard
     raw = u.raw_per_shard or (0,) * d
-    code, value = B * plan.gradient_bits / 8 + 4, B * e  # bytes of a quantized / a raw block
+    code, value = B * c.bits / 8 + 4, B * e  # bytes of a quantized / a raw block
 
     def sent(shards: list[int]) -> float:
         return sum((per - raw[k]) * code + raw[k] * value for k in shards)
@@ -367,7 +362,7 @@ def _gradient_reduce(
         return 2 if any(raw[k] < per for k in shards) else 1
 
     topo = plan.topology
-    if plan.gradient_hops == 1:
+    if c.hops == 1:
         others = [k for k in range(d) if k != shard_index(topo, rank, g)]
         t.add(phase, _level(plan, levels), sent(others), calls(range(d)), times, d=d)
         per_peer = {r: sent([shard_index(topo, r, g)]) for r in t.members(rank, levels)}
@@ -391,56 +386,33 @@ def _gradient_reduce(
     t.link(phase, "all_to_all", [g], 0.0, times, hop2)
 
 
-def _step(t: _Tally, plan: ShardingPlan, U: int, e: int, top: int) -> None:
-    topo = plan.topology
+def _step(t: _Tally, plan: ShardingPlan, U: int, e: int) -> None:
+    """The step boundary of one unit of ``U`` elements: ``schedule.step_reductions`` of its gradient
+    shard, then ``schedule.step_gathers`` of its updated optimizer slice."""
     n_of = lambda lv: _group_size(plan, range(lv + 1))  # noqa: E731
-    g, o, w = plan.gradients, plan.optimizer, plan.weights
-    x = U / n_of(g)
-    if plan.step == "allreduce":
-        if g < top:
-            levels = list(range(g + 1, top + 1))
-            d = _group_size(plan, levels)
+    B = plan.block_size
+    x = U / n_of(plan.gradients)
+    for c in schedule.step_reductions(plan):
+        levels = list(c.levels)
+        d = _group_size(plan, levels)
+        if c.op == schedule.ALL_REDUCE:
             t.add("step", _level(plan, levels), 2 * x * e * (d - 1) / d, 1, op="all_reduce", d=d, levels=levels)
-    else:
-        for lv in range(g + 1, o + 1):
-            d = topo.levels[lv].size
-            if plan.step_level_bits(lv) == 8:  # int8 all-to-all reduce-scatter: payload + scales
-                t.add("step", _level(plan, [lv]), sum(_wire(x, 8, plan.block_size)) * (d - 1) / d, 2, d=d, levels=[lv])
-            else:
-                t.add("step", _level(plan, [lv]), x * e * (d - 1) / d, 1, op="reduce_scatter", d=d, levels=[lv])
-            x /= d
-        if o < top:
-            levels = list(range(o + 1, top + 1))
-            d = _group_size(plan, levels)
-            t.add("step", _level(plan, levels), 2 * x * e * (d - 1) / d, 1, op="all_reduce", d=d, levels=levels)
-    x = U / n_of(o)
-    if plan.step == "allreduce" and o > w:
-        d = n_of(o)
+            continue
+        if c.op == schedule.ALL_TO_ALL_REDUCE:  # int8 all-to-all reduce-scatter: payload + scales
+            t.add("step", _level(plan, levels), sum(_wire(x, c.bits, B)) * (d - 1) / d, 2, d=d, levels=levels)
+        else:
+            t.add("step", _level(plan, levels), x * e * (d - 1) / d, 1, op="reduce_scatter", d=d, levels=levels)
+        x /= d
+    x = U / n_of(plan.optimizer)
+    for c in schedule.step_gathers(plan):
+        levels = list(c.levels)
+        d = _group_size(plan, levels)
+        quantized = c.bits == 8  # int8 all-gather: payload + scales
+        nbytes = sum(_wire(x, 8, B)) if quantized else x * e
         t.add(
-            "step",
-            _level(plan, list(range(o + 1))),
-            x * e * (d - 1),
-            1,
-            op="all_gather",
-            d=d,
-            levels=list(range(o + 1)),
+            "step", _level(plan, levels), nbytes * (d - 1), 2 if quantized else 1, op="all_gather", d=d, levels=levels
         )
-    else:
-        for lv in range(o, w, -1):
-            d = topo.levels[lv].size
-            if plan.step_level_bits(lv) == 8:  # int8 all-gather: payload + scales
-                t.add(
-                    "step",
-                    _level(plan, [lv]),
-                    sum(_wire(x, 8, plan.block_size)) * (d - 1),
-                    2,
-                    op="all_gather",
-                    d=d,
-                    levels=[lv],
-                )
-            else:
-                t.add("step", _level(plan, [lv]), x * e * (d - 1), 1, op="all_gather", d=d, levels=[lv])
-            x *= d
+        x *= d
 
 
 def memory(plan: ShardingPlan, units: list[UnitSpec], rank: int, elem_bytes: int) -> dict[str, float]:

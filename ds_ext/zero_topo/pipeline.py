@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ds_ext.zero_topo.engine import ShardedModel, assign_parameters
+from ds_ext.zero_topo.sharded_model import ShardedModel, assign_parameters
 from ds_ext.zero_topo.units import FlatUnit, ShardContext
 
 

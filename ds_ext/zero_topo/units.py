@@ -39,6 +39,7 @@ from torch import nn
 from ds_ext.comm import Communicator
 from ds_ext.comm.quant import BlockQuantizer, QuantizedTensor
 from ds_ext.comm.quantized import all_gather_int, all_gather_quantized, all_to_all_reduce, all_to_all_reduce_2hop
+from ds_ext.zero_topo import schedule
 from ds_ext.zero_topo.agreement import UnitTrace
 from ds_ext.zero_topo.data_group import DataGroup
 from ds_ext.zero_topo.layout import (
@@ -220,13 +221,6 @@ class FlatUnit:
             return self.ctx.weight_quantizer.quantize(values)
         return values.clone()
 
-    def _source(self, backward: bool):
-        """(level, data) to gather from: the secondary for backward and when narrower."""
-        plan = self.ctx.plan
-        if self.secondary is not None and (backward or plan.secondary < plan.weights):  # type: ignore[operator]
-            return plan.secondary, self.secondary
-        return plan.weights, self.primary
-
     def start_gather(self, backward: bool, exact: bool = False, resize: bool = True) -> None:
         """Begin gathering ``full`` (async); :meth:`wait_gather` completes it.
 
@@ -237,16 +231,18 @@ class FlatUnit:
             return
         if resize:
             self.full.untyped_storage().resize_(self.U * self.full.element_size())
-        level, data = (self.ctx.plan.weights, self.primary) if exact else self._source(backward)
-        ctx, levels = self.ctx, list(range(level + 1))
+        ctx = self.ctx
+        c = schedule.weight_gather(ctx.plan, backward, self.secondary is not None, exact)
+        data = self.secondary if c.source == "secondary" else self.primary
+        level, levels = c.level, list(c.levels)
         group = ctx.span(level)
         reorder = len(levels) > 1
         out = torch.empty_like(self.full) if reorder else self.full
         if ctx.trace is not None:
             ctx.trace.record("gather", self.name)
-        if isinstance(data, QuantizedTensor):
+        if isinstance(data, QuantizedTensor):  # the secondary, stored int8
             pending = all_gather_quantized(ctx.comm, data, ctx.weight_quantizer, out, group, async_op=True)
-        elif ctx.plan.gather_bits == 8 and not exact:
+        elif c.bits == 8:
             pending = all_gather_int(ctx.comm, data, ctx.weight_quantizer, out, group, async_op=True)
         else:
             pending = ctx.comm.all_gather(out, data, group=group, async_op=True)
@@ -305,15 +301,16 @@ class FlatUnit:
         flat.div_(ctx.average_over or ctx.topo.world_size)
         if ctx.trace is not None:
             ctx.trace.record("reduce", self.name)
-        g = plan.gradients
-        if plan.gradient_hops == 1:
-            ordered = from_shard_order(flat, ctx.topo, range(g + 1))
-        if ctx.grad_quantizer is None:
+        c = schedule.gradient_reduce(plan)
+        g = c.level
+        if c.hops == 1:
+            ordered = from_shard_order(flat, ctx.topo, c.levels)
+        if c.op == schedule.REDUCE_SCATTER:
             out = torch.empty_like(self.grad_shard)
             ctx.comm.reduce_scatter(out, ordered, group=ctx.span(g))
             self.grad_shard.add_(out)
-        elif plan.gradient_hops == 1:
-            raw = from_shard_order(self.raw_blocks, ctx.topo, range(g + 1))
+        elif c.hops == 1:
+            raw = from_shard_order(self.raw_blocks, ctx.topo, c.levels)
             self.grad_shard.add_(all_to_all_reduce(ctx.comm, ordered, ctx.grad_quantizer, ctx.span(g), raw, ctx.dtype))
         else:
             # [p, n, c]: shard order puts the outermost level's digit last, so the chunks
