@@ -271,6 +271,27 @@ def cmd_checkpoint_export(ns: argparse.Namespace, tag_dir: Path) -> int:
     return 0
 
 
+def cmd_checkpoint_import(ns: argparse.Namespace) -> int:
+    import torch
+
+    from ds_ext.zero_topo import export
+
+    src, out = Path(ns.src), Path(ns.out)
+    if not src.is_dir():
+        raise export.CheckpointError(f"import: {src} is not a directory")
+    if ns.format == "safetensors":
+        torch.save(export.import_safetensors(src), out)
+    else:
+        export.import_dcp(src, out)
+    state = torch.load(out, weights_only=True, mmap=True)
+    n = sum(t.numel() for t in {id(t): t for t in state.values()}.values())
+    print(
+        f"wrote {out}: {len(state)} tensors, {n:,} parameters from {ns.format} {src} "
+        "(model.load_state_dict(torch.load(path, weights_only=True)) before ds_ext.initialize)"
+    )
+    return 0
+
+
 def cmd_autoload_path(_: argparse.Namespace) -> int:
     import os
 
@@ -394,7 +415,7 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
         "every process (launchers that build the rank command themselves)",
     )
     a.set_defaults(func=cmd_autoload_path)
-    c = sub.add_parser("checkpoint", help="consolidate or inspect a ZeRO-topo or 3D-PMM checkpoint")
+    c = sub.add_parser("checkpoint", help="consolidate, inspect, export or import a ZeRO-topo or 3D-PMM checkpoint")
     csub = c.add_subparsers(dest="action", required=True)
     cc = csub.add_parser("consolidate", help="write the full fp32 state dict (torch.load(..., weights_only=True))")
     cc.add_argument("ckpt_dir", help="the save directory (uses its 'latest') or a tag directory")
@@ -421,6 +442,15 @@ def build_parser(benchmarks: bool = True) -> argparse.ArgumentParser:
     for sp in (cc, ci, ce):
         sp.add_argument("--tag", default=None, help="tag to use instead of 'latest'")
         sp.set_defaults(func=cmd_checkpoint)
+    cm = csub.add_parser(
+        "import",
+        help="the way back: a safetensors directory or a torch.distributed.checkpoint as one state dict "
+        "(model.load_state_dict before ds_ext.initialize; the weights only)",
+    )
+    cm.add_argument("src", help="a safetensors directory (an export, or Hugging Face's) or a DCP directory")
+    cm.add_argument("out", help="output file (torch.load(..., weights_only=True))")
+    cm.add_argument("--format", choices=("safetensors", "dcp"), required=True)
+    cm.set_defaults(func=cmd_checkpoint_import)
     cl = sub.add_parser(
         "cluster",
         help="run a command on the ranks of an emulated cluster: nodes as network namespaces with tc-shaped links",

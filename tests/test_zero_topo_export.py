@@ -188,6 +188,12 @@ def test_bf16_export_of_a_tied_llama_keeps_its_bf16_weights_and_names_the_tie(wo
     for name, value in running.items():
         assert value.dtype == torch.bfloat16 and torch.equal(state[name], value), name
     assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
+    # imported back: the tied head is the embedding again
+    from ds_ext.zero_topo.export import import_safetensors
+
+    back = import_safetensors(tmp_path / "hf")
+    assert back["lm_head.weight"] is back["model.embed_tokens.weight"]
+    assert set(back) == set(running) | {"lm_head.weight"}
     # an export never writes into a directory that holds anything
     assert main(["checkpoint", "export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--format", "dcp"]) == 2
 
@@ -227,3 +233,25 @@ def test_dcp_export_loads_into_fsdp2_at_another_world_size(neox, world2, tmp_pat
     assert set(full) == set(reference)
     for name, value in reference.items():
         assert torch.equal(full[name], value), name
+
+
+def test_import_reads_both_exports_back_into_consolidates_state_dict(neox, tmp_path):
+    """``ds-ext checkpoint import``: each export read back into one state dict equal to
+    ``consolidate``'s, which the model's own ``load_state_dict`` takes strictly; a directory that
+    is not an export is refused in one line."""
+    from ds_ext.cli import main
+    from ds_ext.zero_topo.checkpoint import consolidate
+
+    tag_dir, _ = neox
+    reference = consolidate(tag_dir)
+    for fmt in ("safetensors", "dcp"):
+        out = tmp_path / fmt
+        assert main(["checkpoint", "export", str(tag_dir), str(out), "--format", fmt, "--max-shard-MB", "4"]) == 0
+        assert main(["checkpoint", "import", str(out), str(tmp_path / f"{fmt}.pt"), "--format", fmt]) == 0
+        state = torch.load(tmp_path / f"{fmt}.pt", weights_only=True)
+        assert set(state) == set(reference), fmt
+        for name, value in reference.items():
+            assert torch.equal(state[name], value), (fmt, name)
+        _model("gpt-neox").load_state_dict(state, strict=True)
+    assert main(["checkpoint", "import", str(tmp_path / "dcp"), str(tmp_path / "x.pt"), "--format", "safetensors"]) == 2
+    assert main(["checkpoint", "import", str(tmp_path / "safetensors"), str(tmp_path / "x.pt"), "--format", "dcp"]) == 2

@@ -25,6 +25,7 @@ BENCHMARKS: tuple[str, ...] = (
     "scale",
     "memorization",
     "samo",
+    "checkpoint",
 )
 
 

@@ -20,6 +20,12 @@ they leave for.
   the whole fp32 model in host memory.
 
 Both write fp32 (the masters) unless ``dtype`` names another; neither needs the job's world.
+
+The way back, where it is cheap (``ds-ext checkpoint import``): :func:`import_safetensors` and
+:func:`import_dcp` read such an export (or any Hugging Face safetensors directory, or any DCP
+checkpoint of a model's state dict) into one state dict of the model's names, as ``consolidate``
+writes it: ``model.load_state_dict`` takes it before ``ds_ext.initialize``, which starts training
+from those weights. The optimizer state does not travel: an export holds only the weights.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch
 from ds_ext.zero_topo.checkpoint import CheckpointError, SavedCheckpoint, iter_params, open_parts
 
 INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"  # an unsharded Hugging Face save
 SHARD = "model-{i:05d}-of-{n:05d}.safetensors"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -141,3 +148,39 @@ def export_dcp(tag_dir: Path, out_dir: Path, dtype: str = "fp32") -> Exported:
         shutil.rmtree(out_dir, ignore_errors=True)
         raise
     return Exported(sorted(out_dir.iterdir()), len(state), parameters, total)
+
+
+def import_safetensors(src: Path) -> dict[str, torch.Tensor]:
+    """The state dict of a safetensors directory (sharded with ``model.safetensors.index.json``, or
+    one ``model.safetensors``): every tensor under its name, a tied name (the index's
+    ``metadata.tied``, which :func:`export_safetensors` writes) the same tensor as the name it is
+    tied to."""
+    from safetensors.torch import load_file
+
+    index_path, single = src / INDEX, src / SINGLE
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        files = sorted(set(index["weight_map"].values()))
+        tied = (index.get("metadata") or {}).get("tied") or {}
+    elif single.is_file():
+        files, tied = [SINGLE], {}
+    else:
+        raise CheckpointError(f"import: {src} holds neither {INDEX} nor {SINGLE}; allowed: a safetensors directory")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(src / name)))
+    for alias, name in tied.items():
+        if name not in state:
+            raise CheckpointError(f"import: {src}: {alias} is tied to {name}, which no file holds")
+        state[alias] = state[name]
+    return state
+
+
+def import_dcp(src: Path, out: Path) -> None:
+    """A ``torch.distributed.checkpoint`` directory of a model's state dict written as one
+    ``torch.save`` file ``out``, by DCP's own converter (no process group needed)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if not (src / ".metadata").is_file():
+        raise CheckpointError(f"import: {src} holds no .metadata; allowed: a torch.distributed.checkpoint directory")
+    dcp_to_torch_save(str(src), str(out))
