@@ -3,7 +3,7 @@
     python -m docs.gen            # write the generated pages
     python -m docs.gen --check    # exit 1 and name every generated page that differs
 
-Three generators, each writing committed markdown (``tests/test_docs.py`` fails when a committed
+Generators, each writing committed markdown (``tests/test_docs.py`` fails when a committed
 page differs from what they produce now):
 
 * the configuration reference, from the pydantic schema of the ``"ds_ext"`` block
@@ -13,8 +13,12 @@ page differs from what they produce now):
 * the benchmark tables, from ``examples/results/*.json`` -> ``docs/snippets/*.md``, included
   into the benchmark pages (``--8<--``, pymdownx.snippets);
 * the README's matrix (each cell's status and first test), from docs/composition.md's full one;
+* the demo's last lines in the README and Getting started, from its recorded run
+  (``examples/results/demo_output.txt``, written by ``python -m docs.gen --demo``);
 * the architecture page's file map (every module's docstring summary, read from the source without
-  importing it) and its layer diagram (``.importlinter``'s layers with their comments).
+  importing it) and its layer diagram (``.importlinter``'s layers with their comments);
+* the initialize page's sequence: ``ds_ext.initialize``'s statements with their callees' docstrings
+  and each hook with the built-in plugins that define it, read from the source.
 """
 
 from __future__ import annotations
@@ -1048,6 +1052,50 @@ def samo_layout_table() -> str:
     )
 
 
+CHECKPOINT_RUN = "bench_checkpoint.json"
+_SAVES = {
+    "no_save": "no saves",
+    "shared": "shared, every step",
+    "shared_async": "shared, every step, `async_save`",
+    "tiers_async": "tiers, local every step (+ partner copy), shared every {k}, `async_save`",
+}
+
+
+def checkpoint_table(run: str = CHECKPOINT_RUN) -> str:
+    """``ds-ext bench checkpoint``: each variant's median step and its ratio to no saves, the bytes
+    each tier holds per save, the lost node's restores, and the run's provenance."""
+    d = _load(run)
+    prov, ratios = d["provenance"], d["step_time_ratio_interval"]
+    rows = []
+    for r in d["records"]:
+        v, tiers = r["variant"], r.get("tier_bytes_per_save", {})
+        iv = ratios.get(f"{v}/no_save")
+        rows.append(
+            [
+                _SAVES[v].format(k=prov["shared_every"]),
+                f"{r['median_step_s']:.2f}",
+                "1" if iv is None else _interval(iv),
+                *(f"{tiers[k] / 1e6:.1f}" if k in tiers else "" for k in ("local", "partner", "shared")),
+            ]
+        )
+    rs, host = d["restore"], prov["host"]
+    nic = d.get("nic_bytes_per_local_save")
+    note = (
+        f"\n\nA lost node restored (every rank's `load_checkpoint`, the slowest; median of "
+        f"{len(rs['restore_partner']['seconds'])} rounds): from the partner tier "
+        f"**{rs['restore_partner']['median_s']:.2f} s**, from the shared directory "
+        f"**{rs['restore_shared']['median_s']:.2f} s** (ratio "
+        f"{rs['restore_partner']['median_s'] / rs['restore_shared']['median_s']:.2f})."
+        + ("" if nic is None else f" One tiered save put {nic / 1e6:.1f} MB on the NICs (kernel counters).")
+        + f"\n\nRun: commit `{(prov['commit'] or '')[:12]}`, {prov['date']}, {host['cpu']} x {host['cores']}, "
+        f"load average before {host['load_average_before']}, after {host['load_average_after']}; "
+        f"{prov['world_size']} ranks, {prov['model']}, seq {prov['seq_len']}, GA {prov['grad_accum']}, "
+        f"{prov['rounds']} rounds x {prov['steps_per_round']} steps; `{prov['command']}`"
+    )
+    head = ["saves", "median s/step", "vs no saves [95 %]", "local tier MB/save", "partner MB/save", "shared MB/save"]
+    return _md(head, rows) + note
+
+
 # --------------------------------------------------------------------------- architecture
 
 
@@ -1091,6 +1139,133 @@ def layer_diagram() -> str:
     return _md(["layer (top imports the ones below; `:` siblings import none of each other)", "what it holds"], lines)
 
 
+# --------------------------------------------------------------------------- initialize's sequence
+
+ENTRY = ROOT / "ds_ext" / "entry" / "initialize.py"
+HOOK_BASE = ROOT / "ds_ext" / "plugin.py"
+
+
+def _module_path(module: str) -> Path:
+    """``ds_ext.a.b`` -> its source file (a module or a package's ``__init__.py``)."""
+    base = ROOT.joinpath(*module.split("."))
+    return base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"
+
+
+def _defs(path: Path) -> dict[str, ast.AST]:
+    """A module's top-level functions and classes by name, and each class's methods as ``Class.method``."""
+    out: dict[str, ast.AST] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            out[node.name] = node
+        if isinstance(node, ast.ClassDef):
+            out |= {f"{node.name}.{m.name}": m for m in node.body if isinstance(m, ast.FunctionDef)}
+    return out
+
+
+def _first_sentence(node: ast.AST) -> str:
+    """A docstring's first sentence, its reST roles and literals as markdown code."""
+    doc = " ".join((ast.get_docstring(node) or "").split("\n\n")[0].split())
+    doc = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", doc).replace("``", "`")
+    end = re.search(r"\.\s(?=[A-Z(])", doc)
+    return doc[: end.start() + 1] if end else doc
+
+
+def _builtin_plugins() -> list[tuple[str, ast.ClassDef]]:
+    """(name, class) of the built-in plugins in hook order, read from ``runtime.builtin_plugins``."""
+    runtime = ast.parse((ROOT / "ds_ext" / "runtime.py").read_text())
+    fn = next(n for n in runtime.body if isinstance(n, ast.FunctionDef) and n.name == "builtin_plugins")
+    where = {a.name: n.module for n in ast.walk(fn) if isinstance(n, ast.ImportFrom) for a in n.names}
+    order = next(n.value for n in ast.walk(fn) if isinstance(n, ast.Return))
+    out = []
+    for elt in order.elts:
+        cls = _defs(_module_path(where[elt.id]))[elt.id]
+        name = next(
+            s.value.value
+            for s in cls.body
+            if isinstance(s, ast.Assign) and s.targets[0].id == "name" and isinstance(s.value, ast.Constant)
+        )
+        out.append((name, cls))
+    return out
+
+
+def _hook_lines(hook: str, plugins: list[tuple[str, ast.ClassDef]]) -> list[str]:
+    """The contract's sentence for ``hook`` and each built-in plugin's own, in hook order."""
+    base = _defs(HOOK_BASE)[f"Plugin.{hook}"]
+    lines = [f"    - each enabled plugin, in hook order; the contract: {_first_sentence(base)}"]
+    for name, cls in plugins:
+        own = next((m for m in cls.body if isinstance(m, ast.FunctionDef) and m.name == hook), None)
+        if own is None:
+            continue
+        said = _first_sentence(own)
+        if not said:
+            raise SystemExit(f"{cls.name}.{hook} has no docstring (the initialize page shows its first sentence)")
+        lines.append(f"        - `{name}`: {said}")
+    return lines
+
+
+class _Callees:
+    """Where the functions ``initialize`` calls are defined: its own module's, the names it imports
+    from ds_ext (functions, classes' methods, modules' functions) and the ``runtime`` it builds."""
+
+    def __init__(self, tree: ast.Module) -> None:
+        self.local = _defs(ENTRY)
+        self.imported: dict[str, tuple[str, str | None]] = {}  # name -> (module, name in it; None: a module)
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("ds_ext"):
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    self.imported[a.asname or a.name] = (
+                        (sub, None) if _module_path(sub).exists() else (node.module, a.name)
+                    )
+        self.imported["runtime"] = ("ds_ext.runtime", "Runtime")  # the Runtime.create(...) it assigns
+
+    def __call__(self, f: ast.AST) -> ast.AST | None:
+        if isinstance(f, ast.Name):
+            if f.id in self.local:
+                return self.local[f.id]
+            module, name = self.imported.get(f.id, ("", None))
+            return _defs(_module_path(module)).get(name) if name is not None else None
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in self.imported:
+            module, name = self.imported[f.value.id]
+            return _defs(_module_path(module)).get(f.attr if name is None else f"{name}.{f.attr}")
+        return None
+
+
+def initialize_sequence() -> str:
+    """``ds_ext.initialize``'s body, statement by statement, each call described by its callee's
+    docstring and each plugin hook by every built-in plugin that defines it, read from the source."""
+    tree = ast.parse(ENTRY.read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "initialize")
+    callee, plugins = _Callees(tree), _builtin_plugins()
+
+    def describe(call: ast.Call) -> list[str]:
+        f = call.func
+        if isinstance(f, ast.Call):  # deepspeed_initialize()(...): the function it returns
+            return [f"    - `{ast.unparse(f)}(...)`: {_first_sentence(callee(f.func))}"]
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "plugin":
+            return _hook_lines(f.attr, plugins)
+        node = callee(f)
+        said = _first_sentence(node) if node is not None else ""
+        return [f"    - `{ast.unparse(f)}`: {said}"] if said else []
+
+    lines, n = [], 0
+    for stmt in fn.body[1:]:  # after the docstring
+        header = ast.unparse(stmt).splitlines()[0]
+        if len(header) > 100 and isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call):
+            short = ast.Assign(stmt.targets, ast.Call(stmt.value.func, [ast.Constant(...)], []), lineno=0)
+            header = ast.unparse(short)  # the call's arguments as ...
+        calls = [c for c in ast.walk(stmt) if isinstance(c, ast.Call)]
+        inner = {id(c.func) for c in calls}  # deepspeed_initialize() of deepspeed_initialize()(...)
+        calls = sorted((c for c in calls if id(c) not in inner), key=lambda c: (c.lineno, c.col_offset))
+        said = [line for c in calls for line in describe(c)]
+        if not said and not isinstance(stmt, ast.Return):
+            continue
+        n += 1
+        lines.append(f"{n}. `{header}`\n")
+        lines.extend(dict.fromkeys(said))  # a hook called twice in one statement is listed once
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------- README's matrix
 
 MATRIX_START, MATRIX_END = "<!-- --8<-- [start:matrix] -->", "<!-- --8<-- [end:matrix] -->"
@@ -1126,6 +1301,53 @@ def readme_with_matrix() -> str:
     readme = (ROOT / "README.md").read_text()
     a, b = readme.index(MATRIX_START) + len(MATRIX_START), readme.index(MATRIX_END)
     return readme[:a] + block + readme[b:]
+
+
+# --------------------------------------------------------------------------- the demo's output
+
+DEMO_COMMAND = ["launch/local_cpu.sh", "8", "configs/demo.json", "--steps", "30"]
+DEMO_RUN = RESULTS / "demo_output.txt"
+DEMO_START, DEMO_END = "<!-- demo output: generated by `python -m docs.gen` -->", "<!-- end demo output -->"
+
+
+def demo_block(output: str) -> list[str]:
+    """The demo's last lines in ``output`` (the launcher's log, rank 0's prints among them): from
+    ``final loss`` to the traffic table's closing note."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("final loss "))
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("(bytes sent by this rank"))
+    return lines[start : end + 1]
+
+
+def record_demo() -> None:
+    """Run the README's demo (``DEMO_COMMAND``) and write its last lines with where they were made
+    to ``DEMO_RUN`` (``python -m docs.gen --demo``; then ``python -m docs.gen``)."""
+    import subprocess
+
+    sys.path.insert(0, str(ROOT))
+    from ds_ext.bench.stats import provenance
+
+    prov = provenance()
+    run = subprocess.run(DEMO_COMMAND, cwd=ROOT, capture_output=True, text=True, check=True)
+    head = (
+        f"# {' '.join(DEMO_COMMAND)}: commit {(prov['commit'] or '')[:12]}"
+        f"{' (uncommitted changes)' if prov['uncommitted_changes'] else ''}, {prov['date']}, "
+        f"{prov['host']['cpu']} x {prov['host']['cores']}"
+    )
+    DEMO_RUN.write_text("\n".join([head, *demo_block(run.stdout)]) + "\n")
+    print(f"wrote {DEMO_RUN.relative_to(ROOT)}")
+
+
+def demo_output() -> str:
+    """The recorded demo's last lines (``DEMO_RUN``) as a code block."""
+    lines = DEMO_RUN.read_text().splitlines()
+    return "```\n" + "\n".join(line for line in lines if not line.startswith("# ")) + "\n```"
+
+
+def readme_with_demo(readme: str) -> str:
+    """``readme`` with the recorded demo's last lines between its markers."""
+    a, b = readme.index(DEMO_START) + len(DEMO_START), readme.index(DEMO_END)
+    return readme[:a] + "\n" + demo_output() + "\n" + readme[b:]
 
 
 SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
@@ -1221,6 +1443,8 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_samo_layout.md": ("examples/results/bench_samo.json", samo_layout_table),
     "architecture_files.md": ("the docstrings of ds_ext/", file_map),
     "architecture_layers.md": (".importlinter", layer_diagram),
+    "demo_output.md": (f"examples/results/{DEMO_RUN.name}", demo_output),
+    "initialize_sequence.md": ("ds_ext/entry/initialize.py and the plugins' hook docstrings", initialize_sequence),
 }
 
 
@@ -1230,7 +1454,7 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
 def generate() -> dict[Path, str]:
     """Every generated page, by path, as the generators produce it now."""
     pages = {DOCS / "reference" / "config.md": config_reference(), DOCS / "reference" / "api.md": api_reference()}
-    pages[ROOT / "README.md"] = readme_with_matrix()
+    pages[ROOT / "README.md"] = readme_with_demo(readme_with_matrix())
     for name, (source, make) in SNIPPETS.items():
         pages[DOCS / "snippets" / name] = HEADER.format(source=source) + make() + "\n"
     return pages
@@ -1244,7 +1468,10 @@ def stale() -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m docs.gen", description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if a generated page is stale")
+    p.add_argument("--demo", action="store_true", help="first run the README's demo and record its last lines")
     args = p.parse_args(argv)
+    if args.demo:
+        record_demo()
     if args.check:
         bad = stale()
         for path in bad:

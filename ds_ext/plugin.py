@@ -85,6 +85,8 @@ class Plugin:
         run beside (``runtime.plugins``, the caller's ``runtime.initialize_kwargs["mpu"]``, ``model``)."""
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        """Before ``deepspeed.initialize``: convert or wrap the model, the optimizer and the ds_config
+        DeepSpeed will see, and return the three."""
         return model, optimizer, ds_config
 
     def mpu(self) -> Any:

@@ -93,6 +93,8 @@ class GoldfishPlugin(Plugin):
     site: tuple[str, Any, str] | None = None
 
     def check(self, model: Any) -> None:
+        """Find where the model's loss is computed (a client's loss site, ds_ext's GPT, a PipelineModule's
+        ``loss_fn``, a Hugging Face causal LM); refuse any other model."""
         client = client_loss.client_model(model)
         if client is not None:
             args = self.runtime.initialize_kwargs.get("args") if self.runtime is not None else None
@@ -106,6 +108,8 @@ class GoldfishPlugin(Plugin):
             )
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        """Build the Goldfish mask (000 §VIII-A) and put it on the model's loss (a client's loss: in
+        :meth:`attach`)."""
         self.mask = GoldfishMask(self.config.k, self.config.h)
         if self.site is not None:  # rebound in attach, once the engine that restores it exists
             return model, optimizer, ds_config
@@ -118,6 +122,7 @@ class GoldfishPlugin(Plugin):
         return model, optimizer, ds_config
 
     def attach(self, engine: Any) -> None:
+        """Rebind a client's loss to the masked one, restored when the engine is destroyed."""
         if self.site is None:
             return
         client, module, name = self.site

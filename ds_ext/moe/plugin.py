@@ -122,6 +122,8 @@ class TEDPlugin(Plugin):
         ds_engine.refuse_pipeline_module(model, f"{KEY}:", "TED's layout (tensor x expert x expert-data)")
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        """Build TED's layout (tensor x expert x expert-data, 001 §7.1) and its context, check every
+        ``TEDMoE`` layer against the block and bind the layers to it."""
         cfg, rt = self.config, self.runtime
         _check_ds_config(ds_config, rt.step_owner())
         try:
@@ -186,9 +188,11 @@ class TEDPlugin(Plugin):
         return [(n, m) for n, m in modules if hasattr(m, "ted_bind")]
 
     def mpu(self) -> MegatronMPU:
+        """The Megatron-style mpu over TED's tensor and data groups."""
         return self.ted.mpu()
 
     def job_layout(self) -> JobLayout:
+        """The job's parallel view of TED's layout."""
         return JobLayout.of(self.ted.layout, "ds_ext.ted", whole_experts=self.whole_experts)
 
     def _clip_with_global_norm(self, engine: Any) -> None:
@@ -200,6 +204,8 @@ class TEDPlugin(Plugin):
             replace_fp32_clipping(engine, lambda: clip_(engine.module.parameters(), max_norm, self.ted))
 
     def attach(self, engine: Any) -> None:
+        """Fresh CAC tapes at each forward, the expert groups released on destroy, clipping by the global
+        norm, the gates' draws saved and loaded with checkpoints."""
         from ds_ext.integration import ds_moe
         from ds_ext.moe.cac import clear_tapes
         from ds_ext.moe.layer import TEDMoE

@@ -121,10 +121,13 @@ class TiledOptimizerPlugin(Plugin):
     tiled: TiledAdam
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        """Check the ds_config and the optimizer against the tiled step (001 §7.2)."""
         _check_ds_config(ds_config, optimizer, self.config.tile_size, self.runtime.step_owner() is not None)
         return model, optimizer, ds_config
 
     def attach(self, engine: Any) -> None:
+        """Run the optimizer step in tiles: the step owner's through :meth:`~ds_ext.plugin.Plugin.use_tiles`,
+        else DeepSpeed's ZeRO-1/2, unfused fp16 or plain step replaced by the tiled one."""
         from ds_ext.integration import ds_zero12_step  # DeepSpeed is imported on use
 
         ts = self.config.tile_size

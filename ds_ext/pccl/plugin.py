@@ -22,12 +22,15 @@ class PCCLPlugin(Plugin):
     Config = PCCLConfig
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        """Route DeepSpeed's backend all-gather / reduce-scatter through ds_ext's communicator and PCCL's
+        algorithm (001 ch. 6)."""
         from ds_ext.integration import ds_pccl
 
         self._restore = ds_pccl.route_backend_collectives(self.runtime.comm, self.config.algorithm)
         return model, optimizer, ds_config
 
     def attach(self, engine: Any) -> None:
+        """DeepSpeed's backend collectives restored when the engine is destroyed."""
         from ds_ext.integration import ds_engine
 
         ds_engine.restore_on_destroy(engine, self._restore)

@@ -73,6 +73,8 @@ class Pmm3dPlugin(Plugin):
             )
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        """Choose the grid (given, or ranked by the analytic model), build its groups and convert the model's
+        layers to 3D-PMM's (000 §V)."""
         from ds_ext.integration import ds_pmm
 
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -160,6 +162,7 @@ class Pmm3dPlugin(Plugin):
         return f"grid {self.grid} (x, y, z, data)"
 
     def job_layout(self) -> JobLayout:
+        """The job's parallel view of the grid."""
         return JobLayout.of(self.grid, "ds_ext.pmm3d")
 
     def mpu(self) -> MegatronMPU:
@@ -171,6 +174,8 @@ class Pmm3dPlugin(Plugin):
         return self._mpu
 
     def attach(self, engine: Any) -> None:
+        """Check that the optimizer holds the converted parameters; checkpoints per tensor-grid rank unless a
+        plugin shards the parameters."""
         from ds_ext.integration import ds_pmm
 
         mine = {id(p) for p in self.model.parameters() if p.requires_grad}

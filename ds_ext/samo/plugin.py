@@ -48,10 +48,13 @@ class SamoPlugin(Plugin):
     optimizer: SamoOptimizer
 
     def check(self, model: Any) -> None:
+        """Refuse the plugins SAMO runs beside none of and the models it cannot compress."""
         support.check_plugins(self.runtime.plugins)
         support.check_model(model)
 
     def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        """Read the pruning masks (001 §4.1), check layout, dtype, ZeRO stage and optimizer, and hand
+        DeepSpeed an fp32, stage-0, unclipped config (SAMO owns the step)."""
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
 
         layout = self.runtime.parallel
@@ -76,6 +79,8 @@ class SamoPlugin(Plugin):
         return model.to(self.dtype), optimizer, cfg
 
     def attach(self, engine: Any) -> None:
+        """Compress gradients and optimizer state by the masks and put SAMO's compressed step (001 §4.1.3) in
+        place of DeepSpeed's optimizer."""
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
 
         rt = self.runtime
