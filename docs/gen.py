@@ -421,6 +421,7 @@ BACK_TO_BACK_RUN = "bench_zero_back_to_back_ga1.json"
 BACK_TO_BACK_REPEAT = "bench_zero_back_to_back_ga1_repeat.json"
 BACK_TO_BACK_GATHER = "bench_zero_back_to_back_gather_ga1.json"
 BACK_TO_BACK_GA8 = "bench_zero_back_to_back_ga8.json"
+BACK_TO_BACK_GA8_REPEAT = "bench_zero_back_to_back_ga8_repeat.json"
 
 
 def zero_level_busy_table(run: str = BACK_TO_BACK_RUN) -> str:
@@ -1406,8 +1407,8 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
         lambda: zero_reviewer_table(BACK_TO_BACK_GA8),
     ),
     "bench_zero_back_to_back_ga8_ratios.md": (
-        f"examples/results/{BACK_TO_BACK_GA8}",
-        lambda: zero_reviewer_ratios(BACK_TO_BACK_GA8, None),
+        f"examples/results/{BACK_TO_BACK_GA8}, {BACK_TO_BACK_GA8_REPEAT}",
+        lambda: zero_reviewer_ratios(BACK_TO_BACK_GA8, BACK_TO_BACK_GA8_REPEAT),
     ),
     "bench_zero_back_to_back_ga8_levels.md": (
         f"examples/results/{BACK_TO_BACK_GA8}",
@@ -1440,6 +1441,7 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "simulate_validate.md": ("examples/results/simulate_validate.json", validate_table),
     "memorization.md": ("examples/results/memorization.json", memorization_table),
     "bench_samo.md": ("examples/results/bench_samo.json", samo_table),
+    "bench_checkpoint.md": (f"examples/results/{CHECKPOINT_RUN}", checkpoint_table),
     "bench_samo_layout.md": ("examples/results/bench_samo.json", samo_layout_table),
     "architecture_files.md": ("the docstrings of ds_ext/", file_map),
     "architecture_layers.md": (".importlinter", layer_diagram),

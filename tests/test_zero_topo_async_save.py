@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from job_support import free_ports, rank_environment
 
 from ds_ext.local_world import mp_context
 
@@ -342,18 +343,7 @@ VICTIM = 1  # dies with SIGKILL in its writer thread, after writing one file of 
 
 
 def _job(rank, port, tmp):
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(WORLD_SIZE),
-            "LOCAL_SIZE": str(WORLD_SIZE),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "DS_ACCELERATOR": "cpu",
-            "OMP_NUM_THREADS": "1",
-        }
-    )
+    rank_environment(rank, port, WORLD_SIZE)
     out = Path(tmp, f"job.{rank}")
     try:
         import warnings
@@ -403,11 +393,9 @@ def _load_after_kill(tmp):
 
 
 def test_kill_9_during_the_background_write_leaves_the_previous_save(world, tmp_path, capsys):
-    from test_zero_topo_faults import _free_ports
-
     from ds_ext.cli import main
 
-    ctx, port = mp_context(), _free_ports(1)[0]
+    ctx, port = mp_context(), free_ports(1)[0]
     procs = [ctx.Process(target=_job, args=(r, port, str(tmp_path))) for r in range(WORLD_SIZE)]
     for p in procs:
         p.start()

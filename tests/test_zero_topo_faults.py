@@ -14,11 +14,11 @@ import json
 import os
 import re
 import signal
-import socket
 import time
 import traceback
 
 import pytest
+from job_support import free_ports, rank_environment
 
 from ds_ext.local_world import mp_context
 
@@ -47,18 +47,7 @@ def _job(rank, port, tmp, name, kill, resume_from, branch=None, pipeline=False):
     """One rank of a training job; writes its losses (or its error) to ``tmp``. ``pipeline``: a
     PipelineModule of 2 stages (tests/test_zero_topo_pipeline.py) under DeepSpeed's PipelineEngine
     (PP 2 x DP 2), ZeRO-topo's pipeline form, ``train_batch`` over the 2 micro-batches."""
-    os.environ.update(
-        {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(RANKS),
-            "LOCAL_SIZE": str(RANKS),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "DS_ACCELERATOR": "cpu",
-            "OMP_NUM_THREADS": "1",
-        }
-    )
+    rank_environment(rank, port, RANKS)
     out = os.path.join(tmp, f"{name}.{rank}")
     try:
         import warnings
@@ -143,22 +132,10 @@ def _job(rank, port, tmp, name, kill, resume_from, branch=None, pipeline=False):
         os._exit(1)  # as above: no interpreter teardown (a collective's waiter thread may still be in gloo)
 
 
-def _free_ports(n):
-    """``n`` distinct free ports (held open together while chosen)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _start(tmp, name, kill=None, resume_from=None, branch=None, port=None, pipeline=False):
     """Start RANKS processes of one job."""
     ctx = mp_context()  # World's forkserver: each rank starts with torch imported
-    port = port or _free_ports(1)[0]
+    port = port or free_ports(1)[0]
     procs = [
         ctx.Process(target=_job, args=(r, port, tmp, name, kill, resume_from, branch, pipeline)) for r in range(RANKS)
     ]
@@ -212,7 +189,7 @@ def test_kill_9_ends_every_rank_with_a_timeout_error_and_restart_reproduces_the_
     one fails within the timeout, and the restart reproduces the run bit for bit."""
     tmp = str(tmp_path)
     # the uninterrupted run and the one that loses a rank are independent jobs: side by side
-    whole_port, killed_port = _free_ports(2)
+    whole_port, killed_port = free_ports(2)
     (codes, _), (killed_codes, ended) = _wait(
         _start(tmp, "whole", port=whole_port, pipeline=pipeline),
         _start(tmp, "killed", kill=KILL, port=killed_port, pipeline=pipeline),

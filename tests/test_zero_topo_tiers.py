@@ -11,15 +11,24 @@ no copy of rank 2's shard is left: the load falls back to the newest shared save
 and says so in one line.
 
 World: 4 gloo ranks (2 nodes x 1 GPU x 2 GCDs), ZeRO-topo's default quantized preset, bf16; the
-saves synchronous, and with ``async_save`` (the last save written while training goes on).
+saves synchronous, and with ``async_save`` (the last save written while training goes on). And as
+a job loses a node: a job of bare rank processes saves, trains on, and node 1's ranks die with
+SIGKILL (the rest killed by the parent, as the scheduler ends the job); node 1's directory deleted,
+a new job (the module's world: every rank a fresh process) restores bit-exact from the partner copies.
 """
 
+import os
 import shutil
+import signal
+import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from job_support import free_ports, rank_environment
+
+from ds_ext.local_world import mp_context
 
 WORLD_SIZE = 4
 CONFIG = {
@@ -149,6 +158,71 @@ def test_a_lost_node_restores_from_its_partners_copies_bit_exact(world, tmp_path
                 f"on any node: loading the newest shared save from {tmp_path}/shared"
             ]
         )
+
+
+# ---- a node's ranks killed, the job restarted ----------------------------------------------------
+LOST = (2, 3)  # node 1's ranks
+
+
+def _killed_job(rank, port, tmp):
+    """One rank of the job that loses node 1: the saves of ``_lost_node_restore``, two more steps
+    (the reference, written to ``tmp``), then node 1's ranks SIGKILL themselves."""
+    rank_environment(rank, port, WORLD_SIZE)
+    tmp = Path(tmp)
+    try:
+        warnings.filterwarnings("ignore")
+        torch.set_num_threads(1)
+        tiers = {"local_dir": str(tmp / "local" / "node{node}"), "local_every": 1, "shared_every": 2}
+        engine = _engine(tiers)
+        for start in (0, 2, 3):
+            _steps(engine, 2 if start == 0 else 1, start)
+            engine.save_checkpoint(tmp / "shared")
+        torch.save((_steps(engine, 2, 4), _state(engine)), tmp / f"reference.{rank}.pt")
+        (tmp / f"job.{rank}.done").write_text("")
+        if rank in LOST:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(600)  # the parent kills the job
+    except BaseException:
+        import traceback
+
+        (tmp / f"job.{rank}.error").write_text(traceback.format_exc())
+        os._exit(1)
+
+
+def _restart(tmp):
+    import torch.distributed as dist
+
+    tmp = Path(tmp)
+    _lose(tmp / "local" / "node1")
+    engine = _engine({"local_dir": str(tmp / "local" / "node{node}"), "local_every": 1, "shared_every": 2}, seed=7)
+    engine.load_checkpoint(tmp / "shared")
+    step = engine.global_steps
+    restored = _steps(engine, 2, 4), _state(engine)
+    engine.destroy()
+    return step, restored, torch.load(tmp / f"reference.{dist.get_rank()}.pt", weights_only=True)
+
+
+def test_a_job_that_loses_a_node_restarts_from_the_partner_copies(world, tmp_path):
+    from test_zero_topo_async_save import _equal
+
+    port = free_ports(1)[0]
+    procs = [mp_context().Process(target=_killed_job, args=(r, port, str(tmp_path))) for r in range(WORLD_SIZE)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + 240
+    errors = lambda: [p.read_text() for p in tmp_path.glob("job.*.error")]  # noqa: E731
+    while not all(procs[r].exitcode == -signal.SIGKILL for r in LOST) and not errors() and time.time() < deadline:
+        time.sleep(0.1)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
+    assert not errors(), errors()[0]
+    assert all((tmp_path / f"job.{r}.done").exists() for r in range(WORLD_SIZE))
+    assert [procs[r].exitcode for r in LOST] == [-signal.SIGKILL] * len(LOST)
+    for rank, (step, restored, reference) in enumerate(world.run(_restart, str(tmp_path))):
+        assert step == 4  # the local tier's newest save, node 1's shards from node 0's copies
+        _equal(reference, restored, f"rank {rank}")
 
 
 def _refusal():
