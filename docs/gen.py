@@ -1299,9 +1299,13 @@ def readme_with_matrix() -> str:
         "settings: [What combines with\nwhat](docs/composition.md) (this table is generated from it by "
         "`python -m docs.gen`).\n\n" + "\n".join(out) + "\n"
     )
-    readme = (ROOT / "README.md").read_text()
-    a, b = readme.index(MATRIX_START) + len(MATRIX_START), readme.index(MATRIX_END)
-    return readme[:a] + block + readme[b:]
+    return _between((ROOT / "README.md").read_text(), MATRIX_START, MATRIX_END, block)
+
+
+def _between(text: str, start: str, end: str, block: str) -> str:
+    """``text`` with what stands between its markers ``start`` and ``end`` replaced by ``block``."""
+    a, b = text.index(start) + len(start), text.index(end)
+    return text[:a] + block + text[b:]
 
 
 # --------------------------------------------------------------------------- the demo's output
@@ -1339,16 +1343,19 @@ def record_demo() -> None:
     print(f"wrote {DEMO_RUN.relative_to(ROOT)}")
 
 
+def recorded_demo() -> list[str]:
+    """The recorded demo's last lines (``DEMO_RUN`` without its provenance line)."""
+    return [line for line in DEMO_RUN.read_text().splitlines() if not line.startswith("# ")]
+
+
 def demo_output() -> str:
-    """The recorded demo's last lines (``DEMO_RUN``) as a code block."""
-    lines = DEMO_RUN.read_text().splitlines()
-    return "```\n" + "\n".join(line for line in lines if not line.startswith("# ")) + "\n```"
+    """The recorded demo's last lines as a code block."""
+    return "```\n" + "\n".join(recorded_demo()) + "\n```"
 
 
 def readme_with_demo(readme: str) -> str:
     """``readme`` with the recorded demo's last lines between its markers."""
-    a, b = readme.index(DEMO_START) + len(DEMO_START), readme.index(DEMO_END)
-    return readme[:a] + "\n" + demo_output() + "\n" + readme[b:]
+    return _between(readme, DEMO_START, DEMO_END, "\n" + demo_output() + "\n")
 
 
 SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {

@@ -1,7 +1,8 @@
 """``ds-ext bench checkpoint --quick`` end to end (8 CPU ranks, 2 emulated nodes x 2 GPUs x 2 GCDs):
 every variant's steps are timed, the local tier's partner copies hold every byte of the nodes' own
 files (each node's files copied whole to the other), a tiered shared save holds what the two nodes'
-own local files hold, every variant's shared save about the same bytes, and a lost node is restored from the partner tier at the newest step."""
+own local files hold, every variant's shared save about the same bytes, and a lost node is
+restored from the partner tier at the newest step."""
 
 import argparse
 import json

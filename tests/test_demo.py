@@ -28,7 +28,7 @@ def _fixed(lines: list[str]) -> list[str]:
 
 
 def test_the_readme_demo_prints_the_recorded_lines():
-    recorded = [line for line in gen.DEMO_RUN.read_text().splitlines() if not line.startswith("# ")]
+    recorded = gen.recorded_demo()
     command = [*gen.DEMO_COMMAND[:-1], "3"]  # --steps 3
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

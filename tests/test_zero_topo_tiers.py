@@ -84,6 +84,11 @@ def _state(engine):
     return {"slices": shard["slices"], "segments": shard["segments"], "module": module, "step": engine.global_steps}
 
 
+def _tiers(tmp: Path) -> dict:
+    """The tiers of every job here: local every save, shared every second, under ``tmp``."""
+    return {"local_dir": str(tmp / "local" / "node{node}"), "local_every": 1, "shared_every": 2}
+
+
 def _lose(path: Path) -> None:
     import torch.distributed as dist
 
@@ -95,8 +100,7 @@ def _lose(path: Path) -> None:
 
 def _lost_node_restore(tmp, async_save):
     tmp = Path(tmp)
-    shared, local = tmp / "shared", tmp / "local"
-    tiers = {"local_dir": str(local / "node{node}"), "local_every": 1, "shared_every": 2}
+    shared, local, tiers = tmp / "shared", tmp / "local", _tiers(tmp)
 
     engine = _engine(tiers, async_save=async_save)
     for start in (0, 2, 3):  # saves after global steps 2 (local), 3 (local and shared) and 4 (local)
@@ -172,8 +176,7 @@ def _killed_job(rank, port, tmp):
     try:
         warnings.filterwarnings("ignore")
         torch.set_num_threads(1)
-        tiers = {"local_dir": str(tmp / "local" / "node{node}"), "local_every": 1, "shared_every": 2}
-        engine = _engine(tiers)
+        engine = _engine(_tiers(tmp))
         for start in (0, 2, 3):
             _steps(engine, 2 if start == 0 else 1, start)
             engine.save_checkpoint(tmp / "shared")
@@ -194,7 +197,7 @@ def _restart(tmp):
 
     tmp = Path(tmp)
     _lose(tmp / "local" / "node1")
-    engine = _engine({"local_dir": str(tmp / "local" / "node{node}"), "local_every": 1, "shared_every": 2}, seed=7)
+    engine = _engine(_tiers(tmp), seed=7)
     engine.load_checkpoint(tmp / "shared")
     step = engine.global_steps
     restored = _steps(engine, 2, 4), _state(engine)

@@ -408,7 +408,7 @@ def _step(t: _Tally, plan: ShardingPlan, U: int, e: int) -> None:
         levels = list(c.levels)
         d = _group_size(plan, levels)
         quantized = c.bits == 8  # int8 all-gather: payload + scales
-        nbytes = sum(_wire(x, 8, B)) if quantized else x * e
+        nbytes = sum(_wire(x, c.bits, B)) if quantized else x * e
         t.add(
             "step", _level(plan, levels), nbytes * (d - 1), 2 if quantized else 1, op="all_gather", d=d, levels=levels
         )
