@@ -6,9 +6,10 @@ second save), training on past the last save. Then node 1 is lost: its engines a
 engines destroyed, as a restarted job starts new ones in the same world) and its local directory
 deleted. The restarted job loads from the shared directory's path: the newest save is the local
 tier's, node 1's shards come from node 0's partner copies, and the two steps after it give the
-uninterrupted run's losses and every rank's state bit for bit. With node 1 lost again and node 0's copy of rank 2's shard gone,
-no copy of rank 2's shard is left: the load falls back to the newest shared save, an older one,
-and says so in one line.
+uninterrupted run's losses and every rank's state bit for bit. Each node keeps its two newest local
+saves (``keep_local``'s default). With node 1 lost again and node 0's copy of rank 2's newest shard
+gone, the older local save is loaded, bit-exact, saying why in one line; with that save's copy gone
+too, the load falls back to the newest shared save and says so in one line.
 
 World: 4 gloo ranks (2 nodes x 1 GPU x 2 GCDs), ZeRO-topo's default quantized preset, bf16; the
 saves synchronous, and with ``async_save`` (the last save written while training goes on). And as
@@ -106,6 +107,8 @@ def _lost_node_restore(tmp, async_save):
     for start in (0, 2, 3):  # saves after global steps 2 (local), 3 (local and shared) and 4 (local)
         _steps(engine, 2 if start == 0 else 1, start)
         engine.save_checkpoint(shared)
+        if start == 2:
+            at_step3 = _state(engine)
     reference = _steps(engine, 2, 4), _state(engine)  # the last save is written beside these steps
     if async_save:
         engine.ds_ext.plugin("zero_topo").checkpoints.background.wait()
@@ -126,16 +129,19 @@ def _lost_node_restore(tmp, async_save):
     refetched = sorted(p.name for p in (local / "node1" / "global_step4").rglob("*.pt"))
     engine.destroy()
 
-    _lose(local / "node1")  # lost again, and node 0's copy of rank 2's shard with it
-    _lose(local / "node0" / "global_step4" / "ds_ext_zero_topo_rank00002.pt")
-    engine = _engine(tiers, seed=99, async_save=async_save)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        engine.load_checkpoint(shared)
-    fallback_step = engine.global_steps
-    engine.destroy()
-    said = [str(w.message) for w in caught if "checkpoint_tiers" in str(w.message)]
-    return layout, tiers_seen, reference, restored_step, restored, refetched, fallback_step, said
+    fallbacks = []
+    for tag in ("global_step4", "global_step3"):  # node 1 lost again, and node 0's copy of rank 2's shard of tag
+        _lose(local / "node1")
+        _lose(local / "node0" / tag / "ds_ext_zero_topo_rank00002.pt")
+        engine = _engine(tiers, seed=99, async_save=async_save)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine.load_checkpoint(shared)
+        state = _state(engine)
+        engine.destroy()
+        said = [str(w.message) for w in caught if "checkpoint_tiers" in str(w.message)]
+        fallbacks.append((state, said))
+    return layout, tiers_seen, reference, restored_step, restored, refetched, at_step3, fallbacks
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -144,22 +150,30 @@ def test_a_lost_node_restores_from_its_partners_copies_bit_exact(world, tmp_path
 
     results = world.run(_lost_node_restore, str(tmp_path), async_save)
     shards = [f"ds_ext_zero_topo_rank{r:05d}.pt" for r in range(4)]
-    for rank, (layout, seen, reference, step, restored, refetched, fallback_step, said) in enumerate(results):
+    for rank, (layout, seen, reference, step, restored, refetched, at_step3, fallbacks) in enumerate(results):
         # each node holds its own ranks' files and its partner node's (DeepSpeed's file is rank 0's)
         assert layout["node0"] == sorted(["mp_rank_00_model_states.pt", *shards])
         assert layout["node1"] == sorted(["mp_rank_00_model_states.pt", *shards])
-        assert seen == (["global_step3", "latest"], ["global_step2", "global_step3", "global_step4", "latest"])
+        # keep_local 2 (the default): the save after step 2 was removed when step 4's was published
+        assert seen == (["global_step3", "latest"], ["global_step3", "global_step4", "latest"])
         assert step == 4  # the local tier's save, newer than the shared one
         _equal(reference, restored, f"rank {rank}")
         assert "ds_ext_zero_topo_rank00002.pt" in refetched and "ds_ext_zero_topo_rank00003.pt" in refetched
-        assert fallback_step == 3  # the newest shared save
-        assert (
-            said == []
+        (older, said_older), (shared, said_shared) = fallbacks
+        lost4 = "the local save global_step4 has no copy of ds_ext_zero_topo_rank00002.pt on any node"
+        # step 4's rank-2 shard lost everywhere: the older local save, node 1's files from node 0's copies
+        _equal(at_step3, older, f"rank {rank}, the older local save")
+        assert said_older == (
+            [] if rank else [f"ds_ext.zero_topo.checkpoint_tiers: {lost4}: loading the older local save global_step3"]
+        )
+        # step 3's lost too: no local save is whole, the newest shared save (step 3) is loaded
+        _equal(at_step3, shared, f"rank {rank}, the shared save")
+        assert said_shared == (
+            []
             if rank
-            else said
-            == [
-                "ds_ext.zero_topo.checkpoint_tiers: the local save global_step4 has no copy of ds_ext_zero_topo_rank00002.pt "
-                f"on any node: loading the newest shared save from {tmp_path}/shared"
+            else [
+                f"ds_ext.zero_topo.checkpoint_tiers: {lost4}, nor has an older local save every file: loading the "
+                f"newest shared save from {tmp_path}/shared"
             ]
         )
 

@@ -185,10 +185,12 @@ class CheckpointIO:
         optimizer_states = load_optimizer_states and not load_module_only
         restore = None
         if self.tiers is not None:
-            restore, why = self.tiers.choose(tag)
+            restore, why = self.tiers.choose(tag, Path(load_dir))
             if restore is None:
                 log.warn(f"{support.KEY}.checkpoint_tiers: {why}: loading the newest shared save from {load_dir}")
             else:
+                if why:
+                    log.warn(f"{support.KEY}.checkpoint_tiers: {why}")
                 self.tiers.fill_common(restore)
                 load_dir, tag = self.tiers.local_dir(), restore.tag
         if tag is None and not ckpt.agree_present(Path(load_dir) / ckpt.LATEST, f"loading checkpoint from {load_dir}"):

@@ -103,6 +103,14 @@ class CheckpointTiersConfig(ConfigSection):
         "local_every, so a shared save is a local one too and the local tier holds the newest save.",
     )
 
+    keep_local: int | None = Field(
+        2,
+        ge=1,
+        description="Each node keeps its newest this many local saves and removes older ones after a save (never "
+        "the one 'latest' names); null keeps every save. Default 2: node-local NVMe is small, and the save before "
+        "the newest is what a restore loads when a file of the newest has no copy left on any node.",
+    )
+
     @model_validator(mode="after")
     def _shared_is_local(self) -> "CheckpointTiersConfig":
         if self.shared_every % self.local_every:
@@ -192,7 +200,8 @@ class ZeroTopoConfig(PluginConfig):
         description="Two checkpoint tiers: save k goes to each node's local_dir (every local_every saves; each "
         "rank's files also copied to the rank at its place on the next node) and to save_dir (every shared_every "
         "saves); load_checkpoint(save_dir) loads the newest local save the nodes hold whole (a lost node's files "
-        "from its partner's copies), else the newest shared save, saying so. Needs 2 or more nodes; with "
+        "from its partner's copies; an older local one, saying so, when the newest lost a file), else the newest "
+        "shared save, saying so. Needs 2 or more nodes; with "
         "async_save both are written in the background. Default none: every save to save_dir.",
     )
     quantization_groups: Literal["per_parameter", "packed"] = Field(

@@ -13,15 +13,21 @@ rank writes its files (its ZeRO-topo shards and the files DeepSpeed writes on it
 (n + 1) mod N, which writes them into its own node's staging directory; the ranks agree; the first
 rank of each node writes the manifest (every file of the save and the rank that wrote it), renames
 the staging directory to T and writes ``latest``; the ranks agree again. A crash before that leaves
-each node's ``latest`` at its previous complete save.
+each node's ``latest`` at its previous complete save. Then the node's first rank removes its
+oldest local saves beyond ``keep_local`` (node-local NVMe is small: Frontier's is 2 x 1.92 TB per
+node), never the one ``latest`` names.
 
-**Load** (``load_checkpoint`` of the shared directory): the ranks all-gather each node's newest local
-save and the files of it the node holds (present, CRC-checked); the newest save whose every file
-has a copy on some node is loaded from the local tier: each node first fetches DeepSpeed's files
+**Load** (``load_checkpoint`` of the shared directory): the ranks all-gather every local save each
+node has published (up to its ``latest``) and the shared directory's ``latest``; newest first, down
+to the save the shared ``latest`` names, the first save whose every file has a copy (present,
+CRC-checked) on some node is loaded from the local tier: each node first fetches DeepSpeed's files
 and the manifest it lacks, then, round by round, every ZeRO-topo shard its ranks' load asks for and
 its node lacks (a lost node's shards come from its partner's copies, the rest from its own
-directory), each from the first node holding it. A local save with a file on no node falls back to
-the newest shared save, with one line saying so.
+directory), each from the first node holding it. An older local save than the newest is loaded
+with one line naming the newest's lost file; when none is whole, the newest shared save is loaded,
+with one line saying so. (The walk stops at the shared ``latest``'s save: a shared save is a local
+one too, so every local save older than it is older than the shared one. A shared save no local
+manifest names, e.g. from another job, is not ordered against them and the walk goes on.)
 
 Every collective of the tiers (agreements, transfers) runs on a gloo group of their own
 (:func:`ds_ext.zero_topo.async_save.agreement_group`), so that with ``async_save`` the save's part
@@ -40,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_ext import log
 from ds_ext.topology import Topology
 from ds_ext.zero_topo import checkpoint as ckpt
 
@@ -53,6 +60,14 @@ def node_ranks(topology: Topology) -> list[list[int]]:
     if len(topology.level_names) < 2:
         return [list(range(topology.world_size))]
     return [list(g) for g in topology.span_groups(topology.level_names[-2])]
+
+
+def _read_latest(directory: Path) -> str | None:
+    """The tag ``directory/latest`` names, or None."""
+    try:
+        return (directory / ckpt.LATEST).read_text().strip()
+    except OSError:
+        return None
 
 
 def _is_shard(rel: str) -> bool:
@@ -195,38 +210,79 @@ class Tiers:
                 ckpt.publish(self.local_dir(), tag, True)
             except OSError as err:
                 error = f"cannot publish {self.local_dir() / tag}: {err}"
+            else:
+                self._rotate(tag)
         ckpt.agree(error, what, self.group)
 
+    def _rotate(self, newest: str) -> None:
+        """The node's first rank, after publishing ``newest``: remove the node's oldest local saves
+        beyond ``keep_local``. A save that cannot be removed is reported in one line and training
+        goes on (the new save is published; the old one only takes space)."""
+        keep = self.config.keep_local
+        if keep is None:
+            return
+        saves = sorted(self._published(), key=lambda m: m["step"], reverse=True)
+        old = [m["tag"] for m in saves if m["tag"] != newest][keep - 1 :]
+        for tag in old:
+            try:
+                shutil.rmtree(self.local_dir() / tag)
+            except OSError as err:
+                log.warn(f"checkpoint_tiers.keep_local {keep}: cannot remove {self.local_dir() / tag}: {err}")
+
     # ---- load ------------------------------------------------------------------------
-    def _manifest(self, tag: str | None) -> dict | None:
+    def _published(self) -> list[dict]:
+        """The manifests of the node's published local saves (tag directories holding their
+        manifest; staging directories are hidden), up to the step of the one ``latest`` names
+        (a newer one was published by a save whose agreement did not complete)."""
         local = self.local_dir()
-        if tag is None:
-            latest = local / ckpt.LATEST
-            if not latest.is_file():
-                return None
-            tag = latest.read_text().strip()
+        if not local.is_dir():
+            return []
+        found = []
+        for d in local.iterdir():
+            if d.name.startswith(".") or not d.is_dir():
+                continue
+            try:
+                manifest = json.loads((d / MANIFEST).read_text())
+            except (OSError, ValueError):
+                continue
+            if manifest.get("tag") == d.name:
+                found.append(manifest)
+        latest = _read_latest(local)
+        top = next((m["step"] for m in found if m["tag"] == latest), None)
+        return [m for m in found if top is not None and m["step"] <= top]
+
+    def _manifest(self, tag: str) -> dict | None:
         try:
-            return json.loads((local / tag / MANIFEST).read_text())
+            return json.loads((self.local_dir() / tag / MANIFEST).read_text())
         except (OSError, ValueError):
             return None
 
-    def choose(self, tag: str | None) -> tuple[Restore | None, str]:
-        """Collective: the newest local save (or ``tag``) that the nodes together hold whole, or
-        None and the reason."""
-        seen: list[dict | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, self._manifest(tag), group=self.group)
-        manifests = [m for m in seen if m is not None and m["world_size"] == dist.get_world_size()]
-        if not manifests:
+    def choose(self, tag: str | None, shared_dir: Path) -> tuple[Restore | None, str]:
+        """Collective: ``tag``'s local save, or the newest local save the nodes together hold
+        whole (module docstring: at most as old as the shared ``latest``'s), or None; and the line
+        to say (empty when the newest is loaded)."""
+        world = dist.get_world_size()
+        seen: list[tuple[list[dict], str | None]] = [([], None)] * world
+        mine = [m for m in [self._manifest(tag)] if m is not None] if tag is not None else self._published()
+        dist.all_gather_object(seen, (mine, _read_latest(Path(shared_dir))), group=self.group)
+        by_tag = {m["tag"]: m for saves, _ in seen for m in saves if m["world_size"] == world}
+        if not by_tag:
             return None, "no node holds a local save" + ("" if tag is None else f" {tag}")
-        newest = max(manifests, key=lambda m: m["step"])
-        rels = sorted(newest["files"]) + [MANIFEST]
-        held: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(held, _held(self.local_dir() / newest["tag"], rels), group=self.group)
-        holders = {rel: [n for n, ranks in enumerate(self.nodes) if rel in held[ranks[0]]] for rel in rels}
-        lost = [rel for rel in rels if not holders[rel]]
-        if lost:
-            return None, f"the local save {newest['tag']} has no copy of {lost[0]} on any node"
-        return Restore(newest["tag"], dict(newest["files"]), holders), ""
+        shared = seen[0][1]
+        first_lost = ""
+        for manifest in sorted(by_tag.values(), key=lambda m: m["step"], reverse=True):
+            rels = sorted(manifest["files"]) + [MANIFEST]
+            held: list[list[str]] = [[] for _ in range(world)]
+            dist.all_gather_object(held, _held(self.local_dir() / manifest["tag"], rels), group=self.group)
+            holders = {rel: [n for n, ranks in enumerate(self.nodes) if rel in held[ranks[0]]] for rel in rels}
+            lost = [rel for rel in rels if not holders[rel]]
+            if not lost:
+                said = f"{first_lost}: loading the older local save {manifest['tag']}" if first_lost else ""
+                return Restore(manifest["tag"], dict(manifest["files"]), holders), said
+            first_lost = first_lost or f"the local save {manifest['tag']} has no copy of {lost[0]} on any node"
+            if manifest["tag"] == shared:
+                break
+        return None, first_lost + ("" if len(by_tag) == 1 else ", nor has an older local save every file")
 
     def _transfer(self, wants: list[tuple[int, str]], restore: Restore) -> None:
         """Collective: for each (node, relative path), in order, the first rank of the first node
