@@ -204,6 +204,11 @@ class TEDGroups(ProcessGroups):
         """tensor x expert-data: the holders of an expert kept whole on every tensor rank."""
         return self.groups["expert_replicas"]
 
+    @property
+    def pipeline(self) -> Optional["ProcessGroup"]:
+        """The ranks at this rank's place in every pipeline stage (None without a PipelineEngine)."""
+        return self.groups.get("pipeline")
+
 
 class GridGroups(ProcessGroups):
     """3D-PMM's groups by name (001 §5.1.2); ``x``, ``y``, ``z`` are None at degree 1."""

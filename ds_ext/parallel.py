@@ -206,12 +206,15 @@ class TEDLayout(Layout):
     ``data`` is the non-expert data-parallel group (expert x expert-data axes);
     ``expert_replicas`` (tensor x expert-data axes) holds the ranks of one expert rank, which
     reduce the gradients of experts kept whole on every tensor rank (DeepSpeed's
-    ``enable_expert_tensor_parallelism=False``; auxiliary).
+    ``enable_expert_tensor_parallelism=False``; auxiliary). ``pipeline``: the stages of a
+    DeepSpeed PipelineEngine, the outermost axis (DeepSpeed's ``PipeModelDataParallelTopology``
+    and Megatron order pipe outside data outside model), so Eq 7.1 holds per stage:
+    G_tensor x G_expert x G_data^exp x G_pipe = G; the axis and its group exist from 2 stages on.
     """
 
     NAME: ClassVar[str] = "TED"
     AUXILIARY: ClassVar[frozenset[str]] = frozenset({"expert_replicas"})
-    GROUPS: ClassVar[Mapping[str, tuple[str, ...]]] = {
+    STAGE_GROUPS: ClassVar[Mapping[str, tuple[str, ...]]] = {
         "tensor": ("tensor",),
         "expert": ("expert",),
         "expert_data": ("expert_data",),
@@ -221,18 +224,31 @@ class TEDLayout(Layout):
 
     parallel_dims: ParallelDims
 
+    @property
+    def GROUPS(self) -> Mapping[str, tuple[str, ...]]:  # type: ignore[override]
+        """The groups of one stage (``STAGE_GROUPS``), and ``pipeline`` over 2 or more stages."""
+        return {**self.STAGE_GROUPS, "pipeline": ("pipeline",)} if self.pipeline > 1 else self.STAGE_GROUPS
+
     @classmethod
-    def build(cls, world_size: int, tensor: int, expert: int, expert_data: int | None = None) -> "TEDLayout":
-        """Check Eq 7.1 for ``world_size`` ranks; ``expert_data=None`` infers G_data^exp."""
-        return cls(
-            ParallelDims.build(
-                (("tensor", tensor), ("expert", expert), ("expert_data", expert_data)),
-                world_size,
-                "ds_ext.ted",
-                keys={"tensor": "tensor_parallel", "expert": "expert_parallel", "expert_data": "expert_data_parallel"},
-                note=" (Eq 7.1: G_tensor x G_expert x G_data^exp = G)",
-            )
+    def build(
+        cls, world_size: int, tensor: int, expert: int, expert_data: int | None = None, pipeline: int = 1
+    ) -> "TEDLayout":
+        """Check Eq 7.1 for ``world_size`` ranks over ``pipeline`` stages (the ranks of one stage;
+        a PipelineModule's grid divides the world); ``expert_data=None`` infers G_data^exp."""
+        stage = ParallelDims.build(
+            (("tensor", tensor), ("expert", expert), ("expert_data", expert_data)),
+            world_size // pipeline,
+            "ds_ext.ted",
+            keys={"tensor": "tensor_parallel", "expert": "expert_parallel", "expert_data": "expert_data_parallel"},
+            note=" (Eq 7.1: G_tensor x G_expert x G_data^exp = G)"
+            + ("" if pipeline == 1 else f", the ranks of one of {pipeline} pipeline stages"),
         )
+        return cls(stage if pipeline == 1 else ParallelDims((*stage.axes, ("pipeline", pipeline))))
+
+    @property
+    def pipeline(self) -> int:
+        """Pipeline stages (1: no PipelineEngine)."""
+        return self.parallel_dims.size("pipeline") if "pipeline" in self.parallel_dims.names else 1
 
     @property
     def tensor(self) -> int:
@@ -385,6 +401,7 @@ class JobLayout(Layout):
         return cls(
             layout.parallel_dims,
             tensor_axes=g["tensor"],
+            pipeline_axes=g.get("pipeline", ()),
             data_axes=g["data"],
             expert_axes=g.get("expert", ()),
             expert_data_axes=expert_data,

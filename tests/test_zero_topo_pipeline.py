@@ -364,7 +364,7 @@ def _refused(case):
     block = {
         "weights_set": {"zero_topo": {"enabled": True, "weights": {"level": "gcd"}}},
         "pipeline_form_plain_model": {"zero_topo": {"enabled": True, "form": "pipeline"}},
-        "ted": {"ted": {"enabled": True, "tensor_parallel": 1, "expert_parallel": 2}},
+        "ted": {"ted": {"enabled": True, "tensor_parallel": 2, "expert_parallel": 2}},
         "pmm3d": {"pmm3d": {"enabled": True, "grid": {"x": 2, "y": 1, "z": 1, "data": 4}}},
     }[case]
     cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "ds_ext": {"topology": TOPOLOGY, **block}}
@@ -395,9 +395,8 @@ def _refused(case):
         ),
         (
             "ted",
-            "ds_ext.ted: with a deepspeed.pipe.PipelineModule: TED's layout (tensor x expert x expert-data) spans the "
-            "whole world and has no pipeline axis; allowed: a plain nn.Module (Megatron-DeepSpeed: "
-            "--no-pipeline-parallel; GPT-NeoX: pipe_parallel_size 0)",
+            "ds_ext.ted: tensor_parallel is 2 but the PipelineModule's topology has tensor (model) parallel 1; "
+            "allowed: 1",
         ),
         (
             "pmm3d",
@@ -408,7 +407,8 @@ def _refused(case):
     ],
 )
 def test_settings_refused_in_one_line_on_the_pipeline_engine(world, case, expected):
-    """Pipeline-form settings it has no use for, the form asked for without a PipelineModule, and
-    TED / 3D-PMM (no pipeline axis in their layouts) with one: one line on every rank."""
+    """Pipeline-form settings it has no use for, the form asked for without a PipelineModule, TED
+    with a tensor degree the PipelineModule's topology does not have, and 3D-PMM (no pipeline axis in
+    its grid) with one: one line on every rank."""
     for msg in world.run(_refused, case):
         assert msg == expected

@@ -10,9 +10,11 @@ replicated or split there according to its kind:
   expert (``allreduce=False``), whole            T                     1 / T
   expert, tensor-parallel                        1                     1
 
-Each rank sums weight x ||g||^2 over its parameters; an all-reduce over the tensor group and
-then one over the expert group give every rank ||g||^2 of the whole model, each parameter
-counted once (after data-parallel averaging every data replica holds the same gradients).
+Each rank sums weight x ||g||^2 over its parameters; an all-reduce over the tensor group, one
+over the expert group and, on a PipelineEngine, one over the pipeline stages give every rank
+||g||^2 of the whole model, each parameter counted once (after data-parallel averaging every
+data replica holds the same gradients; a tied weight's copy on a later stage, DeepSpeed's
+``ds_pipe_replicated``, is left out).
 DeepSpeed's stage-0 clipping (``clip_grad_norm_`` with the mpu) cannot weigh expert
 parameters this way, so the ``ted`` plugin clips with :func:`clip_` instead.
 """
@@ -36,13 +38,17 @@ def _weight(p: torch.nn.Parameter, T: int, P: int) -> float:
 def global_grad_norm(params: Iterable[torch.nn.Parameter], ted: TEDContext) -> torch.Tensor:
     """||g||_2 over the whole model (module docstring); collective over the T x P block."""
     T, P = ted.layout.tensor, ted.layout.expert
-    grads = [(p.grad.detach(), _weight(p, T, P)) for p in params if p.grad is not None]
+    grads = [
+        (p.grad.detach(), _weight(p, T, P))
+        for p in params
+        if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)
+    ]
     total = torch.zeros(1, dtype=torch.float32, device=grads[0][0].device if grads else None)
     for g, w in grads:
         total += w * g.float().pow(2).sum()
-    for kind in ("tensor", "expert"):
-        if ted.comm.size(ted.groups[kind]) > 1:
-            ted.comm.all_reduce(total, group=ted.groups[kind])
+    for group in (ted.groups.tensor, ted.groups.expert, ted.groups.pipeline):
+        if group is not None and ted.comm.size(group) > 1:
+            ted.comm.all_reduce(total, group=group)
     return total.sqrt()[0]
 
 

@@ -8,6 +8,12 @@
 * ``attach``, ZeRO stage 0 with clipping (Megatron-DeepSpeed's MoE example, fp32): DeepSpeed's
   stage-0 clipping averages per-rank norms, not the global norm once experts differ per rank,
   so the engine clips by the true global norm of :mod:`ds_ext.moe.grad_norm` instead;
+* on a ``deepspeed.pipe.PipelineModule`` (DeepSpeed's PipelineEngine, Megatron-DeepSpeed's
+  ``GPTModelPipe`` with ``--num-experts``): the layout gains the stages as its outermost axis (Eq 7.1
+  per stage), the grid's tensor degree must be the block's, pipe / grad partitioning at tensor
+  parallel > 1 is refused as the client refuses it, the gates are indexed model-wide, the global
+  norm sums over the stages and the CAC tapes are cleared at each ``train_batch`` / ``eval_batch``;
+  the grid stays DeepSpeed's mpu (its groups are TED's tensor and data groups);
 * ``mpu``: the tensor group as DeepSpeed's model-parallel group, the non-expert data group as
   its data group; ``TEDMoE.set_deepspeed_parallelism`` registers the expert / expert-data
   groups, so DeepSpeed reduces non-expert gradients over G_data^nonexp and expert gradients
@@ -27,14 +33,16 @@ from typing import Any
 import torch
 from deepspeed.moe.utils import is_moe_param
 
+from ds_ext.comm import backend_device
 from ds_ext.errors import DsExtConfigError
 from ds_ext.moe.config import TEDConfig
 from ds_ext.moe.context import TEDContext
 from ds_ext.mpu import MegatronMPU
-from ds_ext.parallel import GroupError, JobLayout, TEDLayout
+from ds_ext.parallel import GroupError, JobLayout, TEDLayout, member_group
 from ds_ext.plugin import Plugin
 
 KEY = "ds_ext.ted"
+_GRID_GROUPS = ("tensor", "data", "pipeline")  # what a PipelineModule's grid and TED's layout share
 DRAWS_KEY = "ds_ext_ted_gate_draws"
 
 
@@ -105,6 +113,29 @@ def _whole_experts(layout: TEDLayout, layers: list[tuple[str, Any]], beside_zero
     return any(whole.values())
 
 
+def _check_pipeline(job: JobLayout, tensor: int, ds_config: dict) -> int:
+    """A PipelineModule's stages for TED's layout: its tensor degree must be the block's, and at
+    tensor parallel > 1 its pipe / grad partitioning off (Megatron-DeepSpeed's GPTModelPipe refuses
+    them for MoE at PP > 1 with TP > 1: two tensors that need gradients cross each stage boundary;
+    DeepSpeed's default is on)."""
+    stages, grid_tensor = job.degree("pipeline"), job.degree("tensor")
+    if grid_tensor != tensor:
+        _refuse(
+            f"tensor_parallel is {tensor} but the PipelineModule's topology has tensor (model) parallel "
+            f"{grid_tensor}; allowed: {grid_tensor}"
+        )
+    pipeline = ds_config.get("pipeline") or {}
+    on = [k for k in ("pipe_partitioned", "grad_partitioned") if pipeline.get(k, True)]
+    if stages > 1 and tensor > 1 and on:
+        default = "" if on[0] in pipeline else " (DeepSpeed's default)"
+        _refuse(
+            f"pipeline.{on[0]} true{default} with {stages} pipeline stages and tensor_parallel "
+            f"{tensor}: Megatron-DeepSpeed refuses pipe / grad partitioning for MoE models there; allowed: "
+            '"pipeline": {"pipe_partitioned": false, "grad_partitioned": false}'
+        )
+    return stages
+
+
 class TEDPlugin(Plugin):
     """TED as a ds_ext plugin (see module docstring)."""
 
@@ -113,24 +144,28 @@ class TEDPlugin(Plugin):
     builds_model_parallel = True  # G_tensor, G_expert and the data groups (mpu)
 
     ted: TEDContext
+    pipelined: bool  # the model is a PipelineModule (DeepSpeed's PipelineEngine)
     whole_experts: bool  # experts whole on every tensor rank beside tensor parallelism (see _whole_experts)
 
-    def check(self, model: Any) -> None:
-        """Refuse a PipelineModule: TED's layout has no pipeline axis."""
+    def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
+        """Build TED's layout (tensor x expert x expert-data, 001 §7.1; on a PipelineModule per
+        stage, the stages outermost) and its context, check every ``TEDMoE`` layer against the block
+        and bind the layers to it."""
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
 
-        ds_engine.refuse_pipeline_module(model, f"{KEY}:", "TED's layout (tensor x expert x expert-data)")
-
-    def prepare(self, model: Any, optimizer: Any, ds_config: dict) -> tuple[Any, Any, dict]:
-        """Build TED's layout (tensor x expert x expert-data, 001 §7.1) and its context, check every
-        ``TEDMoE`` layer against the block and bind the layers to it."""
         cfg, rt = self.config, self.runtime
         _check_ds_config(ds_config, rt.step_owner())
+        self.pipelined = ds_engine.pipeline_grid(model) is not None
+        stages = _check_pipeline(rt.parallel, cfg.tensor_parallel, ds_config) if self.pipelined else 1
         try:
             layout = TEDLayout.build(
-                rt.topology.world_size, cfg.tensor_parallel, cfg.expert_parallel, cfg.expert_data_parallel
+                rt.topology.world_size, cfg.tensor_parallel, cfg.expert_parallel, cfg.expert_data_parallel, stages
             )
             layout.check_placement(rt.topology)
+            if self.pipelined:  # the grid stays DeepSpeed's mpu: its groups must be TED's
+                rt.parallel.check_groups(
+                    rt.rank, {g: member_group(layout.partition(g), rt.rank) for g in layout.GROUPS if g in _GRID_GROUPS}
+                )
         except GroupError as err:
             raise DsExtConfigError(str(err)) from None
         layers = self._layers(model, layout)
@@ -145,7 +180,8 @@ class TEDPlugin(Plugin):
             cfg.cac_stash == "lean",
         )
         zero_partitions = (ds_config.get("zero_optimization") or {}).get("stage", 0) > 0
-        for index, (_, module) in enumerate(layers):
+        first = self._first_layer_index(len(layers))
+        for index, (_, module) in enumerate(layers, start=first):
             module.ted_bind(self.ted, index)
             if zero_partitions and hasattr(module, "count_zero_partitions"):
                 module.count_zero_partitions()
@@ -187,9 +223,23 @@ class TEDPlugin(Plugin):
                     _refuse(f"{key} is {want} but layer {name} has {got}")
         return [(n, m) for n, m in modules if hasattr(m, "ted_bind")]
 
-    def mpu(self) -> MegatronMPU:
-        """The Megatron-style mpu over TED's tensor and data groups."""
-        return self.ted.mpu()
+    def _first_layer_index(self, count: int) -> int:
+        """The model-wide index of this rank's first TED-bound layer: on a PipelineEngine the
+        layers of the earlier stages come first (each layer's gate seeds from its index, as in the
+        unpipelined model); collective over the pipeline group."""
+        group = self.ted.groups.pipeline
+        if group is None:
+            return 0
+        counts = torch.zeros(self.ted.layout.pipeline, dtype=torch.int64, device=backend_device(group))
+        stage = self.ted.layout.coords(self.ted.rank)["pipeline"]
+        counts[stage] = count
+        self.ted.comm.all_reduce(counts, group=group)
+        return int(counts[:stage].sum())
+
+    def mpu(self) -> MegatronMPU | None:
+        """The Megatron-style mpu over TED's tensor and data groups; None on a PipelineEngine, whose
+        mpu is the PipelineModule's grid (the same groups, checked in ``prepare``)."""
+        return None if self.pipelined else self.ted.mpu()
 
     def job_layout(self) -> JobLayout:
         """The job's parallel view of TED's layout."""
@@ -219,6 +269,16 @@ class TEDPlugin(Plugin):
             return forward(*args, **kwargs)
 
         engine.forward = forward_with_fresh_tapes
+        if self.pipelined:  # a PipelineEngine runs its forwards inside train_batch / eval_batch
+            for name in ("train_batch", "eval_batch"):
+                run = getattr(engine, name)
+
+                @functools.wraps(run)
+                def batch_with_fresh_tapes(*args, _run=run, **kwargs):
+                    clear_tapes(layers)
+                    return _run(*args, **kwargs)
+
+                setattr(engine, name, batch_with_fresh_tapes)
         destroy = engine.destroy
         names = {m.expert_group_name for m in layers if isinstance(m, TEDMoE)}
 
