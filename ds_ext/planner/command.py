@@ -86,6 +86,13 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--grad-accum", type=int, default=None, help="micro-steps per step (default: recipe, else fewest that fit)"
     )
     p.add_argument("--families", nargs="+", default=None, help="plan families to enumerate (default: all)")
+    p.add_argument(
+        "--sparsity",
+        type=float,
+        default=None,
+        help="the model is pruned by this fraction in [0, 1) and trained with SAMO (001 ch. 4): the megatron "
+        "family adds each TP-1 layout's SAMO form",
+    )
     p.add_argument("--top-k", type=int, default=5, help="3D-PMM grids shown in full (the others are listed)")
     p.add_argument("--out", default=None, help="write JSON here and a PNG next to it")
 
@@ -150,7 +157,7 @@ def run_plan(ns: argparse.Namespace) -> int:
     batch = ns.global_batch if ns.global_batch is not None else (ds.batch(world_hint) if ds else None)
     accum = ns.grad_accum if ns.grad_accum is not None else (ds.grad_accum if ds else None)
     source = "--global-batch" if ns.global_batch is not None else f"--ds-config {ns.ds_config}"
-    job = plan.make_job(arch, machine, ns.nodes, batch, accum, ds.elem_bytes if ds else 2, source)
+    job = plan.make_job(arch, machine, ns.nodes, batch, accum, ds.elem_bytes if ds else 2, source, ns.sparsity)
     if ds:
         from dataclasses import replace
 

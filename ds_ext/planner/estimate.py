@@ -56,6 +56,7 @@ class Job:
     eq_5_7: Bandwidths | None = None  # 3D-PMM axes at 001 Eq 5.7's bandwidths (ds-ext tune --links shared / --database)
     recipe_accum: bool = False  # grad_accum is the recipe's per-rank one (pure data parallelism), not given
     checkpointing_source: str = "ds_ext default"  # where the activation checkpointing setting comes from
+    sparsity: float | None = None  # --sparsity: the model pruned by this fraction, trained with SAMO (001 ch. 4)
 
     @property
     def world(self) -> int:

@@ -35,6 +35,11 @@ of rank 0 (its members' hierarchy, ``Topology.of_group``; the plan resolved ther
 memory keeps 16-bit weights and gradients whole and the fp32 master and moments sharded at the
 plan's optimizer level (``zero_topo.perf.memory``).
 
+With ``samo`` (a sparsity p, ``ds-ext plan --sparsity``: the model pruned and trained with SAMO,
+001 ch. 4) the memory and t_DP are SAMO's instead (``samo_plans``: Eq. 4.1, the compressed
+all-reduce of §4.2.1); :func:`candidates` builds that form of every layout at TP 1 beside the
+dense one and lists the TP > 1 layouts' SAMO forms as dropped (the plugin refuses them).
+
 Memory per rank, the larger of the first stage (the embedding, p micro-batches in flight under
 1F1B) and the last stage (the head, fp32 logits of its micro-batch, one in flight): 2 + 2 bytes per
 parameter of 16-bit weights and gradients, 12 / DP of fp32 master and Adam moments (ZeRO-1);
@@ -51,6 +56,7 @@ from typing import Any
 from ds_ext.comm.emulation import message_steps
 from ds_ext.comm.ledger import all_gather_bytes, all_reduce_bytes
 from ds_ext.perf.compute import ActivationSplit, activation_bytes
+from ds_ext.planner import PlannerError, samo_plans
 from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic, comm_seconds, divisors
 from ds_ext.planner.models import Arch
 from ds_ext.topology import Topology
@@ -191,10 +197,20 @@ def seconds(job: Job, tp: int, pp: int, dp: int, micro: int, m: int, step_t: Tra
 
 
 def candidate(
-    job: Job, tp: int, pp: int, dp: int, micro: int = 1, zero_topo: dict[str, Any] | None = None
+    job: Job,
+    tp: int,
+    pp: int,
+    dp: int,
+    micro: int = 1,
+    zero_topo: dict[str, Any] | None = None,
+    samo: float | None = None,
 ) -> Candidate:
     """The layout with DeepSpeed's ZeRO-1, or with ``zero_topo`` (a ``ds_ext.zero_topo`` section)
-    ZeRO-topo's pipeline form in its place (module docstring)."""
+    ZeRO-topo's pipeline form in its place, or with ``samo`` (a sparsity) SAMO's (module docstring)."""
+    if samo is not None:
+        why = samo_plans.refusal(tp) or ("SAMO runs beside no other ds_ext plugin" if zero_topo is not None else None)
+        if why:
+            raise PlannerError(f"{name(tp, pp, dp, micro)}{samo_plans.suffix(samo)}: {why}")
     a = job.arch
     n = stage_params(a, tp, pp)
     config = {
@@ -217,6 +233,11 @@ def candidate(
         step_t = zero_topo_step_traffic(job, tp, pp, dp, zero_topo)
         config |= {"zero_optimization": {"stage": 0}, "ds_ext": {"zero_topo": {"enabled": True, **zero_topo}}}
         suffix, notes = f" + zero_topo {zero_topo.get('preset', 'zero_topo')}", (plan.describe(),)
+    if samo is not None:
+        states = samo_plans.states(n, samo, job.elem_bytes, dp)
+        step_t = samo_plans.step_traffic(n, samo, job.elem_bytes, dp, _levels(job.topology, tp, pp, dp)["data"])
+        config |= {"ds_ext": {"samo": samo_plans.section()}}
+        suffix, notes = samo_plans.suffix(samo), (samo_plans.note(n, samo, dp),)
     return Candidate(
         family="megatron",
         name=name(tp, pp, dp, micro) + suffix,
@@ -256,10 +277,20 @@ def layouts(arch: Arch, topology: Topology) -> tuple[list[tuple[int, int, int]],
 
 
 def candidates(job: Job) -> tuple[list[Candidate], list[Dropped]]:
-    """Every layout of a dense model; none for an MoE (the ted family plans it)."""
+    """Every layout of a dense model, with ``job.sparsity`` each one's SAMO form too (the TP > 1
+    ones dropped with the plugin's reason); none for an MoE (the ted family plans it)."""
     if job.arch.experts > 1:
         return [], [Dropped("megatron", "megatron", "an MoE: the ted family plans it")]
     good, dropped = layouts(job.arch, job.topology)
     own = job.arch.recipe.micro_batch
     micros = sorted({*MICRO_BATCHES, *([own] if own else [])})
-    return [candidate(job, *lay, b) for lay in good for b in micros], dropped
+    out = [candidate(job, *lay, b) for lay in good for b in micros]
+    p = job.sparsity
+    if p is not None:
+        for tp, pp, dp in good:
+            why = samo_plans.refusal(tp)
+            if why:
+                dropped.append(Dropped("megatron", name(tp, pp, dp) + samo_plans.suffix(p), why))
+            else:
+                out += [candidate(job, tp, pp, dp, b, samo=p) for b in micros]
+    return out, dropped

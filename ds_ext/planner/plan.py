@@ -9,7 +9,9 @@ candidate is evaluated at the fewest micro-steps whose memory fits
 time, the best and the runner-up first. Nothing is dropped silently: every candidate
 a family does not build (divisibility, model states over the device) and every one whose batch
 cannot be split is in :attr:`PlanResult.dropped` with its reason; when no plan fits,
-:func:`what_would_fit` finds the fewest nodes, or the smaller batch, at which one does.
+:func:`what_would_fit` finds the fewest nodes, or the smaller batch, at which one does. A job with a
+``sparsity`` (``--sparsity``: the model pruned, trained with SAMO, 001 ch. 4) adds the Megatron
+layouts' SAMO forms (``samo_plans``), checked by :func:`check_sparsity` before anything is built.
 """
 
 from __future__ import annotations
@@ -49,6 +51,23 @@ def check_families_apply(arch: Arch, families: list[str]) -> None:
         )
 
 
+def check_sparsity(job: Job, families: list[str]) -> None:
+    """Refuse a ``--sparsity`` outside [0, 1), with an MoE, or without the megatron family, where
+    SAMO's layouts are (``samo_plans``)."""
+    p = job.sparsity
+    if p is None:
+        return
+    allowed = "allowed: --sparsity in [0, 1) (the pruned fraction) with a dense model and the megatron family"
+    if not 0 <= p < 1:
+        raise PlanInputError(f"--sparsity: {p:g} is not a pruned fraction; {allowed}")
+    if job.arch.experts > 1:
+        raise PlanInputError(f"--sparsity {p:g}: {job.arch.name} is an MoE, which SAMO does not train; {allowed}")
+    if "megatron" not in families:
+        raise PlanInputError(
+            f"--sparsity {p:g}: --families {' '.join(families)} has no megatron, the family of SAMO's layouts; {allowed}"
+        )
+
+
 def make_job(
     arch: Arch,
     machine: Machine,
@@ -57,9 +76,11 @@ def make_job(
     grad_accum: int | None = None,
     elem_bytes: int = 2,
     batch_source: str = "--global-batch",
+    sparsity: float | None = None,
 ) -> Job:
     """The job of ``arch`` on ``nodes`` nodes; the batch defaults to the model's recipe, and the
-    job says where its batch comes from (``batch_source`` for a given one)."""
+    job says where its batch comes from (``batch_source`` for a given one); ``sparsity``: pruned,
+    trained with SAMO."""
     topology = machine.build_topology(nodes)
     batch = global_batch or arch.recipe.sequences(topology.world_size)
     accum = grad_accum if global_batch or grad_accum else arch.recipe.grad_accum
@@ -74,6 +95,7 @@ def make_job(
         elem_bytes,
         batch_source=batch_source if global_batch else f"{arch.name}'s recipe: {arch.recipe.source}",
         recipe_accum=global_batch is None and grad_accum is None and accum is not None,
+        sparsity=sparsity,
     )
 
 
@@ -106,6 +128,7 @@ def plan(job: Job, families: Iterable[str] = tuple(FAMILIES), extra: Iterable[Ca
     twice = sorted({f for f in families if families.count(f) > 1})
     if twice:
         raise PlanInputError(f"--families: {', '.join(twice)} given twice")
+    check_sparsity(job, families)
     cands, dropped = list(extra), []
     if not cands:
         check_families_apply(job.arch, families)
@@ -159,7 +182,7 @@ def what_would_fit(job: Job, families: Iterable[str], batch_given: bool) -> str:
 def _best(job: Job, nodes: int, batch: int | None, accum: int | None, families: list[str]) -> str | None:
     """The best plan's name for ``job`` moved to ``nodes`` nodes and ``batch`` (None: none fits)."""
     try:
-        other = make_job(job.arch, job.machine, nodes, batch, accum, job.elem_bytes, job.batch_source)
+        other = make_job(job.arch, job.machine, nodes, batch, accum, job.elem_bytes, job.batch_source, job.sparsity)
     except PlannerError:
         return None
     best = plan(other, families).best

@@ -76,6 +76,12 @@ def table(result: PlanResult, top_k: int = 5) -> str:
         f"{job.machine.device_memory / 1e9:.1f} GB per rank; "
         f"compute at {job.machine.flops / 1e12:.1f} TFLOP/s per rank; "
         f"{job.flops / 1e15:.1f} PFLOP per step (GPT-NeoX formula)"
+        + (
+            ""
+            if job.sparsity is None
+            else f"\npruned at sparsity p = {job.sparsity:g} (--sparsity): the '+ samo' plans train it with SAMO "
+            "(001 ch. 4), the others dense"
+        )
     )
     cols = (
         ["#", "plan", "mb x GA"]
@@ -161,6 +167,7 @@ def job_record(result: PlanResult) -> dict[str, Any]:
         "checkpointing": job.checkpointing,
         "checkpointing_source": job.checkpointing_source,
         "flops_per_step": job.flops,
+        "sparsity": job.sparsity,
     }
 
 
