@@ -37,8 +37,8 @@ plan's optimizer level (``zero_topo.perf.memory``).
 
 With ``samo`` (a sparsity p, ``ds-ext plan --sparsity``: the model pruned and trained with SAMO,
 001 ch. 4) the memory and t_DP are SAMO's instead (``samo_plans``: Eq. 4.1, the compressed
-all-reduce of §4.2.1); :func:`candidates` builds that form of every layout at TP 1 beside the
-dense one and lists the TP > 1 layouts' SAMO forms as dropped (the plugin refuses them).
+all-reduce of §4.2.1); :func:`candidates` builds that form of every layout the plugin runs beside
+the dense one and lists the others' SAMO forms as dropped (``samo_plans.refusal``).
 
 Memory per rank, the larger of the first stage (the embedding, p micro-batches in flight under
 1F1B) and the last stage (the head, fp32 logits of its micro-batch, one in flight): 2 + 2 bytes per
@@ -208,7 +208,9 @@ def candidate(
     """The layout with DeepSpeed's ZeRO-1, or with ``zero_topo`` (a ``ds_ext.zero_topo`` section)
     ZeRO-topo's pipeline form in its place, or with ``samo`` (a sparsity) SAMO's (module docstring)."""
     if samo is not None:
-        why = samo_plans.refusal(tp) or ("SAMO runs beside no other ds_ext plugin" if zero_topo is not None else None)
+        why = samo_plans.refusal(tp, pp, job.arch.tied_embeddings) or (
+            "SAMO runs beside no other ds_ext plugin" if zero_topo is not None else None
+        )
         if why:
             raise PlannerError(f"{name(tp, pp, dp, micro)}{samo_plans.suffix(samo)}: {why}")
     a = job.arch
@@ -288,7 +290,7 @@ def candidates(job: Job) -> tuple[list[Candidate], list[Dropped]]:
     p = job.sparsity
     if p is not None:
         for tp, pp, dp in good:
-            why = samo_plans.refusal(tp)
+            why = samo_plans.refusal(tp, pp, job.arch.tied_embeddings)
             if why:
                 dropped.append(Dropped("megatron", name(tp, pp, dp) + samo_plans.suffix(p), why))
             else:

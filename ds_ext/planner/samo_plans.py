@@ -8,8 +8,9 @@ SAMO plan is a Megatron layout with these two terms swapped (as ``+ zero_topo`` 
 named ``... + samo p<P>`` and ranked beside the dense layouts: the ranking shows the split §4.2.2
 argues for (the memory saved lets the model take fewer stages and more data parallelism) against
 the dense one. SAMO's plugin runs at tensor parallel 1 and ZeRO stage 0 / 1
-(``ds_ext.samo.support``): a layout with TP > 1 is built dense only and its SAMO form listed in
-``PlanResult.dropped`` with :func:`refusal`'s reason; a SAMO layout runs the plugin's stage 1 (the
+(``ds_ext.samo.support``): a layout with TP > 1, or PP > 1 for a model whose embedding is tied to
+its head, is built dense only and its SAMO form listed in ``PlanResult.dropped`` with
+:func:`refusal`'s reason; a SAMO layout runs the plugin's stage 1 (the
 compressed optimizer state sharded over DP, ``ds_ext.samo.optimizer``), the counterpart of the
 dense layouts' ZeRO-1; at DP 1 it is stage 0's Eq. 4.1.
 
@@ -43,10 +44,17 @@ def suffix(p: float) -> str:
     return f" + samo p{p:g}"
 
 
-def refusal(tp: int) -> str | None:
-    """Why SAMO's plugin refuses the layout (``ds_ext.samo.support.check_layout``), None if it runs it."""
+def refusal(tp: int, pp: int = 1, tied: bool = False) -> str | None:
+    """Why SAMO's plugin refuses the layout, None if it runs it: tensor parallelism
+    (``ds_ext.samo.support.check_layout``), and a pipeline whose embedding is tied to the head
+    (a ``TiedLayerSpec``, ``ds_ext.samo.support.check_model``)."""
     if tp > 1:
         return f"SAMO at TP {tp}: the plugin runs tensor parallel 1 only (ds_ext.samo.support.check_layout)"
+    if pp > 1 and tied:
+        return (
+            f"SAMO at PP {pp} with the embedding tied to the head: the plugin refuses a PipelineModule's tied "
+            "layers (ds_ext.samo.support.check_model)"
+        )
     return None
 
 
