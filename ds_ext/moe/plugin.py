@@ -44,6 +44,7 @@ from ds_ext.plugin import Plugin
 KEY = "ds_ext.ted"
 _GRID_GROUPS = ("tensor", "data", "pipeline")  # what a PipelineModule's grid and TED's layout share
 DRAWS_KEY = "ds_ext_ted_gate_draws"
+NO_LAYER = "is enabled but the model has no ds_ext.moe.TEDMoE layer"
 
 
 def _refuse(msg: str) -> None:
@@ -152,6 +153,7 @@ class TEDPlugin(Plugin):
         stage, the stages outermost) and its context, check every ``TEDMoE`` layer against the block
         and bind the layers to it."""
         from ds_ext.integration import ds_engine  # DeepSpeed is imported on use
+        from ds_ext.moe.layer import TEDMoE
 
         cfg, rt = self.config, self.runtime
         _check_ds_config(ds_config, rt.step_owner())
@@ -180,7 +182,9 @@ class TEDPlugin(Plugin):
             cfg.cac_stash == "lean",
         )
         zero_partitions = (ds_config.get("zero_optimization") or {}).get("stage", 0) > 0
-        first = self._first_layer_index(len(layers))
+        first, total = self._first_layer_index(sum(isinstance(m, TEDMoE) for _, m in layers), len(layers))
+        if total == 0:
+            _refuse(NO_LAYER)
         for index, (_, module) in enumerate(layers, start=first):
             module.ted_bind(self.ted, index)
             if zero_partitions and hasattr(module, "count_zero_partitions"):
@@ -199,8 +203,8 @@ class TEDPlugin(Plugin):
         for name, module in modules:  # first: a DeepSpeed-MoE model gets the line that says what to change
             if isinstance(module, ds_moe.MoEBase) and not isinstance(module, TEDMoE):
                 _refuse(f"{name} is a deepspeed.moe.layer.MoE; replace it by ds_ext.moe.TEDMoE (same arguments)")
-        if not any(isinstance(m, TEDMoE) for _, m in modules):
-            _refuse("is enabled but the model has no ds_ext.moe.TEDMoE layer")
+        if not self.pipelined and not any(isinstance(m, TEDMoE) for _, m in modules):
+            _refuse(NO_LAYER)  # on a PipelineEngine a stage may have none: counted over the stages (prepare)
         for name, module in modules:
             if hasattr(module, "ted_validate"):
                 try:
@@ -223,18 +227,19 @@ class TEDPlugin(Plugin):
                     _refuse(f"{key} is {want} but layer {name} has {got}")
         return [(n, m) for n, m in modules if hasattr(m, "ted_bind")]
 
-    def _first_layer_index(self, count: int) -> int:
-        """The model-wide index of this rank's first TED-bound layer: on a PipelineEngine the
+    def _first_layer_index(self, experts: int, bound: int) -> tuple[int, int]:
+        """(the model-wide index of this rank's first of its ``bound`` TED-bound layers, the
+        model's ``TEDMoE`` layers, of which this stage holds ``experts``): on a PipelineEngine the
         layers of the earlier stages come first (each layer's gate seeds from its index, as in the
         unpipelined model); collective over the pipeline group."""
         group = self.ted.groups.pipeline
         if group is None:
-            return 0
-        counts = torch.zeros(self.ted.layout.pipeline, dtype=torch.int64, device=backend_device(group))
+            return 0, experts
+        counts = torch.zeros(2, self.ted.layout.pipeline, dtype=torch.int64, device=backend_device(group))
         stage = self.ted.layout.coords(self.ted.rank)["pipeline"]
-        counts[stage] = count
+        counts[:, stage] = torch.tensor([bound, experts])
         self.ted.comm.all_reduce(counts, group=group)
-        return int(counts[:stage].sum())
+        return int(counts[0, :stage].sum()), int(counts[1].sum())
 
     def mpu(self) -> MegatronMPU | None:
         """The Megatron-style mpu over TED's tensor and data groups; None on a PipelineEngine, whose
