@@ -237,7 +237,7 @@ class TEDPlugin(Plugin):
             return 0, experts
         counts = torch.zeros(2, self.ted.layout.pipeline, dtype=torch.int64, device=backend_device(group))
         stage = self.ted.layout.coords(self.ted.rank)["pipeline"]
-        counts[:, stage] = torch.tensor([bound, experts])
+        counts[:, stage] = torch.tensor([bound, experts], device=counts.device)
         self.ted.comm.all_reduce(counts, group=group)
         return int(counts[0, :stage].sum()), int(counts[1].sum())
 
