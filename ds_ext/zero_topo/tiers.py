@@ -241,17 +241,15 @@ class Tiers:
         for d in local.iterdir():
             if d.name.startswith(".") or not d.is_dir():
                 continue
-            try:
-                manifest = json.loads((d / MANIFEST).read_text())
-            except (OSError, ValueError):
-                continue
-            if manifest.get("tag") == d.name:
+            manifest = self._manifest(d.name)
+            if manifest is not None and manifest.get("tag") == d.name:
                 found.append(manifest)
         latest = _read_latest(local)
         top = next((m["step"] for m in found if m["tag"] == latest), None)
         return [m for m in found if top is not None and m["step"] <= top]
 
     def _manifest(self, tag: str) -> dict | None:
+        """The manifest of the node's local save ``tag``, or None (absent or unreadable)."""
         try:
             return json.loads((self.local_dir() / tag / MANIFEST).read_text())
         except (OSError, ValueError):
