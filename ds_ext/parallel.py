@@ -235,6 +235,8 @@ class TEDLayout(Layout):
     ) -> "TEDLayout":
         """Check Eq 7.1 for ``world_size`` ranks over ``pipeline`` stages (the ranks of one stage;
         a PipelineModule's grid divides the world); ``expert_data=None`` infers G_data^exp."""
+        if pipeline < 1 or world_size % pipeline:
+            raise GroupError(f"ds_ext.ted: world size {world_size} is not {pipeline} equal pipeline stages")
         stage = ParallelDims.build(
             (("tensor", tensor), ("expert", expert), ("expert_data", expert_data)),
             world_size // pipeline,
