@@ -11,6 +11,7 @@
 # (later flags win). TP (default 2): the tensor-parallel degree; PP=N (examples/megatron_deepspeed_common.sh):
 # GPTModelPipe on DeepSpeed's PipelineEngine, N stages; at TP > 1 with PP > 1 the config turns DeepSpeed's
 # pipe / grad partitioning off, which the client requires for MoE there. CLIP (default 1.0): gradient_clipping.
+# STAGE (zero1 / zero1-deepspeed, default 1): their ZeRO stage (0: the same 8 ranks without ZeRO).
 # needs MDS, DS0196, EXTRA, DATA: see examples/megatron_deepspeed_common.sh (examples/megatron_deepspeed_env.sh
 # builds them and prints the exports).
 # --use-cpu-initialization with split experts: Megatron initializes every weight whole and slices it, so
@@ -28,7 +29,7 @@ ranks=4 batch=2 stage=0 more='' extra=() tp=${TP:-2} pipeline=''
 [ "${PP:-1}" -gt 1 ] && [ "$tp" -gt 1 ] && pipeline=', "pipeline": {"pipe_partitioned": false, "grad_partitioned": false}'
 frontier='"topology": {"preset": "frontier", "sizes": {"gpu": 2}, "emulate": true}, '
 case $mode in
-  zero1|zero1-deepspeed) ranks=8 batch=4 stage=1 more=$frontier extra+=(--create-moe-param-group) ;;
+  zero1|zero1-deepspeed) ranks=8 batch=4 stage=${STAGE:-1} more=$frontier extra+=(--create-moe-param-group) ;;
   zero-topo) ranks=8 batch=4 more=$frontier zero_topo=', "zero_topo": {"enabled": true, "preset": "zero_topo",
       "weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}}' ;;
 esac
@@ -38,6 +39,8 @@ run=(-m ds_ext.run pretrain_gpt.py)
 case $mode in deepspeed|zero1-deepspeed) ds_ext='' run=("$repo/tests/megatron_deepspeed_reference.py" pretrain_gpt.py) ;; esac
 # TED_INIT_DUMP=DIR: also write each rank's initial weights (tests/megatron_dump_init.py)
 [ -n "${TED_INIT_DUMP:-}" ] && run=("$repo/tests/megatron_dump_init.py" "$TED_INIT_DUMP" pretrain_gpt.py)
+# TED_GRAD_DUMP=DIR: also write each rank's gradients of the first step and the norm (tests/megatron_dump_grads.py)
+[ -n "${TED_GRAD_DUMP:-}" ] && run=("$repo/tests/megatron_dump_grads.py" "$TED_GRAD_DUMP" "${run[@]}")
 cfg=$(mktemp --suffix=.json)
 cat > "$cfg" <<JSON
 {"train_batch_size": $batch, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1,

@@ -193,7 +193,7 @@ def test_ted_on_the_pipeline_engine_equals_deepspeed_moe(tp, etp, clip):
     with MoE param groups, every layer MoE, dropless at TP 1 and a capacity no token overflows at TP 2,
     where DeepSpeed's expert tensor parallelism needs token dropping): TED prints the lm losses of
     DeepSpeed's own MoE within 1e-6, 10 iterations. At TP 2 without clipping: there DeepSpeed-MoE's
-    ZeRO-1 gradient norm and TED's differ (docs/plugins/ted.md, On the PipelineEngine)."""
+    ZeRO-1 norm leaves out tensor rank 1's experts; the clipped case is the next test."""
     routing = ["--expert-interval", "1"] + (
         ["--disable-moe-token-dropping"] if tp == "1" else ["--moe-train-capacity-factor", "4"]
     )
@@ -203,3 +203,56 @@ def test_ted_on_the_pipeline_engine_equals_deepspeed_moe(tp, etp, clip):
     assert len(ours) == len(ref) == 10
     assert ours == pytest.approx(ref, rel=1e-6, abs=0)
     assert ours[-1] < ours[0]
+
+
+def _norm_of_distinct_gradients(dumps: list[dict]) -> float:
+    """The 2-norm of a model's gradient from every rank's dump (tests/megatron_dump_grads.py), each
+    element once, read from the values alone: a parameter's gradients on all ranks are grouped by
+    name and each distinct tensor counted once. Replicas (data-parallel, tensor-replicated, tied over
+    the stages) are bit-identical copies after their reductions; shards of a tensor-parallel or
+    expert-parallel parameter differ."""
+    import math
+
+    import torch
+
+    names = {n for d in dumps for n in d["grads"]}
+    total = 0.0
+    for name in names:
+        distinct: list = []
+        for g in (d["grads"][name] for d in dumps if name in d["grads"]):
+            if not any(g.shape == h.shape and torch.equal(g, h) for h in distinct):
+                distinct.append(g)
+        total += sum(float(g.double().square().sum()) for g in distinct)
+    return math.sqrt(total)
+
+
+def test_ted_on_the_pipeline_engine_clips_by_the_norm_of_its_gradients(tmp_path):
+    """PP 2, TP 2, experts split over the tensor group, clipping at 1.0 (8 ranks): TED's gradients of
+    the first step equal DeepSpeed-MoE's rank by rank and name by name (ZeRO stage 0, where both keep
+    them whole), and the norm TED clips by, at stage 0 (its own) and under DeepSpeed's ZeRO-1 (its
+    partitioned norm over TED's parameter marks), equals the norm of those gradients counted once
+    each, within 1e-6; TED's ZeRO-1 run prints its stage-0 run's losses. DeepSpeed-MoE's own ZeRO-1
+    norm is not the reference here: it leaves out tensor rank 1's expert shards (docs/plugins/ted.md,
+    On the PipelineEngine)."""
+    import torch
+
+    routing = ["--expert-interval", "1", "--moe-train-capacity-factor", "4"]
+    env = {"PP": "2", "TP": "2", "CLIP": "1.0"}
+    losses, dumps = {}, {}
+    for name, mode, stage in (
+        ("deepspeed", "zero1-deepspeed", "0"),
+        ("ted", "zero1", "0"),
+        ("ted_zero1", "zero1", "1"),
+    ):
+        out = tmp_path / name
+        losses[name] = _ted(1, 0, mode, None, *routing, STAGE=stage, TED_GRAD_DUMP=str(out), **env)
+        dumps[name] = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(8)]
+    for ds, ted in zip(dumps["deepspeed"], dumps["ted"]):
+        assert ted["grads"].keys() == ds["grads"].keys()
+        for n, g in ds["grads"].items():
+            torch.testing.assert_close(ted["grads"][n], g, rtol=1e-6, atol=1e-8, msg=n)
+    reference = _norm_of_distinct_gradients(dumps["deepspeed"])
+    assert reference > 1.0  # clipping is active at the first step
+    for run in ("ted", "ted_zero1"):
+        assert [d["norm"] for d in dumps[run]] == pytest.approx([reference] * 8, rel=1e-6), run
+    assert losses["ted_zero1"] == pytest.approx(losses["ted"], rel=1e-6, abs=0)
