@@ -1091,6 +1091,30 @@ def test_plan_predicts_each_frontier_recipe_with_ds_ext_and_plain(tmp_path, reci
         assert 1 <= ours["memory_bytes"][state] / plain["memory_bytes"][state] < 1.001, state
     assert ours["memory_bytes"]["activations"] == plain["memory_bytes"]["activations"]
     assert ours["bytes_per_level"]["node"] < plain["bytes_per_level"]["node"]
+    # the tiled optimizer's note: fp16 (the recipes' loss scale), so at most 12 bytes of step buffers per
+    # optimizer element, the optimizer state's own 12 (fp32 master + 2 moments); the peak fits without it
+    (note,) = [n for n in ours["notes"] if n.startswith("ds_ext.tiled_optimizer")]
+    mem = ours["memory_bytes"]
+    untiled = mem["optimizer"]
+    peak = sum(mem.values()) - mem["activations"] + max(mem["activations"], untiled)
+    assert note.startswith("ds_ext.tiled_optimizer does not pay: ")
+    assert f"at most {untiled / 1e9:.2f} GB untiled" in note and f"peak {peak / 1e9:.1f} GB untiled" in note
+    assert "tiled_optimizer" not in ours["config"]["ds_ext"]
+
+
+def test_plan_cannot_say_the_tiled_optimizer_makes_a_pipeline_form_fit(tmp_path):
+    """On a device too small for the 22B recipe's untiled optimizer phase, the note says the model
+    cannot decide (the gradient reduction's buffers are not in it) and switches nothing on."""
+    from ds_ext.cli import main
+
+    out = tmp_path / "plan.json"
+    config = "configs/frontier/gpt_22b_004_zero_topo.json"
+    args = ["plan", "--model", "gpt-22b", "--nodes", "8", "--memory-GB", "29", "--ds-config", config, "--out", str(out)]
+    assert main(args) == 0
+    (ours,) = [p for p in json.loads(out.read_text())["plans"] if p["name"].startswith("configured")]
+    (note,) = [n for n in ours["notes"] if n.startswith("ds_ext.tiled_optimizer")]
+    assert note.startswith("ds_ext.tiled_optimizer not decided: ") and "of 29.0 GB" in note
+    assert "tiled_optimizer" not in ours["config"]["ds_ext"]
 
 
 def test_plan_refuses_the_pipeline_form_without_a_megatron_recipe(tmp_path, capsys):

@@ -8,7 +8,9 @@ checkpointing is on when the ds_config has DeepSpeed's ``activation_checkpointin
 Megatron-DeepSpeed's and GPT-NeoX's ``--checkpoint-activations`` runs configure), off without it. An enabled
 ``zero_topo`` section, or ``pmm3d`` with an explicit grid, becomes one more candidate, named ``configured <plan>``;
 a ``zero_topo`` section with ``form: pipeline`` (004's Frontier recipes, ``configs/frontier/*_zero_topo.json``)
-is planned on the model's Megatron recipe layout, ZeRO-topo's pipeline form in place of ZeRO-1.
+is planned on the model's Megatron recipe layout, ZeRO-topo's pipeline form in place of ZeRO-1, with
+the tiled optimizer where it pays (``megatron_plans.tiled_optimizer``; an fp16 section's loss scale
+counted in the step's buffers).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ds_ext import config as cfgmod
+from ds_ext.optim.config import DEFAULT_TILE_SIZE
 from ds_ext.parallel import Grid
 from ds_ext.planner import PlannerError, megatron_plans, pmm_grids, zero_plans
 from ds_ext.planner.estimate import Candidate, Job
@@ -37,6 +40,7 @@ class DsConfig:
     elem_bytes: int
     checkpointing: bool
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)  # enabled plugin sections
+    fp16: bool = False  # an fp16 section: DeepSpeed's loss scale divides the gradients
 
     def batch(self, world: int) -> int | None:
         if self.global_batch is not None:
@@ -78,7 +82,17 @@ class DsConfig:
             raise DsConfigError(
                 f"--ds-config {self.path}: {job.arch.name}'s recipe TP {tp} x PP {pp} does not divide {job.world} ranks"
             )
-        return megatron_plans.candidate(job, tp, pp, job.world // (tp * pp), recipe.micro_batch or 1, section)
+        tiled = self.sections.get("tiled_optimizer")
+        return megatron_plans.candidate(
+            job,
+            tp,
+            pp,
+            job.world // (tp * pp),
+            recipe.micro_batch or 1,
+            section,
+            loss_scaled=self.fp16,
+            tile_size=None if tiled is None else tiled.get("tile_size", DEFAULT_TILE_SIZE),
+        )
 
 
 def _positive(cfg: dict[str, Any], key: str, path: str) -> int | None:
@@ -108,4 +122,5 @@ def read(path: str) -> DsConfig:
         2 if half else 4,
         isinstance(cfg.get("activation_checkpointing"), dict),
         sections,
+        isinstance(cfg.get("fp16"), dict) and bool(cfg["fp16"].get("enabled")),
     )

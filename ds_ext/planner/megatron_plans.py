@@ -33,7 +33,8 @@ of rank 0 (its members' hierarchy, ``Topology.of_group``; the plan resolved ther
 ``ShardingPlan.pipeline_form``): the larger end stage's parameters as one whole-mode unit,
 ``zero_topo.perf.traffic(..., pipeline=True)``, the model the ledger tests hold the engine to; its
 memory keeps 16-bit weights and gradients whole and the fp32 master and moments sharded at the
-plan's optimizer level (``zero_topo.perf.memory``).
+plan's optimizer level (``zero_topo.perf.memory``). Whether the tiled optimizer (001 §7.2) pays
+there is :func:`tiled_optimizer`'s note.
 
 With ``samo`` (a sparsity p, ``ds-ext plan --sparsity``: the model pruned and trained with SAMO,
 001 ch. 4) the memory and t_DP are SAMO's instead (``samo_plans``: Eq. 4.1, the compressed
@@ -55,6 +56,7 @@ from typing import Any
 
 from ds_ext.comm.emulation import message_steps
 from ds_ext.comm.ledger import all_gather_bytes, all_reduce_bytes
+from ds_ext.optim.config import DEFAULT_TILE_SIZE
 from ds_ext.perf.compute import ActivationSplit, activation_bytes
 from ds_ext.planner import PlannerError, samo_plans
 from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic, comm_seconds, divisors
@@ -196,6 +198,29 @@ def seconds(job: Job, tp: int, pp: int, dp: int, micro: int, m: int, step_t: Tra
     return {k: stretched.get(k, 0.0) * bubble + step.get(k, 0.0) for k in {*stretched, *step}}
 
 
+def tiled_optimizer(limit: float, states: float, activations: float, untiled: float, tile_size: int, on: bool) -> str:
+    """Whether ``ds_ext.tiled_optimizer`` (001 §7.2) pays for the pipeline form, as a note. The
+    step runs after the last backward, so a rank's peak is its states plus the larger of its
+    activations and the step's buffers. Tiling removes at most ``untiled``
+    (``zero_topo.perf.untiled_step_bytes``: the optimizer slice's fp32 copies) and adds its
+    ``4 x tile_size`` buffer; where states + max(activations, untiled) fits in ``limit`` it cannot
+    change whether the plan fits, so it does not pay. The step's other buffers, the gradient
+    reduction's over the whole stage (d times the optimizer slice), are not modelled: they are the
+    same with and without tiling and, measured, the larger (tests/test_tiled_optimizer_memory.py),
+    so this model cannot say that tiling makes a plan fit. ``on``: the ds_config has it on."""
+    peak = states + max(activations, untiled)
+    figures = (
+        f"the optimizer phase's buffers at most {untiled / 1e9:.2f} GB untiled, {4 * tile_size / 1e6:.1f} MB tiled; "
+        f"peak {peak / 1e9:.1f} GB untiled of {limit / 1e9:.1f} GB"
+    )
+    if peak <= limit:
+        return f"ds_ext.tiled_optimizer {'on, not needed' if on else 'does not pay'}: {figures}"
+    return (
+        f"ds_ext.tiled_optimizer not decided: {figures}; the gradient reduction's buffers, which tiling leaves "
+        "as they are, are not in this model"
+    )
+
+
 def candidate(
     job: Job,
     tp: int,
@@ -204,9 +229,13 @@ def candidate(
     micro: int = 1,
     zero_topo: dict[str, Any] | None = None,
     samo: float | None = None,
+    loss_scaled: bool = False,
+    tile_size: int | None = None,
 ) -> Candidate:
     """The layout with DeepSpeed's ZeRO-1, or with ``zero_topo`` (a ``ds_ext.zero_topo`` section)
-    ZeRO-topo's pipeline form in its place, or with ``samo`` (a sparsity) SAMO's (module docstring)."""
+    ZeRO-topo's pipeline form in its place, or with ``samo`` (a sparsity) SAMO's (module docstring).
+    With ``zero_topo``: ``loss_scaled``, an fp16 loss scale; ``tile_size``, the ds_config's
+    ``ds_ext.tiled_optimizer`` is on with it (:func:`tiled_optimizer`'s note)."""
     if samo is not None:
         why = samo_plans.refusal(tp, pp, job.arch.tied_embeddings) or (
             "SAMO runs beside no other ds_ext plugin" if zero_topo is not None else None
@@ -233,8 +262,18 @@ def candidate(
             "optimizer": perf.memory(plan, [unit], 0, e)["optimizer"],
         }
         step_t = zero_topo_step_traffic(job, tp, pp, dp, zero_topo)
+        act = activations(a, tp, pp, micro, max(1, job.global_batch // (dp * micro)), job.checkpointing)
+        untiled = perf.untiled_step_bytes(plan, [unit], 0, loss_scaled)
+        verdict = tiled_optimizer(
+            job.machine.device_memory,
+            sum(states.values()),
+            act,
+            untiled,
+            tile_size or DEFAULT_TILE_SIZE,
+            tile_size is not None,
+        )
         config |= {"zero_optimization": {"stage": 0}, "ds_ext": {"zero_topo": {"enabled": True, **zero_topo}}}
-        suffix, notes = f" + zero_topo {zero_topo.get('preset', 'zero_topo')}", (plan.describe(),)
+        suffix, notes = f" + zero_topo {zero_topo.get('preset', 'zero_topo')}", (plan.describe(), verdict)
     if samo is not None:
         states = samo_plans.states(n, samo, job.elem_bytes, dp)
         step_t = samo_plans.step_traffic(n, samo, job.elem_bytes, dp, _levels(job.topology, tp, pp, dp)["data"])

@@ -127,6 +127,9 @@ def table(result: PlanResult, top_k: int = 5) -> str:
             f"{label}: "
             + (f"{e.name} ({e.step_s:.2f} s per step, {e.tflops / 1e12:.1f} TFLOPS per rank)" if e else "no plan fits")
         )
+    for e in result.estimates:  # what the ds_config's plan needs beside the table's figures
+        if e.name.startswith(CONFIGURED):
+            lines += [f"{e.name}:"] + [f"  {note}" for note in e.notes]
     return "\n".join(lines)
 
 

@@ -430,3 +430,20 @@ def memory(plan: ShardingPlan, units: list[UnitSpec], rank: int, elem_bytes: int
         a = shard_index(plan.topology, rank, plan.optimizer) * size
         out["optimizer"] += 12 * sum(max(0, min(a + size, hi) - max(a, lo)) for lo, hi in u.trainable_spans())
     return out
+
+
+# The bytes per optimizer element that ZeRO-topo's untiled step (optimizer.py ``_untiled_step``)
+# allocates beside the states and the tiled step (001 §7.2) does not: the reduced gradient slice
+# up-cast to fp32, its unscaled copy where an fp16 loss scale divides it, and at most one more
+# fp32 temporary per element in a foreach Adam (torch's ``_multi_tensor_adam``: the denominator;
+# DeepSpeed's FusedAdam makes none).
+UPCAST_BYTES, UNSCALED_BYTES, FOREACH_ADAM_BYTES = 4, 4, 4
+
+
+def untiled_step_bytes(plan: ShardingPlan, units: list[UnitSpec], rank: int, loss_scaled: bool) -> float:
+    """At most the bytes ZeRO-topo's untiled step holds beside the states that the tiled
+    optimizer replaces by its one fp32 tile buffer (``4 x tile_size``): the terms above over
+    rank ``rank``'s optimizer elements (the trainable ones of its optimizer slices, 12 bytes
+    each in :func:`memory`); ``loss_scaled``: an fp16 loss scale (bf16 and fp32 have none)."""
+    elements = memory(plan, units, rank, 2)["optimizer"] / 12
+    return elements * (UPCAST_BYTES + (UNSCALED_BYTES if loss_scaled else 0) + FOREACH_ADAM_BYTES)
