@@ -312,26 +312,32 @@ def test_sharded_checkpoints_are_refused_on_every_rank(worlds, tmp_path, stage):
 
 
 # ---- ZeRO-2: the compressed gradients sharded, reduced in buckets during backward -----------------
-BUCKET = 96  # reduce_bucket_size (elements): 7 buckets of 2 x 48 / 4 x 24, each of 1.fc.weight's 205 spans 3-4
+BUCKET = 96  # reduce_bucket_size (elements): 3 buffers of 32 entries (2 x 16, 4 x 8); 1.fc.weight spans 7-8 buckets
 
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero2_equals_masked_dense_with_bucketed_reduction(worlds, dp):
     """ZeRO-2 on 2 and 4 ranks (AdamW with weight decay, clipping active, GA 2, 20 steps): every
     parameter equals the serial reference within 1e-6 (fp32), the pruned entries exactly zero; each
-    rank holds its shard of s = ceil(k / d) and one bucket of d x (BUCKET // d) entries, never the
-    full flat buffer of d s."""
+    rank holds its shard of s = ceil(k / d) and three buckets of d x (BUCKET // 3 d) entries, never the
+    full flat buffer of d s; the reduce-scatters, all in backward, carry w d s (d - 1) / d bytes per
+    micro-batch although each layer's bias, before its weight in the layout, reaches its hook first."""
+    from ds_ext.comm.ledger import reduce_scatter_bytes
+
     runs = worlds(dp).run(_train, samo={}, zero=2, bucket=BUCKET)
     _assert_equals_reference(runs, reference(dp))
     for run in runs:
+        per_micro = reduce_scatter_bytes(4 * dp * run["shard_size"], dp)
+        assert run["traffic"][("backward", "reduce_scatter")] == pytest.approx(ACCUM * per_micro, rel=1e-12)
+        assert ("step", "reduce_scatter") not in run["traffic"]
         s = run["shard_size"]
-        assert s == -(-run["kept"] // dp) and run["buffers"] == [s, dp * (BUCKET // dp)]
+        assert s == -(-run["kept"] // dp) and run["buffers"] == [s, BUCKET]
         assert sum(run["buffers"]) < dp * s  # below the ZeRO-1 flat buffer alone
 
 
 def test_zero2_state_bytes_ledger_and_bf16(worlds):
     """bf16, no biases, 2 and 4 ranks: the bytes each rank holds at the step's peak equal
-    ``zero2_model_state_bytes`` (gradients term 2 s + 2 d m: the shard and the bucket); the ledger's
+    ``zero2_model_state_bytes`` (gradients term 2 s + 2 x 3 d m: the shard and the three buckets, reduce_bucket_size together); the ledger's
     reduce-scatter bytes are booked in backward, w d s (d - 1) / d per micro-batch: GA x ZeRO-1's one,
     (1 - p) of the dense φ up to fewer than d padded entries; the step all-gathers the shard once and
     all-reduces nothing but the norm's one fp64 scalar."""
@@ -346,7 +352,10 @@ def test_zero2_state_bytes_ledger_and_bf16(worlds):
             m = model.bucket_piece(k, dp, BUCKET)
             want = model.zero2_model_state_bytes(phi, k, k, 2, dp, rank, BUCKET)
             assert sum(run["state_bytes"].values()) == want == run["analytic_state_bytes"]
-            assert run["state_bytes"]["gradients"] == 2 * s + 2 * dp * m and run["state_bytes"]["copies"] == 0
+            assert (
+                run["state_bytes"]["gradients"] == 2 * s + 2 * 3 * dp * m == 2 * s + 2 * BUCKET
+                and run["state_bytes"]["copies"] == 0
+            )
             assert run["state_bytes"]["gradients_fp32"] == 4 * s
             per_micro = reduce_scatter_bytes(2 * dp * s, dp)
             assert run["traffic"][("backward", "reduce_scatter")] == pytest.approx(ACCUM * per_micro, rel=1e-12)

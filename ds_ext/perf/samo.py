@@ -26,9 +26,9 @@ backward: GA x ZeRO-1's reduce-scatter bytes, S (d - 1) / d each, (1 - p) of den
 all-gather stays once per step.
 
 ZeRO-2 memory (:func:`zero2_model_state_bytes`, ``ds_ext.samo.zero2``): Eq. 4.1 with the
-gradients term 2 k / d (the rank's shard of ∇θ16, w s) plus the bucket buffer (w d m, m =
-min(s, max(1, B // d)), B = ``reduce_bucket_size`` elements) in place of ZeRO-1's whole flat
-buffer (w d s).
+gradients term 2 k / d (the rank's shard of ∇θ16, w s) plus the bucket buffers, 3 x w d m <= w B
+(m = min(s, max(1, B // 3 d)), B = ``reduce_bucket_size`` elements, DeepSpeed's one bucket), in
+place of ZeRO-1's whole flat buffer (w d s).
 
 Pipeline (§4.2.2): t_bubble = (t_f + t_b)(1 - 1 / G_inter) (Eq. 4.7), increasing in G_inter
 (Eq. 4.8); each GPU sends and receives 4 B / (mbs G_data) messages (Eq. 4.9), = 4 (B / mbs)
@@ -44,6 +44,7 @@ from ds_ext.comm.ledger import all_gather_bytes, all_reduce_bytes, reduce_scatte
 
 DEFAULT_BYTES_PER_PARAMETER = 20  # 2 + 2 + 4 + 4 + 8 (001 §4.1.4)
 INDEX_BYTES = 4  # int32 (001 §4.1.2)
+OPEN_BUCKETS = 3  # ZeRO-2's bucket buffers, reduce_bucket_size elements together (ds_ext.samo.zero2)
 
 
 def default_model_state_bytes(phi: int) -> int:
@@ -72,8 +73,9 @@ def sharded_model_state_bytes(phi: int, kept: int, indexed: int, weight_bytes: i
 
 
 def bucket_piece(kept: int, shards: int, bucket_size: int) -> int:
-    """m: each rank's piece of a full ZeRO-2 bucket, min(s, max(1, B // d)) (``ds_ext.samo.zero2``)."""
-    return min(-(-kept // shards), max(1, bucket_size // shards))
+    """m: each rank's piece of a full ZeRO-2 bucket, min(s, max(1, B // (3 d))): the ``OPEN_BUCKETS``
+    buffers of d m entries hold B = ``bucket_size`` elements together (``ds_ext.samo.zero2``)."""
+    return min(-(-kept // shards), max(1, bucket_size // (OPEN_BUCKETS * shards)))
 
 
 def zero2_model_state_bytes(
@@ -81,7 +83,8 @@ def zero2_model_state_bytes(
 ) -> int:
     """Eq. 4.1 under ZeRO-2 (``ds_ext.samo.zero2``) on data-parallel ``rank`` of ``shards`` with
     ``reduce_bucket_size`` ``bucket_size``: θ16 dense (w φ), the rank's shard of ∇θ16 of s = ceil(k / d)
-    entries, reused for its 16-bit copy (w s, the gradients term 2 k / d), the bucket buffer (w d m),
+    entries, reused for its 16-bit copy (w s, the gradients term 2 k / d), the bucket buffers
+    (``OPEN_BUCKETS`` x w d m <= w B),
     its fp32 gradient in 16-bit training (4 s), θ32 and os over the k_r kept entries the rank owns
     (12 k_r; the padding, fewer than d entries, is in the last bucket), the indices."""
     w, d, s = weight_bytes, shards, -(-kept // shards)
@@ -90,7 +93,7 @@ def zero2_model_state_bytes(
     last, start = s - (count - 1) * m, (count - 1) * d * m
     own = (count - 1) * m + min(max(kept - start - rank * last, 0), last)
     upcast = 0 if w == 4 else 4 * s
-    return w * phi + w * s + w * d * m + upcast + (4 + 8) * own + INDEX_BYTES * indexed
+    return w * phi + w * s + OPEN_BUCKETS * w * d * m + upcast + (4 + 8) * own + INDEX_BYTES * indexed
 
 
 def zero2_reduction_bytes(elements: int, weight_bytes: int, data_parallel: int, accumulation: int) -> float:
