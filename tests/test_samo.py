@@ -7,8 +7,8 @@ norm over the kept entries), ``torch.optim.Adam`` / ``AdamW`` on the dense param
 ``clip_grad_norm_``, the batches of every data-parallel rank and micro-batch summed serially, and
 the mask re-applied to ``weight_orig`` after each step. SAMO runs through ``ds_ext.initialize`` on
 gloo worlds of 1, 2 and 4 ranks (each started once for the module) and on a 2-stage
-PipelineEngine; every parameter must equal the reference within 1e-6 in fp32 after 20 steps, the
-pruned entries exactly zero. The state bytes SAMO holds equal Eq. 4.1, term by term; the ledger's
+PipelineEngine, at ZeRO stages 0, 1 and 2; every parameter must equal the reference within 1e-6 in
+fp32 after 20 steps, the pruned entries exactly zero. The state bytes SAMO holds equal Eq. 4.1, term by term; the ledger's
 all-reduce bytes equal (1 - p) of what DeepSpeed's own dense stage-0 engine sends for the same
 model, booked by the same ledger.
 """

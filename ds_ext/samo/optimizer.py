@@ -25,6 +25,8 @@ equal chunks, :mod:`ds_ext.samo.state`) is reduce-scattered instead of all-reduc
 data-parallel rank r keeps chunk r; ∇θ32, θ32 and os exist for that chunk only (one piece per
 parameter the chunk overlaps), the squared norm is summed over the data group too, and after the
 step the chunk's 16-bit copy is all-gathered into the flat buffer and expanded into θ16 from there.
+ZeRO-2 (:mod:`ds_ext.samo.zero2`) overrides where the rank's chunk comes from (:meth:`_reduce`),
+how it reaches θ16 (:meth:`_publish`) and its zeroing (:meth:`_clear`); the rest of the step is this.
 """
 
 from __future__ import annotations
