@@ -1,5 +1,5 @@
 """SAMO under ZeRO-2: the compressed 16-bit gradients sharded too, reduced in buckets during
-backward (001 §4.1.3, §4.2.1; issue 53, "compressed optimizer shards").
+backward (001 §4.1.3, §4.2.1).
 
 Notation as :mod:`ds_ext.samo.optimizer`: k kept entries, d data-parallel ranks, s = ceil(k / d),
 w the training dtype's bytes. The flat layout of :mod:`ds_ext.samo.state` (each parameter's k_i
@@ -85,6 +85,8 @@ class BucketedGradients(CompressedGradients):
         return out
 
     def _add(self, entry: Entry, values: torch.Tensor) -> None:
+        if not entry.kept:  # a parameter pruned whole: no entry, no bucket
+            return
         size = self.d * self.m
         for j in range((entry.end - 1) // size, entry.offset // size - 1, -1):
             if j not in self.open:
