@@ -7,8 +7,8 @@ norm over the kept entries), ``torch.optim.Adam`` / ``AdamW`` on the dense param
 ``clip_grad_norm_``, the batches of every data-parallel rank and micro-batch summed serially, and
 the mask re-applied to ``weight_orig`` after each step. SAMO runs through ``ds_ext.initialize`` on
 gloo worlds of 1, 2 and 4 ranks (each started once for the module) and on a 2-stage
-PipelineEngine; every parameter must equal the reference within 1e-6 in fp32 after 20 steps, the
-pruned entries exactly zero. The state bytes SAMO holds equal Eq. 4.1, term by term; the ledger's
+PipelineEngine, at ZeRO stages 0, 1 and 2; every parameter must equal the reference within 1e-6 in
+fp32 after 20 steps, the pruned entries exactly zero. The state bytes SAMO holds equal Eq. 4.1, term by term; the ledger's
 all-reduce bytes equal (1 - p) of what DeepSpeed's own dense stage-0 engine sends for the same
 model, booked by the same ledger.
 """
@@ -108,10 +108,13 @@ def _train(
     bias: bool = True,
     samo: dict | None = None,
     zero: int = 0,
+    bucket: int | None = None,
+    scale_power: int = 8,
 ) -> dict:
     """Train with SAMO (``samo`` None: DeepSpeed's dense engine on the pruned model, for the ledger
     baseline and DeepSpeed's own ZeRO-1); ``stages`` > 0: a PipelineModule of that many stages on the
-    PipelineEngine; ``zero``: the ds_config's ZeRO stage."""
+    PipelineEngine; ``zero``: the ds_config's ZeRO stage, ``bucket`` its ``reduce_bucket_size``;
+    ``scale_power``: fp16's initial loss scale 2^scale_power."""
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
@@ -139,11 +142,11 @@ def _train(
         "gradient_clipping": CLIP,
         "steps_per_print": 10**9,
         "ds_ext": {"topology": TOPOLOGY},
-        "zero_optimization": {"stage": zero},
+        "zero_optimization": {"stage": zero, **({"reduce_bucket_size": bucket} if bucket else {})},
         "zero_allow_untested_optimizer": True,  # torch's AdamW under DeepSpeed's own ZeRO-1
     }
     if precision != "fp32":
-        cfg[precision] = {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}
+        cfg[precision] = {"enabled": True, **({"initial_scale_power": scale_power} if precision == "fp16" else {})}
     if samo is not None:
         cfg["ds_ext"]["samo"] = {"enabled": True, **samo}
     opt = OPTIMIZERS[optimizer](model.parameters(), lr=LR, weight_decay=WD)
@@ -165,11 +168,15 @@ def _train(
     for name, buf in engine.module.named_buffers():  # DeepSpeed's dense engine: weight = weight_orig x mask
         if name.endswith("weight_mask"):
             weights[name.removesuffix("_mask")] = weights.pop(name.removesuffix("_mask") + "_orig") * buf
+    traffic: dict[tuple[str, str], float] = {}  # (phase, op) -> the last step's ledger bytes
+    for (phase, op, _), b in engine.ds_ext.ledger.steps[-1].bytes.items():
+        traffic[phase, op] = traffic.get((phase, op), 0.0) + b
     out = {
         "rank": dist.get_rank(),
         "weights": weights,
         "norms": norms,
-        "allreduce": sum(b for (_, op, _), b in engine.ds_ext.ledger.steps[-1].bytes.items() if op == "all_reduce"),
+        "allreduce": sum(b for (_, op), b in traffic.items() if op == "all_reduce"),
+        "traffic": traffic,
     }
     if samo is not None:
         plugin = engine.ds_ext.plugin("samo")
@@ -182,6 +189,8 @@ def _train(
             "describe": plugin.describe(),
             "loss_scale": float(engine.optimizer.loss_scale),
             "skipped": engine.skipped_steps,
+            "buffers": [t.numel() for t in plugin.grads.buffers()],
+            "shard_size": plugin.grads.shard_size,
         }
     engine.destroy()
     dist.barrier()
@@ -270,7 +279,7 @@ def test_zero1_shards_equal_deepspeeds_zero1_and_masked_dense(worlds):
         assert run["state_bytes"]["masters"] == 4 * own and run["state_bytes"]["optimizer"] == 8 * own
 
 
-def _zero1_checkpoint_error(save_dir: str) -> tuple[str, str] | None:
+def _zero_checkpoint_error(save_dir: str, stage: int) -> tuple[str, str] | None:
     import ds_ext
     from ds_ext.integration import ds_engine
 
@@ -279,7 +288,7 @@ def _zero1_checkpoint_error(save_dir: str) -> tuple[str, str] | None:
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO,
         "steps_per_print": 10**9,
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {"stage": stage},
         "ds_ext": {"topology": TOPOLOGY, "samo": {"enabled": True}},
     }
     engine, *_ = ds_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
@@ -292,12 +301,99 @@ def _zero1_checkpoint_error(save_dir: str) -> tuple[str, str] | None:
     return None
 
 
-def test_zero1_checkpoints_are_refused_on_every_rank(worlds, tmp_path):
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_checkpoints_are_refused_on_every_rank(worlds, tmp_path, stage):
     message = (
-        "ds_ext.samo with zero_optimization.stage 1: saving or loading the sharded compressed optimizer state is not "
-        "implemented; allowed: zero_optimization.stage 0 for checkpoints"
+        f"ds_ext.samo with zero_optimization.stage {stage}: saving or loading the sharded compressed optimizer state "
+        "is not implemented; allowed: zero_optimization.stage 0 for checkpoints"
     )
-    assert worlds(2).run(_zero1_checkpoint_error, str(tmp_path), timeout=120) == [("DsExtConfigError", message)] * 2
+    got = worlds(2).run(_zero_checkpoint_error, str(tmp_path), stage, timeout=120)
+    assert got == [("DsExtConfigError", message)] * 2
+
+
+# ---- ZeRO-2: the compressed gradients sharded, reduced in buckets during backward -----------------
+BUCKET = 96  # reduce_bucket_size (elements): 3 buffers of 32 entries (2 x 16, 4 x 8); 1.fc.weight spans 7-8 buckets
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero2_equals_masked_dense_with_bucketed_reduction(worlds, dp):
+    """ZeRO-2 on 2 and 4 ranks (AdamW with weight decay, clipping active, GA 2, 20 steps): every
+    parameter equals the serial reference within 1e-6 (fp32), the pruned entries exactly zero; each
+    rank holds its shard of s = ceil(k / d) and three buckets of d x (BUCKET // 3 d) entries, never the
+    full flat buffer of d s; the reduce-scatters, all in backward, carry w d s (d - 1) / d bytes per
+    micro-batch although each layer's bias, before its weight in the layout, reaches its hook first."""
+    from ds_ext.comm.ledger import reduce_scatter_bytes
+
+    runs = worlds(dp).run(_train, samo={}, zero=2, bucket=BUCKET)
+    _assert_equals_reference(runs, reference(dp))
+    for run in runs:
+        per_micro = reduce_scatter_bytes(4 * dp * run["shard_size"], dp)
+        assert run["traffic"][("backward", "reduce_scatter")] == pytest.approx(ACCUM * per_micro, rel=1e-12)
+        assert ("step", "reduce_scatter") not in run["traffic"]
+        s = run["shard_size"]
+        assert s == -(-run["kept"] // dp) and run["buffers"] == [s, BUCKET]
+        assert sum(run["buffers"]) < dp * s  # below the ZeRO-1 flat buffer alone
+
+
+def test_zero2_state_bytes_ledger_and_bf16(worlds):
+    """bf16, no biases, 2 and 4 ranks: the bytes each rank holds at the step's peak equal
+    ``zero2_model_state_bytes`` (gradients term 2 s + 2 x 3 d m: the shard and the three buckets, reduce_bucket_size together); the ledger's
+    reduce-scatter bytes are booked in backward, w d s (d - 1) / d per micro-batch: GA x ZeRO-1's one,
+    (1 - p) of the dense φ up to fewer than d padded entries; the step all-gathers the shard once and
+    all-reduces nothing but the norm's one fp64 scalar."""
+    from ds_ext.comm.ledger import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
+    from ds_ext.perf import samo as model
+
+    for dp in (2, 4):
+        for rank, run in enumerate(
+            worlds(dp).run(_train, precision="bf16", steps=2, bias=False, samo={}, zero=2, bucket=BUCKET)
+        ):
+            phi, k, s = run["phi"], run["kept"], run["shard_size"]
+            m = model.bucket_piece(k, dp, BUCKET)
+            want = model.zero2_model_state_bytes(phi, k, k, 2, dp, rank, BUCKET)
+            assert sum(run["state_bytes"].values()) == want == run["analytic_state_bytes"]
+            assert (
+                run["state_bytes"]["gradients"] == 2 * s + 2 * 3 * dp * m == 2 * s + 2 * BUCKET
+                and run["state_bytes"]["copies"] == 0
+            )
+            assert run["state_bytes"]["gradients_fp32"] == 4 * s
+            per_micro = reduce_scatter_bytes(2 * dp * s, dp)
+            assert run["traffic"][("backward", "reduce_scatter")] == pytest.approx(ACCUM * per_micro, rel=1e-12)
+            assert ("step", "reduce_scatter") not in run["traffic"]
+            assert per_micro == pytest.approx(k / phi * reduce_scatter_bytes(2 * phi, dp), rel=dp / k)
+            assert run["traffic"][("step", "all_gather")] == all_gather_bytes(2 * s, dp)
+            assert run["allreduce"] == all_reduce_bytes(8, dp)
+            analytic = model.zero2_reduction_bytes(dp * s, 2, dp, ACCUM)
+            assert run["analytic_allreduce"][0] == pytest.approx(analytic, rel=1e-12)
+            assert analytic == pytest.approx(per_micro * ACCUM + all_gather_bytes(2 * s, dp), rel=1e-12)
+    runs = worlds(2).run(_train, precision="bf16", samo={}, zero=2, bucket=BUCKET)
+    ref, init = reference(2)["weights"], reference(2, steps=0)["weights"]
+    for run in runs:
+        for name, want in ref.items():
+            got = run["weights"][name]
+            assert got.dtype == torch.bfloat16
+            if name.endswith("weight"):
+                kept = layer_mask(int(name.split(".")[0]), tuple(want.shape))
+                assert torch.count_nonzero(got[~kept]) == 0, name
+                assert (got.float()[kept] != init[name][kept].to(torch.bfloat16).float()).float().mean() > 0.9
+            torch.testing.assert_close(got.float(), want, rtol=0, atol=3e-2, msg=name)
+    for name in runs[0]["weights"]:
+        assert torch.equal(runs[0]["weights"][name], runs[1]["weights"][name]), name
+
+
+def test_zero2_fp16_overflow_skips_the_step_on_every_rank(worlds):
+    """fp16 from a loss scale of 2^24: the first steps overflow (an inf in the shards), every rank
+    skips the same steps and lowers the same scale, and the ranks end with the same weights, the
+    pruned entries exactly zero."""
+    runs = worlds(4).run(_train, precision="fp16", samo={}, zero=2, bucket=BUCKET, scale_power=24)
+    assert runs[0]["skipped"] > 0
+    assert {(r["skipped"], r["loss_scale"]) for r in runs} == {(runs[0]["skipped"], runs[0]["loss_scale"])}
+    assert runs[0]["skipped"] < STEPS
+    for run in runs:
+        for name, got in run["weights"].items():
+            assert torch.equal(got, runs[0]["weights"][name]), name
+            if name.endswith("weight"):
+                assert torch.count_nonzero(got[~layer_mask(int(name.split(".")[0]), tuple(got.shape))]) == 0
 
 
 # ---- memory (Eq. 4.1) and communication (§4.2.1) ------------------------------------------------
@@ -463,12 +559,11 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
     from ds_ext.integration import ds_engine
 
     ds_engine.init_distributed()
-    if model_kind == "tied":
-        from deepspeed.pipe import PipelineModule, TiedLayerSpec
+    if model_kind in ("tied", "pipe"):
+        from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-        model = PipelineModule(
-            [TiedLayerSpec("t", nn.Linear, 8, 8), TiedLayerSpec("t", nn.Linear, 8, 8)], num_stages=2, loss_fn=mse
-        )
+        specs = [TiedLayerSpec("t", nn.Linear, 8, 8) if model_kind == "tied" else LayerSpec(Layer, i) for i in range(2)]
+        model = PipelineModule(specs, num_stages=2, loss_fn=mse)
     else:
         model = mlp() if model_kind == "mlp" else nn.Linear(4, 4)
     cfg = {
@@ -489,11 +584,26 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
     "extra, optimizer, model_kind, message",
     [
         (
-            {"zero_optimization": {"stage": 2}},
+            {"zero_optimization": {"stage": 3}},
             "adamw",
             "mlp",
-            "ds_ext.samo with zero_optimization.stage 2: SAMO shards the compressed optimizer state (stage 1) but "
-            "keeps the compressed gradients and the weights whole on every data-parallel rank; allowed: 0, 1",
+            "ds_ext.samo with zero_optimization.stage 3: SAMO shards the compressed optimizer state (stage 1) and the "
+            "compressed gradients (stage 2) but keeps the dense 16-bit weights whole on every data-parallel rank; "
+            "allowed: 0, 1, 2",
+        ),
+        (
+            {"zero_optimization": {"stage": 2, "overlap_comm": True}},
+            "adamw",
+            "mlp",
+            "ds_ext.samo with zero_optimization.overlap_comm True: SAMO's ZeRO-2 reduces each bucket of compressed "
+            "gradients in the backward hook, on the compute stream; allowed: false",
+        ),
+        (
+            {"zero_optimization": {"stage": 2}},
+            "adamw",
+            "pipe",
+            "ds_ext.samo with zero_optimization.stage 2: with a deepspeed.pipe.PipelineModule, ZeRO-2 and ZeRO-3 are "
+            "incompatible with pipeline parallelism (DeepSpeed's PipelineEngine); allowed: 0, 1 with a PipelineModule",
         ),
         (
             {"ds_ext": {"zero_topo": {"enabled": True}}},
@@ -541,7 +651,20 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
             "over their stages; allowed: a PipelineModule without tied layers",
         ),
     ],
-    ids=["zero2", "zero_topo", "tiled", "ted", "pmm3d", "pccl", "goldfish", "sgd", "no-mask", "tied"],
+    ids=[
+        "zero3",
+        "overlap_comm",
+        "zero2-pipe",
+        "zero_topo",
+        "tiled",
+        "ted",
+        "pmm3d",
+        "pccl",
+        "goldfish",
+        "sgd",
+        "no-mask",
+        "tied",
+    ],
 )
 def test_unsupported_combinations_are_refused_in_one_line(worlds, extra, optimizer, model_kind, message):
     for res in worlds(2).run(_initialize_error, extra, optimizer, model_kind, timeout=120):

@@ -176,6 +176,14 @@ def release_mpu_on_destroy(engine) -> None:
     engine.destroy = destroy_and_release
 
 
+def zero_config(ds_config: dict) -> Any:
+    """The ``zero_optimization`` section as DeepSpeed reads it (runtime/zero/config.py
+    ``get_zero_config``: ``reduce_bucket_size`` in elements, default 5e8; ``overlap_comm``)."""
+    from deepspeed.runtime.zero.config import get_zero_config
+
+    return get_zero_config(ds_config)
+
+
 def pipeline_grid(model) -> Any:
     """A ``deepspeed.pipe.PipelineModule``'s process grid (what ``deepspeed.initialize`` hands its
     PipelineEngine as the mpu: runtime/pipe/topology.py ``PipelineParallelGrid``), else None."""

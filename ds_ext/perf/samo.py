@@ -19,7 +19,16 @@ mask is kept whole with none) and ``weight_bytes`` w is the training dtype's siz
 ``w φ + (w + 4 + 8) k + 4 indexed + [w != 4] (4 + w) k``.
 
 All-reduce (§4.2.1; ledger convention 2 S (d - 1) / d per rank, ``ds_ext.comm.ledger``): SAMO sends
-S = w k, dense training S = w φ; the indices never travel.
+S = w k, dense training S = w φ; the indices never travel. ZeRO-1 reduce-scatters and all-gathers
+the padded S = w d s once per step (s = ceil(k / d)), the same sum. ZeRO-2
+(:func:`zero2_reduction_bytes`) reduce-scatters it once per micro-batch, bucket by bucket during
+backward: GA x ZeRO-1's reduce-scatter bytes, S (d - 1) / d each, (1 - p) of dense ZeRO-2's; the
+all-gather stays once per step.
+
+ZeRO-2 memory (:func:`zero2_model_state_bytes`, ``ds_ext.samo.zero2``): Eq. 4.1 with the
+gradients term 2 k / d (the rank's shard of ∇θ16, w s) plus the bucket buffers, 3 x w d m <= w B
+(m = min(s, max(1, B // 3 d)), B = ``reduce_bucket_size`` elements, DeepSpeed's one bucket), in
+place of ZeRO-1's whole flat buffer (w d s).
 
 Pipeline (§4.2.2): t_bubble = (t_f + t_b)(1 - 1 / G_inter) (Eq. 4.7), increasing in G_inter
 (Eq. 4.8); each GPU sends and receives 4 B / (mbs G_data) messages (Eq. 4.9), = 4 (B / mbs)
@@ -31,10 +40,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ds_ext.comm.ledger import all_reduce_bytes
+from ds_ext.comm.ledger import all_gather_bytes, all_reduce_bytes, reduce_scatter_bytes
 
 DEFAULT_BYTES_PER_PARAMETER = 20  # 2 + 2 + 4 + 4 + 8 (001 §4.1.4)
 INDEX_BYTES = 4  # int32 (001 §4.1.2)
+OPEN_BUCKETS = 3  # ZeRO-2's bucket buffers, reduce_bucket_size elements together (ds_ext.samo.zero2)
 
 
 def default_model_state_bytes(phi: int) -> int:
@@ -60,6 +70,38 @@ def sharded_model_state_bytes(phi: int, kept: int, indexed: int, weight_bytes: i
     own = min(max(kept - rank * s, 0), s)
     upcast = 0 if w == 4 else 4 * s
     return w * phi + w * s * shards + w * s + upcast + (4 + 8) * own + INDEX_BYTES * indexed
+
+
+def bucket_piece(kept: int, shards: int, bucket_size: int) -> int:
+    """m: each rank's piece of a full ZeRO-2 bucket, min(s, max(1, B // (3 d))): the ``OPEN_BUCKETS``
+    buffers of d m entries hold B = ``bucket_size`` elements together (``ds_ext.samo.zero2``)."""
+    return min(-(-kept // shards), max(1, bucket_size // (OPEN_BUCKETS * shards)))
+
+
+def zero2_model_state_bytes(
+    phi: int, kept: int, indexed: int, weight_bytes: int, shards: int, rank: int, bucket_size: int
+) -> int:
+    """Eq. 4.1 under ZeRO-2 (``ds_ext.samo.zero2``) on data-parallel ``rank`` of ``shards`` with
+    ``reduce_bucket_size`` ``bucket_size``: θ16 dense (w φ), the rank's shard of ∇θ16 of s = ceil(k / d)
+    entries, reused for its 16-bit copy (w s, the gradients term 2 k / d), the bucket buffers
+    (``OPEN_BUCKETS`` x w d m <= w B),
+    its fp32 gradient in 16-bit training (4 s), θ32 and os over the k_r kept entries the rank owns
+    (12 k_r; the padding, fewer than d entries, is in the last bucket), the indices."""
+    w, d, s = weight_bytes, shards, -(-kept // shards)
+    m = bucket_piece(kept, d, bucket_size)
+    count = -(-s // m)
+    last, start = s - (count - 1) * m, (count - 1) * d * m
+    own = (count - 1) * m + min(max(kept - start - rank * last, 0), last)
+    upcast = 0 if w == 4 else 4 * s
+    return w * phi + w * s + OPEN_BUCKETS * w * d * m + upcast + (4 + 8) * own + INDEX_BYTES * indexed
+
+
+def zero2_reduction_bytes(elements: int, weight_bytes: int, data_parallel: int, accumulation: int) -> float:
+    """Bytes one rank sends per step under ZeRO-2 for ``elements`` gradients (SAMO: the padded d s,
+    dense: φ): a reduce-scatter per micro-batch (``accumulation`` of them) and one all-gather of the
+    rank's 1 / d of the updated weights."""
+    nbytes, d = elements * weight_bytes, data_parallel
+    return accumulation * reduce_scatter_bytes(nbytes, d) + all_gather_bytes(nbytes / d, d)
 
 
 def model_state_bytes_at(phi: int, p: float) -> float:

@@ -8,6 +8,7 @@ gradients (§4.2.1), the optimizer steps on the compressed tensors and the resul
 into the dense weights (§4.1.3). Modules: :mod:`~ds_ext.samo.config` (the section),
 :mod:`~ds_ext.samo.index` (compress / expand), :mod:`~ds_ext.samo.mask` (where the mask comes
 from), :mod:`~ds_ext.samo.state` (the compressed gradients and their backward hooks),
-:mod:`~ds_ext.samo.optimizer` (the step), :mod:`~ds_ext.samo.support` (what it refuses),
+:mod:`~ds_ext.samo.optimizer` (the step), :mod:`~ds_ext.samo.zero2` (ZeRO-2: the gradients
+sharded, reduced in buckets during backward), :mod:`~ds_ext.samo.support` (what it refuses),
 :mod:`~ds_ext.samo.plugin` (the ``"samo"`` plugin); the memory model is :mod:`ds_ext.perf.samo`.
 """

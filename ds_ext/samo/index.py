@@ -7,7 +7,9 @@ an N-d tensor costs one integer per kept entry instead of N (001 §4.1.2: the 2x
 non-zeros at (0, 0), (1, 1) has the index [0, 3]). Every compressed state of θ (16- and 32-bit
 gradient, fp32 master, optimizer moments) is a 1-D tensor of ``k`` elements in that order and
 shares this one index. ``compress`` selects the kept entries of a dense tensor; ``expand``, its
-inverse, writes ``k`` values into a dense tensor whose other entries become zero.
+inverse, writes ``k`` values into a dense tensor whose other entries become zero;
+``expand_range`` writes a run of them and leaves every other entry as it is (ZeRO-2's bucket by
+bucket expansion, :mod:`ds_ext.samo.zero2`).
 """
 
 from __future__ import annotations
@@ -44,3 +46,13 @@ def expand(values: torch.Tensor, index: torch.Tensor | None, out: torch.Tensor) 
         return
     flat.zero_()
     flat.index_put_((index,), values.to(flat.dtype))
+
+
+def expand_range(values: torch.Tensor, index: torch.Tensor | None, out: torch.Tensor, start: int) -> None:
+    """Write ``values``, the compressed entries ``start`` to ``start + len(values)`` by ``index``,
+    into the dense ``out`` in place; its other entries are left as they are."""
+    flat = out.view(-1)
+    if index is None:
+        flat[start : start + values.numel()].copy_(values)
+        return
+    flat.index_put_((index[start : start + values.numel()],), values.to(flat.dtype))

@@ -25,6 +25,8 @@ equal chunks, :mod:`ds_ext.samo.state`) is reduce-scattered instead of all-reduc
 data-parallel rank r keeps chunk r; ∇θ32, θ32 and os exist for that chunk only (one piece per
 parameter the chunk overlaps), the squared norm is summed over the data group too, and after the
 step the chunk's 16-bit copy is all-gathered into the flat buffer and expanded into θ16 from there.
+ZeRO-2 (:mod:`ds_ext.samo.zero2`) overrides where the rank's chunk comes from (:meth:`_reduce`),
+how it reaches θ16 (:meth:`_publish`) and its zeroing (:meth:`_clear`); the rest of the step is this.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class SamoOptimizer(torch.optim.Optimizer):
         self.clip, self.scaler = clip, scaler
         self.data_group, self.model_group = data_group, model_group
         self.data_size = comm.size(data_group) if data_group is not None else 1
-        self.dtype = grads.flat.dtype
+        self.dtype = grads.dtype
         self.overflow = False
         self._global_grad_norm = 0.0
         self.peak_bytes: dict[str, int] = {}
@@ -95,12 +97,11 @@ class SamoOptimizer(torch.optim.Optimizer):
                 "model; allowed: an optimizer over the model's trainable parameters"
             )
         self.sharded = shard and data_group is not None
-        # this rank's chunk [lo, lo + size) of the flat buffer (ZeRO-1), else the whole buffer
-        size = grads.shard_size if self.sharded else grads.flat.numel()
-        self.lo = torch.distributed.get_rank(data_group) * size if self.sharded else 0
-        self.shard = torch.zeros(size, dtype=self.dtype, device=grads.flat.device) if self.sharded else None
+        self.rank = torch.distributed.get_rank(data_group) if self.sharded else 0
+        self.shard = self._shard_buffer() if self.sharded else None
+        ranges = grads.owned(self.rank)  # this rank's ranges of the flat layout (the whole of it unsharded)
         per_group: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
-        self.pieces: list[tuple[int, int]] = []  # (start, stop) in the flat buffer of each master
+        self.pieces: list[tuple[int, int]] = []  # (start, stop) of each master in the rank's shard
         self.masters: list[torch.Tensor] = []
         for entry in grads.entries:
             if id(entry.param) not in group_of:
@@ -108,14 +109,15 @@ class SamoOptimizer(torch.optim.Optimizer):
                     f"{KEY}: a trainable parameter of shape {tuple(entry.param.shape)} is in none of the optimizer's "
                     "param groups; allowed: an optimizer over every trainable parameter (or freeze it)"
                 )
-            start, stop = max(entry.offset, self.lo), min(entry.end, self.lo + size)
-            if start >= stop:
-                continue
-            values = compress(entry.param.detach(), entry.index)[start - entry.offset : stop - entry.offset]
-            master = values.float().clone()
-            self.pieces.append((start - self.lo, stop - self.lo))
-            self.masters.append(master)
-            per_group[group_of[id(entry.param)]].append(master)
+            kept = compress(entry.param.detach(), entry.index)
+            for lo, hi, local in ranges:
+                start, stop = max(entry.offset, lo), min(entry.end, hi)
+                if start >= stop:
+                    continue
+                master = kept[start - entry.offset : stop - entry.offset].float().clone()
+                self.pieces.append((local + start - lo, local + stop - lo))
+                self.masters.append(master)
+                per_group[group_of[id(entry.param)]].append(master)
         for g, params in zip(inner.param_groups, per_group):
             g["params"] = params
         inner.state.clear()
@@ -144,11 +146,13 @@ class SamoOptimizer(torch.optim.Optimizer):
         """θ16's pruned entries written as zero (its kept entries as they are)."""
         self._expand([compress(e.param.detach(), e.index) for e in self.grads.entries])
 
+    zero_stage = 1  # the ZeRO stage a sharded state is refused under (check_checkpointable)
+
     def check_checkpointable(self) -> None:
-        """Refuse, in one line, a checkpoint of the sharded state (ZeRO-1: not implemented)."""
+        """Refuse, in one line, a checkpoint of the sharded state (ZeRO-1 and 2: not implemented)."""
         if self.sharded:
             raise DsExtConfigError(
-                f"{KEY} with zero_optimization.stage 1: saving or loading the sharded compressed optimizer state is not "
+                f"{KEY} with zero_optimization.stage {self.zero_stage}: saving or loading the sharded compressed optimizer state is not "
                 "implemented; allowed: zero_optimization.stage 0 for checkpoints"
             )
 
@@ -167,15 +171,7 @@ class SamoOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:
         if closure is not None:
             raise DsExtConfigError(f"{KEY}: step(closure) is not supported; call step() after backward")
-        flat = self.grads.flat
-        local = flat
-        if self.sharded:
-            local = self.shard
-            self.comm.reduce_scatter(local, flat, group=self.data_group)
-            local.div_(self.data_size)
-        elif self.data_group is not None:
-            self.comm.all_reduce(flat, group=self.data_group)
-            flat.div_(self.data_size)
+        local = self._reduce()
         g32 = local.float()  # ∇θ32 (the same tensor in fp32 training)
         scale = self.scaler.loss_scale
         if scale != 1.0:
@@ -193,24 +189,50 @@ class SamoOptimizer(torch.optim.Optimizer):
             self.inner.step()
             for master in self.masters:
                 master.grad = None
-            if self.sharded:  # the chunk's 16-bit copy, all-gathered into the flat buffer
-                for (start, stop), master in zip(self.pieces, self.masters):
-                    self.shard[start:stop].copy_(master)
-                self._sample_bytes(g32, [self.shard])
-                self.comm.all_gather(flat, self.shard, group=self.data_group)
-                self._expand([flat[e.offset : e.end] for e in self.grads.entries])
-            else:
-                copies = [m.to(self.dtype) for m in self.masters]  # the temporary compressed θ16 (§4.1.3)
-                self._sample_bytes(g32, copies)
-                self._expand(copies)
-        flat.zero_()
+            self._publish(g32)
+        self._clear()
+
+    def _shard_buffer(self) -> torch.Tensor:
+        """ZeRO-1: the reduce-scatter's output, this rank's chunk (reused for its 16-bit copy)."""
+        return torch.zeros(self.grads.shard_size, dtype=self.dtype, device=self.grads.device)
+
+    def _reduce(self) -> torch.Tensor:
+        """∇θ16 summed over the data-parallel group and divided by d: this rank's chunk (ZeRO-1) or the
+        whole flat buffer."""
+        flat = self.grads.flat
+        if self.sharded:
+            self.comm.reduce_scatter(self.shard, flat, group=self.data_group)
+            self.shard.div_(self.data_size)
+            return self.shard
+        if self.data_group is not None:
+            self.comm.all_reduce(flat, group=self.data_group)
+            flat.div_(self.data_size)
+        return flat
+
+    def _publish(self, g32: torch.Tensor) -> None:
+        """The stepped masters into θ16 (module docstring, 5; ZeRO-1: through the all-gathered flat buffer)."""
+        if self.sharded:  # the chunk's 16-bit copy, all-gathered into the flat buffer
+            for (start, stop), master in zip(self.pieces, self.masters):
+                self.shard[start:stop].copy_(master)
+            self._sample_bytes(g32, [self.shard])
+            flat = self.grads.flat
+            self.comm.all_gather(flat, self.shard, group=self.data_group)
+            self._expand([flat[e.offset : e.end] for e in self.grads.entries])
+        else:
+            copies = [m.to(self.dtype) for m in self.masters]  # the temporary compressed θ16 (§4.1.3)
+            self._sample_bytes(g32, copies)
+            self._expand(copies)
+
+    def _clear(self) -> None:
+        """The accumulated ∇θ16 zeroed for the next step."""
+        self.grads.flat.zero_()
 
     def _sample_bytes(self, g32: torch.Tensor, copies: list[torch.Tensor]) -> None:
         """Record every tensor SAMO holds now, the step's peak (module docstring)."""
         held = held_bytes(
             {
                 "weights": (e.param for e in self.grads.entries),
-                "gradients": [self.grads.flat],
+                "gradients": self.grads.buffers(),
                 "gradients_fp32": [g32],
                 "masters": self.masters,
                 "optimizer": (v for st in self.inner.state.values() for v in st.values() if _is_state_tensor(v)),

@@ -5,16 +5,17 @@ state but the dense 16-bit weights compressed by its pruning mask:
 
 * ``check``: refuses, before any collective, every other ds_ext plugin, DeepSpeed-MoE experts and
   a PipelineModule's tied layers (:mod:`ds_ext.samo.support`);
-* ``prepare``: refuses the DeepSpeed settings SAMO does not implement (ZeRO stage > 1, tensor
-  parallelism, optimizers other than Adam / AdamW), reads the mask (:mod:`ds_ext.samo.mask`),
+* ``prepare``: refuses the DeepSpeed settings SAMO does not implement (ZeRO stage 3, ZeRO-2 with
+  a PipelineModule, tensor parallelism, optimizers other than Adam / AdamW), reads the mask (:mod:`ds_ext.samo.mask`),
   reads ``bf16`` / ``fp16`` (DeepSpeed's own loss scaler) / ``gradient_clipping`` and hands
   DeepSpeed a copy with those off; casts the model to the training dtype;
 * ``attach``: after DeepSpeed has broadcast rank 0's weights, checks that every data-parallel rank
   holds the same mask, builds the shared indices and the compressed gradient buffer with its
   backward hooks (:mod:`ds_ext.samo.state`), swaps the engine's optimizer for
   :class:`~ds_ext.samo.optimizer.SamoOptimizer` (which all-reduces the compressed gradients over
-  the data-parallel group and stops DeepSpeed's dense all-reduce; under ZeRO-1 it shards them and
-  the engine's save / load_checkpoint are refused on every rank), scales the loss for fp16 (on the
+  the data-parallel group and stops DeepSpeed's dense all-reduce; under ZeRO-1 it shards them, under
+  ZeRO-2 :mod:`ds_ext.samo.zero2` reduces them in buckets during backward into each rank's shard,
+  and under both the engine's save / load_checkpoint are refused on every rank), scales the loss for fp16 (on the
   last stage of a PipelineEngine) and makes the engine report the dtype and clipping it applies.
 """
 
@@ -35,6 +36,7 @@ from ds_ext.samo.config import KEY, SamoConfig
 from ds_ext.samo.mask import read_masks
 from ds_ext.samo.optimizer import SamoOptimizer
 from ds_ext.samo.state import CompressedGradients
+from ds_ext.samo.zero2 import BucketedGradients, BucketedSamoOptimizer
 
 
 class SamoPlugin(Plugin):
@@ -61,6 +63,8 @@ class SamoPlugin(Plugin):
         support.check_layout(layout.degree("tensor"), layout.source)
         self.dtype = ds_engine.training_dtype(ds_config)
         self.stage = support.check_ds_config(ds_config, self.dtype)
+        support.check_pipeline_stage(model, self.stage)
+        self.bucket_size = ds_engine.zero_config(ds_config).reduce_bucket_size
         support.check_optimizer(optimizer, ds_config)
         self.masks = read_masks(model, self.config.mask, self.config.mask_file)
         if not self.masks and ds_engine.pipeline_grid(model) is None:
@@ -74,7 +78,7 @@ class SamoPlugin(Plugin):
         for key in ("bf16", "fp16"):
             cfg.setdefault(key, {})["enabled"] = False
         cfg["gradient_clipping"] = 0.0
-        cfg.setdefault("zero_optimization", {})["stage"] = 0  # stage 1: SAMO shards (SamoOptimizer)
+        cfg.setdefault("zero_optimization", {})["stage"] = 0  # stages 1 and 2: SAMO shards (SamoOptimizer)
         (cfg.get("data_types") or {}).pop("grad_accum_dtype", None)
         return model.to(self.dtype), optimizer, cfg
 
@@ -89,11 +93,16 @@ class SamoPlugin(Plugin):
         layout = rt.parallel
         data_group = rt.groups.group(layout.partition("data")) if layout.degree("data") > 1 else None
         model_group = rt.groups.group(layout.partition("model")) if layout.degree("model") > 1 else None
-        shard = self.stage == 1 and data_group is not None
-        self.grads = CompressedGradients(params, self.masks, self.dtype, layout.degree("data") if shard else 1)
+        shard = self.stage >= 1 and data_group is not None
+        self.accumulation = engine.gradient_accumulation_steps()
+        if shard and self.stage == 2:
+            self.grads = BucketedGradients(params, self.masks, self.dtype, rt.comm, data_group, self.bucket_size)
+        else:
+            self.grads = CompressedGradients(params, self.masks, self.dtype, layout.degree("data") if shard else 1)
         del self.masks  # the indices hold them now
         self._check_masks_agree(data_group)
-        self.optimizer = SamoOptimizer(
+        kind = BucketedSamoOptimizer if isinstance(self.grads, BucketedGradients) else SamoOptimizer
+        self.optimizer = kind(
             self.grads, engine.optimizer, rt.comm, self.clip, self.scaler, data_group, model_group, shard
         )
         ds_engine.replace_optimizer(engine, self.optimizer)
@@ -144,17 +153,23 @@ class SamoPlugin(Plugin):
         return self.optimizer.state_bytes()
 
     def analytic_state_bytes(self) -> int:
-        """Eq. 4.1 for this run's parameters, kept entries and dtype (under ZeRO-1, this rank's share)."""
-        g, o = self.grads, self.optimizer
-        if o.sharded:
-            rank = o.lo // g.shard_size
-            return samo_model.sharded_model_state_bytes(
-                g.phi, g.kept, g.indexed, self.dtype.itemsize, o.data_size, rank
+        """Eq. 4.1 for this run's parameters, kept entries and dtype (under ZeRO-1 / 2, this rank's share)."""
+        g, o, w = self.grads, self.optimizer, self.dtype.itemsize
+        if isinstance(g, BucketedGradients):
+            return samo_model.zero2_model_state_bytes(
+                g.phi, g.kept, g.indexed, w, o.data_size, o.rank, self.bucket_size
             )
+        if o.sharded:
+            return samo_model.sharded_model_state_bytes(g.phi, g.kept, g.indexed, w, o.data_size, o.rank)
         return samo_model.model_state_bytes(g.phi, g.kept, g.indexed, self.dtype.itemsize)
 
     def analytic_allreduce_bytes(self) -> tuple[float, float]:
         """(SAMO's, dense training's) gradient all-reduce bytes per step on this rank (§4.2.1; under
-        ZeRO-1 the reduce-scatter and all-gather of the padded buffer, the same sum)."""
+        ZeRO-1 the reduce-scatter and all-gather of the padded buffer, the same sum; under ZeRO-2 a
+        reduce-scatter per micro-batch and one all-gather, ``perf.samo.zero2_reduction_bytes``)."""
         d, w, g = self.optimizer.data_size, self.dtype.itemsize, self.grads
-        return samo_model.allreduce_bytes(g.flat.numel(), w, d), samo_model.allreduce_bytes(g.phi, w, d)
+        padded = g.shard_size * d if self.optimizer.sharded else g.kept
+        if isinstance(g, BucketedGradients):
+            ga = self.accumulation
+            return samo_model.zero2_reduction_bytes(padded, w, d, ga), samo_model.zero2_reduction_bytes(g.phi, w, d, ga)
+        return samo_model.allreduce_bytes(padded, w, d), samo_model.allreduce_bytes(g.phi, w, d)

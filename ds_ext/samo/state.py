@@ -7,7 +7,9 @@ buffer of ``k = Σ k_i`` elements in the training dtype, which holds its compres
 the order of its index (:mod:`ds_ext.samo.index`); a parameter without a mask owns ``n_i``
 entries (kept whole, no index). The buffer is the same on every data-parallel rank, so the
 all-reduce of §4.2.1 is one call on it. With ``shards`` = d (ZeRO-1) it is padded with zeros to
-d equal chunks of ``shard_size`` = ceil(k / d) entries, data-parallel rank r owning chunk r.
+d equal chunks of ``shard_size`` = ceil(k / d) entries, data-parallel rank r owning chunk r
+(:meth:`CompressedGradients.owned`). ZeRO-2 (:mod:`ds_ext.samo.zero2`) keeps the layout but holds
+no flat buffer: a subclass owns other storage and reduces as backward fills it.
 
 Backward: a post-accumulate-grad hook on each parameter adds the compressed gradient to its
 slice as soon as autograd has produced the dense gradient of that parameter and drops the dense
@@ -55,20 +57,38 @@ class CompressedGradients:
             kept = p.numel() if index is None else index.numel()
             self.entries.append(Entry(p, index, offset, kept))
             offset += kept
-        device = params[0].device if params else torch.device("cpu")
+        self.device = params[0].device if params else torch.device("cpu")
+        self.dtype = dtype
         self.kept = offset  # Σ k_i: the entries every compressed state holds
         self.shard_size = -(-offset // shards)  # ZeRO-1: the buffer padded to ``shards`` equal chunks
-        self.flat = torch.zeros(self.shard_size * shards, dtype=dtype, device=device)
+        self._allocate(shards)
         for entry in self.entries:
             entry.param.register_post_accumulate_grad_hook(self._compress_hook(entry))
+
+    def _allocate(self, shards: int) -> None:
+        self.flat = torch.zeros(self.shard_size * shards, dtype=self.dtype, device=self.device)
+
+    def _add(self, entry: Entry, values: torch.Tensor) -> None:
+        """Accumulate ``entry``'s compressed gradient (``entry.kept`` values)."""
+        self.flat[entry.offset : entry.end].add_(values)
 
     def _compress_hook(self, entry: Entry):
         def hook(param: nn.Parameter) -> None:
             with torch.no_grad():
-                self.flat[entry.offset : entry.end].add_(compress(param.grad, entry.index))
+                self._add(entry, compress(param.grad, entry.index))
             param.grad = None
 
         return hook
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The tensors that hold ∇θ16 (the bytes of the ``gradients`` state)."""
+        return [self.flat]
+
+    def owned(self, rank: int) -> list[tuple[int, int, int]]:
+        """(start, stop, local start) of the flat ranges data-parallel ``rank`` owns and where they lie in
+        its shard: chunk ``rank`` of ``shard_size`` entries (without sharding: rank 0, the whole buffer)."""
+        lo = rank * self.shard_size
+        return [(lo, lo + self.shard_size, 0)]
 
     @property
     def phi(self) -> int:

@@ -3,10 +3,12 @@
 SAMO takes over DeepSpeed's mixed precision, gradient all-reduce, clipping and optimizer step,
 so DeepSpeed runs underneath as a plain stage-0 engine (or PipelineEngine). It runs in data
 parallelism (ZeRO stage 0) and on DeepSpeed's PipelineEngine (001 §4.2.2's inter-layer
-parallelism), with ZeRO stage 1 (compressed optimizer shards), with torch's Adam / AdamW or
-DeepSpeed's FusedAdam, fp32, fp16 (DeepSpeed's loss scaler) or bf16, gradient accumulation and
-clipping. Everything else is refused here in one line
-naming both settings and what is allowed.
+parallelism), with ZeRO stage 1 (compressed optimizer shards, also on the PipelineEngine) and
+ZeRO stage 2 (the compressed gradients sharded too, reduced in ``reduce_bucket_size`` buckets
+during backward, :mod:`ds_ext.samo.zero2`; like DeepSpeed, not with a PipelineModule, and with
+``overlap_comm`` off), with torch's Adam / AdamW or DeepSpeed's FusedAdam, fp32, fp16
+(DeepSpeed's loss scaler) or bf16, gradient accumulation and clipping. Everything else is
+refused here in one line naming both settings and what is allowed.
 """
 
 from __future__ import annotations
@@ -53,17 +55,24 @@ def check_layout(tensor: int, source: str) -> None:
 
 
 def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> int:
-    """Refuse the DeepSpeed settings SAMO does not implement; the ZeRO stage SAMO runs (0, or 1:
-    the compressed optimizer state sharded over the data-parallel ranks)."""
+    """Refuse the DeepSpeed settings SAMO does not implement; the ZeRO stage SAMO runs (0; 1: the
+    compressed optimizer state sharded over the data-parallel ranks; 2: the compressed gradients too)."""
     zero = ds_config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
-    if stage not in (0, 1):
+    if stage not in (0, 1, 2):
         _refuse(
             "zero_optimization.stage",
-            "SAMO shards the compressed optimizer state (stage 1) but keeps the compressed gradients and the "
-            "weights whole on every data-parallel rank",
-            "0, 1",
+            "SAMO shards the compressed optimizer state (stage 1) and the compressed gradients (stage 2) but keeps "
+            "the dense 16-bit weights whole on every data-parallel rank",
+            "0, 1, 2",
             stage,
+        )
+    if stage == 2 and zero.get("overlap_comm"):
+        _refuse(
+            "zero_optimization.overlap_comm",
+            "SAMO's ZeRO-2 reduces each bucket of compressed gradients in the backward hook, on the compute stream",
+            "false",
+            True,
         )
     for key in ("amp", "torch_autocast"):
         if (ds_config.get(key) or {}).get("enabled"):
@@ -97,6 +106,20 @@ def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> int:
             "data_types.grad_accum_dtype", "SAMO accumulates compressed gradients in the training dtype", "unset", accum
         )
     return stage
+
+
+def check_pipeline_stage(model: nn.Module, stage: int) -> None:
+    """ZeRO-2 beside a ``deepspeed.pipe.PipelineModule`` is refused as DeepSpeed's PipelineEngine
+    refuses it (0.19.8 runtime/pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+    parallelism")."""
+    if stage >= 2 and ds_engine.pipeline_grid(model) is not None:
+        _refuse(
+            "zero_optimization.stage",
+            "with a deepspeed.pipe.PipelineModule, ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism "
+            "(DeepSpeed's PipelineEngine)",
+            "0, 1 with a PipelineModule",
+            stage,
+        )
 
 
 def check_optimizer(optimizer: Any, ds_config: Mapping[str, Any]) -> None:
