@@ -599,6 +599,13 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
             "gradients in the backward hook, on the compute stream; allowed: false",
         ),
         (
+            {"zero_optimization": {"stage": 2, "reduce_scatter": False}},
+            "adamw",
+            "mlp",
+            "ds_ext.samo with zero_optimization.reduce_scatter False: SAMO reduce-scatters the compressed gradients "
+            "into the data-parallel shards; allowed: true (DeepSpeed's default)",
+        ),
+        (
             {"zero_optimization": {"stage": 2}},
             "adamw",
             "pipe",
@@ -654,6 +661,7 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
     ids=[
         "zero3",
         "overlap_comm",
+        "reduce_scatter",
         "zero2-pipe",
         "zero_topo",
         "tiled",

@@ -74,6 +74,13 @@ def check_ds_config(ds_config: Mapping[str, Any], dtype: torch.dtype) -> int:
             "false",
             True,
         )
+    if stage in (1, 2) and zero.get("reduce_scatter", True) is False:
+        _refuse(
+            "zero_optimization.reduce_scatter",
+            "SAMO reduce-scatters the compressed gradients into the data-parallel shards",
+            "true (DeepSpeed's default)",
+            False,
+        )
     for key in ("amp", "torch_autocast"):
         if (ds_config.get(key) or {}).get("enabled"):
             _refuse(f"{key}.enabled", "SAMO runs the model in the dtype of the fp16 / bf16 section", "false", True)
