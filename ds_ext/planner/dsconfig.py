@@ -9,8 +9,8 @@ Megatron-DeepSpeed's and GPT-NeoX's ``--checkpoint-activations`` runs configure)
 ``zero_topo`` section, or ``pmm3d`` with an explicit grid, becomes one more candidate, named ``configured <plan>``;
 a ``zero_topo`` section with ``form: pipeline`` (004's Frontier recipes, ``configs/frontier/*_zero_topo.json``)
 is planned on the model's Megatron recipe layout, ZeRO-topo's pipeline form in place of ZeRO-1, with
-the tiled optimizer where it pays (``megatron_plans.tiled_optimizer``; an fp16 section's loss scale
-counted in the step's buffers).
+a note on whether the tiled optimizer pays (``megatron_plans.tiled_optimizer``; an fp16 section's loss
+scale counted in the step's buffers).
 """
 
 from __future__ import annotations
