@@ -108,10 +108,12 @@ def _train(
     bias: bool = True,
     samo: dict | None = None,
     zero: int = 0,
+    tiled: int | None = None,
 ) -> dict:
     """Train with SAMO (``samo`` None: DeepSpeed's dense engine on the pruned model, for the ledger
     baseline and DeepSpeed's own ZeRO-1); ``stages`` > 0: a PipelineModule of that many stages on the
-    PipelineEngine; ``zero``: the ds_config's ZeRO stage."""
+    PipelineEngine; ``zero``: the ds_config's ZeRO stage; ``tiled``: beside the tiled optimizer, of
+    that tile size."""
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
@@ -146,6 +148,8 @@ def _train(
         cfg[precision] = {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})}
     if samo is not None:
         cfg["ds_ext"]["samo"] = {"enabled": True, **samo}
+    if tiled is not None:
+        cfg["ds_ext"]["tiled_optimizer"] = {"enabled": True, "tile_size": tiled}
     opt = OPTIMIZERS[optimizer](model.parameters(), lr=LR, weight_decay=WD)
     engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     dtype = next(engine.module.parameters()).dtype
@@ -182,7 +186,10 @@ def _train(
             "describe": plugin.describe(),
             "loss_scale": float(engine.optimizer.loss_scale),
             "skipped": engine.skipped_steps,
+            "masters": [m.numel() for m in plugin.optimizer.masters],
         }
+    if tiled is not None:
+        out["tiles"] = engine.ds_ext.plugin("tiled_optimizer").tiled.buffer.tiles_processed
     engine.destroy()
     dist.barrier()
     return out

@@ -44,3 +44,13 @@ def expand(values: torch.Tensor, index: torch.Tensor | None, out: torch.Tensor) 
         return
     flat.zero_()
     flat.index_put_((index,), values.to(flat.dtype))
+
+
+def expand_part(values: torch.Tensor, index: torch.Tensor | None, out: torch.Tensor, start: int) -> None:
+    """Write ``values``, entries [start, start + len) of a compressed tensor, into the dense ``out``
+    in place (a tile of :func:`expand`; the other entries of ``out`` are left as they are)."""
+    flat, stop = out.view(-1), start + values.numel()
+    if index is None:
+        flat[start:stop].copy_(values)
+    else:
+        flat.index_put_((index[start:stop],), values.to(flat.dtype))
