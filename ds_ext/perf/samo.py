@@ -68,9 +68,7 @@ def sharded_model_state_bytes(phi: int, kept: int, indexed: int, weight_bytes: i
     return w * phi + w * s * shards + w * s + upcast + (4 + 8) * own + INDEX_BYTES * indexed
 
 
-def tiled_model_state_bytes(
-    phi: int, kept: int, indexed: int, weight_bytes: int, tile_size: int, largest: int
-) -> int:
+def tiled_model_state_bytes(phi: int, kept: int, indexed: int, weight_bytes: int, tile_size: int, largest: int) -> int:
     """Eq. 4.1 with the step in tiles of ``tile_size`` (module docstring): ∇θ32 the 4 ts tile buffer,
     the 16-bit copy of θ32 w min(ts, ``largest``), ``largest`` the longest compressed master."""
     w = weight_bytes

@@ -42,9 +42,9 @@ import torch
 
 from ds_ext.comm import Communicator
 from ds_ext.errors import DsExtConfigError
+from ds_ext.optim.tiled import TiledAdam
 from ds_ext.samo.config import KEY
 from ds_ext.samo.index import compress, expand
-from ds_ext.optim.tiled import TiledAdam
 from ds_ext.samo.state import CompressedGradients
 from ds_ext.samo.tiled import TiledSamoStep
 
