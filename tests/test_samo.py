@@ -375,6 +375,77 @@ def test_sixteen_bit_training_keeps_pruned_entries_zero_and_follows_fp32(worlds,
         assert runs[0]["loss_scale"] > 1.0
 
 
+# ---- beside the tiled optimizer (001 §7.2) ---------------------------------------------------------
+TILE = 48  # tile boundaries inside the 102- and 205-entry masters (and ZeRO-1's pieces); biases fit one tile
+
+
+def _assert_bit_identical(tiled: list[dict], untiled: list[dict]) -> None:
+    """The tiled runs' parameters, norms, loss scales and skipped steps are the untiled runs', bit for bit,
+    and some tile boundary fell inside a master."""
+    for t, u in zip(tiled, untiled, strict=True):
+        assert t["norms"] == u["norms"]
+        assert (t["loss_scale"], t["skipped"]) == (u["loss_scale"], u["skipped"])
+        assert t["weights"].keys() == u["weights"].keys()
+        for name, want in u["weights"].items():
+            assert torch.equal(t["weights"][name], want), name
+        assert max(t["masters"]) > TILE and t["tiles"] > STEPS * len(t["masters"])
+
+
+@pytest.mark.parametrize("dp, zero", [(1, 0), (2, 0), (2, 1)], ids=["dp1", "dp2", "dp2-zero1"])
+def test_tiled_samo_is_untiled_samo_bit_for_bit_and_masked_dense(worlds, dp, zero):
+    """AdamW with weight decay, clipping active, GA 2, 20 steps, the step in tiles of 48 entries: every
+    parameter equals untiled SAMO's bit for bit (the clip coefficient too: the same norms) and masked
+    dense training within 1e-6 (fp32), the pruned entries exactly zero; on 1 and 2 data-parallel ranks
+    and at ZeRO stage 1 on 2."""
+    tiled = worlds(dp).run(_train, samo={}, zero=zero, tiled=TILE)
+    _assert_equals_reference(tiled, reference(dp))
+    _assert_bit_identical(tiled, worlds(dp).run(_train, samo={}, zero=zero))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_tiled_samo_in_sixteen_bit_is_untiled_samo_bit_for_bit(worlds, precision):
+    """bf16, and fp16 with DeepSpeed's loss scaler (the tiles unscale by s), on 2 ranks: bit for bit
+    untiled SAMO's, the pruned entries exactly zero."""
+    tiled = worlds(2).run(_train, precision=precision, samo={}, tiled=TILE)
+    _assert_bit_identical(tiled, worlds(2).run(_train, precision=precision, samo={}))
+    for run in tiled:
+        for name, got in run["weights"].items():
+            if name.endswith("weight"):
+                assert torch.count_nonzero(got[~layer_mask(int(name.split(".")[0]), tuple(got.shape))]) == 0, name
+
+
+def test_tiled_state_bytes_equal_the_tiled_eq_4_1_below_untiled(worlds):
+    """bf16, no biases: ∇θ32 is the 4 x tile_size buffer and the 16-bit copy one tile's (2 x 48 bytes),
+    every other term Eq. 4.1's; the sum is ``tiled_model_state_bytes``, below untiled SAMO's 24 k + 2 φ;
+    at ZeRO stage 1 on 2 ranks each rank's sum is ``tiled_sharded_model_state_bytes``, below the untiled
+    sharded one; in fp32 the buffer is the one term the tiles add (∇θ32 is ∇θ16 there)."""
+    from ds_ext.perf import samo as model
+
+    (bf16,) = worlds(1).run(_train, precision="bf16", steps=2, bias=False, samo={}, tiled=TILE)
+    phi, k, largest = bf16["phi"], bf16["kept"], max(bf16["masters"])
+    assert bf16["state_bytes"] == {
+        "weights": 2 * phi,
+        "gradients": 2 * k,
+        "gradients_fp32": 4 * TILE,
+        "masters": 4 * k,
+        "optimizer": 8 * k,
+        "indices": 4 * k,
+        "copies": 2 * TILE,
+    }
+    want = model.tiled_model_state_bytes(phi, k, k, 2, TILE, largest)
+    assert sum(bf16["state_bytes"].values()) == want == bf16["analytic_state_bytes"]
+    assert want < model.model_state_bytes(phi, k) == 24 * k + 2 * phi
+    for rank, run in enumerate(
+        worlds(2).run(_train, precision="bf16", steps=2, bias=False, samo={}, zero=1, tiled=TILE)
+    ):
+        want = model.tiled_sharded_model_state_bytes(phi, k, k, 2, 2, rank, TILE)
+        assert sum(run["state_bytes"].values()) == want == run["analytic_state_bytes"]
+        assert run["state_bytes"]["gradients_fp32"] == 4 * TILE
+        assert want < model.sharded_model_state_bytes(phi, k, k, 2, 2, rank)
+    (fp32,) = worlds(1).run(_train, steps=2, bias=False, samo={}, tiled=TILE)
+    assert sum(fp32["state_bytes"].values()) == 4 * phi + 20 * k + 4 * TILE == fp32["analytic_state_bytes"]
+
+
 # ---- pure logic: the index, the masks, the analytic model ----------------------------------------------
 def test_the_index_is_the_one_dimensional_view_of_the_kept_entries():
     from ds_ext.samo.index import compress, expand, flat_index
@@ -484,7 +555,10 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
         **{k: v for k, v in extra.items() if k != "ds_ext"},
         "ds_ext": {"topology": TOPOLOGY, "samo": {"enabled": True}, **extra.get("ds_ext", {})},
     }
-    opt = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd" else torch.optim.AdamW(model.parameters())
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), capturable=optimizer == "capturable")
     try:
         ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     except Exception as err:  # noqa: BLE001 - the test inspects the type and message
@@ -507,14 +581,21 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
             "adamw",
             "mlp",
             "ds_ext.samo with ds_ext.zero_topo.enabled True: SAMO owns the gradient all-reduce and the optimizer step "
-            "and runs beside no other ds_ext plugin; allowed: ds_ext.zero_topo.enabled false",
+            "and runs beside no other ds_ext plugin but ds_ext.tiled_optimizer; allowed: ds_ext.zero_topo.enabled false",
+        ),
+        (
+            {"ds_ext": {"tiled_optimizer": {"enabled": True}, "pccl": {"enabled": True}}},
+            "adamw",
+            "mlp",
+            "ds_ext.samo with ds_ext.pccl.enabled True: SAMO owns the gradient all-reduce and the optimizer step "
+            "and runs beside no other ds_ext plugin but ds_ext.tiled_optimizer; allowed: ds_ext.pccl.enabled false",
         ),
         (
             {"ds_ext": {"tiled_optimizer": {"enabled": True}}},
-            "adamw",
+            "capturable",
             "mlp",
-            "ds_ext.samo with ds_ext.tiled_optimizer.enabled True: SAMO owns the gradient all-reduce and the "
-            "optimizer step and runs beside no other ds_ext plugin; allowed: ds_ext.tiled_optimizer.enabled false",
+            "ds_ext.tiled_optimizer: param group 0 sets capturable=True; the tiled step reproduces torch's "
+            "single-tensor and fused Adam: allowed capturable=False, differentiable=False",
         ),
         *[
             (
@@ -522,7 +603,8 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
                 "adamw",
                 "mlp",
                 f"ds_ext.samo with ds_ext.{name}.enabled True: SAMO owns the gradient all-reduce and the optimizer "
-                f"step and runs beside no other ds_ext plugin; allowed: ds_ext.{name}.enabled false",
+                f"step and runs beside no other ds_ext plugin but ds_ext.tiled_optimizer; allowed: "
+                f"ds_ext.{name}.enabled false",
             )
             for name in ("ted", "pmm3d", "pccl", "goldfish")
         ],
@@ -548,7 +630,19 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
             "over their stages; allowed: a PipelineModule without tied layers",
         ),
     ],
-    ids=["zero2", "zero_topo", "tiled", "ted", "pmm3d", "pccl", "goldfish", "sgd", "no-mask", "tied"],
+    ids=[
+        "zero2",
+        "zero_topo",
+        "tiled+pccl",
+        "tiled-capturable",
+        "ted",
+        "pmm3d",
+        "pccl",
+        "goldfish",
+        "sgd",
+        "no-mask",
+        "tied",
+    ],
 )
 def test_unsupported_combinations_are_refused_in_one_line(worlds, extra, optimizer, model_kind, message):
     for res in worlds(2).run(_initialize_error, extra, optimizer, model_kind, timeout=120):
