@@ -402,6 +402,14 @@ def test_tiled_samo_is_untiled_samo_bit_for_bit_and_masked_dense(worlds, dp, zer
     _assert_bit_identical(tiled, worlds(dp).run(_train, samo={}, zero=zero))
 
 
+def test_tiled_samo_on_a_two_stage_pipeline_engine_is_untiled_samo_bit_for_bit(worlds):
+    """2 stages x 2 data-parallel ranks on the PipelineEngine (the norm summed over the stages before
+    the first tile): bit for bit untiled SAMO's, and masked dense training within 1e-6."""
+    tiled = worlds(4).run(_train, stages=2, samo={}, tiled=TILE)
+    _assert_equals_reference(tiled, reference(2))
+    _assert_bit_identical(tiled, worlds(4).run(_train, stages=2, samo={}))
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_tiled_samo_in_sixteen_bit_is_untiled_samo_bit_for_bit(worlds, precision):
     """bf16, and fp16 with DeepSpeed's loss scaler (the tiles unscale by s), on 2 ranks: bit for bit
@@ -536,6 +544,10 @@ def test_config_errors_name_the_key():
 
 
 # ---- refusals, one line each, before training --------------------------------------------------------
+OTHER_PLUGINS = ("zero_topo", "ted", "pmm3d", "pccl", "goldfish")  # refused beside SAMO, with or without tiles
+TILED = {"tiled_optimizer": {"enabled": True}}
+
+
 def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "mlp") -> tuple[str, str] | None:
     import ds_ext
     from ds_ext.integration import ds_engine
@@ -577,36 +589,30 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
             "keeps the compressed gradients and the weights whole on every data-parallel rank; allowed: 0, 1",
         ),
         (
-            {"ds_ext": {"zero_topo": {"enabled": True}}},
-            "adamw",
-            "mlp",
-            "ds_ext.samo with ds_ext.zero_topo.enabled True: SAMO owns the gradient all-reduce and the optimizer step "
-            "and runs beside no other ds_ext plugin but ds_ext.tiled_optimizer; allowed: ds_ext.zero_topo.enabled false",
-        ),
-        (
-            {"ds_ext": {"tiled_optimizer": {"enabled": True}, "pccl": {"enabled": True}}},
-            "adamw",
-            "mlp",
-            "ds_ext.samo with ds_ext.pccl.enabled True: SAMO owns the gradient all-reduce and the optimizer step "
-            "and runs beside no other ds_ext plugin but ds_ext.tiled_optimizer; allowed: ds_ext.pccl.enabled false",
-        ),
-        (
             {"ds_ext": {"tiled_optimizer": {"enabled": True}}},
             "capturable",
             "mlp",
             "ds_ext.tiled_optimizer: param group 0 sets capturable=True; the tiled step reproduces torch's "
             "single-tensor and fused Adam: allowed capturable=False, differentiable=False",
         ),
+        (
+            {"zero_optimization": {"stage": 2}, "ds_ext": TILED},
+            "adamw",
+            "mlp",
+            "ds_ext.samo with zero_optimization.stage 2: SAMO shards the compressed optimizer state (stage 1) but "
+            "keeps the compressed gradients and the weights whole on every data-parallel rank; allowed: 0, 1",
+        ),
         *[
             (
-                {"ds_ext": {name: {"enabled": True}}},
+                {"ds_ext": {name: {"enabled": True}, **tiled}},
                 "adamw",
                 "mlp",
                 f"ds_ext.samo with ds_ext.{name}.enabled True: SAMO owns the gradient all-reduce and the optimizer "
                 f"step and runs beside no other ds_ext plugin but ds_ext.tiled_optimizer; allowed: "
                 f"ds_ext.{name}.enabled false",
             )
-            for name in ("ted", "pmm3d", "pccl", "goldfish")
+            for name in OTHER_PLUGINS
+            for tiled in ({}, TILED)
         ],
         (
             {},
@@ -632,13 +638,9 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
     ],
     ids=[
         "zero2",
-        "zero_topo",
-        "tiled+pccl",
         "tiled-capturable",
-        "ted",
-        "pmm3d",
-        "pccl",
-        "goldfish",
+        "tiled-zero2",
+        *[f"{name}{tiled}" for name in OTHER_PLUGINS for tiled in ("", "+tiled")],
         "sgd",
         "no-mask",
         "tied",
