@@ -10,7 +10,9 @@ gloo worlds of 1, 2 and 4 ranks (each started once for the module) and on a 2-st
 PipelineEngine; every parameter must equal the reference within 1e-6 in fp32 after 20 steps, the
 pruned entries exactly zero. The state bytes SAMO holds equal Eq. 4.1, term by term; the ledger's
 all-reduce bytes equal (1 - p) of what DeepSpeed's own dense stage-0 engine sends for the same
-model, booked by the same ledger.
+model, booked by the same ledger. Beside the tiled optimizer (001 §7.2) the same runs, with tile
+boundaries inside the parameters, must equal untiled SAMO's bit for bit, and the state bytes the
+tiled Eq. 4.1.
 """
 
 from __future__ import annotations
