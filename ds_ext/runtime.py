@@ -29,8 +29,9 @@ def builtin_plugins() -> tuple[type[Plugin], ...]:
     """The built-in plugins in hook order: one line per built-in plugin (its section is listed in
     ``ds_ext.config.BUILTIN_SECTIONS``). The plugins that define the job's layout (3D-PMM, TED)
     prepare first, so ZeRO-topo shards over the data axis of the model they converted, and attach
-    first, before ZeRO-topo swaps the engine's optimizer; SAMO runs beside no other plugin and
-    checks first, so its refusal is the one that names both settings. Imported here, on use: the
+    first, before ZeRO-topo swaps the engine's optimizer; SAMO runs beside no other plugin but the
+    tiled optimizer (which attaches after it) and checks first, so its refusal is the one that names
+    both settings. Imported here, on use: the
     plugin modules import DeepSpeed."""
     from ds_ext.goldfish.plugin import GoldfishPlugin
     from ds_ext.moe.plugin import TEDPlugin

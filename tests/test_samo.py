@@ -10,7 +10,9 @@ gloo worlds of 1, 2 and 4 ranks (each started once for the module) and on a 2-st
 PipelineEngine, at ZeRO stages 0, 1 and 2; every parameter must equal the reference within 1e-6 in
 fp32 after 20 steps, the pruned entries exactly zero. The state bytes SAMO holds equal Eq. 4.1, term by term; the ledger's
 all-reduce bytes equal (1 - p) of what DeepSpeed's own dense stage-0 engine sends for the same
-model, booked by the same ledger.
+model, booked by the same ledger. Beside the tiled optimizer (001 §7.2) the same runs, with tile
+boundaries inside the parameters, must equal untiled SAMO's bit for bit, and the state bytes the
+tiled Eq. 4.1.
 """
 
 from __future__ import annotations
@@ -110,11 +112,13 @@ def _train(
     zero: int = 0,
     bucket: int | None = None,
     scale_power: int = 8,
+    tiled: int | None = None,
 ) -> dict:
     """Train with SAMO (``samo`` None: DeepSpeed's dense engine on the pruned model, for the ledger
     baseline and DeepSpeed's own ZeRO-1); ``stages`` > 0: a PipelineModule of that many stages on the
     PipelineEngine; ``zero``: the ds_config's ZeRO stage, ``bucket`` its ``reduce_bucket_size``;
-    ``scale_power``: fp16's initial loss scale 2^scale_power."""
+    ``scale_power``: fp16's initial loss scale 2^scale_power; ``tiled``: beside the tiled optimizer,
+    of that tile size."""
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
 
@@ -149,6 +153,8 @@ def _train(
         cfg[precision] = {"enabled": True, **({"initial_scale_power": scale_power} if precision == "fp16" else {})}
     if samo is not None:
         cfg["ds_ext"]["samo"] = {"enabled": True, **samo}
+    if tiled is not None:
+        cfg["ds_ext"]["tiled_optimizer"] = {"enabled": True, "tile_size": tiled}
     opt = OPTIMIZERS[optimizer](model.parameters(), lr=LR, weight_decay=WD)
     engine, *_ = ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     dtype = next(engine.module.parameters()).dtype
@@ -191,7 +197,10 @@ def _train(
             "skipped": engine.skipped_steps,
             "buffers": [t.numel() for t in plugin.grads.buffers()],
             "shard_size": plugin.grads.shard_size,
+            "masters": [m.numel() for m in plugin.optimizer.masters],
         }
+    if tiled is not None:
+        out["tiles"] = engine.ds_ext.plugin("tiled_optimizer").tiled.buffer.tiles_processed
     engine.destroy()
     dist.barrier()
     return out
@@ -464,6 +473,96 @@ def test_sixteen_bit_training_keeps_pruned_entries_zero_and_follows_fp32(worlds,
         assert runs[0]["loss_scale"] > 1.0
 
 
+# ---- beside the tiled optimizer (001 §7.2) ---------------------------------------------------------
+TILE = 48  # tile boundaries inside the 102- and 205-entry masters (and ZeRO-1's pieces); biases fit one tile
+TILE2 = 5  # ZeRO-2's masters are the bucket pieces (16 entries at most): boundaries inside them
+
+
+def _assert_bit_identical(tiled: list[dict], untiled: list[dict], tile: int = TILE) -> None:
+    """The tiled runs' parameters, norms, loss scales and skipped steps are the untiled runs', bit for bit,
+    and some tile boundary fell inside a master."""
+    for t, u in zip(tiled, untiled, strict=True):
+        assert t["norms"] == u["norms"]
+        assert (t["loss_scale"], t["skipped"]) == (u["loss_scale"], u["skipped"])
+        assert t["weights"].keys() == u["weights"].keys()
+        for name, want in u["weights"].items():
+            assert torch.equal(t["weights"][name], want), name
+        assert max(t["masters"]) > tile and t["tiles"] > STEPS * len(t["masters"])
+
+
+@pytest.mark.parametrize(
+    "dp, zero", [(1, 0), (2, 0), (2, 1), (2, 2), (4, 2)], ids=["dp1", "dp2", "dp2-zero1", "dp2-zero2", "dp4-zero2"]
+)
+def test_tiled_samo_is_untiled_samo_bit_for_bit_and_masked_dense(worlds, dp, zero):
+    """AdamW with weight decay, clipping active, GA 2, 20 steps, the step in tiles of 48 entries: every
+    parameter equals untiled SAMO's bit for bit (the clip coefficient too: the same norms) and masked
+    dense training within 1e-6 (fp32), the pruned entries exactly zero; on 1 and 2 data-parallel ranks,
+    at ZeRO stage 1 on 2 and at ZeRO stage 2 (the shard stepped in tiles of 5, then gathered bucket by
+    bucket) on 2 and 4."""
+    bucket, tile = (BUCKET, TILE2) if zero == 2 else (None, TILE)
+    tiled = worlds(dp).run(_train, samo={}, zero=zero, bucket=bucket, tiled=tile)
+    _assert_equals_reference(tiled, reference(dp))
+    _assert_bit_identical(tiled, worlds(dp).run(_train, samo={}, zero=zero, bucket=bucket), tile)
+
+
+def test_tiled_samo_on_a_two_stage_pipeline_engine_is_untiled_samo_bit_for_bit(worlds):
+    """2 stages x 2 data-parallel ranks on the PipelineEngine (the norm summed over the stages before
+    the first tile): bit for bit untiled SAMO's, and masked dense training within 1e-6."""
+    tiled = worlds(4).run(_train, stages=2, samo={}, tiled=TILE)
+    _assert_equals_reference(tiled, reference(2))
+    _assert_bit_identical(tiled, worlds(4).run(_train, stages=2, samo={}))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_tiled_samo_in_sixteen_bit_is_untiled_samo_bit_for_bit(worlds, precision):
+    """bf16, and fp16 with DeepSpeed's loss scaler (the tiles unscale by s), on 2 ranks: bit for bit
+    untiled SAMO's, the pruned entries exactly zero."""
+    tiled = worlds(2).run(_train, precision=precision, samo={}, tiled=TILE)
+    _assert_bit_identical(tiled, worlds(2).run(_train, precision=precision, samo={}))
+    for run in tiled:
+        for name, got in run["weights"].items():
+            if name.endswith("weight"):
+                assert torch.count_nonzero(got[~layer_mask(int(name.split(".")[0]), tuple(got.shape))]) == 0, name
+
+
+def test_tiled_state_bytes_equal_the_tiled_eq_4_1_below_untiled(worlds):
+    """bf16, no biases: ∇θ32 is the 4 x tile_size buffer and the 16-bit copy one tile's (2 x 48 bytes),
+    every other term Eq. 4.1's; the sum is ``tiled_model_state_bytes``, below untiled SAMO's 24 k + 2 φ;
+    at ZeRO stages 1 and 2 on 2 ranks each rank's sum is ``tiled_shard_bytes`` of the untiled sharded
+    one, below it; in fp32 the buffer is the one term the tiles add (∇θ32 is ∇θ16 there)."""
+    from ds_ext.perf import samo as model
+
+    (bf16,) = worlds(1).run(_train, precision="bf16", steps=2, bias=False, samo={}, tiled=TILE)
+    phi, k, largest = bf16["phi"], bf16["kept"], max(bf16["masters"])
+    assert bf16["state_bytes"] == {
+        "weights": 2 * phi,
+        "gradients": 2 * k,
+        "gradients_fp32": 4 * TILE,
+        "masters": 4 * k,
+        "optimizer": 8 * k,
+        "indices": 4 * k,
+        "copies": 2 * TILE,
+    }
+    want = model.tiled_model_state_bytes(phi, k, k, 2, TILE, largest)
+    assert sum(bf16["state_bytes"].values()) == want == bf16["analytic_state_bytes"]
+    assert want < model.model_state_bytes(phi, k) == 24 * k + 2 * phi
+    for zero, bucket in [(1, None), (2, BUCKET)]:
+        runs = worlds(2).run(
+            _train, precision="bf16", steps=2, bias=False, samo={}, zero=zero, bucket=bucket, tiled=TILE
+        )
+        for rank, run in enumerate(runs):
+            if zero == 1:
+                untiled = model.sharded_model_state_bytes(phi, k, k, 2, 2, rank)
+            else:
+                untiled = model.zero2_model_state_bytes(phi, k, k, 2, 2, rank, BUCKET)
+            want = model.tiled_shard_bytes(untiled, k, 2, 2, TILE)
+            assert want == untiled - 4 * -(-k // 2) + 4 * TILE < untiled
+            assert sum(run["state_bytes"].values()) == want == run["analytic_state_bytes"], (zero, rank)
+            assert run["state_bytes"]["gradients_fp32"] == 4 * TILE
+    (fp32,) = worlds(1).run(_train, steps=2, bias=False, samo={}, tiled=TILE)
+    assert sum(fp32["state_bytes"].values()) == 4 * phi + 20 * k + 4 * TILE == fp32["analytic_state_bytes"]
+
+
 # ---- pure logic: the index, the masks, the analytic model ----------------------------------------------
 def test_the_index_is_the_one_dimensional_view_of_the_kept_entries():
     from ds_ext.samo.index import compress, expand, flat_index
@@ -554,6 +653,10 @@ def test_config_errors_name_the_key():
 
 
 # ---- refusals, one line each, before training --------------------------------------------------------
+OTHER_PLUGINS = ("zero_topo", "ted", "pmm3d", "pccl", "goldfish")  # refused beside SAMO, with or without tiles
+TILED = {"tiled_optimizer": {"enabled": True}}
+
+
 def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "mlp") -> tuple[str, str] | None:
     import ds_ext
     from ds_ext.integration import ds_engine
@@ -572,7 +675,10 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
         **{k: v for k, v in extra.items() if k != "ds_ext"},
         "ds_ext": {"topology": TOPOLOGY, "samo": {"enabled": True}, **extra.get("ds_ext", {})},
     }
-    opt = torch.optim.SGD(model.parameters(), lr=0.1) if optimizer == "sgd" else torch.optim.AdamW(model.parameters())
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), capturable=optimizer == "capturable")
     try:
         ds_ext.initialize(model=model, optimizer=opt, config=cfg)
     except Exception as err:  # noqa: BLE001 - the test inspects the type and message
@@ -613,28 +719,23 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
             "incompatible with pipeline parallelism (DeepSpeed's PipelineEngine); allowed: 0, 1 with a PipelineModule",
         ),
         (
-            {"ds_ext": {"zero_topo": {"enabled": True}}},
-            "adamw",
-            "mlp",
-            "ds_ext.samo with ds_ext.zero_topo.enabled True: SAMO owns the gradient all-reduce and the optimizer step "
-            "and runs beside no other ds_ext plugin; allowed: ds_ext.zero_topo.enabled false",
-        ),
-        (
             {"ds_ext": {"tiled_optimizer": {"enabled": True}}},
-            "adamw",
+            "capturable",
             "mlp",
-            "ds_ext.samo with ds_ext.tiled_optimizer.enabled True: SAMO owns the gradient all-reduce and the "
-            "optimizer step and runs beside no other ds_ext plugin; allowed: ds_ext.tiled_optimizer.enabled false",
+            "ds_ext.tiled_optimizer: param group 0 sets capturable=True; the tiled step reproduces torch's "
+            "single-tensor and fused Adam: allowed capturable=False, differentiable=False",
         ),
         *[
             (
-                {"ds_ext": {name: {"enabled": True}}},
+                {"ds_ext": {name: {"enabled": True}, **tiled}},
                 "adamw",
                 "mlp",
                 f"ds_ext.samo with ds_ext.{name}.enabled True: SAMO owns the gradient all-reduce and the optimizer "
-                f"step and runs beside no other ds_ext plugin; allowed: ds_ext.{name}.enabled false",
+                f"step and runs beside no other ds_ext plugin but ds_ext.tiled_optimizer; allowed: "
+                f"ds_ext.{name}.enabled false",
             )
-            for name in ("ted", "pmm3d", "pccl", "goldfish")
+            for name in OTHER_PLUGINS
+            for tiled in ({}, TILED)
         ],
         (
             {},
@@ -663,12 +764,8 @@ def _initialize_error(extra: dict, optimizer: str = "adamw", model_kind: str = "
         "overlap_comm",
         "reduce_scatter",
         "zero2-pipe",
-        "zero_topo",
-        "tiled",
-        "ted",
-        "pmm3d",
-        "pccl",
-        "goldfish",
+        "tiled-capturable",
+        *[f"{name}{tiled}" for name in OTHER_PLUGINS for tiled in ("", "+tiled")],
         "sgd",
         "no-mask",
         "tied",

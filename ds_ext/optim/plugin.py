@@ -15,6 +15,9 @@ max_group_size=...)``):
   overlaps each unit's weight all-gather with the next unit's update; with
   ``zero_optimization.offload_optimizer`` that step runs on the host in these tiles (001 §3.3.2,
   :mod:`ds_ext.optim.offload`).
+* SAMO (``"samo": {"enabled": true}``, 001 ch. 4): its compressed step updates each compressed
+  master tile by tile and expands each tile's 16-bit copy into the dense weights
+  (:mod:`ds_ext.samo.tiled`).
 
 Memory (measured by tests/test_tiled_optimizer.py and ``ds-ext bench tiled``): during the
 step the tiled path holds the tile buffer, 4 x tile_size bytes (allocated at the step's

@@ -18,6 +18,13 @@ mask is kept whole with none) and ``weight_bytes`` w is the training dtype's siz
 (w = 4) ∇θ32 is the 32-bit gradient itself and the copy is θ32 itself, so both terms vanish:
 ``w φ + (w + 4 + 8) k + 4 indexed + [w != 4] (4 + w) k``.
 
+With the tiled optimizer (001 §7.2, ``ds_ext.samo.tiled``) the step's two temporaries are a tile's:
+∇θ32 becomes the tile buffer, 4 ts bytes (``ts`` = tile_size, also in fp32 training, where the
+untiled step's ∇θ32 is ∇θ16 itself), and the 16-bit copy of θ32 one tile's, w min(ts, k_max) with
+k_max the longest compressed master (0 in fp32): :func:`tiled_model_state_bytes`; under ZeRO-1 the
+chunk's buffer already holds the copies and only ∇θ32 changes, under ZeRO-1 and ZeRO-2
+(:func:`tiled_shard_bytes`).
+
 All-reduce (§4.2.1; ledger convention 2 S (d - 1) / d per rank, ``ds_ext.comm.ledger``): SAMO sends
 S = w k, dense training S = w φ; the indices never travel. ZeRO-1 reduce-scatters and all-gathers
 the padded S = w d s once per step (s = ceil(k / d)), the same sum. ZeRO-2
@@ -102,6 +109,24 @@ def zero2_reduction_bytes(elements: int, weight_bytes: int, data_parallel: int, 
     rank's 1 / d of the updated weights."""
     nbytes, d = elements * weight_bytes, data_parallel
     return accumulation * reduce_scatter_bytes(nbytes, d) + all_gather_bytes(nbytes / d, d)
+
+
+def tiled_model_state_bytes(phi: int, kept: int, indexed: int, weight_bytes: int, tile_size: int, largest: int) -> int:
+    """Eq. 4.1 with the step in tiles of ``tile_size`` (module docstring): ∇θ32 the 4 ts tile buffer,
+    the 16-bit copy of θ32 w min(ts, ``largest``), ``largest`` the longest compressed master."""
+    w = weight_bytes
+    copy = 0 if w == 4 else w * min(tile_size, largest)
+    return w * phi + (w + 4 + 8) * kept + INDEX_BYTES * indexed + 4 * tile_size + copy
+
+
+def tiled_shard_bytes(untiled: int, kept: int, weight_bytes: int, shards: int, tile_size: int) -> int:
+    """A sharded step's bytes (``untiled``: :func:`sharded_model_state_bytes` under ZeRO-1,
+    :func:`zero2_model_state_bytes` under ZeRO-2) with the step in tiles of ``tile_size``: the shard's
+    fp32 gradient (4 s in 16-bit training, s = ceil(k / d)) becomes the 4 ts tile buffer; the shard's
+    16-bit buffer, w s, stays."""
+    s = -(-kept // shards)
+    upcast = 0 if weight_bytes == 4 else 4 * s
+    return untiled - upcast + 4 * tile_size
 
 
 def model_state_bytes_at(phi: int, p: float) -> float:

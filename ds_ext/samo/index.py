@@ -9,7 +9,8 @@ gradient, fp32 master, optimizer moments) is a 1-D tensor of ``k`` elements in t
 shares this one index. ``compress`` selects the kept entries of a dense tensor; ``expand``, its
 inverse, writes ``k`` values into a dense tensor whose other entries become zero;
 ``expand_range`` writes a run of them and leaves every other entry as it is (ZeRO-2's bucket by
-bucket expansion, :mod:`ds_ext.samo.zero2`).
+bucket expansion, :mod:`ds_ext.samo.zero2`, and the tiled step's tile by tile one,
+:mod:`ds_ext.samo.tiled`).
 """
 
 from __future__ import annotations

@@ -8,14 +8,20 @@ degree, ``s`` the fp16 loss scale, ``c`` the clip coefficient. Per optimizer ste
 1. all-reduce the flat compressed ∇θ16 over the data-parallel group (§4.2.1: the collective
    carries the ``k`` kept entries, (1 - p) of the dense bytes, and no index) and divide by ``d``
    (DeepSpeed's gradient averaging);
-2. up-cast: ∇θ32 = fp32 copy of ∇θ16 (in fp32 training the same tensor), divided by ``s``;
-3. the global norm of ∇θ32 (pruned entries are zero, so it is the dense norm; summed over the
-   pipeline stages), the fp16 overflow skip and DeepSpeed's loss-scale update, clipping by
-   ``c = clip / (norm + 1e-6)`` where ``c < 1`` (DeepSpeed's and torch's rule);
+2. the global norm of ∇θ16 / ``s`` (pruned entries are zero, so it is the dense norm; summed over
+   the pipeline stages), taken from the training-dtype buffer in fixed blocks (:func:`squared_norm`,
+   whatever runs the step next, so the tiled step's clip coefficient is the same bits), the fp16
+   overflow skip and DeepSpeed's loss-scale update, ``c = clip / (norm + 1e-6)`` where ``c < 1``
+   (DeepSpeed's and torch's rule);
+3. up-cast: ∇θ32 = fp32 copy of ∇θ16 (in fp32 training the same tensor), divided by ``s``,
+   clipped by ``c``;
 4. the wrapped torch optimizer steps on θ32 (its param groups hold the compressed masters, so
    os is compressed too: it is created on them);
 5. down-cast and expand: a temporary compressed copy of θ32 in the training dtype (001 §4.1.3,
    the 2fφ of Eq. 4.1), expanded by ``ind`` into θ16, whose pruned entries are written as zero.
+
+With ``ds_ext.tiled_optimizer`` (001 §7.2, :meth:`SamoOptimizer.use_tiles`) steps 3-5 run tile by
+tile instead (:mod:`ds_ext.samo.tiled`).
 
 :meth:`SamoOptimizer.state_bytes` measures every tensor SAMO holds at the step's peak (after 5's
 copies exist), each storage once: what :func:`ds_ext.perf.samo.model_state_bytes` predicts.
@@ -26,7 +32,8 @@ data-parallel rank r keeps chunk r; ∇θ32, θ32 and os exist for that chunk on
 parameter the chunk overlaps), the squared norm is summed over the data group too, and after the
 step the chunk's 16-bit copy is all-gathered into the flat buffer and expanded into θ16 from there.
 ZeRO-2 (:mod:`ds_ext.samo.zero2`) overrides where the rank's chunk comes from (:meth:`_reduce`),
-how it reaches θ16 (:meth:`_publish`) and its zeroing (:meth:`_clear`); the rest of the step is this.
+how its 16-bit copy reaches θ16 (:meth:`gather_shards`) and its zeroing (:meth:`_clear`); the rest
+of the step, tiled or not, is this.
 """
 
 from __future__ import annotations
@@ -38,9 +45,15 @@ import torch
 
 from ds_ext.comm import Communicator
 from ds_ext.errors import DsExtConfigError
+from ds_ext.optim.tiled import TiledAdam
 from ds_ext.samo.config import KEY
 from ds_ext.samo.index import compress, expand
 from ds_ext.samo.state import CompressedGradients
+from ds_ext.samo.tiled import TiledSamoStep
+
+# entries per block of the norm (step 2): a tile-size-independent unit, so the tiled and untiled steps
+# sum the same partial norms; a 16-bit block is up-cast to fp32 (4 MiB) at most once at a time
+NORM_BLOCK = 1 << 20
 
 STATE_KINDS = ("weights", "gradients", "gradients_fp32", "masters", "optimizer", "indices", "copies")
 
@@ -59,6 +72,14 @@ def held_bytes(groups: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
                 n += storage.nbytes()
         out[name] = n
     return out
+
+
+def squared_norm(flat: torch.Tensor) -> torch.Tensor:
+    """The squared 2-norm of ``flat`` in fp64: each block of ``NORM_BLOCK`` entries' norm in fp32,
+    squared and summed in fp64, in order (the same bits whether the step then runs tiled or not)."""
+    blocks = range(0, max(flat.numel(), 1), NORM_BLOCK)
+    norms = [torch.linalg.vector_norm(flat[s : s + NORM_BLOCK], dtype=torch.float32) for s in blocks]
+    return torch.stack(norms).double().square().sum()
 
 
 class SamoOptimizer(torch.optim.Optimizer):
@@ -88,6 +109,7 @@ class SamoOptimizer(torch.optim.Optimizer):
         self.overflow = False
         self._global_grad_norm = 0.0
         self.peak_bytes: dict[str, int] = {}
+        self.tiled: TiledSamoStep | None = None
         group_of = {id(p): i for i, g in enumerate(inner.param_groups) for p in g["params"]}
         trained = {id(e.param) for e in grads.entries}
         stray = [i for pid, i in group_of.items() if pid not in trained]
@@ -156,10 +178,15 @@ class SamoOptimizer(torch.optim.Optimizer):
                 "implemented; allowed: zero_optimization.stage 0 for checkpoints"
             )
 
-    def _norm(self, g32: torch.Tensor) -> float:
-        """The global 2-norm of the unscaled compressed gradients, over every data-parallel shard
-        (ZeRO-1) and pipeline stage."""
-        sumsq = torch.linalg.vector_norm(g32).double().square().reshape(1)
+    def use_tiles(self, tile_size: int) -> TiledAdam:
+        """Run steps 3-5 in tiles of ``tile_size`` (``ds_ext.tiled_optimizer``, :mod:`ds_ext.samo.tiled`)."""
+        self.tiled = TiledSamoStep(self, tile_size)
+        return self.tiled.adam
+
+    def _norm(self, local: torch.Tensor, scale: float) -> float:
+        """The global 2-norm of the unscaled compressed gradients (``local``: ∇θ16, scaled by
+        ``scale``), over every data-parallel shard (ZeRO-1) and pipeline stage."""
+        sumsq = (squared_norm(local) / (scale * scale)).reshape(1)
         if self.sharded:
             self.comm.all_reduce(sumsq, group=self.data_group)
         if self.model_group is not None:
@@ -172,24 +199,18 @@ class SamoOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise DsExtConfigError(f"{KEY}: step(closure) is not supported; call step() after backward")
         local = self._reduce()
-        g32 = local.float()  # ∇θ32 (the same tensor in fp32 training)
         scale = self.scaler.loss_scale
-        if scale != 1.0:
-            g32.div_(scale)
-        norm = self._norm(g32)
+        norm = self._norm(local, scale)
         self._global_grad_norm = norm
         self.overflow = not math.isfinite(norm)
         self.scaler.update_scale(self.overflow)
         if not self.overflow:
             coef = self.clip / (norm + 1e-6)
-            if self.clip > 0 and coef < 1.0:
-                g32.mul_(coef)
-            for (start, stop), master in zip(self.pieces, self.masters):
-                master.grad = g32[start:stop]
-            self.inner.step()
-            for master in self.masters:
-                master.grad = None
-            self._publish(g32)
+            clip = coef if self.clip > 0 and coef < 1.0 else None
+            if self.tiled is not None:
+                self.tiled.step(local, scale, clip)
+            else:
+                self._step_whole(local, scale, clip)
         self._clear()
 
     def _shard_buffer(self) -> torch.Tensor:
@@ -209,23 +230,38 @@ class SamoOptimizer(torch.optim.Optimizer):
             flat.div_(self.data_size)
         return flat
 
-    def _publish(self, g32: torch.Tensor) -> None:
-        """The stepped masters into θ16 (module docstring, 5; ZeRO-1: through the all-gathered flat buffer)."""
+    def _clear(self) -> None:
+        """The accumulated ∇θ16 zeroed for the next step."""
+        self.grads.flat.zero_()
+
+    def _step_whole(self, local: torch.Tensor, scale: float, clip: float | None) -> None:
+        """Steps 3-5 on the whole buffer (module docstring); ``clip``: c, or None where no clipping applies."""
+        g32 = local.float()  # ∇θ32 (the same tensor in fp32 training)
+        if scale != 1.0:
+            g32.div_(scale)
+        if clip is not None:
+            g32.mul_(clip)
+        for (start, stop), master in zip(self.pieces, self.masters):
+            master.grad = g32[start:stop]
+        self.inner.step()
+        for master in self.masters:
+            master.grad = None
         if self.sharded:  # the chunk's 16-bit copy, all-gathered into the flat buffer
             for (start, stop), master in zip(self.pieces, self.masters):
                 self.shard[start:stop].copy_(master)
             self._sample_bytes(g32, [self.shard])
-            flat = self.grads.flat
-            self.comm.all_gather(flat, self.shard, group=self.data_group)
-            self._expand([flat[e.offset : e.end] for e in self.grads.entries])
+            self.gather_shards()
         else:
             copies = [m.to(self.dtype) for m in self.masters]  # the temporary compressed θ16 (§4.1.3)
             self._sample_bytes(g32, copies)
             self._expand(copies)
 
-    def _clear(self) -> None:
-        """The accumulated ∇θ16 zeroed for the next step."""
-        self.grads.flat.zero_()
+    def gather_shards(self) -> None:
+        """ZeRO-1: the chunks' 16-bit copies (in :attr:`shard`) all-gathered into the flat buffer and
+        expanded into θ16."""
+        flat = self.grads.flat
+        self.comm.all_gather(flat, self.shard, group=self.data_group)
+        self._expand([flat[e.offset : e.end] for e in self.grads.entries])
 
     def _sample_bytes(self, g32: torch.Tensor, copies: list[torch.Tensor]) -> None:
         """Record every tensor SAMO holds now, the step's peak (module docstring)."""

@@ -3,8 +3,8 @@
 ``"ds_ext": {"samo": {"enabled": true, "mask": "prune"}}`` trains a pruned model with every model
 state but the dense 16-bit weights compressed by its pruning mask:
 
-* ``check``: refuses, before any collective, every other ds_ext plugin, DeepSpeed-MoE experts and
-  a PipelineModule's tied layers (:mod:`ds_ext.samo.support`);
+* ``check``: refuses, before any collective, every other ds_ext plugin but the tiled optimizer,
+  DeepSpeed-MoE experts and a PipelineModule's tied layers (:mod:`ds_ext.samo.support`);
 * ``prepare``: refuses the DeepSpeed settings SAMO does not implement (ZeRO stage 3, ZeRO-2 with
   a PipelineModule, tensor parallelism, optimizers other than Adam / AdamW), reads the mask (:mod:`ds_ext.samo.mask`),
   reads ``bf16`` / ``fp16`` (DeepSpeed's own loss scaler) / ``gradient_clipping`` and hands
@@ -16,7 +16,9 @@ state but the dense 16-bit weights compressed by its pruning mask:
   the data-parallel group and stops DeepSpeed's dense all-reduce; under ZeRO-1 it shards them, under
   ZeRO-2 :mod:`ds_ext.samo.zero2` reduces them in buckets during backward into each rank's shard,
   and under both the engine's save / load_checkpoint are refused on every rank), scales the loss for fp16 (on the
-  last stage of a PipelineEngine) and makes the engine report the dtype and clipping it applies.
+  last stage of a PipelineEngine) and makes the engine report the dtype and clipping it applies;
+* ``use_tiles``: asked by ``ds_ext.tiled_optimizer`` after ``attach``, runs the compressed step in its
+  tiles (001 §7.2, :mod:`ds_ext.samo.tiled`).
 """
 
 from __future__ import annotations
@@ -139,6 +141,10 @@ class SamoPlugin(Plugin):
                 f"{int(hi[0])}); allowed: the same mask on every rank (seed the pruning, or use mask 'file')"
             )
 
+    def use_tiles(self, tile_size: int) -> Any:
+        """The compressed step in tiles of ``tile_size`` (``ds_ext.tiled_optimizer``, 001 §7.2)."""
+        return self.optimizer.use_tiles(tile_size)
+
     def describe(self) -> str:
         """The start-up banner's line (after ``attach``): the mask's source and the kept fraction."""
         g = self.grads
@@ -153,15 +159,21 @@ class SamoPlugin(Plugin):
         return self.optimizer.state_bytes()
 
     def analytic_state_bytes(self) -> int:
-        """Eq. 4.1 for this run's parameters, kept entries and dtype (under ZeRO-1 / 2, this rank's share)."""
+        """Eq. 4.1 for this run's parameters, kept entries and dtype (under ZeRO-1 / 2, this rank's share;
+        with the tiled optimizer, its tiles')."""
         g, o, w = self.grads, self.optimizer, self.dtype.itemsize
+        tile = o.tiled.adam.tile_size if o.tiled is not None else None
         if isinstance(g, BucketedGradients):
-            return samo_model.zero2_model_state_bytes(
+            untiled = samo_model.zero2_model_state_bytes(
                 g.phi, g.kept, g.indexed, w, o.data_size, o.rank, self.bucket_size
             )
+            return untiled if tile is None else samo_model.tiled_shard_bytes(untiled, g.kept, w, o.data_size, tile)
         if o.sharded:
-            return samo_model.sharded_model_state_bytes(g.phi, g.kept, g.indexed, w, o.data_size, o.rank)
-        return samo_model.model_state_bytes(g.phi, g.kept, g.indexed, self.dtype.itemsize)
+            untiled = samo_model.sharded_model_state_bytes(g.phi, g.kept, g.indexed, w, o.data_size, o.rank)
+            return untiled if tile is None else samo_model.tiled_shard_bytes(untiled, g.kept, w, o.data_size, tile)
+        if tile is not None:
+            return samo_model.tiled_model_state_bytes(g.phi, g.kept, g.indexed, w, tile, o.tiled.largest_tile)
+        return samo_model.model_state_bytes(g.phi, g.kept, g.indexed, w)
 
     def analytic_allreduce_bytes(self) -> tuple[float, float]:
         """(SAMO's, dense training's) gradient all-reduce bytes per step on this rank (§4.2.1; under

@@ -7,8 +7,10 @@ parallelism), with ZeRO stage 1 (compressed optimizer shards, also on the Pipeli
 ZeRO stage 2 (the compressed gradients sharded too, reduced in ``reduce_bucket_size`` buckets
 during backward, :mod:`ds_ext.samo.zero2`; like DeepSpeed, not with a PipelineModule, and with
 ``overlap_comm`` off), with torch's Adam / AdamW or DeepSpeed's FusedAdam, fp32, fp16
-(DeepSpeed's loss scaler) or bf16, gradient accumulation and clipping. Everything else is
-refused here in one line naming both settings and what is allowed.
+(DeepSpeed's loss scaler) or bf16, gradient accumulation and clipping, and beside the tiled
+optimizer (001 §7.2: SAMO's step runs in its tiles, :mod:`ds_ext.samo.tiled`, at every stage SAMO
+runs; its own refusals apply). Everything else is refused here in one line naming both settings
+and what is allowed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ds_ext.errors import DsExtConfigError
 from ds_ext.integration import ds_engine, ds_fused_adam
 from ds_ext.samo.config import KEY
 
+COMPOSES = ("tiled_optimizer",)  # the ds_ext plugins SAMO runs beside
 ALLOWED_OPTIMIZERS = "torch.optim.Adam, torch.optim.AdamW, deepspeed.ops.adam.FusedAdam"
 
 
@@ -30,13 +33,13 @@ def _refuse(key: str, why: str, allowed: str, got: Any) -> None:
 
 
 def check_plugins(plugins: list[Any]) -> None:
-    """Every other ds_ext plugin is refused (this session's composition: data parallelism and the
-    PipelineEngine; README's matrix)."""
+    """Every other ds_ext plugin but ``COMPOSES`` is refused (README's matrix)."""
     for plugin in plugins:
-        if plugin.name != "samo":
+        if plugin.name != "samo" and plugin.name not in COMPOSES:
             _refuse(
                 f"ds_ext.{plugin.name}.enabled",
-                "SAMO owns the gradient all-reduce and the optimizer step and runs beside no other ds_ext plugin",
+                "SAMO owns the gradient all-reduce and the optimizer step and runs beside no other ds_ext plugin but "
+                "ds_ext.tiled_optimizer",
                 f"ds_ext.{plugin.name}.enabled false",
                 True,
             )

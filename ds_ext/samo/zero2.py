@@ -131,11 +131,10 @@ class BucketedSamoOptimizer(SamoOptimizer):
         self.shard.div_(self.data_size)
         return self.shard
 
-    def _publish(self, g32: torch.Tensor) -> None:
+    def gather_shards(self) -> None:
+        """The shard's 16-bit copy all-gathered bucket by bucket through the first bucket buffer and
+        written into θ16's kept entries (module docstring)."""
         g = self.grads
-        for (start, stop), master in zip(self.pieces, self.masters):
-            self.shard[start:stop].copy_(master)
-        self._sample_bytes(g32, [self.shard])
         entries, i = g.entries, 0
         for j in range(g.count):
             start, stop = g.span(j)
