@@ -20,8 +20,8 @@ degree, ``s`` the fp16 loss scale, ``c`` the clip coefficient. Per optimizer ste
 5. down-cast and expand: a temporary compressed copy of θ32 in the training dtype (001 §4.1.3,
    the 2fφ of Eq. 4.1), expanded by ``ind`` into θ16, whose pruned entries are written as zero.
 
-With ``ds_ext.tiled_optimizer`` (001 §7.2, :meth:`SamoOptimizer.use_tiles`) steps 3-5 run tile by
-tile instead (:mod:`ds_ext.samo.tiled`).
+With ``ds_ext.tiled_optimizer`` (001 §7.2) the plugin sets :attr:`SamoOptimizer.tiled`, and steps 3-5
+run tile by tile instead (:class:`ds_ext.samo.tiled.TiledSamoStep`).
 
 :meth:`SamoOptimizer.state_bytes` measures every tensor SAMO holds at the step's peak (after 5's
 copies exist), each storage once: what :func:`ds_ext.perf.samo.model_state_bytes` predicts.
@@ -39,17 +39,15 @@ of the step, tiled or not, is this.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 
 from ds_ext.comm import Communicator
 from ds_ext.errors import DsExtConfigError
-from ds_ext.optim.tiled import TiledAdam
 from ds_ext.samo.config import KEY
 from ds_ext.samo.index import compress, expand
 from ds_ext.samo.state import CompressedGradients
-from ds_ext.samo.tiled import TiledSamoStep
 
 # entries per block of the norm (step 2): a tile-size-independent unit, so the tiled and untiled steps
 # sum the same partial norms; a 16-bit block is up-cast to fp32 (4 MiB) at most once at a time
@@ -82,6 +80,12 @@ def squared_norm(flat: torch.Tensor) -> torch.Tensor:
     return torch.stack(norms).double().square().sum()
 
 
+class TiledStep(Protocol):
+    """Steps 3-5 run in tiles (:class:`ds_ext.samo.tiled.TiledSamoStep`)."""
+
+    def step(self, local: torch.Tensor, scale: float, clip: float | None) -> None: ...
+
+
 class SamoOptimizer(torch.optim.Optimizer):
     """The compressed step (module docstring) around a torch optimizer whose params become the
     compressed fp32 masters. ``inner`` keeps its class, hyper-parameters and param groups (LR
@@ -109,7 +113,7 @@ class SamoOptimizer(torch.optim.Optimizer):
         self.overflow = False
         self._global_grad_norm = 0.0
         self.peak_bytes: dict[str, int] = {}
-        self.tiled: TiledSamoStep | None = None
+        self.tiled: TiledStep | None = None  # set by the plugin beside ds_ext.tiled_optimizer
         group_of = {id(p): i for i, g in enumerate(inner.param_groups) for p in g["params"]}
         trained = {id(e.param) for e in grads.entries}
         stray = [i for pid, i in group_of.items() if pid not in trained]
@@ -177,11 +181,6 @@ class SamoOptimizer(torch.optim.Optimizer):
                 f"{KEY} with zero_optimization.stage {self.zero_stage}: saving or loading the sharded compressed optimizer state is not "
                 "implemented; allowed: zero_optimization.stage 0 for checkpoints"
             )
-
-    def use_tiles(self, tile_size: int) -> TiledAdam:
-        """Run steps 3-5 in tiles of ``tile_size`` (``ds_ext.tiled_optimizer``, :mod:`ds_ext.samo.tiled`)."""
-        self.tiled = TiledSamoStep(self, tile_size)
-        return self.tiled.adam
 
     def _norm(self, local: torch.Tensor, scale: float) -> float:
         """The global 2-norm of the unscaled compressed gradients (``local``: ∇θ16, scaled by

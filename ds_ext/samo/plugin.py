@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ds_ext.comm import backend_device
 from ds_ext.errors import DsExtConfigError
+from ds_ext.optim.tiled import TiledAdam
 from ds_ext.perf import samo as samo_model
 from ds_ext.plugin import Plugin
 from ds_ext.samo import support
@@ -38,6 +39,7 @@ from ds_ext.samo.config import KEY, SamoConfig
 from ds_ext.samo.mask import read_masks
 from ds_ext.samo.optimizer import SamoOptimizer
 from ds_ext.samo.state import CompressedGradients
+from ds_ext.samo.tiled import TiledSamoStep
 from ds_ext.samo.zero2 import BucketedGradients, BucketedSamoOptimizer
 
 
@@ -50,6 +52,7 @@ class SamoPlugin(Plugin):
 
     grads: CompressedGradients
     optimizer: SamoOptimizer
+    tiles: TiledSamoStep | None = None  # beside ds_ext.tiled_optimizer (use_tiles)
 
     def check(self, model: Any) -> None:
         """Refuse the plugins SAMO runs beside none of and the models it cannot compress."""
@@ -141,9 +144,11 @@ class SamoPlugin(Plugin):
                 f"{int(hi[0])}); allowed: the same mask on every rank (seed the pruning, or use mask 'file')"
             )
 
-    def use_tiles(self, tile_size: int) -> Any:
+    def use_tiles(self, tile_size: int) -> TiledAdam:
         """The compressed step in tiles of ``tile_size`` (``ds_ext.tiled_optimizer``, 001 §7.2)."""
-        return self.optimizer.use_tiles(tile_size)
+        self.tiles = TiledSamoStep(self.optimizer, tile_size)
+        self.optimizer.tiled = self.tiles
+        return self.tiles.adam
 
     def describe(self) -> str:
         """The start-up banner's line (after ``attach``): the mask's source and the kept fraction."""
@@ -162,7 +167,8 @@ class SamoPlugin(Plugin):
         """Eq. 4.1 for this run's parameters, kept entries and dtype (under ZeRO-1 / 2, this rank's share;
         with the tiled optimizer, its tiles')."""
         g, o, w = self.grads, self.optimizer, self.dtype.itemsize
-        tile = o.tiled.adam.tile_size if o.tiled is not None else None
+        tiles = self.tiles
+        tile = tiles.adam.tile_size if tiles is not None else None
         if isinstance(g, BucketedGradients):
             untiled = samo_model.zero2_model_state_bytes(
                 g.phi, g.kept, g.indexed, w, o.data_size, o.rank, self.bucket_size
@@ -172,7 +178,7 @@ class SamoPlugin(Plugin):
             untiled = samo_model.sharded_model_state_bytes(g.phi, g.kept, g.indexed, w, o.data_size, o.rank)
             return untiled if tile is None else samo_model.tiled_shard_bytes(untiled, g.kept, w, o.data_size, tile)
         if tile is not None:
-            return samo_model.tiled_model_state_bytes(g.phi, g.kept, g.indexed, w, tile, o.tiled.largest_tile)
+            return samo_model.tiled_model_state_bytes(g.phi, g.kept, g.indexed, w, tile, tiles.largest_tile)
         return samo_model.model_state_bytes(g.phi, g.kept, g.indexed, w)
 
     def analytic_allreduce_bytes(self) -> tuple[float, float]:
