@@ -62,7 +62,7 @@ def test_step_peak_is_bounded_by_the_tile_and_flat_in_experts(world):
 PIPE_HIDDEN, PIPE_LAYERS = 1024, 4  # 4.2M parameters, 1.05M optimizer elements per rank over 4 ranks
 
 
-def _pipeline_step_peak(tile, gradients=None):
+def _pipeline_step_peak(tile, gradients=None, bucket=None):
     """Median extra resident bytes of ZeRO-topo's pipeline-form step (steps 2-4) on this rank, fp16
     with its loss scale, 1 stage x 4 data-parallel ranks; and the planner's bound of what tiling
     removes (``zero_topo.perf.untiled_step_bytes``) for this rank's plan and parameters."""
@@ -92,7 +92,7 @@ def _pipeline_step_peak(tile, gradients=None):
     cfg = {
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 2,
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": {"stage": 0, **({"reduce_bucket_size": bucket} if bucket else {})},
         "fp16": {"enabled": True, "initial_scale_power": 8},
         "steps_per_print": 10**6,
         "ds_ext": block,
@@ -116,8 +116,9 @@ def _pipeline_step_peak(tile, gradients=None):
             peaks.append(measured["peak"])
     shapes = [(p.numel(), p.dim()) for p in engine.module.parameters()]
     bound = perf.untiled_step_bytes(plugin.plan, [perf.unit_spec(plugin.plan, shapes)], engine.global_rank, True)
+    units = len(plugin.sharded.all_units)
     engine.destroy()
-    return {"peak": median(peaks), "bound": bound, "elements": bound / 12}
+    return {"peak": median(peaks), "bound": bound, "elements": bound / 12, "units": units}
 
 
 def test_tiling_removes_at_most_the_planners_bound_from_the_pipeline_form_step(world):
@@ -134,3 +135,24 @@ def test_tiling_removes_at_most_the_planners_bound_from_the_pipeline_form_step(w
         for u, t in zip(untiled, tiled):
             assert u["peak"] - t["peak"] <= u["bound"], (grads, u, t)
             assert u["peak"] > 8 * u["elements"] + SLACK, (grads, u)  # the reduction's, above the optimizer's
+
+
+def test_reduce_bucket_size_bounds_the_pipeline_form_steps_reduction(world):
+    """``zero_optimization.reduce_bucket_size`` of one layer's elements cuts the stage into 4 units
+    (ds_ext.zero_topo.pipeline), reduced one at a time: the step's extra peak falls from the whole
+    stage's reduction (above) to the larger of one unit's reduction (9 / 3 bytes per element with int4
+    / 16-bit gradients, measured above) and the optimizer phase (at most 8 bytes per optimizer
+    element), at most a third of the one-unit peak with int4 and a half with 16-bit; and with the
+    reduction bounded, tiling (16-bit) lowers the peak by more than a byte per optimizer element."""
+    layer = PIPE_HIDDEN * PIPE_HIDDEN
+    for grads, per_element in ((None, 9.5), ({"level": "gcd", "bits": 16, "hops": 1}, 3.5)):
+        whole = world.run(_pipeline_step_peak, None, grads)
+        bucketed = world.run(_pipeline_step_peak, None, grads, layer)
+        for w, b in zip(whole, bucketed):
+            assert (w["units"], b["units"]) == (1, PIPE_LAYERS)
+            assert b["peak"] <= max(per_element * layer, 8 * b["elements"]) + SLACK, (grads, b)
+            assert b["peak"] <= w["peak"] / (3 if grads is None else 2), (grads, w, b)
+        if grads is not None:
+            tiled = world.run(_pipeline_step_peak, MEM_TILE, grads, layer)
+            for b, t in zip(bucketed, tiled):
+                assert t["peak"] < b["peak"] - b["elements"], (b, t)  # tiling now removes its share

@@ -57,12 +57,12 @@ def _batches(step, data_rank, seed=0):
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-def _run(stages, zero_topo, extra=None, seed=0, adam=False, bf16=False, fp16=None, steps=STEPS):
+def _run(stages, zero_topo, extra=None, seed=0, adam=False, bf16=False, fp16=None, steps=STEPS, bucket=None):
     """Losses, global norms, loss scales, skipped steps and this rank's stage parameters after
     ``steps`` train_batch calls on a PipelineEngine of ``stages`` stages: ZeRO-topo (``zero_topo``)
     or DeepSpeed ZeRO-1 (None); ``extra``: more of the ``"ds_ext"`` block; ``seed``: another data
     order; ``adam``: AdamW, not SGD; ``bf16``: the ds_config's bf16 section on; ``fp16``: its fp16
-    section (else fp32)."""
+    section (else fp32); ``bucket``: ``zero_optimization.reduce_bucket_size``."""
     import torch
     import torch.distributed as dist
 
@@ -82,7 +82,7 @@ def _run(stages, zero_topo, extra=None, seed=0, adam=False, bf16=False, fp16=Non
         "train_batch_size": MICRO * ACCUM * dp,
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_clipping": 0.05,
-        "zero_optimization": {"stage": 0 if zero_topo else 1},
+        "zero_optimization": {"stage": 0 if zero_topo else 1, **({"reduce_bucket_size": bucket} if bucket else {})},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**6,
         "ds_ext": {"topology": TOPOLOGY, "comm": {"count_torch_collectives": False}},
@@ -130,6 +130,7 @@ def _run(stages, zero_topo, extra=None, seed=0, adam=False, bf16=False, fp16=Non
             "measured_links": engine.ds_ext.ledger.steps[-1].link_bytes_by_phase(),
             "analytic_links": plugin.analytic_traffic(ACCUM).links,
             "padded_bytes": sum(u.U for u in plugin.sharded.all_units) * 4,
+            "units": [(u.name, u.numel) for u in plugin.sharded.all_units],
         }
     engine.destroy()
     dist.barrier()
@@ -146,18 +147,35 @@ BF16 = {"rtol": 2e-2, "atol": 4e-3, "norm": 2e-3, "loss": 2**-7}
 FP32 = {"rtol": 1e-6, "atol": 1e-6, "norm": 1e-6, "loss": 1e-6}
 
 
-@pytest.mark.parametrize("stages,bf16", [(1, False), (2, False), (2, True)], ids=["pp1", "pp2", "pp2-bf16"])
-def test_unquantized_pipeline_form_equals_deepspeed_zero1_on_the_pipeline_engine(world, stages, bf16):
+BUCKET = 1500  # reduce_bucket_size: a Block is 1,120 elements, the embedding 2,048 (a unit of its own)
+
+
+@pytest.mark.parametrize(
+    "stages,bf16,bucket",
+    [(1, False, None), (2, False, None), (2, True, None), (1, False, BUCKET), (2, True, BUCKET)],
+    ids=["pp1", "pp2", "pp2-bf16", "pp1-buckets", "pp2-bf16-buckets"],
+)
+def test_unquantized_pipeline_form_equals_deepspeed_zero1_on_the_pipeline_engine(world, stages, bf16, bucket):
     """PP 1 (data 8, across nodes) and PP 2 (data 4 inside a node), fp32 and bf16: losses, global
     norms (clipping active, tied weights once) and every parameter equal DeepSpeed ZeRO-1 in the
     same dtype on the same PipelineEngine (fp32 within 1e-6, bf16 within ``BF16``); the ledger
     equals the analytic model; with PP 1 the inter-node bytes of the gradient synchronisation are
-    the floor 2 (M_stage / P)(N - 1)/N (P = 4 of the group's ranks per node)."""
+    the floor 2 (M_stage / P)(N - 1)/N (P = 4 of the group's ranks per node). With a
+    ``reduce_bucket_size`` of 1,500 elements each stage is cut into units of whole parameters of at
+    most that many elements (a larger one alone), in model order, reduced one at a time."""
     import torch
 
     tol = BF16 if bf16 else FP32
-    ref = world.run(_run, stages, None, bf16=bf16)
-    ours = world.run(_run, stages, UNQUANTIZED, bf16=bf16)
+    ref = world.run(_run, stages, None, bf16=bf16, bucket=bucket)
+    ours = world.run(_run, stages, UNQUANTIZED, bf16=bf16, bucket=bucket)
+    for o in ours:
+        if bucket is None:
+            assert len(o["units"]) == 1 and o["units"][0][0] == f"stage{o['rank'] * stages // 8}"
+            continue
+        sizes = [n for _, n in o["units"]]
+        assert len(sizes) >= 2 and sum(sizes) == sum(p.numel() for p in o["params"].values())
+        assert all(n <= bucket or n == VOCAB * HIDDEN for n in sizes), sizes
+        assert all(a + b > bucket for a, b in zip(sizes, sizes[1:])), sizes  # runs as long as they fit
     for r, o in zip(ref, ours):
         assert o["losses"] == pytest.approx(r["losses"], rel=tol["loss"], abs=0)
         assert o["norms"] == pytest.approx(r["norms"], rel=tol["norm"], abs=0)

@@ -385,7 +385,7 @@ def compare_units(saved: list[dict], here: list[dict], where: Path) -> str | Non
     if [u["name"] for u in saved] != [u["name"] for u in here]:
         return (
             f"checkpoint {where} has units {[u['name'] for u in saved][:6]}..., this model "
-            f"{[u['name'] for u in here][:6]}... (a different model or ds_ext.zero_topo.units)"
+            f"{[u['name'] for u in here][:6]}... (a different model, ds_ext.zero_topo.units, or in the pipeline form zero_optimization.reduce_bucket_size)"
         )
     strip = lambda u: {**u, "params": [{k: v for k, v in p.items() if k != "offset"} for p in u["params"]]}  # noqa: E731
     for a, b in zip(saved, here):

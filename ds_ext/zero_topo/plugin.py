@@ -11,7 +11,8 @@ plain (stage 0, fp32-looking) engine around a model whose parameters ds_ext shar
   memory, the step on the host, ``ds_ext.optim.offload``) from the ds_config and hands DeepSpeed a
   copy with those switched off; casts the model to the training dtype;
 * ``attach``: after DeepSpeed has broadcast rank 0's weights, shards the model into units
-  (:mod:`ds_ext.zero_topo.sharded_model`; the pipeline form: :mod:`ds_ext.zero_topo.pipeline`),
+  (:mod:`ds_ext.zero_topo.sharded_model`; the pipeline form: :mod:`ds_ext.zero_topo.pipeline`, in
+  units of at most ``zero_optimization.reduce_bucket_size`` elements),
   swaps the engine's optimizer for the sharded step around the user's torch optimizer
   (:mod:`ds_ext.zero_topo.optimizer`), makes ``engine.fp16_enabled()`` / ``bfloat16_enabled()``
   tell the truth, and adds loss scaling (fp16), ``gathered_parameters`` and sharded checkpoints
@@ -89,6 +90,7 @@ class ZeroTopoPlugin(Plugin):
             self.expert_plan = self.expert_plan.unshared()  # experts kept whole on this rank
         self.dtype = ds_engine.training_dtype(ds_config)
         support.check_ds_config(ds_config, self.dtype)
+        self.bucket_size = int(ds_engine.zero_config(ds_config).reduce_bucket_size)  # the pipeline form's units
         self.offload = support.optimizer_offload(ds_config)  # pin_memory, None without offload
         if self.offload is not None:
             support.check_offload_optimizer(optimizer, ds_config)
@@ -224,7 +226,9 @@ class ZeroTopoPlugin(Plugin):
 
         expert_ctx = context(self.expert_plan, self.experts) if self.experts else None
         if self.pipeline:
-            self.sharded = PipelineStage(engine.module, context(self.plan, self.data), engine.stage_id)
+            self.sharded = PipelineStage(
+                engine.module, context(self.plan, self.data), engine.stage_id, self.bucket_size
+            )
         else:
             self.sharded = ShardedModel(
                 engine.module, context(self.plan, self.data), self.config.units, self.config.prefetch, expert_ctx
