@@ -233,14 +233,18 @@ def test_fp16_pipeline_form_skips_and_scales_as_deepspeed_zero1(world, plan):
 
 def test_quantized_default_trains_every_parameter_within_the_seed_spread(world):
     """The default plan (int4 gradients, node-level optimizer) in the pipeline form, PP 2: every
-    parameter moves; each step's loss is within the spread of ZeRO-1 runs on two data orders."""
+    parameter moves; each step's loss is within the spread of ZeRO-1 runs on two data orders; the
+    same with the stage in units of ``BUCKET`` elements, whose int4 blocks are those of one unit
+    (every parameter starts a block), so its losses are the one-unit run's; the ledger = the model."""
     a, b = world.run(_run, 2, None), world.run(_run, 2, None, None, 1)
     ours = world.run(_run, 2, {"preset": "zero_topo"})
-    for r0, r1, o in zip(a, b, ours):
+    bucketed = world.run(_run, 2, {"preset": "zero_topo"}, bucket=BUCKET)
+    for r0, r1, o, q in zip(a, b, ours, bucketed):
         spread = max(abs(x - y) for x, y in zip(r0["losses"], r1["losses"]))
-        assert o["still"] == []
+        assert o["still"] == [] and q["still"] == []
         assert max(abs(x - y) for x, y in zip(o["losses"], r0["losses"])) <= spread
-        assert o["measured"] == o["analytic"]
+        assert len(q["units"]) >= 2 and q["losses"] == pytest.approx(o["losses"], rel=1e-6, abs=0)
+        assert o["measured"] == o["analytic"] and q["measured"] == q["analytic"]
 
 
 def test_tiled_optimizer_and_pccl_under_the_pipeline_engine(world):
