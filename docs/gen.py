@@ -422,6 +422,8 @@ BACK_TO_BACK_REPEAT = "bench_zero_back_to_back_ga1_repeat.json"
 BACK_TO_BACK_GATHER = "bench_zero_back_to_back_gather_ga1.json"
 BACK_TO_BACK_GA8 = "bench_zero_back_to_back_ga8.json"
 BACK_TO_BACK_GA8_REPEAT = "bench_zero_back_to_back_ga8_repeat.json"
+AMD_GA1_RUN = "bench_zero_ga1_amd.json"  # the 16-bit GA 1 ratios and their repeat on one host type
+AMD_GA1_REPEAT = "bench_zero_ga1_amd_repeat.json"
 
 
 def zero_level_busy_table(run: str = BACK_TO_BACK_RUN) -> str:
@@ -1420,6 +1422,11 @@ SNIPPETS: dict[str, tuple[str, Callable[[], str]]] = {
     "bench_zero_back_to_back_ga8_levels.md": (
         f"examples/results/{BACK_TO_BACK_GA8}",
         lambda: zero_level_busy_table(BACK_TO_BACK_GA8),
+    ),
+    "bench_zero_ga1_amd.md": (f"examples/results/{AMD_GA1_RUN}", lambda: zero_reviewer_table(AMD_GA1_RUN)),
+    "bench_zero_ga1_amd_ratios.md": (
+        f"examples/results/{AMD_GA1_RUN}, {AMD_GA1_REPEAT}",
+        lambda: zero_reviewer_ratios(AMD_GA1_RUN, AMD_GA1_REPEAT),
     ),
     "bench_zero_back_to_back_gather.md": (
         f"examples/results/{BACK_TO_BACK_GATHER}",
