@@ -169,13 +169,13 @@ class SamoPlugin(Plugin):
         g, o, w = self.grads, self.optimizer, self.dtype.itemsize
         tiles = self.tiles
         tile = tiles.adam.tile_size if tiles is not None else None
-        if isinstance(g, BucketedGradients):
-            untiled = samo_model.zero2_model_state_bytes(
-                g.phi, g.kept, g.indexed, w, o.data_size, o.rank, self.bucket_size
-            )
-            return untiled if tile is None else samo_model.tiled_shard_bytes(untiled, g.kept, w, o.data_size, tile)
         if o.sharded:
-            untiled = samo_model.sharded_model_state_bytes(g.phi, g.kept, g.indexed, w, o.data_size, o.rank)
+            if isinstance(g, BucketedGradients):
+                untiled = samo_model.zero2_model_state_bytes(
+                    g.phi, g.kept, g.indexed, w, o.data_size, o.rank, self.bucket_size
+                )
+            else:
+                untiled = samo_model.sharded_model_state_bytes(g.phi, g.kept, g.indexed, w, o.data_size, o.rank)
             return untiled if tile is None else samo_model.tiled_shard_bytes(untiled, g.kept, w, o.data_size, tile)
         if tile is not None:
             return samo_model.tiled_model_state_bytes(g.phi, g.kept, g.indexed, w, tile, tiles.largest_tile)

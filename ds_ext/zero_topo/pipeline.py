@@ -40,9 +40,9 @@ def buckets(items: list[T], sizes: list[int], bucket_size: int) -> list[list[T]]
     """``items`` cut, in order, into runs whose ``sizes`` sum to at most ``bucket_size`` (an item
     larger than that is a run of its own)."""
     out: list[list[T]] = []
-    total = bucket_size + 1  # the first item opens a run
+    total = 0
     for item, n in zip(items, sizes, strict=True):
-        if total + n > bucket_size:
+        if not out or total + n > bucket_size:
             out.append([])
             total = 0
         out[-1].append(item)
