@@ -4,6 +4,7 @@ plugin tests measure; FLOPs, batch choice, step time, max model sizes, CLI and e
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from ds_ext.topology import Topology
 from ds_ext.zero_topo import perf as perf_zero
 from ds_ext.zero_topo.plan import PRESETS, ZeroTopoConfig, resolve_plan
 
+REPO = Path(__file__).resolve().parents[1]
 EMULATED = Topology.from_preset("frontier", 8, {"gpu": 2})  # the plugin tests' 2 nodes x 2 GPUs x 2 GCDs
 FRONTIER = MACHINES["frontier"]
 UNQUANTIZED = {"weights": {"gather_bits": 16}, "gradients": {"bits": 16, "hops": 1}, "secondary": {"bits": 16}}
@@ -1092,29 +1094,72 @@ def test_plan_predicts_each_frontier_recipe_with_ds_ext_and_plain(tmp_path, reci
     assert ours["memory_bytes"]["activations"] == plain["memory_bytes"]["activations"]
     assert ours["bytes_per_level"]["node"] < plain["bytes_per_level"]["node"]
     # the tiled optimizer's note: fp16 (the recipes' loss scale), so at most 12 bytes of step buffers per
-    # optimizer element, the optimizer state's own 12 (fp32 master + 2 moments); the peak fits without it
+    # optimizer element, the optimizer state's own 12 (fp32 master + 2 moments); the gradient reduction of
+    # the largest unit (at most reduce_bucket_size = DeepSpeed's 5e8 elements, and at least 85 % of it at
+    # these widths) with the fused quantizer's buffers, 11 bytes per element (raw blocks of the biases and
+    # norms: the int4 codes sent and received, the fp32 rows of every chunk and the decoded blocks, and the
+    # int16 codes); the peak fits without tiling
     (note,) = [n for n in ours["notes"] if n.startswith("ds_ext.tiled_optimizer")]
     mem = ours["memory_bytes"]
     untiled = mem["optimizer"]
-    peak = sum(mem.values()) - mem["activations"] + max(mem["activations"], untiled)
+    reduction = float(note.split("gradient reduction ")[1].split(" GB")[0]) * 1e9
+    assert 0.85 * 11 * 5e8 - 5e6 <= reduction <= 11 * 5e8 + 5e6, note
+    peak = sum(mem.values()) - mem["activations"] + max(mem["activations"], untiled, reduction)
     assert note.startswith("ds_ext.tiled_optimizer does not pay: ")
     assert f"at most {untiled / 1e9:.2f} GB untiled" in note and f"peak {peak / 1e9:.1f} GB untiled" in note
     assert "tiled_optimizer" not in ours["config"]["ds_ext"]
+    assert ours["config"]["zero_optimization"] == {"stage": 0, "reduce_bucket_size": 500_000_000}
 
 
-def test_plan_cannot_say_the_tiled_optimizer_makes_a_pipeline_form_fit(tmp_path):
-    """On a device too small for the 22B recipe's untiled optimizer phase, the note says the model
-    cannot decide (the gradient reduction's buffers are not in it) and switches nothing on."""
+def _configured_plan(tmp_path, args, config, **zero):
     from ds_ext.cli import main
 
+    cfg = json.loads((REPO / config).read_text())
+    cfg["zero_optimization"].update(zero)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
     out = tmp_path / "plan.json"
-    config = "configs/frontier/gpt_22b_004_zero_topo.json"
-    args = ["plan", "--model", "gpt-22b", "--nodes", "8", "--memory-GB", "29", "--ds-config", config, "--out", str(out)]
-    assert main(args) == 0
+    assert main(["plan", *args, "--ds-config", str(path), "--out", str(out)]) == 0
     (ours,) = [p for p in json.loads(out.read_text())["plans"] if p["name"].startswith("configured")]
     (note,) = [n for n in ours["notes"] if n.startswith("ds_ext.tiled_optimizer")]
-    assert note.startswith("ds_ext.tiled_optimizer not decided: ") and "of 29.0 GB" in note
+    return ours, note
+
+
+def test_plan_says_what_sets_the_pipeline_forms_step_peak(tmp_path):
+    """On a device of 29 GB the 22B recipe's untiled step does not fit (states 26.6 GB + the optimizer
+    phase's 4.2 GB); with DeepSpeed's default bucket its gradient reduction (5.2 GB) keeps it from
+    fitting tiled too, and the note says so and switches nothing on; with ``reduce_bucket_size`` 1e8
+    (a fifth of the reduction) tiling makes it fit: the note says it pays and the configured row
+    switches ``ds_ext.tiled_optimizer`` on at its default tile, the bucket kept."""
+    args = ["--model", "gpt-22b", "--nodes", "8", "--memory-GB", "29"]
+    config = "configs/frontier/gpt_22b_004_zero_topo.json"
+    ours, note = _configured_plan(tmp_path, args, config)
+    assert note.startswith("ds_ext.tiled_optimizer does not make it fit, the gradient reduction sets the peak ")
+    assert "zero_optimization.reduce_bucket_size" in note and "of 29.0 GB" in note
     assert "tiled_optimizer" not in ours["config"]["ds_ext"]
+    ours, note = _configured_plan(tmp_path, args, config, reduce_bucket_size=1e8)
+    mem = ours["memory_bytes"]
+    states = sum(mem.values()) - mem["activations"]
+    assert note.startswith("ds_ext.tiled_optimizer pays, switched on: ")
+    assert f"peak {(states + mem['optimizer']) / 1e9:.1f} GB untiled" in note  # the optimizer phase: 12 B / element
+    assert ours["config"]["ds_ext"]["tiled_optimizer"] == {"enabled": True, "tile_size": 1_800_000}
+    assert ours["config"]["zero_optimization"]["reduce_bucket_size"] == 100_000_000
+
+
+def test_plan_reads_reduce_bucket_size_as_deepspeed_does(tmp_path, capsys):
+    """DeepSpeed's default is the planner's, and a value DeepSpeed refuses is refused in one line."""
+    from deepspeed.runtime.zero.config import get_zero_config
+
+    from ds_ext.cli import main
+    from ds_ext.planner import megatron_plans
+
+    assert get_zero_config({}).reduce_bucket_size == megatron_plans.REDUCE_BUCKET_SIZE
+    cfg = json.loads((REPO / "configs/frontier/gpt_22b_004_zero_topo.json").read_text())
+    cfg["zero_optimization"]["reduce_bucket_size"] = 1.5
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["plan", "--model", "gpt-22b", "--nodes", "8", "--ds-config", str(path)]) == 2
+    assert "zero_optimization.reduce_bucket_size must be a positive whole number of elements" in capsys.readouterr().err
 
 
 def test_plan_refuses_the_pipeline_form_without_a_megatron_recipe(tmp_path, capsys):

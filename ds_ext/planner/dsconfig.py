@@ -15,6 +15,7 @@ scale counted in the step's buffers).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -41,6 +42,7 @@ class DsConfig:
     checkpointing: bool
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)  # enabled plugin sections
     fp16: bool = False  # an fp16 section: DeepSpeed's loss scale divides the gradients
+    bucket_size: int = megatron_plans.REDUCE_BUCKET_SIZE  # zero_optimization.reduce_bucket_size
 
     def batch(self, world: int) -> int | None:
         if self.global_batch is not None:
@@ -92,6 +94,7 @@ class DsConfig:
             section,
             loss_scaled=self.fp16,
             tile_size=None if tiled is None else tiled.get("tile_size", DEFAULT_TILE_SIZE),
+            bucket_size=self.bucket_size,
         )
 
 
@@ -102,6 +105,22 @@ def _positive(cfg: dict[str, Any], key: str, path: str) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise DsConfigError(f"--ds-config {path}: {key} must be a positive integer, got {value!r}")
     return value
+
+
+def _bucket_size(cfg: dict[str, Any], path: str) -> int:
+    """``zero_optimization.reduce_bucket_size`` in elements, as DeepSpeed takes it (a positive whole
+    number, 5e8 written as a float too), DeepSpeed's 5e8 where absent."""
+    zero = cfg.get("zero_optimization")
+    value = zero.get("reduce_bucket_size") if isinstance(zero, dict) else None
+    if value is None:
+        return megatron_plans.REDUCE_BUCKET_SIZE
+    whole = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not whole or value != int(value) or value < 1:
+        raise DsConfigError(
+            f"--ds-config {path}: zero_optimization.reduce_bucket_size must be a positive whole number of elements "
+            f"(as DeepSpeed takes it), got {value!r}"
+        )
+    return int(value)
 
 
 def read(path: str) -> DsConfig:
@@ -123,4 +142,5 @@ def read(path: str) -> DsConfig:
         isinstance(cfg.get("activation_checkpointing"), dict),
         sections,
         isinstance(cfg.get("fp16"), dict) and bool(cfg["fp16"].get("enabled")),
+        _bucket_size(cfg, path),
     )

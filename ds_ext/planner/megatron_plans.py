@@ -30,11 +30,12 @@ share of F (Narayanan et al.'s formula, ``perf.compute.step_flops``) that the me
 With ``zero_topo`` (a ``ds_ext.zero_topo`` section: ZeRO-topo's pipeline form in place of ZeRO-1,
 ``ds_ext.zero_topo.pipeline``) t_DP is instead ZeRO-topo's step over the data-parallel group
 of rank 0 (its members' hierarchy, ``Topology.of_group``; the plan resolved there, then
-``ShardingPlan.pipeline_form``): the larger end stage's parameters as one whole-mode unit,
+``ShardingPlan.pipeline_form``): the larger end stage's parameters as whole-mode units of at most
+``zero_optimization.reduce_bucket_size`` elements (DeepSpeed's 5e8 by default),
 ``zero_topo.perf.traffic(..., pipeline=True)``, the model the ledger tests hold the engine to; its
 memory keeps 16-bit weights and gradients whole and the fp32 master and moments sharded at the
 plan's optimizer level (``zero_topo.perf.memory``). Whether the tiled optimizer (001 §7.2) pays
-there is :func:`tiled_optimizer`'s note.
+there, the step's gradient reduction and optimizer phase counted, is :func:`tiled_optimizer`'s note.
 
 With ``samo`` (a sparsity p, ``ds-ext plan --sparsity``: the model pruned and trained with SAMO,
 001 ch. 4) the memory and t_DP are SAMO's instead (``samo_plans``: Eq. 4.1, the compressed
@@ -63,9 +64,11 @@ from ds_ext.planner.estimate import Candidate, Dropped, Job, Traffic, comm_secon
 from ds_ext.planner.models import Arch
 from ds_ext.topology import Topology
 from ds_ext.zero_topo import perf
+from ds_ext.zero_topo.layout import buckets
 from ds_ext.zero_topo.perf import UnitSpec
 from ds_ext.zero_topo.plan import ShardingPlan, ZeroTopoConfig, resolve_plan
 
+REDUCE_BUCKET_SIZE = 500_000_000  # DeepSpeed's zero_optimization.reduce_bucket_size default (runtime/zero/config.py)
 MICRO_BATCHES = (1, 2, 4, 8)  # swept (004 §IV); a recipe's own is added
 
 
@@ -104,22 +107,28 @@ def stage_param_shapes(arch: Arch, tp: int, pp: int) -> list[tuple[int, int]]:
     return ends + block * (arch.layers // pp)
 
 
-def pipeline_form(job: Job, tp: int, pp: int, dp: int, section: dict[str, Any]) -> tuple[ShardingPlan, UnitSpec]:
+def pipeline_form(
+    job: Job, tp: int, pp: int, dp: int, section: dict[str, Any], bucket_size: int = REDUCE_BUCKET_SIZE
+) -> tuple[ShardingPlan, list[UnitSpec]]:
     """ZeRO-topo's plan over the data-parallel group of rank 0 in its pipeline form, and the larger
-    end stage as its one whole-mode unit (module docstring)."""
+    end stage's parameters cut into its whole-mode units of at most ``bucket_size`` elements
+    (``zero_optimization.reduce_bucket_size``, as ``ds_ext.zero_topo.pipeline`` cuts them)."""
     members = list(range(0, tp * dp, tp))
     topology = job.topology
     if len(members) < topology.world_size:
         topology = topology.of_group(members, f"{topology.name}, data-parallel group of tp {tp} x pp {pp} x dp {dp}")
     plan = resolve_plan(ZeroTopoConfig(enabled=True, **section), topology).pipeline_form()
-    return plan, perf.unit_spec(plan, stage_param_shapes(job.arch, tp, pp))
+    shapes = stage_param_shapes(job.arch, tp, pp)
+    return plan, [perf.unit_spec(plan, run) for run in buckets(shapes, [n for n, _ in shapes], bucket_size)]
 
 
-def zero_topo_step_traffic(job: Job, tp: int, pp: int, dp: int, section: dict[str, Any]) -> Traffic:
+def zero_topo_step_traffic(
+    job: Job, tp: int, pp: int, dp: int, section: dict[str, Any], bucket_size: int = REDUCE_BUCKET_SIZE
+) -> Traffic:
     """ZeRO-topo's pipeline form once per step, with the grad-norm all-reduce over the model group."""
-    plan, unit = pipeline_form(job, tp, pp, dp, section)
+    plan, units = pipeline_form(job, tp, pp, dp, section, bucket_size)
     model = job.topology.level_of([r * tp * dp + t for r in range(pp) for t in range(tp)]) if tp * pp > 1 else None
-    t = perf.traffic(plan, [unit], 1, job.elem_bytes, pipeline=True, model_parallel=(model, tp * pp))
+    t = perf.traffic(plan, units, 1, job.elem_bytes, pipeline=True, model_parallel=(model, tp * pp))
     return Traffic(t.by_level(), t.steps_by_level())
 
 
@@ -198,28 +207,35 @@ def seconds(job: Job, tp: int, pp: int, dp: int, micro: int, m: int, step_t: Tra
     return {k: stretched.get(k, 0.0) * bubble + step.get(k, 0.0) for k in {*stretched, *step}}
 
 
-def tiled_optimizer(limit: float, states: float, activations: float, untiled: float, tile_size: int, on: bool) -> str:
-    """Whether ``ds_ext.tiled_optimizer`` (001 §7.2) pays for the pipeline form, as a note. The
-    step runs after the last backward, so a rank's peak is its states plus the larger of its
-    activations and the step's buffers. Tiling removes at most ``untiled``
-    (``zero_topo.perf.untiled_step_bytes``: the optimizer slice's fp32 copies) and adds its
-    ``4 x tile_size`` buffer; where states + max(activations, untiled) fits in ``limit`` it cannot
-    change whether the plan fits, so it does not pay. The step's other buffers, the gradient
-    reduction's over one bucket of ``zero_optimization.reduce_bucket_size`` elements at a time
-    (``ds_ext.zero_topo.pipeline``; measured, 9 bytes per element with int4: 4.5 GB at DeepSpeed's
-    default 5e8, tests/test_tiled_optimizer_memory.py), are not modelled: they are the same with and
-    without tiling, so this model cannot say that tiling makes a plan fit. ``on``: the ds_config has it on."""
-    peak = states + max(activations, untiled)
+def tiled_optimizer(
+    limit: float, states: float, activations: float, untiled: float, reduction: float, tile_size: int, on: bool
+) -> tuple[str, bool]:
+    """Whether ``ds_ext.tiled_optimizer`` (001 §7.2) pays for the pipeline form: a note, and whether
+    it does. The step runs after the last backward, one phase after the other: each unit's gradient
+    reduction (``reduction``: the largest unit's, ``zero_topo.perf.reduction_bytes``), then the
+    optimizer phase, whose buffers tiling cuts from at most ``untiled``
+    (``zero_topo.perf.untiled_step_bytes``: the optimizer slice's fp32 copies) to its
+    ``4 x tile_size`` buffer. A rank's peak is its states plus the largest of its activations and
+    the two phases'. Tiling pays where the peak fits in ``limit`` tiled and not untiled. ``on``: the
+    ds_config has it on."""
+    peak = states + max(activations, reduction, untiled)
+    tiled = states + max(activations, reduction, 4 * tile_size)
     figures = (
-        f"the optimizer phase's buffers at most {untiled / 1e9:.2f} GB untiled, {4 * tile_size / 1e6:.1f} MB tiled; "
-        f"peak {peak / 1e9:.1f} GB untiled of {limit / 1e9:.1f} GB"
+        f"the step's gradient reduction {reduction / 1e9:.2f} GB per bucket, optimizer phase at most "
+        f"{untiled / 1e9:.2f} GB untiled, {4 * tile_size / 1e6:.1f} MB tiled; "
+        f"peak {peak / 1e9:.1f} GB untiled, {tiled / 1e9:.1f} GB tiled, of {limit / 1e9:.1f} GB"
     )
     if peak <= limit:
-        return f"ds_ext.tiled_optimizer {'on, not needed' if on else 'does not pay'}: {figures}"
-    return (
-        f"ds_ext.tiled_optimizer not decided: {figures}; the gradient reduction's buffers, which tiling leaves "
-        "as they are, are not in this model"
-    )
+        return f"ds_ext.tiled_optimizer {'on, not needed' if on else 'does not pay'}: {figures}", False
+    if tiled <= limit:
+        return f"ds_ext.tiled_optimizer {'on, needed' if on else 'pays, switched on'}: {figures}", True
+    if states > limit:
+        why = "the states alone exceed the device"
+    elif activations >= reduction:
+        why = "the activations set the peak"
+    else:
+        why = "the gradient reduction sets the peak (a smaller zero_optimization.reduce_bucket_size lowers it)"
+    return f"ds_ext.tiled_optimizer does not make it fit, {why}: {figures}", False
 
 
 def candidate(
@@ -232,11 +248,14 @@ def candidate(
     samo: float | None = None,
     loss_scaled: bool = False,
     tile_size: int | None = None,
+    bucket_size: int = REDUCE_BUCKET_SIZE,
 ) -> Candidate:
     """The layout with DeepSpeed's ZeRO-1, or with ``zero_topo`` (a ``ds_ext.zero_topo`` section)
     ZeRO-topo's pipeline form in its place, or with ``samo`` (a sparsity) SAMO's (module docstring).
     With ``zero_topo``: ``loss_scaled``, an fp16 loss scale; ``tile_size``, the ds_config's
-    ``ds_ext.tiled_optimizer`` is on with it (:func:`tiled_optimizer`'s note)."""
+    ``ds_ext.tiled_optimizer`` is on with it (:func:`tiled_optimizer`'s note; where it pays and is
+    off, the candidate's config switches it on); ``bucket_size``, its
+    ``zero_optimization.reduce_bucket_size``."""
     if samo is not None:
         why = samo_plans.refusal(tp, pp, job.arch.tied_embeddings) or (
             "SAMO runs beside no other ds_ext plugin" if zero_topo is not None else None
@@ -254,26 +273,31 @@ def candidate(
     step_t = step_traffic(a, job, tp, pp, dp)
     suffix, notes = "", ()
     if zero_topo is not None:
-        plan, unit = pipeline_form(job, tp, pp, dp, zero_topo)
+        plan, units = pipeline_form(job, tp, pp, dp, zero_topo, bucket_size)
         e = job.elem_bytes
+        U = sum(u.U for u in units)
         states = {
-            "weights": e * unit.U,
+            "weights": e * U,
             "secondary": 0.0,
-            "gradients": e * unit.U,
-            "optimizer": perf.memory(plan, [unit], 0, e)["optimizer"],
+            "gradients": e * U,
+            "optimizer": perf.memory(plan, units, 0, e)["optimizer"],
         }
-        step_t = zero_topo_step_traffic(job, tp, pp, dp, zero_topo)
+        step_t = zero_topo_step_traffic(job, tp, pp, dp, zero_topo, bucket_size)
         act = activations(a, tp, pp, micro, max(1, job.global_batch // (dp * micro)), job.checkpointing)
-        untiled = perf.untiled_step_bytes(plan, [unit], 0, loss_scaled)
-        verdict = tiled_optimizer(
+        fused = ZeroTopoConfig(enabled=True, **zero_topo).compile_quantizer
+        verdict, pays = tiled_optimizer(
             job.machine.device_memory,
             sum(states.values()),
             act,
-            untiled,
+            perf.untiled_step_bytes(plan, units, 0, loss_scaled),
+            max(perf.reduction_bytes(plan, u, e, fused) for u in units),
             tile_size or DEFAULT_TILE_SIZE,
             tile_size is not None,
         )
-        config |= {"zero_optimization": {"stage": 0}, "ds_ext": {"zero_topo": {"enabled": True, **zero_topo}}}
+        section: dict[str, Any] = {"zero_topo": {"enabled": True, **zero_topo}}
+        if pays and tile_size is None:
+            section["tiled_optimizer"] = {"enabled": True, "tile_size": DEFAULT_TILE_SIZE}
+        config |= {"zero_optimization": {"stage": 0, "reduce_bucket_size": bucket_size}, "ds_ext": section}
         suffix, notes = f" + zero_topo {zero_topo.get('preset', 'zero_topo')}", (plan.describe(), verdict)
     if samo is not None:
         states = samo_plans.states(n, samo, job.elem_bytes, dp)

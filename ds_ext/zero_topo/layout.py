@@ -20,7 +20,7 @@ reorders them (an einops rearrange that reverses the level axes).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, TypeVar
 
 from einops import rearrange
 
@@ -29,6 +29,9 @@ from ds_ext.topology import Topology
 
 if TYPE_CHECKING:  # annotations only: the planner imports this module without torch
     import torch
+
+
+T = TypeVar("T")
 
 
 def shard_index(topo: Topology, rank: int, level: int) -> int:
@@ -108,6 +111,20 @@ def param_offsets(numels: Sequence[int], block: int, aligned: bool) -> tuple[lis
         offsets.append(start)
         end = start + n
     return offsets, end
+
+
+def buckets(items: list[T], sizes: list[int], bucket_size: int) -> list[list[T]]:
+    """``items`` cut, in order, into runs whose ``sizes`` sum to at most ``bucket_size`` (an item
+    larger than that is a run of its own)."""
+    out: list[list[T]] = []
+    total = 0
+    for item, n in zip(items, sizes, strict=True):
+        if not out or total + n > bucket_size:
+            out.append([])
+            total = 0
+        out[-1].append(item)
+        total += n
+    return out
 
 
 def raw_block_mask(params: Sequence[tuple[int, int]], offsets: Sequence[int], numel: int, block: int) -> list[bool]:

@@ -447,3 +447,75 @@ def untiled_step_bytes(plan: ShardingPlan, units: list[UnitSpec], rank: int, los
     each in :func:`memory`); ``loss_scaled``: an fp16 loss scale (bf16 and fp32 have none)."""
     elements = memory(plan, units, rank, 2)["optimizer"] / 12
     return elements * (UPCAST_BYTES + (UNSCALED_BYTES if loss_scaled else 0) + FOREACH_ADAM_BYTES)
+
+
+# The quantizer's working memory beside its input and output, per element (ds_ext.comm.quant
+# ``_encode`` / ``_decode``, measured alike by tests/test_tiled_optimizer_memory.py). Eager (one
+# torch op at a time, ``zero_topo.compile_quantizer`` false): encode holds at most three fp32 arrays
+# of the blocks at once (the up-cast, the rounded and the clamped codes); decode the fp32 codes
+# beside their scaled product, and with int4 the int16 nibbles and their concatenation (1 + 2 bytes
+# per element). Fused (compile_quantizer true): none on an accelerator (one Triton launch each way),
+# and at most the int4 codes' int16 concatenation (2 bytes per element) that torch.compile keeps on
+# the CPU.
+EAGER_ENCODE_BYTES = 12
+
+
+def decode_work_bytes(bits: int, fused: bool) -> int:
+    """Bytes per element the decode holds beside its fp32 output (above)."""
+    if fused:
+        return 2 if bits == 4 else 0
+    return 4 + (3 if bits == 4 else 0)
+
+
+def quantized_reduce_bytes(
+    n: float, d: int, e_in: int, e_raw: int, raw: float, bits: int, B: int, fused: bool
+) -> float:
+    """At most the bytes ``comm.quantized.all_to_all_reduce`` holds beside its input of ``n``
+    elements (``e_in`` bytes each, ``raw`` of them in raw blocks sent as ``e_raw``-byte values) over
+    ``d`` ranks, its fp32 result of n / d elements included. Without raw blocks: the encode (its
+    working memory and codes), then the codes sent and received (the sent ones counted until the
+    call returns), the fp32 decode of the d received chunks beside its working memory or their sum.
+    With raw blocks: the quantized blocks gathered (e_in per element) and encoded; then the codes,
+    the raw values, their joined message and its receive buffer; then the fp32 result rows of the d
+    chunks (4 n) with the decoded blocks written into them, and their sum."""
+    enc = 0 if fused else EAGER_ENCODE_BYTES * n
+    dec = decode_work_bytes(bits, fused) * n
+    q = n - raw
+    codes = q * bits / 8 + 4 * q / B
+    if not raw:
+        return max(enc + codes, 2 * codes + 4 * n + max(dec, 4 * n / d))
+    values = e_raw * raw
+    wire = codes + values
+    return max(
+        e_in * q + enc + codes,
+        codes + values + 2 * wire,
+        codes + values + wire + 4 * n + 4 * q + max(dec, 4 * n / d),
+    )
+
+
+def reduction_bytes(plan: ShardingPlan, unit: UnitSpec, elem_bytes: int, fused: bool, gloo: bool = False) -> float:
+    """At most the bytes ``FlatUnit.reduce_gradients`` holds beside the states while it reduces one
+    whole-mode unit's gradients (the pipeline form's step, one unit at a time: ``reduce_bucket_size``
+    bounds U), read from the code: the flat gradient (e U) beside the parameters' gradients, which
+    it then replaces (each freed once copied); its copy in the group's rank order where the group
+    spans several levels (e U); then the plan's gradient reduction (``schedule.gradient_reduce``): a
+    16-bit reduce-scatter's output (e U / d; with ``gloo`` beside the e U it receives,
+    ``comm.collectives``' all_to_all form), or the quantized all-to-all
+    (:func:`quantized_reduce_bytes`), with two hops the first over the inner levels' P ranks, then
+    its fp32 partial sums (4 U / P) beside the second hop over their U / P elements. ``fused``:
+    ``zero_topo.compile_quantizer``."""
+    e, U, B = elem_bytes, unit.U, plan.block_size
+    c = schedule.gradient_reduce(plan)
+    raw = sum(unit.raw_per_shard) * B
+    if c.hops == 1:
+        d = _group_size(plan, c.levels)
+        ordered = e * U if len(c.levels) > 1 else 0
+        if c.op == schedule.REDUCE_SCATTER:
+            return max(e * U, ordered + e * U / d + (e * U if gloo else 0))
+        return max(e * U, ordered + quantized_reduce_bytes(U, d, e, e, raw, c.bits, B, fused))
+    g = c.level
+    P, N = _group_size(plan, range(g)), _group_size(plan, [g])
+    by_peer = e * U if g > 1 else 0
+    first = quantized_reduce_bytes(U, P, e, e, raw, c.bits, B, fused)
+    second = 4 * U / P + quantized_reduce_bytes(U / P, N, 4, e, raw / P, c.bits, B, fused)
+    return max(e * U, by_peer + max(first, second))

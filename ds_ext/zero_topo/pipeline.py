@@ -26,28 +26,11 @@ DeepSpeed's own ReduceTiedGrads before the step, and counted once in the global 
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 from torch import nn
 
+from ds_ext.zero_topo.layout import buckets
 from ds_ext.zero_topo.sharded_model import ShardedModel, assign_parameters
 from ds_ext.zero_topo.units import FlatUnit, ShardContext
-
-T = TypeVar("T")
-
-
-def buckets(items: list[T], sizes: list[int], bucket_size: int) -> list[list[T]]:
-    """``items`` cut, in order, into runs whose ``sizes`` sum to at most ``bucket_size`` (an item
-    larger than that is a run of its own)."""
-    out: list[list[T]] = []
-    total = 0
-    for item, n in zip(items, sizes, strict=True):
-        if not out or total + n > bucket_size:
-            out.append([])
-            total = 0
-        out[-1].append(item)
-        total += n
-    return out
 
 
 class PipelineStage(ShardedModel):
