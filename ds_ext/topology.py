@@ -2,7 +2,7 @@
 
 A topology is a list of *levels*, innermost first. Each level is a link class (003 §IV):
 on Frontier, ``gcd`` joins the 2 GCDs of one MI250X (200 GB/s), ``gpu`` joins the 4
-MI250X of a node over Infinity Fabric (50 GB/s), ``node`` joins nodes over Slingshot
+MI250X of a node over Infinity Fabric (100 GB/s per GCD), ``node`` joins nodes over Slingshot
 (4 x 25 GB/s per node). ``size`` of a level is its fan-out: how many domains of the
 level below it joins. Ranks are laid out by rank order, innermost level fastest::
 
@@ -57,14 +57,17 @@ class Level:
         return self.link_bandwidth if self.link_bandwidth is not None else sharing * self.bandwidth
 
 
-# Frontier (003 §IV, Table II; 004 Fig. 4): GCD-GCD 200 GB/s inside one MI250X,
-# Infinity Fabric 50 GB/s between MI250X (Table II's figure, the slowest pair),
-# 4 x Slingshot-11 200 Gb/s = 100 GB/s per node, one NIC per MI250X -> 12.5 GB/s per GCD.
+# Frontier (003 §IV, Table II; 004 §III-A, Fig. 4): GCD-GCD 200 GB/s inside one MI250X; between
+# MI250X 100 GB/s per GCD (004 §III-A: "across the die" half the in-die 200; an MI250X's links to
+# the other three, 2 x 50 GB/s to its adjacent pair and 50 to each cross pair, carry 200 GB/s for its
+# 2 GCDs; ds-ext plan's figure, ds_ext.planner.hardware ``gpu_bandwidth``; 003 Table II's one-link
+# 50 GB/s is the planner's sensitivity row); 4 x Slingshot-11 200 Gb/s = 100 GB/s per node, one NIC
+# per MI250X -> 12.5 GB/s per GCD.
 # Latencies are not given by the papers: assumed RCCL-like values, documented in README.
 _PRESETS: dict[str, tuple[Level, ...]] = {
     "frontier": (
         Level("gcd", 2, 200 * GB, 5 * US),
-        Level("gpu", 4, 50 * GB, 8 * US),
+        Level("gpu", 4, 100 * GB, 8 * US),
         Level("node", None, 12.5 * GB, 15 * US),
     ),
     # DGX-A100 (003 §IV, Table I): 8 A100 on NVLink3 600 GB/s; 8 x HDR 200 Gb/s = 200 GB/s

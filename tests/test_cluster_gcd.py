@@ -157,14 +157,15 @@ def test_refusals_are_one_line_naming_the_setting():
 
 
 def test_frontier_preset_shapes_every_level_in_its_ratios(tmp_path):
-    """frontier (per rank: gcd 200, gpu 50, node 12.5 GB/s) with a NIC per GPU and GCD links: a
-    GCD's link 200 GB/s, a GPU's 100, a NIC 25 (003 §IV, 004 §III-A); / 2000: 800 : 400 : 100 Mbit/s."""
+    """frontier (per rank: gcd 200, gpu 100, node 12.5 GB/s) with a NIC per GPU and GCD links: a
+    GCD's link 200 GB/s, a GPU's 200 (its 2 GCDs), a NIC 25 (003 §IV, 004 §III-A); / 2000: 800 : 800 :
+    100 Mbit/s."""
     spec = spec_from_topology(
         {"preset": "frontier"}, nodes=2, rate_scale=2000, gpu_level=True, nic="per-gpu", gcd_level=True
     )
     assert (spec.ranks_per_node, spec.gpus_per_node, spec.leaves) == (8, 4, 16)
     rates = [spec.gcd_link.rate_bps, spec.gpu_link.rate_bps, spec.node_link.rate_bps]
-    assert rates == pytest.approx([800e6, 400e6, 100e6])
+    assert rates == pytest.approx([800e6, 800e6, 100e6])
     cfg = tmp_path / "cfg.json"
     cfg.write_text('{"ds_ext": {"topology": {"preset": "frontier"}}}')
     p = argparse.ArgumentParser()

@@ -100,12 +100,12 @@ def test_per_gpu_spec():
 
 
 def test_frontier_preset_gives_frontiers_ratios():
-    """The frontier preset (per rank: gpu 50 GB/s, node 12.5 GB/s) with a NIC per GPU: a GPU of 2
-    GCDs gets a 25 GB/s NIC (003 §IV: 4 x 25 GB/s per node) and a 100 GB/s link inside the node
-    (004 §III-A), scaled by 2000 to 100 and 400 Mbit/s."""
+    """The frontier preset (per rank: gpu 100 GB/s, node 12.5 GB/s) with a NIC per GPU: a GPU of 2
+    GCDs gets a 25 GB/s NIC (003 §IV: 4 x 25 GB/s per node) and a 200 GB/s link inside the node
+    (004 §III-A: 100 GB/s per GCD), scaled by 2000 to 100 and 800 Mbit/s."""
     spec = spec_from_topology({"preset": "frontier"}, nodes=2, rate_scale=2000, gpu_level=True, nic="per-gpu")
     assert (spec.ranks_per_node, spec.gpus_per_node, spec.nic) == (8, 4, "per-gpu")
-    assert spec.node_link.rate_bps == pytest.approx(100e6) and spec.gpu_link.rate_bps == pytest.approx(400e6)
+    assert spec.node_link.rate_bps == pytest.approx(100e6) and spec.gpu_link.rate_bps == pytest.approx(800e6)
     shared = spec_from_topology({"preset": "frontier"}, nodes=2, rate_scale=2000, gpu_level=True)
     assert shared.node_link.rate_bps == pytest.approx(400e6)  # one node link: the 4 NICs together
     with pytest.raises(ClusterError, match="gpu-level"):

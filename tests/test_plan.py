@@ -958,13 +958,18 @@ def test_megatron_micro_batch_is_swept_and_20b_yml_layout_is_shown(capsys):
 
 def test_hardware_figures_have_sources_and_the_machine_uses_them():
     """Every hardware figure the planner uses is in one table with its source; between MI250X
-    the planner uses 004 §III-A's 100 GB/s (003 Table II's 50 only in a sensitivity row)."""
+    the planner uses 004 §III-A's 100 GB/s (003 Table II's 50 only in a sensitivity row), and the
+    runtime's frontier preset the planner's figures at every level."""
     from ds_ext.planner import hardware, rccl, validate
 
     assert all(f.source and f.what for f in hardware.FIGURES)
     assert hardware.value("gpu_bandwidth") == 100 and "004 §III-A" in hardware._BY_KEY["gpu_bandwidth"].source
     levels = {lv.name: lv for lv in FRONTIER.build_topology(2).levels}
     assert {k: lv.bandwidth / 1e9 for k, lv in levels.items()} == {"gcd": 200, "gpu": 100, "node": 12.5}
+    preset = {lv.name: lv.bandwidth / 1e9 for lv in Topology.from_preset("frontier", 16).levels}
+    assert preset == {
+        k: hardware.value(f"{k}_bandwidth") for k in ("gcd", "gpu", "node")
+    }  # the runtime's = the planner's
     assert rccl.NODE_RING_BANDWIDTH == 100e9 and FRONTIER.device_memory == hardware.value("device_memory")
     table = validate.hardware_table()
     assert all(f"`{f.key}`" in table for f in hardware.FIGURES) and "RCCL latency per inter-node ring step" in table

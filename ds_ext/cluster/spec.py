@@ -21,12 +21,14 @@ so a byte crosses the links of exactly one level, the outermost its two ranks di
 (``Topology.level_of``), up the sender's link and down the receiver's.
 
 Frontier's ratios (003 §IV, 004 §III-A; spec/zero_topo_and_frontier.md A3, B5): GCD-GCD inside one
-MI250X 200 GB/s, MI250X to MI250X 100 GB/s (004 §III-A: "across the die is half of it"; 003: the
-adjacent pairs, 50 GB/s the cross pairs and Table II), 25 GB/s per NIC. The ``frontier`` topology
-preset gives per rank 50 GB/s (``gpu``) and 12.5 GB/s (``node``), which
-:func:`spec_from_topology` turns into a 100 GB/s GPU link and a 25 GB/s NIC per GPU of 2 ranks;
-``rate_scale`` 2000 makes those 400 and 100 Mbit/s, and the preset's 200 GB/s per rank of the
-``gcd`` level a GCD link of 800 Mbit/s: 800 : 400 : 100, Frontier's 200 : 100 : 25.
+MI250X 200 GB/s; MI250X to MI250X 100 GB/s per GCD (004 §III-A: "across the die is half of it"; an
+MI250X's links to the other three, 2 x 50 GB/s to its adjacent pair and 50 to each cross pair,
+together 200 GB/s for its 2 GCDs); 25 GB/s per NIC. The ``frontier`` topology preset gives per rank
+100 GB/s (``gpu``) and 12.5 GB/s (``node``), which :func:`spec_from_topology` turns into a 200 GB/s
+GPU link (the star's one link stands for the MI250X's three) and a 25 GB/s NIC per GPU of 2 ranks;
+``rate_scale`` 2000 makes those 800 and 100 Mbit/s, and the preset's 200 GB/s per rank of the
+``gcd`` level a GCD link of 800 Mbit/s: 800 : 800 : 100, Frontier's 200 : 200 : 25 per link
+(200 : 100 : 12.5 per rank).
 
 Rates are bits per second on the wire, as ``tc tbf`` counts them (Ethernet frames, so about
 0.7 % above the TCP payload rate at the 9000-byte MTU the cluster uses).
