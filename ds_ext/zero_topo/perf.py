@@ -481,7 +481,7 @@ def quantized_reduce_bytes(
     enc = 0 if fused else EAGER_ENCODE_BYTES * n
     dec = decode_work_bytes(bits, fused) * n
     q = n - raw
-    codes = q * bits / 8 + 4 * q / B
+    codes = sum(_wire(q, bits, B))
     if not raw:
         return max(enc + codes, 2 * codes + 4 * n + max(dec, 4 * n / d))
     values = e_raw * raw
