@@ -126,7 +126,11 @@ def zero_topo_step_traffic(
     job: Job, tp: int, pp: int, dp: int, section: dict[str, Any], bucket_size: int = REDUCE_BUCKET_SIZE
 ) -> Traffic:
     """ZeRO-topo's pipeline form once per step, with the grad-norm all-reduce over the model group."""
-    plan, units = pipeline_form(job, tp, pp, dp, section, bucket_size)
+    return _pipeline_step_traffic(job, tp, pp, dp, *pipeline_form(job, tp, pp, dp, section, bucket_size))
+
+
+def _pipeline_step_traffic(job: Job, tp: int, pp: int, dp: int, plan: ShardingPlan, units: list[UnitSpec]) -> Traffic:
+    """:func:`zero_topo_step_traffic` of a resolved :func:`pipeline_form`."""
     model = job.topology.level_of([r * tp * dp + t for r in range(pp) for t in range(tp)]) if tp * pp > 1 else None
     t = perf.traffic(plan, units, 1, job.elem_bytes, pipeline=True, model_parallel=(model, tp * pp))
     return Traffic(t.by_level(), t.steps_by_level())
@@ -282,7 +286,7 @@ def candidate(
             "gradients": e * U,
             "optimizer": perf.memory(plan, units, 0, e)["optimizer"],
         }
-        step_t = zero_topo_step_traffic(job, tp, pp, dp, zero_topo, bucket_size)
+        step_t = _pipeline_step_traffic(job, tp, pp, dp, plan, units)
         act = activations(a, tp, pp, micro, max(1, job.global_batch // (dp * micro)), job.checkpointing)
         fused = ZeroTopoConfig(enabled=True, **zero_topo).compile_quantizer
         verdict, pays = tiled_optimizer(
